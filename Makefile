@@ -1,0 +1,30 @@
+# The two newcomer commands: `make demo` and `make test`. Each builds .venv from nothing the first time.
+# torch is pinned to 2.13.0 and installed first: on a CPU machine that is the CPU build; GPU users install the
+# CUDA build of torch 2.13 into .venv (or an active environment with VENV=...) before running these.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test install install-test clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.base
+install-test: $(VENV)/.test
+
+demo: $(VENV)/.base
+	$(VENV)/bin/shardwise train --config configs/demo.toml
+
+test: $(VENV)/.test
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs

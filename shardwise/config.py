@@ -1,0 +1,366 @@
+"""One typed config tree for a training job.
+
+A job is read from a TOML file whose tables mirror the dataclasses below ([model], [data], [optim],
+[train], [metrics]); `--set section.field=value` overrides any field. `load_config` rejects unknown keys and
+values of the wrong type, then `validate` checks how the fields fit together. Both run before anything is
+built or written, and both raise `ConfigError`, which names the field and the fix.
+
+Every field carries a one-line docstring (the string literal below it); `field_docs` reads them back.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import os
+import textwrap
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from shardwise.model import PRESETS, ModelArgs
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work, with the dotted field name and how to fix it."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field = field_name
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field_name}: {problem}; fix: {fix}")
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Text files or folders to train on; empty means the embedded corpus (this Python's own stdlib source)."""
+    tokenizer: str = "byte"
+    """'byte' (256 byte values + end-of-text), 'bpe' (trained locally on the corpus), or a tokenizer.json path."""
+    bpe_vocab_size: int = 2048
+    """Vocabulary size when tokenizer = 'bpe'."""
+    seq_len: int = 256
+    """Tokens per training sample (the model sees seq_len inputs and predicts seq_len targets)."""
+    val_fraction: float = 0.01
+    """Share of the token stream, taken from its end, held out for validation."""
+    max_corpus_mb: float = 16.0
+    """Read at most this many MB of text from the corpus (files taken in sorted order); 0 means no limit."""
+    cache_dir: str = ""
+    """Where packed token shards are cached; empty means $SHARDWISE_CACHE or ~/.cache/shardwise."""
+    shard_tokens: int = 1 << 24
+    """Tokens per on-disk shard file."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd", "momentum"] = "adamw"
+    """Optimizer: AdamW (2 states/param), plain SGD (none) or SGD with Nesterov-free momentum (1 state/param)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms or embeddings)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    momentum: float = 0.9
+    """Momentum for name = 'momentum'."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_scaling: Literal["none", "linear"] = "none"
+    """'linear' scales lr by global_batch / base_global_batch (Goyal et al.'s linear scaling rule)."""
+    base_global_batch: int = 0
+    """Global batch (sequences) at which lr was tuned; needed when lr_scaling = 'linear'."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to run."""
+    micro_batch: int = 16
+    """Sequences per forward/backward pass on one rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated before each optimizer step (global batch = micro_batch x grad_accum x dp)."""
+    seed: int = 0
+    """Seeds weight init (a function of seed and parameter name) and the data order."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32, or mixed precision with fp32 master weights: bf16 autocast, or fp16 autocast with loss scaling."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: initial dynamic loss scale."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: double the loss scale after this many steps without inf/nan."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute in backward: 'full' re-runs whole blocks, 'selective' keeps matmul outputs and recomputes the rest."""
+    activation_checkpoint_every: int = 1
+    """Checkpoint every k-th transformer block (1 = all of them)."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    val_every: int = 50
+    """Evaluate validation loss every this many steps (and at the end); 0 disables."""
+    val_batches: int = 4
+    """Micro-batches per validation evaluation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' takes CUDA when present, else CPU."""
+
+
+@dataclass
+class MetricsConfig:
+    out_dir: str = "runs/demo"
+    """Run folder: metrics.jsonl, TensorBoard events and the resolved config go here."""
+    log_every: int = 10
+    """Write metrics every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to out_dir/tb."""
+    progress: bool = True
+    """Show a progress bar on the terminal."""
+    accelerator: str = "auto"
+    """Accelerator for MFU: a name from shardwise.metrics.ACCELERATORS, or 'auto' to detect it."""
+    peak_flops: float = 0.0
+    """Declared peak FLOP/s per device for MFU; overrides the catalogue (needed on CPU, which has no entry)."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    """Model architecture; `name` picks a preset from shardwise.model.PRESETS, other keys override it."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and sample length."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch, precision, recompute and length of the run."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where and how often to report."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading: TOML + overrides -> typed tree
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> JobConfig:
+    """Read a TOML file (or nothing, for the defaults), apply `key=value` overrides, type-check, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError("--config", f"no file {path}", "pass the path of a TOML file, e.g. configs/demo.toml")
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"{path} is not valid TOML ({e})", "fix the TOML syntax")
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> JobConfig:
+    """Build the typed tree from nested dicts; the model table starts from the preset it names."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    model_raw = raw.get("model", {})
+    if isinstance(model_raw, dict):
+        name = model_raw.get("name", ModelArgs.name)
+        if name in PRESETS:
+            raw["model"] = {**dataclasses.asdict(PRESETS[name]), **model_raw}
+    return _build(JobConfig, raw, "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError("--set", f"'{item}' is not key=value", "write e.g. --set optim.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word: take it as a string
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"'{part}' is a value, not a section", "set a field inside a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", "expected a table", f"write [{prefix.rstrip('.')}]")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(
+                f"{prefix}{key}", "unknown key", f"remove it or use one of: {', '.join(sorted(names))}"
+            )
+    kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{name}.")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(name, f"{value!r} is not a choice", f"use one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(name, f"expected a list, got {value!r}", f"write {name} = [...]")
+        return [_coerce(item_tp, v, name) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+        return _coerce(next(t for t in typing.get_args(tp) if t is not type(None)), value, name)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(name, f"expected {tp.__name__}, got {value!r}", f"give {name} a {tp.__name__} value")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: how the fields fit together
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise ConfigError for the first field that cannot work, before anything is built or written."""
+    _validate_model(cfg.model, cfg.data)
+    _validate_data(cfg.data)
+    _validate_optim(cfg.optim)
+    _validate_train(cfg.train)
+    if cfg.metrics.log_every < 1:
+        raise ConfigError("metrics.log_every", f"{cfg.metrics.log_every} < 1", "set it to 1 or more")
+    if cfg.metrics.peak_flops < 0:
+        raise ConfigError("metrics.peak_flops", "negative", "set a positive FLOP/s figure, or 0 for the catalogue")
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(name, f"{value} must be positive", f"set {name} to a value > 0")
+
+
+def _validate_model(m: ModelArgs, data: DataConfig) -> None:
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            "model.n_heads", f"{m.n_heads} heads do not divide model.dim={m.dim}",
+            f"pick n_heads among the divisors of {m.dim}, or change dim",
+        )
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd", "rotary embedding needs an even head dim")
+    _positive("model.n_kv_heads", m.n_kv_heads)
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            "model.n_kv_heads", f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads}",
+            "pick n_kv_heads among the divisors of n_heads",
+        )
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.rope_theta", m.rope_theta)
+    if data.seq_len > m.max_seq_len:
+        raise ConfigError(
+            "data.seq_len", f"{data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+            "shorten data.seq_len or raise model.max_seq_len",
+        )
+    if data.tokenizer == "byte" and m.vocab_size < 257:
+        raise ConfigError("model.vocab_size", f"{m.vocab_size} < 257 byte tokens", "set model.vocab_size >= 257")
+    if data.tokenizer == "bpe" and m.vocab_size < data.bpe_vocab_size:
+        raise ConfigError(
+            "model.vocab_size", f"{m.vocab_size} < data.bpe_vocab_size={data.bpe_vocab_size}",
+            "raise model.vocab_size or lower data.bpe_vocab_size",
+        )
+
+
+def _validate_data(d: DataConfig) -> None:
+    for p in d.paths:
+        if not Path(p).exists():
+            raise ConfigError("data.paths", f"{p} does not exist", "point data.paths at existing text files or folders")
+    if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).is_file():
+        raise ConfigError(
+            "data.tokenizer", f"{d.tokenizer!r} is neither 'byte', 'bpe' nor a file",
+            "use 'byte', 'bpe' or the path of a tokenizer.json",
+        )
+    if d.tokenizer == "bpe" and d.bpe_vocab_size < 260:
+        raise ConfigError("data.bpe_vocab_size", f"{d.bpe_vocab_size} is too small", "use at least 260 (bytes + merges)")
+    _positive("data.seq_len", d.seq_len)
+    if not 0 < d.val_fraction < 0.5:
+        raise ConfigError("data.val_fraction", f"{d.val_fraction} is outside (0, 0.5)", "use e.g. 0.01")
+    if d.max_corpus_mb < 0:
+        raise ConfigError("data.max_corpus_mb", "negative", "use 0 for no limit or a positive size")
+    if d.shard_tokens < d.seq_len + 1:
+        raise ConfigError("data.shard_tokens", f"{d.shard_tokens} < seq_len + 1", "raise data.shard_tokens")
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _positive("optim.lr", o.lr)
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"{o.min_lr_ratio} outside [0, 1]", "use a ratio such as 0.1")
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "momentum"):
+        if getattr(o, key) < 0:
+            raise ConfigError(f"optim.{key}", f"{getattr(o, key)} is negative", f"set optim.{key} >= 0")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise ConfigError(f"optim.{key}", f"{getattr(o, key)} outside [0, 1)", "use e.g. 0.9 / 0.95")
+    _positive("optim.eps", o.eps)
+    if o.lr_scaling == "linear" and o.base_global_batch < 1:
+        raise ConfigError(
+            "optim.base_global_batch", "lr_scaling = 'linear' needs the batch lr was tuned at",
+            "set optim.base_global_batch to that global batch in sequences",
+        )
+
+
+def _validate_train(t: TrainConfig) -> None:
+    for key in ("steps", "micro_batch", "grad_accum", "activation_checkpoint_every", "val_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.val_every < 0:
+        raise ConfigError("train.val_every", "negative", "use 0 to disable validation")
+    _positive("train.loss_scale_init", t.loss_scale_init)
+    _positive("train.loss_scale_growth_interval", t.loss_scale_growth_interval)
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "CUDA is not available here", "use 'auto' or 'cpu'")

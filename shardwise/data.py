@@ -1,0 +1,581 @@
+"""Text corpus -> tokenizer -> packed token shards on disk -> deterministic, resumable batches.
+
+The corpus is a sorted list of text files (by default this Python's own standard-library source). Each
+file is one document; documents are tokenized, joined with an end-of-text token after each, and the
+stream is written once as raw shards plus a manifest under a cache folder named by a hash of (corpus
+content, tokenizer, shard size). Later runs memory-map the shards and never tokenize again.
+
+Samples are fixed windows of that stream: sample i of a split is its tokens [i*L, i*L + L + 1) with
+L = seq_len, so inputs are the first L tokens and targets the last L. Neighbouring samples share one token
+(the last target of one is the first input of the next), and windows may cross shard files. Validation is
+the tail of the stream, training the head; no token belongs to both.
+
+The loader is a pure function of (seed, epoch, step): every optimizer step reads one contiguous run of a
+per-epoch permutation, and data-parallel ranks cut that run into equal contiguous slices. Its state is
+therefore two integers, and any layout with the same global batch can resume from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+import tokenizers
+import torch
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from shardwise.config import ConfigError, DataConfig
+
+FORMAT_VERSION = 1
+"""Bumped whenever the cache layout or the packing rule changes, so old caches are not trusted."""
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
+"""End-of-text tokens looked up, in this order, in a tokenizer.json."""
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py"})
+"""File endings read from folders in data.paths (plus files with no ending that hold no NUL byte)."""
+STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+"""Folders of the standard library left out of the default corpus: tests and tools, not library text."""
+STDLIB_MAX_FILE_BYTES = 1 << 20
+MB = 1 << 20
+"""data.max_corpus_mb counts MiB of file bytes."""
+DOCS_PER_ENCODE_BATCH = 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# Corpus: which files, in which order
+
+
+def corpus_files(cfg: DataConfig) -> list[Path]:
+    """The corpus as a deterministic list of files, cut to data.max_corpus_mb (whole files, in order).
+
+    Empty data.paths means the standard library's *.py files (tests, idlelib, lib2to3, site-packages and
+    files over 1 MiB left out) sorted by path relative to the stdlib folder. Otherwise data.paths are taken
+    in the order given: a file is read whatever its ending; a folder is walked recursively, skipping hidden
+    names, for files ending in .txt .md .rst .py or with no ending and no NUL byte in their first 8 KiB,
+    sorted by relative path.
+    """
+    files = _user_files(cfg.paths) if cfg.paths else _stdlib_files()
+    if not files:
+        raise ConfigError("data.paths", "no text files found", "point data.paths at .txt/.md/.rst/.py files or folders")
+    kept = _within_budget(files, cfg.max_corpus_mb)
+    if not kept:
+        raise ConfigError(
+            "data.max_corpus_mb", f"{cfg.max_corpus_mb} MiB is smaller than the first file {files[0]}",
+            "raise data.max_corpus_mb, or 0 for no limit",
+        )
+    return kept
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for rel in _walk_sorted(root, STDLIB_SKIP_DIRS):
+        path = root / rel
+        if rel.endswith(".py") and path.stat().st_size <= STDLIB_MAX_FILE_BYTES:
+            found.append(path)
+    return found
+
+
+def _user_files(paths: Sequence[str]) -> list[Path]:
+    found: dict[Path, None] = {}  # ordered set: a file named twice is read once
+    for entry in paths:
+        path = Path(entry).expanduser()
+        if path.is_file():
+            found[path] = None
+        elif path.is_dir():
+            for rel in _walk_sorted(path, frozenset()):
+                if _is_text_file(path / rel):
+                    found[path / rel] = None
+        else:
+            raise ConfigError("data.paths", f"{entry} does not exist", "point data.paths at existing files or folders")
+    return list(found)
+
+
+def _walk_sorted(root: Path, skip_dirs: frozenset[str]) -> list[str]:
+    """Relative POSIX paths of the non-hidden files under root, sorted as strings (same on every OS)."""
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip_dirs and not d.startswith(".")]
+        rel_folder = Path(folder).relative_to(root)
+        out += [(rel_folder / n).as_posix() for n in names if not n.startswith(".")]
+    return sorted(out)
+
+
+def _is_text_file(path: Path) -> bool:
+    if path.suffix in TEXT_SUFFIXES:
+        return True
+    if path.suffix:
+        return False
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)  # README, LICENSE... but not a stray binary
+
+
+def _within_budget(files: list[Path], max_mb: float) -> list[Path]:
+    if max_mb == 0:
+        return files
+    budget, total, kept = int(max_mb * MB), 0, []
+    for path in files:
+        total += path.stat().st_size
+        if total > budget:
+            break  # stop at the first file that does not fit, so the corpus is a prefix of the sorted list
+        kept.append(path)
+    return kept
+
+
+def corpus_identity(files: list[Path]) -> list[tuple[str, int, str]]:
+    """(path relative to the files' common folder, size, sha256) per file: the cache key of the corpus.
+
+    Hashing the content (not mtimes) means a changed file never reuses a stale cache, and the same corpus
+    at another location or on another machine hits the same cache. ~16 MiB hash in well under a second.
+    """
+    base = Path(os.path.commonpath([p.parent for p in files]))
+    identity = []
+    for path in files:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            identity.append((path.relative_to(base).as_posix(), os.fstat(f.fileno()).st_size, digest))
+    return identity
+
+
+def _read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    """Ids are in [0, vocab_size)."""
+    eos_id: int
+    """End-of-text id written after every document."""
+    name: str
+    """Stable identity used in cache keys."""
+
+    def encode(self, text: str) -> list[int] | np.ndarray: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+
+class ByteTokenizer:
+    """Ids 0..255 are UTF-8 bytes and 256 is end-of-text: no training, no unknown tokens."""
+
+    vocab_size = 257
+    eos_id = 256
+    name = "byte"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Bytes back to text; end-of-text ids are dropped and broken UTF-8 becomes U+FFFD."""
+        arr = np.asarray(ids, dtype=np.int64)
+        return arr[arr < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json (Hugging Face `tokenizers`) behind the Tokenizer protocol."""
+
+    def __init__(self, path: Path, kind: str):
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        # A literal "<|endoftext|>" written inside a document stays text: only packing inserts eos.
+        self._tok.encode_special_tokens = True
+        self.eos_id = _find_eos(self._tok)
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.name = f"{kind}-{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+
+    def encode(self, text: str) -> list[int]:
+        # No post-processor tokens (e.g. Llama's BOS): the packed stream is documents and eos, nothing else.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents at once on the library's thread pool; the packing path uses this."""
+        # encode_batch_fast (tokenizers >= 0.21) skips computing offsets, which packing never uses.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _find_eos(tok: tokenizers.Tokenizer) -> int:
+    for name in EOS_NAMES:
+        eos = tok.token_to_id(name)
+        if eos is not None:
+            return eos
+    raise ConfigError(
+        "data.tokenizer", f"the tokenizer.json has none of the end-of-text tokens {', '.join(EOS_NAMES)}",
+        "use a tokenizer that defines one of them, or 'byte' / 'bpe'",
+    )
+
+
+def build_tokenizer(cfg: DataConfig, cache_root: Path) -> Tokenizer:
+    """'byte', a BPE trained on the corpus (cached under cache_root/tokenizers), or a tokenizer.json path."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.tokenizer == "bpe":
+        return HFTokenizer(_trained_bpe(cfg, Path(cache_root)), "bpe")
+    path = Path(cfg.tokenizer).expanduser()
+    if not path.is_file():
+        raise ConfigError("data.tokenizer", f"{cfg.tokenizer!r} is neither 'byte', 'bpe' nor a file",
+                          "use 'byte', 'bpe' or the path of a tokenizer.json")
+    return HFTokenizer(path, "file")
+
+
+def _trained_bpe(cfg: DataConfig, cache_root: Path) -> Path:
+    """Path of the tokenizer.json for this corpus and vocab size, training it only on a cache miss."""
+    files = corpus_files(cfg)
+    key = _digest({"format": FORMAT_VERSION, "corpus": corpus_identity(files), "vocab_size": cfg.bpe_vocab_size})
+    path = cache_root / "tokenizers" / f"bpe-{key[:24]}.json"
+    if not path.is_file():
+        _publish_file(path, _train_bpe(files, cfg.bpe_vocab_size).to_str())
+    return path
+
+
+def _train_bpe(files: list[Path], vocab_size: int) -> tokenizers.Tokenizer:
+    # Byte-level: every string is encodable (256 base symbols), so decode(encode(text)) == text.
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_NAMES[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator((_read_text(f) for f in files), trainer=trainer, length=len(files))
+    return tok
+
+
+def _publish_file(path: Path, text: str) -> None:
+    """Write path unless it exists; when several ranks train at once, the first one's file is everyone's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".tmp-{path.name}-", delete=False) as f:
+        f.write(text)
+    try:
+        os.chmod(f.name, 0o644)
+        os.link(f.name, path)  # atomic and never overwrites: readers see no file or the whole file
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(f.name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing: documents -> shards on disk
+
+
+def resolve_cache_root(cfg: DataConfig) -> Path:
+    """data.cache_dir, else $SHARDWISE_CACHE, else ~/.cache/shardwise."""
+    return Path(cfg.cache_dir or os.environ.get("SHARDWISE_CACHE") or "~/.cache/shardwise").expanduser()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class _ShardWriter:
+    """Cuts the token stream into files of exactly shard_tokens tokens (the last one shorter)."""
+
+    def __init__(self, folder: Path, shard_tokens: int, dtype: np.dtype):
+        self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, dtype
+        self.counts: list[int] = []
+        self._pending: list[np.ndarray] = []
+        self._n = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self._pending.append(ids)
+        self._n += len(ids)
+        if self._n < self.shard_tokens:
+            return
+        flat = np.concatenate(self._pending)
+        full = len(flat) - len(flat) % self.shard_tokens
+        for i in range(0, full, self.shard_tokens):
+            self._write(flat[i : i + self.shard_tokens])
+        self._pending, self._n = [flat[full:]], len(flat) - full
+
+    def close(self) -> None:
+        if self._n:
+            self._write(np.concatenate(self._pending))
+
+    def _write(self, tokens: np.ndarray) -> None:
+        with open(self.folder / _shard_name(len(self.counts)), "wb") as f:
+            tokens.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())  # the rename that publishes the cache must not outrun the data
+        self.counts.append(len(tokens))
+
+
+def _shard_name(index: int) -> str:
+    return f"shard_{index:05d}.bin"
+
+
+def _encoded_documents(tokenizer: Tokenizer, files: list[Path]) -> Iterator[Sequence[int] | np.ndarray]:
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    if encode_batch is None:
+        for path in files:
+            yield tokenizer.encode(_read_text(path))
+        return
+    for i in range(0, len(files), DOCS_PER_ENCODE_BATCH):
+        yield from encode_batch([_read_text(p) for p in files[i : i + DOCS_PER_ENCODE_BATCH]])
+
+
+def _pack(files: list[Path], tokenizer: Tokenizer, folder: Path, shard_tokens: int) -> list[int]:
+    """Write every document followed by eos into folder's shards; returns tokens per shard."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    writer = _ShardWriter(folder, shard_tokens, dtype)
+    for ids in _encoded_documents(tokenizer, files):
+        writer.add(np.asarray(ids).astype(dtype, copy=False))
+        writer.add(eos)
+    writer.close()
+    return writer.counts
+
+
+def _build_cache(folder: Path, files: list[Path], tokenizer: Tokenizer, shard_tokens: int, corpus: list) -> None:
+    """Tokenize into a private temp folder and rename it into place only when complete.
+
+    A build that fails or is killed leaves at most a '.tmp-*' folder, which is never read; a damaged
+    folder already at the final name (a shard cut short) is replaced.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache_dir from other users
+    try:
+        counts = _pack(files, tokenizer, tmp, shard_tokens)
+        manifest = {
+            "format": FORMAT_VERSION, "dtype": token_dtype(tokenizer.vocab_size).name,
+            "shards": [{"file": _shard_name(i), "tokens": n} for i, n in enumerate(counts)],
+            "num_tokens": sum(counts), "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id, "shard_tokens": shard_tokens, "corpus": corpus,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _publish(tmp, folder, tokenizer.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: Path, folder: Path, tokenizer_name: str) -> None:
+    try:
+        os.rename(tmp, folder)
+        return
+    except OSError:
+        pass  # the folder exists: published by another process (another rank), or damaged
+    if _load_manifest(folder, tokenizer_name) is not None:
+        shutil.rmtree(tmp)  # same key, so the same content: keep theirs
+        return
+    stale = folder.parent / f".stale-{folder.name}-{os.getpid()}-{os.urandom(4).hex()}"
+    os.rename(folder, stale)
+    shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, folder)
+
+
+def _load_manifest(folder: Path, tokenizer_name: str) -> dict | None:
+    """The manifest of a complete cache folder, or None when it is missing, foreign or damaged."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    itemsize = np.dtype(manifest.get("dtype", "uint8")).itemsize
+    complete = manifest.get("format") == FORMAT_VERSION and manifest.get("tokenizer") == tokenizer_name and all(
+        (folder / s["file"]).is_file() and (folder / s["file"]).stat().st_size == s["tokens"] * itemsize
+        for s in manifest["shards"]
+    )
+    return manifest if complete else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dataset: samples from the memory-mapped stream
+
+
+def _split_layout(num_tokens: int, seq_len: int, val_fraction: float) -> dict[str, tuple[int, int]]:
+    """(first token, number of samples) per split.
+
+    val takes round(val_fraction * num_tokens / seq_len) samples (at least 1 when val_fraction > 0 and the
+    stream has room) from the very end of the stream; train takes as many samples as fit before that, so
+    up to seq_len - 1 tokens between the two are unused and no token is in both splits.
+    """
+    room = max(0, (num_tokens - 1) // seq_len)
+    n_val = max(1, round(val_fraction * num_tokens / seq_len)) if val_fraction > 0 else 0
+    n_val = min(n_val, room)
+    val_start = num_tokens - (n_val * seq_len + 1) if n_val else num_tokens
+    n_train = max(0, (val_start - 1) // seq_len)
+    return {"train": (0, n_train), "val": (val_start, n_val)}
+
+
+class TokenDataset:
+    """The packed token stream of a corpus, memory-mapped, seen as seq_len + 1 token samples per split."""
+
+    def __init__(self, folder: Path, manifest: dict, seq_len: int, val_fraction: float):
+        self.folder = folder
+        self.manifest = manifest
+        self.seq_len = seq_len
+        self._shards = [
+            np.memmap(folder / s["file"], dtype=manifest["dtype"], mode="r", shape=(s["tokens"],))
+            for s in manifest["shards"]
+        ]
+        self._offsets = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]])
+        self.num_tokens = int(self._offsets[-1])
+        self._splits = _split_layout(self.num_tokens, seq_len, val_fraction)
+
+    @classmethod
+    def build(cls, cfg: DataConfig, tokenizer: Tokenizer, cache_root: Path | None = None) -> TokenDataset:
+        """Open the cached shards for (corpus, tokenizer, shard size), tokenizing only on a cache miss."""
+        root = Path(cache_root) if cache_root is not None else resolve_cache_root(cfg)
+        files = corpus_files(cfg)
+        corpus = corpus_identity(files)
+        key = _digest({"format": FORMAT_VERSION, "corpus": corpus, "tokenizer": tokenizer.name,
+                       "shard_tokens": cfg.shard_tokens})
+        folder = root / "tokens" / key[:24]
+        manifest = _load_manifest(folder, tokenizer.name)
+        if manifest is None:
+            _build_cache(folder, files, tokenizer, cfg.shard_tokens, corpus)
+            manifest = _load_manifest(folder, tokenizer.name)
+            assert manifest is not None, f"cache {folder} unreadable right after it was written"
+        return cls(folder, manifest, cfg.seq_len, cfg.val_fraction)
+
+    def num_samples(self, split: str) -> int:
+        return self._split(split)[1]
+
+    def sample(self, split: str, index: int) -> np.ndarray:
+        """Tokens [i*L, i*L + L + 1) of the split: L inputs and, shifted by one, L targets."""
+        start, n = self._split(split)
+        if not 0 <= index < n:
+            raise IndexError(f"sample {index} outside the {split} split's {n} samples")
+        first = start + index * self.seq_len
+        return self._read(first, first + self.seq_len + 1)
+
+    def _split(self, split: str) -> tuple[int, int]:
+        if split not in self._splits:
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        return self._splits[split]
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        """Tokens [lo, hi) of the whole stream, copied out of however many shards they span."""
+        k = int(np.searchsorted(self._offsets, lo, side="right")) - 1
+        parts = []
+        while lo < hi:
+            end = min(hi, int(self._offsets[k + 1]))
+            parts.append(self._shards[k][lo - self._offsets[k] : end - self._offsets[k]])
+            lo, k = end, k + 1
+        return np.concatenate(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    """(b, seq_len) int64 token ids."""
+    targets: torch.Tensor
+    """(b, seq_len) int64: inputs shifted left by one."""
+    sample_ids: list[int]
+    """Index of each row's sample within its split, to check that every sample is read once."""
+
+
+def _make_batch(dataset: TokenDataset, split: str, ids: list[int]) -> Batch:
+    rows = torch.from_numpy(np.stack([dataset.sample(split, i) for i in ids]).astype(np.int64))
+    return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), sample_ids=ids)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A hash rather than seed + epoch, so runs with seeds s and s + 1 do not share shifted orders.
+    digest = hashlib.sha256(f"shardwise.data:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class DataLoader:
+    """This rank's micro-batches, step after step, in an order fixed by (seed, epoch, step) alone.
+
+    Step t of epoch e reads positions [t*G, (t+1)*G) of a permutation of the split drawn from (seed, e),
+    G = micro_batch * grad_accum * dp_size. Rank r takes the r-th of dp_size equal contiguous slices of that
+    run and cuts it into grad_accum micro-batches, so the ranks together read exactly what a single device
+    with grad_accum * dp_size micro-batches reads. The epoch's last n % G samples are skipped.
+    """
+
+    def __init__(self, dataset: TokenDataset, *, micro_batch: int, grad_accum: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, split: str = "train"):
+        if micro_batch < 1 or grad_accum < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need micro_batch, grad_accum >= 1 and 0 <= dp_rank < dp_size; got "
+                             f"{micro_batch}, {grad_accum}, {dp_rank}, {dp_size}")
+        self.dataset, self.split, self.seed = dataset, split, seed
+        self.micro_batch, self.grad_accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
+        self.global_batch = micro_batch * grad_accum * dp_size
+        self.num_samples = dataset.num_samples(split)
+        if self.num_samples < self.global_batch:
+            raise ConfigError(
+                "train.micro_batch",
+                f"the {split} split has {self.num_samples} samples of data.seq_len={dataset.seq_len} tokens, "
+                f"fewer than one global batch of {self.global_batch} (micro_batch x grad_accum x dp)",
+                "make train.micro_batch, train.grad_accum or data.seq_len smaller, or add data",
+            )
+        self.steps_per_epoch = self.num_samples // self.global_batch
+        self.epoch, self.step_in_epoch = 0, 0
+        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation), recomputed once per epoch
+
+    def next_step(self) -> list[Batch]:
+        """The grad_accum micro-batches this rank feeds into the next optimizer step."""
+        share = self.global_batch // self.dp_size
+        first = self.step_in_epoch * self.global_batch + self.dp_rank * share
+        ids = self._permutation()[first : first + share].tolist()
+        self.step_in_epoch += 1
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        mb = self.micro_batch
+        return [_make_batch(self.dataset, self.split, ids[i * mb : (i + 1) * mb]) for i in range(self.grad_accum)]
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != self.epoch:
+            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+            self._perm = (self.epoch, torch.randperm(self.num_samples, generator=gen))
+        return self._perm[1]
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next step starts, in global-batch units: valid for any layout with the same G."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
+                "global_batch": self.global_batch, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = self.state_dict()
+        if set(state) != set(expected):
+            raise ValueError(f"data loader state has keys {sorted(state)}, expected {sorted(expected)}")
+        for key in ("seed", "global_batch", "num_samples"):
+            if state[key] != expected[key]:
+                raise ValueError(
+                    f"data loader state was saved with {key}={state[key]} but this loader has {key}={expected[key]}; "
+                    "resume with the same train.seed, global batch (micro_batch x grad_accum x dp) and data"
+                )
+        if state["epoch"] < 0 or not 0 <= state["step_in_epoch"] < self.steps_per_epoch:
+            raise ValueError(f"data loader state {state} is out of range ({self.steps_per_epoch} steps per epoch)")
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+
+
+def val_batches(dataset: TokenDataset, *, micro_batch: int, n: int, dp_rank: int = 0,
+                dp_size: int = 1) -> list[Batch]:
+    """This rank's share of the first n * dp_size micro-batches of the val split, in order, no shuffle.
+
+    Micro-batch j holds val samples j*micro_batch ... (j+1)*micro_batch - 1, wrapping around to sample 0
+    when the split is shorter, so every rank always gets n full micro-batches and every evaluation sees
+    the same samples. Rank r takes micro-batches j with j % dp_size == r.
+    """
+    n_val = dataset.num_samples("val")
+    if n_val == 0:
+        raise ConfigError("data.val_fraction", "the val split has no samples",
+                          "raise data.val_fraction, shorten data.seq_len or add data")
+    return [
+        _make_batch(dataset, "val", [(j * micro_batch + k) % n_val for k in range(micro_batch)])
+        for j in range(dp_rank, n * dp_size, dp_size)
+    ]

@@ -1,0 +1,83 @@
+"""Training metrics: throughput, MFU and peak memory, written to a progress bar, JSONL and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from shardwise.config import MetricsConfig
+from shardwise.hardware import ACCELERATORS, detect_accelerator, matmul_peak
+
+
+def peak_flops(cfg: MetricsConfig, precision: str, device: torch.device) -> float | None:
+    """Peak dense FLOP/s of one device at the training precision, or None when unknown (MFU not shown)."""
+    if cfg.peak_flops > 0:
+        return cfg.peak_flops
+    name = detect_accelerator(device) if cfg.accelerator == "auto" else cfg.accelerator
+    spec = ACCELERATORS.get(name) if name else None
+    if spec is None:
+        return None
+    return matmul_peak(spec, precision)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: the CUDA caching allocator's high-water mark, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+class MetricsWriter:
+    """One line of JSON per logged step, the same scalars to TensorBoard, a summary on the progress bar."""
+
+    def __init__(self, cfg: MetricsConfig, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (out / "metrics.jsonl").open("a")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out / "tb"))
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None and "loss" in values:
+            shown = {k: values[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in values}
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        for handle in (self._bar, self._tb, self._jsonl):
+            if handle is not None:
+                handle.close()

@@ -1,0 +1,84 @@
+"""Config reading and validation: bad input fails fast, names the field, writes nothing."""
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import typing
+
+import pytest
+
+from shardwise.config import ConfigError, JobConfig, field_docs, load_config
+from shardwise.model import PRESETS
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_preset_then_overrides(tmp_path):
+    path = _write(tmp_path, """
+        [model]
+        name = "llama3-8b"
+        n_layers = 2
+        [optim]
+        lr = 1e-4
+    """)
+    cfg = load_config(path, ["optim.lr=3e-4", "train.precision=bf16", "data.seq_len=128"])
+    assert cfg.model.dim == PRESETS["llama3-8b"].dim and cfg.model.n_layers == 2
+    assert cfg.optim.lr == 3e-4 and cfg.train.precision == "bf16" and cfg.data.seq_len == 128
+
+
+def test_every_field_has_a_docstring():
+    sections = typing.get_type_hints(JobConfig)
+    for cls in [JobConfig, *sections.values()]:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["model.n_heads=3"], "model.n_heads"),
+        (["optim.lr=-1e-3"], "optim.lr"),
+        (["optim.lrr=1e-3"], "optim.lrr"),
+        (["train.precision=fp8"], "train.precision"),
+        (["train.micro_batch=2.5"], "train.micro_batch"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["data.seq_len=4096"], "data.seq_len"),
+        (["optim.lr_scaling=linear"], "optim.base_global_batch"),
+    ],
+)
+def test_validation_names_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.field == field
+    assert "fix:" in str(err.value)
+
+
+BAD_CONFIGS = {
+    "heads": ("[model]\ndim = 128\nn_heads = 5\n", "model.n_heads"),
+    "negative_lr": ("[optim]\nlr = -0.001\n", "optim.lr"),
+    "unknown_key": ("[train]\nstepz = 10\n", "train.stepz"),
+    "missing_data": ("[data]\npaths = ['/no/such/corpus']\n", "data.paths"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_cli_rejects_bad_config_in_one_line(tmp_path, case):
+    text, field = BAD_CONFIGS[case]
+    out_dir = tmp_path / "run"
+    path = _write(tmp_path, text + f"\n[metrics]\nout_dir = '{out_dir}'\n")
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--config", str(path)],
+        capture_output=True, text=True, env={"SHARDWISE_CACHE": str(cache), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert field in lines[0] and "Traceback" not in proc.stderr
+    assert not out_dir.exists() and not cache.exists()

@@ -1,0 +1,381 @@
+"""Tests for shardwise.data: corpus, tokenizers, packed shards, samples and the deterministic loader.
+
+Expected token streams are computed another way than the code under test: raw file bytes for the byte
+tokenizer, the `tokenizers` library called per document for BPE, and plain slicing of the whole stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+
+from shardwise import data
+from shardwise.config import ConfigError, DataConfig
+
+SEQ = 8
+
+
+def write_corpus(folder: Path, lines: int = 60) -> Path:
+    """A few small documents, one with non-ASCII text, in nested folders plus files that must be skipped."""
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("".join(f"line {i}: the quick brown fox jumps {i * i}\n" for i in range(lines)))
+    (folder / "b.md").write_text("# Überschrift\n\nnaïve café, 日本語, emoji \u2713 and more text.\n" * 5)
+    (folder / "sub" / "c.py").write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(lines)))
+    (folder / "README").write_text("a file with no extension is text too\n")
+    (folder / "blob").write_bytes(b"\x00\x01binary")  # no extension but binary: skipped
+    (folder / "image.png").write_bytes(b"\x89PNG")  # not a text ending: skipped
+    (folder / ".hidden").mkdir()
+    (folder / ".hidden" / "x.txt").write_text("hidden\n")
+    return folder
+
+
+def make_cfg(corpus: Path, cache: Path, **overrides) -> DataConfig:
+    fields = dict(paths=[str(corpus)], seq_len=SEQ, val_fraction=0.1, max_corpus_mb=0, cache_dir=str(cache))
+    return DataConfig(**{**fields, **overrides})
+
+
+def stream_on_disk(ds: data.TokenDataset) -> np.ndarray:
+    """The packed stream read straight from the shard files named in the manifest."""
+    m = ds.manifest
+    return np.concatenate([np.fromfile(ds.folder / s["file"], dtype=m["dtype"]) for s in m["shards"]])
+
+
+def byte_stream(files: list[Path]) -> np.ndarray:
+    return np.concatenate([np.append(np.frombuffer(f.read_bytes(), np.uint8).astype(np.int64), 256) for f in files])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def bpe_json(corpus, tmp_path_factory) -> Path:
+    """A BPE trained once by build_tokenizer; its cached tokenizer.json."""
+    cache = tmp_path_factory.mktemp("bpe_cache")
+    data.build_tokenizer(make_cfg(corpus, cache, tokenizer="bpe", bpe_vocab_size=300), cache)
+    (path,) = (cache / "tokenizers").glob("*.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(corpus, tmp_path_factory) -> data.TokenDataset:
+    cache = tmp_path_factory.mktemp("ds_cache")
+    return data.TokenDataset.build(make_cfg(corpus, cache), data.ByteTokenizer())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Corpus
+
+
+def test_default_corpus_is_sorted_stdlib_source():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = data.corpus_files(DataConfig(max_corpus_mb=0))
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert {"os.py", "json/decoder.py", "pydoc_data/topics.py"} <= set(rel)
+    assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
+    skipped = {"test", "tests", "idlelib", "lib2to3", "site-packages"}
+    assert not any(skipped & set(r.split("/")[:-1]) for r in rel)
+    assert all(f.stat().st_size <= 1 << 20 for f in files)
+    assert "def makedirs" in (root / "os.py").read_text()
+    assert data.corpus_files(DataConfig(max_corpus_mb=0)) == files  # deterministic
+
+    small = data.corpus_files(DataConfig(max_corpus_mb=0.5))
+    used = sum(f.stat().st_size for f in small)
+    assert small == files[: len(small)]
+    assert used <= 0.5 * 2**20 < used + files[len(small)].stat().st_size  # stops at the first file that does not fit
+
+
+def test_default_corpus_packs_with_byte_tokenizer(tmp_path):
+    cfg = DataConfig()
+    ds = data.TokenDataset.build(cfg, data.ByteTokenizer(), tmp_path)
+    files = data.corpus_files(cfg)
+    assert ds.num_tokens == sum(f.stat().st_size for f in files) + len(files)
+    assert ds.manifest["dtype"] == "uint16" and ds.num_samples("train") > 1000
+
+
+def test_user_paths_text_file_rule(corpus):
+    got = [f.relative_to(corpus).as_posix() for f in data.corpus_files(DataConfig(paths=[str(corpus)]))]
+    assert got == ["README", "a.txt", "b.md", "sub/c.py"]
+    # A file named explicitly is read whatever its ending; order follows data.paths; duplicates read once.
+    named = data.corpus_files(DataConfig(paths=[str(corpus / "image.png"), str(corpus), str(corpus / "a.txt")]))
+    assert [f.name for f in named] == ["image.png", "README", "a.txt", "b.md", "c.py"]
+    with pytest.raises(ConfigError, match="data.paths"):
+        data.corpus_files(DataConfig(paths=[str(corpus / "missing")]))
+    with pytest.raises(ConfigError, match="data.max_corpus_mb"):
+        data.corpus_files(DataConfig(paths=[str(corpus)], max_corpus_mb=1e-6))
+
+
+def test_cache_root_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path / "env"))
+    assert data.resolve_cache_root(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+    assert data.resolve_cache_root(DataConfig()) == tmp_path / "env"
+    monkeypatch.delenv("SHARDWISE_CACHE")
+    assert data.resolve_cache_root(DataConfig()) == Path.home() / ".cache" / "shardwise"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def test_byte_tokenizer_round_trip():
+    tok = data.ByteTokenizer()
+    text = "héllo wörld ✓ 日本語\n\ttabs"
+    ids = tok.encode(text)
+    assert list(ids) == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode(np.append(ids, tok.eos_id)) == text  # eos is not text
+    assert (tok.vocab_size, tok.eos_id, tok.name) == (257, 256, "byte")
+
+
+def test_bpe_round_trips_and_is_cached(corpus, tmp_path, monkeypatch):
+    cfg = make_cfg(corpus, tmp_path, tokenizer="bpe", bpe_vocab_size=300)
+    tok = data.build_tokenizer(cfg, tmp_path)
+    text = "line 7: the quick brown fox — naïve café 日本語 ✓\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges were learned
+    assert tok.name.startswith("bpe-") and tok.vocab_size <= 300
+    (trained,) = (tmp_path / "tokenizers").glob("*.json")
+    assert tok.eos_id == tokenizers.Tokenizer.from_file(str(trained)).token_to_id("<|endoftext|>")
+    assert tok.eos_id not in tok.encode("text with <|endoftext|> inside")  # a literal is text, not a boundary
+
+    def no_training(*args):
+        raise AssertionError("retrained although the tokenizer is cached")
+
+    monkeypatch.setattr(data, "_train_bpe", no_training)
+    assert data.build_tokenizer(cfg, tmp_path).name == tok.name
+
+
+def test_tokenizer_json_path(bpe_json, corpus, tmp_path):
+    copy = tmp_path / "tokenizer.json"
+    shutil.copy(bpe_json, copy)
+    tok = data.build_tokenizer(DataConfig(tokenizer=str(copy)), tmp_path)
+    ref = tokenizers.Tokenizer.from_file(str(bpe_json))
+    text = (corpus / "b.md").read_text()
+    assert list(tok.encode(text)) == ref.encode(text).ids and tok.decode(tok.encode(text)) == text
+    assert tok.eos_id == ref.token_to_id("<|endoftext|>")
+
+
+def test_tokenizer_json_without_eos_errors(tmp_path):
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tok.json"))
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        data.build_tokenizer(DataConfig(tokenizer=str(tmp_path / "tok.json")), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing and the cache
+
+
+def test_byte_packing_reproduces_documents(corpus, dataset):
+    files = data.corpus_files(make_cfg(corpus, Path("unused")))
+    assert np.array_equal(stream_on_disk(dataset).astype(np.int64), byte_stream(files))
+
+
+def test_bpe_packing_reproduces_documents(corpus, bpe_json, tmp_path):
+    cfg = make_cfg(corpus, tmp_path, tokenizer=str(bpe_json), shard_tokens=64)
+    ds = data.TokenDataset.build(cfg, data.build_tokenizer(cfg, tmp_path))
+    ref = tokenizers.Tokenizer.from_file(str(bpe_json))
+    eos = ref.token_to_id("<|endoftext|>")
+    expected = [t for f in data.corpus_files(cfg) for t in ref.encode(f.read_text()).ids + [eos]]
+    assert stream_on_disk(ds).tolist() == expected
+
+
+def test_multi_shard_gives_same_samples(corpus, dataset, tmp_path):
+    small = data.TokenDataset.build(make_cfg(corpus, tmp_path, shard_tokens=50), data.ByteTokenizer())
+    counts = [s["tokens"] for s in small.manifest["shards"]]
+    assert len(counts) > 10 and set(counts[:-1]) == {50} and small.num_tokens == dataset.num_tokens
+    for split in ("train", "val"):
+        assert small.num_samples(split) == dataset.num_samples(split)
+        for i in range(small.num_samples(split)):  # stride 8 vs shard 50: many samples straddle two files
+            assert np.array_equal(small.sample(split, i), dataset.sample(split, i))
+
+
+def test_cache_is_reused_and_invalidated_by_content(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = make_cfg(corpus, tmp_path / "cache")
+    first = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    real_pack, calls = data._pack, []
+    monkeypatch.setattr(data, "_pack", lambda *a: calls.append(1) or real_pack(*a))
+    again = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert not calls and again.folder == first.folder
+    with open(corpus / "a.txt", "a") as f:
+        f.write("one more line\n")
+    changed = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert calls == [1] and changed.folder != first.folder
+    assert changed.num_tokens == first.num_tokens + len("one more line\n")
+
+
+def test_interrupted_build_is_never_trusted(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = make_cfg(corpus, tmp_path / "cache", shard_tokens=100)
+    expected = byte_stream(data.corpus_files(cfg))
+    real_write, written = data._ShardWriter._write, []
+
+    def failing_write(self, tokens):
+        if len(written) == 3:
+            raise RuntimeError("killed mid-build")
+        written.append(1)
+        real_write(self, tokens)
+
+    monkeypatch.setattr(data._ShardWriter, "_write", failing_write)
+    with pytest.raises(RuntimeError):
+        data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert list((tmp_path / "cache" / "tokens").iterdir()) == []  # the partial temp folder was removed
+
+    # A hard kill cannot clean up: the partial folder stays, under a name that is never read.
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)
+    written.clear()
+    with pytest.raises(RuntimeError):
+        data.TokenDataset.build(cfg, data.ByteTokenizer())
+    monkeypatch.undo()
+    (leftover,) = (tmp_path / "cache" / "tokens").iterdir()
+    assert leftover.name.startswith(".tmp-") and len(list(leftover.glob("*.bin"))) == 3
+
+    ds = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert np.array_equal(stream_on_disk(ds).astype(np.int64), expected)
+
+    # A damaged published cache (a shard cut short) is rebuilt, not read.
+    shard = ds.folder / ds.manifest["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:10])
+    rebuilt = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert np.array_equal(stream_on_disk(rebuilt).astype(np.int64), expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Samples and split
+
+
+def test_samples_and_split(dataset):
+    stream = stream_on_disk(dataset)
+    n, n_train, n_val = len(stream), dataset.num_samples("train"), dataset.num_samples("val")
+    assert n_val == round(0.1 * n / SEQ)
+    train_end = n_train * SEQ + 1  # one past the last token any train sample reads
+    val_start = n - (n_val * SEQ + 1)  # val is the stream's tail
+    assert train_end <= val_start < train_end + SEQ  # disjoint, and at most seq_len - 1 tokens unused
+    for i in range(n_train):
+        assert np.array_equal(dataset.sample("train", i), stream[i * SEQ : i * SEQ + SEQ + 1])
+    for j in range(n_val):
+        assert np.array_equal(dataset.sample("val", j), stream[val_start + j * SEQ : val_start + j * SEQ + SEQ + 1])
+    assert dataset.sample("train", 3)[-1] == dataset.sample("train", 4)[0]
+    with pytest.raises(IndexError):
+        dataset.sample("train", n_train)
+    with pytest.raises(ValueError):
+        dataset.sample("test", 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loader
+
+
+def loader(ds, **kw) -> data.DataLoader:
+    return data.DataLoader(ds, **{"micro_batch": 4, "grad_accum": 2, "seed": 0, **kw})
+
+
+def ids_of(batches: list[data.Batch]) -> list[int]:
+    return [i for b in batches for i in b.sample_ids]
+
+
+def test_batches_hold_their_samples(dataset):
+    (b, _) = loader(dataset).next_step()
+    assert b.inputs.shape == b.targets.shape == (4, SEQ) and b.inputs.dtype == b.targets.dtype == torch.int64
+    for row, i in enumerate(b.sample_ids):
+        s = torch.from_numpy(dataset.sample("train", i).astype(np.int64))
+        assert torch.equal(b.inputs[row], s[:-1]) and torch.equal(b.targets[row], s[1:])
+
+
+def test_loader_is_deterministic(dataset):
+    a, b, other = loader(dataset), loader(dataset), loader(dataset, seed=1)
+    steps_a = [a.next_step() for _ in range(5)]
+    steps_b = [b.next_step() for _ in range(5)]
+    for x, y in zip(steps_a, steps_b):
+        assert ids_of(x) == ids_of(y)
+        assert all(torch.equal(p.inputs, q.inputs) and torch.equal(p.targets, q.targets) for p, q in zip(x, y))
+    assert ids_of(steps_a[0]) != ids_of(other.next_step())
+
+
+def test_dp_ranks_together_read_the_single_device_step(dataset):
+    single = loader(dataset, micro_batch=3, grad_accum=2)
+    ranks = [loader(dataset, micro_batch=3, grad_accum=1, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(4):
+        one = single.next_step()
+        split = [b for r in ranks for b in r.next_step()]
+        assert collections.Counter(ids_of(one)) == collections.Counter(ids_of(split))
+        assert torch.equal(torch.cat([b.inputs for b in one]), torch.cat([b.inputs for b in split]))
+        assert torch.equal(torch.cat([b.targets for b in one]), torch.cat([b.targets for b in split]))
+
+
+def test_every_sample_once_per_epoch(dataset):
+    ranks = [loader(dataset, micro_batch=5, grad_accum=3, dp_rank=r, dp_size=2) for r in range(2)]
+    n, g, steps = dataset.num_samples("train"), 30, ranks[0].steps_per_epoch
+    assert steps == n // g and n % g  # this corpus leaves a remainder to drop
+    seen = [i for _ in range(steps) for r in ranks for i in ids_of(r.next_step())]
+    assert len(seen) == len(set(seen)) == steps * g and set(seen) <= set(range(n))
+    assert ranks[0].state_dict()["epoch"] == 1
+    next_epoch = [i for r in ranks for i in ids_of(r.next_step())]
+    assert next_epoch != seen[:g]  # a new permutation
+
+
+@pytest.mark.parametrize("saved_after", [3, 60])  # 60 + 8 steps cross the epoch boundary (63 steps per epoch)
+def test_resume_continues_exactly(dataset, saved_after):
+    straight, first = loader(dataset), loader(dataset)
+    assert straight.steps_per_epoch == dataset.num_samples("train") // 8 == 63
+    for _ in range(saved_after):
+        straight.next_step()
+        first.next_step()
+    state = first.state_dict()
+    assert all(type(v) is int for v in state.values())
+    resumed = loader(dataset)
+    resumed.load_state_dict(state)
+    # Same global batch (8), other layout: two ranks, one micro-batch each.
+    ranks = [loader(dataset, grad_accum=1, dp_rank=r, dp_size=2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for _ in range(8):
+        want = straight.next_step()
+        got = resumed.next_step()
+        assert ids_of(got) == ids_of(want)
+        assert all(torch.equal(p.inputs, q.inputs) for p, q in zip(got, want))
+        assert [i for r in ranks for i in ids_of(r.next_step())] == ids_of(want)
+
+
+def test_load_state_rejects_mismatches(dataset):
+    state = loader(dataset).state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        loader(dataset, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="global_batch"):
+        loader(dataset, micro_batch=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="keys"):
+        loader(dataset).load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+
+
+def test_too_small_split_names_the_fields(dataset):
+    with pytest.raises(ValueError, match="train.micro_batch") as err:
+        loader(dataset, micro_batch=dataset.num_samples("train"))
+    assert "data.seq_len" in str(err.value)
+
+
+def test_val_batches(dataset, tmp_path):
+    assert dataset.num_samples("val") == 56
+    per_rank = [data.val_batches(dataset, micro_batch=8, n=4, dp_rank=r, dp_size=2) for r in range(2)]
+    run = lambda first: list(range(first, first + 8))  # noqa: E731
+    assert [b.sample_ids for b in per_rank[0]] == [run(0), run(16), run(32), run(48)]  # j = 0, 2, 4, 6
+    assert [b.sample_ids for b in per_rank[1]] == [run(8), run(24), run(40), run(0)]  # j = 7 wraps to the start
+    single = data.val_batches(dataset, micro_batch=8, n=8)
+    assert [b.sample_ids for b in single[0::2]] == [b.sample_ids for b in per_rank[0]]
+    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(single[1::2], per_rank[1]))
+    assert [b.sample_ids for b in data.val_batches(dataset, micro_batch=8, n=8)] == [b.sample_ids for b in single]
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "t.txt").write_text("abc")
+    ds = data.TokenDataset.build(make_cfg(tiny, tmp_path / "cache"), data.ByteTokenizer())
+    with pytest.raises(ConfigError, match="data.val_fraction"):
+        data.val_batches(ds, micro_batch=1, n=1)
