@@ -24,7 +24,7 @@ demo: $(VENV)/.base
 	$(VENV)/bin/shardwise train --config configs/demo.toml
 
 test: $(VENV)/.test
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs

@@ -123,7 +123,7 @@ class MetricsConfig:
     tensorboard: bool = True
     """Write TensorBoard event files to out_dir/tb."""
     progress: bool = True
-    """Show a progress bar on the terminal."""
+    """Show progress: a bar on a terminal, else one plain line per logged step."""
     accelerator: str = "auto"
     """Accelerator for MFU: a name from shardwise.metrics.ACCELERATORS, or 'auto' to detect it."""
     peak_flops: float = 0.0

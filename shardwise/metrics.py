@@ -37,6 +37,7 @@ class MetricsWriter:
 
     def __init__(self, cfg: MetricsConfig, total_steps: int, enabled: bool = True):
         self.enabled = enabled
+        self._progress = cfg.progress
         self._jsonl = self._tb = self._bar = None
         if not enabled:
             return
@@ -47,7 +48,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(out / "tb"))
-        if cfg.progress:
+        if cfg.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
@@ -61,9 +62,14 @@ class MetricsWriter:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
-        if self._bar is not None and "loss" in values:
-            shown = {k: values[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in values}
+        shown = {k: values[k] for k in ("loss", "lr", "tokens_per_s", "mfu") if k in values}
+        if "loss" not in shown:
+            return
+        if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        elif self._progress:
+            # no terminal (a log file, CI): one plain line per logged step instead of a redrawn bar
+            print(f"step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

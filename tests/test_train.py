@@ -165,3 +165,31 @@ def test_short_run_on_text_learns(tmp_path):
     for key in ("grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_gib"):
         assert logged[-1][key] > 0
     assert list((tmp_path / "run" / "tb").iterdir())
+
+
+def test_bf16_autocast_close_to_fp32_and_keeps_fp32_master_weights():
+    model = _model()
+    batch = _batch(4)
+    fp32 = loss_sum(model, batch, CPU, "fp32").item()
+    bf16 = loss_sum(model, batch, CPU, "bf16")
+    assert bf16.dtype == torch.float32  # the loss is computed in fp32 from bf16 logits
+    assert bf16.item() == pytest.approx(fp32, rel=1e-2)
+    opt = build_optimizer(model, OptimConfig(), lr=1e-2)
+    train_step(model, opt, build_grad_scaler(TrainConfig(), CPU), [batch], device=CPU, precision="bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_compiled_blocks_match_eager():
+    eager, compiled = _model(), _model()
+    for block in compiled.layers.values():
+        block.compile()
+    batch = _batch(2)
+    losses, grads = [], []
+    for model in (eager, compiled):
+        loss = loss_sum(model, batch, CPU, "fp32")
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-5, msg=name)
