@@ -11,18 +11,38 @@ from shardwise.config import ConfigError, load_config
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("--config", help="TOML file (see configs/); omitted: the built-in defaults")
+    _add_overrides(p)
+    p.add_argument("--nproc", type=int, default=0,
+                   help="start this many processes on this machine (torchrun); the degrees must multiply to it")
+    p.add_argument("--save-final", metavar="PATH", help="write the final parameters, unsharded, to safetensors")
+    p.set_defaults(run=_run_train)
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a field, e.g. --set optim.lr=3e-4 (repeatable)",
     )
-    p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
+    if args.nproc:
+        from shardwise.config import validate_parallel
+        from shardwise.distributed import launch_local
+
+        validate_parallel(cfg, args.nproc)
+        argv = ["train"] + (["--config", args.config] if args.config else [])
+        argv += [f"--set={o}" for o in args.overrides]
+        argv += ["--save-final", args.save_final] if args.save_final else []
+        return launch_local(args.nproc, argv)
     from shardwise.train import train  # heavy imports only once the config is known good
 
-    summary = train(cfg)
+    summary = train(cfg, save_final=args.save_final)
+    import os
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     losses = summary["losses"]
     line = f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if "val_loss" in summary:
@@ -31,10 +51,29 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="prove parallel layouts train exactly like one device")
+    p.add_argument("--config", help="TOML file; omitted: the built-in defaults")
+    _add_overrides(p)
+    p.add_argument("--layout", action="append", required=True,
+                   help='degrees and knobs, e.g. "dp_shard=2,tp=2" or "pp=2,pp_schedule=1f1b" (repeatable)')
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps to compare")
+    p.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference allowed")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(run=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from shardwise.verify import run_verify
+
+    return run_verify(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_verify(sub)
     return parser
 
 

@@ -115,6 +115,48 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas: ZeRO-0/1 data parallelism, or the replicate dim of HSDP (ZeRO-2/3)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard state (FSDP; needs zero_stage 2 or 3)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split inside each block); innermost mesh dim."""
+    pp: int = 1
+    """Pipeline-parallel stages (ranks); outermost mesh dim."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    zero_stage: int = 0
+    """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals hold a 1/tp slice of the sequence (Korthikanti et al.)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """Pipeline schedule; interleaved-1f1b needs virtual_stages >= 2, zero-bubble runs 2 stages per rank (V shape)."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches each train.micro_batch is cut into; 0 means pp x virtual_stages."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank (model chunks); > 1 for interleaved schedules."""
+    bucket_mb: float = 25.0
+    """ZeRO-0/1: gradients are all-reduced in buckets of about this many MB, overlapped with backward."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp_schedule == "zero-bubble" else self.virtual_stages
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.pp_microbatches or self.pp * self.stages_per_rank
+
+
+@dataclass
 class MetricsConfig:
     out_dir: str = "runs/demo"
     """Run folder: metrics.jsonl, TensorBoard events and the resolved config go here."""
@@ -140,6 +182,8 @@ class JobConfig:
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch, precision, recompute and length of the run."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Degrees of each parallelism (their product is the world size) and how each is run."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Where and how often to report."""
 
@@ -271,6 +315,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_data(cfg.data)
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
+    validate_parallel(cfg)
     if cfg.metrics.log_every < 1:
         raise ConfigError("metrics.log_every", f"{cfg.metrics.log_every} < 1", "set it to 1 or more")
     if cfg.metrics.peak_flops < 0:
@@ -364,3 +409,93 @@ def _validate_train(t: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "CUDA is not available here", "use 'auto' or 'cpu'")
+
+
+def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
+    """How the parallel degrees fit the model, the batch and the world; runs before any process group exists."""
+    p, m = cfg.parallel, cfg.model
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if world_size is not None and p.world_size != world_size:
+        raise ConfigError(
+            "parallel", f"dp_replicate x dp_shard x tp x pp x cp = {p.world_size} but the world has {world_size} ranks",
+            f"make the degrees multiply to {world_size}, or launch {p.world_size} processes",
+        )
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not 0-3", "use 0, 1, 2 or 3")
+    if p.dp_shard > 1 and p.zero_stage < 2:
+        raise ConfigError(
+            "parallel.dp_shard", f"sharding over {p.dp_shard} ranks needs zero_stage 2 or 3 (FSDP)",
+            "set parallel.zero_stage = 2 or 3, or use parallel.dp_replicate for ZeRO-0/1",
+        )
+    if p.zero_stage >= 2 and p.dp_shard * p.cp == 1 and p.dp_replicate > 1:
+        raise ConfigError(
+            "parallel.zero_stage", f"ZeRO-{p.zero_stage} shards over dp_shard, which is 1",
+            "set parallel.dp_shard > 1 (HSDP keeps dp_replicate), or use zero_stage 0/1",
+        )
+    _validate_tp(cfg)
+    _validate_pp(cfg)
+    if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
+        raise ConfigError(
+            "data.seq_len", f"{cfg.data.seq_len} is not divisible by 2 x cp = {2 * p.cp} (load-balanced chunks)",
+            f"use a multiple of {2 * p.cp * p.tp if p.sequence_parallel else 2 * p.cp}",
+        )
+
+
+def _validate_tp(cfg: JobConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.tp == 1:
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", "needs tp > 1", "set parallel.tp > 1 or turn it off")
+        return
+    for key, what in (("n_heads", "attention heads"), ("n_kv_heads", "KV heads"), ("ffn_hidden", "MLP width"),
+                      ("vocab_size", "vocabulary rows")):
+        if getattr(m, key) % p.tp:
+            raise ConfigError(
+                "parallel.tp", f"tp={p.tp} does not divide model.{key}={getattr(m, key)} ({what})",
+                f"pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size",
+            )
+    local_seq = cfg.data.seq_len // p.cp
+    if p.sequence_parallel and local_seq % p.tp:
+        raise ConfigError(
+            "data.seq_len", f"sequence parallel splits {local_seq} tokens per cp rank over tp={p.tp}",
+            "make data.seq_len / cp divisible by tp",
+        )
+
+
+def _validate_pp(cfg: JobConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.pp == 1:
+        if p.virtual_stages > 1:
+            raise ConfigError("parallel.virtual_stages", "needs pp > 1", "set parallel.pp > 1 or virtual_stages = 1")
+        return
+    if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages < 2:
+        raise ConfigError("parallel.virtual_stages", "interleaved-1f1b needs >= 2 stages per rank", "set it to 2 or more")
+    if p.pp_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
+        raise ConfigError(
+            "parallel.virtual_stages", f"{p.pp_schedule} runs one stage per rank",
+            "set virtual_stages = 1, or pp_schedule = 'interleaved-1f1b'",
+        )
+    if p.pp_schedule == "zero-bubble" and p.virtual_stages not in (1, 2):
+        raise ConfigError("parallel.virtual_stages", "zero-bubble (ZBV) runs exactly 2 stages per rank",
+                          "leave virtual_stages at 1 or 2")
+    stages = p.pp * p.stages_per_rank
+    if m.n_layers < stages:
+        raise ConfigError(
+            "model.n_layers", f"{m.n_layers} layers cannot fill pp x stages per rank = {stages} stages",
+            f"use at least {stages} layers, or fewer pipeline stages",
+        )
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", "the embedding and head sit on different pipeline stages",
+                          "set tie_embeddings = false with pp > 1")
+    n = p.n_microbatches
+    if cfg.train.micro_batch % n:
+        raise ConfigError(
+            "train.micro_batch", f"{cfg.train.micro_batch} sequences cannot be cut into {n} pipeline micro-batches",
+            f"make train.micro_batch a multiple of {n}, or set parallel.pp_microbatches",
+        )
+    if p.pp_schedule != "gpipe" and n < p.pp:
+        raise ConfigError(
+            "parallel.pp_microbatches", f"{n} micro-batches < pp={p.pp} stages",
+            f"use at least {p.pp} (more shrinks the bubble (P-1)/(M+P-1))",
+        )

@@ -145,10 +145,17 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim); k and v may have fewer (grouped) heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # context parallelism swaps this for attention over a sequence split across ranks
+        self.attention_fn = causal_attention
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -160,8 +167,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        # the table may be longer than this sequence (the whole rotary table, when the caller cannot know the
+        # sequence length: under sequence parallelism the block's input holds 1/tp of it)
+        rope = rope[:, :seq]
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -213,8 +223,7 @@ class Transformer(nn.Module):
         returns hidden states); on one device both are present.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        rope = self.rope[:, :seq] if positions is None else self.rope[:, positions]
+        rope = self.rope if positions is None else self.rope[:, positions]
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

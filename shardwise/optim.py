@@ -6,21 +6,32 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.config import OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms (1-D) and embeddings keep their scale (as in GPT-2, Llama, nanoGPT)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or "tok_embeddings" in name:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+NamedParams = list[tuple[str, torch.Tensor, int]]
+"""(name, tensor to optimise, dimensions of the parameter it stands for): a slice of a matrix stays a matrix."""
+
+
+def named_params(model: nn.Module) -> NamedParams:
+    return [(name, p, p.ndim) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def param_groups(params: NamedParams, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms (1-D) and embeddings keep their scale (as in GPT-2, Llama, nanoGPT).
+
+    Parameters are also grouped by the mesh they are DTensors on (or none): the foreach kernels of torch's
+    optimizers cannot mix plain tensors and DTensors of different meshes in one group.
+    """
+    groups: dict[tuple, dict] = {}
+    for name, p, ndim in params:
+        decay = ndim >= 2 and "tok_embeddings" not in name
+        key = (decay, id(p.device_mesh) if isinstance(p, DTensor) else None)
+        group = groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
+        group["params"].append(p)
+    return list(groups.values())
 
 
 def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
@@ -30,8 +41,10 @@ def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(params: nn.Module | NamedParams, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    if isinstance(params, nn.Module):
+        params = named_params(params)
+    groups = param_groups(params, cfg.weight_decay)
     if cfg.name == "adamw":
         # foreach is torch's fast path on CPU and GPU and works on DTensor parameters; fused is CUDA-first
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)

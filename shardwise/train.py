@@ -14,15 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise import data
-from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.metrics import MetricsWriter, peak_flops, peak_memory_bytes
-from shardwise.model import Transformer, build_model, flops_per_token, materialize, num_params
+from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
+from shardwise.parallel import parallelize
+from shardwise.parallel.data_parallel import ShardedOptimizer, set_gradient_sync
+from shardwise.runtime import Runtime
 
 
 @dataclass
@@ -33,12 +37,6 @@ class StepResult:
     """Global gradient norm before clipping (of the unscaled gradients)."""
     skipped: bool
     """True when fp16 loss scaling found inf/nan gradients and the optimizer step was skipped."""
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -59,23 +57,35 @@ def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradS
     )
 
 
-def build_training_model(cfg: JobConfig, device: torch.device) -> Transformer:
-    """Meta model -> activation checkpointing -> compile -> materialise with the (seed, name) init."""
-    model = build_model(cfg.model)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_every)
-    if cfg.train.compile:
-        for block in model.layers.values():
-            block.compile()
-    materialize(model, cfg.model, device, cfg.train.seed)
-    return model
-
-
-def loss_sum(model: nn.Module, batch: data.Batch, device: torch.device, precision: str) -> torch.Tensor:
+def loss_sum(
+    model: nn.Module, batch: data.Batch, device: torch.device, precision: str, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Summed (not averaged) token cross-entropy of one micro-batch, computed in fp32."""
     with autocast_context(precision, device):
-        logits = model(batch.inputs.to(device, non_blocking=True))
+        tokens = batch.inputs.to(device, non_blocking=True)
+        logits = model(tokens) if positions is None else model(tokens, positions)
     targets = batch.targets.to(device, non_blocking=True)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, however they are split.
+
+    DTensor gradients (tensor parallel, FSDP) are reduced per mesh by DTensor itself; pipeline stages hold
+    disjoint parameters, so their squared norms are summed across the pipeline group.
+    """
+    by_mesh: dict = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    squares = []
+    for key, grads in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
 def train_step(
@@ -88,73 +98,141 @@ def train_step(
     precision: str = "fp32",
     grad_clip: float = 0.0,
     global_tokens: int | None = None,
+    runtime: Runtime | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, then one optimizer step.
 
-    Each micro-batch's summed loss is divided by the token count of the whole global batch (all micro-batches,
-    and later all data-parallel ranks), so the accumulated gradient is that of the mean loss over the global
-    batch however it is split: k micro-batches of b/k give the gradient of one batch of b.
+    Each micro-batch's summed loss is divided by the token count of the whole global batch (all micro-batches
+    and all data-parallel ranks), so the accumulated gradient is that of the mean loss over the global batch
+    however it is split: k micro-batches of b/k give the gradient of one batch of b, and data-parallel
+    gradients are summed, not averaged.
     """
     global_tokens = global_tokens or sum(b.targets.numel() for b in batches)
     total = torch.zeros((), device=device)
-    for batch in batches:
-        loss = loss_sum(model, batch, device, precision) / global_tokens
-        scaler.scale(loss).backward()
+    for i, batch in enumerate(batches):
+        positions = None
+        if runtime is not None:
+            # reduce gradients across data-parallel ranks only once, after the last micro-batch
+            set_gradient_sync(model, i == len(batches) - 1)
+            batch, positions = runtime.shard_sequence(batch)
+        loss = loss_sum(model, batch, device, precision, positions) / global_tokens
+        # data parallelism averages gradients over the ranks that see different tokens; undo the division
+        scale = runtime.grad_reduce_size if runtime is not None else 1
+        scaler.scale(loss * scale if scale > 1 else loss).backward()
         total += loss.detach()
+    if runtime is not None:
+        runtime.sum_over_data_ranks(total)
+    return optimizer_step(model.parameters(), optimizer, scaler, grad_clip, total,
+                          pp_group=runtime.pp_group if runtime else None)
+
+
+def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:
+    """Unscale (fp16), measure and clip the gradient norm, step unless inf/nan, clear gradients."""
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see true gradients
-    params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    params = [p for p in params if p.grad is not None]
+    grad_norm = total_grad_norm(params, pp_group)
+    if grad_clip > 0:
+        # the coefficient as a Python number: gradients may be a mix of DTensors on several meshes and tensors
+        coef = min(1.0, grad_clip / (float(grad_norm) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
     scale_before = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     skipped = scale_before is not None and scaler.get_scale() < scale_before
-    return StepResult(loss=total.item(), grad_norm=float(grad_norm), skipped=skipped)
+    return StepResult(loss=loss.item(), grad_norm=float(grad_norm), skipped=skipped)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, precision: str) -> float:
+def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, precision: str,
+             runtime: Runtime | None = None) -> float:
+    """Mean token loss over the validation micro-batches (each data-parallel rank evaluates its share)."""
     model.eval()
-    total = sum(loss_sum(model, b, device, precision).item() for b in batches)
+    total = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
+    for batch in batches:
+        positions = None
+        if runtime is not None:
+            batch, positions = runtime.shard_sequence(batch)
+        total += loss_sum(model, batch, device, precision, positions)
+        tokens += batch.targets.numel()
     model.train()
-    return total / sum(b.targets.numel() for b in batches)
+    if runtime is not None:
+        runtime.sum_over_data_ranks(total)
+        runtime.sum_over_data_ranks(tokens)
+    return (total / tokens).item()
 
 
-def build_data(cfg: JobConfig) -> tuple[data.TokenDataset, data.DataLoader, list[data.Batch]]:
-    tokenizer = data.build_tokenizer(cfg.data, data.resolve_cache_root(cfg.data))
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
-            f"set model.vocab_size >= {tokenizer.vocab_size}",
-        )
-    dataset = data.TokenDataset.build(cfg.data, tokenizer)
+def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, data.DataLoader, list[data.Batch]]:
+    """Tokenizer, cached token shards, this rank's loader and validation batches (rank 0 fills the cache)."""
+    def build():
+        tokenizer = data.build_tokenizer(cfg.data, data.resolve_cache_root(cfg.data))
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
+                f"set model.vocab_size >= {tokenizer.vocab_size}",
+            )
+        return data.TokenDataset.build(cfg.data, tokenizer)
+
+    dataset = runtime.main_first(build)
+    dp_rank, dp_size = runtime.dp_rank, runtime.dp_size
     loader = data.DataLoader(
-        dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, seed=cfg.train.seed
+        dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
+        dp_rank=dp_rank, dp_size=dp_size,
     )
-    val = data.val_batches(dataset, micro_batch=cfg.train.micro_batch, n=cfg.train.val_batches)
+    val = data.val_batches(dataset, micro_batch=cfg.train.micro_batch, n=cfg.train.val_batches,
+                           dp_rank=dp_rank, dp_size=dp_size)
     return dataset, loader, val
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run a job from a validated config; returns a summary (first/last loss, final validation loss)."""
-    device = resolve_device(cfg.train)
-    dataset, loader, val = build_data(cfg)
-    model = build_training_model(cfg, device)
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum
-    optimizer = build_optimizer(model, cfg.optim, effective_lr(cfg.optim, global_batch))
-    schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
+def build_training_model(cfg: JobConfig, runtime: Runtime) -> Transformer:
+    """Meta model -> parallelize (TP, CP, activation checkpointing, compile, DP) -> materialise."""
+    model = build_model(cfg.model)
+    parallelize(model, runtime.mesh, cfg)
+    materialize(model, cfg.model, runtime.device, cfg.train.seed)
+    return model
+
+
+def build_optimizer_for(model: nn.Module, cfg: JobConfig, runtime: Runtime, lr: float):
+    """The optimizer, sharded across data-parallel ranks for ZeRO-1; and the optimizer the lr schedule drives."""
+    if cfg.parallel.zero_stage == 1 and runtime.mesh is not None and runtime.grad_reduce_size > 1:
+        sharded = ShardedOptimizer(model, lambda named: build_optimizer(named, cfg.optim, lr),
+                                   runtime.mesh.grad_reduce.get_group())
+        return sharded, sharded.inner
+    optimizer = build_optimizer(model, cfg.optim, lr)
+    return optimizer, optimizer
+
+
+def train(cfg: JobConfig, save_final: str | None = None) -> dict:
+    """Run a job from a validated config; returns a summary (losses, final validation loss)."""
+    runtime = Runtime.create(cfg)
+    try:
+        return _train(cfg, runtime, save_final)
+    finally:
+        runtime.close()
+
+
+def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
+    device = runtime.device
+    dataset, loader, val = build_data(cfg, runtime)
+    model = build_training_model(cfg, runtime)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size
+    optimizer, inner = build_optimizer_for(model, cfg, runtime, effective_lr(cfg.optim, global_batch))
+    schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
     scaler = build_grad_scaler(cfg.train, device)
 
-    writer = MetricsWriter(cfg.metrics, cfg.train.steps)
-    (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
+    if runtime.is_main:
+        (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len
     flops_token = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(cfg.metrics, cfg.train.precision, device)
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params | "
         f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of {cfg.data.seq_len} tokens | "
-        f"{tokens_per_step} tokens/step on {device}"
+        f"{tokens_per_step} tokens/step on {runtime.describe()}"
     )
 
     summary: dict = {"losses": []}
@@ -163,8 +241,8 @@ def train(cfg: JobConfig) -> dict:
         start = time.perf_counter()
         batches = loader.next_step()
         result = train_step(
-            model, optimizer, scaler, batches, device=device,
-            precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip,
+            model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
+            grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
         )
         schedule.step()
         window_time += time.perf_counter() - start
@@ -179,15 +257,36 @@ def train(cfg: JobConfig) -> dict:
                 "peak_memory_gib": peak_memory_bytes(device) / 2**30, "skipped": int(result.skipped),
             }
             if peak:
-                values["mfu"] = tokens_per_s * flops_token / peak
+                values["mfu"] = tokens_per_s * flops_token / (peak * runtime.world_size)
             if scaler.is_enabled():
                 values["loss_scale"] = scaler.get_scale()
             writer.log(step, values)
             window_time, window_steps = 0.0, 0
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
-            summary["val_loss"] = evaluate(model, val, device, cfg.train.precision)
+            summary["val_loss"] = evaluate(model, val, device, cfg.train.precision, runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
     writer.close()
+    if save_final:
+        save_full_parameters([model], save_final, runtime)
     summary["model"] = model
     return summary
+
+
+def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) -> None:
+    """Write every parameter, unsharded, under its canonical name to safetensors (for parity checks).
+
+    All ranks take part (gathering a DTensor is a collective); one rank per pipeline stage writes the
+    stage's file, `path` itself for a single stage, else `path.stage<k>`.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            tensors[canonical_name(name)] = full.detach().to("cpu").contiguous()
+    if runtime.writes_stage_files:
+        target = path if runtime.pp_size == 1 else f"{path}.stage{runtime.pp_rank}"
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, target)

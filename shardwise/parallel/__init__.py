@@ -1,0 +1,35 @@
+"""The parallel engine: one `parallelize()` that applies each parallelism in a fixed order.
+
+Order (as torchtitan): tensor + sequence parallel -> context parallel -> activation checkpointing ->
+compile -> data parallel (ZeRO-0..3 / HSDP). Tensor parallelism must come first because it changes what the
+parameters are (DTensors); data parallelism comes last because it groups and shards whatever parameters
+the model then has. Pipeline parallelism happens before all of this: the model is cut into stages and
+each stage is parallelised on its own (see pipeline.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.activation_checkpoint import apply_activation_checkpointing
+from shardwise.config import JobConfig
+from shardwise.parallel.data_parallel import apply_data_parallel
+from shardwise.parallel.mesh import MeshView
+from shardwise.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None:
+    """Apply every configured transform to `model` (one pipeline stage, or the whole model) in place."""
+    p, t = cfg.parallel, cfg.train
+    if mesh is not None:
+        apply_tensor_parallel(model, mesh.tp, p.sequence_parallel)
+        if p.cp > 1:
+            from shardwise.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, mesh.cp)
+    apply_activation_checkpointing(model, t.activation_checkpoint, t.activation_checkpoint_every)
+    if t.compile:
+        for block in model.layers.values():
+            block.compile()
+    if mesh is not None:
+        apply_data_parallel(model, mesh, p)

@@ -1,0 +1,19 @@
+"""The private torch APIs shardwise relies on, in one place so a torch upgrade touches one file.
+
+Each has no public equivalent in torch 2.13:
+- DeviceMesh._flatten: one process group over several mesh dims (e.g. dp_shard x cp for FSDP), as torchtitan;
+- replicate (FSDP2-based DDP): bucketed gradient all-reduce overlapped with backward that composes with
+  DTensor tensor parallelism and FSDP's grouping; nn.parallel.DistributedDataParallel does not take DTensors.
+"""
+
+from __future__ import annotations
+
+from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """A 1-D mesh over the given (adjacent) dims of `mesh`, named `name`."""
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    return mesh[dims]._flatten(name)

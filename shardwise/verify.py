@@ -1,0 +1,117 @@
+"""`shardwise verify`: train the same steps on one device and under each layout, and compare.
+
+The reference reads the same global batch as the layout (the union of what its data-parallel ranks read):
+one device with grad_accum x dp micro-batches. It starts from the same (seed, name) initialisation. Losses
+are compared at every step; parameters at the end, per tensor as ||p - p_ref|| / ||p_ref||.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from shardwise.config import ConfigError, JobConfig, ParallelConfig, TrainConfig, load_config
+
+_PARALLEL_KEYS = {f.name for f in dataclasses.fields(ParallelConfig)}
+_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def layout_overrides(text: str) -> list[str]:
+    """'dp_shard=2,tp=2' -> ['parallel.dp_shard=2', 'parallel.tp=2', 'parallel.zero_stage=3'].
+
+    Keys are ParallelConfig fields, TrainConfig fields (e.g. grad_accum, activation_checkpoint) or dotted
+    config paths. 'dp=N' means dp_replicate=N (ZeRO-0/1) or dp_shard=N when zero_stage is 2 or 3. Without a
+    zero_stage, sharding over dp_shard implies ZeRO-3.
+    """
+    pairs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--layout", f"'{item}' is not key=value", 'write e.g. --layout "dp_shard=2,tp=2"')
+        pairs[key.strip()] = value.strip()
+    if "dp" in pairs:
+        stage = int(pairs.get("zero_stage", 0))
+        pairs["dp_shard" if stage >= 2 else "dp_replicate"] = pairs.pop("dp")
+    if int(pairs.get("dp_shard", 1)) > 1 and "zero_stage" not in pairs:
+        pairs["zero_stage"] = "3"
+    out = []
+    for key, value in pairs.items():
+        if key in _PARALLEL_KEYS:
+            key = f"parallel.{key}"
+        elif key in _TRAIN_KEYS:
+            key = f"train.{key}"
+        elif "." not in key:
+            raise ConfigError("--layout", f"unknown key '{key}'", "use parallel or train fields, e.g. tp=2")
+        out.append(f"{key}={value}")
+    return out
+
+
+def _quiet(out_dir: Path, steps: int) -> list[str]:
+    return [f"train.steps={steps}", f"metrics.out_dir='{out_dir}'", "metrics.log_every=1", "metrics.progress=false",
+            "metrics.tensorboard=false", "train.val_every=0"]
+
+
+def _run(config: str | None, overrides: list[str], out_dir: Path, nproc: int) -> tuple[list[float], dict]:
+    from safetensors.torch import load_file
+
+    final = out_dir / "final.safetensors"
+    cmd = [sys.executable, "-m", "shardwise", "train", *(["--config", config] if config else []),
+           *[f"--set={o}" for o in overrides], "--save-final", str(final)]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        # torchrun's own report says little: show what the ranks said
+        said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
+        raise RuntimeError(f"run failed ({' '.join(overrides)}):\n" + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    params = {}
+    for path in sorted(out_dir.glob("final.safetensors*")):
+        params.update(load_file(path))
+    return losses, params
+
+
+def compare(ref: tuple[list[float], dict], got: tuple[list[float], dict]) -> dict:
+    (ref_losses, ref_params), (losses, params) = ref, got
+    if len(losses) != len(ref_losses) or set(params) != set(ref_params):
+        return {"loss_rel": float("inf"), "param_rel": float("inf"), "error": "different steps or parameter names"}
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    param_rel = max(((params[k] - v).norm() / v.norm()).item() for k, v in ref_params.items())
+    return {"loss_rel": loss_rel, "param_rel": param_rel}
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    base = load_config(args.config, args.overrides)
+    layouts = [(text, layout_overrides(text)) for text in args.layout]
+    configs = []
+    for text, extra in layouts:  # every layout is validated before anything runs
+        cfg = load_config(args.config, [*args.overrides, *extra])
+        configs.append((text, extra, cfg))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="shardwise-verify-") as tmp:
+        refs: dict[int, tuple] = {}
+        for i, (text, extra, cfg) in enumerate(configs):
+            accum = cfg.train.grad_accum * cfg.parallel.dp
+            if accum not in refs:
+                out = Path(tmp) / f"ref-{accum}"
+                refs[accum] = _run(args.config, [*args.overrides, f"train.grad_accum={accum}",
+                                                 f"train.micro_batch={cfg.train.micro_batch}",
+                                                 *_quiet(out, args.steps)], out, 1)
+            out = Path(tmp) / f"layout-{i}"
+            got = _run(args.config, [*args.overrides, *extra, *_quiet(out, args.steps)], out,
+                       cfg.parallel.world_size)
+            row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(refs[accum], got)}
+            row["ok"] = row["loss_rel"] <= args.rtol and row["param_rel"] <= args.rtol
+            results.append(row)
+            if not args.json:
+                print(f"{text:<50} world {row['world_size']:>2}  loss rel {row['loss_rel']:.2e}  "
+                      f"param rel {row['param_rel']:.2e}  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+    if args.json:
+        print(json.dumps({"steps": args.steps, "rtol": args.rtol, "layouts": results}, indent=2))
+    return 0 if all(r["ok"] for r in results) else 1
