@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardwise.config import ConfigError, load_config
@@ -39,8 +40,6 @@ def _run_train(args: argparse.Namespace) -> int:
     from shardwise.train import train  # heavy imports only once the config is known good
 
     summary = train(cfg, save_final=args.save_final)
-    import os
-
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     losses = summary["losses"]
@@ -69,11 +68,24 @@ def _run_verify(args: argparse.Namespace) -> int:
     return run_verify(args)
 
 
+def _add_planner(sub: argparse._SubParsersAction) -> None:
+    from shardwise.planner.bench import add_bench_arguments, run_bench
+    from shardwise.planner.cli import add_plan_arguments, run_plan
+
+    p = sub.add_parser("plan", help="memory and step time of parallel plans, the best one, and why")
+    add_plan_arguments(p)
+    p.set_defaults(run=run_plan)
+    p = sub.add_parser("bench", help="measure this machine's FLOP/s and collective bandwidth (a planner profile)")
+    add_bench_arguments(p)
+    p.set_defaults(run=run_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_verify(sub)
+    _add_planner(sub)
     return parser
 
 

@@ -167,7 +167,7 @@ class MetricsConfig:
     progress: bool = True
     """Show progress: a bar on a terminal, else one plain line per logged step."""
     accelerator: str = "auto"
-    """Accelerator for MFU: a name from shardwise.metrics.ACCELERATORS, or 'auto' to detect it."""
+    """Accelerator for MFU: a name from shardwise.planner.hardware.CATALOGUE, or 'auto' to detect it."""
     peak_flops: float = 0.0
     """Declared peak FLOP/s per device for MFU; overrides the catalogue (needed on CPU, which has no entry)."""
 
@@ -318,6 +318,12 @@ def validate(cfg: JobConfig) -> None:
     validate_parallel(cfg)
     if cfg.metrics.log_every < 1:
         raise ConfigError("metrics.log_every", f"{cfg.metrics.log_every} < 1", "set it to 1 or more")
+    if cfg.metrics.accelerator != "auto":
+        from shardwise.planner.hardware import ALIASES, CATALOGUE
+
+        if ALIASES.get(cfg.metrics.accelerator, cfg.metrics.accelerator) not in CATALOGUE:
+            raise ConfigError("metrics.accelerator", f"unknown accelerator {cfg.metrics.accelerator!r}",
+                              f"use 'auto' or one of {', '.join(CATALOGUE)}")
     if cfg.metrics.peak_flops < 0:
         raise ConfigError("metrics.peak_flops", "negative", "set a positive FLOP/s figure, or 0 for the catalogue")
 

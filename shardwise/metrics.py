@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import MetricsConfig
-from shardwise.hardware import ACCELERATORS, detect_accelerator, matmul_peak
+from shardwise.planner.hardware import PlannerError, accelerator, detect_accelerator
 
 
 def peak_flops(cfg: MetricsConfig, precision: str, device: torch.device) -> float | None:
@@ -18,10 +18,12 @@ def peak_flops(cfg: MetricsConfig, precision: str, device: torch.device) -> floa
     if cfg.peak_flops > 0:
         return cfg.peak_flops
     name = detect_accelerator(device) if cfg.accelerator == "auto" else cfg.accelerator
-    spec = ACCELERATORS.get(name) if name else None
-    if spec is None:
+    if name is None:
         return None
-    return matmul_peak(spec, precision)
+    try:
+        return accelerator(name).peak(precision)
+    except PlannerError:
+        return None
 
 
 def peak_memory_bytes(device: torch.device) -> int:

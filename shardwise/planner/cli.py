@@ -1,0 +1,188 @@
+"""`shardwise plan`: search (or evaluate) parallel plans for a model on a cluster and say why.
+
+The main CLI wires these two functions in: `add_plan_arguments(parser)` and `run_plan(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from shardwise.config import ConfigError
+from shardwise.planner.explain import explain, render
+from shardwise.planner.hardware import GB, GiB, Cluster, PlannerError, resolve_accelerator
+from shardwise.planner.plan import Plan, parse_plan
+from shardwise.planner.search import Evaluation, evaluate, search
+from shardwise.planner.workload import Training, resolve_model
+
+DEFAULT_BATCH_TOKENS = 4 * 2**20  # Llama 2/3 pretraining batches are 4M tokens (Touvron et al. 2023)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", required=True, help="preset name, Hugging Face config.json, or shardwise TOML config")
+    a("--gpus", type=int, required=True, help="world size")
+    a("--gpu", default="h100", help="accelerator from the catalogue, or a `shardwise bench` profile JSON")
+    a("--gpus-per-node", type=int, default=8, help="devices sharing the fast intra-node link")
+    a("--seq-len", type=int, default=None, help="tokens per sequence (default: min(4096, model max))")
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step")
+    batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
+    a("--optimizer", default="adamw", choices=["adamw", "sgd", "momentum", "adamw8bit"])
+    a("--layout", default="torch", choices=["torch", "zero", "megatron"],
+      help="how mixed precision stores model state (see docs/planner.md)")
+    a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
+    a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
+    a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
+    a("--intra-node-gbs", type=float, default=None, help="override intra-node bandwidth, GB/s per direction")
+    a("--inter-node-gbs", type=float, default=None, help="override inter-node bandwidth, GB/s per direction")
+    a("--max-tp", type=int, default=None, help="largest tensor-parallel degree to consider")
+    a("--plan", default=None, help='fix knobs, e.g. "dp=32,tp=8,pp=4,micro_batch=2,recompute=full"')
+    a("--top-k", type=int, default=5, help="plans to show")
+    a("--json", action="store_true", help="print JSON (documented in docs/planner.md)")
+    a("--write-config", default=None, metavar="PATH", help="write a `shardwise train` config (needs issue 3)")
+    a("--plot", default=None, metavar="PATH", help="draw the memory breakdown (matplotlib PNG)")
+
+
+def build_inputs(ns: argparse.Namespace):
+    """(model args, training, cluster) from parsed flags; every bad value raises PlannerError naming its flag."""
+    model = resolve_model(ns.model)
+    seq = ns.seq_len or min(4096, model.max_seq_len)
+    if seq > model.max_seq_len:
+        raise PlannerError("--seq-len", f"{seq} exceeds the model's max_seq_len {model.max_seq_len}",
+                           "shorten it or use a model config with a longer context")
+    if ns.global_batch is not None:
+        batch = ns.global_batch
+    else:
+        tokens = ns.global_batch_tokens or max(DEFAULT_BATCH_TOKENS, seq)
+        if tokens % seq:
+            raise PlannerError("--global-batch-tokens", f"{tokens} is not a whole number of {seq}-token sequences",
+                               "use a multiple of --seq-len, or give --global-batch in sequences")
+        batch = tokens // seq
+    acc = resolve_accelerator(ns.gpu)
+    # torch's CPU RMSNorm is the composite kernel (it also saves x * rstd); GPUs get the fused one
+    training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
+                        layout=ns.layout, lora_rank=ns.lora_rank, qlora=ns.qlora,
+                        fused_rmsnorm=not acc.name.startswith("cpu"))
+    if ns.gpu_memory_gib is not None:
+        acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
+    if ns.intra_node_gbs is not None:
+        acc = dataclasses.replace(acc, intra_node_bw=ns.intra_node_gbs * GB)
+    if ns.inter_node_gbs is not None:
+        acc = dataclasses.replace(acc, inter_node_bw=ns.inter_node_gbs * GB)
+    training.precision in acc.peak_flops or acc.peak(training.precision)  # raises, naming --precision
+    cluster = Cluster(acc, gpus=ns.gpus, gpus_per_node=min(ns.gpus_per_node, ns.gpus))
+    return model, training, cluster
+
+
+def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
+    """A whole plan from --plan's keys, filling what it omits with the least-memory choices; used to report
+    a given plan (fits or not) when no completion of it fits."""
+    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    if world % (tp * pp * cp):
+        raise PlannerError("--plan", f"tp*pp*cp = {tp * pp * cp} does not divide --gpus {world}", "fix the degrees")
+    dp = fixed.get("dp", world // (tp * pp * cp))
+    zero = fixed.get("zero_stage", 3 if dp > 1 else 0)
+    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if "dp_replicate" in fixed else
+                      (dp if zero >= 2 else 1))
+    mb = fixed.get("micro_batch", 1)
+    if training.global_batch % (dp * mb):
+        raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
+                           f"dp*micro_batch = {dp * mb}", "change micro_batch, dp or the global batch")
+    return Plan(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=mb,
+                grad_accum=fixed.get("grad_accum", training.global_batch // (dp * mb)),
+                recompute=fixed.get("recompute", "full"),
+                schedule=fixed.get("schedule", "1f1b" if pp > 1 else "none"),
+                virtual_stages=fixed.get("virtual_stages", 1),
+                sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=fixed.get("offload", "none"))
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    try:
+        return _run(ns)
+    except (PlannerError, ConfigError) as e:  # both name the flag or field and the fix
+        print(f"shardwise plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.write_config:
+        raise PlannerError("--write-config", "writing a train config needs the parallel engine (issue 3)",
+                           "leave --write-config out for now")
+    model, training, cluster = build_inputs(ns)
+    fixed = parse_plan(ns.plan) if ns.plan else {}
+    start = time.perf_counter()
+    result = search(model, training, cluster, fixed=fixed, top_k=ns.top_k, max_tp=ns.max_tp)
+    seconds = time.perf_counter() - start
+    plans: list[Evaluation] = result.ranked
+    if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
+        plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus), cluster)]
+    expl = explain(model, training, cluster, result)
+    if ns.plot:
+        from shardwise.planner.plot import plot
+
+        plot(plans, ns.plot)
+    if ns.json:
+        print(json.dumps(_json(model, training, cluster, plans, expl, result.evaluated, seconds), indent=2))
+    else:
+        print(_table(model, training, cluster, plans, seconds, result.evaluated))
+        print()
+        print(render(expl, cluster))
+    return 0 if plans and plans[0].fits else 1
+
+
+def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], expl: dict, evaluated: int,
+          seconds: float) -> dict:
+    return {
+        "model": dataclasses.asdict(model),
+        "training": dataclasses.asdict(training),
+        "cluster": {"gpu": cluster.accelerator.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                    "memory_gib": cluster.accelerator.memory_bytes / GiB},
+        "plans": [ev.to_json() for ev in plans],
+        "explanation": expl,
+        "search": {"evaluated": evaluated, "seconds": seconds},
+    }
+
+
+COLUMNS = ("#", "dp(rep x shard)", "tp", "pp", "cp", "zero", "mb", "accum", "recompute", "schedule", "sp",
+           "offload", "mem GiB", "step s", "tok/s", "MFU", "bubble", "exp.comm s")
+
+
+def _row(i: int, ev: Evaluation) -> list[str]:
+    p, t = ev.plan, ev.time
+    sched = p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.fits else " OOM")
+    return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", str(p.tp), str(p.pp), str(p.cp), str(p.zero_stage),
+            str(p.micro_batch), str(p.grad_accum), p.recompute, sched, "y" if p.sequence_parallel else "n",
+            p.offload, mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.1f}%",
+            f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
+
+
+def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
+           evaluated: int) -> str:
+    head = (f"{model.name} on {cluster.gpus} x {cluster.accelerator.name} "
+            f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "
+            f"{training.global_batch} seqs ({training.global_batch * training.seq_len:,} tokens), "
+            f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s")
+    if not plans:
+        return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
+    rows = [list(COLUMNS)] + [_row(i + 1, ev) for i, ev in enumerate(plans)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    best = plans[0]
+    items = ", ".join(f"{k} {v / GiB:.1f}" for k, v in best.memory.items() if k != "total" and v > 0)
+    return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise plan", description=__doc__)
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

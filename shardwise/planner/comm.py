@@ -1,0 +1,95 @@
+"""Collective costs on a link: the alpha-beta model, and which link each mesh axis lands on.
+
+A ring over N ranks moves a message of X bytes in N-1 steps of X/N bytes per step for a reduce-scatter or an
+all-gather, and 2(N-1) steps for an all-reduce (reference doc 004: T = 2(N-1)X / (NB)); each step also pays the
+link latency alpha. A tree all-reduce (NCCL's double binary tree) pays 2 log2(N) latencies and moves about 2X,
+which wins for small messages. We take the cheaper of the two, as NCCL's tuner does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from shardwise.planner.hardware import Accelerator, Cluster
+from shardwise.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float
+    """Bytes/s per direction per rank, after the efficiency factor."""
+    latency: float
+    """Seconds per step (alpha)."""
+    tier: str
+    """'intra' (NVLink/PCIe inside a node), 'inter' (network) or 'local' (a group of one)."""
+
+
+def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """2(N-1) steps of X/N bytes: 2(N-1)(alpha + X/(N B))."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+
+
+def tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Reduce up and broadcast down a binary tree, pipelined: 2 log2(N) latencies and 2X/B of transfer."""
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
+
+
+def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    return min(ring_all_reduce(nbytes, n, link), tree_all_reduce(nbytes, n, link))
+
+
+def all_gather(nbytes: float, n: int, link: Link) -> float:
+    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B))."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+
+
+def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
+    """Reduce X bytes and leave X/N on each rank: same cost as all_gather."""
+    return all_gather(nbytes, n, link)
+
+
+def p2p(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mesh axes to links
+
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost -> innermost
+
+
+def axis_span(plan: Plan, axes: tuple[str, ...]) -> tuple[int, int]:
+    """(group size, stride) of the process group over contiguous mesh `axes` (innermost last)."""
+    return _span((plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp), axes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _span(degrees: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, int]:
+    by_axis = dict(zip(MESH_ORDER, degrees))
+    inner = MESH_ORDER[MESH_ORDER.index(axes[-1]) + 1:]
+    return math.prod(by_axis[a] for a in axes), math.prod(by_axis[a] for a in inner)
+
+
+def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None = None) -> Link:
+    """The link a group of `size` ranks spaced `stride` apart uses: intra-node if the whole group sits in one
+    node, otherwise the network (a ring that leaves the node is limited by the per-GPU NIC)."""
+    acc = acc or cluster.accelerator
+    if size <= 1:
+        return Link(float("inf"), 0.0, "local")
+    if size * stride <= cluster.gpus_per_node:  # degrees are products, so groups align with node boundaries
+        return Link(acc.intra_node_bw * acc.comm_efficiency, acc.intra_node_latency, "intra")
+    return Link(acc.inter_node_bw * acc.comm_efficiency, acc.inter_node_latency, "inter")
+
+
+def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:
+    size, stride = axis_span(plan, axes)
+    return size, group_link(size, stride, cluster)

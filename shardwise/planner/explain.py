@@ -1,0 +1,119 @@
+"""Why the best plan is what it is, in the reference documents' terms.
+
+Three parts: which of the three single-device failure modes (model too big, batch too small, wall-clock too
+long; reference doc 001) applies; where the plan stops on doc 001's decision sequence (LoRA -> BF16 +
+checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D); and, for every degree and knob, what the search saw
+when it was set otherwise (slower, by how much, or out of memory, by how much).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwise.model import ModelArgs, num_params
+from shardwise.planner.hardware import Cluster, GiB
+from shardwise.planner.memory import lora_params, model_state_bytes
+from shardwise.planner.search import Evaluation, SearchResult, budget, search
+from shardwise.planner.workload import Training
+
+EXPLAINED = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "recompute", "schedule",
+             "virtual_stages", "offload")
+
+
+def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict:
+    """The one-device diagnosis: which constraint breaks first."""
+    one = dataclasses.replace(cluster, gpus=1)
+    limit = budget(one)
+    n = num_params(args)
+    trainable = None
+    if training.lora_rank:
+        trainable = args.n_layers * lora_params(args, training.lora_rank)
+    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable).values())
+    states += training.fixed_overhead_gib * GiB
+    out = {"model_state_gib": states / GiB, "budget_gib": limit / GiB, "fits": False, "max_micro_batch": 0,
+           "step_time_s": None}
+    if states > limit:
+        out["failure"] = "model too big"
+        out["reason"] = (f"model state alone is {states / GiB:.1f} GiB against {limit / GiB:.1f} GiB "
+                         f"({n / 1e9:.2f}B parameters)")
+        return out
+    fixed = {"offload": "none"}
+    best = search(args, training, one, fixed=fixed, top_k=1).ranked
+    if not best:
+        out["failure"] = "model too big"
+        out["reason"] = (f"model state fits ({states / GiB:.1f} GiB) but not even one {training.seq_len}-token "
+                         "sequence's activations do, with full recompute")
+        return out
+    ev = best[0]
+    out.update(fits=True, max_micro_batch=ev.plan.micro_batch, step_time_s=ev.time.step_time_s,
+               tokens_per_s=ev.time.tokens_per_s)
+    if ev.plan.micro_batch < training.global_batch:
+        out["failure"] = "batch too small" if cluster.gpus == 1 else "wall-clock too long"
+        out["reason"] = (f"one device runs at most {ev.plan.micro_batch} sequence(s) per pass; the global batch of "
+                         f"{training.global_batch} takes {ev.plan.grad_accum} accumulation steps, "
+                         f"{ev.time.step_time_s:.2f} s per step")
+    else:
+        out["failure"] = "wall-clock too long" if cluster.gpus > 1 else "none"
+        out["reason"] = f"the whole batch fits on one device: {ev.time.step_time_s:.2f} s per step"
+    return out
+
+
+def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
+    """Which of doc 001's eight steps the plan uses, and the last one it needs."""
+    p = ev.plan
+    steps = [
+        ("1 LoRA/QLoRA", training.lora_rank > 0),
+        ("2 BF16 + checkpointing", training.mixed or p.recompute != "none"),
+        ("3 DDP", p.dp > 1 and p.zero_stage == 0 or p.dp_replicate > 1),
+        ("4 ZeRO-1/2", p.zero_stage in (1, 2)),
+        ("5 FSDP (ZeRO-3)", p.zero_stage == 3),
+        ("6 tensor parallel", p.tp > 1),
+        ("7 pipeline parallel", p.pp > 1),
+        ("8 3D parallel", p.tp > 1 and p.pp > 1 and p.dp > 1),
+    ]
+    used = [name for name, on in steps if on]
+    return used
+
+
+def knob_reasons(ev: Evaluation, result: SearchResult) -> dict[str, str]:
+    """For each degree and knob: the chosen value and what every alternative the search tried came to."""
+    best_t = ev.time.step_time_s
+    limit = ev.budget
+    out = {}
+    for knob in EXPLAINED:
+        chosen = getattr(ev.plan, knob)
+        alts = sorted({v for (k, v) in result.min_memory_by_knob if k == knob and v != chosen},
+                      key=lambda v: (str(type(v)), v))
+        parts = []
+        for v in alts:
+            t = result.best_by_knob.get((knob, v))
+            if t is not None:
+                parts.append(f"{knob}={v}: {100 * (t / best_t - 1):+.1f}% step time")
+            else:
+                m = result.min_memory_by_knob[(knob, v)]
+                parts.append(f"{knob}={v}: out of memory (least {m / GiB:.1f} GiB > {limit / GiB:.1f})")
+        out[knob] = f"{knob}={chosen}" + (" because " + "; ".join(parts) if parts else " (the only option)")
+    return out
+
+
+def explain(args: ModelArgs, training: Training, cluster: Cluster, result: SearchResult) -> dict:
+    """Everything the CLI prints under the table, as data (the JSON output carries it too)."""
+    if not result.ranked:
+        return {"single_device": single_device(args, training, cluster), "decision_sequence": [], "knobs": {}}
+    best = result.ranked[0]
+    return {
+        "single_device": single_device(args, training, cluster),
+        "decision_sequence": decision_sequence(best, training),
+        "knobs": knob_reasons(best, result),
+    }
+
+
+def render(expl: dict, cluster: Cluster) -> str:
+    sd = expl["single_device"]
+    lines = [f"On one {cluster.accelerator.name}: {sd['failure']} - {sd['reason']}."]
+    if expl["decision_sequence"]:
+        lines.append("Decision sequence (reference doc 001) used: " + ", ".join(expl["decision_sequence"])
+                     + f"; it stops at step {expl['decision_sequence'][-1].split()[0]}.")
+    for text in expl["knobs"].values():
+        lines.append("  " + text)
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""Accelerators and clusters: the numbers the time and memory models divide by.
+
+Every figure in the catalogue is a vendor datasheet number (dense, i.e. without 2:4 sparsity), cited next to
+the entry. Datasheet peaks are what MFU is defined against; what a device actually reaches is the job of the
+three efficiencies on `Accelerator`, whose defaults are stated assumptions and which `shardwise bench`
+replaces with measured values (see `load_profile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9  # datasheets and the reference documents count in powers of ten
+GiB = 2**30
+TFLOPS = 1e12
+
+
+class PlannerError(ValueError):
+    """A planner input that cannot work, naming the flag or field and the fix."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {problem}; fix: {fix}")
+
+
+@dataclass
+class Accelerator:
+    name: str
+    """Catalogue key, e.g. 'h100'."""
+    memory_bytes: float
+    """Device memory (HBM/GDDR) in bytes."""
+    peak_flops: dict[str, float]
+    """Dense peak matmul FLOP/s per compute dtype ('bf16', 'fp16', 'fp8', 'fp32'); a missing dtype is unsupported."""
+    mem_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra_node_bw: float
+    """GPU-to-GPU bandwidth inside a node, bytes/s per direction per GPU (NVLink, Infinity Fabric or PCIe)."""
+    inter_node_bw: float
+    """Network bandwidth between nodes, bytes/s per direction per GPU (one NIC per GPU in the usual build)."""
+    host_bw: float
+    """Host-to-device bandwidth for offload, bytes/s per direction (the GPU's PCIe link)."""
+    intra_node_latency: float = 3e-6
+    """Per-hop latency alpha inside a node, seconds (NCCL small-message latency is a few microseconds)."""
+    inter_node_latency: float = 8e-6
+    """Per-hop latency alpha between nodes, seconds (InfiniBand round trips plus NCCL proxy overhead)."""
+    matmul_efficiency: float = 0.70
+    """Share of peak that large GEMMs reach; assumption (cuBLAS on big bf16 GEMMs), replaced by `shardwise bench`."""
+    attention_efficiency: float = 0.45
+    """Share of peak that fused attention (forward + backward) reaches; FlashAttention-2 reports 35-50% on A100/H100."""
+    bandwidth_efficiency: float = 0.75
+    """Share of mem_bandwidth that elementwise kernels (norms, SwiGLU, rotary, residuals) reach."""
+    comm_efficiency: float = 0.80
+    """Share of link bandwidth a large collective reaches (nccl-tests bus bandwidth vs. the link rate)."""
+    source: str = ""
+    """Where the datasheet numbers come from."""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise PlannerError(
+                "--precision", f"{self.name} has no {dtype} matmul support in the catalogue",
+                f"use one of {', '.join(sorted(self.peak_flops))}",
+            )
+        return self.peak_flops[dtype]
+
+
+def _gpu(name: str, mem_gib: float, bf16: float | None, fp16: float, fp8: float | None, fp32: float,
+         bw_tbs: float, intra_gbs: float, inter_gbs: float, host_gbs: float, source: str) -> Accelerator:
+    peaks = {"fp16": fp16 * TFLOPS, "fp32": fp32 * TFLOPS}
+    if bf16 is not None:
+        peaks["bf16"] = bf16 * TFLOPS
+    if fp8 is not None:
+        peaks["fp8"] = fp8 * TFLOPS
+    return Accelerator(name=name, memory_bytes=mem_gib * GiB, peak_flops=peaks, mem_bandwidth=bw_tbs * 1e12,
+                       intra_node_bw=intra_gbs * GB, inter_node_bw=inter_gbs * GB, host_bw=host_gbs * GB,
+                       source=source)
+
+
+# Memory: HBM is sold in binary units ("80 GB" is 80 GiB; nvidia-smi shows 81559 MiB on an H100 SXM, 81920 MiB
+# on an A100 80GB), so capacities below are GiB. Dense peaks in TFLOP/s (sparsity figures halved away). fp32 is
+# the non-tensor-core FP32 rate: PyTorch runs fp32 matmuls without TF32 unless told to. NVLink figures are per
+# direction (the datasheets quote both directions added). inter-node: one NIC per GPU, per direction
+# (400 Gb/s NDR = 50 GB/s, 200 Gb/s HDR = 25 GB/s).
+CATALOGUE: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16/FP16 1979 TF sparse, FP8 3958
+        # sparse, FP32 67 TF, NVLink 900 GB/s; DGX H100: 8x 400 Gb/s ConnectX-7; host PCIe Gen5 x16.
+        _gpu("h100", 79.6, 989.4, 989.4, 1978.9, 67.0, 3.35, 450, 50, 64, "NVIDIA H100 datasheet, SXM5"),
+        # Same datasheet, PCIe column: 80 GB HBM2e, 2.0 TB/s, BF16 1513 sparse, FP8 3026 sparse, FP32 51 TF;
+        # no NVSwitch: GPUs talk over PCIe Gen5 (64 GB/s per direction).
+        _gpu("h100-pcie", 80, 756.5, 756.5, 1513.0, 51.2, 2.0, 64, 50, 64, "NVIDIA H100 datasheet, PCIe"),
+        # NVIDIA H200 datasheet (SXM): 141 GB HBM3e (nvidia-smi: 143771 MiB), 4.8 TB/s, compute as H100 SXM,
+        # NVLink 900 GB/s.
+        _gpu("h200", 140.4, 989.4, 989.4, 1978.9, 67.0, 4.8, 450, 50, 64, "NVIDIA H200 datasheet, SXM"),
+        # NVIDIA A100 datasheet: 40 GB HBM2 1.555 TB/s / 80 GB HBM2e 2.039 TB/s; BF16/FP16 312 TF, FP32 19.5 TF,
+        # no FP8; NVLink 600 GB/s; DGX A100: 8x 200 Gb/s HDR; host PCIe Gen4 x16 (32 GB/s).
+        _gpu("a100-40gb", 40, 312.0, 312.0, None, 19.5, 1.555, 300, 25, 32, "NVIDIA A100 datasheet, SXM 40GB"),
+        _gpu("a100-80gb", 80, 312.0, 312.0, None, 19.5, 2.039, 300, 25, 32, "NVIDIA A100 datasheet, SXM 80GB"),
+        # NVIDIA Blackwell / HGX B200 datasheet: FP16/BF16 4.5 PF sparse (2.25 dense), FP8 9 PF sparse, FP32 80 TF
+        # (approx.), HBM3e 8 TB/s, NVLink 5 1.8 TB/s. Memory: 192 GB as announced (and as reference doc 001
+        # states); shipping HGX B200 boards expose 180 GB, pass --gpu-memory-gib to use that.
+        _gpu("b200", 192, 2250.0, 2250.0, 4500.0, 80.0, 8.0, 900, 50, 64, "NVIDIA HGX B200 datasheet"),
+        # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16/FP16 1307.4 TF dense, FP8 2614.9, FP32
+        # 163.4 TF; Infinity Fabric 7 links x 64 GB/s per direction to the 7 peers (448 GB/s); PCIe Gen5 host.
+        _gpu("mi300x", 192, 1307.4, 1307.4, 2614.9, 163.4, 5.3, 448, 50, 64, "AMD Instinct MI300X datasheet"),
+        # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, BF16/FP16 242 TF sparse, FP8 485 sparse, FP32 30.3 TF;
+        # PCIe Gen4 x16 only; cloud nodes (e.g. g2-standard-96) share 100 Gb/s among 8 GPUs.
+        _gpu("l4", 24, 121.0, 121.0, 242.5, 30.3, 0.3, 32, 1.5, 32, "NVIDIA L4 datasheet"),
+        # NVIDIA A10G (AWS g5): 24 GB GDDR6, 600 GB/s, FP16/BF16 tensor 70 TF dense, FP32 31.2 TF (NVIDIA's A10G
+        # product brief as quoted by AWS; the A10 datasheet gives 125 TF for the higher-clocked A10); PCIe Gen4;
+        # g5.48xlarge: 100 Gb/s shared by 8 GPUs.
+        _gpu("a10g", 24, 70.0, 70.0, None, 31.2, 0.6, 32, 1.5, 32, "NVIDIA A10G brief / AWS g5"),
+        # NVIDIA V100 datasheet (SXM2 32 GB): HBM2 900 GB/s, FP16 tensor 125 TF, FP32 15.7 TF, no BF16/FP8;
+        # NVLink 300 GB/s; DGX-1/2 era EDR 100 Gb/s per GPU; host PCIe Gen3 (16 GB/s).
+        _gpu("v100", 32, None, 125.0, None, 15.7, 0.9, 150, 12.5, 16, "NVIDIA V100 datasheet, SXM2 32GB"),
+    ]
+}
+ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x"}
+
+
+def accelerator(name: str) -> Accelerator:
+    """A catalogue entry (a copy, safe to edit) by name or alias."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in CATALOGUE:
+        raise PlannerError("--gpu", f"unknown accelerator {name!r}",
+                           f"use one of {', '.join(CATALOGUE)} or a profile JSON from `shardwise bench`")
+    return dataclasses.replace(CATALOGUE[key], peak_flops=dict(CATALOGUE[key].peak_flops))
+
+
+@dataclass
+class Cluster:
+    """The machines a plan runs on: how many devices and how they are wired."""
+
+    accelerator: Accelerator
+    """The device every rank runs on."""
+    gpus: int
+    """World size."""
+    gpus_per_node: int = 8
+    """Devices that share the fast intra-node link (NVLink domain)."""
+    reserved_bytes: float = 0.0
+    """Memory per device not available to training (CUDA context, NCCL buffers); see memory.FIXED_OVERHEAD."""
+
+    def __post_init__(self):
+        if self.gpus < 1:
+            raise PlannerError("--gpus", f"{self.gpus} devices", "pass --gpus 1 or more")
+        if self.gpus_per_node < 1:
+            raise PlannerError("--gpus-per-node", f"{self.gpus_per_node}", "pass 1 or more")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise PlannerError("--gpus", f"{self.gpus} is not a whole number of {self.gpus_per_node}-GPU nodes",
+                               "use a multiple of --gpus-per-node")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardware profiles: `shardwise bench` writes one, the planner reads it in place of datasheet numbers
+
+PROFILE_KEYS = {f.name for f in dataclasses.fields(Accelerator)}
+
+
+def load_profile(path: str | Path) -> Accelerator:
+    """An Accelerator from a JSON profile: either a full entry, or {"base": "h100", ...overrides}."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PlannerError("--gpu", f"no profile file {path}", "pass a catalogue name or a `shardwise bench` JSON")
+    except json.JSONDecodeError as e:
+        raise PlannerError("--gpu", f"{path} is not valid JSON ({e})", "regenerate it with `shardwise bench`")
+    raw.pop("measurements", None)  # what `shardwise bench` saw, kept in the file for the record
+    base = raw.pop("base", None)
+    unknown = set(raw) - PROFILE_KEYS
+    if unknown:
+        raise PlannerError("--gpu", f"profile {path} has unknown keys {sorted(unknown)}",
+                           f"use only {sorted(PROFILE_KEYS)}")
+    if base is not None:
+        return dataclasses.replace(accelerator(base), **raw)
+    missing = {f.name for f in dataclasses.fields(Accelerator) if f.default is dataclasses.MISSING} - set(raw)
+    if missing:
+        raise PlannerError("--gpu", f"profile {path} lacks {sorted(missing)}", 'add them or give "base": "<gpu>"')
+    return Accelerator(**raw)
+
+
+def resolve_accelerator(spec: str) -> Accelerator:
+    """A catalogue name, or the path of a JSON hardware profile."""
+    if spec.endswith(".json") or Path(spec).is_file():
+        return load_profile(spec)
+    return accelerator(spec)
+
+
+
+def detect_accelerator(device) -> str | None:
+    """Catalogue name of the GPU behind a torch device, or None (CPU, or a GPU the catalogue lacks)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    label = torch.cuda.get_device_name(device).lower()
+    if "h100" in label:
+        return "h100-pcie" if "pcie" in label else "h100"
+    if "a100" in label:
+        return "a100-80gb" if torch.cuda.get_device_properties(device).total_memory > 50 * GiB else "a100-40gb"
+    return next((name for name in ("h200", "b200", "mi300x", "l4", "a10g", "v100") if name in label), None)

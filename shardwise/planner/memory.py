@@ -1,0 +1,407 @@
+"""Per-rank memory, itemised: model state, activations, transient buffers, allowances.
+
+Derivations are in docs/planner.md; each function here names the section it implements. Sizes are bytes.
+The activation accounting is the one of Korthikanti et al. (2022), redone for our block: RMSNorm instead of
+LayerNorm, SwiGLU instead of GeLU, grouped-query attention, fused SDPA (no s^2 score matrix: the kernel saves
+q, k, v, its output and one fp32 log-sum-exp per head and query) and no dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from shardwise.model import ModelArgs
+from shardwise.planner.hardware import GiB
+from shardwise.planner.plan import Plan
+from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
+
+# ---------------------------------------------------------------------------------------------------
+# Parameters (docs/planner.md, "Parameters per rank")
+
+
+def linear_shapes(args: ModelArgs) -> list[tuple[str, int, int, str]]:
+    """(name, in, out, how tp splits it) for the seven linears of a block: 'col' splits outputs, 'row' inputs,
+    'kv' is a column split that cannot go below one KV head per rank."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    return [("wq", d, d, "col"), ("wk", d, kv, "kv"), ("wv", d, kv, "kv"), ("wo", d, d, "row"),
+            ("w1", d, f, "col"), ("w3", d, f, "col"), ("w2", f, d, "row")]
+
+
+def kv_split(args: ModelArgs, tp: int) -> int:
+    """How many ways KV heads split: with more tp ranks than KV heads, heads are replicated."""
+    return min(tp, args.n_kv_heads)
+
+
+def layer_params(args: ModelArgs, tp: int = 1) -> float:
+    """Parameters of one block held by one tp rank (norm weights are replicated)."""
+    return _layer_params(shape_key(args), tp)
+
+
+def shape_key(args: ModelArgs) -> tuple:
+    """The fields of ModelArgs the planner's arithmetic reads (ModelArgs itself is mutable, so not a cache key)."""
+    return (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.ffn_hidden,
+            args.tie_embeddings)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_params(key: tuple, tp: int) -> float:
+    args = ModelArgs(dim=key[0], n_layers=key[1], n_heads=key[2], n_kv_heads=key[3], vocab_size=key[4],
+                     ffn_hidden=key[5])
+    total = 2 * args.dim
+    for _, n_in, n_out, split in linear_shapes(args):
+        total += n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
+    return total
+
+
+def stage_params(args: ModelArgs, plan: Plan, stage: int) -> float:
+    """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (last)."""
+    n = stage_layers(args, plan, stage) * layer_params(args, plan.tp)
+    emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head
+    if stage == 0:
+        n += emb
+    if stage == plan.pp - 1:
+        n += args.dim + (0 if args.tie_embeddings and plan.pp == 1 else emb)
+    return n
+
+
+def stage_layers(args: ModelArgs, plan: Plan, stage: int) -> int:
+    """Blocks on one pipeline rank: ceil(L / (pp v)) per chunk, the first ranks taking the remainder."""
+    return _stage_layers(args.n_layers, plan.pp, plan.virtual_stages, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> int:
+    chunks = pp * virtual_stages
+    per_chunk = [n_layers // chunks + (1 if i < n_layers % chunks else 0) for i in range(chunks)]
+    return sum(per_chunk[stage::pp])
+
+
+def lora_params(args: ModelArgs, rank: int, tp: int = 1) -> float:
+    """Trainable adapter parameters per block: r (in + out) on each linear, split by tp like the linear."""
+    return sum(rank * (n_in + n_out) / tp for _, n_in, n_out, _ in linear_shapes(args))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model state (docs/planner.md, "Model state"): ZeRO's (2 + 2 + K) Psi and its variants
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model-state item, before sharding."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+
+
+def state_bytes_per_param(training: Training) -> StateBytes:
+    """Bytes/param of weights, gradients, fp32 master copy and optimizer state for a recipe.
+
+    'zero': fp16/bf16 weights and gradients, fp32 master + moments in the optimizer (Rajbhandari et al.: 2+2+K,
+    K=12 for Adam -> 16 bytes). 'megatron': bf16 weights, fp32 gradient accumulation buffer (2+4+12 = 18).
+    'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
+    (see transient_bytes). fp32 training: 4+4+states, no master.
+    """
+    opt = OPTIMIZER_STATE_BYTES[training.optimizer]
+    if not training.mixed:
+        return StateBytes(4.0, 4.0, 0.0, opt)
+    if training.layout == "zero":
+        return StateBytes(2.0, 2.0, 4.0, opt)
+    if training.layout == "megatron":
+        return StateBytes(2.0, 4.0, 4.0, opt)
+    return StateBytes(4.0, 4.0, 0.0, opt)
+
+
+def model_state_bytes(n_params: float, training: Training, zero_stage: int, shard: int,
+                      offload: str = "none", n_trainable: float | None = None,
+                      n_quantizable: float = 0.0) -> dict[str, float]:
+    """Itemised model-state bytes on one rank for n_params local parameters, sharded over `shard` ranks.
+
+    ZeRO stage 1 shards master weights and optimizer state, 2 also gradients, 3 also weights. With LoRA only
+    `n_trainable` parameters have gradients and optimizer state; frozen weights are kept in the compute dtype,
+    except that QLoRA stores `n_quantizable` of them (the blocks' linears) in 4-bit NF4. Offload moves optimizer
+    state and master ('optimizer') or everything ('full') to the host.
+    """
+    b = state_bytes_per_param(training)
+    trainable = n_params if n_trainable is None else n_trainable
+    if n_trainable is None:
+        weights = n_params * b.params
+    else:  # LoRA: frozen base + adapters (adapters get their own full-precision treatment)
+        frozen_bytes = 2.0 if training.mixed else 4.0
+        quantized = n_quantizable if training.qlora else 0.0
+        weights = (n_params - quantized) * frozen_bytes + quantized * QLORA_BITS / 8 + trainable * b.params
+    items = {
+        "params": weights / (shard if zero_stage >= 3 else 1),
+        "grads": trainable * b.grads / (shard if zero_stage >= 2 else 1),
+        "master_weights": trainable * b.master / (shard if zero_stage >= 1 else 1),
+        "optimizer_state": trainable * b.optimizer / (shard if zero_stage >= 1 else 1),
+    }
+    if offload in ("optimizer", "full"):
+        items["master_weights"] = items["optimizer_state"] = 0.0
+    if offload == "full":
+        items["params"] = items["grads"] = 0.0
+    return items
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations (docs/planner.md, "Activations")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One tensor a block saves for backward: elements per token, its dtype class, how parallelism splits it.
+
+    kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics).
+    split: 'seq' (sequence-parallel tensors: / tp with SP), 'full' (the whole hidden vector on every tp rank),
+    'tp' (heads or MLP columns: / tp), 'kv' (KV heads: / min(tp, n_kv)).
+    """
+
+    name: str
+    elems: float
+    kind: str
+    split: str
+    copies: int = 1
+
+
+def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int) -> list[Term]:
+    """What one block keeps for backward under a recompute policy (per token of the micro-batch)."""
+    d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
+    if recompute == "full":
+        return [Term("block_input", d, "stream", "seq")]
+    if recompute == "selective":
+        # the policy keeps every matmul / SDPA output; the checkpoint keeps the block input
+        return [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
+                Term("wk_out", kv, "act", "kv"), Term("wv_out", kv, "act", "kv"),
+                Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
+                Term("wo_out", d, "act", "full"), Term("w1_out", f, "act", "tp"),
+                Term("w3_out", f, "act", "tp"), Term("w2_out", d, "act", "full")]
+    # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
+    autocast = training.act_bytes != training.stream_bytes(zero_stage)
+    terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
+    terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
+              Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
+    terms += _norm_terms("ffn_norm", d, training, autocast_copies=2 if autocast else 1)
+    terms += [Term("w1_out", f, "act", "tp"), Term("silu_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
+              Term("swiglu_out", f, "act", "tp")]
+    return terms
+
+
+def _norm_terms(name: str, d: int, training: Training, autocast_copies: int) -> list[Term]:
+    # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad
+    terms = [Term(f"{name}_input", d, "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
+    if not training.fused_rmsnorm:
+        terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
+    # the output feeds column-parallel linears: torch (DTensor) saves their all-gathered, full-sequence input;
+    # Megatron saves the sequence-parallel shard and gathers it again in backward (Korthikanti et al., 4.2.2)
+    split = "seq" if training.layout == "megatron" else "full"
+    terms.append(Term(f"{name}_output", d, "act", split, copies=autocast_copies))
+    return terms
+
+
+def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Bytes per token of one term on one rank."""
+    size = {"stream": training.stream_bytes(plan.zero_stage), "act": training.act_bytes, "stat": 4}[term.kind]
+    div = {"seq": plan.tp if plan.sequence_parallel else 1, "full": 1, "tp": plan.tp,
+           "kv": kv_split(args, plan.tp)}[term.split]
+    return term.elems * size * term.copies / div
+
+
+def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, recompute: str | None = None,
+                           seq_len: int | None = None) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one rank (tokens = micro_batch x seq / cp)."""
+    recompute = plan.recompute if recompute is None else recompute
+    seq = seq_len or training.seq_len
+    tokens = plan.micro_batch * seq / plan.cp
+    total = tokens * _per_token(args, training, plan, recompute)
+    if recompute == "none" and training.act_bytes != 4:
+        # apply_rotary casts the fp32 cos/sin table to the activation dtype for q and for k: 4 (seq, head_dim)
+        # copies per block, independent of the batch
+        total += 4 * seq / plan.cp * args.head_dim * training.act_bytes
+    return total
+
+
+def _per_token(args: ModelArgs, training: Training, plan: Plan, recompute: str) -> float:
+    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, recompute, plan.tp,
+           plan.sequence_parallel, plan.zero_stage >= 3)
+    cached = _PER_TOKEN.get(key)
+    if cached is None:
+        terms = block_terms(args, training, recompute, plan.zero_stage)
+        cached = _remember(_PER_TOKEN, key, sum(term_bytes(t, args, training, plan) for t in terms))
+    return cached
+
+
+_PER_TOKEN: dict[tuple, float] = {}  # a pure function's memo: keys hold every input it reads
+MEMO_LIMIT = 200_000  # entries per memo before it is emptied, so a long-lived process does not grow without end
+
+
+def _remember(memo: dict, key: tuple, value):
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_len: int | None = None) -> float:
+    """Last stage: final norm + output head input + the loss's saved fp32 log-probabilities + targets."""
+    tokens = plan.micro_batch * (seq_len or training.seq_len) / plan.cp
+    terms = _norm_terms("final_norm", args.dim, training, autocast_copies=1)
+    per_token = sum(term_bytes(t, args, training, plan) for t in terms)
+    per_token += 4 * args.vocab_size / plan.tp  # log_softmax output, fp32, vocab-parallel loss
+    per_token += 8  # int64 targets
+    return per_token * tokens
+
+
+def embedding_activation_bytes(training: Training, plan: Plan, seq_len: int | None = None) -> float:
+    """First stage: the embedding's backward needs only the int64 token ids."""
+    return 8 * plan.micro_batch * (seq_len or training.seq_len) / plan.cp
+
+
+def in_flight(plan: Plan, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's whole layer set.
+
+    GPipe runs all M forwards first: M. 1F1B: rank i warms up with P - i forwards, then alternates: min(P - i, M).
+    Interleaved (Narayanan et al. 2021): rank i runs 2(P - i - 1) + (v - 1)P + 1 chunk forwards before its first
+    backward, each chunk 1/v of its layers; for rank 0 that is P + (P - 1)/v stage-equivalents.
+    Zero-bubble (ZB-H1) keeps 1F1B's count (Qi et al. 2024, table 2).
+    """
+    p, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
+    if p == 1:
+        return 1.0
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.schedule == "interleaved-1f1b":
+        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return float(min(p - stage, m))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transient buffers (docs/planner.md, "Transient buffers")
+
+
+def backward_working_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Peak extra memory inside one block's backward: the recomputed activations (full/selective), plus the
+    gradients alive at once in the MLP backward (grad of swiglu_out and of w1_out/w3_out: 2 f) and of the
+    residual stream (2 d)."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    grads = tokens * training.act_bytes * (2 * args.ffn_hidden / plan.tp + 2 * args.dim)
+    if plan.recompute == "none":
+        return grads
+    recomputed = layer_activation_bytes(args, training, plan, "none") - layer_activation_bytes(args, training, plan)
+    return grads + recomputed
+
+
+def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Last stage: logits in the compute dtype, their fp32 upcast for the loss, and the fp32 logits gradient."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    return tokens * args.vocab_size / plan.tp * (training.act_bytes + 4 + 4)
+
+
+def fsdp_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """ZeRO-3: the all-gathered weights of the running block and the prefetched next one (compute dtype), and the
+    unsharded gradients of a block waiting for reduce-scatter plus the one being produced (fp32 reduce)."""
+    if plan.zero_stage < 3:
+        return 0.0
+    compute = 2.0 if training.mixed else 4.0
+    biggest = layer_params(args, plan.tp)
+    if stage == 0 or stage == plan.pp - 1:
+        biggest = max(biggest, args.vocab_size * args.dim / plan.tp)
+    grad_bytes = 0.0 if training.lora_rank else 2 * biggest * 4.0
+    return 2 * biggest * compute + grad_bytes
+
+
+def compute_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """'torch' layout below ZeRO-3: autocast caches one low-precision copy of every matmul weight (the linears and
+    the output head, not the embedding table or the norms) from its first use until the end of the step."""
+    if not training.mixed or training.layout != "torch" or plan.zero_stage >= 3 or training.lora_rank:
+        return 0.0
+    n = stage_layers(args, plan, stage) * (layer_params(args, plan.tp) - 2 * args.dim)
+    if stage == plan.pp - 1:
+        n += args.vocab_size * args.dim / plan.tp
+    return n * 2.0
+
+
+def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
+    """Gradient reduction below ZeRO-3 uses buckets (gradients as bucket views): two in flight."""
+    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 3:
+        return 0.0
+    return 2 * training.ddp_bucket_mb * 2**20
+
+
+# ---------------------------------------------------------------------------------------------------
+# The breakdown
+
+
+def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
+    """Itemised peak bytes on one rank of pipeline stage `stage`."""
+    items = dict(_model_state(args, training, plan, stage))
+    items.update(_activation_items(args, training, plan, stage))
+    items["fsdp_buffers"] = fsdp_buffer_bytes(args, training, plan, stage)
+    items["compute_copies"] = compute_copy_bytes(args, training, plan, stage)
+    items["ddp_buckets"] = ddp_bucket_bytes(training, plan)
+    if plan.pp > 1:  # a received activation and a received gradient, double-buffered
+        items["p2p_buffers"] = 4 * plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
+    items["fragmentation"] = training.fragmentation * dynamic
+    items["fixed_overhead"] = training.fixed_overhead_gib * GiB
+    items["total"] = sum(items.values())
+    return items
+
+
+def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
+    """Activations in flight and the backward/logits working set; memoised (they do not depend on the dp split,
+    ZeRO stage 0-2 or offload, which a search varies most)."""
+    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.seq_len,
+           plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.grad_accum, plan.schedule,
+           plan.recompute, plan.sequence_parallel, training.stream_bytes(plan.zero_stage), stage)
+    cached = _ACTIVATIONS.get(key)
+    if cached is None:
+        per_mb = stage_layers(args, plan, stage) * layer_activation_bytes(args, training, plan)
+        transient = backward_working_bytes(args, training, plan)
+        if stage == 0:
+            per_mb += embedding_activation_bytes(training, plan)
+        if stage == plan.pp - 1:
+            per_mb += head_activation_bytes(args, training, plan)
+            transient += logits_bytes(args, training, plan)
+        cached = _remember(_ACTIVATIONS, key, {"activations": per_mb * in_flight(plan, stage),
+                                               "backward_and_logits": transient})
+    return cached
+
+
+_ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
+
+
+def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
+    """model_state_bytes for a stage; memoised, since a search asks for it under many micro-batches and schedules."""
+    key = (shape_key(args), training.precision, training.layout, training.optimizer, training.lora_rank,
+           training.qlora, plan.tp, plan.pp, plan.virtual_stages, plan.zero_stage, plan.shard_group, plan.offload,
+           stage)
+    cached = _MODEL_STATE.get(key)
+    if cached is None:
+        layers = stage_layers(args, plan, stage)
+        trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
+        linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
+        cached = _remember(_MODEL_STATE, key, model_state_bytes(stage_params(args, plan, stage), training,
+                                                                plan.zero_stage, plan.shard_group, plan.offload,
+                                                                trainable, linears))
+    return cached
+
+
+_MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
+
+
+def peak_memory(args: ModelArgs, training: Training, plan: Plan,
+                first: dict[str, float] | None = None) -> tuple[int, dict[str, float]]:
+    """(stage, breakdown) of the pipeline rank with the highest peak: the first (most micro-batches in flight,
+    the embedding) or the last (output head, logits). `first` passes stage 0's breakdown if already computed."""
+    first = first or stage_memory(args, training, plan, 0)
+    if plan.pp == 1:
+        return 0, first
+    last = stage_memory(args, training, plan, plan.pp - 1)
+    return (0, first) if first["total"] >= last["total"] else (plan.pp - 1, last)
+
+
+def to_gib(items: dict[str, float]) -> dict[str, float]:
+    return {k: round(v / GiB, 3) for k, v in items.items()}

@@ -1,0 +1,288 @@
+"""Search: every valid plan, pruned by memory, ranked by step time; and the reason behind the winner.
+
+The objective is reference doc 000's: minimise T_step subject to M_device <= M_budget. The space is walked
+degrees first (tp, cp, pp, dp split, ZeRO stage, offload), then micro-batch, schedule and recompute. Three
+kinds of pruning keep it fast, none of which drops a plan that could win under this model:
+
+* memory lower bounds: a degree combination whose model state plus the smallest possible activation set (one
+  sequence, full recompute, 1F1B) does not fit is skipped whole; micro-batches are tried in increasing size and
+  the walk stops at the first that cannot fit even with full recompute;
+* dominance in the model: for fixed other knobs, recompute none < selective < full in time and the reverse in
+  memory, so the first policy that fits is the only one kept; GPipe has 1F1B's time and more memory, and
+  zero-bubble (ZB-H1) 1F1B's memory and a smaller bubble, so neither GPipe nor 1F1B can win a search (both
+  stay available through --plan); sequence parallelism costs the same communication as plain tp and saves
+  memory;
+* offload is slower than not offloading, so it is searched only when nothing fits without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from dataclasses import dataclass, field
+
+from shardwise.model import ModelArgs
+from shardwise.planner.hardware import Cluster, GiB, PlannerError
+from shardwise.planner.memory import peak_memory, stage_memory
+from shardwise.planner.plan import Plan, validate_plan
+from shardwise.planner.timing import StepTime, step_time
+from shardwise.planner.workload import Training
+
+
+@dataclass
+class Evaluation:
+    """The itemised per-rank prediction for one plan: what the simulator and the CLI consume."""
+
+    plan: Plan
+    memory: dict[str, float]
+    """Bytes per item on the rank with the highest peak, with 'total'."""
+    memory_stage: int
+    """The pipeline stage that rank belongs to."""
+    time: StepTime
+    budget: float
+    """Device memory the plan must fit in, bytes."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.budget
+
+    def to_json(self) -> dict:
+        p = self.plan
+        out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "micro_batch",
+                                          "grad_accum", "recompute", "schedule", "virtual_stages",
+                                          "sequence_parallel", "offload")}
+        out["dp"] = p.dp
+        out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
+        out["memory_stage"] = self.memory_stage
+        out["fits"] = self.fits
+        t = self.time
+        out.update(step_time_s=t.step_time_s, tokens_per_s=t.tokens_per_s, mfu=t.mfu,
+                   bubble_fraction=t.bubble_fraction, exposed_comm_s=t.exposed_comm_s)
+        out["time_s"] = {"compute": t.compute_s, "recompute": t.recompute_s, "bubble": t.bubble_s,
+                         "optimizer": t.optimizer_s, "offload": t.offload_s, "comm_total": t.comm_total_s,
+                         **{k.removesuffix("_s"): v for k, v in t.detail.items()}}
+        return out
+
+
+def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> Evaluation:
+    """Memory and time of one plan (validated first)."""
+    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads)
+    stage, mem = peak_memory(args, training, plan)
+    return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster))
+
+
+def budget(cluster: Cluster) -> float:
+    return cluster.accelerator.memory_bytes - cluster.reserved_bytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# The walk
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Evaluation]
+    """Plans that fit, fastest first (top_k of them)."""
+    evaluated: int
+    """Full evaluations made."""
+    best_by_knob: dict[tuple[str, object], float] = field(default_factory=dict)
+    """(knob, value) -> fastest fitting step time seen with that value."""
+    min_memory_by_knob: dict[tuple[str, object], float] = field(default_factory=dict)
+    """(knob, value) -> smallest peak memory seen (or lower bound) with that value."""
+
+
+KNOBS = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "recompute", "schedule",
+         "virtual_stages", "offload")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, top_k: int = 5,
+           max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8) -> SearchResult:
+    """All plans consistent with `fixed` (knobs from --plan), ranked by predicted step time."""
+    fixed = dict(fixed or {})
+    check_fixed(args, training, cluster, fixed)
+    result = SearchResult([], 0)
+    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "full"]
+    fits: list[Evaluation] = []
+    for offload in offloads:
+        for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp):
+            _search_degrees(args, training, cluster, dataclasses.replace(base, offload=offload), fixed,
+                            max_virtual, result, fits)
+        if fits:
+            break
+    fits.sort(key=lambda e: (e.time.step_time_s, e.memory["total"]))
+    result.ranked = fits[:top_k]
+    return result
+
+
+def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict) -> None:
+    """Reject --plan values no plan can have, naming the key."""
+    world = cluster.gpus
+
+    def bad(key: str, problem: str, fix: str) -> None:
+        raise PlannerError(f"--plan {key}", problem, fix)
+
+    for key, value in fixed.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < (0 if key == "zero_stage" else 1):
+            bad(key, f"{value} is not positive", "use 1 or more")
+    tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
+    if args.n_heads % tp or world % tp:
+        bad("tp", f"tp={tp} must divide both {args.n_heads} heads and {world} GPUs", "pick a common divisor")
+    if world % (tp * cp) or training.seq_len % cp:
+        bad("cp", f"cp={cp} must divide the sequence ({training.seq_len}) and --gpus/tp", "pick a divisor")
+    if pp > args.n_layers or world % (tp * cp * pp):
+        bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
+    degrees = [fixed.get(k) for k in ("dp_replicate", "dp_shard")]
+    dp = fixed.get("dp", math.prod(degrees) if None not in degrees else None)
+    if dp is not None and {"tp", "pp", "cp"} <= set(fixed) and dp * tp * pp * cp != world:
+        bad("dp", f"dp*tp*pp*cp = {dp * tp * pp * cp} but --gpus is {world}", "make the product the world size")
+    if fixed.get("zero_stage", 0) > 3:
+        bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
+    choices = {"recompute": ("none", "selective", "full"), "offload": ("none", "optimizer", "full"),
+               "schedule": ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")}
+    for key, allowed in choices.items():
+        if key in fixed and fixed[key] not in allowed:
+            bad(key, f"{fixed[key]!r} is not a choice", f"use one of {', '.join(allowed)}")
+
+
+def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
+                  max_cp: int):
+    world = cluster.gpus
+    tps = _choices(fixed, "tp", [t for t in divisors(math.gcd(args.n_heads, cluster.gpus_per_node, world))
+                                 if max_tp is None or t <= max_tp])
+    for tp in tps:
+        if world % tp:
+            continue
+        cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp
+                                     and training.seq_len % (2 * c) == 0 or c == 1])
+        for cp in cps:
+            if (world // tp) % cp:
+                continue
+            pps = _choices(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= args.n_layers])
+            for pp in pps:
+                if (world // (tp * cp)) % pp:
+                    continue
+                dp = world // (tp * cp * pp)
+                if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
+                    continue
+                yield from _dp_splits(dp, tp, cp, pp, fixed)
+
+
+def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict):
+    shards = _choices(fixed, "dp_shard", divisors(dp))
+    for dp_shard in shards:
+        if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
+            continue
+        # as the engine runs ZeRO: 0 and 1 over dp_replicate (1 shards the optimizer over the whole dp x cp
+        # group), 2 and 3 are FSDP over dp_shard x cp, with dp_replicate as HSDP's replicas
+        stages = ([0] + ([1] if dp * cp > 1 else [])) if dp_shard == 1 else []
+        if dp_shard * cp > 1:
+            stages += [2, 3]
+        for zero in _choices(fixed, "zero_stage", stages):
+            yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
+                       sequence_parallel=fixed.get("sequence_parallel", tp > 1))
+
+
+def _choices(fixed: dict, key: str, options: list) -> list:
+    return [fixed[key]] if key in fixed else options
+
+
+def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base: Plan, fixed: dict,
+                    max_virtual: int, result: SearchResult, fits: list[Evaluation]) -> None:
+    limit = budget(cluster)
+    local = training.global_batch // base.dp
+    schedules = _schedules(args, base, fixed, max_virtual)
+    if not schedules:
+        return
+    recomputes = _choices(fixed, "recompute", ["none", "selective", "full"])
+    # lower bound: one sequence, the cheapest recompute allowed, the schedule with the fewest micro-batches in
+    # flight (1F1B's count, which zero-bubble shares; interleaving holds more)
+    floor = dataclasses.replace(base, micro_batch=1, grad_accum=local, recompute=recomputes[-1],
+                                schedule=schedules[0][0], virtual_stages=schedules[0][1])
+    low = peak_memory(args, training, floor)[1]["total"]
+    if low > limit:
+        _note_memory(result, floor, low)
+        return
+    for mb in _choices(fixed, "micro_batch", divisors(local)):
+        if local % mb or "grad_accum" in fixed and fixed["grad_accum"] != local // mb:
+            continue
+        any_fit = False
+        for schedule, v in schedules:
+            plan = _with(base, micro_batch=mb, grad_accum=local // mb, schedule=schedule, virtual_stages=v)
+            if schedule == "interleaved-1f1b" and plan.grad_accum % plan.pp:
+                continue
+            ev = _cheapest_recompute(args, training, cluster, plan, recomputes, limit, result)
+            if ev is not None:
+                fits.append(ev)
+                any_fit = True
+        if not any_fit and "recompute" not in fixed and "micro_batch" not in fixed:
+            break  # memory grows with the micro-batch: larger ones cannot fit either
+
+
+def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, plan: Plan, recomputes: list[str],
+                        limit: float, result: SearchResult) -> Evaluation | None:
+    """The fastest recompute policy that fits: none < selective < full in time and the reverse in memory, so the
+    first that fits, in that order, is the only one worth timing."""
+    found = None
+    for recompute in recomputes:
+        candidate = _with(plan, recompute=recompute)  # valid by construction
+        result.evaluated += 1
+        # the first rank alone often settles it; its total is a lower bound on the plan's peak
+        first = stage_memory(args, training, candidate, 0)
+        if first["total"] > limit:
+            _note_memory(result, candidate, first["total"])
+            continue
+        stage, mem = peak_memory(args, training, candidate, first)
+        if mem["total"] <= limit:
+            found = (candidate, stage, mem)
+            break
+        _note_memory(result, candidate, mem["total"])
+    if found is None:
+        return None
+    candidate, stage, mem = found
+    ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit)
+    _note(result, ev)
+    return ev
+
+
+def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> list[tuple[str, int]]:
+    if base.pp == 1:  # a fixed pipeline schedule rules out pp = 1
+        return [("none", 1)] if fixed.get("schedule", "none") == "none" else []
+    names = _choices(fixed, "schedule", ["zero-bubble", "interleaved-1f1b"])
+    out = []
+    for name in names:
+        if name == "interleaved-1f1b":
+            vs = _choices(fixed, "virtual_stages", [v for v in range(2, max_virtual + 1)
+                                                    if base.pp * v <= args.n_layers])
+            out += [(name, v) for v in vs]
+        else:
+            out.append((name, 1))
+    return out
+
+
+def _with(plan: Plan, **changes) -> Plan:
+    """dataclasses.replace without its per-call field introspection (the search makes ~10^5 of these)."""
+    return Plan(**{**plan.__dict__, **changes})
+
+
+_KNOB_VALUES = operator.attrgetter(*KNOBS)
+
+
+def _note(result: SearchResult, ev: Evaluation) -> None:
+    t = ev.time.step_time_s
+    best = result.best_by_knob
+    for key in zip(KNOBS, _KNOB_VALUES(ev.plan)):
+        if t < best.get(key, math.inf):
+            best[key] = t
+    _note_memory(result, ev.plan, ev.memory["total"])
+
+
+def _note_memory(result: SearchResult, plan: Plan, total: float) -> None:
+    least = result.min_memory_by_knob
+    for key in zip(KNOBS, _KNOB_VALUES(plan)):
+        if total < least.get(key, math.inf):
+            least[key] = total

@@ -1,0 +1,312 @@
+"""Step time: compute, each axis's communication (overlapped or exposed), the pipeline bubble, the optimizer.
+
+T_step = T_compute + T_comm,exposed + T_bubble + T_misc (reference doc 000, section 7). Derivations in
+docs/planner.md, "Time model".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.model import ModelArgs, flops_per_token
+from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
+from shardwise.planner.hardware import Accelerator, Cluster
+from shardwise.planner.memory import (kv_split, layer_activation_bytes, layer_params, lora_params,
+                                      shape_key, stage_layers, stage_params, state_bytes_per_param)
+from shardwise.planner.plan import Plan
+from shardwise.planner.workload import Training
+
+HOST_DRAM_BW_PER_GPU = 25e9
+"""Host-memory bandwidth one GPU's share of a CPU optimizer step gets (about 200 GB/s per socket pair / 8)."""
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds for one micro-batch on the heaviest pipeline rank, split the way the schedules need."""
+
+    forward: float
+    """Forward compute."""
+    backward_input: float
+    """Backward compute producing activation gradients (B in zero-bubble terms)."""
+    backward_weight: float
+    """Backward compute producing weight gradients (W)."""
+    recompute: float
+    """Extra forward work for activation recomputation."""
+    tp_comm: float
+    """Tensor-parallel collectives (on the critical path: we assume no async TP)."""
+    cp_exposed: float
+    """Ring-attention transfers not hidden behind attention compute."""
+    pp_p2p: float
+    """Activation and gradient sends across the rank's stage boundaries."""
+
+    @property
+    def total(self) -> float:
+        return (self.forward + self.backward_input + self.backward_weight + self.recompute + self.tp_comm
+                + self.cp_exposed + self.pp_p2p)
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+
+def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> dict[str, float]:
+    """Seconds of one block's forward on one rank for one micro-batch: matmuls, attention, elementwise."""
+    peak = acc.peak(training.compute_dtype)
+    q_tokens = plan.micro_batch * training.seq_len / plan.cp
+    matmul_params = layer_params(args, plan.tp) - 2 * args.dim
+    mm = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
+    # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with cp
+    # each rank's queries see on average half the sequence either way (load-balanced ring attention)
+    attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (peak * acc.attention_efficiency)
+    # elementwise kernels write each saved tensor once and read it once
+    elementwise = 2 * layer_activation_bytes(args, training, plan, "none") / (
+        acc.mem_bandwidth * acc.bandwidth_efficiency)
+    return {"matmul": mm, "attention": attn, "elementwise": elementwise}
+
+
+def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StageCost:
+    """One micro-batch's forward + backward on the heaviest pipeline rank (the first, or the last with the head)."""
+    acc = cluster.accelerator
+    # memoised: a search asks again for every dp split and ZeRO stage. The key holds every input the cost reads
+    # (the pp link's stride depends on dp, hence the dp product).
+    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.seq_len,
+           training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
+           acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
+           acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
+           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.micro_batch,
+           plan.recompute, plan.sequence_parallel, training.stream_bytes(plan.zero_stage))
+    cost = _STAGE_COSTS.get(key)
+    if cost is None:
+        cost = max((_stage_cost(args, training, plan, cluster, s) for s in {0, plan.pp - 1}), key=lambda c: c.total)
+        if len(_STAGE_COSTS) >= 100_000:
+            _STAGE_COSTS.clear()
+        _STAGE_COSTS[key] = cost
+    return cost
+
+
+_STAGE_COSTS: dict[tuple, StageCost] = {}
+
+
+
+
+def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int) -> StageCost:
+    acc = cluster.accelerator
+    t = layer_times(args, training, plan, acc)
+    layers = stage_layers(args, plan, stage)
+    head = _head_forward(args, training, plan, acc) if stage == plan.pp - 1 else 0.0
+    # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
+    w_factor = 0.0 if training.lora_rank else 1.0
+    fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
+    # FlashAttention's backward does 5 matmuls to the forward's 2 (2.5x), all of them input-side
+    bwd_in = layers * (t["matmul"] + 2.5 * t["attention"] + 2 * t["elementwise"]) + head
+    bwd_w = (layers * t["matmul"] + head) * w_factor
+    if plan.recompute == "full":
+        recompute = layers * (t["matmul"] + t["attention"] + t["elementwise"])
+    elif plan.recompute == "selective":
+        recompute = layers * t["elementwise"]
+    else:
+        recompute = 0.0
+    return StageCost(fwd, bwd_in, bwd_w, recompute, _tp_comm(args, training, plan, cluster, layers),
+                     _cp_exposed(args, training, plan, cluster, layers, t["attention"]),
+                     _pp_p2p(args, training, plan, cluster))
+
+
+def _head_forward(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """Output head matmul and the loss's softmax (elementwise over the vocabulary) on the last stage."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    mm = 2 * tokens * args.dim * args.vocab_size / plan.tp / (acc.peak(training.compute_dtype) * acc.matmul_efficiency)
+    loss_bytes = tokens * args.vocab_size / plan.tp * (training.act_bytes + 4 + 4)
+    return mm + loss_bytes / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+
+
+def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int) -> float:
+    """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
+    column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
+    Full recompute replays the forward's two. The output head adds one in backward."""
+    if plan.tp == 1:
+        return 0.0
+    n, link = axis_link(plan, ("tp",), cluster)
+    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
+    per_layer = (6 if plan.recompute == "full" else 4) * one
+    return layers * per_layer + one
+
+
+def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
+                attention: float) -> float:
+    """Ring attention passes each rank's K and V round the cp ring (cp - 1 hops) in forward, and K, V, dK, dV in
+    backward; each hop overlaps with the attention compute of the block it serves."""
+    if plan.cp == 1:
+        return 0.0
+    n, link = axis_link(plan, ("cp",), cluster)
+    kv = plan.micro_batch * training.seq_len / plan.cp * 2 * args.n_kv_heads * args.head_dim
+    kv = kv / kv_split(args, plan.tp) * training.act_bytes
+    fwd = (n - 1) * p2p(kv, link)
+    bwd = (n - 1) * p2p(2 * kv, link)
+    exposed = max(0.0, fwd - attention) + max(0.0, bwd - 2.5 * attention)
+    if plan.recompute == "full":
+        exposed += max(0.0, fwd - attention)
+    return layers * exposed
+
+
+def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> float:
+    """Each micro-batch crosses the rank's boundaries once forward (activations) and once backward (their
+    gradient), v times with interleaving; under sequence parallelism only the rank's sequence shard travels."""
+    if plan.pp == 1:
+        return 0.0
+    _, link = axis_link(plan, ("pp",), cluster)
+    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    if plan.sequence_parallel:
+        x /= plan.tp
+    return 2 * plan.virtual_stages * p2p(x, link)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline schedule
+
+
+def pipeline_time(cost: StageCost, plan: Plan) -> float:
+    """Wall-clock of the M micro-batches on the heaviest rank, bubble included.
+
+    1F1B and GPipe: (M + P - 1) slots of t_mb, bubble (P-1)/(M+P-1) (reference doc 004). Interleaved with v chunks:
+    the fill and drain slots shrink to chunk size, (P-1) t_mb / v, so bubble = (P-1)/(vM + P - 1).
+    Zero-bubble ZB-H1 (Qi et al. 2024): the deferred weight-gradient passes fill the drain, leaving
+    (P-1)(t_F + t_B - t_W).
+    """
+    m, p, v = plan.grad_accum, plan.pp, plan.virtual_stages
+    t = cost.total
+    if p == 1:
+        return m * t
+    if plan.schedule == "interleaved-1f1b":
+        return (m + (p - 1) / v) * t
+    if plan.schedule == "zero-bubble":
+        fwd = cost.forward + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
+        bwd_in = cost.backward_input + cost.recompute + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
+        return m * t + (p - 1) * max(0.0, fwd + bwd_in - cost.backward_weight)
+    return (m + p - 1) * t
+
+
+def bubble_fraction(plan: Plan, cost: StageCost | None = None) -> float:
+    if plan.pp == 1:
+        return 0.0
+    if cost is None:  # equal forward/backward split is enough for the closed forms
+        cost = StageCost(1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+    total = pipeline_time(cost, plan)
+    return (total - plan.grad_accum * cost.total) / total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data-parallel communication, optimizer, offload
+
+
+def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, cost: StageCost
+            ) -> tuple[float, float]:
+    """(total, exposed) seconds per step of gradient reduction and ZeRO parameter gathering."""
+    red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster)
+    sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster)
+    rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster) if plan.zero_stage >= 2 else (1, None)
+    if red_n == 1:
+        return 0.0, 0.0
+    b = state_bytes_per_param(training)
+    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
+    layers = max(1, max(stage_layers(args, plan, s) for s in {0, plan.pp - 1}))
+    trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
+    grads = trainable * b.grads
+    gathered = n_params * (2.0 if training.mixed else 4.0)  # weights travel in the compute dtype
+    m, z = plan.grad_accum, plan.zero_stage
+    bwd = cost.backward_input + cost.backward_weight + cost.recompute
+    if z == 0:
+        comm = all_reduce(grads, red_n, red_link)
+        return comm, max(0.0, comm - bwd) + comm / layers
+    hsdp = all_reduce(grads / sh_n, rep_n, rep_link)
+    rs = reduce_scatter(grads, sh_n, sh_link)
+    ag = all_gather(gathered if z == 3 else trainable * (2.0 if training.mixed else 4.0), sh_n, sh_link)
+    if z in (1, 2):
+        # ZeRO-2 must reduce-scatter after every micro-batch (only the shard is kept); ZeRO-1 once per step.
+        # The updated weights are all-gathered after the optimizer step, before the next forward.
+        n_rs = m if z == 2 else 1
+        comm = n_rs * rs + hsdp + ag
+        return comm, n_rs * (max(0.0, rs - bwd) + rs / layers) + hsdp + ag
+    # ZeRO-3: every micro-batch gathers weights for forward and again for backward and reduce-scatters gradients
+    per_mb_fwd, per_mb_bwd = ag, ag + rs
+    comm = m * (per_mb_fwd + per_mb_bwd) + hsdp
+    exposed = m * (max(0.0, per_mb_fwd - cost.forward) + max(0.0, per_mb_bwd - bwd) + 2 * ag / layers) + hsdp
+    return comm, exposed
+
+
+def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """The optimizer step is memory-bound: read weights, grads, master and states, write weights, master, states."""
+    b = state_bytes_per_param(training)
+    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
+    if training.lora_rank:
+        n_params = max(1, max(stage_layers(args, plan, s) for s in {0, plan.pp - 1})) * lora_params(
+            args, training.lora_rank, plan.tp)
+    if plan.zero_stage >= 1:
+        n_params /= plan.shard_group
+    touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
+    if plan.offload != "none":
+        return n_params * touched / HOST_DRAM_BW_PER_GPU
+    return n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+
+
+def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, cost: StageCost) -> float:
+    """Exposed host<->device traffic. 'optimizer': gradients down, updated weights up, once per step.
+    'full': also the weights of every block up for forward and for backward of each micro-batch, overlapped
+    with that micro-batch's compute."""
+    if plan.offload == "none":
+        return 0.0
+    b = state_bytes_per_param(training)
+    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
+    if plan.zero_stage >= 1:
+        n_params /= plan.shard_group
+    compute_bytes = 2.0 if training.mixed else 4.0
+    step = n_params * (b.grads + compute_bytes) / acc.host_bw
+    if plan.offload == "optimizer":
+        return step
+    per_mb = 2 * n_params * compute_bytes / acc.host_bw
+    return step + plan.grad_accum * max(0.0, per_mb - cost.compute)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Summary
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    compute_s: float
+    recompute_s: float
+    bubble_s: float
+    bubble_fraction: float
+    exposed_comm_s: float
+    comm_total_s: float
+    optimizer_s: float
+    offload_s: float
+    tokens_per_s: float
+    mfu: float
+    detail: dict
+
+
+def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StepTime:
+    acc = cluster.accelerator
+    cost = stage_cost(args, training, plan, cluster)
+    pipe = pipeline_time(cost, plan)
+    m = plan.grad_accum
+    bubble = pipe - m * cost.total
+    dp_total, dp_exposed = dp_comm(args, training, plan, cluster, cost)
+    opt = optimizer_time(args, training, plan, acc)
+    off = offload_time(args, training, plan, acc, cost)
+    total = pipe + dp_exposed + opt + off
+    tokens = training.global_batch * training.seq_len
+    tps = tokens / total
+    mfu = flops_per_token(args, training.seq_len) * tps / (plan.world * acc.peak(training.compute_dtype))
+    exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p) + dp_exposed + off
+    return StepTime(
+        step_time_s=total, compute_s=m * cost.compute, recompute_s=m * cost.recompute, bubble_s=bubble,
+        bubble_fraction=bubble / pipe if pipe else 0.0, exposed_comm_s=exposed,
+        comm_total_s=m * (cost.tp_comm + cost.pp_p2p) + dp_total, optimizer_s=opt, offload_s=off,
+        tokens_per_s=tps, mfu=mfu,
+        detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
+                "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
+                "per_microbatch_s": cost.total},
+    )

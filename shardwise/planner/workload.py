@@ -1,0 +1,121 @@
+"""What is being trained: the model shape and the training recipe the planner sizes.
+
+A model comes from a preset name, a ModelArgs, a shardwise TOML config (its [model] table) or a Hugging Face
+`config.json` (Llama-family keys). The recipe (`Training`) fixes everything that changes bytes per parameter or
+per activation but is not a parallel degree: precision, optimizer, state layout, LoRA/QLoRA, offload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from shardwise.hf import args_from_hf_config
+from shardwise.model import PRESETS, ModelArgs
+from shardwise.planner.hardware import PlannerError
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit"]
+Layout = Literal["torch", "zero", "megatron"]
+
+# Bytes per parameter of optimizer state beyond the master weights (reference doc 002, 5.4.5): Adam keeps two fp32
+# moments, momentum SGD one velocity, SGD nothing; bitsandbytes' 8-bit Adam keeps two 1-byte moments plus one
+# fp32 absmax per 2048-element block for each of them.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 2048}
+
+# QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants: 4 bits plus
+# 8-bit absmax per 64 weights plus an fp32 constant per 256 of those (Dettmers et al. 2023, section 3): 4.127 bits.
+QLORA_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+
+
+@dataclass
+class Training:
+    """The recipe: sequence and batch, numerics, optimizer, adapters and offload."""
+
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    global_batch: int = 512
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    precision: Precision = "bf16"
+    """Matmul precision: fp32, or mixed bf16/fp16 (fp8: fp8 matmuls, bf16 storage) with fp32 master state."""
+    optimizer: Optimizer = "adamw"
+    """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit (2 one-byte states)."""
+    layout: Layout = "torch"
+    """How mixed precision stores model state: 'torch' fp32 weights+grads cast per use (autocast / FSDP2),
+    'zero' bf16 weights+grads with an fp32 master in the optimizer (ZeRO paper), 'megatron' bf16 weights, fp32 grads."""
+    lora_rank: int = 0
+    """LoRA rank on every linear of every block (0 = full training)."""
+    qlora: bool = False
+    """Store the frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
+    fused_rmsnorm: bool = True
+    """RMSNorm is one kernel saving (input, rstd); False for the composite form (CPU) that also saves x*rstd."""
+    ddp_bucket_mb: float = 25.0
+    """DDP gradient bucket size (torch default 25 MB); two buckets are in flight at once."""
+    fragmentation: float = 0.10
+    """Allocator allowance: this share of activation and transient bytes is lost to fragmentation."""
+    fixed_overhead_gib: float = 1.0
+    """Per-device memory not available to tensors: CUDA context, cuBLAS workspace, NCCL buffers."""
+
+    def __post_init__(self):
+        for key in ("seq_len", "global_batch"):
+            if getattr(self, key) < 1:
+                raise PlannerError(f"--{key.replace('_', '-')}", f"{getattr(self, key)} < 1", "pass a positive number")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise PlannerError("--optimizer", f"unknown optimizer {self.optimizer!r}",
+                               f"use one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
+        if self.layout not in ("torch", "zero", "megatron"):
+            raise PlannerError("--layout", f"unknown layout {self.layout!r}", "use torch, zero or megatron")
+        if self.qlora and self.lora_rank < 1:
+            raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.precision
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of a matmul input/output saved for backward (fp8 recipes keep bf16 copies for the backward)."""
+        return 4 if self.precision == "fp32" else 2
+
+    def stream_bytes(self, zero_stage: int) -> int:
+        """Bytes of the residual stream. Under 'torch' with ZeRO < 3 the weights (and so the embedding output) are
+        fp32 and autocast leaves additions and norms in fp32; FSDP2 (ZeRO-3) casts the weights, so all is bf16."""
+        if self.precision == "fp32":
+            return 4
+        if self.layout == "torch" and zero_stage < 3:
+            return 4
+        return 2
+
+
+def resolve_model(spec: str | ModelArgs) -> ModelArgs:
+    """A preset name, a ModelArgs, a Hugging Face config.json, or a shardwise TOML config."""
+    if isinstance(spec, ModelArgs):
+        return spec
+    if spec in PRESETS:
+        return dataclasses.replace(PRESETS[spec])
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".json":
+        return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    if path.is_file() and path.suffix == ".toml":
+        from shardwise.config import load_config
+
+        return load_config(path).model
+    raise PlannerError("--model", f"{spec!r} is neither a preset nor a config file",
+                       f"use one of {', '.join(PRESETS)}, a Hugging Face config.json or a shardwise TOML")
+
+
+def from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
+    """Map a Llama-family Hugging Face config (LlamaConfig keys) onto ModelArgs."""
+    try:
+        return args_from_hf_config(cfg, name)
+    except ValueError as e:
+        raise PlannerError("--model", str(e), "pass a Llama-family (decoder, SwiGLU) config.json")
