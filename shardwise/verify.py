@@ -2,7 +2,8 @@
 
 The reference reads the same global batch as the layout (the union of what its data-parallel ranks read):
 one device with grad_accum x dp micro-batches. It starts from the same (seed, name) initialisation. Losses
-are compared at every step; parameters at the end, per tensor as ||p - p_ref|| / ||p_ref||.
+and gradient norms are compared at every step (the norm catches a gradient scaled wrongly, which Adam's
+update and clipping would hide from the loss); parameters at the end, per tensor as ||p - p_ref|| / ||p_ref||.
 """
 
 from __future__ import annotations
@@ -70,20 +71,29 @@ def _run(config: str | None, overrides: list[str], out_dir: Path, nproc: int) ->
         said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
         raise RuntimeError(f"run failed ({' '.join(overrides)}):\n" + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    logged = [r for r in rows if "loss" in r]
     params = {}
     for path in sorted(out_dir.glob("final.safetensors*")):
         params.update(load_file(path))
-    return losses, params
+    return [(r["loss"], r["grad_norm"]) for r in logged], params
 
 
-def compare(ref: tuple[list[float], dict], got: tuple[list[float], dict]) -> dict:
-    (ref_losses, ref_params), (losses, params) = ref, got
-    if len(losses) != len(ref_losses) or set(params) != set(ref_params):
-        return {"loss_rel": float("inf"), "param_rel": float("inf"), "error": "different steps or parameter names"}
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    param_rel = max(((params[k] - v).norm() / v.norm()).item() for k, v in ref_params.items())
-    return {"loss_rel": loss_rel, "param_rel": param_rel}
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a)
+
+
+def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
+    """Largest relative differences: loss and gradient norm over the steps, parameters (per tensor) at the end."""
+    (ref_steps, ref_params), (steps, params) = ref, got
+    if len(steps) != len(ref_steps) or set(params) != set(ref_params):
+        inf = float("inf")
+        return {"loss_rel": inf, "grad_norm_rel": inf, "param_rel": inf, "error": "different steps or parameters"}
+    loss_rel = max(_rel(a[0], b[0]) for a, b in zip(steps, ref_steps))
+    grad_norm_rel = max(_rel(a[1], b[1]) for a, b in zip(steps, ref_steps))
+    per_tensor = {k: ((params[k] - v).norm() / v.norm()).item() for k, v in ref_params.items()}
+    worst = max(per_tensor, key=per_tensor.get)
+    return {"loss_rel": loss_rel, "grad_norm_rel": grad_norm_rel, "param_rel": per_tensor[worst],
+            "worst_param": worst}
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -107,11 +117,12 @@ def run_verify(args: argparse.Namespace) -> int:
             got = _run(args.config, [*args.overrides, *extra, *_quiet(out, args.steps)], out,
                        cfg.parallel.world_size)
             row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(refs[accum], got)}
-            row["ok"] = row["loss_rel"] <= args.rtol and row["param_rel"] <= args.rtol
+            row["ok"] = max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= args.rtol
             results.append(row)
             if not args.json:
-                print(f"{text:<50} world {row['world_size']:>2}  loss rel {row['loss_rel']:.2e}  "
-                      f"param rel {row['param_rel']:.2e}  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+                print(f"{text:<50} world {row['world_size']:>2}  loss {row['loss_rel']:.1e}  "
+                      f"grad norm {row['grad_norm_rel']:.1e}  params {row['param_rel']:.1e}  "
+                      f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
     if args.json:
         print(json.dumps({"steps": args.steps, "rtol": args.rtol, "layouts": results}, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
