@@ -36,14 +36,16 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    # The input of attention and MLP enters as one (replicated) DTensor, so the input gradients of the three
+    # (two) column-parallel projections add up as partial sums and are reduced once, not once per projection
+    # (Megatron fuses wq/wk/wv into one matmul for the same reason). With sequence parallelism that entry is
+    # also where the sequence slices are all-gathered (and, in backward, reduce-scattered).
+    plan |= {
+        "attention": PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+    }
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-        plan |= {
-            "attention_norm": SequenceParallel(),
-            "attention": gather,
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        }
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     return plan
 
 

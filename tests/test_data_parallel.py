@@ -1,0 +1,97 @@
+"""ZeRO stages hold what they claim, and move the bytes the reference documents say they move."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from distributed import run_distributed
+from shardwise.config import load_config
+from shardwise.data import Batch
+from shardwise.model import num_params
+from shardwise.parallel.comm import CommCounter
+from shardwise.runtime import Runtime
+from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model, train_step
+
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _one_step(overrides):
+    """Build under the layout, run one step under the comm counter; report sizes and bytes."""
+    cfg = load_config(CONFIG, ["optim.name='adamw'", *overrides])
+    runtime = Runtime.create(cfg)
+    model = build_training_model(cfg, runtime)
+    optimizer, _ = build_optimizer_for(model, cfg, runtime, lr=1e-3)
+    g = torch.Generator().manual_seed(runtime.dp_rank)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1), generator=g)
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], list(range(cfg.train.micro_batch)))
+    counter = CommCounter()
+    with counter:
+        train_step(model, optimizer, build_grad_scaler(cfg.train, runtime.device), [batch], device=runtime.device,
+                   global_tokens=batch.targets.numel() * runtime.dp_size, runtime=runtime)
+    inner = optimizer.inner if hasattr(optimizer, "inner") else optimizer
+    state = sum(_local(s["exp_avg"]).numel() + _local(s["exp_avg_sq"]).numel() for s in inner.state.values())
+    params = sum(_local(p).numel() for p in model.parameters())
+    root = sum(_local(p).numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    return {"state": state, "params": params, "root_params": root, "wire": dict(counter.stats.wire),
+            "calls": dict(counter.stats.calls)}
+
+
+def _psi():
+    return num_params(load_config(CONFIG).model)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero_stages_memory_and_volume(n):
+    psi, fp32 = _psi(), 4
+    ring = (n - 1) / n
+    zero0, zero1, zero2, zero3 = (
+        run_distributed(_one_step, n, [f"parallel.dp_replicate={n}"])[0],
+        run_distributed(_one_step, n, [f"parallel.dp_replicate={n}", "parallel.zero_stage=1"])[0],
+        run_distributed(_one_step, n, [f"parallel.dp_shard={n}", "parallel.zero_stage=2"])[0],
+        run_distributed(_one_step, n, [f"parallel.dp_shard={n}", "parallel.zero_stage=3"])[0],
+    )
+    # what each rank holds: ZeRO-0 everything; ZeRO-1 1/N of Adam's two moments; ZeRO-2/3 1/N of everything
+    assert zero0["params"] == psi and zero0["state"] == 2 * psi
+    assert zero1["params"] == psi and 2 * psi / n <= zero1["state"] <= 2 * psi / n + 2 * n * 64
+    assert zero2["params"] == zero3["params"] == psi / n and zero2["state"] == zero3["state"] == 2 * psi / n
+    # bytes on the wire per rank (reference doc 004): DDP all-reduce 2 Psi (N-1)/N, plus the one fp32 scalar
+    # of the loss the ranks sum for reporting
+    loss = 2 * fp32 * ring
+    assert zero0["wire"] == {"all_reduce": pytest.approx(2 * psi * fp32 * ring + loss, rel=1e-12)}
+    # ZeRO-1: the same all-reduce, then an all-gather of the updated slices (Psi, padded to N equal slices)
+    assert zero1["wire"]["all_reduce"] == pytest.approx(2 * psi * fp32 * ring + loss, rel=1e-12)
+    assert psi * fp32 * ring <= zero1["wire"]["all_gather"] <= (psi + 64 * n) * fp32 * ring
+    # ZeRO-3: all-gather in forward and again in backward, reduce-scatter of gradients: 3 Psi (N-1)/N, less
+    # the backward re-gather of the root (embedding, final norm, head), which stays gathered after forward
+    root = zero3["root_params"] * n
+    assert zero3["wire"]["reduce_scatter"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
+    assert zero3["wire"]["all_gather"] == pytest.approx((2 * psi - root) * fp32 * ring, rel=1e-12)
+    # ZeRO-2 keeps the blocks gathered from forward to backward: one all-gather of everything
+    assert zero2["wire"]["all_gather"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
+    assert zero2["wire"]["reduce_scatter"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_volume_per_layer(sp):
+    """Megatron TP: per layer 2 all-reduces of b x s x d in forward and 2 in backward (the f and g operators);
+    sequence parallelism turns each into an all-gather plus a reduce-scatter, the same bytes."""
+    cfg = load_config(CONFIG)
+    b, s, d, tp = cfg.train.micro_batch, cfg.data.seq_len, cfg.model.dim, 2
+    all_reduce = 2 * b * s * d * 4 * (tp - 1) / tp  # wire bytes of one ring all-reduce of b x s x d fp32
+    runs = {layers: run_distributed(_one_step, tp, [f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+                                                     f"model.n_layers={layers}"])[0] for layers in (2, 4)}
+    per_layer = {k: (runs[4]["wire"][k] - runs[2]["wire"].get(k, 0)) / 2 for k in runs[4]["wire"]}
+    per_layer = {k: v for k, v in per_layer.items() if v}
+    if sp:
+        # 2 all-gathers forward (before attention and MLP) + 2 backward (of the forward reduce-scatters), each
+        # half an all-reduce's bytes; reduce-scatters likewise
+        assert per_layer == {"all_gather": pytest.approx(2 * all_reduce), "reduce_scatter": pytest.approx(2 * all_reduce)}
+    else:
+        assert per_layer == {"all_reduce": pytest.approx(4 * all_reduce)}
