@@ -1,19 +1,14 @@
 """ZeRO stages hold what they claim, and move the bytes the reference documents say they move."""
 
-import math
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
 from shardwise.config import load_config
-from shardwise.data import Batch
 from shardwise.model import num_params
-from shardwise.parallel.comm import CommCounter
-from shardwise.runtime import Runtime
-from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model, train_step
+from shardwise.parallel.comm import counted_step
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 
@@ -23,24 +18,14 @@ def _local(t):
 
 
 def _one_step(overrides):
-    """Build under the layout, run one step under the comm counter; report sizes and bytes."""
-    cfg = load_config(CONFIG, ["optim.name='adamw'", *overrides])
-    runtime = Runtime.create(cfg)
-    model = build_training_model(cfg, runtime)
-    optimizer, _ = build_optimizer_for(model, cfg, runtime, lr=1e-3)
-    g = torch.Generator().manual_seed(runtime.dp_rank)
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1), generator=g)
-    batch = Batch(tokens[:, :-1], tokens[:, 1:], list(range(cfg.train.micro_batch)))
-    counter = CommCounter()
-    with counter:
-        train_step(model, optimizer, build_grad_scaler(cfg.train, runtime.device), [batch], device=runtime.device,
-                   global_tokens=batch.targets.numel() * runtime.dp_size, runtime=runtime)
+    """One step under the layout: what a rank holds and what it moves."""
+    stats, model, optimizer, runtime = counted_step(load_config(CONFIG, ["optim.name='adamw'", *overrides]))
     inner = optimizer.inner if hasattr(optimizer, "inner") else optimizer
     state = sum(_local(s["exp_avg"]).numel() + _local(s["exp_avg_sq"]).numel() for s in inner.state.values())
     params = sum(_local(p).numel() for p in model.parameters())
     root = sum(_local(p).numel() for name, p in model.named_parameters() if not name.startswith("layers."))
-    return {"state": state, "params": params, "root_params": root, "wire": dict(counter.stats.wire),
-            "calls": dict(counter.stats.calls)}
+    return {"state": state, "params": params, "root_params": root, "wire": dict(stats.wire),
+            "calls": dict(stats.calls)}
 
 
 def _psi():

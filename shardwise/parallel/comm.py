@@ -121,3 +121,24 @@ class CommCounter(TorchDispatchMode):
                 payload *= group  # the input is one rank's piece; the payload is the gathered whole
             self.stats.add(kind, payload, group)
         return func(*args, **kwargs)
+
+
+def counted_step(cfg, seed: int = 0):
+    """Build the model under cfg's layout on the running process group and run one training step on random
+    tokens under a CommCounter. Returns (stats, model, optimizer, runtime), for tests and benchmarks."""
+    from shardwise.data import Batch
+    from shardwise.runtime import Runtime
+    from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model, train_step
+
+    runtime = Runtime.create(cfg)
+    model = build_training_model(cfg, runtime)
+    optimizer, _ = build_optimizer_for(model, cfg, runtime, lr=1e-3)
+    g = torch.Generator().manual_seed(seed * 1000 + runtime.dp_rank)
+    b, s = cfg.train.micro_batch, cfg.data.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=g)
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], list(range(b)))
+    counter = CommCounter()
+    with counter:
+        train_step(model, optimizer, build_grad_scaler(cfg.train, runtime.device), [batch], device=runtime.device,
+                   global_tokens=b * s * runtime.dp_size, runtime=runtime)
+    return counter.stats, model, optimizer, runtime
