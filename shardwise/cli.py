@@ -29,9 +29,10 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
     if args.nproc:
-        from shardwise.config import validate_parallel
+        from shardwise.config import fit_world, validate_parallel
         from shardwise.distributed import launch_local
 
+        fit_world(cfg, args.nproc)
         validate_parallel(cfg, args.nproc)
         argv = ["train"] + (["--config", args.config] if args.config else [])
         argv += [f"--set={o}" for o in args.overrides]

@@ -417,6 +417,16 @@ def _validate_train(t: TrainConfig) -> None:
             raise ConfigError("train.device", "CUDA is not available here", "use 'auto' or 'cpu'")
 
 
+def fit_world(cfg: JobConfig, world_size: int) -> None:
+    """A job that sets no parallel degree runs data parallel over the whole world (dp_shard for ZeRO-2/3)."""
+    p = cfg.parallel
+    if world_size > 1 and p.world_size == 1:
+        if p.zero_stage >= 2:
+            p.dp_shard = world_size
+        else:
+            p.dp_replicate = world_size
+
+
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     """How the parallel degrees fit the model, the batch and the world; runs before any process group exists."""
     p, m = cfg.parallel, cfg.model
@@ -504,4 +514,33 @@ def _validate_pp(cfg: JobConfig) -> None:
         raise ConfigError(
             "parallel.pp_microbatches", f"{n} micro-batches < pp={p.pp} stages",
             f"use at least {p.pp} (more shrinks the bubble (P-1)/(M+P-1))",
+        )
+    # one schedule step runs all grad_accum x n micro-batches of an optimizer step (see parallel/pipeline.py)
+    steps = n * cfg.train.grad_accum
+    rounds = max(1, steps // p.pp)
+    if p.pp_schedule == "interleaved-1f1b" and steps % rounds:
+        raise ConfigError(
+            "parallel.pp_microbatches",
+            f"interleaved-1f1b runs the {steps} micro-batches of a step (grad_accum x {n}) in rounds of pp={p.pp}, "
+            f"and {rounds} rounds do not divide them", f"make pp_microbatches x grad_accum a multiple of {p.pp}",
+        )
+    if cfg.train.precision == "fp16":
+        raise ConfigError(
+            "train.precision", "fp16 loss scaling with pp > 1: each stage would find inf/nan and skip on its own",
+            "use bf16 or fp32 with pipeline parallelism",
+        )
+    if p.pp_schedule == "zero-bubble" and cfg.train.compile:
+        raise ConfigError(
+            "train.compile", "zero-bubble splits backward into input and weight passes, which compiled blocks "
+            "do not support in torch 2.13", "set train.compile = false, or use another parallel.pp_schedule",
+        )
+    if p.pp_schedule == "zero-bubble" and p.zero_stage == 3 and p.dp_shard * p.cp > 1:
+        raise ConfigError(
+            "parallel.zero_stage", "ZeRO-3 reshards parameters between zero-bubble's input and weight backward "
+            "passes and the weight gradients come out wrong in torch 2.13", "use zero_stage = 2 with zero-bubble",
+        )
+    if p.pp_schedule == "zero-bubble" and cfg.train.activation_checkpoint == "selective":
+        raise ConfigError(
+            "train.activation_checkpoint", "zero-bubble runs two backward passes over each block (input, then "
+            "weight gradients) and selective checkpointing allows one", "use 'full' or 'none' with zero-bubble",
         )

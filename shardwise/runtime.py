@@ -9,7 +9,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ConfigError, JobConfig, validate_parallel
+from shardwise.config import ConfigError, JobConfig, fit_world, validate_parallel
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv, init_distributed, shutdown
 from shardwise.parallel.mesh import MeshView, build_mesh
@@ -34,6 +34,7 @@ class Runtime:
                 "parallel", f"the degrees ask for {p.world_size} ranks but this is a single process",
                 f"add --nproc {p.world_size}, or run under torchrun --nproc_per_node {p.world_size}",
             )
+        fit_world(cfg, world)
         validate_parallel(cfg, world)  # before any process group exists
         env = init_distributed(cfg.train.device)
         if world == 1:

@@ -1,7 +1,8 @@
 """The single-device training loop: every parallel layout is proven equal to this.
 
 Read top to bottom: build the data, build the model (meta -> transforms -> materialise), build the optimizer,
-then loop over steps. One optimizer step = `train_step` over the step's micro-batches.
+then loop over steps. One optimizer step = `train_step` over the step's micro-batches (`pipeline_train_step`,
+where a pipeline schedule runs them, with pp > 1).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shardwise.model import Transformer, build_model, canonical_name, flops_per_
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.data_parallel import ShardedOptimizer, set_gradient_sync
+from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward
 from shardwise.runtime import Runtime
 
 
@@ -126,6 +128,15 @@ def train_step(
                           pp_group=runtime.pp_group if runtime else None)
 
 
+def pipeline_train_step(
+    pipe: Pipeline, optimizer, scaler: torch.amp.GradScaler, batches: list[data.Batch], *, grad_clip: float,
+    global_tokens: int, runtime: Runtime,
+) -> StepResult:
+    """`train_step` for a pipeline: the schedule runs every micro-batch of the step, then one optimizer step."""
+    total = forward_backward(pipe, batches, global_tokens=global_tokens, runtime=runtime)
+    return optimizer_step(pipe.parameters(), optimizer, scaler, grad_clip, total, pp_group=runtime.pp_group)
+
+
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:
     """Unscale (fp16), measure and clip the gradient norm, step unless inf/nan, clear gradients."""
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see true gradients
@@ -149,6 +160,11 @@ def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tens
 def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, precision: str,
              runtime: Runtime | None = None) -> float:
     """Mean token loss over the validation micro-batches (each data-parallel rank evaluates its share)."""
+    if isinstance(model, Pipeline):
+        total, tokens = evaluate_sums(model, batches, runtime)
+        runtime.sum_over_data_ranks(total)
+        runtime.sum_over_data_ranks(tokens)
+        return (total / tokens).item()
     model.eval()
     total = torch.zeros((), device=device)
     tokens = torch.zeros((), device=device)
@@ -187,16 +203,23 @@ def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, dat
     return dataset, loader, val
 
 
-def build_training_model(cfg: JobConfig, runtime: Runtime) -> Transformer:
-    """Meta model -> parallelize (TP, CP, activation checkpointing, compile, DP) -> materialise."""
+def build_training_model(cfg: JobConfig, runtime: Runtime) -> Transformer | Pipeline:
+    """Meta model -> parallelize (TP, CP, activation checkpointing, compile, DP) -> materialise.
+
+    With pp > 1: this rank's pipeline stages, each built that way, and the schedule that runs them.
+    """
+    if runtime.pp_size > 1:
+        return build_pipeline(cfg, runtime)
     model = build_model(cfg.model)
     parallelize(model, runtime.mesh, cfg)
     materialize(model, cfg.model, runtime.device, cfg.train.seed)
     return model
 
 
-def build_optimizer_for(model: nn.Module, cfg: JobConfig, runtime: Runtime, lr: float):
+def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Runtime, lr: float):
     """The optimizer, sharded across data-parallel ranks for ZeRO-1; and the optimizer the lr schedule drives."""
+    if isinstance(model, Pipeline):
+        model = model.stages  # one optimizer over all of this rank's stages
     if cfg.parallel.zero_stage == 1 and runtime.mesh is not None and runtime.grad_reduce_size > 1:
         sharded = ShardedOptimizer(model, lambda named: build_optimizer(named, cfg.optim, lr),
                                    runtime.mesh.grad_reduce.get_group())
@@ -240,10 +263,14 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     for step in range(1, cfg.train.steps + 1):
         start = time.perf_counter()
         batches = loader.next_step()
-        result = train_step(
-            model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
-            grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
-        )
+        if isinstance(model, Pipeline):
+            result = pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
+                                         global_tokens=tokens_per_step, runtime=runtime)
+        else:
+            result = train_step(
+                model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
+                grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
+            )
         schedule.step()
         window_time += time.perf_counter() - start
         window_steps += 1
@@ -268,7 +295,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
     writer.close()
     if save_final:
-        save_full_parameters([model], save_final, runtime)
+        save_full_parameters(list(model.stages) if isinstance(model, Pipeline) else [model], save_final, runtime)
     summary["model"] = model
     return summary
 

@@ -1,0 +1,277 @@
+"""Pipeline parallelism: the model cut into stages of consecutive layers, run by a torch.distributed.pipelining schedule.
+
+1. Split. The layers are cut into pp x stages_per_rank contiguous stages so that the slowest stage (the
+   pipeline runs at its pace) is as fast as possible; the embedding rides on the first stage, the final
+   norm and output head on the last. See `layer_costs` for what a stage costs.
+2. Place. Stage -> rank: one stage per rank for gpipe and 1f1b; a loop for interleaved-1f1b (rank r holds
+   stages r, r + pp, r + 2pp, ...; Narayanan et al. 2021); a V for zero-bubble (rank r holds r and 2pp-1-r,
+   ZB-V of Qi et al. 2024, so the first and last stage share rank 0).
+3. Build. Each stage is the meta model with what the stage does not own deleted, so parameter names stay
+   those of the full model and `materialize` gives them the single-device values; then `parallelize()`
+   (TP, CP, activation checkpointing, compile, DP) is applied to each stage on its own, as torchtitan does.
+4. Run. All the micro-batches of an optimizer step go through one `schedule.step`: the step's grad_accum
+   micro-batches are concatenated and cut into grad_accum x n_microbatches pipeline micro-batches. The
+   schedule then turns off data-parallel gradient sync for every backward but the last of each stage
+   (FSDP's set_requires_gradient_sync), so gradients are reduced once per optimizer step, and the larger
+   number of micro-batches M shrinks the bubble (P-1)/(M+P-1). (GPipe then keeps the activations of all M.)
+
+Context parallelism: every rank sees the same slice of positions every step, so each stage's rotary table is
+re-indexed once to this rank's positions; the stages then pass only hidden states and the schedules need no
+per-micro-batch keyword arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from shardwise.config import JobConfig
+from shardwise.data import Batch
+from shardwise.model import ModelArgs, Transformer, build_model, materialize
+from shardwise.parallel import parallelize
+from shardwise.runtime import Runtime
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleZBVZeroBubble,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Split: which layers each stage runs
+
+
+def layer_costs(args: ModelArgs, seq_len: int) -> tuple[int, list[int], int]:
+    """(embedding, each block, final norm + head): training FLOPs per token, forward + backward.
+
+    Compute is what sets a stage's pace, so cost is FLOPs, counted as `flops_per_token` does: a block is
+    6 x its matmul weights + 12 d s for attention scores and values; the head is 6 d V for its matmul plus
+    the loss's softmax and its gradient (counted as 5 operations per logit) and the final norm (~8 d). The
+    embedding does no matmul: its lookup and the scatter-add of its gradient are ~2 d per token, counted,
+    and negligible next to a block, whereas the head is 0.6 (Llama 2, V = 32k) to 2 (Llama 3, V = 128k)
+    blocks. Memory balance is the planner's concern: the first stage holds the embedding table and, under
+    1F1B, the most micro-batches in flight.
+    """
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    block = 6 * (2 * d * d + 2 * d * kv + 3 * d * args.ffn_hidden) + 12 * d * seq_len
+    head = 6 * d * args.vocab_size + 5 * args.vocab_size + 8 * d
+    return 2 * d, [block] * args.n_layers, head
+
+
+def stage_costs(costs: tuple[int, list[int], int], split: list[range]) -> list[int]:
+    """Cost of each stage of `split`: its blocks, plus the embedding on the first and the head on the last."""
+    embedding, blocks, head = costs
+    out = [sum(blocks[i] for i in layers) for layers in split]
+    out[0] += embedding
+    out[-1] += head
+    return out
+
+
+def split_layers(costs: tuple[int, list[int], int], n_stages: int) -> list[range]:
+    """Contiguous layer ranges, at least one layer each, minimising the largest stage cost.
+
+    Among the splits that reach that optimum, the one with the smallest sum of squared stage costs (the
+    most even). Two small dynamic programs over (stages, layers): O(n_stages x n_layers^2).
+    """
+    embedding, blocks, head = costs
+    n = len(blocks)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {n_stages} stages of at least one layer")
+    prefix = [0, *itertools.accumulate(blocks)]
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s runs layers i..j-1
+        return prefix[j] - prefix[i] + (embedding if s == 0 else 0) + (head if s == n_stages - 1 else 0)
+
+    def solve(objective, combine, limit: float) -> list[list]:
+        # best[s][j]: (value, start of stage s) for stages 0..s covering layers 0..j-1
+        best = [[None] * (n + 1) for _ in range(n_stages)]
+        for j in range(1, n - n_stages + 2):
+            if cost(0, 0, j) <= limit:
+                best[0][j] = (objective(cost(0, 0, j)), 0)
+        for s in range(1, n_stages):
+            for j in range(s + 1, n - n_stages + s + 2):
+                options = [(combine(best[s - 1][i][0], objective(cost(s, i, j))), i)
+                           for i in range(s, j) if best[s - 1][i] is not None and cost(s, i, j) <= limit]
+                best[s][j] = min(options) if options else None
+        return best
+
+    bottleneck = solve(lambda c: c, max, float("inf"))[-1][n][0]
+    best = solve(lambda c: c * c, lambda a, b: a + b, bottleneck)
+    split, j = [], n
+    for s in reversed(range(n_stages)):
+        i = best[s][j][1]
+        split.append(range(i, j))
+        j = i
+    return split[::-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Place: which stages each rank runs
+
+
+def stages_of_rank(schedule: str, pp: int, rank: int, stages_per_rank: int) -> list[int]:
+    """Stage indices pipeline rank `rank` holds, in pipeline order: a loop, or a V for zero-bubble."""
+    if schedule == "zero-bubble":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(stages_per_rank)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Build
+
+
+def build_stage_module(meta: Transformer, layers: range, first: bool, last: bool) -> Transformer:
+    """A copy of the meta model with only `layers` (names kept), the embedding if first, norm + head if last."""
+    stage = copy.deepcopy(meta)
+    for key in list(stage.layers.keys()):
+        if int(key) not in layers:
+            del stage.layers[key]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, global_tokens: int, grad_scale: int) -> torch.Tensor:
+    """The schedule's loss_fn, per pipeline micro-batch: summed fp32 token cross-entropy / global token count.
+
+    x grad_scale (the data-parallel rank count: data-parallel wrappers average gradients, and we want their
+    sum); the schedule is built with scale_grads=False since the division by the global count is done here.
+    """
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return ce / global_tokens * grad_scale
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of a pipeline: its stage modules and the schedule that runs them."""
+
+    stages: nn.ModuleList
+    """This rank's stage modules (each a Transformer with only its layers), in pipeline order."""
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    """The torch.distributed.pipelining schedule that runs every micro-batch of a step."""
+    stage_ids: list[int]
+    """Global index of each of `stages`."""
+    has_first: bool
+    """This rank holds stage 0 (it feeds the token ids)."""
+    has_last: bool
+    """This rank holds the last stage (it computes the loss)."""
+    n_microbatches: int
+    """Pipeline micro-batches per schedule step: n_microbatches x grad_accum."""
+    accum: int
+    """Training micro-batches (train.grad_accum) that one schedule step consumes."""
+
+    def parameters(self):
+        return self.stages.parameters()
+
+
+def _autocast_forward(module: nn.Module, precision: str, device_type: str) -> None:
+    """bf16/fp16 autocast around the stage's forward only (the schedule runs backward itself)."""
+    if precision == "fp32":
+        return
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
+
+
+def build_pipeline(cfg: JobConfig, runtime: Runtime) -> Pipeline:
+    """Split, place and build this rank's stages (meta -> parallelize -> materialise), and the schedule."""
+    p = cfg.parallel
+    n_stages = p.pp * p.stages_per_rank
+    split = split_layers(layer_costs(cfg.model, cfg.data.seq_len), n_stages)
+    ids = stages_of_rank(p.pp_schedule, p.pp, runtime.pp_rank, p.stages_per_rank)
+    meta = build_model(cfg.model)
+    modules, stages = [], []
+    for s in ids:
+        module = build_stage_module(meta, split[s], s == 0, s == n_stages - 1)
+        parallelize(module, runtime.mesh, cfg)
+        materialize(module, cfg.model, runtime.device, cfg.train.seed)
+        if runtime.positions is not None:
+            # context parallel: this rank always holds these positions; Attention takes rope[:, :local_len]
+            module.rope = module.rope[:, runtime.positions]
+        _autocast_forward(module, cfg.train.precision, runtime.device.type)
+        modules.append(module)
+        stages.append(PipelineStage(module, s, n_stages, runtime.device, group=runtime.pp_group))
+    n_micro = p.n_microbatches * cfg.train.grad_accum
+    cls = SCHEDULES[p.pp_schedule]
+    schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro, loss_fn=pipeline_loss, scale_grads=False)
+    return Pipeline(nn.ModuleList(modules), schedule, ids, 0 in ids, n_stages - 1 in ids, n_micro,
+                    cfg.train.grad_accum)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Run
+
+
+def _step_inputs(pipe: Pipeline, batches: list[Batch], runtime: Runtime) -> tuple[tuple, torch.Tensor | None]:
+    """The step's micro-batches concatenated (and cut to this rank's sequence slice under context parallel)."""
+    batches = [runtime.shard_sequence(b)[0] for b in batches]
+    args = (torch.cat([b.inputs for b in batches]).to(runtime.device),) if pipe.has_first else ()
+    target = torch.cat([b.targets for b in batches]).to(runtime.device) if pipe.has_last else None
+    return args, target
+
+
+def _known_to_all(pipe: Pipeline, losses: list[torch.Tensor], runtime: Runtime) -> torch.Tensor:
+    """Sum of the last stage's micro-batch losses, on every pipeline rank (the others contribute 0)."""
+    total = torch.stack([loss.detach() for loss in losses]).sum() if pipe.has_last else torch.zeros(())
+    total = total.to(runtime.device)
+    if runtime.pp_group is not None:
+        dist.all_reduce(total, group=runtime.pp_group)
+    return total
+
+
+def forward_backward(pipe: Pipeline, batches: list[Batch], *, global_tokens: int, runtime: Runtime) -> torch.Tensor:
+    """Forward and backward of one optimizer step's micro-batches; returns the global mean loss on every rank.
+
+    The loss contract is the non-pipeline one (see `train_step`): each micro-batch's summed cross-entropy
+    over the global token count, x the data-parallel rank count for the backward only.
+    """
+    if len(batches) != pipe.accum:
+        raise ValueError(f"the schedule takes {pipe.accum} micro-batches per step, got {len(batches)}")
+    args, target = _step_inputs(pipe, batches, runtime)
+    losses: list[torch.Tensor] = []
+    scale = runtime.grad_reduce_size
+    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                       loss_kwargs={"global_tokens": global_tokens, "grad_scale": scale})
+    total = _known_to_all(pipe, losses, runtime) / scale
+    runtime.sum_over_data_ranks(total)
+    return total
+
+
+@torch.no_grad()
+def evaluate_sums(pipe: Pipeline, batches: list[Batch], runtime: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, token count) of this data rank's validation micro-batches, on every pipeline rank.
+
+    The schedule takes `accum` micro-batches per step, so the batches go in groups of that many; a short last
+    group is padded with copies of its last batch whose losses are dropped.
+    """
+    total = torch.zeros((), device=runtime.device)
+    tokens = 0
+    per_batch = pipe.n_microbatches // pipe.accum
+    for start in range(0, len(batches), pipe.accum):
+        group = batches[start:start + pipe.accum]
+        real = len(group)
+        args, target = _step_inputs(pipe, group + group[-1:] * (pipe.accum - real), runtime)
+        losses: list[torch.Tensor] = []
+        pipe.schedule.eval(*args, target=target, losses=losses, return_outputs=False,
+                           loss_kwargs={"global_tokens": 1, "grad_scale": 1})
+        total += _known_to_all(pipe, losses[: real * per_batch], runtime)
+        tokens += sum(runtime.shard_sequence(b)[0].targets.numel() for b in group)
+    return total, torch.tensor(float(tokens), device=runtime.device)
