@@ -26,6 +26,7 @@ from shardwise.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
+from shardwise.parallel.comm import CommCounter
 from shardwise.parallel.data_parallel import ShardedOptimizer, set_gradient_sync
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward
 from shardwise.runtime import Runtime
@@ -258,19 +259,26 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         f"{tokens_per_step} tokens/step on {runtime.describe()}"
     )
 
-    summary: dict = {"losses": []}
+    summary: dict = {"losses": [], "comm": {}}
+    # the collectives of one step, counted once (the counter costs a Python call per op); step 2, because the
+    # first step also carries one-off traffic (pipeline shape probing)
+    comm_step = min(2, cfg.train.steps) if runtime.mesh else 0
     window_time, window_steps = 0.0, 0  # training time only: validation is not throughput
     for step in range(1, cfg.train.steps + 1):
         start = time.perf_counter()
         batches = loader.next_step()
-        if isinstance(model, Pipeline):
-            result = pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
-                                         global_tokens=tokens_per_step, runtime=runtime)
-        else:
-            result = train_step(
-                model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
-                grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
-            )
+        counter = CommCounter() if step == comm_step else None
+        with counter or contextlib.nullcontext():
+            if isinstance(model, Pipeline):
+                result = pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
+                                             global_tokens=tokens_per_step, runtime=runtime)
+            else:
+                result = train_step(
+                    model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
+                    grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
+                )
+        if counter is not None:
+            summary["comm"] = counter.stats.as_metrics()
         schedule.step()
         window_time += time.perf_counter() - start
         window_steps += 1
@@ -287,6 +295,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                 values["mfu"] = tokens_per_s * flops_token / (peak * runtime.world_size)
             if scaler.is_enabled():
                 values["loss_scale"] = scaler.get_scale()
+            values |= summary["comm"]  # this rank's bytes per step by collective type
             writer.log(step, values)
             window_time, window_steps = 0.0, 0
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
