@@ -28,7 +28,8 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "tests" / "configs" / "parity
 
 def _measure(overrides: list[str]) -> dict:
     stats, model, _, _ = counted_step(load_config(CONFIG, overrides))
-    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    parts = model.stages if hasattr(model, "stages") else [model]
+    root = sum(p.numel() for part in parts for name, p in part.named_parameters() if not name.startswith("layers."))
     return {"wire": dict(stats.wire), "root": root}
 
 
@@ -62,6 +63,11 @@ def main() -> None:
                 per_layer[layers] = sum(run["wire"].values())
             _row(f"TP{'+SP' if sp else ''} per layer, N={n}", (per_layer[4] - per_layer[2]) / 2,
                  8 * b * s * d * fp32 * ring)
+        m = n  # pipeline micro-batches per step
+        pp = run_distributed(_measure, n, [f"parallel.pp={n}", "parallel.pp_schedule='1f1b'"])
+        for stage in (0, n - 1):  # the first stage sends activations, the last sends gradients back
+            _row(f"PP p2p per micro-batch, stage {stage}/{n}", pp[stage]["wire"]["point_to_point"] / m,
+                 b // m * s * d * fp32)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The single-device training loop: every parallel layout is proven equal to this.
+"""The training loop, one for every layout; with no parallel degree set it is the single-device run that every
+parallel layout is proven equal to.
 
 Read top to bottom: build the data, build the model (meta -> transforms -> materialise), build the optimizer,
 then loop over steps. One optimizer step = `train_step` over the step's micro-batches (`pipeline_train_step`,
@@ -138,6 +139,16 @@ def pipeline_train_step(
     return optimizer_step(pipe.parameters(), optimizer, scaler, grad_clip, total, pp_group=runtime.pp_group)
 
 
+def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[data.Batch], cfg: JobConfig,
+                  runtime: Runtime, global_tokens: int) -> StepResult:
+    """One optimizer step of whatever the model is: one module, or this rank's pipeline stages."""
+    if isinstance(model, Pipeline):
+        return pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
+                                   global_tokens=global_tokens, runtime=runtime)
+    return train_step(model, optimizer, scaler, batches, device=runtime.device, precision=cfg.train.precision,
+                      grad_clip=cfg.optim.grad_clip, global_tokens=global_tokens, runtime=runtime)
+
+
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:
     """Unscale (fp16), measure and clip the gradient norm, step unless inf/nan, clear gradients."""
     scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see true gradients
@@ -269,14 +280,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         batches = loader.next_step()
         counter = CommCounter() if step == comm_step else None
         with counter or contextlib.nullcontext():
-            if isinstance(model, Pipeline):
-                result = pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
-                                             global_tokens=tokens_per_step, runtime=runtime)
-            else:
-                result = train_step(
-                    model, optimizer, scaler, batches, device=device, precision=cfg.train.precision,
-                    grad_clip=cfg.optim.grad_clip, global_tokens=tokens_per_step, runtime=runtime,
-                )
+            result = training_step(model, optimizer, scaler, batches, cfg, runtime, tokens_per_step)
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
         schedule.step()
