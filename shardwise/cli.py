@@ -92,12 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.train import TrainingError
+
     try:
         return args.run(args)
     except ConfigError as e:
         # a bad value is the user's to fix: one line naming the field, no traceback
         print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingError) as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -110,6 +110,11 @@ class TrainConfig:
     """Evaluate validation loss every this many steps (and at the end); 0 disables."""
     val_batches: int = 4
     """Micro-batches per validation evaluation."""
+    stop_after: int = 0
+    """Stop after this step as a preemption would (saving a checkpoint), e.g. to continue on another layout;
+    0 runs to `steps`. The schedule still spans `steps`."""
+    max_nonfinite_steps: int = 0
+    """Steps with a non-finite loss or gradient skipped (no update) before the run stops with an error."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' takes CUDA when present, else CPU."""
 
@@ -157,6 +162,20 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = False
+    """Save the whole training state (DCP, sharded) under metrics.out_dir/checkpoints, and resume from it."""
+    every: int = 500
+    """Save every this many steps; also at the end, and when SIGTERM asks the run to stop."""
+    keep: int = 3
+    """Keep the newest this many complete checkpoints."""
+    async_save: bool = False
+    """Write in the background; training waits only for the copy of the state (staging)."""
+    resume: bool = True
+    """Start from the newest complete checkpoint in the run folder, if there is one."""
+
+
+@dataclass
 class MetricsConfig:
     out_dir: str = "runs/demo"
     """Run folder: metrics.jsonl, TensorBoard events and the resolved config go here."""
@@ -184,6 +203,8 @@ class JobConfig:
     """Batch, precision, recompute and length of the run."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Degrees of each parallelism (their product is the world size) and how each is run."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Sharded checkpoints, resume, preemption."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Where and how often to report."""
 
@@ -316,6 +337,13 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     validate_parallel(cfg)
+    for key in ("every", "keep"):
+        _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
+    if not 0 <= cfg.train.stop_after <= cfg.train.steps:
+        raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is outside 0..train.steps",
+                          "use 0, or a step no later than train.steps")
+    if cfg.train.max_nonfinite_steps < 0:
+        raise ConfigError("train.max_nonfinite_steps", "negative", "use 0 to stop at the first non-finite step")
     if cfg.metrics.log_every < 1:
         raise ConfigError("metrics.log_every", f"{cfg.metrics.log_every} < 1", "set it to 1 or more")
     if cfg.metrics.accelerator != "auto":

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import data
+from shardwise.checkpoint import Checkpointer, StopSignal, TrainState
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
@@ -40,7 +41,9 @@ class StepResult:
     grad_norm: float
     """Global gradient norm before clipping (of the unscaled gradients)."""
     skipped: bool
-    """True when fp16 loss scaling found inf/nan gradients and the optimizer step was skipped."""
+    """True when the optimizer step was skipped: inf/nan gradients (fp16 loss scaling, or a non-finite step)."""
+    nonfinite: bool = False
+    """The loss or the gradient norm was inf/nan (without fp16 loss scaling, which handles its own)."""
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -160,6 +163,9 @@ def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tens
         if coef < 1.0:
             for p in params:
                 p.grad.mul_(coef)
+    if not scaler.is_enabled() and not (math.isfinite(float(grad_norm)) and math.isfinite(loss.item())):
+        optimizer.zero_grad(set_to_none=True)  # no update from a broken step; the loop decides what next
+        return StepResult(loss=loss.item(), grad_norm=float(grad_norm), skipped=True, nonfinite=True)
     scale_before = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
     scaler.update()
@@ -249,6 +255,10 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
         runtime.close()
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. non-finite steps beyond the allowance); the last checkpoint is kept."""
+
+
 def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     device = runtime.device
     dataset, loader, val = build_data(cfg, runtime)
@@ -257,25 +267,29 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     optimizer, inner = build_optimizer_for(model, cfg, runtime, effective_lr(cfg.optim, global_batch))
     schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
     scaler = build_grad_scaler(cfg.train, device)
+    parts = list(model.stages) if isinstance(model, Pipeline) else [model]
+    checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device)
+    first_step = checkpoints.resume() + 1
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
     if runtime.is_main:
         (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len
-    flops_token = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops(cfg.metrics, cfg.train.precision, device)
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params | "
         f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of {cfg.data.seq_len} tokens | "
         f"{tokens_per_step} tokens/step on {runtime.describe()}"
+        + (f" | resumed after step {first_step - 1}" if first_step > 1 else "")
     )
+    writer.advance(first_step - 1)
 
-    summary: dict = {"losses": [], "comm": {}}
-    # the collectives of one step, counted once (the counter costs a Python call per op); step 2, because the
-    # first step also carries one-off traffic (pipeline shape probing)
-    comm_step = min(2, cfg.train.steps) if runtime.mesh else 0
-    window_time, window_steps = 0.0, 0  # training time only: validation is not throughput
-    for step in range(1, cfg.train.steps + 1):
+    summary: dict = {"losses": [], "comm": {}, "first_step": first_step}
+    meter = Throughput(cfg, runtime, tokens_per_step)
+    # the collectives of one step, counted once (the counter costs a Python call per op); the second step,
+    # because the first also carries one-off traffic (pipeline shape probing)
+    comm_step = min(first_step + 1, cfg.train.steps) if runtime.mesh else 0
+    nonfinite = 0
+    for step in range(first_step, cfg.train.steps + 1):
         start = time.perf_counter()
         batches = loader.next_step()
         counter = CommCounter() if step == comm_step else None
@@ -284,33 +298,100 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
         schedule.step()
-        window_time += time.perf_counter() - start
-        window_steps += 1
+        meter.add(time.perf_counter() - start)
         summary["losses"].append(result.loss)
         writer.advance()
+        nonfinite = nonfinite + 1 if result.nonfinite else 0
+        if nonfinite > cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"step {step}: non-finite loss ({result.loss}) or gradient norm ({result.grad_norm}) on rank "
+                f"{runtime.env.rank}; stopped with the last good checkpoint kept (train.max_nonfinite_steps = "
+                f"{cfg.train.max_nonfinite_steps} allows skipping some)"
+            )
         if step % cfg.metrics.log_every == 0 or step == cfg.train.steps:
-            tokens_per_s = window_steps * tokens_per_step / window_time
-            values = {
-                "loss": result.loss, "grad_norm": result.grad_norm, "lr": schedule.get_last_lr()[0],
-                "tokens_per_s": tokens_per_s, "step_time_s": window_time / window_steps,
-                "peak_memory_gib": peak_memory_bytes(device) / 2**30, "skipped": int(result.skipped),
-            }
-            if peak:
-                values["mfu"] = tokens_per_s * flops_token / (peak * runtime.world_size)
-            if scaler.is_enabled():
-                values["loss_scale"] = scaler.get_scale()
-            values |= summary["comm"]  # this rank's bytes per step by collective type
-            writer.log(step, values)
-            window_time, window_steps = 0.0, 0
+            writer.log(step, meter.values(result, schedule, scaler) | summary["comm"])
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
             summary["val_loss"] = evaluate(model, val, device, cfg.train.precision, runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
+        if checkpoints.after_step(step):
+            writer.print(f"step {step}: stopped as asked (SIGTERM or train.stop_after); state saved")
+            summary["stopped_at"] = step
+            break
+    checkpoints.close()
     writer.close()
     if save_final:
-        save_full_parameters(list(model.stages) if isinstance(model, Pipeline) else [model], save_final, runtime)
+        save_full_parameters(parts, save_final, runtime)
     summary["model"] = model
     return summary
+
+
+class Throughput:
+    """Tokens/s, step time, MFU and peak memory over the steps since the last report (training time only)."""
+
+    def __init__(self, cfg: JobConfig, runtime: Runtime, tokens_per_step: int):
+        self.tokens_per_step, self.runtime = tokens_per_step, runtime
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(cfg.metrics, cfg.train.precision, runtime.device)
+        self.time, self.steps = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self.time += seconds
+        self.steps += 1
+
+    def values(self, result: StepResult, schedule, scaler) -> dict[str, float]:
+        tokens_per_s = self.steps * self.tokens_per_step / self.time
+        values = {
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": schedule.get_last_lr()[0],
+            "tokens_per_s": tokens_per_s, "step_time_s": self.time / self.steps,
+            "peak_memory_gib": peak_memory_bytes(self.runtime.device) / 2**30, "skipped": int(result.skipped),
+        }
+        if self.peak:
+            values["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.runtime.world_size)
+        if scaler.is_enabled():
+            values["loss_scale"] = scaler.get_scale()
+        self.time, self.steps = 0.0, 0
+        return values
+
+
+@dataclass
+class Checkpoints:
+    """The loop's view of checkpointing: resume at the start, save every N steps, at the end and on SIGTERM."""
+
+    cfg: JobConfig
+    state: TrainState
+    device: torch.device
+    checkpointer: Checkpointer | None
+    stop: StopSignal | None
+
+    @classmethod
+    def create(cls, cfg: JobConfig, state: TrainState, device: torch.device) -> Checkpoints:
+        if not cfg.checkpoint.enabled:
+            return cls(cfg, state, device, None, None)
+        checkpointer = Checkpointer(cfg.metrics.out_dir, cfg.model, layout=to_dict(cfg.parallel),
+                                    keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        return cls(cfg, state, device, checkpointer, StopSignal())
+
+    def resume(self) -> int:
+        """The step the newest complete checkpoint was saved at (its state loaded), or 0."""
+        if self.checkpointer is None or not self.cfg.checkpoint.resume:
+            return 0
+        return self.checkpointer.resume(self.state)
+
+    def after_step(self, step: int) -> bool:
+        """Save when due; True when a stop was requested (the state is then saved)."""
+        if self.checkpointer is None:
+            return step == self.cfg.train.stop_after
+        stopping = self.stop.requested(self.device)  # collective: every rank stops after the same step
+        stopping = stopping or step == self.cfg.train.stop_after
+        if step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps or stopping:
+            self.checkpointer.save(step, self.state)
+        return stopping
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.stop.close()
 
 
 def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) -> None:

@@ -1,0 +1,737 @@
+"""Checkpoints: the whole training state, saved sharded with torch.distributed.checkpoint (DCP), loadable
+under any parallel layout.
+
+What a checkpoint holds, and in which form (every form is independent of the layout that wrote it):
+- model: `get_model_state_dict` of this rank's parts, keyed by the full-model parameter name; DTensors are
+  written as the shards they are, and DCP cuts whatever the loading layout asks for out of them (resharding).
+- optimizer: `get_optimizer_state_dict` in its flattened form ("state.<param>.exp_avg"), whose tensors are
+  shaped like their parameter. ZeRO-1's ShardedOptimizer keeps a 1/N slice of each local tensor; its slices
+  are all-gathered into that same parameter-shaped form, so a ZeRO-1 checkpoint loads under ZeRO-3 and back.
+- per rank: the torch CPU (and CUDA) RNG states; a layout with another world size takes rank r % saved world.
+- train_state.json: step, LR schedule, loss scaler, data-loader position and the optimizer's hyperparameters
+  (lr, betas, ...), all plain numbers. DCP would pickle these, and loading pickles runs arbitrary code.
+- meta.json: format version, step, model shape, layout, and the size and CRC32 of every file.
+
+Atomic: ranks write into `checkpoints/step_<N>.tmp`; once every rank's data is written (DCP's save is
+collective and returns only after its coordinator wrote `.metadata`), rank 0 writes meta.json and renames the
+folder to `step_<N>`. A folder without that name and both metadata files is partial and is never loaded.
+
+Safe: every check (model shape, keys, sizes, dtypes, file sizes, checksums) runs before a single tensor is
+read into the model, and fails with a one-line `CheckpointError` naming the path and the fix. DCP's
+`.metadata` (a pickle) is read with an unpickler that admits only DCP's metadata classes and torch dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import signal
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from shardwise.model import ModelArgs
+from shardwise.parallel.data_parallel import ShardedOptimizer
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# fields of ModelArgs that change a parameter's shape, or what the weights mean
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
+
+log = logging.getLogger("shardwise.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: one line naming the path, the problem and the fix."""
+
+    def __init__(self, path: str | os.PathLike, problem: str, fix: str):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        super().__init__(f"checkpoint {path}: {problem}; fix: {fix}")
+
+
+@dataclass
+class TrainState:
+    """Everything the training loop owns that a checkpoint restores (built fresh before `load`)."""
+
+    parts: list[nn.Module]
+    """This rank's model: [model], or its pipeline stage modules (Pipeline.stages)."""
+    optimizer: Any = None
+    """The optimizer over all of `parts` (a torch Optimizer, or ZeRO-1's ShardedOptimizer); None: weights only."""
+    schedule: Any = None
+    """The LR scheduler (LambdaLR), or None."""
+    scaler: torch.amp.GradScaler | None = None
+    """The loss scaler, or None."""
+    loader: Any = None
+    """The data loader (anything with state_dict/load_state_dict of plain numbers), or None."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+@dataclass
+class Scan:
+    complete: list[tuple[int, Path]]
+    """(step, folder) of every complete checkpoint, oldest first."""
+    partial: list[tuple[Path, str]]
+    """(folder, why) of every partial one: an unfinished write, or a folder missing its metadata."""
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
+    """Complete and partial checkpoints under run_dir/checkpoints (no reading beyond file names)."""
+    root = checkpoint_root(run_dir)
+    complete, partial = [], []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if not entry.is_dir():
+            continue
+        m = _STEP_DIR.fullmatch(entry.name)
+        if m is None:
+            partial.append((entry, "unfinished write (never committed)"))
+            continue
+        missing = [f for f in (META, TRAIN_STATE, DCP_METADATA) if not (entry / f).is_file()]
+        if missing:
+            partial.append((entry, f"missing {', '.join(missing)}"))
+        else:
+            complete.append((int(m.group(1)), entry))
+    return Scan(sorted(complete), partial)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of the run, or None; partial ones are logged (by rank 0) and skipped."""
+    scan = scan_checkpoints(run_dir)
+    for folder, why in scan.partial if _rank() == 0 else []:
+        log.warning("ignoring partial checkpoint %s: %s", folder, why)
+    return scan.complete[-1][1] if scan.complete else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names: parts -> the full model's parameter names
+
+
+def _container(parts: list[nn.Module]) -> nn.Module:
+    return parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+
+
+def _canonical(key: str, multi: bool) -> str:
+    """A state-dict key of the container with the part index (pipeline stages) removed."""
+    if not multi:
+        return key
+    for prefix in ("state.", "param_groups.", ""):
+        if key.startswith(prefix) and re.match(r"\d+\.", key[len(prefix):]):
+            rest = key[len(prefix):]
+            return prefix + rest[rest.index(".") + 1:]
+    return key
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every save/load without a process group; one process is a normal case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------
+# The state in checkpoint form: flat dict of tensors (DCP) + plain numbers (JSON)
+
+
+def _optimizer_name(optimizer) -> str:
+    return type(optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer).__name__
+
+
+def _rng_states(device: torch.device | None) -> dict[str, torch.Tensor]:
+    states = {f"rng/{_rank()}/cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        states[f"rng/{_rank()}/cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _device(parts: list[nn.Module]) -> torch.device:
+    for p in parts[0].parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _param_names(parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(canonical name, parameter) in the order the container yields them (ShardedOptimizer's order)."""
+    from shardwise.model import canonical_name
+
+    multi = len(parts) > 1
+    return [(_canonical(canonical_name(n), multi), p) for n, p in _container(parts).named_parameters()]
+
+
+def _zero1_start(opt: ShardedOptimizer, param: torch.Tensor, chunk: int) -> int:
+    """Where this rank's ZeRO-1 slice starts in the flattened local tensor (as ShardedOptimizer cuts it)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return min(opt.rank * chunk, local.numel())
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (shaped like param's local tensor) as a tensor placed like `param`."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
+
+
+@torch.no_grad()
+def _zero1_state(opt: ShardedOptimizer, parts: list[nn.Module]) -> tuple[dict, dict]:
+    """ZeRO-1's slices all-gathered into the flattened, parameter-shaped form get_optimizer_state_dict gives."""
+    names = _param_names(parts)
+    if [id(p) for _, p in names] != [id(p) for p, _, _ in opt.params]:
+        raise RuntimeError("ShardedOptimizer was built over other parameters than these parts")
+    tensors, plain = {}, {}
+    for (name, _), (param, piece, chunk) in zip(names, opt.params):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        for key, value in opt.inner.state.get(piece, {}).items():
+            if torch.is_tensor(value) and value.ndim == 1:  # a slice of the parameter: gather the full one
+                mine = torch.zeros(chunk, dtype=value.dtype, device=local.device)
+                mine[: value.numel()] = value
+                gathered = torch.empty(chunk * opt.world, dtype=value.dtype, device=local.device)
+                dist.all_gather_into_tensor(gathered, mine, group=opt.group)
+                value = _like_param(param, gathered[: local.numel()].view(local.shape))
+            tensors[f"state.{name}.{key}"] = value
+    by_piece = {id(piece): name for (name, _), (_, piece, _) in zip(names, opt.params)}
+    for group in opt.inner.param_groups:
+        for piece in group["params"]:
+            for k, v in group.items():
+                if k != "params":
+                    plain[f"param_groups.{by_piece[id(piece)]}.{k}"] = v
+    return tensors, plain
+
+
+def _optimizer_state(state: TrainState) -> tuple[dict, dict]:
+    """(tensors, plain values) of the optimizer, flattened and keyed by canonical parameter name."""
+    if isinstance(state.optimizer, ShardedOptimizer):
+        return _zero1_state(state.optimizer, state.parts)
+    osd = get_optimizer_state_dict(_container(state.parts), state.optimizer, options=_OPTIONS)
+    multi = len(state.parts) > 1
+    tensors = {_canonical(k, multi): v for k, v in osd.items() if torch.is_tensor(v)}
+    plain = {_canonical(k, multi): v for k, v in osd.items() if not torch.is_tensor(v)}
+    return tensors, plain
+
+
+def _model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    multi = len(parts) > 1
+    return {_canonical(k, multi): v for k, v in get_model_state_dict(_container(parts)).items()}
+
+
+def _schedule_state(schedule) -> dict:
+    """The scheduler's state with its per-group lists collapsed to one value (layouts group differently)."""
+    sd = schedule.state_dict()
+    n = len(schedule.optimizer.param_groups)
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, list) and len(v) == n:
+            if any(x != v[0] for x in v):
+                raise ValueError(f"lr schedule {k} differs between param groups ({v}); cannot store it per layout")
+            out[k] = {"per_group": v[0]}
+        else:
+            out[k] = v
+    return out
+
+
+def _load_schedule(schedule, saved: dict) -> None:
+    n = len(schedule.optimizer.param_groups)
+    schedule.load_state_dict({k: [v["per_group"]] * n if isinstance(v, dict) and "per_group" in v else v
+                              for k, v in saved.items()})
+
+
+def _plain_json(value: Any) -> Any:
+    """Tuples become lists; anything JSON cannot hold exactly is refused."""
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's JSON")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving
+
+
+def _gather_plain(plain: dict) -> dict:
+    """Union of every rank's plain values on rank 0 (pipeline ranks hold different parameters)."""
+    if _world() == 1:
+        return plain
+    everyone = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(plain, everyone, dst=0)
+    merged = {}
+    for d in everyone or []:
+        merged.update(d)
+    return merged
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _crc32(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _file_digests(folder: Path) -> dict[str, dict]:
+    """Size and CRC32 of every file of the checkpoint (CRC32: corruption, not tampering, is what it catches)."""
+    return {path.name: {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+            for path in sorted(folder.iterdir()) if path.is_file() and path.name != META}
+
+
+class Checkpointer:
+    """Saves the training state every time the loop asks, keeps the last `keep`, and resumes from the newest.
+
+    Every rank constructs one (with async_save it creates a gloo process group for the background writes) and
+    calls save/load/resume/close at the same points of the loop.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, model_args: ModelArgs, *, layout: dict | None = None,
+                 keep: int = 3, async_save: bool = False):
+        if keep < 1:
+            raise ValueError("keep must be >= 1 (the newest checkpoint is what a restart resumes from)")
+        self.root = checkpoint_root(run_dir)
+        self.model_args, self.layout, self.keep, self.async_save = model_args, layout or {}, keep, async_save
+        self._pending: tuple[Any, Path, Path, dict] | None = None
+        # background writes run their collectives on their own gloo group, off the training group's stream
+        self._async_group = dist.new_group(backend="gloo") if async_save and _world() > 1 else None
+
+    # --- save -------------------------------------------------------------------------------------------
+    def save(self, step: int, state: TrainState) -> None:
+        """Write a checkpoint of `state` after `step` optimizer steps (collective: every rank calls it).
+
+        Synchronous mode returns once the checkpoint is committed. Async mode returns after the staging copy;
+        the write finishes in the background and is committed at the next save, `wait` or `close`.
+        """
+        self.wait()
+        tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for folder, _ in scan_checkpoints(self.root.parent).partial:
+                if folder.name.endswith(".tmp"):
+                    shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts
+            tmp.mkdir()
+        _barrier()
+        tensors, plain_optim = self._collect(state)
+        plain_optim = _gather_plain(plain_optim)
+        meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
+                "layout": self.layout, "world_size": _world(), "optimizer": _optimizer_name(state.optimizer)}
+        if _rank() == 0:
+            train_state = {
+                "step": step,
+                "lr_schedule": _schedule_state(state.schedule) if state.schedule is not None else None,
+                "grad_scaler": state.scaler.state_dict() if state.scaler is not None else None,
+                "data_loader": state.loader.state_dict() if state.loader is not None else None,
+                "optimizer_param_groups": plain_optim,
+            }
+            _fsync_write(tmp / TRAIN_STATE, json.dumps(_plain_json(train_state), indent=1))
+        writer = dcp.FileSystemWriter(str(tmp))
+        with _quiet_single_process():
+            if self.async_save:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group,
+                                        no_dist=not dist.is_initialized())
+                self._pending = (future, tmp, final, meta)
+            else:
+                dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+        if not self.async_save:
+            self._commit(tmp, final, meta)
+
+    def _collect(self, state: TrainState) -> tuple[dict, dict]:
+        optim_tensors, plain = _optimizer_state(state)
+        tensors = {f"model/{k}": v for k, v in _model_state(state.parts).items()}
+        tensors.update({f"optim/{k}": v for k, v in optim_tensors.items()})
+        tensors.update({k: v.clone() for k, v in _rng_states(_device(state.parts)).items()})
+        return tensors, plain
+
+    def wait(self) -> None:
+        """Finish and commit a pending asynchronous save (collective)."""
+        if self._pending is None:
+            return
+        future, tmp, final, meta = self._pending
+        self._pending = None
+        result = future.result()
+        if hasattr(result, "upload_completion"):
+            result.upload_completion.result()
+        self._commit(tmp, final, meta)
+
+    def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
+        # DCP's save returns on any rank only after its coordinator has gathered every rank's write results and
+        # written .metadata: all data is on disk. The barrier keeps ranks in step with the rename.
+        _barrier()
+        if _rank() == 0:
+            meta["files"] = _file_digests(tmp)
+            _fsync_write(tmp / META, json.dumps(_plain_json(meta), indent=1))
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # the same step saved again (a resumed run): the old one goes once the new is in
+                final.rename(old)
+            tmp.rename(final)
+            dir_fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            shutil.rmtree(old, ignore_errors=True)
+            for _, folder in scan_checkpoints(self.root.parent).complete[: -self.keep]:
+                shutil.rmtree(folder)
+            log.info("checkpoint %s committed", final)
+        _barrier()
+
+    def close(self) -> None:
+        self.wait()
+
+    # --- load -------------------------------------------------------------------------------------------
+    def resume(self, state: TrainState) -> int:
+        """Load the newest complete checkpoint of the run into `state`; the step it was saved at, 0 if none."""
+        path = latest_checkpoint(self.root.parent)
+        return 0 if path is None else load(path, state, self.model_args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch.Size/dtype/layout and plain containers; nothing that runs code."""
+
+    _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool"}
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # DCP's metadata dataclasses and enums
+                return obj
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # looks a torch.layout up by its name
+            return super().find_class(module, name)
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return super().find_class(module, name)
+        if module == "collections" and name == "OrderedDict" or module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read by _SafeUnpickler (tensor data DCP reads as raw bytes)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / DCP_METADATA, "rb") as f:
+            metadata = _SafeUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _read_json(path: Path, name: str) -> dict:
+    try:
+        return json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{name} is missing (an unfinished or damaged save)",
+                              "resume from another checkpoint (latest_checkpoint skips this one)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"{name} is not valid JSON ({e})", "resume from another checkpoint") from None
+
+
+def _check_meta(path: Path, meta: dict, model_args: ModelArgs) -> None:
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
+                              f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
+    saved = meta.get("model", {})
+    diffs = [f"{f} {saved.get(f)} vs {getattr(model_args, f)}" for f in _SHAPE_FIELDS
+             if saved.get(f) != getattr(model_args, f)]
+    if diffs:
+        raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
+                              "set the [model] config to the checkpoint's shape, or start a new run folder")
+
+
+def _check_files(path: Path, meta: dict) -> str | None:
+    """This rank's share of the file checks: present, full size, CRC32 as written. An error message or None."""
+    files = sorted(meta.get("files", {}).items())
+    for name, info in files[_rank()::_world()]:
+        file = path / name
+        if not file.is_file():
+            return f"file {name} is missing"
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            return f"file {name} has {size} bytes, {info['bytes']} were written (truncated or damaged)"
+        if _crc32(file) != info["crc32"]:
+            return f"file {name} fails its CRC32 check (corrupted)"
+    return None
+
+
+def _check_targets(path: Path, metadata: Metadata, targets: dict[str, torch.Tensor]) -> str | None:
+    """Every tensor this rank needs exists in the checkpoint, as a tensor of the same global shape and dtype."""
+    md = metadata.state_dict_metadata
+    for key, t in targets.items():
+        entry = md.get(key)
+        if entry is None:
+            return f"it has no {key!r} (a different model or optimizer)"
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"{key!r} is not stored as a tensor"
+        if tuple(entry.size) != tuple(t.shape) or entry.properties.dtype != t.dtype:
+            return (f"{key!r} is {entry.properties.dtype} {tuple(entry.size)}, this run has {t.dtype} "
+                    f"{tuple(t.shape)} (a different model shape)")
+    for info in metadata.storage_data.values():
+        file = path / info.relative_path
+        if not file.is_file() or file.stat().st_size < info.offset + info.length:
+            return f"shard file {info.relative_path} is missing or truncated"
+    return None
+
+
+def _agree(error: str | None) -> str | None:
+    """The first error any rank found (so all ranks raise together instead of some waiting in a collective)."""
+    if _world() == 1:
+        return error
+    errors = [None] * _world()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return _SafeReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(path, f"DCP {DCP_METADATA} is missing", "resume from another checkpoint") from None
+    except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged file
+        raise CheckpointError(path, f"DCP {DCP_METADATA} cannot be read ({type(e).__name__}: {e})",
+                              "resume from another checkpoint") from None
+
+
+def _zero1_targets(opt: ShardedOptimizer, parts: list[nn.Module], metadata: Metadata) -> dict[str, torch.Tensor]:
+    """Parameter-shaped buffers for every optimizer state the checkpoint holds for this rank's parameters."""
+    targets = {}
+    for name, param in _param_names(parts):
+        prefix = f"optim/state.{name}."
+        for key, entry in metadata.state_dict_metadata.items():
+            if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata) and "." not in key[len(prefix):]:
+                dtype = entry.properties.dtype
+                if tuple(entry.size) == tuple(param.shape):
+                    targets[key] = torch.zeros_like(param, dtype=dtype)
+                else:
+                    targets[key] = torch.zeros(tuple(entry.size), dtype=dtype)
+    return targets
+
+
+@torch.no_grad()
+def _set_zero1(opt: ShardedOptimizer, parts: list[nn.Module], targets: dict, plain: dict) -> None:
+    """Cut this rank's slice out of each parameter-shaped state and load it into the inner optimizer."""
+    owner = {id(piece): (name, param, chunk)
+             for (name, _), (param, piece, chunk) in zip(_param_names(parts), opt.params)}
+    state, groups, index = {}, [], {}
+    for group in opt.inner.param_groups:
+        first = owner[id(group["params"][0])][0]
+        groups.append({k: _restore_type(v, plain[f"param_groups.{first}.{k}"])
+                       for k, v in group.items() if k != "params"})
+        groups[-1]["params"] = []
+        for piece in group["params"]:
+            name, param, chunk = owner[id(piece)]
+            i = index.setdefault(id(piece), len(index))
+            groups[-1]["params"].append(i)
+            lo, prefix = _zero1_start(opt, param, chunk), f"optim/state.{name}."
+            per = {}
+            for key, value in targets.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    if value.shape == param.shape and value.ndim > 0:  # parameter-shaped: keep our slice
+                        local = value.to_local() if isinstance(value, DTensor) else value
+                        value = local.reshape(-1)[lo:lo + piece.numel()].clone()
+                    per[key[len(prefix):]] = value
+            if per:
+                state[i] = per
+    opt.inner.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _plain_keys(state: TrainState, optim_live: dict) -> list[str]:
+    """The optimizer's non-tensor values (hyperparameters: "param_groups.<name>.lr", ...) a load needs."""
+    if state.optimizer is None:
+        return []
+    if isinstance(state.optimizer, ShardedOptimizer):
+        names = {id(piece): name for (name, _), (_, piece, _) in zip(_param_names(state.parts), state.optimizer.params)}
+        return [f"param_groups.{names[id(g['params'][0])]}.{k}" for g in state.optimizer.inner.param_groups
+                for k in g if k != "params"]
+    return [_canonical(k, len(state.parts) > 1) for k, v in optim_live.items() if not torch.is_tensor(v)]
+
+
+def _restore_type(current: Any, saved: Any) -> Any:
+    return tuple(saved) if isinstance(current, tuple) and isinstance(saved, list) else saved
+
+
+def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> int:
+    """Restore `state` (freshly built, any layout) from a checkpoint folder; returns its step (collective).
+
+    Everything is checked first; a damaged or mismatched checkpoint raises CheckpointError on every rank and
+    leaves the model, optimizer and loader as they were.
+    """
+    path = Path(path)
+    meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
+    _check_meta(path, meta, model_args)
+    if state.optimizer is not None and meta.get("optimizer") != _optimizer_name(state.optimizer):
+        raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
+                              f"{_optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")
+    metadata = _read_metadata(path)
+    targets, model_live, optim_live = _targets(state, metadata, int(meta.get("world_size", 1)))
+    missing = [k for k in _plain_keys(state, optim_live) if k not in train_state.get("optimizer_param_groups", {})]
+    error = (_check_targets(path, metadata, targets) or _check_loader(train_state, state)
+             or (f"{TRAIN_STATE} lacks {missing[0]}" if missing else None) or _check_files(path, meta))
+    error = _agree(error)
+    if error:
+        raise CheckpointError(path, error, "resume from another checkpoint (or fix the config to match it)")
+
+    with _quiet_single_process():
+        dcp.load(targets, storage_reader=_SafeReader(str(path)), no_dist=not dist.is_initialized())
+    _restore(state, targets, model_live, optim_live, train_state)
+    return int(train_state["step"])
+
+
+def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[dict, dict, dict]:
+    """The tensors to read into (DCP key -> tensor), and the live model/optimizer state dicts they belong to."""
+    multi = len(state.parts) > 1
+    model_live = get_model_state_dict(_container(state.parts))
+    targets = {f"model/{_canonical(k, multi)}": v for k, v in model_live.items()}
+    optim_live: dict = {}
+    if state.optimizer is None:
+        pass
+    elif isinstance(state.optimizer, ShardedOptimizer):
+        targets.update(_zero1_targets(state.optimizer, state.parts, metadata))
+    else:
+        # on a fresh optimizer this first creates its state (a zero step at lr 0): the buffers to load into
+        optim_live = get_optimizer_state_dict(_container(state.parts), state.optimizer, options=_OPTIONS)
+        targets.update({f"optim/{_canonical(k, multi)}": v for k, v in optim_live.items() if torch.is_tensor(v)})
+    src = _rank() % saved_world  # under another world size, rank r continues rank r % saved world's streams
+    for key, value in _rng_states(_device(state.parts)).items():
+        key = key.replace(f"rng/{_rank()}/", f"rng/{src}/")
+        if key.endswith("/cpu") or key in metadata.state_dict_metadata:  # CUDA streams only if saved on CUDA
+            targets[key] = value.clone()
+    return targets, model_live, optim_live
+
+
+def _restore(state: TrainState, targets: dict, model_live: dict, optim_live: dict, train_state: dict) -> None:
+    """Hand the read tensors and the JSON state to their owners."""
+    multi = len(state.parts) > 1
+    set_model_state_dict(_container(state.parts), {k: targets[f"model/{_canonical(k, multi)}"] for k in model_live})
+    plain = train_state["optimizer_param_groups"]
+    if isinstance(state.optimizer, ShardedOptimizer):
+        _set_zero1(state.optimizer, state.parts, targets, plain)
+    elif state.optimizer is not None:
+        _set_optimizer(state, optim_live, targets, plain)
+    if state.schedule is not None and train_state["lr_schedule"] is not None:
+        _load_schedule(state.schedule, train_state["lr_schedule"])
+    if state.scaler is not None and train_state["grad_scaler"]:
+        state.scaler.load_state_dict(train_state["grad_scaler"])
+    if state.loader is not None and train_state["data_loader"] is not None:
+        state.loader.load_state_dict(train_state["data_loader"])
+    for key, value in targets.items():
+        if key.startswith("rng/") and key.endswith("/cpu"):
+            torch.set_rng_state(value)
+        elif key.startswith("rng/"):
+            torch.cuda.set_rng_state(value, _device(state.parts))
+
+
+def _set_optimizer(state: TrainState, live: dict, targets: dict, plain: dict) -> None:
+    multi = len(state.parts) > 1
+    osd = {}
+    for k, v in live.items():
+        canonical = _canonical(k, multi)
+        if torch.is_tensor(v):
+            osd[k] = targets[f"optim/{canonical}"]
+        else:
+            osd[k] = _restore_type(v, plain[canonical])
+    set_optimizer_state_dict(_container(state.parts), state.optimizer, osd, options=_OPTIONS)
+
+
+def _check_loader(train_state: dict, state: TrainState) -> str | None:
+    saved = train_state.get("data_loader")
+    if state.loader is None or saved is None:
+        return None
+    mine = state.loader.state_dict()
+    for key in ("seed", "global_batch", "num_samples"):
+        if saved.get(key) != mine.get(key):
+            return (f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)} "
+                    "(keep train.seed, micro_batch x grad_accum x dp and the data the same)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preemption
+
+
+class StopSignal:
+    """Set by SIGTERM (what Slurm and Kubernetes send before a kill): the loop finishes its step, saves, exits.
+
+    `requested()` is collective: ranks receive the signal at different moments, so they agree (any rank) before
+    deciding to stop, and all stop after the same step.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM,)):
+        self._set = False
+        self._previous = {s: signal.signal(s, self._handler) for s in signals}
+
+    def _handler(self, signum, frame) -> None:
+        self._set = True  # only a flag: the step in flight finishes, then the loop saves
+
+    def close(self) -> None:
+        """Put the previous handlers back."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def requested(self, device: torch.device | str = "cpu") -> bool:
+        """Whether any rank got the signal; `device` is where the process group's backend reduces (cuda: NCCL)."""
+        flag = torch.tensor([1.0 if self._set else 0.0], device=device)
+        if dist.is_initialized() and _world() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

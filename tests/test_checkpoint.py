@@ -1,0 +1,394 @@
+"""Checkpoints: exact resume, resume under another layout, atomicity, damaged input, Hugging Face interchange.
+
+The reference for every resume is the same run without interruption (or, across layouts, the continuation
+under the saving layout, which the parity tests tie to one device).
+"""
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from distributed import run_distributed
+from shardwise import hf
+from shardwise.checkpoint import Checkpointer, CheckpointError, TrainState, latest_checkpoint, load, scan_checkpoints
+from shardwise.config import load_config
+from shardwise.model import build_model, materialize
+from shardwise.optim import build_lr_schedule, effective_lr
+from shardwise.runtime import Runtime
+from shardwise.parallel.pipeline import Pipeline
+from shardwise.train import (
+    build_data,
+    build_grad_scaler,
+    build_optimizer_for,
+    build_training_model,
+    pipeline_train_step,
+    train_step,
+)
+
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+# AdamW (two moments and a step count per parameter) with clipping, warmup and cosine decay: every piece of
+# optimizer and schedule state must come back for the continuation to match
+ADAMW = ["optim.name='adamw'", "optim.lr=3e-3", "optim.grad_clip=1.0", "optim.warmup_steps=2", "train.steps=4",
+         "model.n_layers=4"]
+
+
+def _cfg(overrides=()):
+    return load_config(CONFIG, [*ADAMW, *overrides])
+
+
+def _build(cfg, runtime):
+    """A fresh training state under cfg's layout, exactly as the trainer builds it."""
+    _, loader, _ = build_data(cfg, runtime)
+    model = build_training_model(cfg, runtime)
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size
+    optimizer, inner = build_optimizer_for(model, cfg, runtime, effective_lr(cfg.optim, global_batch))
+    schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
+    parts = list(model.stages) if isinstance(model, Pipeline) else [model]
+    state = TrainState(parts, optimizer, schedule, build_grad_scaler(cfg.train, runtime.device), loader)
+    state.model = model  # what the step runs: the model, or the pipeline
+    return state
+
+
+def _steps(state, cfg, runtime, n):
+    losses = []
+    tokens = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size * cfg.data.seq_len
+    for _ in range(n):
+        batches = state.loader.next_step()
+        if isinstance(state.model, Pipeline):
+            r = pipeline_train_step(state.model, state.optimizer, state.scaler, batches, grad_clip=cfg.optim.grad_clip,
+                                    global_tokens=tokens, runtime=runtime)
+        else:
+            r = train_step(state.model, state.optimizer, state.scaler, batches, device=runtime.device,
+                           grad_clip=cfg.optim.grad_clip, global_tokens=tokens, runtime=runtime)
+        state.schedule.step()
+        losses.append(r.loss)
+    return losses
+
+
+def _full_params(parts):
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for part in parts for n, p in part.named_parameters()}
+
+
+def _all_ranks(flag: bool) -> bool:
+    """flag on every rank (pipeline ranks compare different parameters)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _scramble(state):
+    """Overwrite the fresh model so that only a complete load can bring back the saved values."""
+    with torch.no_grad():
+        for p in (p for part in state.parts for p in part.parameters()):
+            (p.to_local() if isinstance(p, DTensor) else p).fill_(0.125)
+
+
+def _resume_job(overrides, run_dir, save_at=2, total=4, async_save=False, keep=3):
+    """Train `total` steps saving at `save_at`; then a fresh state loads the save and trains the rest."""
+    cfg = _cfg(overrides)
+    runtime = Runtime.create(cfg)
+    ckpt = Checkpointer(run_dir, cfg.model, layout=vars(cfg.parallel), keep=keep, async_save=async_save)
+    state = _build(cfg, runtime)
+    losses = _steps(state, cfg, runtime, save_at)
+    ckpt.save(save_at, state)
+    losses += _steps(state, cfg, runtime, total - save_at)  # an async save writes while these run
+    ckpt.close()
+    reference = _full_params(state.parts)
+
+    fresh = _build(cfg, runtime)
+    _scramble(fresh)
+    step = ckpt.resume(fresh)
+    resumed = _steps(fresh, cfg, runtime, total - step)
+    params = _full_params(fresh.parts)
+    return {"losses": losses, "resumed": resumed, "step": step,
+            "equal": _all_ranks(all(torch.equal(params[n], reference[n]) for n in reference))}
+
+
+def _continue_job(overrides, run_dir, steps=2):
+    """A fresh state under another layout loads the run's newest checkpoint and trains `steps` more."""
+    cfg = _cfg(overrides)
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    _scramble(state)
+    step = Checkpointer(run_dir, cfg.model).resume(state)
+    return {"step": step, "losses": _steps(state, cfg, runtime, steps)}
+
+
+# Two spawned jobs (starting gloo processes costs more than the training here): four ranks save under
+# dp2 x tp2 (ZeRO-3), dp2 x tp2 (ZeRO-1) and pp2 x dp2, resume each exactly, and reshard to FSDP over 4 and
+# to tp2 x dp2; two ranks then reshard to 2 ranks and import a Hugging Face folder under tp=2.
+DP2_TP2 = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"]
+FSDP4 = ["parallel.dp_shard=4", "parallel.zero_stage=3", "train.micro_batch=4"]  # same global batch of 16
+ZERO1_DP2_TP2 = ["parallel.dp_replicate=2", "parallel.tp=2", "parallel.zero_stage=1"]
+# two stages per rank (interleaved 1F1B): a rank's state comes from several stage modules
+PP2_DP2 = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3", "parallel.virtual_stages=2",
+           "parallel.pp_schedule='interleaved-1f1b'"]
+TP2_DP2 = ["parallel.tp=2", "parallel.dp_replicate=2"]
+ZERO3_DP2 = ["parallel.dp_shard=2", "parallel.zero_stage=3"]
+ZERO2_DP2 = ["parallel.dp_shard=2", "parallel.zero_stage=2"]
+ZERO1_DP2 = ["parallel.dp_replicate=2", "parallel.zero_stage=1"]
+
+
+def _four_rank_job(run_tp, run_zero1, run_pp):
+    return {"tp": _resume_job(DP2_TP2, run_tp), "fsdp4": _continue_job(FSDP4, run_tp),
+            "zero1": _resume_job(ZERO1_DP2_TP2, run_zero1),
+            "pp": _resume_job(PP2_DP2, run_pp), "pp_to_tp": _continue_job(TP2_DP2, run_pp)}
+
+
+def _two_rank_job(run_tp, run_zero1, hf_dir, tokens, hf_out):
+    return {"from_tp": _continue_job(ZERO2_DP2, run_tp), "from_tp_to_zero1": _continue_job(ZERO1_DP2, run_tp),
+            "from_zero1": _continue_job(ZERO3_DP2, run_zero1), "hf_logits": _hf_round_trip(hf_dir, tokens, hf_out)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("tp"), tmp_path_factory.mktemp("zero1"), tmp_path_factory.mktemp("pp")
+    return runs, run_distributed(_four_rank_job, 4, *runs)[0]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A random tiny Llama saved by transformers itself, and its logits on some tokens."""
+    transformers = pytest.importorskip("transformers")
+    args = _cfg().model
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(args))).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # off the default init, norms included, so a mix-up shows
+            p.add_(torch.randn_like(p) * 0.05)
+    folder = tmp_path_factory.mktemp("hf")
+    theirs.save_pretrained(folder)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = theirs(tokens).logits
+    return folder, tokens, logits
+
+
+@pytest.fixture(scope="module")
+def two_ranks(four_ranks, hf_folder, tmp_path_factory):
+    (run_tp, run_zero1, _), _ = four_ranks
+    folder, tokens, _ = hf_folder
+    out = tmp_path_factory.mktemp("hf_out")
+    return {**run_distributed(_two_rank_job, 2, run_tp, run_zero1, folder, tokens, out)[0], "hf_out": out}
+
+
+def _hf_round_trip(folder, tokens, out):
+    """Import a transformers folder under tp=2, and export it again from there (gathering the DTensors)."""
+    cfg = _cfg(["parallel.tp=2"])
+    runtime = Runtime.create(cfg)
+    model = build_training_model(cfg, runtime)
+    hf.import_hf([model], folder)
+    hf.export_hf([model], cfg.model, out, runtime)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_exact_resume_one_device(tmp_path):
+    out = _resume_job([], tmp_path)
+    assert out["step"] == 2
+    assert out["resumed"] == out["losses"][2:]  # identical floats, not close ones
+    assert out["equal"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the background save, one process
+def test_async_save_and_keep_last(tmp_path):
+    cfg = _cfg()
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    ckpt = Checkpointer(tmp_path, cfg.model, keep=2, async_save=True)
+    for step in range(1, 5):
+        _steps(state, cfg, runtime, 1)  # while the previous step's checkpoint is written in the background
+        ckpt.save(step, state)
+    ckpt.close()
+    assert [s for s, _ in scan_checkpoints(tmp_path).complete] == [3, 4]
+    fresh = _build(cfg, runtime)
+    _scramble(fresh)
+    assert ckpt.resume(fresh) == 4
+    params, reference = _full_params(fresh.parts), _full_params(state.parts)
+    assert all(torch.equal(params[n], reference[n]) for n in reference)
+    assert _steps(fresh, cfg, runtime, 1) == _steps(state, cfg, runtime, 1)
+
+
+def test_exact_resume_dp2_tp2(four_ranks):
+    out = four_ranks[1]["tp"]
+    assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
+
+
+def test_exact_resume_zero1(four_ranks):
+    out = four_ranks[1]["zero1"]
+    assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
+
+
+def test_reshard_dp2_tp2_to_fsdp4_and_to_two_ranks_zero2_and_zero1(four_ranks, two_ranks):
+    same_layout = four_ranks[1]["tp"]["losses"][2:]
+    for other in (four_ranks[1]["fsdp4"], two_ranks["from_tp"], two_ranks["from_tp_to_zero1"]):
+        assert other["step"] == 2
+        assert other["losses"] == pytest.approx(same_layout, rel=1e-5)
+
+
+def test_exact_resume_pp2_dp2_and_reshard_to_tp2_dp2(four_ranks):
+    out, other = four_ranks[1]["pp"], four_ranks[1]["pp_to_tp"]
+    assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
+    assert other["losses"] == pytest.approx(out["losses"][2:], rel=1e-5)
+
+
+def test_reshard_zero1_to_zero3_on_two_ranks(four_ranks, two_ranks):
+    assert two_ranks["from_zero1"]["losses"] == pytest.approx(four_ranks[1]["zero1"]["losses"][2:], rel=1e-5)
+
+
+def test_hf_import_and_export_under_tp2(hf_folder, two_ranks):
+    torch.testing.assert_close(two_ranks["hf_logits"], hf_folder[2], rtol=1e-5, atol=1e-5)
+    import transformers
+
+    again = transformers.LlamaForCausalLM.from_pretrained(two_ranks["hf_out"], local_files_only=True,
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(hf_folder[1]).logits, hf_folder[2], rtol=1e-5, atol=1e-5)
+
+
+def test_hf_export_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = _cfg().model
+    model = build_model(args)
+    materialize(model, args, "cpu", seed=3)
+    hf.export_hf([model], args, tmp_path)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path, local_files_only=True,
+                                                           dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+    # and back: a fresh model imports the exported folder to the same numbers
+    again = build_model(args)
+    materialize(again, args, "cpu", seed=4)
+    hf.import_hf([again], tmp_path)
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Partial, damaged and mismatched checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A one-device run with a checkpoint at step 2."""
+    run = tmp_path_factory.mktemp("saved")
+    cfg = _cfg()
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    _steps(state, cfg, runtime, 2)
+    Checkpointer(run, cfg.model).save(2, state)
+    return run, _full_params(state.parts)
+
+
+def _copy(saved, tmp_path):
+    shutil.copytree(saved[0], tmp_path / "run")
+    return tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_2"
+
+
+def test_partial_checkpoints_are_ignored_and_reported(saved_run, tmp_path, caplog):
+    run, good = _copy(saved_run, tmp_path)
+    (good.parent / "step_3.tmp").mkdir()  # a save that never committed
+    shutil.copytree(good, good.parent / "step_4")
+    (good.parent / "step_4" / "meta.json").unlink()  # a folder without its metadata
+    with caplog.at_level(logging.WARNING, logger="shardwise.checkpoint"):
+        assert latest_checkpoint(run) == good
+    assert "step_3.tmp" in caplog.text and "step_4" in caplog.text and "meta.json" in caplog.text
+    # the next save clears the unfinished write and commits next to the older checkpoint
+    cfg, state, _ = _fresh_state()
+    Checkpointer(run, cfg.model).save(5, state)
+    assert not (good.parent / "step_3.tmp").exists()
+    assert [s for s, _ in scan_checkpoints(run).complete] == [2, 5]
+
+
+def _fresh_state(overrides=()):
+    cfg = _cfg(overrides)
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    return cfg, state, _full_params(state.parts)
+
+
+def _assert_refused(path, overrides, *words):
+    cfg, state, before = _fresh_state(overrides)
+    with pytest.raises(CheckpointError) as err:
+        load(path, state, cfg.model)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "fix:" in message, message
+    for word in words:
+        assert word in message, message
+    after = _full_params(state.parts)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was overwritten
+    assert state.loader.state_dict()["step_in_epoch"] == 0
+
+
+def test_weights_only_load(saved_run):
+    cfg, state, _ = _fresh_state()
+    _scramble(state)
+    assert load(latest_checkpoint(saved_run[0]), TrainState(state.parts), cfg.model) == 2
+    params = _full_params(state.parts)
+    assert all(torch.equal(params[n], saved_run[1][n]) for n in params)
+
+
+def test_truncated_shard_file_is_refused(saved_run, tmp_path):
+    _, path = _copy(saved_run, tmp_path)
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _assert_refused(path, [], "truncated")
+
+
+def test_corrupted_shard_file_is_refused(saved_run, tmp_path):
+    _, path = _copy(saved_run, tmp_path)
+    shard = next(path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _assert_refused(path, [], "CRC32")
+
+
+def test_missing_metadata_is_refused(saved_run, tmp_path):
+    _, path = _copy(saved_run, tmp_path)
+    (path / "meta.json").unlink()
+    _assert_refused(path, [], "meta.json is missing")
+
+
+def test_other_model_shape_is_refused(saved_run, tmp_path):
+    _, path = _copy(saved_run, tmp_path)
+    _assert_refused(path, ["model.dim=32", "model.ffn_hidden=96"], "different model", "dim 64 vs 32")
+
+
+def test_metadata_pickle_cannot_run_code(saved_run, tmp_path):
+    import os
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return os.system, ("touch " + str(tmp_path / "pwned"),)
+
+    _, path = _copy(saved_run, tmp_path)
+    (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    _assert_refused(path, [], "refusing to unpickle")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_sigterm_sets_the_stop_flag():
+    import os
+    import signal
+
+    from shardwise.checkpoint import StopSignal
+
+    stop = StopSignal()
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGTERM)  # the process survives: the handler only sets a flag
+        assert stop.requested()
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) is not stop._handler

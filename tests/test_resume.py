@@ -1,0 +1,73 @@
+"""The training loop with checkpoints: exact resume, SIGTERM, non-finite steps."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+
+
+def _train(out, steps, *extra, nproc=1, popen=False):
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", CONFIG, f"--set=metrics.out_dir='{out}'",
+           f"--set=train.steps={steps}", "--set=checkpoint.enabled=true", "--set=checkpoint.every=2",
+           "--set=metrics.log_every=1", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+           *[f"--set={e}" for e in extra], "--save-final", str(Path(out) / "final.safetensors")]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _params(out):
+    return load_file(Path(out) / "final.safetensors")
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.dp_shard=2", "parallel.zero_stage=3"])],
+                         ids=["one-device", "fsdp2"])
+def test_interrupted_run_resumes_exactly(tmp_path, nproc, layout):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert _train(whole, 6, *layout, nproc=nproc).returncode == 0
+    assert _train(split, 6, *layout, "train.stop_after=4", nproc=nproc).returncode == 0  # stops at 4 (saved)
+    second = _train(split, 6, *layout, nproc=nproc)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert _losses(split) == _losses(whole)  # steps 1-4 from the first run, 5-6 after resuming at step 4
+    a, b = _params(whole), _params(split)
+    assert all((a[k] == b[k]).all() for k in a)  # bitwise
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, 10_000, popen=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or not _losses(out):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = max(_losses(out))
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved[-1] == f"step_{stopped}"
+    again = _train(out, stopped + 2)
+    assert again.returncode == 0 and "resumed after step" in again.stdout + again.stderr
+    assert max(_losses(out)) == stopped + 2
+
+
+def test_nonfinite_loss_stops_with_step_named(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, 20, "optim.lr=1e12")
+    assert proc.returncode == 3
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite" in line and "step" in line and "rank 0" in line
