@@ -54,7 +54,7 @@ def main() -> None:
         z3 = run_distributed(_measure, n, [f"parallel.dp_shard={n}", "parallel.zero_stage=3"])[0]
         measured = z3["wire"]["all_gather"] + z3["wire"]["reduce_scatter"]
         _row(f"ZeRO-3 AG + RS, N={n}", measured, 3 * psi * fp32 * ring,
-             f"root ({z3['root'] * n:,} params) is not re-gathered in backward")
+             f"root ({z3['root']:,} params) is not re-gathered in backward")
         for sp in (False, True):
             per_layer = {}
             for layers in (2, 4):
