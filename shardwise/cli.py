@@ -51,6 +51,25 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write the newest checkpoint of a run as a Hugging Face Llama folder")
+    p.add_argument("--config", help="the run's TOML file (its metrics.out_dir holds the checkpoints)")
+    _add_overrides(p)
+    p.add_argument("--out", required=True, help="folder to write config.json and safetensors into")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):  # one process reads any layout's checkpoint
+        setattr(cfg.parallel, key, 1)
+    from shardwise.train import export_hf_from_checkpoint
+
+    path = export_hf_from_checkpoint(cfg, args.out)
+    print(f"exported {path} to {args.out}")
+    return 0
+
+
 def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove parallel layouts train exactly like one device")
     p.add_argument("--config", help="TOML file; omitted: the built-in defaults")
@@ -85,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_export(sub)
     _add_verify(sub)
     _add_planner(sub)
     return parser

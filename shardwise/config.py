@@ -173,6 +173,8 @@ class CheckpointConfig:
     """Write in the background; training waits only for the copy of the state (staging)."""
     resume: bool = True
     """Start from the newest complete checkpoint in the run folder, if there is one."""
+    init_from_hf: str = ""
+    """A Hugging Face Llama folder (config.json + safetensors) whose weights replace the initialisation."""
 
 
 @dataclass
@@ -339,6 +341,10 @@ def validate(cfg: JobConfig) -> None:
     validate_parallel(cfg)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
+    hf = cfg.checkpoint.init_from_hf
+    if hf and not (Path(hf) / "config.json").is_file():
+        raise ConfigError("checkpoint.init_from_hf", f"{hf} has no config.json",
+                          "point it at a Hugging Face model folder (config.json + *.safetensors)")
     if not 0 <= cfg.train.stop_after <= cfg.train.steps:
         raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is outside 0..train.steps",
                           "use 0, or a step no later than train.steps")

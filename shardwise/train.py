@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from shardwise import data
 from shardwise.checkpoint import Checkpointer, StopSignal, TrainState
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
+from shardwise.hf import import_hf
 from shardwise.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
@@ -270,6 +271,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     parts = list(model.stages) if isinstance(model, Pipeline) else [model]
     checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device)
     first_step = checkpoints.resume() + 1
+    if first_step == 1 and cfg.checkpoint.init_from_hf:
+        import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
     if runtime.is_main:
@@ -392,6 +395,26 @@ class Checkpoints:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.stop.close()
+
+
+def export_hf_from_checkpoint(cfg: JobConfig, out: str) -> Path:
+    """Load the newest complete checkpoint of cfg's run folder (weights only) and write a Hugging Face folder."""
+    from shardwise.checkpoint import CheckpointError, latest_checkpoint, load
+    from shardwise.hf import export_hf
+
+    path = latest_checkpoint(cfg.metrics.out_dir)
+    if path is None:
+        raise CheckpointError(Path(cfg.metrics.out_dir) / "checkpoints", "no complete checkpoint",
+                              "train with checkpoint.enabled = true first, or point metrics.out_dir at the run")
+    runtime = Runtime.create(cfg)
+    try:
+        model = build_training_model(cfg, runtime)
+        parts = list(model.stages) if isinstance(model, Pipeline) else [model]
+        load(path, TrainState(parts), cfg.model)
+        export_hf(parts, cfg.model, out, runtime)
+    finally:
+        runtime.close()
+    return path
 
 
 def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) -> None:

@@ -71,3 +71,21 @@ def test_nonfinite_loss_stops_with_step_named(tmp_path):
     assert proc.returncode == 3
     line = proc.stderr.strip().splitlines()[-1]
     assert "non-finite" in line and "step" in line and "rank 0" in line
+
+
+def test_export_to_hugging_face_and_start_from_it(tmp_path):
+    from shardwise.hf import from_hf_name
+
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    assert _train(run, 2).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "export", "--config", CONFIG,
+                           f"--set=metrics.out_dir='{run}'", "--out", str(hf_dir)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = {from_hf_name(k): v for k, v in load_file(hf_dir / "model.safetensors").items()}
+    final = _params(run)
+    assert exported.keys() == final.keys() and all((exported[k] == final[k]).all() for k in final)
+    tuned = tmp_path / "tuned"
+    proc = _train(tuned, 1, f"checkpoint.init_from_hf='{hf_dir}'", "optim.lr=1e-9")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # with a negligible learning rate the weights stay the exported ones
+    assert all(((_params(tuned)[k] - final[k]).abs().max() < 1e-6) for k in final)
