@@ -425,7 +425,8 @@ def test_cli_table(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "bogus=1"], "--plan"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1000"], "--global-batch-tokens"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "v100", "--precision", "bf16"], "--precision"),
-    (["--model", "llama3-8b", "--gpus", "8", "--write-config", "x.toml"], "issue 3"),
+    (["--model", "llama3-8b", "--gpus", "8", "--plan", "offload=optimizer", "--write-config", "x.toml"],
+     "--write-config"),
 ])
 def test_cli_bad_inputs_name_the_flag(argv, flag, capsys):
     assert run_plan(_ns(*argv)) == 2
@@ -469,3 +470,21 @@ def test_plan_validation_names_the_key():
         evaluate(preset("llama3-8b"), Training(global_batch=8), Plan(tp=2, micro_batch=1, grad_accum=2),
                  Cluster(accelerator("h100"), 8))
     assert math.isclose(bubble_fraction(Plan()), 0.0)
+
+
+@pytest.mark.parametrize("plan", [None, "dp=2,tp=2,pp=2,schedule=1f1b"])
+def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
+    """The written config passes the engine's own validation and carries the plan's degrees and knobs."""
+    from shardwise.config import load_config
+
+    path = tmp_path / "plan.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--json", "--write-config", str(path)]
+    assert run_plan(_ns(*argv, *(["--plan", plan] if plan else []))) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    cfg = load_config(path)
+    p = cfg.parallel
+    assert (p.dp, p.tp, p.pp, p.cp, p.zero_stage) == (best["dp"], best["tp"], best["pp"], best["cp"], best["zero_stage"])
+    assert p.world_size == 8 and cfg.model.dim == 4096
+    assert cfg.train.activation_checkpoint == best["recompute"]
+    sequences = cfg.train.micro_batch * cfg.train.grad_accum * p.dp
+    assert sequences == best["micro_batch"] * best["grad_accum"] * best["dp"]

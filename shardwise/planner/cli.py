@@ -44,7 +44,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plan", default=None, help='fix knobs, e.g. "dp=32,tp=8,pp=4,micro_batch=2,recompute=full"')
     a("--top-k", type=int, default=5, help="plans to show")
     a("--json", action="store_true", help="print JSON (documented in docs/planner.md)")
-    a("--write-config", default=None, metavar="PATH", help="write a `shardwise train` config (needs issue 3)")
+    a("--write-config", default=None, metavar="PATH", help="write the best plan as a `shardwise train` config")
     a("--plot", default=None, metavar="PATH", help="draw the memory breakdown (matplotlib PNG)")
 
 
@@ -110,9 +110,6 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    if ns.write_config:
-        raise PlannerError("--write-config", "writing a train config needs the parallel engine (issue 3)",
-                           "leave --write-config out for now")
     model, training, cluster = build_inputs(ns)
     fixed = parse_plan(ns.plan) if ns.plan else {}
     start = time.perf_counter()
@@ -122,6 +119,10 @@ def _run(ns: argparse.Namespace) -> int:
     if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
         plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus), cluster)]
     expl = explain(model, training, cluster, result)
+    if ns.write_config and plans:
+        from shardwise.planner.config_out import write_config
+
+        write_config(ns.write_config, model, training, plans[0].plan)
     if ns.plot:
         from shardwise.planner.plot import plot
 

@@ -72,6 +72,16 @@ class Plan:
         return ("dp_replicate", "dp_shard", "cp") if self.zero_stage == 1 else ("dp_shard", "cp")
 
 
+def engine_runs(plan: Plan, training) -> bool:
+    """Whether shardwise's engine can run the plan (torch 2.13 limits its validation rejects, see
+    config._validate_pp): zero-bubble with ZeRO-3 sharding or with selective recompute, fp16 with a pipeline."""
+    if plan.pp > 1 and training.precision == "fp16":
+        return False
+    if plan.schedule == "zero-bubble":
+        return not (plan.zero_stage == 3 and plan.dp_shard * plan.cp > 1) and plan.recompute != "selective"
+    return True
+
+
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int) -> None:
     """Raise PlannerError (naming the --plan key) for a plan that cannot run."""
     if plan.world != world:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from shardwise.model import ModelArgs
 from shardwise.planner.hardware import Cluster, GiB, PlannerError
 from shardwise.planner.memory import peak_memory, stage_memory
-from shardwise.planner.plan import Plan, validate_plan
+from shardwise.planner.plan import Plan, engine_runs, validate_plan
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training
 
@@ -230,6 +230,8 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     found = None
     for recompute in recomputes:
         candidate = _with(plan, recompute=recompute)  # valid by construction
+        if not engine_runs(candidate, training):
+            continue
         result.evaluated += 1
         # the first rank alone often settles it; its total is a lower bound on the plan's peak
         first = stage_memory(args, training, candidate, 0)
@@ -252,7 +254,8 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
 def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> list[tuple[str, int]]:
     if base.pp == 1:  # a fixed pipeline schedule rules out pp = 1
         return [("none", 1)] if fixed.get("schedule", "none") == "none" else []
-    names = _choices(fixed, "schedule", ["zero-bubble", "interleaved-1f1b"])
+    # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs)
+    names = _choices(fixed, "schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
     out = []
     for name in names:
         if name == "interleaved-1f1b":
