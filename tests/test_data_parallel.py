@@ -17,6 +17,11 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _steps(layouts):
+    """_one_step for several layouts in one set of processes (saves starting them again)."""
+    return [_one_step(overrides) for overrides in layouts]
+
+
 def _one_step(overrides):
     """One step under the layout: what a rank holds and what it moves."""
     stats, model, optimizer, runtime = counted_step(load_config(CONFIG, ["optim.name='adamw'", *overrides]))
@@ -36,12 +41,10 @@ def _psi():
 def test_zero_stages_memory_and_volume(n):
     psi, fp32 = _psi(), 4
     ring = (n - 1) / n
-    zero0, zero1, zero2, zero3 = (
-        run_distributed(_one_step, n, [f"parallel.dp_replicate={n}"])[0],
-        run_distributed(_one_step, n, [f"parallel.dp_replicate={n}", "parallel.zero_stage=1"])[0],
-        run_distributed(_one_step, n, [f"parallel.dp_shard={n}", "parallel.zero_stage=2"])[0],
-        run_distributed(_one_step, n, [f"parallel.dp_shard={n}", "parallel.zero_stage=3"])[0],
-    )
+    zero0, zero1, zero2, zero3 = run_distributed(_steps, n, [
+        [f"parallel.dp_replicate={n}"], [f"parallel.dp_replicate={n}", "parallel.zero_stage=1"],
+        [f"parallel.dp_shard={n}", "parallel.zero_stage=2"], [f"parallel.dp_shard={n}", "parallel.zero_stage=3"],
+    ])[0]
     # what each rank holds: ZeRO-0 everything; ZeRO-1 1/N of Adam's two moments; ZeRO-2/3 1/N of everything
     assert zero0["params"] == psi and zero0["state"] == 2 * psi
     assert zero1["params"] == psi and 2 * psi / n <= zero1["state"] <= 2 * psi / n + 2 * n * 64
@@ -70,8 +73,9 @@ def test_tensor_parallel_volume_per_layer(sp):
     cfg = load_config(CONFIG)
     b, s, d, tp = cfg.train.micro_batch, cfg.data.seq_len, cfg.model.dim, 2
     all_reduce = 2 * b * s * d * 4 * (tp - 1) / tp  # wire bytes of one ring all-reduce of b x s x d fp32
-    runs = {layers: run_distributed(_one_step, tp, [f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                                                     f"model.n_layers={layers}"])[0] for layers in (2, 4)}
+    layouts = [[f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}", f"model.n_layers={layers}"]
+               for layers in (2, 4)]
+    runs = dict(zip((2, 4), run_distributed(_steps, tp, layouts)[0]))
     per_layer = {k: (runs[4]["wire"][k] - runs[2]["wire"].get(k, 0)) / 2 for k in runs[4]["wire"]}
     per_layer = {k: v for k, v in per_layer.items() if v}
     if sp:
