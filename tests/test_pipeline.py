@@ -142,8 +142,10 @@ PARITY = [
     # recompute under the split input/weight backward of zero-bubble
     "pp=2,pp_schedule=zero-bubble,activation_checkpoint=full",
     "cp=2,pp=2,pp_schedule=interleaved-1f1b,virtual_stages=2,activation_checkpoint=selective",
+    "pp=4,pp_schedule=gpipe",
     "pp=4,pp_schedule=1f1b",
     "pp=4,pp_schedule=interleaved-1f1b,virtual_stages=2",
+    "pp=4,pp_schedule=zero-bubble",
     "dp=2,tp=2,sequence_parallel=true,pp=2,pp_schedule=1f1b",
     # accumulation: one schedule step takes both micro-batches (4 pipeline micro-batches), FSDP reduce-scatters once
     "dp_shard=2,pp=2,pp_schedule=gpipe,grad_accum=2",
@@ -155,7 +157,7 @@ def parity_report():
     args = [sys.executable, "-m", "shardwise", "verify", "--config", CONFIG, "--steps", "3", "--json"]
     for layout in PARITY:
         args += ["--layout", layout]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert proc.stdout, proc.stderr[-3000:]
     return {row["layout"]: row for row in json.loads(proc.stdout)["layouts"]}
 
