@@ -15,6 +15,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_overrides(p)
     p.add_argument("--nproc", type=int, default=0,
                    help="start this many processes on this machine (torchrun); the degrees must multiply to it")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart all processes this many times when one fails (they resume from "
+                        "the newest checkpoint)")
     p.add_argument("--save-final", metavar="PATH", help="write the final parameters, unsharded, to safetensors")
     p.set_defaults(run=_run_train)
 
@@ -37,7 +40,7 @@ def _run_train(args: argparse.Namespace) -> int:
         argv = ["train"] + (["--config", args.config] if args.config else [])
         argv += [f"--set={o}" for o in args.overrides]
         argv += ["--save-final", args.save_final] if args.save_final else []
-        return launch_local(args.nproc, argv)
+        return launch_local(args.nproc, argv, max_restarts=args.max_restarts)
     from shardwise.train import train  # heavy imports only once the config is known good
 
     summary = train(cfg, save_final=args.save_final)

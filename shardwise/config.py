@@ -117,6 +117,8 @@ class TrainConfig:
     """Steps with a non-finite loss or gradient skipped (no update) before the run stops with an error."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' takes CUDA when present, else CPU."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this raises an error (a hung or dead rank) instead of hanging."""
 
 
 @dataclass
@@ -443,6 +445,7 @@ def _validate_train(t: TrainConfig) -> None:
     if t.val_every < 0:
         raise ConfigError("train.val_every", "negative", "use 0 to disable validation")
     _positive("train.loss_scale_init", t.loss_scale_init)
+    _positive("train.collective_timeout_s", t.collective_timeout_s)
     _positive("train.loss_scale_growth_interval", t.loss_scale_growth_interval)
     if t.device == "cuda":
         import torch

@@ -49,10 +49,10 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Re-run this command under torchrun with `nproc` processes on this machine."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "shardwise", *argv]
+           f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)

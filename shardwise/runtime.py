@@ -36,7 +36,7 @@ class Runtime:
             )
         fit_world(cfg, world)
         validate_parallel(cfg, world)  # before any process group exists
-        env = init_distributed(cfg.train.device)
+        env = init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         if world == 1:
             return cls(env, cfg, None)
         mesh = MeshView(build_mesh(p, env.device.type), p)
