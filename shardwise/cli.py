@@ -103,6 +103,14 @@ def _add_planner(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_bench)
 
 
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from shardwise.simulate import add_simulate_arguments, run_simulate
+
+    p = sub.add_parser("simulate", help="run one real training step as ranks of a large world, on fake tensors")
+    add_simulate_arguments(p)
+    p.set_defaults(run=run_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_verify(sub)
     _add_planner(sub)
+    _add_simulate(sub)
     return parser
 
 

@@ -1,0 +1,26 @@
+"""How long simulating one rank of a very large job takes here, and how much memory it needs.
+
+Each job runs in a fresh process (so its peak RSS is the simulation's alone): Llama 3 70B on 1,024 ranks and
+Llama 3 405B on 16,384 ranks (tp 8 x FSDP, ZeRO-3, seq 8192, bf16). CPU seconds are what the simulation costs
+(one thread); wall seconds also count whatever else the machine runs. Target: under 60 s and 8 GiB each.
+
+    python benchmarks/simulate_scale.py
+"""
+
+from __future__ import annotations
+
+from shardwise.simulate import measured_run
+
+JOBS = [("llama3-70b", 1024, "tp=8,dp=128,zero_stage=3"), ("llama3-405b", 16384, "tp=8,dp=2048,zero_stage=3")]
+
+def main() -> None:
+    print(f"{'job':<28}{'CPU s':>8}{'wall s':>8}{'RSS GiB':>9}{'simulated peak GiB':>20}")
+    for model, world, plan in JOBS:
+        out = measured_run(model, world, plan)
+        peak = out["ranks"][0]["peak_bytes"] / 2**30
+        print(f"{model + ' x ' + str(world):<28}{out['cpu_s']:>8.1f}{out['wall_s']:>8.1f}"
+              f"{out['max_rss_gib']:>9.2f}{peak:>20.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,532 @@
+"""The simulator: one rank of a large job, run for real on one CPU, with fake tensors and a fake process group.
+
+`shardwise simulate` builds the model on meta, joins a "fake" process group of the job's world size as one rank,
+applies the real `parallelize()` (or cuts the real pipeline stages), materialises the parameters as fake
+tensors (shapes without storage), and runs real training steps: forward, backward, optimizer step. A memory
+tracker sees every tensor the step creates and frees, so the peak it reports is what that rank of the real
+job would hold, by category; a `CommCounter` sees every collective. The planner's formula-based prediction
+is printed beside each figure as measured / predicted.
+
+Two steps are run when they differ: the first allocates the optimizer state (Adam's moments), the second is
+the steady state. A pipeline is simulated as its first, a middle and its last stage (they hold different
+layers, embedding, head and numbers of micro-batches in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import ConfigError, JobConfig, ParallelConfig, load_config, validate_parallel
+from shardwise.data import Batch
+from shardwise.distributed import DistEnv
+from shardwise.parallel.comm import TYPES, CommCounter
+from shardwise.parallel.mesh import MeshView, build_mesh
+from shardwise.parallel import parallelize
+from shardwise.runtime import Runtime
+
+GiB = 2**30
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication_buffers")
+# the trackers' categories (torch.distributed._tools) -> ours. Buffers (the rotary table) count as parameters:
+# both are model state that lives the whole run. FSDP's unsharded parameters and gradients exist only between
+# an all-gather and the reshard / between backward and the reduce-scatter, so they are communication buffers.
+_CATEGORY = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Buffer": "parameters",
+    "Gradient": "gradients", "Sharded Grad": "gradients",
+    "Optstate": "optimizer_state", "OptState": "optimizer_state",
+    "Activation": "activations", "Inputs": "activations",
+    "Temp": "temporaries", "Other": "temporaries",
+    "Unsharded Param": "communication_buffers", "Unsharded Grad": "communication_buffers",
+    "All Gather": "communication_buffers", "Reduce Scatter": "communication_buffers",
+}
+_MODEL_STATE = {"Parameter": "parameters", "Sharded Param": "parameters", "Gradient": "gradients",
+                "Sharded Grad": "gradients", "Optstate": "optimizer_state", "OptState": "optimizer_state"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# What one step measures
+
+
+@dataclass
+class StepMeasure:
+    """One training step of one rank, as the memory tracker and the collective counter saw it."""
+
+    peak_bytes: int
+    """Highest total of live tensor bytes during the step."""
+    peak: dict[str, int]
+    """That total split into CATEGORIES."""
+    peak_detail: dict[str, int]
+    """That total in the tracker's own categories (torch.distributed._tools)."""
+    phase: str
+    """When the peak happened: forward, backward, recompute or optimizer."""
+    modules: list[str]
+    """The innermost modules running at the peak."""
+    model_state: dict[str, int]
+    """Bytes of parameters (not buffers) and optimizer state held after the step, and of the largest set of
+    gradients alive during it."""
+    collectives: dict[str, dict[str, float]]
+    """type -> calls, payload_bytes (the logical buffers) and wire_bytes (one rank's ring traffic)."""
+
+
+def measure_step(model, optimizer, scaler, batches: list[Batch], cfg: JobConfig, runtime: Runtime) -> StepMeasure:
+    """Run one real training step under a fresh memory tracker and collective counter (fake or real tensors)."""
+    from shardwise.parallel.pipeline import Pipeline
+    from shardwise.parallel.torch_private import build_tracker, untracked_sharding_propagation
+    from shardwise.train import pipeline_train_step, train_step
+
+    modules = list(model.stages) if isinstance(model, Pipeline) else [model]
+    inner = getattr(optimizer, "inner", optimizer)  # ZeRO-1's ShardedOptimizer wraps a torch optimizer
+    tracker = build_tracker(modules, inner)
+    counter = _StepCounter()
+    tokens = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size * cfg.data.seq_len
+    with untracked_sharding_propagation(tracker), tracker, counter:
+        if isinstance(model, Pipeline):
+            pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
+                                global_tokens=tokens, runtime=runtime)
+        else:
+            train_step(model, optimizer, scaler, batches, device=runtime.device, precision=cfg.train.precision,
+                       grad_clip=cfg.optim.grad_clip, global_tokens=tokens, runtime=runtime)
+    return _summarise(tracker, counter)
+
+
+def _summarise(tracker, counter: CommCounter) -> StepMeasure:
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    detail = {_name(k): int(v) for k, v in snapshot.items() if _name(k) != "Total" and v}
+    peak = dict.fromkeys(CATEGORIES, 0)
+    for name, value in detail.items():
+        peak[_CATEGORY.get(name, "temporaries")] += value
+    stats = counter.stats
+    collectives = {kind: {"calls": stats.calls[kind], "payload_bytes": stats.payload[kind],
+                          "wire_bytes": stats.wire[kind]} for kind in TYPES if stats.calls.get(kind)}
+    # weights and optimizer state as they persist between steps (without FSDP/replicate's unsharded copies and
+    # the optimizer step's temporaries); gradients as the largest set alive (zero_grad frees them each step)
+    state = _model_state(tracker.category_max)
+    end = _model_state({_name(k): int(v) for k, v in
+                        next(iter(tracker.get_tracker_snapshot("current").values()), {}).items()
+                        if _name(k) in _MODEL_STATE})
+    state["parameters"], state["optimizer_state"] = end["parameters"], end["optimizer_state"]
+    return StepMeasure(sum(detail.values()), peak, detail, tracker.moment.phase, tracker.moment.modules, state,
+                       collectives)
+
+
+class _StepCounter(CommCounter):
+    """CommCounter that also answers `.item()` of a fake tensor (see torch_private.fake_scalar): one dispatch
+    mode instead of two, since every op of the step pays for each mode on the stack."""
+
+    def __init__(self):
+        from shardwise.parallel.torch_private import fake_scalar
+
+        super().__init__()
+        self.fake_scalar = fake_scalar
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        value = self.fake_scalar(func, args)
+        return value if value is not None else super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _model_state(category_max: dict[str, int]) -> dict[str, int]:
+    out = dict.fromkeys(("parameters", "gradients", "optimizer_state"), 0)
+    for name, value in category_max.items():
+        out[_MODEL_STATE[name]] += value
+    return out
+
+
+def _name(key) -> str:
+    return key.value if hasattr(key, "value") else str(key)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One simulated rank
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinates: dict[str, int]
+    """This rank's position on each mesh dim (pp, dp_replicate, dp_shard, cp, tp)."""
+    steps: list[StepMeasure]
+    """The steps run (two when the first differs from the second, e.g. Adam allocating its state)."""
+    planner: dict[str, float] = field(default_factory=dict)
+    """The planner's prediction for this rank's pipeline stage, in CATEGORIES plus 'total'."""
+
+    @property
+    def peak_step(self) -> StepMeasure:
+        return max(self.steps, key=lambda s: s.peak_bytes)
+
+    def ratios(self) -> dict[str, float | None]:
+        """Measured / predicted per category and for the total (None where the planner predicts 0)."""
+        peak = self.peak_step
+        measured = {**peak.peak, "total": peak.peak_bytes}
+        return {k: (measured[k] / self.planner[k] if self.planner.get(k) else None) for k in measured}
+
+    def to_json(self) -> dict:
+        peak = self.peak_step
+        return {
+            "rank": self.rank, "coordinates": self.coordinates, "peak_bytes": peak.peak_bytes,
+            "peak": peak.peak, "peak_detail": peak.peak_detail,
+            "moment": {"step": self.steps.index(peak) + 1, "phase": peak.phase, "modules": peak.modules},
+            "model_state": peak.model_state, "collectives": self.steps[-1].collectives,
+            "steps": [asdict(s) for s in self.steps],
+            "planner": {k: round(v) for k, v in self.planner.items()}, "ratio": self.ratios(),
+        }
+
+
+def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = False) -> RankReport:
+    """Join a fake process group of `world` ranks as `rank`, build this rank's model, measure its steps.
+
+    Default: the steady-state step only. The optimizer's state (Adam's moments) is allocated first by an
+    untracked optimizer step on zero gradients, so the one measured step holds everything a later step of
+    the real run holds; a real first step holds the same minus that state until its optimizer step, so its
+    peak is no higher. first_step=True measures the real first step from a fresh optimizer and then the
+    second (kept if it differs): the same answer, one more simulated forward and backward.
+    """
+    from shardwise.parallel.torch_private import FakeTensors, forget_sharding_caches, init_fake_process_group
+
+    init_fake_process_group(rank, world)
+    try:
+        runtime = build_fake_runtime(cfg, rank, world)
+        fakes = FakeTensors()
+        # FSDP's build makes millions of small objects (N chunks of every parameter): keep the garbage
+        # collector off while it does, then exempt them from its full passes (one in eight of the step's time)
+        gc.disable()
+        model, optimizer, scaler, batches = build_step_inputs(cfg, runtime, fakes)
+        gc.enable()
+        gc.freeze()
+        with fakes:
+            if not first_step:
+                allocate_optimizer_state(model, optimizer)
+            steps = [measure_step(model, optimizer, scaler, batches, cfg, runtime)]
+            if first_step:
+                second = measure_step(model, optimizer, scaler, batches, cfg, runtime)
+                if _differs(steps[0], second):
+                    steps.append(second)
+        coordinates = {d: runtime.mesh.coordinate(d) for d in runtime.mesh.mesh.mesh_dim_names}
+        return RankReport(rank, coordinates, steps)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        dist.destroy_process_group()
+        forget_sharding_caches()
+
+
+@torch.no_grad()
+def allocate_optimizer_state(model, optimizer) -> None:
+    """Let the optimizer create its state as its first step does: one step on zero gradients, then none."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _differs(a: StepMeasure, b: StepMeasure) -> bool:
+    return (a.peak_bytes, a.peak, a.collectives) != (b.peak_bytes, b.peak, b.collectives)
+
+
+def build_fake_runtime(cfg: JobConfig, rank: int, world: int) -> Runtime:
+    """The Runtime `Runtime.create` would build on that rank, over the fake process group already joined."""
+    p = cfg.parallel
+    mesh = MeshView(build_mesh(p, "cpu"), p)
+    # sub-meshes create process groups: make them now, not lazily inside fake mode (whose tensors they can't read)
+    for name in ("tp", "cp", "pp", "grad_reduce", "fsdp"):
+        getattr(mesh, name)
+    runtime = Runtime(DistEnv(rank, world, 0, torch.device("cpu")), cfg, mesh)
+    if p.cp > 1:
+        from shardwise.parallel.context_parallel import load_balanced_positions
+
+        runtime.positions = load_balanced_positions(cfg.data.seq_len, p.cp, mesh.coordinate("cp"))
+    return runtime
+
+
+def build_model_fake(cfg: JobConfig, runtime: Runtime, fakes):
+    """`build_training_model` with fake parameters: meta -> parallelize -> storage-less tensors.
+
+    parallelize() runs before fake mode (it only reshapes meta tensors); the parameters then get fake storage
+    but not their initial values: drawing them (and slicing each into its shards) costs time and changes no
+    byte the step allocates.
+    """
+    from shardwise.model import build_model
+
+    if cfg.parallel.pp > 1:
+        return _build_pipeline_fake(cfg, runtime, fakes)
+    model = build_model(cfg.model)
+    parallelize(model, runtime.mesh, cfg)
+    with fakes:
+        materialize_fake(model, cfg.model, runtime.device, cfg.train.seed)
+    return model
+
+
+def materialize_fake(model, args, device, seed: int = 0) -> None:
+    """`materialize` without the initial values: storage-less parameters (and the rotary table) on `device`."""
+    from shardwise.model import Transformer, rotary_table
+
+    model.to_empty(device=device)
+    if isinstance(model, Transformer):
+        model.tie_weights()
+        model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+
+
+def _build_pipeline_fake(cfg: JobConfig, runtime: Runtime, fakes):
+    """Not yet: torch.distributed.pipelining's stages infer their input shapes at the first step by sending
+    metadata between the pipeline ranks, which a fake process group cannot carry, and `build_pipeline`
+    materialises its stages itself. Both are one change in parallel/pipeline.py away (give PipelineStage its
+    input/output shapes, and take the materialise function as an argument); this function is where the
+    simulator will then call it, inside `fakes`, with `materialize_fake`."""
+    raise ConfigError("parallel.pp", f"the simulator does not run pipeline layouts yet (pp={cfg.parallel.pp})",
+                      "simulate the layout with pp = 1 (e.g. fold pp into dp_shard) until it does")
+
+
+def build_step_inputs(cfg: JobConfig, runtime: Runtime, fakes=None):
+    """Model (or pipeline), optimizer, grad scaler and one step's micro-batches, as the trainer builds them."""
+    from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model
+
+    if fakes is None:
+        model = build_training_model(cfg, runtime)
+    else:
+        model = build_model_fake(cfg, runtime, fakes)
+    optimizer, _ = build_optimizer_for(model, cfg, runtime, cfg.optim.lr)
+    scaler = build_grad_scaler(cfg.train, runtime.device)
+    shape = (cfg.train.micro_batch, cfg.data.seq_len)
+    batches = [Batch(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long), None)
+               for _ in range(cfg.train.grad_accum)]
+    return model, optimizer, scaler, batches
+
+
+# ---------------------------------------------------------------------------------------------------
+# A whole simulation
+
+
+def ranks_to_simulate(p: ParallelConfig, world: int) -> list[int]:
+    """Rank 0, or for a pipeline the first rank of its first, middle and last stage (pp is the outermost dim)."""
+    per_stage = world // p.pp
+    return sorted({s * per_stage for s in (0, p.pp // 2, p.pp - 1)})
+
+
+def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_step: bool = False
+             ) -> list[RankReport]:
+    """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each."""
+    validate_parallel(cfg, world)
+    if cfg.parallel.pp > 1:
+        _build_pipeline_fake(cfg, None, None)  # rejects, before any process group exists
+    reports = []
+    for rank in ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world):
+        if not 0 <= rank < world:
+            raise ConfigError("--rank", f"{rank} is not in 0..{world - 1}", "pick a rank of the world")
+        report = simulate_rank(cfg, world, rank, first_step)
+        report.planner = planner_prediction(cfg, report.coordinates.get("pp", 0))
+        reports.append(report)
+    return reports
+
+
+def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
+    """The planner's itemised peak for this layout and stage, in the simulator's categories.
+
+    Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
+    """
+    from shardwise.planner import Plan, Training, stage_memory
+
+    p, t = cfg.parallel, cfg.train
+    training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
+                        precision=t.precision, optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False,
+                        ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
+    piped = p.pp > 1
+    n_micro = p.n_microbatches if piped else 1
+    plan = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
+                zero_stage=p.zero_stage, micro_batch=max(1, t.micro_batch // n_micro),
+                grad_accum=t.grad_accum * n_micro, recompute=t.activation_checkpoint,
+                schedule=p.pp_schedule if piped else "none", virtual_stages=p.virtual_stages if piped else 1,
+                sequence_parallel=p.sequence_parallel)
+    items = stage_memory(cfg.model, training, plan, stage)
+    return {
+        "parameters": items["params"],
+        "gradients": items["grads"],
+        "optimizer_state": items["master_weights"] + items["optimizer_state"],
+        "activations": items["activations"],
+        "temporaries": items["backward_and_logits"] + items["compute_copies"],
+        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"] + items.get("p2p_buffers", 0.0),
+        "total": items["total"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--config", help="a training TOML (the one `train` takes); or give --model and --plan")
+    a("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+      help="override a config field, e.g. --set parallel.tp=8 (repeatable)")
+    a("--model", help="a model preset (e.g. llama3-70b), Hugging Face config.json or shardwise TOML")
+    a("--plan", help='the planner\'s plan keys, e.g. "tp=8,pp=4,dp=32,zero_stage=3"')
+    a("--world", type=int, default=0, help="ranks in the job (default: the product of the degrees)")
+    a("--rank", type=int, action="append", help="simulate this rank (repeatable; default: rank 0, or the first "
+                                                "rank of the first, a middle and the last pipeline stage)")
+    a("--seq-len", type=int, default=0, help="tokens per sequence (--model: default 4096)")
+    a("--micro-batch", type=int, default=0, help="sequences per micro-batch (--model: default 1)")
+    a("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="--model: default bf16")
+    a("--first-step", action="store_true", help="also simulate the first step from a fresh optimizer (slower; "
+                                                "by default only the steady-state step, whose peak is no lower)")
+    a("--json", action="store_true", help="print the reports as JSON (see docs/simulator.md)")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        cfg, world = config_from_args(args)
+        start = time.perf_counter()
+        reports = simulate(cfg, world, args.rank, args.first_step)
+    except ConfigError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(to_json(cfg, world, reports, seconds), indent=2))
+    else:
+        print(format_reports(cfg, world, reports, seconds))
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
+    """The job config and world size from --config/--set or from --model/--plan."""
+    if args.config or not args.model:
+        if args.plan:
+            raise ConfigError("--plan", "goes with --model", "give --model NAME --plan ..., or a --config")
+        cfg = load_config(args.config, args.overrides)
+        if args.seq_len or args.micro_batch or args.precision:
+            raise ConfigError("--seq-len", "--seq-len/--micro-batch/--precision go with --model",
+                              "use --set data.seq_len=... with --config")
+    else:
+        cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
+                               args.micro_batch or 1, args.precision or "bf16")
+    return cfg, args.world or cfg.parallel.world_size
+
+
+def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batch: int,
+                     precision: str) -> JobConfig:
+    """A JobConfig for `--model NAME --plan KEYS`: the planner's keys mapped onto [parallel] and [train]."""
+    import dataclasses
+
+    from shardwise.planner import PlannerError, parse_plan, resolve_model
+
+    try:
+        fixed, args = parse_plan(plan), resolve_model(model)
+    except PlannerError as e:
+        problem, _, fix = str(e).removeprefix(f"{e.field}: ").rpartition("; fix: ")
+        raise ConfigError(e.field, problem, fix) from None
+    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    if not world:
+        raise ConfigError("--world", "missing", "give --world N with --model")
+    if fixed.get("offload", "none") != "none":
+        raise ConfigError("--plan offload", "the engine does not offload (a planner what-if)", "drop offload")
+    if world % (tp * pp * cp):
+        raise ConfigError("--plan", f"tp*pp*cp = {tp * pp * cp} does not divide --world {world}",
+                          "pick degrees whose product divides the world size")
+    dp = fixed.get("dp", world // (tp * pp * cp))
+    zero = fixed.get("zero_stage", 3 if dp > 1 else 0)
+    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if "dp_replicate" in fixed else
+                      (dp if zero >= 2 else 1))
+    if dp % max(shard, 1):
+        raise ConfigError("--plan dp_shard", f"dp_shard={shard} does not divide dp={dp}", "pick a divisor of dp")
+    cfg = JobConfig()
+    cfg.model = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))
+    cfg.data.seq_len = seq_len
+    accum = fixed.get("grad_accum", 1)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch=micro_batch * (pp if pp > 1 else 1), grad_accum=accum,
+                                    precision=precision, activation_checkpoint=fixed.get("recompute", "none"))
+    cfg.parallel = ParallelConfig(
+        dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
+        sequence_parallel=fixed.get("sequence_parallel", False),
+        pp_schedule=fixed.get("schedule", "1f1b") if fixed.get("schedule", "none") != "none" else "1f1b",
+        pp_microbatches=pp if pp > 1 else 0, virtual_stages=fixed.get("virtual_stages", 1),
+    )
+    return cfg
+
+
+def to_json(cfg: JobConfig, world: int, reports: list[RankReport], seconds: float) -> dict:
+    p = cfg.parallel
+    layout = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage",
+                                         "sequence_parallel")}
+    if p.pp > 1:
+        layout.update(pp_schedule=p.pp_schedule, pp_microbatches=p.n_microbatches)
+    return {"model": cfg.model.name, "world": world, "layout": layout, "seq_len": cfg.data.seq_len,
+            "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
+            "precision": cfg.train.precision, "activation_checkpoint": cfg.train.activation_checkpoint,
+            "seconds": round(seconds, 2), "ranks": [r.to_json() for r in reports]}
+
+
+def _ratio(r: float | None) -> str:
+    return "      -" if r is None else f"{r:7.2f}"
+
+
+def format_reports(cfg: JobConfig, world: int, reports: list[RankReport], seconds: float) -> str:
+    p = cfg.parallel
+    dims = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+                     if getattr(p, d) > 1)
+    lines = [f"simulated {cfg.model.name} on {world} ranks ({dims or 'one rank'}, ZeRO-{p.zero_stage}), "
+             f"seq {cfg.data.seq_len} x micro-batch {cfg.train.micro_batch} x accum {cfg.train.grad_accum}, "
+             f"{cfg.train.precision}, {len(reports)} rank(s) in {seconds:.1f} s"]
+    for r in reports:
+        lines += [""] + _format_rank(r, p)
+    return "\n".join(lines)
+
+
+def _format_rank(r: RankReport, p: ParallelConfig) -> list[str]:
+    peak, ratios = r.peak_step, r.ratios()
+    unit, div = ("GiB", GiB) if peak.peak_bytes >= GiB else ("MiB", 2**20)
+    coords = ", ".join(f"{k}={v}" for k, v in r.coordinates.items() if getattr(p, k) > 1)
+    where = peak.phase + (f" in {', '.join(peak.modules[:3])}" if peak.modules else
+                          "" if peak.phase == "optimizer" else ", outside every module (loss or clipping)")
+    lines = [f"rank {r.rank} ({coords or 'alone'}): peak {peak.peak_bytes / div:.3f} {unit} in step "
+             f"{r.steps.index(peak) + 1} of {len(r.steps)}, during {where}",
+             f"  {'category':24}{unit:>9}  {'planner':>9}  {'ratio':>7}"]
+    for k in (*CATEGORIES, "total"):
+        measured = peak.peak_bytes if k == "total" else peak.peak[k]
+        lines.append(f"  {k:24}{measured / div:9.3f}  {r.planner.get(k, 0.0) / div:9.3f}  {_ratio(ratios[k])}")
+    lines.append("  model state (weights and optimizer state kept between steps, largest gradients): " +
+                 ", ".join(f"{k} {v / div:.3f} {unit}" for k, v in peak.model_state.items()))
+    lines.append(f"  {'collective':24}{'calls':>7}  {'payload ' + unit:>12}  {'wire ' + unit:>9}")
+    for kind, c in r.steps[-1].collectives.items():
+        lines.append(f"  {kind:24}{c['calls']:7d}  {c['payload_bytes'] / div:12.3f}  {c['wire_bytes'] / div:9.3f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise simulate", description=__doc__.split("\n")[0])
+    add_simulate_arguments(parser)
+    return run_simulate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+_MEASURED = """
+import json, resource, sys, time
+from shardwise.simulate import config_from_plan, simulate, to_json
+wall, cpu = time.perf_counter(), time.process_time()
+model, world, plan, seq_len = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+cfg = config_from_plan(model, plan, world, seq_len=seq_len, micro_batch=1, precision="bf16")
+out = to_json(cfg, world, simulate(cfg, world), time.perf_counter() - wall)
+out["cpu_s"] = time.process_time() - cpu
+out["wall_s"] = time.perf_counter() - wall
+out["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+print(json.dumps(out))
+"""
+
+
+def measured_run(model: str, world: int, plan: str, seq_len: int = 8192) -> dict:
+    """simulate()'s JSON for one plan, run in a fresh process that also reports its CPU seconds, wall seconds
+    and peak RSS (fresh, so the RSS is the simulation's alone). For benchmarks and tests."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURED, model, str(world), plan, str(seq_len)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"simulating {model} x {world} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
