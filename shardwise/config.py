@@ -466,7 +466,7 @@ def fit_world(cfg: JobConfig, world_size: int) -> None:
 
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     """How the parallel degrees fit the model, the batch and the world; runs before any process group exists."""
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
     if world_size is not None and p.world_size != world_size:
@@ -506,7 +506,7 @@ def _validate_tp(cfg: JobConfig) -> None:
         if getattr(m, key) % p.tp:
             raise ConfigError(
                 "parallel.tp", f"tp={p.tp} does not divide model.{key}={getattr(m, key)} ({what})",
-                f"pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size",
+                "pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size",
             )
     local_seq = cfg.data.seq_len // p.cp
     if p.sequence_parallel and local_seq % p.tp:

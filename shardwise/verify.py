@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.config import ConfigError, JobConfig, ParallelConfig, TrainConfig, load_config
+from shardwise.config import ConfigError, ParallelConfig, TrainConfig, load_config
 
 _PARALLEL_KEYS = {f.name for f in dataclasses.fields(ParallelConfig)}
 _TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -97,7 +97,7 @@ def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    base = load_config(args.config, args.overrides)
+    load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
     layouts = [(text, layout_overrides(text)) for text in args.layout]
     configs = []
     for text, extra in layouts:  # every layout is validated before anything runs
