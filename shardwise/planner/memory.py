@@ -178,7 +178,7 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
                 Term("wo_out", d, "act", "full"), Term("w1_out", f, "act", "tp"),
                 Term("w3_out", f, "act", "tp"), Term("w2_out", d, "act", "full")]
     # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
-    autocast = training.act_bytes != training.stream_bytes(zero_stage)
+    autocast = training.act_bytes != training.stream_bytes
     terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
     terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
@@ -202,7 +202,7 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int) -> 
 
 def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:
     """Bytes per token of one term on one rank."""
-    size = {"stream": training.stream_bytes(plan.zero_stage), "act": training.act_bytes, "stat": 4}[term.kind]
+    size = {"stream": training.stream_bytes, "act": training.act_bytes, "stat": 4}[term.kind]
     div = {"seq": plan.tp if plan.sequence_parallel else 1, "full": 1, "tp": plan.tp,
            "kv": kv_split(args, plan.tp)}[term.split]
     return term.elems * size * term.copies / div
@@ -248,9 +248,15 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
     tokens = plan.micro_batch * (seq_len or training.seq_len) / plan.cp
     terms = _norm_terms("final_norm", args.dim, training, autocast_copies=1)
     per_token = sum(term_bytes(t, args, training, plan) for t in terms)
-    per_token += 4 * args.vocab_size / plan.tp  # log_softmax output, fp32, vocab-parallel loss
+    per_token += 4 * loss_vocab(args, training, plan)  # log_softmax output, fp32
     per_token += 8  # int64 targets
     return per_token * tokens
+
+
+def loss_vocab(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Logit columns the loss sees per token on one rank: V / t with a vocab-parallel loss; V in shardwise's
+    engine, whose head all-gathers the logits so that the loss runs as on one device."""
+    return args.vocab_size / plan.tp if training.loss_parallel else args.vocab_size
 
 
 def embedding_activation_bytes(training: Training, plan: Plan, seq_len: int | None = None) -> float:
@@ -281,68 +287,82 @@ def in_flight(plan: Plan, stage: int) -> float:
 # Transient buffers (docs/planner.md, "Transient buffers")
 
 
-def backward_working_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """Peak extra memory inside one block's backward: the recomputed activations (full/selective), plus the
-    gradients alive at once in the MLP backward (grad of swiglu_out and of w1_out/w3_out: 2 f) and of the
-    residual stream (2 d)."""
+def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dict[str, float]:
+    """The first block's backward at its largest, inside the MLP's SiLU backward: the gate product's backward has
+    freed its saved SiLU and w3 outputs (2 f/t per token, 'freed') and written the gradients of both, and SiLU's
+    backward writes the gradient of the w1 output (3 f/t, 'working', with the residual-stream gradient, d);
+    w2's weight gradient already exists in fp32 ('weight_grad': under autocast the matmul's low-precision
+    gradient is cast up and accumulated into the fp32 parameter's gradient). With recompute the block's
+    activations are first rebuilt ('recomputed': its none set minus what was kept)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    grads = tokens * training.act_bytes * (2 * args.ffn_hidden / plan.tp + 2 * args.dim)
-    if plan.recompute == "none":
-        return grads
-    recomputed = layer_activation_bytes(args, training, plan, "none") - layer_activation_bytes(args, training, plan)
-    return grads + recomputed
+    e, f = training.act_bytes, args.ffn_hidden / plan.tp
+    out = {"freed": tokens * 2 * f * e, "working": tokens * (3 * f * e + args.dim * training.stream_bytes),
+           "weight_grad": 0.0 if training.lora_rank else args.dim * f * state_bytes_per_param(training).grads,
+           "recomputed": 0.0}
+    if plan.recompute != "none":
+        out["recomputed"] = layer_activation_bytes(args, training, plan, "none") - layer_activation_bytes(
+            args, training, plan)
+    return out
 
 
 def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """Last stage: logits in the compute dtype, their fp32 upcast for the loss, and the fp32 logits gradient."""
+    """Last stage, inside the loss's backward: the fp32 gradient of the log-probabilities and the fp32 gradient of
+    the logits that log_softmax's backward writes, both `loss_vocab` wide (the log-probabilities themselves are
+    saved activations; the low-precision logits and their fp32 upcast are saved by nothing and freed when the
+    forward returns)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    return tokens * args.vocab_size / plan.tp * (training.act_bytes + 4 + 4)
+    return tokens * loss_vocab(args, training, plan) * (4 + 4)
 
 
-def fsdp_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
-    """ZeRO-3: the all-gathered weights of the running block and the prefetched next one (compute dtype), and the
-    unsharded gradients of a block waiting for reduce-scatter plus the one being produced (fp32 reduce)."""
-    if plan.zero_stage < 3:
+def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """One micro-batch's low-precision weight copies (layout 'torch', mixed precision). Autocast casts each fp32
+    matmul weight at its first use in a forward and the matmul saves that copy for its input gradient, so every
+    copy lives from the forward to its layer's backward, once per micro-batch in flight: the blocks' linears
+    (except under recompute, where a block saves only what its checkpoint keeps and casts again in backward)
+    and the output head (never checkpointed). The embedding lookup and the norms use the fp32 weights."""
+    if not training.mixed or training.layout != "torch" or training.lora_rank:
         return 0.0
-    compute = 2.0 if training.mixed else 4.0
-    biggest = layer_params(args, plan.tp)
-    if stage == 0 or stage == plan.pp - 1:
-        biggest = max(biggest, args.vocab_size * args.dim / plan.tp)
-    grad_bytes = 0.0 if training.lora_rank else 2 * biggest * 4.0
-    return 2 * biggest * compute + grad_bytes
-
-
-def compute_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
-    """'torch' layout below ZeRO-3: autocast caches one low-precision copy of every matmul weight (the linears and
-    the output head, not the embedding table or the norms) from its first use until the end of the step."""
-    if not training.mixed or training.layout != "torch" or plan.zero_stage >= 3 or training.lora_rank:
-        return 0.0
-    n = stage_layers(args, plan, stage) * (layer_params(args, plan.tp) - 2 * args.dim)
+    n = 0.0
+    if plan.recompute == "none":
+        n += stage_layers(args, plan, stage) * (layer_params(args, plan.tp) - 2 * args.dim)
     if stage == plan.pp - 1:
         n += args.vocab_size * args.dim / plan.tp
-    return n * 2.0
+    return n * training.act_bytes
+
+
+def gathered_weight_bytes(training: Training) -> float:
+    """Bytes per parameter of a weight FSDP gathers: fp32 under 'torch' (the engine gives FSDP2 no mixed-precision
+    policy; autocast casts after the gather), the compute dtype under 'zero'/'megatron'."""
+    return 4.0 if training.layout == "torch" or not training.mixed else 2.0
+
+
+def root_params(args: ModelArgs, plan: Plan, stage: int) -> float:
+    """Parameters of the stage's root FSDP unit (everything outside the blocks): embedding, final norm, head."""
+    return stage_params(args, plan, stage) - stage_layers(args, plan, stage) * layer_params(args, plan.tp)
+
+
+def replicates(training: Training, plan: Plan) -> bool:
+    """ZeRO-0/1 in shardwise's engine: FSDP2's `replicate` over more than one rank."""
+    return training.layout == "torch" and plan.zero_stage <= 1 and plan.dp * plan.cp > 1
 
 
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
-    """Gradient reduction below ZeRO-3 uses buckets (gradients as bucket views): two in flight."""
-    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 3:
+    """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight."""
+    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2:
         return 0.0
     return 2 * training.ddp_bucket_mb * 2**20
 
 
 # ---------------------------------------------------------------------------------------------------
-# The breakdown
+# The breakdown at the peak (docs/planner.md, "The moment of the peak")
+
+MOMENTS = ("loss_backward", "first_block_backward", "end_of_backward", "optimizer_step")
 
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
-    """Itemised peak bytes on one rank of pipeline stage `stage`."""
-    items = dict(_model_state(args, training, plan, stage))
-    items.update(_activation_items(args, training, plan, stage))
-    items["fsdp_buffers"] = fsdp_buffer_bytes(args, training, plan, stage)
-    items["compute_copies"] = compute_copy_bytes(args, training, plan, stage)
-    items["ddp_buckets"] = ddp_bucket_bytes(training, plan)
-    if plan.pp > 1:  # a received activation and a received gradient, double-buffered
-        items["p2p_buffers"] = 4 * plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory`."""
+    moments = moment_memory(args, training, plan, stage)
+    items = max(moments.values(), key=lambda m: sum(m.values()))
     dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
     items["fragmentation"] = training.fragmentation * dynamic
     items["fixed_overhead"] = training.fixed_overhead_gib * GiB
@@ -350,23 +370,93 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
     return items
 
 
+def peak_moment(args: ModelArgs, training: Training, plan: Plan, stage: int) -> str:
+    """Which of MOMENTS holds the stage's peak."""
+    moments = moment_memory(args, training, plan, stage)
+    return max(moments, key=lambda k: sum(moments[k].values()))
+
+
+def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, dict[str, float]]:
+    """Itemised live bytes at each moment of a step that can hold the peak.
+
+    Within a backward, each block's saved activations are freed as its gradients appear, so live memory is
+    linear in the blocks done and its largest value is at an end: the start (the loss's backward on the last
+    stage, the first block's backward elsewhere) or the end (after the first block's backward). The optimizer
+    step holds model state only. Under gradient accumulation (and in a pipeline, whose micro-batches share the
+    gradients) the last micro-batch's backward starts with every gradient already there.
+    """
+    state = _model_state(args, training, plan, stage)
+    acts = _activation_items(args, training, plan, stage)
+    last, accum = stage == plan.pp - 1, plan.grad_accum > 1
+    fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
+    stage_p, root_p, block_p = stage_params(args, plan, stage), root_params(args, plan, stage), \
+        layer_params(args, plan.tp)
+    head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
+    grad_bytes = state_bytes_per_param(training).grads
+    # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
+    # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
+    # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch.
+    held = 0.0
+    if fsdp:
+        held = (stage_p if plan.zero_stage == 2 else root_p) * gathered
+        held += stage_p * grad_bytes if accum and not training.lora_rank else 0.0
+    base = {**state, "buffers": rotary_table_bytes(args), "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
+            "ddp_buckets": 0.0}
+    if plan.pp > 1:  # a received activation and a received gradient, double-buffered
+        base["p2p_buffers"] = 4 * plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    early_grads = state["grads"] if accum and not fsdp else 0.0
+    m = in_flight(plan, stage)
+    out = {}
+    if last:
+        out["loss_backward"] = {**base, "grads": early_grads, "activations": acts["activations"] * m,
+                                "compute_copies": acts["copies"] * m, "backward_and_logits": acts["logits"],
+                                "fsdp_buffers": held}
+    # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
+    # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
+    # reduce-scattered are autograd's, not its buffers
+    # (recomputed tensors are made in backward: the tracker sees them as temporaries)
+    bwd = acts["block_backward"]
+    fresh_grads = head_p * grad_bytes + bwd["weight_grad"]
+    rebuilt = bwd["recomputed"] - bwd["freed"] if plan.recompute != "none" else 0.0
+    out["first_block_backward"] = {
+        **base, "grads": early_grads or (0.0 if fsdp else fresh_grads),
+        "activations": acts["activations"] * m - acts["head"] - (bwd["freed"] if plan.recompute == "none" else 0.0),
+        "compute_copies": acts["copies"] * m - acts["head_copy"],
+        "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
+        "fsdp_buffers": held + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+    # replicate frees each bucket's working copy after its backward: only the root's is left at the end
+    out["end_of_backward"] = {
+        **base, "replica_params": root_p * 4.0 if base["replica_params"] else 0.0, "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
+        "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
+        "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not accum else 0.0)}
+    # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
+    out["optimizer_step"] = {**state, "buffers": base["buffers"], **dict.fromkeys(("replica_params", "ddp_buckets", "activations",
+                                                        "compute_copies", "backward_and_logits", "fsdp_buffers"), 0.0)}
+    if plan.pp > 1:
+        out["optimizer_step"]["p2p_buffers"] = 0.0
+    return out
+
+
 def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
-    """Activations in flight and the backward/logits working set; memoised (they do not depend on the dp split,
-    ZeRO stage 0-2 or offload, which a search varies most)."""
-    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.seq_len,
-           plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.grad_accum, plan.schedule,
-           plan.recompute, plan.sequence_parallel, training.stream_bytes(plan.zero_stage), stage)
+    """One micro-batch's saved activations and weight copies, the head's share of them, and the loss's and a block
+    backward's working sets; memoised (they do not depend on the dp split, ZeRO stage or offload, which a search
+    varies most)."""
+    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
+           training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
+           plan.recompute, plan.sequence_parallel, stage)
     cached = _ACTIVATIONS.get(key)
     if cached is None:
+        last = stage == plan.pp - 1
         per_mb = stage_layers(args, plan, stage) * layer_activation_bytes(args, training, plan)
-        transient = backward_working_bytes(args, training, plan)
+        head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
             per_mb += embedding_activation_bytes(training, plan)
-        if stage == plan.pp - 1:
-            per_mb += head_activation_bytes(args, training, plan)
-            transient += logits_bytes(args, training, plan)
-        cached = _remember(_ACTIVATIONS, key, {"activations": per_mb * in_flight(plan, stage),
-                                               "backward_and_logits": transient})
+        head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes if last and \
+            weight_copy_bytes(args, training, plan, stage) else 0.0
+        cached = _remember(_ACTIVATIONS, key, {
+            "activations": per_mb + head, "head": head, "copies": weight_copy_bytes(args, training, plan, stage),
+            "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
+            "block_backward": block_backward_bytes(args, training, plan)})
     return cached
 
 
@@ -383,13 +473,36 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         layers = stage_layers(args, plan, stage)
         trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
-        cached = _remember(_MODEL_STATE, key, model_state_bytes(stage_params(args, plan, stage), training,
-                                                                plan.zero_stage, plan.shard_group, plan.offload,
-                                                                trainable, linears))
+        items = model_state_bytes(stage_params(args, plan, stage), training, plan.zero_stage, plan.shard_group,
+                                  plan.offload, trainable, linears)
+        if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
+            items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
+        cached = _remember(_MODEL_STATE, key, items)
     return cached
 
 
 _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
+
+
+def rotary_table_bytes(args: ModelArgs) -> float:
+    """The model's fp32 cos/sin table, (2, max_seq_len, head_dim), a buffer on every rank."""
+    return 2 * args.max_seq_len * args.head_dim * 4.0
+
+
+def simulator_categories(items: dict[str, float]) -> dict[str, float]:
+    """A breakdown in the simulator's categories (shardwise.simulate.CATEGORIES), without the allowances for what
+    is not tensors. Weight copies are saved by forward, so they are activations; replicate's working copy of the
+    weights is tracked as parameters; FSDP's gathered weights and unsharded gradients are communication buffers."""
+    out = {
+        "parameters": items["params"] + items["buffers"] + items["replica_params"],
+        "gradients": items["grads"],
+        "optimizer_state": items["master_weights"] + items["optimizer_state"],
+        "activations": items["activations"] + items["compute_copies"],
+        "temporaries": items["backward_and_logits"],
+        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"] + items.get("p2p_buffers", 0.0),
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def peak_memory(args: ModelArgs, training: Training, plan: Plan,

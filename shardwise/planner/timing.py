@@ -74,7 +74,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.micro_batch,
-           plan.recompute, plan.sequence_parallel, training.stream_bytes(plan.zero_stage))
+           plan.recompute, plan.sequence_parallel, training.stream_bytes)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         cost = max((_stage_cost(args, training, plan, cluster, s) for s in {0, plan.pp - 1}), key=lambda c: c.total)

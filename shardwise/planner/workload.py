@@ -52,6 +52,9 @@ class Training:
     """Store the frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
     fused_rmsnorm: bool = True
     """RMSNorm is one kernel saving (input, rstd); False for the composite form (CPU) that also saves x*rstd."""
+    loss_parallel: bool = False
+    """The loss runs on vocab-parallel logit shards (Megatron's vocab-parallel cross-entropy) instead of on logits
+    all-gathered to every tp rank, as shardwise's engine does (its output head returns replicated logits)."""
     ddp_bucket_mb: float = 25.0
     """DDP gradient bucket size (torch default 25 MB); two buckets are in flight at once."""
     fragmentation: float = 0.10
@@ -86,12 +89,12 @@ class Training:
         """Bytes of a matmul input/output saved for backward (fp8 recipes keep bf16 copies for the backward)."""
         return 4 if self.precision == "fp32" else 2
 
-    def stream_bytes(self, zero_stage: int) -> int:
-        """Bytes of the residual stream. Under 'torch' with ZeRO < 3 the weights (and so the embedding output) are
-        fp32 and autocast leaves additions and norms in fp32; FSDP2 (ZeRO-3) casts the weights, so all is bf16."""
-        if self.precision == "fp32":
-            return 4
-        if self.layout == "torch" and zero_stage < 3:
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes of the residual stream. Under 'torch' the weights (and so the embedding output) are fp32 at every
+        ZeRO stage (the engine gives FSDP2 no mixed-precision policy: it gathers fp32 weights and autocast casts
+        them per use), and autocast leaves additions and norms in fp32. 'zero'/'megatron' run in bf16."""
+        if self.precision == "fp32" or self.layout == "torch":
             return 4
         return 2
 
