@@ -16,11 +16,16 @@ from shardwise.planner import Cluster, Training, accelerator, parse_plan, search
 from shardwise.planner.hardware import GiB
 
 # (name, model, gpus, seq, global batch in sequences, plan, published BF16 MFU, source)
+# UNSOURCED: none of the Llama 3 405B figures below (layout, batch, MFU) appears in the reference documents
+# (../shared/reference/, checked: they cite no Llama 3 run); they are recalled from Dubey et al. 2024, table 4,
+# and must be checked against that table before being quoted. The one large-run figure the references hold is
+# Megatron-LM's 1T-parameter run, 502 PFLOP/s on 3,072 GPUs = 52% of peak (doc 001, "3D parallelism"
+# paragraph), without its layout or model shape, so it cannot be evaluated here.
 RUNS = [
     ("llama3-405b 8K, 8192 GPUs", "llama3-405b", 8192, 8192, 2048, "tp=8,pp=16,cp=1,dp_replicate=64,zero_stage=1",
-     0.43, "Dubey et al. 2024, table 4"),
+     0.43, "Dubey et al. 2024, table 4 (unsourced here)"),
     ("llama3-405b 8K, 16384 GPUs", "llama3-405b", 16384, 8192, 2048,
-     "tp=8,pp=16,cp=1,dp_replicate=128,zero_stage=1", 0.41, "Dubey et al. 2024, table 4"),
+     "tp=8,pp=16,cp=1,dp_replicate=128,zero_stage=1", 0.41, "Dubey et al. 2024, table 4 (unsourced here)"),
 ]
 
 
@@ -29,7 +34,8 @@ def main() -> None:
         args = preset(model)
         cluster = Cluster(accelerator("h100"), gpus)
         for layout in ("torch", "megatron"):
-            training = Training(seq_len=seq, global_batch=batch, layout=layout)
+            # Megatron (and Meta's stack) computes the loss on vocab-parallel logits; shardwise's engine gathers them
+            training = Training(seq_len=seq, global_batch=batch, layout=layout, loss_parallel=layout == "megatron")
             given = search(args, training, cluster, fixed=parse_plan(plan), top_k=1).ranked
             start = time.perf_counter()
             best = search(args, training, cluster, top_k=1)
