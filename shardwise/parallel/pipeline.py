@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,8 +192,36 @@ def _autocast_forward(module: nn.Module, precision: str, device_type: str) -> No
     module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
 
 
-def build_pipeline(cfg: JobConfig, runtime: Runtime) -> Pipeline:
-    """Split, place and build this rank's stages (meta -> parallelize -> materialise), and the schedule."""
+def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What stage `stage` takes and returns for one pipeline micro-batch, as meta tensors (shapes, no data).
+
+    Given to `PipelineStage` up front, so the schedule's first step infers no shapes (a forward and backward
+    on dummies plus metadata sent between the pipeline ranks, which a fake process group cannot carry). The
+    first stage takes token ids (batch, seq / cp); the others take the residual stream, which is fp32 (the
+    embedding is, and autocast's bf16 block outputs are added to it) and, under sequence parallelism, a 1/tp
+    slice of the sequence (the blocks' row-parallel outputs are reduce-scattered to it). The last stage
+    returns the logits (batch, seq / cp, vocab), gathered over tp, in the autocast dtype.
+    """
+    p, t = cfg.parallel, cfg.train
+    batch, seq = t.micro_batch // p.n_microbatches, cfg.data.seq_len // p.cp
+    residual_seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
+    hidden = torch.empty(batch, residual_seq, cfg.model.dim, device="meta", requires_grad=True)
+    if stage == 0:
+        inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    else:
+        inputs = hidden
+    if stage == n_stages - 1:
+        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # fp16 is rejected with pp > 1
+        return inputs, torch.empty(batch, seq, cfg.model.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+    return inputs, hidden
+
+
+def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = materialize) -> Pipeline:
+    """Split, place and build this rank's stages (meta -> parallelize -> materialise), and the schedule.
+
+    `materialize(module, model_args, device, seed)` gives a parallelised meta stage its storage and values;
+    the simulator passes one that makes fake tensors.
+    """
     p = cfg.parallel
     n_stages = p.pp * p.stages_per_rank
     split = split_layers(layer_costs(cfg.model, cfg.data.seq_len), n_stages)
@@ -208,7 +237,9 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime) -> Pipeline:
             module.rope = module.rope[:, runtime.positions]
         _autocast_forward(module, cfg.train.precision, runtime.device.type)
         modules.append(module)
-        stages.append(PipelineStage(module, s, n_stages, runtime.device, group=runtime.pp_group))
+        inputs, outputs = stage_io(cfg, s, n_stages)
+        stages.append(PipelineStage(module, s, n_stages, runtime.device, input_args=inputs, output_args=outputs,
+                                    group=runtime.pp_group))
     n_micro = p.n_microbatches * cfg.train.grad_accum
     cls = SCHEDULES[p.pp_schedule]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro, loss_fn=pipeline_loss, scale_grads=False)
