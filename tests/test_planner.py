@@ -531,3 +531,53 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
     for category in CATEGORIES:  # every category that holds at least 5% of the peak
         if max(measured.peak[category], predicted[category]) >= 0.05 * measured.peak_bytes:
             assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline stages: the planner sizes the stages the engine builds
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_pipeline_ranks_hold_the_engines_cost_balanced_stages(schedule):
+    """A 2,048-token vocabulary makes the output head cost about 2.3 blocks, so the engine's split is uneven
+    (1f1b: 4 + 2 blocks where an even cut gives 3 + 3; zero-bubble's V: 1, 2, 2, 1 with the first and last stage
+    on rank 0). Each rank's parameters, as the planner counts them, are those of the stage modules the engine
+    builds for it (deep copies of the meta model with the other layers deleted)."""
+    from shardwise.model import ModelArgs
+    from shardwise.parallel.pipeline import build_stage_module, layer_costs, split_layers, stages_of_rank
+    from shardwise.planner.memory import stage_layers, stage_params
+
+    args = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=2048)
+    seq, pp = 64, 2
+    plan = Plan(pp=pp, micro_batch=1, grad_accum=4, schedule=schedule)
+    training = Training(seq_len=seq, global_batch=4, precision="fp32", fragmentation=0.0, fixed_overhead_gib=0.0)
+    per_rank = 2 if schedule == "zero-bubble" else 1
+    split = split_layers(layer_costs(args, seq), pp * per_rank)  # as pipeline.build_pipeline cuts the model
+    meta = build_model(args)
+    layers = []
+    for rank in range(pp):
+        stages = stages_of_rank(schedule, pp, rank, per_rank)
+        modules = [build_stage_module(meta, split[s], s == 0, s == len(split) - 1) for s in stages]
+        built = sum(p.numel() for m in modules for p in m.parameters())
+        layers.append(sum(len(m.layers) for m in modules))
+        assert stage_layers(args, plan, rank, seq) == layers[-1]
+        assert stage_params(args, plan, rank, seq) == built
+        assert stage_memory(args, training, plan, rank)["params"] == 4 * built  # fp32 weights, no ZeRO
+    assert sorted(layers) == [2, 4]  # uneven: an even split would have put 3 blocks on each rank
+
+
+def test_pipeline_time_follows_the_rank_with_the_most_blocks():
+    """With a 1,024-token vocabulary (head ~1.2 blocks) the engine cuts 6 blocks over 3 stages as 2, 3, 1 + head:
+    the middle rank, neither the first nor the one with the head, sets the pipeline's pace."""
+    from shardwise.model import ModelArgs
+    from shardwise.planner.memory import pipeline_layers
+    from shardwise.planner.timing import _stage_cost, stage_cost
+
+    args = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=1024)
+    plan = Plan(pp=3, micro_batch=1, grad_accum=4, schedule="1f1b")
+    training = Training(seq_len=64, global_batch=4, precision="fp32")
+    cluster = Cluster(accelerator("h100"), 3, gpus_per_node=3)
+    assert pipeline_layers(args, plan, 64) == (2, 3, 1)
+    per_rank = [_stage_cost(args, training, plan, cluster, r).total for r in range(3)]
+    assert per_rank[1] > max(per_rank[0], per_rank[2])
+    assert stage_cost(args, training, plan, cluster).total == per_rank[1]

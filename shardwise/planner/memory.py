@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.model import ModelArgs
+from shardwise.parallel.pipeline import layer_costs, split_layers, stages_of_rank
 from shardwise.planner.hardware import GiB
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
@@ -44,37 +45,84 @@ def shape_key(args: ModelArgs) -> tuple:
             args.tie_embeddings)
 
 
+def _args(key: tuple) -> ModelArgs:
+    """ModelArgs back from shape_key (what the memoised functions are keyed on)."""
+    return ModelArgs(dim=key[0], n_layers=key[1], n_heads=key[2], n_kv_heads=key[3], vocab_size=key[4],
+                     ffn_hidden=key[5], tie_embeddings=key[6])
+
+
 @functools.lru_cache(maxsize=4096)
 def _layer_params(key: tuple, tp: int) -> float:
-    args = ModelArgs(dim=key[0], n_layers=key[1], n_heads=key[2], n_kv_heads=key[3], vocab_size=key[4],
-                     ffn_hidden=key[5])
+    args = _args(key)
     total = 2 * args.dim
     for _, n_in, n_out, split in linear_shapes(args):
         total += n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
     return total
 
 
-def stage_params(args: ModelArgs, plan: Plan, stage: int) -> float:
-    """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (last)."""
-    n = stage_layers(args, plan, stage) * layer_params(args, plan.tp)
+def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
+    """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the
+    rank holding the last stage)."""
+    n = stage_layers(args, plan, stage, seq_len) * layer_params(args, plan.tp)
     emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head
     if stage == 0:
         n += emb
-    if stage == plan.pp - 1:
+    if stage == head_rank(plan):
         n += args.dim + (0 if args.tie_embeddings and plan.pp == 1 else emb)
     return n
 
 
-def stage_layers(args: ModelArgs, plan: Plan, stage: int) -> int:
-    """Blocks on one pipeline rank: ceil(L / (pp v)) per chunk, the first ranks taking the remainder."""
-    return _stage_layers(args.n_layers, plan.pp, plan.virtual_stages, stage)
+def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
+    """Blocks on each pipeline rank, as the engine cuts and places them: `split_layers` over its own
+    `layer_costs` (the cost-balanced split, which gives the stage with the output head fewer blocks), each rank
+    holding the stages `stages_of_rank` gives it (a loop, or a V for zero-bubble)."""
+    return _pipeline_layers(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.schedule)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_layers(n_layers: int, pp: int, virtual_stages: int, stage: int) -> int:
-    chunks = pp * virtual_stages
-    per_chunk = [n_layers // chunks + (1 if i < n_layers % chunks else 0) for i in range(chunks)]
-    return sum(per_chunk[stage::pp])
+def _pipeline_layers(key: tuple, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
+    split = _split(key, seq_len, pp * per_rank)
+    return tuple(sum(len(split[s]) for s in stages_of_rank(schedule, pp, rank, per_rank)) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(key: tuple, seq_len: int, n_stages: int) -> list[range]:
+    # the split depends on the number of stages only, not on how they are placed; a search meets each count
+    # under several (pp, virtual stages) pairs, and the engine's dynamic program is the costly part
+    if n_stages == 1:
+        return [range(key[1])]
+    return split_layers(layer_costs(_args(key), seq_len), n_stages)
+
+
+def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
+    """Blocks on pipeline rank `stage` (see pipeline_layers)."""
+    return pipeline_layers(args, plan, seq_len)[stage]
+
+
+def head_rank(plan: Plan) -> int:
+    """The pipeline rank holding the last stage (final norm, output head, loss): pp - 1, or rank 0 under the
+    zero-bubble V, which folds the last stage back onto the first rank."""
+    return _head_rank(plan.pp, plan.stages_per_rank, plan.schedule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
+    last = pp * per_rank - 1
+    return next(r for r in range(pp) if last in stages_of_rank(schedule, pp, r, per_rank))
+
+
+def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
+    """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
+    in flight), the one with the head, and the first rank with each block count (among ranks with equal
+    blocks the earlier one holds at least as many micro-batches in flight)."""
+    return _ranks_to_check(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks_to_check(key: tuple, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
+    layers = _pipeline_layers(key, seq_len, pp, per_rank, schedule)
+    first_with = {n: layers.index(n) for n in set(layers)}
+    return tuple(sorted({0, _head_rank(pp, per_rank, schedule), *first_with.values()}))
 
 
 def lora_params(args: ModelArgs, rank: int, tp: int = 1) -> float:
@@ -324,8 +372,8 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
         return 0.0
     n = 0.0
     if plan.recompute == "none":
-        n += stage_layers(args, plan, stage) * (layer_params(args, plan.tp) - 2 * args.dim)
-    if stage == plan.pp - 1:
+        n += stage_layers(args, plan, stage, training.seq_len) * (layer_params(args, plan.tp) - 2 * args.dim)
+    if stage == head_rank(plan):
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
 
@@ -336,9 +384,10 @@ def gathered_weight_bytes(training: Training) -> float:
     return 4.0 if training.layout == "torch" or not training.mixed else 2.0
 
 
-def root_params(args: ModelArgs, plan: Plan, stage: int) -> float:
+def root_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
     """Parameters of the stage's root FSDP unit (everything outside the blocks): embedding, final norm, head."""
-    return stage_params(args, plan, stage) - stage_layers(args, plan, stage) * layer_params(args, plan.tp)
+    return stage_params(args, plan, stage, seq_len) - stage_layers(args, plan, stage, seq_len) * layer_params(
+        args, plan.tp)
 
 
 def replicates(training: Training, plan: Plan) -> bool:
@@ -387,9 +436,10 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     """
     state = _model_state(args, training, plan, stage)
     acts = _activation_items(args, training, plan, stage)
-    last, accum = stage == plan.pp - 1, plan.grad_accum > 1
+    last, accum = stage == head_rank(plan), plan.grad_accum > 1
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
-    stage_p, root_p, block_p = stage_params(args, plan, stage), root_params(args, plan, stage), \
+    seq = training.seq_len
+    stage_p, root_p, block_p = stage_params(args, plan, stage, seq), root_params(args, plan, stage, seq), \
         layer_params(args, plan.tp)
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = state_bytes_per_param(training).grads
@@ -443,11 +493,11 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     varies most)."""
     key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
            training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
-           plan.recompute, plan.sequence_parallel, stage)
+           plan.recompute, plan.sequence_parallel, plan.schedule, stage)
     cached = _ACTIVATIONS.get(key)
     if cached is None:
-        last = stage == plan.pp - 1
-        per_mb = stage_layers(args, plan, stage) * layer_activation_bytes(args, training, plan)
+        last = stage == head_rank(plan)
+        per_mb = stage_layers(args, plan, stage, training.seq_len) * layer_activation_bytes(args, training, plan)
         head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
             per_mb += embedding_activation_bytes(training, plan)
@@ -466,15 +516,15 @@ _ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys
 def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
     """model_state_bytes for a stage; memoised, since a search asks for it under many micro-batches and schedules."""
     key = (shape_key(args), training.precision, training.layout, training.optimizer, training.lora_rank,
-           training.qlora, plan.tp, plan.pp, plan.virtual_stages, plan.zero_stage, plan.shard_group, plan.offload,
-           stage)
+           training.qlora, training.seq_len, plan.tp, plan.pp, plan.virtual_stages, plan.schedule, plan.zero_stage,
+           plan.shard_group, plan.offload, stage)
     cached = _MODEL_STATE.get(key)
     if cached is None:
-        layers = stage_layers(args, plan, stage)
+        layers = stage_layers(args, plan, stage, training.seq_len)
         trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
-        items = model_state_bytes(stage_params(args, plan, stage), training, plan.zero_stage, plan.shard_group,
-                                  plan.offload, trainable, linears)
+        items = model_state_bytes(stage_params(args, plan, stage, training.seq_len), training, plan.zero_stage,
+                                  plan.shard_group, plan.offload, trainable, linears)
         if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
             items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
         cached = _remember(_MODEL_STATE, key, items)
@@ -507,13 +557,16 @@ def simulator_categories(items: dict[str, float]) -> dict[str, float]:
 
 def peak_memory(args: ModelArgs, training: Training, plan: Plan,
                 first: dict[str, float] | None = None) -> tuple[int, dict[str, float]]:
-    """(stage, breakdown) of the pipeline rank with the highest peak: the first (most micro-batches in flight,
-    the embedding) or the last (output head, logits). `first` passes stage 0's breakdown if already computed."""
+    """(stage, breakdown) of the pipeline rank with the highest peak, among `ranks_to_check`: the first (most
+    micro-batches in flight, the embedding), the one with the output head and logits, and the first rank with
+    each block count of the engine's split. `first` passes stage 0's breakdown if already computed."""
     first = first or stage_memory(args, training, plan, 0)
-    if plan.pp == 1:
-        return 0, first
-    last = stage_memory(args, training, plan, plan.pp - 1)
-    return (0, first) if first["total"] >= last["total"] else (plan.pp - 1, last)
+    best = (0, first)
+    for rank in ranks_to_check(args, plan, training.seq_len)[1:]:
+        items = stage_memory(args, training, plan, rank)
+        if items["total"] > best[1]["total"]:
+            best = (rank, items)
+    return best
 
 
 def to_gib(items: dict[str, float]) -> dict[str, float]:

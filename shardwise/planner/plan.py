@@ -58,6 +58,12 @@ class Plan:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pipeline rank as the engine builds them (config.ParallelConfig.stages_per_rank): two
+        for zero-bubble, whose V shape the engine runs, virtual_stages otherwise."""
+        return 2 if self.schedule == "zero-bubble" else self.virtual_stages
+
+    @property
     def shard_group(self) -> int:
         """Ranks that split model state, as the engine (config.ParallelConfig) runs ZeRO: stage 1 shards the
         optimizer over every data-parallel rank (dp_replicate x dp_shard x cp: cp ranks hold the same weights);
@@ -89,9 +95,9 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
                            "choose degrees whose product is the number of GPUs")
     if n_heads % plan.tp:
         raise PlannerError("--plan tp", f"tp={plan.tp} does not divide {n_heads} heads", "pick a divisor")
-    if plan.pp * plan.virtual_stages > n_layers:
-        raise PlannerError("--plan pp", f"pp*virtual_stages={plan.pp * plan.virtual_stages} > {n_layers} layers",
-                           "use fewer stages")
+    if plan.pp * plan.stages_per_rank > n_layers:
+        raise PlannerError("--plan pp", f"{plan.pp * plan.stages_per_rank} pipeline stages (pp x stages per rank, "
+                           f"two for zero-bubble) > {n_layers} layers", "use fewer stages")
     if plan.micro_batch * plan.grad_accum * plan.dp != global_batch:
         raise PlannerError("--plan micro_batch", f"micro_batch*grad_accum*dp = "
                            f"{plan.micro_batch * plan.grad_accum * plan.dp} != global batch {global_batch}",

@@ -262,7 +262,7 @@ def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> li
             vs = _choices(fixed, "virtual_stages", [v for v in range(2, max_virtual + 1)
                                                     if base.pp * v <= args.n_layers])
             out += [(name, v) for v in vs]
-        else:
+        elif name != "zero-bubble" or 2 * base.pp <= args.n_layers:  # the V needs two stages per rank
             out.append((name, 1))
     return out
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from shardwise.model import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.hardware import Accelerator, Cluster
-from shardwise.planner.memory import (kv_split, layer_activation_bytes, layer_params, lora_params,
-                                      shape_key, stage_layers, stage_params, state_bytes_per_param)
+from shardwise.planner.memory import (head_rank, kv_split, layer_activation_bytes, layer_params, lora_params,
+                                      pipeline_layers, ranks_to_check, shape_key, stage_layers, stage_params,
+                                      state_bytes_per_param)
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
@@ -65,7 +66,8 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
 
 
 def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StageCost:
-    """One micro-batch's forward + backward on the heaviest pipeline rank (the first, or the last with the head)."""
+    """One micro-batch's forward + backward on the heaviest pipeline rank: the one with the head, or one with the
+    most blocks of the engine's cost-balanced split (memory.ranks_to_check)."""
     acc = cluster.accelerator
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds every input the cost reads
     # (the pp link's stride depends on dp, hence the dp product).
@@ -73,11 +75,13 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
-           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.micro_batch,
+           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
+           plan.micro_batch,
            plan.recompute, plan.sequence_parallel, training.stream_bytes)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
-        cost = max((_stage_cost(args, training, plan, cluster, s) for s in {0, plan.pp - 1}), key=lambda c: c.total)
+        ranks = ranks_to_check(args, plan, training.seq_len)
+        cost = max((_stage_cost(args, training, plan, cluster, s) for s in ranks), key=lambda c: c.total)
         if len(_STAGE_COSTS) >= 100_000:
             _STAGE_COSTS.clear()
         _STAGE_COSTS[key] = cost
@@ -87,13 +91,18 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
 _STAGE_COSTS: dict[tuple, StageCost] = {}
 
 
+def _max_stage_params(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Parameters on the pipeline rank holding the most (it sets the pace of gradient reduction and the optimizer)."""
+    return max(stage_params(args, plan, s, training.seq_len) for s in ranks_to_check(args, plan, training.seq_len))
+
+
 
 
 def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int) -> StageCost:
     acc = cluster.accelerator
     t = layer_times(args, training, plan, acc)
-    layers = stage_layers(args, plan, stage)
-    head = _head_forward(args, training, plan, acc) if stage == plan.pp - 1 else 0.0
+    layers = stage_layers(args, plan, stage, training.seq_len)
+    head = _head_forward(args, training, plan, acc) if stage == head_rank(plan) else 0.0
     # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
     fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
@@ -208,8 +217,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     if red_n == 1:
         return 0.0, 0.0
     b = state_bytes_per_param(training)
-    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
-    layers = max(1, max(stage_layers(args, plan, s) for s in {0, plan.pp - 1}))
+    n_params = _max_stage_params(args, training, plan)
+    layers = max(pipeline_layers(args, plan, training.seq_len))
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     gathered = n_params * (2.0 if training.mixed else 4.0)  # weights travel in the compute dtype
@@ -237,9 +246,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """The optimizer step is memory-bound: read weights, grads, master and states, write weights, master, states."""
     b = state_bytes_per_param(training)
-    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
+    n_params = _max_stage_params(args, training, plan)
     if training.lora_rank:
-        n_params = max(1, max(stage_layers(args, plan, s) for s in {0, plan.pp - 1})) * lora_params(
+        n_params = max(pipeline_layers(args, plan, training.seq_len)) * lora_params(
             args, training.lora_rank, plan.tp)
     if plan.zero_stage >= 1:
         n_params /= plan.shard_group
@@ -256,7 +265,7 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     if plan.offload == "none":
         return 0.0
     b = state_bytes_per_param(training)
-    n_params = max(stage_params(args, plan, s) for s in {0, plan.pp - 1})
+    n_params = _max_stage_params(args, training, plan)
     if plan.zero_stage >= 1:
         n_params /= plan.shard_group
     compute_bytes = 2.0 if training.mixed else 4.0
