@@ -38,12 +38,14 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temp
 # the trackers' categories (torch.distributed._tools) -> ours. Buffers (the rotary table) count as parameters:
 # both are model state that lives the whole run. FSDP's unsharded parameters and gradients exist only between
 # an all-gather and the reshard / between backward and the reduce-scatter, so they are communication buffers.
+# A pipeline's receive buffers (received activations and their gradients) are activations: the trackers are given
+# them as "Inputs" (FSDP's) or "Other" (the generic one's, which files nothing else there).
 _CATEGORY = {
     "Parameter": "parameters", "Sharded Param": "parameters", "Buffer": "parameters",
     "Gradient": "gradients", "Sharded Grad": "gradients",
     "Optstate": "optimizer_state", "OptState": "optimizer_state",
-    "Activation": "activations", "Inputs": "activations",
-    "Temp": "temporaries", "Other": "temporaries",
+    "Activation": "activations", "Inputs": "activations", "Other": "activations",
+    "Temp": "temporaries",
     "Unsharded Param": "communication_buffers", "Unsharded Grad": "communication_buffers",
     "All Gather": "communication_buffers", "Reduce Scatter": "communication_buffers",
 }
@@ -82,13 +84,14 @@ def measure_step(model, optimizer, scaler, batches: list[Batch], cfg: JobConfig,
     from shardwise.parallel.torch_private import build_tracker, untracked_sharding_propagation
     from shardwise.train import pipeline_train_step, train_step
 
-    modules = list(model.stages) if isinstance(model, Pipeline) else [model]
+    piped = isinstance(model, Pipeline)
+    modules = list(model.stages) if piped else [model]
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO-1's ShardedOptimizer wraps a torch optimizer
-    tracker = build_tracker(modules, inner)
+    tracker = build_tracker(modules, inner, model.schedule if piped else None)
     counter = _StepCounter()
     tokens = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size * cfg.data.seq_len
     with untracked_sharding_propagation(tracker), tracker, counter:
-        if isinstance(model, Pipeline):
+        if piped:
             pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
                                 global_tokens=tokens, runtime=runtime)
         else:
@@ -188,7 +191,14 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
     peak is no higher. first_step=True measures the real first step from a fresh optimizer and then the
     second (kept if it differs): the same answer, one more simulated forward and backward.
     """
-    from shardwise.parallel.torch_private import FakeTensors, forget_sharding_caches, init_fake_process_group
+    from shardwise.parallel.torch_private import (
+        FakeTensors,
+        forget_sharding_caches,
+        init_fake_process_group,
+        initialize_pipeline,
+        unanimous_pipeline_vote,
+    )
+    from shardwise.parallel.pipeline import Pipeline
 
     init_fake_process_group(rank, world)
     try:
@@ -200,9 +210,11 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
         model, optimizer, scaler, batches = build_step_inputs(cfg, runtime, fakes)
         gc.enable()
         gc.freeze()
-        with fakes:
+        with fakes, unanimous_pipeline_vote():
             if not first_step:
                 allocate_optimizer_state(model, optimizer)
+                if isinstance(model, Pipeline):
+                    initialize_pipeline(model.schedule)
             steps = [measure_step(model, optimizer, scaler, batches, cfg, runtime)]
             if first_step:
                 second = measure_step(model, optimizer, scaler, batches, cfg, runtime)
@@ -275,13 +287,15 @@ def materialize_fake(model, args, device, seed: int = 0) -> None:
 
 
 def _build_pipeline_fake(cfg: JobConfig, runtime: Runtime, fakes):
-    """Not yet: torch.distributed.pipelining's stages infer their input shapes at the first step by sending
-    metadata between the pipeline ranks, which a fake process group cannot carry, and `build_pipeline`
-    materialises its stages itself. Both are one change in parallel/pipeline.py away (give PipelineStage its
-    input/output shapes, and take the materialise function as an argument); this function is where the
-    simulator will then call it, inside `fakes`, with `materialize_fake`."""
-    raise ConfigError("parallel.pp", f"the simulator does not run pipeline layouts yet (pp={cfg.parallel.pp})",
-                      "simulate the layout with pp = 1 (e.g. fold pp into dp_shard) until it does")
+    """`build_pipeline` (this rank's stages, each cut from the meta model and parallelised on meta) with the
+    stages materialised as fake tensors; each stage is given its shapes, so its schedule sends none."""
+    from shardwise.parallel.pipeline import build_pipeline
+
+    def materialize(module, args, device, seed):
+        with fakes:
+            materialize_fake(module, args, device, seed)
+
+    return build_pipeline(cfg, runtime, materialize=materialize)
 
 
 def build_step_inputs(cfg: JobConfig, runtime: Runtime, fakes=None):
@@ -314,8 +328,6 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
              ) -> list[RankReport]:
     """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each."""
     validate_parallel(cfg, world)
-    if cfg.parallel.pp > 1:
-        _build_pipeline_fake(cfg, None, None)  # rejects, before any process group exists
     reports = []
     for rank in ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world):
         if not 0 <= rank < world:

@@ -6,12 +6,20 @@ None has a public equivalent in torch 2.13:
   but no storage;
 - the memory trackers of `torch.distributed._tools` (`MemTracker`, `FSDPMemTracker`), subclassed to note the
   moment of the peak and to keep only the global peak per op (their private `_track`, `_update_peak_stats`,
-  `_curr_mem_snap`, `_mod_tracker`, `_in_opt`, `_in_ac`); `ReplicateModule`, to tell ZeRO-0/1 apart;
+  `_curr_mem_snap`, `_mod_tracker`, `_in_opt`, `_in_ac`; `memory_tracking`, `_pre_fw_hook`,
+  `_fsdp_state_pre_forward`, `_root_mod` and `_update_and_maybe_create_winfos`, to track a pipeline's stages,
+  each run once per micro-batch, and its receive buffers); their `ModTracker`'s `_fw_pre_hook` (leaf inputs
+  under autograd.grad, see `_ModTracker`); `ReplicateModule`, to tell ZeRO-0/1 apart;
 - DTensor's `ShardingPropagator._propagate_tensor_meta_non_cached`, wrapped so the tracker skips its
   global-shape tensors (`untracked_sharding_propagation`);
 - DTensor's sharding caches, cleared between simulated ranks (`forget_sharding_caches`);
 - `DeviceMesh.__init__`, wrapped so that a mesh made while fake mode is on (FSDP makes a TP x FSDP mesh inside
-  `fully_shard`; a pipeline build parallelises its stages inside fake mode) keeps a real rank table.
+  `fully_shard`) keeps a real rank table;
+- the pipeline schedules' `_PipelineSchedule._warmup_p2p` (the first step's vote on whether stages infer their
+  shapes) and `InferenceMode`, to give the vote's outcome on a fake process group (`unanimous_pipeline_vote`);
+  their stage set-up (`_initialize_stage(s)`) and their stages' receive buffers (`args_recv_info`,
+  `grad_recv_info`), to start the simulated step where the real run's later steps start
+  (`initialize_pipeline`, `pipeline_buffers`).
 The mesh helpers (DeviceMesh._flatten, FSDP2's replicate) stay in compat.py with the engine that uses them.
 """
 
@@ -26,14 +34,17 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["FakeTensors", "PeakMoment", "build_tracker", "fake_scalar", "forget_sharding_caches",
-           "init_fake_process_group", "untracked_sharding_propagation"]
+           "init_fake_process_group", "initialize_pipeline", "pipeline_buffers", "unanimous_pipeline_vote",
+           "untracked_sharding_propagation"]
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -143,28 +154,103 @@ class _MomentMixin:
         return PeakMoment(phase, innermost)
 
 
-class _Tracker(_MomentMixin, MemTracker):
-    def __init__(self):
+class _ModTracker(ModTracker):
+    """torch's module tracker watches a module's inputs with a multi-grad hook to see its backward end, which
+    raises under autograd.grad when an input is a leaf: a pipeline stage's received activation under
+    zero-bubble (its input gradients are an autograd.grad). Such an input is shown to it as a detached alias
+    (same storage, same bytes): that module's backward then counts as ending with the step's backward."""
+
+    def _fw_pre_hook(self, mod, input):
+        return super()._fw_pre_hook(mod, tree_map_only(
+            torch.Tensor, lambda a: a.detach() if a.requires_grad and a.is_leaf else a, input))
+
+
+class _StagesMixin:
+    """A pipeline stage is a root module called once per micro-batch, which the trackers take for the next
+    iteration and refuse. Their per-module statistics are not read here: the stage's start afresh at each of
+    its forwards (its parameters' gradient hooks are installed once and stay)."""
+
+    def _init_stages(self, stages: list[nn.Module]) -> None:
+        self.stages = stages
+        if stages:
+            self._mod_tracker = _ModTracker()
+
+    def _forget_stage(self, module: nn.Module) -> None:
+        if not self._mod_tracker.is_bw and any(module is m for m in self.stages):
+            self.memory_tracking.pop(module, None)
+
+
+class _Tracker(_StagesMixin, _MomentMixin, MemTracker):
+    def __init__(self, stages: list[nn.Module]):
         super().__init__()
         self._init_moment()
+        self._init_stages(stages)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        self._forget_stage(module)
+        super()._pre_fw_hook(module, inputs)
 
 
-class _FSDPTracker(_MomentMixin, FSDPMemTracker):
-    def __init__(self, mod: nn.Module, optim: torch.optim.Optimizer | None):
-        super().__init__(mod, optim)
+class _FSDPTracker(_StagesMixin, _MomentMixin, FSDPMemTracker):
+    def __init__(self, roots: list[nn.Module], optim: torch.optim.Optimizer | None, stages: list[nn.Module]):
+        super().__init__(roots[0], optim)
+        # several FSDP roots (a rank's pipeline stages): the tracker only walks its root's modules and buffers
+        self._root_mod = roots[0] if len(roots) == 1 else nn.ModuleList(roots)
         self._init_moment()
+        self._init_stages(stages)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def pre_forward(*args, **kwargs):
+            self._forget_stage(fsdp_mod)
+            return inner(*args, **kwargs)
+
+        return pre_forward
 
 
-def build_tracker(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> MemTracker:
+def build_tracker(modules: list[nn.Module], optimizer: torch.optim.Optimizer, schedule=None) -> MemTracker:
     """The memory tracker for one step: FSDP's (all-gather / reduce-scatter buffers as their own categories)
-    when the model is one FSDP root (ZeRO-2/3), the generic one otherwise (FSDP's raises on ZeRO-0/1's
-    `replicate`, whose bucketed groups of blocks it reads as a module called twice). Enter it only once
-    the model and optimizer exist: what exists then is counted from the start."""
-    if len(modules) == 1 and isinstance(modules[0], FSDPModule) and not isinstance(modules[0], ReplicateModule):
-        return _FSDPTracker(modules[0], optimizer)
-    tracker = _Tracker()
-    tracker.track_external(*modules, optimizer)
+    when the model is FSDP roots (ZeRO-2/3: one module, or a pipeline `schedule`'s stages), the generic one
+    otherwise (FSDP's raises on ZeRO-0/1's `replicate`, whose bucketed groups of blocks it reads as a module
+    called twice). Enter it only once the model and optimizer exist: what exists then is counted from the
+    start, and so are a pipeline's receive buffers (received activations and gradients, kept between steps),
+    as "Inputs" (FSDP's) or "Other" (the generic tracker's)."""
+    stages = [] if schedule is None else modules
+    buffers = [] if schedule is None else pipeline_buffers(schedule)
+    if all(isinstance(m, FSDPModule) and not isinstance(m, ReplicateModule) for m in modules):
+        tracker = _FSDPTracker(modules, optimizer, stages)
+        for t in buffers:
+            tracker._update_and_maybe_create_winfos(t, _FSDPRefType.INP)
+        return tracker
+    tracker = _Tracker(stages)
+    tracker.track_external(*modules, optimizer, *buffers)
     return tracker
+
+
+def _pipeline_stages(schedule) -> list:
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def pipeline_buffers(schedule) -> list[torch.Tensor]:
+    """The receive buffers of a pipeline schedule's stages (activations from the previous stage, gradients from
+    the next, one per micro-batch), made at its first step and kept: memory no module or optimizer owns."""
+    infos = [info for stage in _pipeline_stages(schedule)
+             for table in (stage.args_recv_info, stage.grad_recv_info) for chunk in table.values() for info in chunk]
+    return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+
+
+def initialize_pipeline(schedule) -> None:
+    """What a schedule's first step does before its first micro-batch: the stages' send/receive plans and
+    receive buffers, from the shapes the stages were given (and the vote, see `unanimous_pipeline_vote`). The
+    simulator runs it before the measured step, so that step is the steady state the real run's later steps
+    are. The arguments the schedule would pass (the first micro-batch, its target) serve only to infer shapes."""
+    for stage in _pipeline_stages(schedule):
+        stage.has_backward = schedule._has_backward
+    if hasattr(schedule, "_stages"):
+        schedule._initialize_stages((), {}, None)
+    else:
+        schedule._initialize_stage((), {}, None)
 
 
 @contextlib.contextmanager
@@ -186,3 +272,28 @@ def untracked_sharding_propagation(tracker: MemTracker):
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+@contextlib.contextmanager
+def unanimous_pipeline_vote():
+    """A pipeline schedule's first step opens with a vote passed stage to stage (send/recv of one int32): did
+    every stage get its shapes up front? If so no stage infers them (a dummy forward and backward and metadata
+    sent between the pipeline ranks). On a fake process group the received vote is whatever its buffer held.
+    `build_pipeline` gives every stage its shapes, so every stage of the real job votes yes: set that outcome
+    instead of voting (each stage checked as the vote checks it). The real first step also sends the vote's
+    few bytes; later steps send nothing of it."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    def decided(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} was built without its input/output shapes")
+            stage._inference_mode = InferenceMode.STATIC
+
+    original = _PipelineSchedule._warmup_p2p
+    _PipelineSchedule._warmup_p2p = decided
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original
