@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -22,6 +25,9 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    store: dist.Store | None = None
+    """The job's key-value store (None for a world of one): used to take a roll call when a collective fails."""
+    timeout_s: float = 600.0
 
     @property
     def is_main(self) -> bool:
@@ -36,12 +42,108 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    store = None
     if world > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if use_cuda else None,
+            "nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
+            timeout=timeout, device_id=device if use_cuda else None,
         )
-    return DistEnv(rank, world, local_rank, device)
+    return DistEnv(rank, world, local_rank, device, store, timeout_s)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """The job's store (torch's env:// rendezvous), its keys prefixed by torchrun's restart count.
+
+    torchrun keeps one store server for all restarts of a job and torch's workers connect to it without a
+    per-attempt prefix, so after a restart a rank may read a peer's gloo address left by the previous attempt
+    (a dead process) before the peer overwrites it, and fail with "Connection refused". A prefix per attempt
+    gives each attempt its own keys.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"shardwise/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A failed collective, explained
+#
+# Gloo's errors say "Timed out waiting 600000ms for recv operation" or "Connection closed by peer", without the
+# operation or the rank at fault; torch has no flight recorder for gloo. So when a collective fails, every rank
+# that sees the failure checks in on the job's store; the ranks that do not check in are the hung or dead ones.
+
+_FAILURE_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe")
+ROLL_CALL_MAX_S = 30.0
+"""Longest wait for the other ranks to check in: ranks blocked behind the hung one time out within about one
+collective timeout of each other; and torchrun stops the survivors of a dead rank within seconds."""
+
+
+def failed_collective(exc: BaseException) -> str | None:
+    """The torch.distributed operation `exc` was raised in when it is a collective's timeout or lost peer."""
+    if not isinstance(exc, (RuntimeError, dist.DistError)) or not any(w in str(exc).lower() for w in _FAILURE_WORDS):
+        return None
+    ops = [f.name for f in traceback.extract_tb(exc.__traceback__)
+           if f.filename.endswith(os.path.join("torch", "distributed", "distributed_c10d.py"))]
+    ops = [op for op in ops if not op.startswith("_") and op != "wrapper"]
+    return ops[-1] if ops else "a collective"
+
+
+def explain_failure(exc: BaseException, env: DistEnv, step: int) -> str | None:
+    """One line naming the operation, this rank and the ranks that are hung or dead; None if `exc` is not a
+    failed collective."""
+    op = failed_collective(exc)
+    if op is None:
+        return None
+    wait_s = min(env.timeout_s, ROLL_CALL_MAX_S)
+    missing = roll_call(env, wait_s)
+    if missing is None:
+        who = "the job's store did not answer either (the store's host rank may be the one at fault)"
+    elif missing:
+        shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
+        who = f"rank{'s' if len(missing) > 1 else ''} {shown} did not check in within {wait_s:.0f} s: hung or dead"
+    else:
+        who = "every rank checked in (a transient network failure, or a rank that fell behind and recovered)"
+    cause = "timed out" if any(w in str(exc).lower() for w in ("timed out", "timeout")) else "lost its peer"
+    return (f"step {step}: {op} {cause} on rank {env.rank} (train.collective_timeout_s = {env.timeout_s:g} s); "
+            f"{who}. The first error: {str(exc).splitlines()[0][:200]}")
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
+    """Check this rank in; the ranks that have not checked in after wait_s (None if the store is unreachable).
+
+    Returns at once if SIGTERM arrives meanwhile (torchrun stopping the job), with the ranks missing so far.
+    """
+    if env.store is None:
+        return []
+    keys = [f"shardwise/roll_call/{r}" for r in range(env.world_size)]
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        env.store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
+        env.store.set(keys[env.rank], "1")
+        deadline = time.monotonic() + wait_s
+        while not env.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except _Terminated:
+        pass
+    except (RuntimeError, dist.DistError):
+        return None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    try:
+        return [r for r, key in enumerate(keys) if not env.store.check([key])]
+    except (RuntimeError, dist.DistError):
+        return None
 
 
 def shutdown() -> None:
