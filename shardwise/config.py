@@ -193,6 +193,9 @@ class MetricsConfig:
     """Accelerator for MFU: a name from shardwise.planner.hardware.CATALOGUE, or 'auto' to detect it."""
     peak_flops: float = 0.0
     """Declared peak FLOP/s per device for MFU; overrides the catalogue (needed on CPU, which has no entry)."""
+    log_samples: bool = False
+    """Append each step's sample ids to out_dir/samples/dp<rank>.jsonl, one file per data-parallel rank: an audit
+    that a run (with restarts) trained on every sample exactly once. A replayed step's later line supersedes."""
 
 
 @dataclass

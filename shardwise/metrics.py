@@ -89,3 +89,43 @@ class MetricsWriter:
         for handle in (self._bar, self._tb, self._jsonl):
             if handle is not None:
                 handle.close()
+
+
+class SampleLog:
+    """Each step's sample ids, one JSON line per step, in out_dir/samples/dp<rank>.jsonl (metrics.log_samples).
+
+    One writer per data-parallel rank (the others of its tp/cp/pp group read the same samples). Lines are
+    appended and flushed, so a step replayed after a restart appears twice; the later line is the one that
+    counts, as for metrics.jsonl. `read_sample_log` applies that rule.
+    """
+
+    def __init__(self, out_dir: str, dp_rank: int, enabled: bool):
+        self._file = None
+        if enabled:
+            folder = Path(out_dir) / "samples"
+            folder.mkdir(parents=True, exist_ok=True)
+            self._file = (folder / f"dp{dp_rank}.jsonl").open("a")
+
+    def log(self, step: int, batches) -> None:
+        if self._file is not None:
+            ids = [i for batch in batches for i in batch.sample_ids]
+            self._file.write(json.dumps({"step": step, "ids": ids}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def read_sample_log(out_dir: str | Path, last_step: int | None = None) -> dict[int, dict[int, list[int]]]:
+    """{dp_rank: {step: sample ids}} from a run's sample log, the last line of each step winning; steps after
+    `last_step` (work lost to a crash and not yet replayed) are dropped."""
+    logs = {}
+    for path in sorted((Path(out_dir) / "samples").glob("dp*.jsonl")):
+        steps = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if last_step is None or row["step"] <= last_step:
+                steps[row["step"]] = row["ids"]
+        logs[int(path.stem[2:])] = steps
+    return logs

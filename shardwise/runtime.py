@@ -24,6 +24,8 @@ class Runtime:
     mesh: MeshView | None
     positions: torch.Tensor | None = None
     """This rank's sequence positions under context parallelism (None: the whole sequence)."""
+    step: int = 0
+    """The optimizer step being taken (for error messages)."""
 
     @classmethod
     def create(cls, cfg: JobConfig) -> Runtime:
@@ -90,6 +92,13 @@ class Runtime:
         if not self.mesh:
             return True
         return all(self.mesh.coordinate(d) == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+
+    @property
+    def leads_data_rank(self) -> bool:
+        """One rank per data-parallel rank: the one at coordinate 0 of tp, cp and pp (they read the same data)."""
+        if not self.mesh:
+            return True
+        return all(self.mesh.coordinate(d) == 0 for d in ("pp", "cp", "tp"))
 
     def describe(self) -> str:
         if not self.mesh:

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from shardwise import data
 from shardwise.checkpoint import Checkpointer, StopSignal, TrainState
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
+from shardwise.distributed import explain_failure
 from shardwise.hf import import_hf
-from shardwise.metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
@@ -252,6 +253,11 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
     runtime = Runtime.create(cfg)
     try:
         return _train(cfg, runtime, save_final)
+    except RuntimeError as e:
+        explained = explain_failure(e, runtime.env, runtime.step) if runtime.world_size > 1 else None
+        if explained is None:
+            raise
+        raise TrainingError(explained) from e
     finally:
         runtime.close()
 
@@ -275,6 +281,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
+    samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank)
     if runtime.is_main:
         (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len
@@ -294,6 +301,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     nonfinite = 0
     for step in range(first_step, cfg.train.steps + 1):
         start = time.perf_counter()
+        runtime.step = step
         batches = loader.next_step()
         counter = CommCounter() if step == comm_step else None
         with counter or contextlib.nullcontext():
@@ -302,6 +310,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             summary["comm"] = counter.stats.as_metrics()
         schedule.step()
         meter.add(time.perf_counter() - start)
+        samples.log(step, batches)
         summary["losses"].append(result.loss)
         writer.advance()
         nonfinite = nonfinite + 1 if result.nonfinite else 0
@@ -323,6 +332,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             break
     checkpoints.close()
     writer.close()
+    samples.close()
     if save_final:
         save_full_parameters(parts, save_final, runtime)
     summary["model"] = model

@@ -1,6 +1,8 @@
 """The training loop with checkpoints: exact resume, SIGTERM, non-finite steps."""
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,16 +12,18 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from shardwise.metrics import read_sample_log
+
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 
 
-def _train(out, steps, *extra, nproc=1, popen=False):
+def _train(out, steps, *extra, nproc=1, popen=False, launcher=()):
     cmd = [sys.executable, "-m", "shardwise", "train", "--config", CONFIG, f"--set=metrics.out_dir='{out}'",
            f"--set=train.steps={steps}", "--set=checkpoint.enabled=true", "--set=checkpoint.every=2",
            "--set=metrics.log_every=1", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
            *[f"--set={e}" for e in extra], "--save-final", str(Path(out) / "final.safetensors")]
     if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
+        cmd += ["--nproc", str(nproc), *launcher]
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -89,3 +93,71 @@ def test_export_to_hugging_face_and_start_from_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     # with a negligible learning rate the weights stay the exported ones
     assert all(((_params(tuned)[k] - final[k]).abs().max() < 1e-6) for k in final)
+
+
+def _worker_pids(out):
+    """PIDs of the training processes torchrun started for the run writing to `out` (not the launchers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if "shardwise" in text and str(out) in text and "--nproc" not in text and "torch.distributed.run" not in text:
+            pids.append(int(proc.name))
+    return sorted(pids)
+
+
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
+    """SIGKILL one of 2 ranks mid-run under --max-restarts: torchrun restarts both, they resume from the newest
+    checkpoint, and the run ends with the losses and (bitwise) parameters of a run nobody killed, having trained
+    on every sample exactly once (the sample log, replayed steps superseding the lost ones)."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    layout = ["parallel.dp_shard=2", "parallel.zero_stage=3", "metrics.log_samples=true"]
+    assert _train(whole, 8, *layout, nproc=2).returncode == 0
+    proc = _train(killed, 8, *layout, nproc=2, popen=True, launcher=["--max-restarts", "2"])
+    deadline = time.time() + 300
+    while not ((killed / "metrics.jsonl").exists() and max(_losses(killed), default=0) >= 3):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.1)
+    os.kill(_worker_pids(killed)[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed after step" in out  # the restarted ranks started from a checkpoint
+    assert _losses(killed) == _losses(whole)  # the replayed steps overwrite the ones logged before the kill
+    a, b = _params(whole), _params(killed)
+    assert all((a[k] == b[k]).all() for k in a)
+    lines = sum(len((killed / "samples" / f).read_text().splitlines()) for f in ("dp0.jsonl", "dp1.jsonl"))
+    assert lines > 16  # some steps ran twice: the kill lost work that was redone
+    assert read_sample_log(killed) == read_sample_log(whole)
+    ids = [i for rank in read_sample_log(killed).values() for step in rank.values() for i in step]
+    assert len(ids) == len(set(ids)) == 8 * 16  # 8 steps x global batch 16, none twice (all in one epoch)
+
+
+def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path):
+    """SIGSTOP one of 2 ranks: with train.collective_timeout_s = 5 the other's collective times out and the run
+    ends with one line naming the operation, the step, this rank and the hung one, instead of hanging."""
+    out = tmp_path / "run"
+    err_file = (tmp_path / "stderr").open("w+")
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", CONFIG, f"--set=metrics.out_dir='{out}'",
+           "--set=train.steps=10000", "--set=metrics.log_every=1", "--set=train.val_every=0",
+           "--set=metrics.tensorboard=false", "--set=parallel.dp_replicate=2", "--set=train.collective_timeout_s=5",
+           "--nproc", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and _losses(out)):
+            assert time.time() < deadline and proc.poll() is None, "the run did not start"
+            time.sleep(0.1)
+        hung = _worker_pids(out)[-1]  # rank 1: started after rank 0
+        os.kill(hung, signal.SIGSTOP)
+        while "shardwise: error:" not in Path(err_file.name).read_text():
+            assert time.time() < deadline and proc.poll() is None, Path(err_file.name).read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(hung, signal.SIGKILL)  # torchrun would SIGKILL it too, 30 s after its SIGTERM
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    line = next(x for x in Path(err_file.name).read_text().splitlines() if x.startswith("shardwise: error:"))
+    assert re.search(r"step \d+: (all_reduce|all_gather\w*|reduce_scatter\w*|barrier) timed out on rank 0 ", line), line
+    assert "rank 1 did not check in" in line and "hung or dead" in line, line
