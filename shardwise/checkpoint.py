@@ -15,6 +15,8 @@ What a checkpoint holds, and in which form (every form is independent of the lay
 Atomic: ranks write into `checkpoints/step_<N>.tmp`; once every rank's data is written (DCP's save is
 collective and returns only after its coordinator wrote `.metadata`), rank 0 writes meta.json and renames the
 folder to `step_<N>`. A folder without that name and both metadata files is partial and is never loaded.
+Saving a step that already has a checkpoint moves the old one to `step_<N>.old` until the new one is in; a
+crash between the two renames leaves `step_<N>.old`, which counts as step N's checkpoint.
 
 Safe: every check (model shape, keys, sizes, dtypes, file sizes, checksums) runs before a single tensor is
 read into the model, and fails with a one-line `CheckpointError` naming the path and the fix. DCP's
@@ -60,6 +62,7 @@ FORMAT = "shardwise-checkpoint"
 VERSION = 1
 META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
+_REPLACED_DIR = re.compile(r"step_(\d+)\.old")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # fields of ModelArgs that change a parameter's shape, or what the weights mean
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
@@ -115,6 +118,9 @@ def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
         if not entry.is_dir():
             continue
         m = _STEP_DIR.fullmatch(entry.name)
+        replaced = _REPLACED_DIR.fullmatch(entry.name)
+        if replaced is not None and not entry.with_name(f"step_{replaced.group(1)}").exists():
+            m = replaced  # a committed checkpoint whose replacement (the same step saved again) never arrived
         if m is None:
             partial.append((entry, "unfinished write (never committed)"))
             continue
@@ -359,8 +365,8 @@ class Checkpointer:
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for folder, _ in scan_checkpoints(self.root.parent).partial:
-                if folder.name.endswith(".tmp"):
-                    shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts
+                if folder.name.endswith((".tmp", ".old")):
+                    shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts; replaced copies
             tmp.mkdir()
         _barrier()
         tensors, plain_optim = self._collect(state)
@@ -413,7 +419,8 @@ class Checkpointer:
             meta["files"] = _file_digests(tmp)
             _fsync_write(tmp / META, json.dumps(_plain_json(meta), indent=1))
             old = final.with_name(final.name + ".old")
-            if final.exists():  # the same step saved again (a resumed run): the old one goes once the new is in
+            if final.exists():  # the same step saved again: the old copy goes once the new one is in
+                shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)
             tmp.rename(final)
             dir_fd = os.open(self.root, os.O_RDONLY)

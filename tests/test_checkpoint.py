@@ -5,6 +5,9 @@ under the saving layout, which the parity tests tie to one device).
 """
 
 import logging
+import signal
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
-from shardwise import hf
+from shardwise import checkpoint, hf
 from shardwise.checkpoint import Checkpointer, CheckpointError, TrainState, latest_checkpoint, load, scan_checkpoints
 from shardwise.config import load_config
 from shardwise.model import build_model, materialize
@@ -392,3 +395,76 @@ def test_sigterm_sets_the_stop_flag():
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGTERM) is not stop._handler
+
+
+# ---------------------------------------------------------------------------------------------------
+# A process killed while it saves
+
+
+def save_then_die(run: str, moment: str) -> None:
+    """Train 2 steps and save; train 2 more and start saving step 4, SIGKILLing this process at `moment` of that
+    save: while DCP writes the tensor data, or at the commit's rename. Run in a child process."""
+    import os
+    import signal
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    cfg = _cfg()
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    ckpt = Checkpointer(run, cfg.model)
+    _steps(state, cfg, runtime, 2)
+    ckpt.save(2, state)
+    _steps(state, cfg, runtime, 2)
+    written = []
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_one_then_die(*args, **kwargs):
+        if written:
+            die()
+        written.append(real_write(*args, **kwargs))
+        return written[-1]
+
+    def write_then_die_after_meta(path, text):
+        real_fsync_write(path, text)
+        if path.name == "meta.json":
+            die()
+
+    real_write, real_fsync_write = dcp_files._write_item, checkpoint._fsync_write
+    if moment == "data":
+        dcp_files._write_item = write_one_then_die  # the second tensor is never written
+    else:
+        checkpoint._fsync_write = write_then_die_after_meta  # meta.json is written, the folder never renamed
+    ckpt.save(4, state)
+
+
+@pytest.mark.parametrize("moment", ["data", "commit"])
+def test_kill_during_a_save_keeps_the_previous_checkpoint(saved_run, tmp_path, moment):
+    run = tmp_path / "run"
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint as t; " \
+           f"t.save_then_die({str(run)!r}, {moment!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (run / "checkpoints" / "step_4.tmp").is_dir()  # the save had started
+    assert (run / "checkpoints" / "step_4.tmp" / "meta.json").exists() == (moment == "commit")
+    assert latest_checkpoint(run) == run / "checkpoints" / "step_2"
+    cfg, state, _ = _fresh_state()
+    _scramble(state)
+    assert load(latest_checkpoint(run), state, cfg.model) == 2
+    params = _full_params(state.parts)
+    assert all(torch.equal(params[n], saved_run[1][n]) for n in params)  # the weights saved at step 2
+
+
+def test_a_crash_while_replacing_a_step_keeps_it(saved_run, tmp_path):
+    """Saving a step that exists moves the old copy aside first; a crash before the new one is renamed in leaves
+    `step_N.old`, which still counts as step N."""
+    run, good = _copy(saved_run, tmp_path)
+    good.rename(good.with_name("step_2.old"))
+    (good.parent / "step_2.tmp").mkdir()  # the replacement, never committed
+    assert latest_checkpoint(run) == good.with_name("step_2.old")
+    cfg, state, _ = _fresh_state()
+    assert load(latest_checkpoint(run), state, cfg.model) == 2
+    Checkpointer(run, cfg.model).save(2, state)  # the same step saved again: one step_2 is left
+    assert sorted(p.name for p in good.parent.iterdir()) == ["step_2"]
