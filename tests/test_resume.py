@@ -1,5 +1,6 @@
 """The training loop with checkpoints: exact resume, SIGTERM, non-finite steps."""
 
+import contextlib
 import json
 import os
 import re
@@ -25,8 +26,18 @@ def _train(out, steps, *extra, nproc=1, popen=False, launcher=()):
     if nproc > 1:
         cmd += ["--nproc", str(nproc), *launcher]
     if popen:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@contextlib.contextmanager
+def _reaped(proc):
+    """Kill what is left of a run started with popen=True (the launcher, torchrun and its workers) on the way out."""
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _losses(out):
@@ -53,13 +64,13 @@ def test_interrupted_run_resumes_exactly(tmp_path, nproc, layout):
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     out = tmp_path / "run"
-    proc = _train(out, 10_000, popen=True)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() or not _losses(out):
-        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    with _reaped(_train(out, 10_000, popen=True)) as proc:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() or not _losses(out):
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     stopped = max(_losses(out))
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -96,16 +107,17 @@ def test_export_to_hugging_face_and_start_from_it(tmp_path):
 
 
 def _worker_pids(out):
-    """PIDs of the training processes torchrun started for the run writing to `out` (not the launchers)."""
-    pids = []
+    """{rank: PID} of the training processes torchrun started for the run writing to `out` (not the launchers)."""
+    pids = {}
     for proc in Path("/proc").iterdir():
         try:
             text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
         except (OSError, ValueError):
             continue
-        if "shardwise" in text and str(out) in text and "--nproc" not in text and "torch.distributed.run" not in text:
-            pids.append(int(proc.name))
-    return sorted(pids)
+        if "shardwise" in text and str(out) in text and b"RANK" in env and "torch.distributed.run" not in text:
+            pids[int(env[b"RANK"])] = int(proc.name)
+    return pids
 
 
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
@@ -115,13 +127,13 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     layout = ["parallel.dp_shard=2", "parallel.zero_stage=3", "metrics.log_samples=true"]
     assert _train(whole, 8, *layout, nproc=2).returncode == 0
-    proc = _train(killed, 8, *layout, nproc=2, popen=True, launcher=["--max-restarts", "2"])
-    deadline = time.time() + 300
-    while not ((killed / "metrics.jsonl").exists() and max(_losses(killed), default=0) >= 3):
-        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-        time.sleep(0.1)
-    os.kill(_worker_pids(killed)[-1], signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
+    with _reaped(_train(killed, 8, *layout, nproc=2, popen=True, launcher=["--max-restarts", "2"])) as proc:
+        deadline = time.time() + 300
+        while not ((killed / "metrics.jsonl").exists() and max(_losses(killed), default=0) >= 3):
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.1)
+        os.kill(_worker_pids(killed)[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "resumed after step" in out  # the restarted ranks started from a checkpoint
     assert _losses(killed) == _losses(whole)  # the replayed steps overwrite the ones logged before the kill
@@ -143,21 +155,19 @@ def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path
            "--set=train.steps=10000", "--set=metrics.log_every=1", "--set=train.val_every=0",
            "--set=metrics.tensorboard=false", "--set=parallel.dp_replicate=2", "--set=train.collective_timeout_s=5",
            "--nproc", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, text=True)
-    try:
+    with _reaped(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, text=True,
+                                  start_new_session=True)) as proc:
         deadline = time.time() + 300
         while not ((out / "metrics.jsonl").exists() and _losses(out)):
             assert time.time() < deadline and proc.poll() is None, "the run did not start"
             time.sleep(0.1)
-        hung = _worker_pids(out)[-1]  # rank 1: started after rank 0
+        hung = _worker_pids(out)[1]
         os.kill(hung, signal.SIGSTOP)
         while "shardwise: error:" not in Path(err_file.name).read_text():
             assert time.time() < deadline and proc.poll() is None, Path(err_file.name).read_text()[-3000:]
             time.sleep(0.2)
         os.kill(hung, signal.SIGKILL)  # torchrun would SIGKILL it too, 30 s after its SIGTERM
         assert proc.wait(timeout=120) != 0
-    finally:
-        proc.kill()
     line = next(x for x in Path(err_file.name).read_text().splitlines() if x.startswith("shardwise: error:"))
     assert re.search(r"step \d+: (all_reduce|all_gather\w*|reduce_scatter\w*|barrier) timed out on rank 0 ", line), line
     assert "rank 1 did not check in" in line and "hung or dead" in line, line
