@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -324,17 +325,28 @@ def ranks_to_simulate(p: ParallelConfig, world: int) -> list[int]:
     return sorted({s * per_stage for s in (0, p.pp // 2, p.pp - 1)})
 
 
-def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_step: bool = False
-             ) -> list[RankReport]:
-    """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each."""
+def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_step: bool = False,
+             processes: int = 1) -> list[RankReport]:
+    """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each.
+
+    processes > 1 simulates several ranks at once, each in a fresh process (a pipeline's stages are
+    independent simulations); worth it for large models, where a rank takes far longer than starting Python.
+    """
     validate_parallel(cfg, world)
-    reports = []
-    for rank in ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world):
+    ranks = ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world)
+    for rank in ranks:
         if not 0 <= rank < world:
             raise ConfigError("--rank", f"{rank} is not in 0..{world - 1}", "pick a rank of the world")
-        report = simulate_rank(cfg, world, rank, first_step)
+    if processes > 1 and len(ranks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(processes, len(ranks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            reports = list(pool.map(simulate_rank, *zip(*[(cfg, world, r, first_step) for r in ranks])))
+    else:
+        reports = [simulate_rank(cfg, world, rank, first_step) for rank in ranks]
+    for report in reports:
         report.planner = planner_prediction(cfg, report.coordinates.get("pp", 0))
-        reports.append(report)
     return reports
 
 
@@ -344,6 +356,7 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
     """
     from shardwise.planner import Plan, Training, stage_memory
+    from shardwise.planner.memory import simulator_categories
 
     p, t = cfg.parallel, cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
@@ -356,16 +369,7 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
                 grad_accum=t.grad_accum * n_micro, recompute=t.activation_checkpoint,
                 schedule=p.pp_schedule if piped else "none", virtual_stages=p.virtual_stages if piped else 1,
                 sequence_parallel=p.sequence_parallel)
-    items = stage_memory(cfg.model, training, plan, stage)
-    return {
-        "parameters": items["params"],
-        "gradients": items["grads"],
-        "optimizer_state": items["master_weights"] + items["optimizer_state"],
-        "activations": items["activations"],
-        "temporaries": items["backward_and_logits"] + items["compute_copies"],
-        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"] + items.get("p2p_buffers", 0.0),
-        "total": items["total"],
-    }
+    return simulator_categories(stage_memory(cfg.model, training, plan, stage))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,6 +391,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     a("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="--model: default bf16")
     a("--first-step", action="store_true", help="also simulate the first step from a fresh optimizer (slower; "
                                                 "by default only the steady-state step, whose peak is no lower)")
+    a("--processes", type=int, default=os.cpu_count() or 1,
+      help="simulate up to this many ranks at once, each in its own process (default: one per CPU core)")
     a("--json", action="store_true", help="print the reports as JSON (see docs/simulator.md)")
 
 
@@ -394,7 +400,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         cfg, world = config_from_args(args)
         start = time.perf_counter()
-        reports = simulate(cfg, world, args.rank, args.first_step)
+        reports = simulate(cfg, world, args.rank, args.first_step, processes=args.processes)
     except ConfigError as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
@@ -521,15 +527,21 @@ if __name__ == "__main__":
 
 
 _MEASURED = """
-import json, resource, sys, time
+import json, os, resource, sys, time
 from shardwise.simulate import config_from_plan, simulate, to_json
 wall, cpu = time.perf_counter(), time.process_time()
 model, world, plan, seq_len = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 cfg = config_from_plan(model, plan, world, seq_len=seq_len, micro_batch=1, precision="bf16")
-out = to_json(cfg, world, simulate(cfg, world), time.perf_counter() - wall)
-out["cpu_s"] = time.process_time() - cpu
+processes = os.cpu_count() or 1
+reports = simulate(cfg, world, processes=processes)
+out = to_json(cfg, world, reports, time.perf_counter() - wall)
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+out["cpu_s"] = time.process_time() - cpu + children.ru_utime + children.ru_stime
 out["wall_s"] = time.perf_counter() - wall
-out["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+# RAM held at once, at most: this process plus as many of its rank simulations as ran together, each counted
+# at the largest one's peak
+together = min(processes, len(reports)) if len(reports) > 1 else 0
+out["max_rss_gib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + together * children.ru_maxrss) / 2**20
 print(json.dumps(out))
 """
 
