@@ -457,6 +457,7 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     profile = json.loads(out.read_text())
     m = profile["measurements"]
     assert m["matmul_flops"]["fp32"] > 0 and m["all_reduce_busbw"] > 0 and m["latency_s"] > 0
+    assert 0.0 <= profile["comm_overlap"] <= 1.0 and m["threads_per_rank"] >= 1
     # busbw is the per-link B of the ring formula: the measured all-reduce time is reproduced by it
     n, t = 2, m["collective_times_s"]["all_reduce"]
     biggest = max(t, key=int)
@@ -467,6 +468,26 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     ev = evaluate(preset("tiny"), Training(seq_len=128, global_batch=4, precision="fp32"),
                   Plan(dp_shard=2, zero_stage=3, micro_batch=2), Cluster(acc, 2, gpus_per_node=2))
     assert ev.fits and ev.time.step_time_s > 0
+
+
+@pytest.mark.parametrize("plan", [Plan(dp_replicate=8, micro_batch=1, grad_accum=4),
+                                  Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=4),
+                                  Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4),
+                                  Plan(dp_shard=4, tp=2, zero_stage=2, micro_batch=1, grad_accum=8)])
+def test_without_overlap_step_time_is_compute_plus_communication(plan):
+    """comm_overlap = 0 (gloo on a CPU: collectives use the cores the matmuls use) leaves nothing hidden:
+    T = compute + recompute + every collective + optimizer; with full overlap a ZeRO-0 all-reduce much shorter
+    than the backward is exposed only for its last bucket, one block's share."""
+    import dataclasses
+
+    args, tr = preset("llama3-8b"), Training(seq_len=4096, global_batch=32)
+    serial = Cluster(dataclasses.replace(accelerator("h100"), comm_overlap=0.0), 8)
+    t = evaluate(args, tr, plan, serial).time
+    assert t.step_time_s == pytest.approx(t.compute_s + t.recompute_s + t.comm_total_s + t.optimizer_s, rel=1e-12)
+    assert t.exposed_comm_s == pytest.approx(t.comm_total_s, rel=1e-12)
+    if plan.zero_stage == 0:
+        overlapped = evaluate(args, tr, plan, Cluster(accelerator("h100"), 8)).time
+        assert overlapped.exposed_comm_s == pytest.approx(t.comm_total_s / args.n_layers, rel=1e-12)
 
 
 def test_plan_validation_names_the_key():

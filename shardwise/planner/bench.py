@@ -4,7 +4,13 @@ What it measures: large-matmul FLOP/s per dtype, fused attention (forward + back
 large copy), and gloo (CPU) or NCCL (GPU) all-reduce / all-gather / reduce-scatter bus bandwidth between local
 processes, reported the way nccl-tests does: algbw = bytes / time; busbw = algbw x 2(N-1)/N for all-reduce and
 x (N-1)/N for the other two, which is the per-link bandwidth B of the ring formulas in comm.py. The latency
-alpha comes from a tiny all-reduce: 2(N-1) alpha.
+alpha comes from a tiny all-reduce: 2(N-1) alpha. And whether a collective runs alongside compute: the share of
+the shorter of the two that disappears when both are issued together (`comm_overlap`).
+
+The profile describes one rank of a `--world`-rank job on this machine: the compute rates are measured in
+`--world` processes at once, each on its own GPU or, on a CPU, with its share of the cores (`--threads`,
+by default cores // world, what `shardwise train --nproc` gives each rank), and the slowest rank's rate is kept.
+Every timing is the fastest of its repetitions (on a shared machine, the one no other job interrupted).
 
 With `--base GPU`, the datasheet entry is kept and its efficiencies become measured / datasheet; without it (a
 CPU, or a device not in the catalogue) the measured rates become the peaks and the efficiencies 1.
@@ -15,11 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import socket
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +43,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--out", default="hardware_profile.json", help="where to write the profile JSON")
     a("--base", default=None, help="catalogue GPU whose datasheet numbers to keep (efficiencies become measured)")
-    a("--world", type=int, default=2, help="local processes for the collective measurements")
+    a("--world", type=int, default=2,
+      help="ranks of the job the profile describes (compute measured in this many processes at once; "
+           "collectives across max(2, world))")
+    a("--threads", type=int, default=0, help="CPU threads per rank; 0: cores // world, as `train --nproc` sets")
     a("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul")
     a("--comm-mb", type=float, default=64.0, help="largest collective message, MB")
     a("--iters", type=int, default=5, help="timed repetitions per measurement")
@@ -50,9 +61,11 @@ def run_bench(ns: argparse.Namespace) -> int:
         return 2
     Path(ns.out).write_text(json.dumps(profile, indent=2))
     m = profile["measurements"]
-    print(f"wrote {ns.out}: matmul {', '.join(f'{k} {v / 1e12:.2f} TFLOP/s' for k, v in m['matmul_flops'].items())}; "
+    print(f"wrote {ns.out}: per rank of {ns.world} ({m['threads_per_rank']} threads on a CPU): matmul "
+          f"{', '.join(f'{k} {v / 1e12:.3f} TFLOP/s' for k, v in m['matmul_flops'].items())}; "
           f"memory {m['mem_bandwidth'] / 1e9:.1f} GB/s; all-reduce busbw {m['all_reduce_busbw'] / 1e9:.2f} GB/s "
-          f"over {ns.world} ranks, latency {m['latency_s'] * 1e6:.0f} us")
+          f"over {m['collective_world']} ranks, latency {m['latency_s'] * 1e6:.0f} us, overlap with compute "
+          f"{profile['comm_overlap']:.2f}")
     return 0
 
 
@@ -62,25 +75,43 @@ def _device(choice: str) -> str:
     return "cuda" if choice == "cuda" or choice == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _timed(fn, iters: int, device: str) -> float:
-    fn()  # warm-up: first calls pay for allocation and kernel selection
-    if device == "cuda":
+def _timed(fn, iters: int, device: str, min_seconds: float = 0.0) -> float:
+    """Seconds per call of `fn`, from the fastest of `iters` samples: what the device does when nothing else
+    interrupts it (on a machine shared with other jobs most samples are slowed by them, by varying amounts).
+    A sample repeats `fn` for at least `min_seconds`, so that ranks time-sharing cores (more processes than
+    cores) are measured at their share, not in the moments they happen to run alone."""
+    warm = _once(fn, device)  # also the warm-up: first calls pay for allocation and kernel selection
+    reps = max(1, math.ceil(min_seconds / max(warm, 1e-9)))
+
+    def sample():
+        for _ in range(reps):
+            fn()
+
+    return min(_once(sample, device) for _ in range(iters)) / reps
+
+
+def _once(fn, device: str) -> float:
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device == "cuda":
+    fn()
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    return time.perf_counter() - start
 
 
-def matmul_flops(n: int, dtype: torch.dtype, device: str, iters: int) -> float:
+SUSTAINED_S = 0.25
+"""Shortest sample of a compute-rate measurement when the ranks' threads outnumber the cores: many scheduler time
+slices, so that each rank is measured at its share of the cores."""
+
+
+def matmul_flops(n: int, dtype: torch.dtype, device: str, iters: int, min_seconds: float = 0.0) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _timed(lambda: a @ b, iters, device)
+    return 2 * n**3 / _timed(lambda: a @ b, iters, device, min_seconds)
 
 
-def attention_flops(device: str, dtype: torch.dtype, iters: int) -> float:
+def attention_flops(device: str, dtype: torch.dtype, iters: int, min_seconds: float = 0.0) -> float:
     """Causal SDPA forward + backward: (2 + 5) matmuls of 2 s d FLOPs per query, halved by the mask."""
     bsz, heads, seq, hd = 2, 8, 1024, 64
     q, k, v = (torch.randn(bsz, heads, seq, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -90,19 +121,52 @@ def attention_flops(device: str, dtype: torch.dtype, iters: int) -> float:
         out.sum().backward()
 
     flops = 0.5 * 7 * 2 * bsz * heads * seq * seq * hd
-    return flops / _timed(step, iters, device)
+    return flops / _timed(step, iters, device, min_seconds)
 
 
-def mem_bandwidth(device: str, iters: int) -> float:
+def mem_bandwidth(device: str, iters: int, min_seconds: float = 0.0) -> float:
     x = torch.empty(64 * 2**20, dtype=torch.float32, device=device).fill_(1.0)
     y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / _timed(lambda: y.copy_(x), iters, device)  # read + write
+    return 2 * x.numel() * 4 / _timed(lambda: y.copy_(x), iters, device, min_seconds)  # read + write
 
 
-def _collective_worker(rank: int, world: int, init: str, device: str, sizes: list[int], iters: int, out: str):
-    backend = "nccl" if device == "cuda" else "gloo"
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _init(rank: int, world: int, init: str, device: str, threads: int, backend: str) -> str:
+    torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    return f"cuda:{rank}" if device == "cuda" else "cpu"
+
+
+def _compute_worker(rank: int, world: int, init: str, device: str, threads: int, matmul_size: int,
+                    dtypes: list[str], iters: int, out: str):
+    """Every rank measures at once (a barrier before each measurement); the slowest rank's time is kept."""
+    dev = _init(rank, world, init, device, threads, "gloo")
+    attn_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shared = device == "cpu" and world * threads > (os.cpu_count() or 1)
+    jobs = {**{f"matmul_{k}": partial(matmul_flops, matmul_size, DTYPES[k], dev) for k in dtypes},
+            "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev)}
+    results = {}
+    for name, job in jobs.items():
+        dist.barrier()
+        rate = job(iters, SUSTAINED_S if shared else 0.0)
+        slowest = torch.tensor([rate], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+        results[name] = slowest.item()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _collective_worker(rank: int, world: int, init: str, device: str, threads: int, sizes: list[int], iters: int,
+                       out: str):
+    dev = _init(rank, world, init, device, threads, "nccl" if device == "cuda" else "gloo")
     results = {}
     for nbytes in sizes:
         n = max(1, nbytes // 4)
@@ -115,13 +179,45 @@ def _collective_worker(rank: int, world: int, init: str, device: str, sizes: lis
                "reduce_scatter": lambda: _reduce_scatter(parts, x)}
         for name, op in ops.items():
             dist.barrier()
-            t = _timed(op, iters, device)
-            t_max = torch.tensor([t])
-            dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
-            results.setdefault(name, {})[n * 4] = t_max.item()
+            results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed(op, iters, dev))
+    results["overlap"] = comm_overlap(dev, min(max(sizes), 2**24), iters)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def comm_overlap(device: str, nbytes: int, iters: int) -> dict[str, float]:
+    """How much of an all-reduce hides behind matmuls issued while it runs (as DDP/FSDP issue them).
+
+    t_comm and t_compute alone, then both at once (the all-reduce asynchronous, as the data-parallel wrappers
+    issue it; the matmul count chosen so the two take about as long): overlap = (t_comm + t_compute - t_both) /
+    min(t_comm, t_compute), 1 when the shorter one is fully hidden, 0 when they run one after the other (gloo on
+    a CPU reduces with the same cores the matmuls use)."""
+    x = torch.ones(max(1, nbytes // 4), device=device)
+    a = torch.randn(512, 512, device=device)
+    t_comm = _max_over_ranks(_timed(lambda: dist.all_reduce(x), iters, device))
+    t_one = _max_over_ranks(_timed(lambda: a @ a, iters, device))
+    reps = max(1, round(t_comm / t_one))
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        work.wait()
+
+    # the three interleaved, each the fastest of its repetitions, so that a busy spell of the machine cannot
+    # fall on one of them only
+    times = {"comm_s": [], "compute_s": [], "both_s": []}
+    for _ in range(max(iters, 5)):
+        for key, fn in (("comm_s", lambda: dist.all_reduce(x)), ("compute_s", compute), ("both_s", both)):
+            dist.barrier()
+            times[key].append(_max_over_ranks(_once(fn, device)))
+    out = {key: min(values) for key, values in times.items()}
+    out["overlap"] = (out["comm_s"] + out["compute_s"] - out["both_s"]) / min(out["comm_s"], out["compute_s"])
+    return out
 
 
 # torch 2.13 renames the flat-tensor collectives (the old names still work, with a deprecation warning)
@@ -129,20 +225,33 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def collectives(world: int, device: str, max_bytes: int, iters: int) -> dict:
-    """{op: {bytes: seconds}} measured across `world` local processes."""
-    if device == "cuda" and torch.cuda.device_count() < world:
-        raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
-    sizes = [4] + [s for s in (2**16, 2**20, 2**24, 2**26, 2**28) if s <= max_bytes]
+def _spawn(worker, world: int, *args) -> dict:
+    """Run worker(rank, world, init, *args, out) in `world` local processes; rank 0's JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:  # a free local port for the rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        out = os.path.join(tmp, "collectives.json")
-        mp.spawn(_collective_worker, args=(world, f"tcp://127.0.0.1:{port}", device, sizes, iters, out),
-                 nprocs=world, join=True)
-        raw = json.loads(Path(out).read_text())
-    return {op: {int(k): v for k, v in by_size.items()} for op, by_size in raw.items()}
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(world, f"tcp://127.0.0.1:{port}", *args, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def compute_rates(world: int, device: str, threads: int, matmul_size: int, dtypes: list[str], iters: int) -> dict:
+    """{'matmul_<dtype>', 'attention': FLOP/s, 'mem_bandwidth': bytes/s} of the slowest of `world` ranks
+    measuring at once."""
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
+    return _spawn(_compute_worker, world, device, threads, matmul_size, dtypes, iters)
+
+
+def collectives(world: int, device: str, max_bytes: int, iters: int, threads: int = 1) -> dict:
+    """{op: {bytes: seconds}} measured across `world` local processes, and 'overlap' (see comm_overlap)."""
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
+    sizes = [4] + [s for s in (2**16, 2**20, 2**24, 2**26, 2**28) if s <= max_bytes]
+    raw = _spawn(_collective_worker, world, device, threads, sizes, iters)
+    overlap = raw.pop("overlap")
+    return {**{op: {int(k): v for k, v in by_size.items()} for op, by_size in raw.items()}, "overlap": overlap}
 
 
 def bus_bandwidth(times: dict[int, float], op: str, world: int) -> float:
@@ -154,21 +263,29 @@ def bus_bandwidth(times: dict[int, float], op: str, world: int) -> float:
 
 def measure(ns: argparse.Namespace) -> dict:
     device = _device(ns.device)
-    if ns.world < 2:
-        raise PlannerError("--world", "collectives need at least 2 ranks", "pass --world 2 or more")
+    if ns.world < 1:
+        raise PlannerError("--world", f"{ns.world} ranks", "pass --world 1 or more")
+    threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.world)
+    comm_world = max(2, ns.world)  # the link exists whatever the job's size; a one-rank job never uses it
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     dtypes = ["fp32", "bf16"] if device == "cpu" else ["fp32", "bf16", "fp16"]
-    mm = {k: matmul_flops(ns.matmul_size, DTYPES[k], device, ns.iters) for k in dtypes}
-    attn = attention_flops(device, torch.float32 if device == "cpu" else torch.bfloat16, ns.iters)
-    bw = mem_bandwidth(device, ns.iters)
-    coll = collectives(ns.world, device, int(ns.comm_mb * 1e6), ns.iters)
-    busbw = {op: bus_bandwidth(t, op, ns.world) for op, t in coll.items()}
-    latency = coll["all_reduce"][min(coll["all_reduce"])] / (2 * (ns.world - 1))
+    rates = compute_rates(ns.world, device, threads, ns.matmul_size, dtypes, ns.iters)
+    mm = {k: rates[f"matmul_{k}"] for k in dtypes}
+    attn, bw = rates["attention"], rates["mem_bandwidth"]
+    coll = collectives(comm_world, device, int(ns.comm_mb * 1e6), ns.iters,
+                       max(1, (os.cpu_count() or 1) // comm_world) if device == "cpu" else 1)
+    overlap = coll.pop("overlap")
+    busbw = {op: bus_bandwidth(t, op, comm_world) for op, t in coll.items()}
+    latency = coll["all_reduce"][min(coll["all_reduce"])] / (2 * (comm_world - 1))
     measurements = {"matmul_flops": mm, "attention_flops": attn, "mem_bandwidth": bw, "latency_s": latency,
-                    **{f"{op}_busbw": v for op, v in busbw.items()},
+                    **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap,
                     "collective_times_s": {op: {str(k): v for k, v in t.items()} for op, t in coll.items()},
-                    "world": ns.world, "device": device, "host": socket.gethostname(),
+                    "world": ns.world, "collective_world": comm_world, "threads_per_rank": threads,
+                    "device": device, "host": socket.gethostname(), "cpu_count": os.cpu_count(),
+                    "load_average": [load, os.getloadavg() if load else None],
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     attn_dtype = "fp32" if device == "cpu" else "bf16"
+    comm_overlap = min(1.0, max(0.0, overlap["overlap"]))
     if ns.base:
         acc = accelerator(ns.base)
         acc = dataclasses.replace(
@@ -176,14 +293,19 @@ def measure(ns: argparse.Namespace) -> dict:
             acc.matmul_efficiency,
             attention_efficiency=min(1.0, attn / acc.peak(attn_dtype)),
             bandwidth_efficiency=min(1.0, bw / acc.mem_bandwidth), intra_node_bw=busbw["all_reduce"],
-            comm_efficiency=1.0, intra_node_latency=latency, source=f"{acc.source}; efficiencies by shardwise bench")
+            comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap,
+            source=f"{acc.source}; efficiencies by shardwise bench")
     else:
         acc = Accelerator(
             name=f"{device}-bench", memory_bytes=_device_memory(device), peak_flops=mm, mem_bandwidth=bw,
             intra_node_bw=busbw["all_reduce"], inter_node_bw=busbw["all_reduce"], host_bw=bw,
             intra_node_latency=latency, inter_node_latency=latency, matmul_efficiency=1.0,
             attention_efficiency=min(1.0, attn / mm[attn_dtype]), bandwidth_efficiency=1.0, comm_efficiency=1.0,
-            source="measured by shardwise bench (peaks are achieved rates; inter-node = this machine's links)")
+            comm_overlap=comm_overlap,
+            source=f"measured by shardwise bench: one of {ns.world} ranks, {threads} threads each (peaks are "
+                   "achieved rates; inter-node = this machine's links)")
+    if device == "cpu":  # the ranks share the host's memory
+        acc.memory_bytes /= ns.world
     return {**dataclasses.asdict(acc), "measurements": measurements}
 
 

@@ -54,6 +54,11 @@ class Accelerator:
     """Share of mem_bandwidth that elementwise kernels (norms, SwiGLU, rotary, residuals) reach."""
     comm_efficiency: float = 0.80
     """Share of link bandwidth a large collective reaches (nccl-tests bus bandwidth vs. the link rate)."""
+    comm_overlap: float = 1.0
+    """Share of a collective that can run hidden behind compute issued alongside it (the wrappers' asynchronous
+    collectives): 1 where communication has its own engines (NCCL on its own SMs and the copy engines; a stated
+    assumption for the catalogue GPUs), measured by `shardwise bench` (about 0 for gloo on a CPU, which reduces
+    with the cores the matmuls use)."""
     source: str = ""
     """Where the datasheet numbers come from."""
 

@@ -12,8 +12,8 @@ from shardwise.model import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.hardware import Accelerator, Cluster
 from shardwise.planner.memory import (head_rank, kv_split, layer_activation_bytes, layer_params, lora_params,
-                                      pipeline_layers, ranks_to_check, shape_key, stage_layers, stage_params,
-                                      state_bytes_per_param)
+                                      pipeline_layers, ranks_to_check, replicates, shape_key, stage_layers,
+                                      stage_params, state_bytes_per_param)
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
@@ -75,6 +75,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
+           acc.comm_overlap,
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
            plan.micro_batch,
            plan.recompute, plan.sequence_parallel, training.stream_bytes)
@@ -152,10 +153,18 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     kv = kv / kv_split(args, plan.tp) * training.act_bytes
     fwd = (n - 1) * p2p(kv, link)
     bwd = (n - 1) * p2p(2 * kv, link)
-    exposed = max(0.0, fwd - attention) + max(0.0, bwd - 2.5 * attention)
+    w = cluster.accelerator.comm_overlap
+    exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, 2.5 * attention, w)
     if plan.recompute == "full":
-        exposed += max(0.0, fwd - attention)
+        exposed += exposed_part(fwd, attention, w)
     return layers * exposed
+
+
+def exposed_part(comm: float, compute: float, overlap: float) -> float:
+    """Seconds of `comm` left on the critical path when it runs alongside `compute`: all of it beyond the
+    compute, and the share (1 - overlap) of the rest that the hardware cannot run concurrently
+    (Accelerator.comm_overlap)."""
+    return comm - overlap * min(comm, compute)
 
 
 def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> float:
@@ -222,11 +231,20 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     gathered = n_params * (2.0 if training.mixed else 4.0)  # weights travel in the compute dtype
-    m, z = plan.grad_accum, plan.zero_stage
+    m, z, w = plan.grad_accum, plan.zero_stage, cluster.accelerator.comm_overlap
     bwd = cost.backward_input + cost.backward_weight + cost.recompute
-    if z == 0:
+
+    def behind_backward(comm: float) -> float:
+        # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
+        # has no backward left to hide behind
+        return comm - w * min(comm * (1 - 1 / layers), bwd)
+
+    if z == 0 or z == 1 and replicates(training, plan):
+        # ZeRO-0, and ZeRO-1 as shardwise's engine runs it (replicate's bucketed all-reduce, then the sharded
+        # optimizer all-gathers the updated slices before the next forward)
         comm = all_reduce(grads, red_n, red_link)
-        return comm, max(0.0, comm - bwd) + comm / layers
+        ag = all_gather(trainable * 4.0, sh_n, sh_link) if z == 1 else 0.0
+        return comm + ag, behind_backward(comm) + ag
     hsdp = all_reduce(grads / sh_n, rep_n, rep_link)
     rs = reduce_scatter(grads, sh_n, sh_link)
     ag = all_gather(gathered if z == 3 else trainable * (2.0 if training.mixed else 4.0), sh_n, sh_link)
@@ -235,11 +253,13 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # The updated weights are all-gathered after the optimizer step, before the next forward.
         n_rs = m if z == 2 else 1
         comm = n_rs * rs + hsdp + ag
-        return comm, n_rs * (max(0.0, rs - bwd) + rs / layers) + hsdp + ag
-    # ZeRO-3: every micro-batch gathers weights for forward and again for backward and reduce-scatters gradients
-    per_mb_fwd, per_mb_bwd = ag, ag + rs
+        return comm, n_rs * behind_backward(rs) + hsdp + ag
+    # ZeRO-3: every micro-batch gathers weights for forward and again for backward and reduce-scatters gradients,
+    # each block's gather prefetched behind the previous block's compute (the first block's has nothing before it)
+    per_mb_fwd, per_mb_bwd, first = ag, ag + rs, ag / layers
     comm = m * (per_mb_fwd + per_mb_bwd) + hsdp
-    exposed = m * (max(0.0, per_mb_fwd - cost.forward) + max(0.0, per_mb_bwd - bwd) + 2 * ag / layers) + hsdp
+    exposed = m * (per_mb_fwd - w * min(per_mb_fwd - first, cost.forward)
+                   + per_mb_bwd - w * min(per_mb_bwd - first, bwd)) + hsdp
     return comm, exposed
 
 
@@ -273,7 +293,7 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     if plan.offload == "optimizer":
         return step
     per_mb = 2 * n_params * compute_bytes / acc.host_bw
-    return step + plan.grad_accum * max(0.0, per_mb - cost.compute)
+    return step + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
 # ---------------------------------------------------------------------------------------------------
