@@ -49,15 +49,30 @@ def _params(out):
     return load_file(Path(out) / "final.safetensors")
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.dp_shard=2", "parallel.zero_stage=3"])],
-                         ids=["one-device", "fsdp2"])
-def test_interrupted_run_resumes_exactly(tmp_path, nproc, layout):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert _train(whole, 6, *layout, nproc=nproc).returncode == 0
-    assert _train(split, 6, *layout, "train.stop_after=4", nproc=nproc).returncode == 0  # stops at 4 (saved)
-    second = _train(split, 6, *layout, nproc=nproc)
+FSDP2 = ["parallel.dp_shard=2", "parallel.zero_stage=3", "metrics.log_samples=true"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_whole(tmp_path_factory):
+    """8 uninterrupted steps of FSDP over 2 processes, with the sample log: the reference for interrupted runs."""
+    whole = tmp_path_factory.mktemp("fsdp2") / "whole"
+    run = _train(whole, 8, *FSDP2, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return whole
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-device", "fsdp2"])
+def test_interrupted_run_resumes_exactly(tmp_path, nproc, request):
+    layout = FSDP2 if nproc == 2 else []
+    whole, split = (request.getfixturevalue("fsdp2_whole") if nproc == 2 else tmp_path / "whole"), tmp_path / "split"
+    runs = [_train(split, 8, *layout, "train.stop_after=4", nproc=nproc)]  # stops at step 4, saved
+    if nproc == 1:
+        runs.append(_train(whole, 8, *layout, nproc=nproc))
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    second = _train(split, 8, *layout, nproc=nproc)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert _losses(split) == _losses(whole)  # steps 1-4 from the first run, 5-6 after resuming at step 4
+    assert _losses(split) == _losses(whole)  # steps 1-4 from the first run, 5-8 after resuming at step 4
     a, b = _params(whole), _params(split)
     assert all((a[k] == b[k]).all() for k in a)  # bitwise
 
@@ -120,14 +135,12 @@ def _worker_pids(out):
     return pids
 
 
-def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, fsdp2_whole):
     """SIGKILL one of 2 ranks mid-run under --max-restarts: torchrun restarts both, they resume from the newest
     checkpoint, and the run ends with the losses and (bitwise) parameters of a run nobody killed, having trained
     on every sample exactly once (the sample log, replayed steps superseding the lost ones)."""
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    layout = ["parallel.dp_shard=2", "parallel.zero_stage=3", "metrics.log_samples=true"]
-    assert _train(whole, 8, *layout, nproc=2).returncode == 0
-    with _reaped(_train(killed, 8, *layout, nproc=2, popen=True, launcher=["--max-restarts", "2"])) as proc:
+    whole, killed = fsdp2_whole, tmp_path / "killed"
+    with _reaped(_train(killed, 8, *FSDP2, nproc=2, popen=True, launcher=["--max-restarts", "2"])) as proc:
         deadline = time.time() + 300
         while not ((killed / "metrics.jsonl").exists() and max(_losses(killed), default=0) >= 3):
             assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
