@@ -211,7 +211,7 @@ def comm_overlap(device: str, nbytes: int, iters: int) -> dict[str, float]:
     # the three interleaved, each the fastest of its repetitions, so that a busy spell of the machine cannot
     # fall on one of them only
     times = {"comm_s": [], "compute_s": [], "both_s": []}
-    for _ in range(max(iters, 5)):
+    for _ in range(max(3 * iters, 15)):  # short (tens of ms): many, since a busy spell can inflate any one
         for key, fn in (("comm_s", lambda: dist.all_reduce(x)), ("compute_s", compute), ("both_s", both)):
             dist.barrier()
             times[key].append(_max_over_ranks(_once(fn, device)))

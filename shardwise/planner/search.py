@@ -199,11 +199,11 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     if not schedules:
         return
     recomputes = _choices(fixed, "recompute", ["none", "selective", "full"])
-    # lower bound: one sequence, the cheapest recompute allowed, the schedule with the fewest micro-batches in
-    # flight (1F1B's count, which zero-bubble shares; interleaving holds more)
-    floor = dataclasses.replace(base, micro_batch=1, grad_accum=local, recompute=recomputes[-1],
-                                schedule=schedules[0][0], virtual_stages=schedules[0][1])
-    low = peak_memory(args, training, floor)[1]["total"]
+    # lower bound: one sequence, the cheapest recompute allowed, the least of the schedules (they hold different
+    # micro-batches in flight and place the head differently: zero-bubble's V puts it on the first rank)
+    floors = [dataclasses.replace(base, micro_batch=1, grad_accum=local, recompute=recomputes[-1], schedule=name,
+                                  virtual_stages=v) for name, v in schedules]
+    low, floor = min(((peak_memory(args, training, f)[1]["total"], f) for f in floors), key=lambda x: x[0])
     if low > limit:
         _note_memory(result, floor, low)
         return

@@ -1,0 +1,226 @@
+"""Step time the planner predicts with this machine's calibrated profile vs the step time of real runs on it.
+
+1. Calibrate: `shardwise bench --world N --threads T` for every (processes, threads) the layouts use (a rank of
+   an N-process job gets cores // N threads and shares the cores and the memory bus with the other N - 1, so its
+   compute rates depend on N; the collectives are gloo over loopback, the "intra-node" tier). Every run is
+   also bracketed by a fresh measurement of the compute rates of its ranks (`bench.compute_rates`, all ranks at
+   once), because other jobs on a shared machine change its load within minutes: the prediction for a run uses
+   the faster of the two.
+2. For each layout: `shardwise train --config <the plan as written by shardwise plan --write-config> --nproc N`
+   for a few steps; the measured step time is the fastest `step_time_s` in the run's metrics.jsonl after the
+   warm-up steps (the first carry one-off work, the second the communication counter), as every bench timing
+   is the fastest of its repetitions; the median step is printed too.
+3. Predict: `evaluate` (what `shardwise plan --plan` reports for a plan) with that profile.
+
+No factor is fitted: the planner's rates are the profile's measured peaks with efficiency 1. `--calibrate`
+optionally sets the matmul efficiency from the single-device run alone (this model's GEMMs against the
+benchmark's 1024^3) and keeps it for every parallel layout, so that those test only the parallel terms.
+
+    python benchmarks/planner_vs_measured.py [--repeats 3] [--steps 12] [--profiles DIR] [--calibrate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardwise.model import ModelArgs
+from shardwise.planner import Cluster, Plan, Training, evaluate, load_profile
+from shardwise.planner.bench import compute_rates
+from shardwise.planner.config_out import write_config
+from shardwise.planner.hardware import Accelerator
+
+# Big enough that the matmuls dominate the step (per-op Python overhead is ~1% of it), small enough that a run
+# of 8 steps takes ~20 s on 2 cores: 3.2M parameters, 8 x 128 tokens per step, ~20 GFLOP per step.
+MODEL = ModelArgs(name="planner-bench", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
+                  vocab_size=320, max_seq_len=128)
+SEQ_LEN, GLOBAL_BATCH = 128, 8
+
+# (name, plan, CPU threads per rank: None for what `--nproc` sets, cores // processes). "1 device, 1 core" is the
+# device every rank of the 2-process layouts is; on a machine shared with other jobs a 2-thread process loses
+# far more than half its speed whenever one of its threads is descheduled (the other waits for it at every
+# parallel region), so the 2-core row is shown but is not the reference for calibration.
+LAYOUTS: list[tuple[str, Plan, int | None]] = [
+    ("1 device, 1 core", Plan(micro_batch=8), 1),
+    ("1 device, 2 cores", Plan(micro_batch=8), None),
+    ("dp 2, ZeRO-0", Plan(dp_replicate=2, micro_batch=4), None),
+    ("dp 2, ZeRO-1", Plan(dp_replicate=2, zero_stage=1, micro_batch=4), None),
+    ("FSDP 2 (ZeRO-3)", Plan(dp_shard=2, zero_stage=3, micro_batch=4), None),
+    ("tp 2", Plan(tp=2, micro_batch=8), None),
+    ("pp 2, 1f1b, 2 micro-batches", Plan(pp=2, micro_batch=4, grad_accum=2, schedule="1f1b"), None),
+    ("pp 2, gpipe, 4 micro-batches", Plan(pp=2, micro_batch=2, grad_accum=4, schedule="gpipe"), None),
+    ("dp 2 x tp 2 (4 processes)", Plan(dp_replicate=2, tp=2, micro_batch=4), None),
+]
+REFERENCE = "1 device, 1 core"
+
+
+def threads_of(plan: Plan, threads: int | None) -> int:
+    return threads or max(1, (os.cpu_count() or 1) // plan.world)
+
+
+def training() -> Training:
+    # CPU: the composite RMSNorm (what `shardwise plan` assumes for a CPU profile)
+    return Training(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32", optimizer="adamw",
+                    fused_rmsnorm=False)
+
+
+def calibrate_profiles(kinds: set[tuple[int, int]], out_dir: Path, iters: int) -> dict[tuple[int, int], Path]:
+    """A `shardwise bench` profile for each (processes, threads per process) the layouts use."""
+    paths = {}
+    for world, threads in sorted(kinds):
+        path = out_dir / f"profile_world{world}_threads{threads}.json"
+        cmd = [sys.executable, "-m", "shardwise.planner.bench", "--world", str(world), "--threads", str(threads),
+               "--device", "cpu", "--matmul-size", "1024", "--comm-mb", "32", "--iters", str(iters),
+               "--out", str(path)]
+        for attempt in range(3):  # the rendezvous port can be taken by another job between probe and bind
+            if subprocess.run(cmd, env=_env()).returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{' '.join(cmd)} failed three times")
+        paths[world, threads] = path
+    return paths
+
+
+def _env(threads: int | None = None) -> dict:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # launch_local sets cores // nproc, as the profile assumes
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def measure(plan: Plan, threads: int | None, steps: int, warmup: int, work: Path) -> dict:
+    """The fastest and the median step time (seconds) of a real run of `plan` after `warmup` steps, and the load
+    average. The fastest step is the one other jobs disturbed least, as the profile's rates are the fastest
+    repetitions of the bench's measurements."""
+    config, run = work / "plan.toml", work / "run"
+    write_config(config, MODEL, training(), plan)
+    sets = [f"train.steps={steps}", "train.val_every=0", "metrics.log_every=1", f"metrics.out_dir='{run}'",
+            "data.max_corpus_mb=1"]
+    load = os.getloadavg()[0]
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", str(config), "--nproc", str(plan.world),
+           *(f"--set={s}" for s in sets)]
+    done = subprocess.run(cmd, env=_env(threads), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]
+    return {"median": statistics.median(times), "min": min(times), "load": (load + os.getloadavg()[0]) / 2}
+
+
+def rates_now(plan: Plan, threads: int | None, iters: int) -> dict:
+    """This moment's compute rates of a rank of this layout (bench.compute_rates: every rank measuring at once)."""
+    return compute_rates(plan.world, "cpu", threads_of(plan, threads), 1024, ["fp32"], iters)
+
+
+def with_rates(acc: Accelerator, rates: dict) -> Accelerator:
+    """The profile with its compute rates replaced by `rates` (as `shardwise bench` turns them into a profile)."""
+    return dataclasses.replace(acc, peak_flops={**acc.peak_flops, "fp32": rates["matmul_fp32"]},
+                               attention_efficiency=min(1.0, rates["attention"] / rates["matmul_fp32"]),
+                               mem_bandwidth=rates["mem_bandwidth"])
+
+
+def predict(plan: Plan, acc: Accelerator):
+    return evaluate(MODEL, training(), plan, Cluster(acc, plan.world, gpus_per_node=plan.world)).time
+
+
+def matmul_efficiency_from(measured: float, acc: Accelerator) -> float:
+    """The matmul efficiency at which the single-device prediction equals `measured`. Predicted time is
+    A + B / efficiency (only the matmul terms scale), so two evaluations give A and B."""
+    one, half = (predict(LAYOUTS[0][1], dataclasses.replace(acc, matmul_efficiency=e)).step_time_s
+                 for e in (1.0, 0.5))
+    b = half - one
+    return b / (measured - (one - b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profiles", default=None, help="folder of profile_world<N>.json from an earlier run "
+                        "(default: calibrate before every repetition)")
+    parser.add_argument("--out", default=None, help="folder for profiles and results (default: a temp folder)")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="calibrations + runs of every layout")
+    parser.add_argument("--iters", type=int, default=10, help="repetitions per bench measurement")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="set matmul efficiency from the single-device run (kept for every layout)")
+    parser.add_argument("--only", nargs="*", default=None, help="layout names to run (default: all)")
+    ns = parser.parse_args(argv)
+    out = Path(ns.out or tempfile.mkdtemp(prefix="planner_vs_measured_"))
+    out.mkdir(parents=True, exist_ok=True)
+    layouts = [(name, plan, threads) for name, plan, threads in LAYOUTS if ns.only is None or name in ns.only]
+    kinds = {(plan.world, threads_of(plan, threads)) for _, plan, threads in layouts}
+    # each repetition calibrates and then runs every layout, and its predictions use its own profiles: the
+    # load that other jobs put on a shared machine drifts over minutes, so a measurement is compared with a
+    # calibration taken minutes, not a quarter of an hour, apart
+    reps = []
+    for rep in range(ns.repeats):
+        rep_dir = out / f"rep{rep}"
+        rep_dir.mkdir(exist_ok=True)
+        if ns.profiles:
+            profiles = {(w, t): Path(ns.profiles) / f"profile_world{w}_threads{t}.json" for w, t in kinds}
+        else:
+            profiles = calibrate_profiles(kinds, rep_dir, ns.iters)
+        accs = {k: load_profile(path) for k, path in profiles.items()}
+        runs, run_accs = {}, {}
+        for name, plan, threads in layouts:
+            work = rep_dir / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+            work.mkdir(exist_ok=True)
+            # compute rates just before and just after the run (the load of a shared machine changes within
+            # minutes), the faster of the two as every bench timing is the fastest of its repetitions
+            before = rates_now(plan, threads, ns.iters)
+            runs[name] = measure(plan, threads, ns.steps, ns.warmup, work)
+            after = rates_now(plan, threads, ns.iters)
+            rates = {k: max(before[k], after[k]) for k in before}
+            run_accs[name] = with_rates(accs[plan.world, threads_of(plan, threads)], rates)
+            runs[name]["matmul_gflops"] = [round(before["matmul_fp32"] / 1e9, 1), round(after["matmul_fp32"] / 1e9, 1)]
+            print(f"  rep {rep + 1}, {name}: {runs[name]}", file=sys.stderr, flush=True)
+        reps.append({"profiles": run_accs, "runs": runs})
+
+    note = ""
+    if ns.calibrate and REFERENCE in reps[0]["runs"]:
+        for r in reps:
+            eff = matmul_efficiency_from(r["runs"][REFERENCE]["min"], r["profiles"][REFERENCE])
+            r["profiles"] = {k: dataclasses.replace(a, matmul_efficiency=eff) for k, a in r["profiles"].items()}
+        effs = [r["profiles"][REFERENCE].matmul_efficiency for r in reps]
+        note = f"; matmul efficiency from the '{REFERENCE}' run: {', '.join(f'{e:.2f}' for e in effs)}"
+    results = []
+    for name, plan, threads in layouts:
+        pairs = [(predict(plan, r["profiles"][name]), r["runs"][name]) for r in reps]
+        median = statistics.median
+        results.append({
+            "layout": name, "ranks": plan.world,
+            "predicted_s": median(t.step_time_s for t, _ in pairs), "compute_s": median(t.compute_s for t, _ in pairs),
+            "exposed_comm_s": median(t.exposed_comm_s for t, _ in pairs),
+            "bubble_s": median(t.bubble_s for t, _ in pairs),
+            "measured_min_s": median(m["min"] for _, m in pairs),
+            "measured_median_s": median(m["median"] for _, m in pairs),
+            "ratio": median(t.step_time_s / m["min"] for t, m in pairs),
+            "ratios": [round(t.step_time_s / m["min"], 3) for t, m in pairs],
+            "load": median(m["load"] for _, m in pairs)})
+    (out / "results.json").write_text(json.dumps({"results": results, "calibrated": bool(note)}, indent=2))
+    print(f"{MODEL.name}: {GLOBAL_BATCH} x {SEQ_LEN} tokens per step, fp32 AdamW, gloo on {os.cpu_count()} cores; "
+          f"{ns.repeats} repetitions (calibration + {ns.steps - ns.warmup} timed steps per layout){note}; "
+          f"medians over the repetitions; results in {out}")
+    head = ("layout", "ranks", "predicted s", "(compute", "exp. comm", "bubble)", "measured s", "(median step)",
+            "pred/meas", "per repetition", "load")
+    rows = [head] + [(r["layout"], str(r["ranks"]), f"{r['predicted_s']:.3f}", f"{r['compute_s']:.3f}",
+                      f"{r['exposed_comm_s']:.3f}", f"{r['bubble_s']:.3f}", f"{r['measured_min_s']:.3f}",
+                      f"{r['measured_median_s']:.3f}", f"{r['ratio']:.2f}", " ".join(f"{x:.2f}" for x in r["ratios"]),
+                      f"{r['load']:.1f}") for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
