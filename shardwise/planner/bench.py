@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.model import ModelArgs, Transformer
+from shardwise.planner import opcount
 from shardwise.planner.hardware import GiB, Accelerator, PlannerError, accelerator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,7 +67,8 @@ def run_bench(ns: argparse.Namespace) -> int:
           f"{', '.join(f'{k} {v / 1e12:.3f} TFLOP/s' for k, v in m['matmul_flops'].items())}; "
           f"memory {m['mem_bandwidth'] / 1e9:.1f} GB/s; all-reduce busbw {m['all_reduce_busbw'] / 1e9:.2f} GB/s "
           f"over {m['collective_world']} ranks, latency {m['latency_s'] * 1e6:.0f} us, overlap with compute "
-          f"{profile['comm_overlap']:.2f}")
+          f"{profile['comm_overlap']:.2f}; per operator {profile['op_overhead_s'] * 1e6:.1f} us (optimizer "
+          f"{profile['optimizer_op_overhead_s'] * 1e6:.1f} us, DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us)")
     return 0
 
 
@@ -130,6 +133,53 @@ def mem_bandwidth(device: str, iters: int, min_seconds: float = 0.0) -> float:
     return 2 * x.numel() * 4 / _timed(lambda: y.copy_(x), iters, device, min_seconds)  # read + write
 
 
+def op_overhead(iters: int, min_seconds: float = 0.0) -> float:
+    """Seconds per operator of our model's forward + backward at a tiny size (opcount.TINY): the arithmetic is
+    negligible there, so the time over the counted operators is the fixed cost of one (Python, dispatcher,
+    autograd bookkeeping and allocation on a CPU; the launch on a GPU would need the model there: CPU only)."""
+    model = Transformer(opcount.tiny_args(ModelArgs(), n_layers=2))
+    with opcount.OpCounter() as c:
+        opcount.micro_batch(model, model.args)
+    return _timed(lambda: opcount.micro_batch(model, model.args), iters, "cpu", min_seconds) / c.calls
+
+
+def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
+    """Seconds per operator of an optimizer step (gradient norm and foreach AdamW, as the engine runs them) on a
+    tiny model of 8 blocks, a foreach call counted once per tensor it loops over (as on a CPU). The gradients are
+    kept between repetitions (zero_grad, which drops them, costs no operator)."""
+    model = Transformer(opcount.tiny_args(ModelArgs(), n_layers=8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opcount.micro_batch(model, model.args)
+    grads = [p.grad for p in model.parameters()]
+
+    def step():
+        torch.nn.utils.get_total_norm(grads, foreach=True)
+        opt.step()
+
+    step()  # creates the states
+    with opcount.OpCounter() as c:
+        step()
+    return _timed(step, iters, "cpu", min_seconds) / c.per_tensor
+
+
+def dtensor_op_overhead(world: int, iters: int, min_seconds: float = 0.0) -> float:
+    """Extra seconds per operator on DTensors: a tiny column-parallel nn.Linear's forward + backward (no
+    collective: the input needs no gradient) against the plain one, over the plain one's operator count."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    # the default group as the mesh (no process group of its own to set up)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    plain = torch.nn.Linear(16, 16 * world, bias=False)
+    split = parallelize_module(torch.nn.Linear(16, 16 * world, bias=False), mesh, ColwiseParallel())
+    x = torch.randn(1, 8, 16)
+    with opcount.OpCounter() as c:
+        plain(x).sum().backward()
+    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds)
+    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds)
+    return max(0.0, t_split - t_plain) / c.calls
+
+
 def _max_over_ranks(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -152,6 +202,8 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
     shared = device == "cpu" and world * threads > (os.cpu_count() or 1)
     jobs = {**{f"matmul_{k}": partial(matmul_flops, matmul_size, DTYPES[k], dev) for k in dtypes},
             "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev)}
+    overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
+                 "dtensor_op_overhead_s": partial(dtensor_op_overhead, world)} if device == "cpu" else {}
     results = {}
     for name, job in jobs.items():
         dist.barrier()
@@ -159,9 +211,20 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
         slowest = torch.tensor([rate], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
         results[name] = slowest.item()
+    for name, job in overheads.items():
+        dist.barrier()
+        slowest = torch.tensor([job(iters, SUSTAINED_S if shared else 0.0)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        results[name] = slowest.item()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    if overheads:
+        # after a DTensor has lived on the gloo group, a rank's normal interpreter exit sometimes aborts in a C++
+        # destructor (torch 2.13: "terminate called without an active exception"); the results are written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _collective_worker(rank: int, world: int, init: str, device: str, threads: int, sizes: list[int], iters: int,
@@ -277,6 +340,12 @@ def measure(ns: argparse.Namespace) -> dict:
     overlap = coll.pop("overlap")
     busbw = {op: bus_bandwidth(t, op, comm_world) for op, t in coll.items()}
     latency = coll["all_reduce"][min(coll["all_reduce"])] / (2 * (comm_world - 1))
+    # per-operator costs (CPU only: a GPU keeps the catalogue's launch figure) and each collective's own bus
+    # bandwidth (gloo's all-gather and reduce-scatter are slower than its all-reduce)
+    measured = {k: rates[k] for k in ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s")
+                if k in rates}
+    measured |= {"all_gather_bw": busbw["all_gather"], "reduce_scatter_bw": busbw["reduce_scatter"],
+                 "launch_async": device == "cuda"}
     measurements = {"matmul_flops": mm, "attention_flops": attn, "mem_bandwidth": bw, "latency_s": latency,
                     **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap,
                     "collective_times_s": {op: {str(k): v for k, v in t.items()} for op, t in coll.items()},
@@ -293,7 +362,7 @@ def measure(ns: argparse.Namespace) -> dict:
             acc.matmul_efficiency,
             attention_efficiency=min(1.0, attn / acc.peak(attn_dtype)),
             bandwidth_efficiency=min(1.0, bw / acc.mem_bandwidth), intra_node_bw=busbw["all_reduce"],
-            comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap,
+            comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap, **measured,
             source=f"{acc.source}; efficiencies by shardwise bench")
     else:
         acc = Accelerator(
@@ -301,7 +370,7 @@ def measure(ns: argparse.Namespace) -> dict:
             intra_node_bw=busbw["all_reduce"], inter_node_bw=busbw["all_reduce"], host_bw=bw,
             intra_node_latency=latency, inter_node_latency=latency, matmul_efficiency=1.0,
             attention_efficiency=min(1.0, attn / mm[attn_dtype]), bandwidth_efficiency=1.0, comm_efficiency=1.0,
-            comm_overlap=comm_overlap,
+            comm_overlap=comm_overlap, **measured,
             source=f"measured by shardwise bench: one of {ns.world} ranks, {threads} threads each (peaks are "
                    "achieved rates; inter-node = this machine's links)")
     if device == "cpu":  # the ranks share the host's memory

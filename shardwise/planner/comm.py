@@ -24,6 +24,10 @@ class Link:
     """Seconds per step (alpha)."""
     tier: str
     """'intra' (NVLink/PCIe inside a node), 'inter' (network) or 'local' (a group of one)."""
+    all_gather_bandwidth: float | None = None
+    """Bus bandwidth of all-gather where it differs from all-reduce's (measured: gloo's is lower); None: bandwidth."""
+    reduce_scatter_bandwidth: float | None = None
+    """The same for reduce-scatter."""
 
 
 def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
@@ -45,15 +49,19 @@ def all_reduce(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_gather(nbytes: float, n: int, link: Link) -> float:
-    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B))."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B)), B the all-gather's bus bandwidth."""
+    return _ring_half(nbytes, n, link, link.all_gather_bandwidth)
 
 
 def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
-    """Reduce X bytes and leave X/N on each rank: same cost as all_gather."""
-    return all_gather(nbytes, n, link)
+    """Reduce X bytes and leave X/N on each rank: the same steps as all_gather, at reduce-scatter's bandwidth."""
+    return _ring_half(nbytes, n, link, link.reduce_scatter_bandwidth)
+
+
+def _ring_half(nbytes: float, n: int, link: Link, bandwidth: float | None) -> float:
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / (n * (bandwidth or link.bandwidth)))
 
 
 def p2p(nbytes: float, link: Link) -> float:
@@ -85,9 +93,13 @@ def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None
     acc = acc or cluster.accelerator
     if size <= 1:
         return Link(float("inf"), 0.0, "local")
-    if size * stride <= cluster.gpus_per_node:  # degrees are products, so groups align with node boundaries
-        return Link(acc.intra_node_bw * acc.comm_efficiency, acc.intra_node_latency, "intra")
-    return Link(acc.inter_node_bw * acc.comm_efficiency, acc.inter_node_latency, "inter")
+    intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
+    bw = (acc.intra_node_bw if intra else acc.inter_node_bw) * acc.comm_efficiency
+    # measured all-gather / reduce-scatter bandwidths are intra-node; the network tier keeps their ratio
+    ag, rs = (None if b is None else bw * b / acc.intra_node_bw for b in (acc.all_gather_bw, acc.reduce_scatter_bw))
+    if intra:
+        return Link(bw, acc.intra_node_latency, "intra", ag, rs)
+    return Link(bw, acc.inter_node_latency, "inter", ag, rs)
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:

@@ -59,6 +59,24 @@ class Accelerator:
     collectives): 1 where communication has its own engines (NCCL on its own SMs and the copy engines; a stated
     assumption for the catalogue GPUs), measured by `shardwise bench` (about 0 for gloo on a CPU, which reduces
     with the cores the matmuls use)."""
+    op_overhead_s: float = 5e-6
+    """Fixed seconds per operator of forward and backward besides its arithmetic: a kernel launch on a GPU
+    (about 5 us; a stated assumption for the catalogue), Python and dispatcher time on a CPU; measured by
+    `shardwise bench` as the time of our model's forward + backward at a tiny size over its operator count."""
+    optimizer_op_overhead_s: float = 5e-6
+    """The same per operator of the optimizer step (a foreach kernel launch on a GPU; one tensor's turn in a
+    foreach loop on a CPU); measured by `shardwise bench` on a tiny model's AdamW step."""
+    dtensor_op_overhead_s: float = 0.0
+    """Extra seconds per operator when it runs on DTensors (tensor parallelism): sharding propagation and
+    unwrapping, host-side; measured by `shardwise bench`, 0 for the catalogue (not measured there)."""
+    launch_async: bool = True
+    """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
+    earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""
+    all_gather_bw: float | None = None
+    """Intra-node bus bandwidth of all-gather where measured (gloo's is below its all-reduce's); None: that of
+    all-reduce (intra_node_bw). The inter-node tier scales inter_node_bw by the same ratio."""
+    reduce_scatter_bw: float | None = None
+    """The same for reduce-scatter."""
     source: str = ""
     """Where the datasheet numbers come from."""
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from shardwise.model import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.hardware import Accelerator, Cluster
+from shardwise.planner.opcount import op_counts, optimizer_ops
 from shardwise.planner.memory import (head_rank, kv_split, layer_activation_bytes, layer_params, lora_params,
                                       pipeline_layers, ranks_to_check, replicates, shape_key, stage_layers,
                                       stage_params, state_bytes_per_param)
@@ -39,11 +40,13 @@ class StageCost:
     """Ring-attention transfers not hidden behind attention compute."""
     pp_p2p: float
     """Activation and gradient sends across the rank's stage boundaries."""
+    op_overhead: float = 0.0
+    """Fixed per-operator cost (dispatch, launch) not hidden behind the arithmetic (see `op_overhead`)."""
 
     @property
     def total(self) -> float:
         return (self.forward + self.backward_input + self.backward_weight + self.recompute + self.tp_comm
-                + self.cp_exposed + self.pp_p2p)
+                + self.cp_exposed + self.pp_p2p + self.op_overhead)
 
     @property
     def compute(self) -> float:
@@ -75,7 +78,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
-           acc.comm_overlap,
+           acc.comm_overlap, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async, acc.all_gather_bw,
+           acc.reduce_scatter_bw,
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
            plan.micro_batch,
            plan.recompute, plan.sequence_parallel, training.stream_bytes)
@@ -116,9 +120,25 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         recompute = layers * t["elementwise"]
     else:
         recompute = 0.0
+    overhead = op_overhead(args, plan, acc, layers, stage == head_rank(plan), fwd + bwd_in + bwd_w + recompute)
     return StageCost(fwd, bwd_in, bwd_w, recompute, _tp_comm(args, training, plan, cluster, layers),
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"]),
-                     _pp_p2p(args, training, plan, cluster))
+                     _pp_p2p(args, training, plan, cluster), overhead)
+
+
+def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head: bool, compute: float) -> float:
+    """Seconds of fixed per-operator cost in one micro-batch's forward + backward on a rank, beyond `compute`.
+
+    Operators: the blocks' (and, on the head's rank, embedding, head and loss) counted in our model (opcount);
+    under tp the 7 projections of each block run on DTensors and pay `dtensor_op_overhead_s` more per operator.
+    On a CPU the cost adds to the arithmetic (the same cores do both); where launches are asynchronous (a GPU)
+    it hides behind the kernels: only max(0, overhead - compute) is exposed. Recomputed forwards are not counted.
+    """
+    c = op_counts(args)
+    t = (layers * c.block + (c.rest if head else 0)) * acc.op_overhead_s
+    if plan.tp > 1:
+        t += layers * 7 * c.linear * acc.dtensor_op_overhead_s
+    return max(0.0, t - compute) if acc.launch_async else t
 
 
 def _head_forward(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
@@ -275,7 +295,12 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
     if plan.offload != "none":
         return n_params * touched / HOST_DRAM_BW_PER_GPU
-    return n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+    memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+    # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
+    c = op_counts(args)
+    tensors = max(pipeline_layers(args, plan, training.seq_len)) * c.tensors_per_block + c.tensors_rest
+    fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * acc.optimizer_op_overhead_s
+    return max(memory, fixed) if acc.launch_async else memory + fixed
 
 
 def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, cost: StageCost) -> float:

@@ -1,0 +1,130 @@
+"""How many operators a training step dispatches: the multiplier of the per-operator overhead in the time model.
+
+Every operator costs a fixed amount besides its arithmetic: on a CPU, Python and the dispatcher (argument
+parsing, autograd bookkeeping, allocation), on a GPU the kernel launch. We count the operators of our own model
+(`shardwise.model`) by running it under a counting TorchDispatchMode at a tiny size; the count depends on the
+code path, not on the tensor sizes, so it holds for every size with the same structure (grouped-query attention
+or not, tied embeddings or not). Counts are per micro-batch (forward + backward) for one block and for the rest
+(embedding, final norm, head, loss), and per optimizer step (gradient norm, AdamW with foreach=True as
+shardwise.optim builds it, zero_grad), split into calls and per-tensor work: a foreach operator is one launch of
+a multi-tensor kernel on a GPU but a loop of one operator per tensor on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
+
+from shardwise.model import ModelArgs, Transformer
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    block: int
+    """Operators of one block's forward + backward."""
+    rest: int
+    """Operators of embedding, final norm, output head and loss, forward + backward."""
+    linear: int
+    """Operators of one nn.Linear's forward + backward (tensor parallelism runs these on DTensors: 7 per block)."""
+    optimizer_calls: int
+    """Operator calls of one optimizer step (gradient norm, AdamW foreach, zero_grad), foreach calls counted once."""
+    optimizer_per_tensor: float
+    """Operators per parameter tensor of one optimizer step when each foreach call loops over its tensors."""
+    optimizer_fixed: float
+    """Operators of one optimizer step that do not repeat per tensor, in the same (looped) count."""
+    tensors_per_block: int
+    """Parameter tensors of one block."""
+    tensors_rest: int
+    """Parameter tensors outside the blocks."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched operators; a foreach operator also adds the length of its tensor list to `per_tensor`."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.per_tensor = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if func.overloadpacket.__name__.startswith("_foreach") and args and isinstance(args[0], (list, tuple)):
+            self.per_tensor += len(args[0])
+        else:
+            self.per_tensor += 1
+        return func(*args, **(kwargs or {}))
+
+
+TINY = dict(dim=16, n_heads=2, ffn_hidden=32, vocab_size=32, max_seq_len=8)
+
+
+def tiny_args(args: ModelArgs, n_layers: int = 1) -> ModelArgs:
+    """`args` at a size where the arithmetic is negligible, with the same code paths (GQA, tied embeddings)."""
+    return ModelArgs(name="opcount", n_layers=n_layers, n_kv_heads=1 if args.n_kv_heads < args.n_heads else 2,
+                     tie_embeddings=args.tie_embeddings, **TINY)
+
+
+def micro_batch(model: Transformer, args: ModelArgs) -> None:
+    """One forward + backward as the engine runs it (fp32 logits, summed token cross-entropy)."""
+    tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
+    logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+
+
+def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
+    """What shardwise.train.optimizer_step does on one device without clipping: norm, step, zero_grad."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch.nn.utils.get_total_norm(grads, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _count(fn) -> OpCounter:
+    with OpCounter() as c:
+        fn()
+    return c
+
+
+@functools.lru_cache(maxsize=16)
+def _counts(gqa: bool, tied: bool) -> OpCounts:
+    base = ModelArgs(n_heads=2, n_kv_heads=1 if gqa else 2, tie_embeddings=tied)
+    torch.manual_seed(0)
+    one, two = (Transformer(tiny_args(base, n)) for n in (1, 2))
+    micro_batch(one, one.args)  # warm-up: first calls take one-off paths
+    n1 = _count(lambda: micro_batch(one, one.args)).calls
+    n2 = _count(lambda: micro_batch(two, two.args)).calls
+    block = n2 - n1
+    linear = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    lin = _count(lambda: linear(x).sum().backward()).calls - _count(lambda: x.sum().backward()).calls
+    tensors_block = len(list(one.layers["0"].parameters()))
+    tensors_rest = len(list(one.parameters())) - tensors_block
+    opt_counts = []
+    for model in (one, two):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        micro_batch(model, model.args)
+        optimizer_step(model, opt)  # the first step creates the states
+        micro_batch(model, model.args)
+        opt_counts.append(_count(lambda: optimizer_step(model, opt)))
+    per_tensor = (opt_counts[1].per_tensor - opt_counts[0].per_tensor) / tensors_block
+    return OpCounts(block=block, rest=n1 - block, linear=lin, optimizer_calls=opt_counts[0].calls,
+                    optimizer_per_tensor=per_tensor,
+                    optimizer_fixed=opt_counts[0].per_tensor - per_tensor * (tensors_block + tensors_rest),
+                    tensors_per_block=tensors_block, tensors_rest=tensors_rest)
+
+
+def optimizer_ops(counts: OpCounts, tensors: int, looped: bool) -> float:
+    """Operators of one optimizer step over `tensors` parameter tensors: each foreach call once (`looped` False: a
+    GPU's multi-tensor kernels) or once per tensor (a CPU's foreach loops)."""
+    if looped:
+        return counts.optimizer_fixed + counts.optimizer_per_tensor * tensors
+    return counts.optimizer_calls
+
+
+def op_counts(args: ModelArgs) -> OpCounts:
+    """Operator counts of `args`'s structure (computed once per structure, a fraction of a second)."""
+    return _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings)
