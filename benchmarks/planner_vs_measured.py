@@ -121,15 +121,28 @@ def rates_now(plan: Plan, threads: int | None, iters: int) -> dict:
     return compute_rates(plan.world, "cpu", threads_of(plan, threads), 1024, ["fp32"], iters)
 
 
+OVERHEADS = ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s")
+"""Per-operator costs bench.compute_rates also measures: seconds, so the faster of two is the smaller."""
+
+
 def with_rates(acc: Accelerator, rates: dict) -> Accelerator:
-    """The profile with its compute rates replaced by `rates` (as `shardwise bench` turns them into a profile)."""
+    """The profile with its compute rates and per-operator costs replaced by `rates` (as `shardwise bench` turns
+    them into a profile)."""
     return dataclasses.replace(acc, peak_flops={**acc.peak_flops, "fp32": rates["matmul_fp32"]},
                                attention_efficiency=min(1.0, rates["attention"] / rates["matmul_fp32"]),
-                               mem_bandwidth=rates["mem_bandwidth"])
+                               mem_bandwidth=rates["mem_bandwidth"],
+                               **{k: rates[k] for k in OVERHEADS if k in rates})
 
 
 def predict(plan: Plan, acc: Accelerator):
     return evaluate(MODEL, training(), plan, Cluster(acc, plan.world, gpus_per_node=plan.world)).time
+
+
+def _optimizer_fixed(plan: Plan, acc: Accelerator) -> float:
+    """The optimizer step's per-operator part (timing.optimizer_time less its memory traffic)."""
+    return (evaluate(MODEL, training(), plan, Cluster(acc, plan.world, gpus_per_node=plan.world)).time.optimizer_s
+            - evaluate(MODEL, training(), plan, Cluster(dataclasses.replace(acc, optimizer_op_overhead_s=0.0),
+                                                        plan.world, gpus_per_node=plan.world)).time.optimizer_s)
 
 
 def matmul_efficiency_from(measured: float, acc: Accelerator) -> float:
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             before = rates_now(plan, threads, ns.iters)
             runs[name] = measure(plan, threads, ns.steps, ns.warmup, work)
             after = rates_now(plan, threads, ns.iters)
-            rates = {k: max(before[k], after[k]) for k in before}
+            rates = {k: (min if k in OVERHEADS else max)(before[k], after[k]) for k in before}
             run_accs[name] = with_rates(accs[plan.world, threads_of(plan, threads)], rates)
             runs[name]["matmul_gflops"] = [round(before["matmul_fp32"] / 1e9, 1), round(after["matmul_fp32"] / 1e9, 1)]
             print(f"  rep {rep + 1}, {name}: {runs[name]}", file=sys.stderr, flush=True)
@@ -201,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_s": median(t.step_time_s for t, _ in pairs), "compute_s": median(t.compute_s for t, _ in pairs),
             "exposed_comm_s": median(t.exposed_comm_s for t, _ in pairs),
             "bubble_s": median(t.bubble_s for t, _ in pairs),
+            "overhead_s": median(t.detail["op_overhead_s"] + _optimizer_fixed(plan, r["profiles"][name])
+                                 for (t, _), r in zip(pairs, reps)),
             "measured_min_s": median(m["min"] for _, m in pairs),
             "measured_median_s": median(m["median"] for _, m in pairs),
             "ratio": median(t.step_time_s / m["min"] for t, m in pairs),
@@ -210,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{MODEL.name}: {GLOBAL_BATCH} x {SEQ_LEN} tokens per step, fp32 AdamW, gloo on {os.cpu_count()} cores; "
           f"{ns.repeats} repetitions (calibration + {ns.steps - ns.warmup} timed steps per layout){note}; "
           f"medians over the repetitions; results in {out}")
-    head = ("layout", "ranks", "predicted s", "(compute", "exp. comm", "bubble)", "measured s", "(median step)",
+    head = ("layout", "ranks", "predicted s", "(compute", "exp. comm", "bubble", "op overhead)", "measured s", "(median step)",
             "pred/meas", "per repetition", "load")
     rows = [head] + [(r["layout"], str(r["ranks"]), f"{r['predicted_s']:.3f}", f"{r['compute_s']:.3f}",
-                      f"{r['exposed_comm_s']:.3f}", f"{r['bubble_s']:.3f}", f"{r['measured_min_s']:.3f}",
+                      f"{r['exposed_comm_s']:.3f}", f"{r['bubble_s']:.3f}", f"{r['overhead_s']:.3f}",
+                      f"{r['measured_min_s']:.3f}",
                       f"{r['measured_median_s']:.3f}", f"{r['ratio']:.2f}", " ".join(f"{x:.2f}" for x in r["ratios"]),
                       f"{r['load']:.1f}") for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

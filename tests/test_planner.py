@@ -2,6 +2,7 @@
 model saves for backward (saved-tensor hooks), Hugging Face's parameter count, and closed-form schedules."""
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -602,3 +603,63 @@ def test_pipeline_time_follows_the_rank_with_the_most_blocks():
     per_rank = [_stage_cost(args, training, plan, cluster, r).total for r in range(3)]
     assert per_rank[1] > max(per_rank[0], per_rank[2])
     assert stage_cost(args, training, plan, cluster).total == per_rank[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-operator overhead and per-collective bandwidths
+
+
+def test_block_operator_count_is_the_blocks_own_forward_and_backward():
+    # opcount takes a block's operators as the difference between a 2-block and a 1-block model; counted here on
+    # a lone block instead (its input needs a gradient, as inside the model), at another size
+    from shardwise.model import ModelArgs, TransformerBlock, rotary_table
+    from shardwise.planner.opcount import OpCounter, op_counts
+
+    args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
+    block = TransformerBlock(args)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    rope = rotary_table(args.head_dim, 32, args.rope_theta)
+    block(x, rope).sum().backward()  # warm-up
+    with OpCounter() as with_block:
+        block(x, rope).sum().backward()
+    with OpCounter() as without:
+        x.sum().backward()
+    assert with_block.calls - without.calls == op_counts(args).block
+
+
+def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
+    from shardwise.planner.opcount import op_counts
+
+    model, train = preset("tiny"), Training(seq_len=128, global_batch=8, precision="fp32")
+    plan = Plan(micro_batch=8)
+    c = op_counts(model)
+    base = dataclasses.replace(accelerator("h100"), op_overhead_s=0.0, optimizer_op_overhead_s=0.0,
+                               launch_async=False)
+
+    def step(**kw):
+        return evaluate(model, train, plan, Cluster(dataclasses.replace(base, **kw), 1)).time.step_time_s
+
+    per_op = 1e-5
+    ops = model.n_layers * c.block + c.rest
+    assert step(op_overhead_s=per_op) - step() == pytest.approx(ops * per_op)
+    # asynchronous launches: only the part beyond the micro-batch's compute shows
+    compute = evaluate(model, train, plan, Cluster(base, 1)).time.compute_s
+    assert step(op_overhead_s=per_op, launch_async=True) - step(launch_async=True) == pytest.approx(
+        max(0.0, ops * per_op - compute))
+    assert step(op_overhead_s=2 * compute / ops, launch_async=True) - step(launch_async=True) == pytest.approx(
+        compute)
+
+
+def test_all_gather_and_reduce_scatter_use_their_own_bandwidth():
+    from shardwise.planner.comm import all_gather, group_link, reduce_scatter
+
+    acc = dataclasses.replace(accelerator("h100"), comm_efficiency=1.0, intra_node_bw=3e9, all_gather_bw=2e9,
+                              reduce_scatter_bw=1e9, intra_node_latency=0.0, inter_node_latency=0.0)
+    link = group_link(4, 1, Cluster(acc, 4, gpus_per_node=4))
+    x = 1e9
+    assert all_gather(x, 4, link) == pytest.approx(3 * x / (4 * 2e9))
+    assert reduce_scatter(x, 4, link) == pytest.approx(3 * x / (4 * 1e9))
+    assert ring_all_reduce(x, 4, link) == pytest.approx(6 * x / (4 * 3e9))
+    # across nodes the network figure keeps the measured ratio
+    inter = group_link(4, 1, Cluster(acc, 8, gpus_per_node=2))
+    assert reduce_scatter(x, 4, inter) == pytest.approx(3 * x / (4 * acc.inter_node_bw / 3))

@@ -362,5 +362,5 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
         tokens_per_s=tps, mfu=mfu,
         detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
                 "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
-                "per_microbatch_s": cost.total},
+                "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead},
     )
