@@ -5,7 +5,9 @@ large copy), and gloo (CPU) or NCCL (GPU) all-reduce / all-gather / reduce-scatt
 processes, reported the way nccl-tests does: algbw = bytes / time; busbw = algbw x 2(N-1)/N for all-reduce and
 x (N-1)/N for the other two, which is the per-link bandwidth B of the ring formulas in comm.py. The latency
 alpha comes from a tiny all-reduce: 2(N-1) alpha. And whether a collective runs alongside compute: the share of
-the shorter of the two that disappears when both are issued together (`comm_overlap`).
+the shorter of the two that disappears when both are issued together (`comm_overlap`). On a CPU also the fixed
+cost of one operator (our model's forward + backward at a tiny size over its operator count, see opcount.py), of
+one optimizer operator, and the extra cost of an operator on DTensors.
 
 The profile describes one rank of a `--world`-rank job on this machine: the compute rates are measured in
 `--world` processes at once, each on its own GPU or, on a CPU, with its share of the cores (`--threads`,
