@@ -28,6 +28,7 @@ class DistEnv:
     store: dist.Store | None = None
     """The job's key-value store (None for a world of one): used to take a roll call when a collective fails."""
     timeout_s: float = 600.0
+    """The process group's timeout: how long a collective may wait before it fails."""
 
     @property
     def is_main(self) -> bool:
@@ -127,11 +128,12 @@ def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    everyone = False
     try:
         env.store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
         env.store.set(keys[env.rank], "1")
         deadline = time.monotonic() + wait_s
-        while not env.store.check(keys) and time.monotonic() < deadline:
+        while not (everyone := env.store.check(keys)) and time.monotonic() < deadline:
             time.sleep(0.2)
     except _Terminated:
         pass
@@ -140,7 +142,9 @@ def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    try:
+    if everyone:
+        return []
+    try:  # one query per rank, only when someone is missing
         return [r for r, key in enumerate(keys) if not env.store.check([key])]
     except (RuntimeError, dist.DistError):
         return None
