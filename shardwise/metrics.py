@@ -117,15 +117,13 @@ class SampleLog:
             self._file.close()
 
 
-def read_sample_log(out_dir: str | Path, last_step: int | None = None) -> dict[int, dict[int, list[int]]]:
-    """{dp_rank: {step: sample ids}} from a run's sample log, the last line of each step winning; steps after
-    `last_step` (work lost to a crash and not yet replayed) are dropped."""
+def read_sample_log(out_dir: str | Path) -> dict[int, dict[int, list[int]]]:
+    """{dp_rank: {step: sample ids}} from a run's sample log, the last line of each step winning."""
     logs = {}
     for path in sorted((Path(out_dir) / "samples").glob("dp*.jsonl")):
         steps = {}
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            if last_step is None or row["step"] <= last_step:
-                steps[row["step"]] = row["ids"]
+            steps[row["step"]] = row["ids"]
         logs[int(path.stem[2:])] = steps
     return logs

@@ -89,16 +89,16 @@ class Runtime:
     @property
     def writes_stage_files(self) -> bool:
         """One writer per pipeline stage: the rank at coordinate 0 of every other dim."""
-        if not self.mesh:
-            return True
-        return all(self.mesh.coordinate(d) == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+        return self._first_along("dp_replicate", "dp_shard", "cp", "tp")
 
     @property
     def leads_data_rank(self) -> bool:
         """One rank per data-parallel rank: the one at coordinate 0 of tp, cp and pp (they read the same data)."""
-        if not self.mesh:
-            return True
-        return all(self.mesh.coordinate(d) == 0 for d in ("pp", "cp", "tp"))
+        return self._first_along("pp", "cp", "tp")
+
+    def _first_along(self, *dims: str) -> bool:
+        """Whether this rank is at coordinate 0 of every one of `dims` (always, in a world of one)."""
+        return not self.mesh or all(self.mesh.coordinate(d) == 0 for d in dims)
 
     def describe(self) -> str:
         if not self.mesh:
