@@ -41,10 +41,12 @@ def _psi():
 def test_zero_stages_memory_and_volume(n):
     psi, fp32 = _psi(), 4
     ring = (n - 1) / n
-    zero0, zero1, zero2, zero3 = run_distributed(_steps, n, [
-        [f"parallel.dp_replicate={n}"], [f"parallel.dp_replicate={n}", "parallel.zero_stage=1"],
-        [f"parallel.dp_shard={n}", "parallel.zero_stage=2"], [f"parallel.dp_shard={n}", "parallel.zero_stage=3"],
-    ])[0]
+    layouts = [[f"parallel.dp_replicate={n}"], [f"parallel.dp_replicate={n}", "parallel.zero_stage=1"],
+               [f"parallel.dp_shard={n}", "parallel.zero_stage=2"], [f"parallel.dp_shard={n}", "parallel.zero_stage=3"],
+               [f"parallel.dp_shard={n}", "parallel.zero_stage=2", "train.grad_accum=2"],
+               [f"parallel.dp_shard={n}", "parallel.zero_stage=3", "train.grad_accum=2"]]
+    measured = run_distributed(_steps, n, layouts)[0]
+    zero0, zero1, zero2, zero3, zero2_accum, zero3_accum = measured
     # what each rank holds: ZeRO-0 everything; ZeRO-1 1/N of Adam's two moments; ZeRO-2/3 1/N of everything
     assert zero0["params"] == psi and zero0["state"] == 2 * psi
     assert zero1["params"] == psi and 2 * psi / n <= zero1["state"] <= 2 * psi / n + 2 * n * 64
@@ -64,6 +66,32 @@ def test_zero_stages_memory_and_volume(n):
     # ZeRO-2 keeps the blocks gathered from forward to backward: one all-gather of everything
     assert zero2["wire"]["all_gather"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
     assert zero2["wire"]["reduce_scatter"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
+    # accumulating over 2 micro-batches: gradients are reduced once, after the last; the weights are gathered
+    # again for every micro-batch (FSDP2 reshards after each backward)
+    assert zero2_accum["wire"]["reduce_scatter"] == zero3_accum["wire"]["reduce_scatter"] == pytest.approx(
+        psi * fp32 * ring, rel=1e-12)
+    assert zero2_accum["wire"]["all_gather"] == pytest.approx(2 * psi * fp32 * ring, rel=1e-12)
+    assert zero3_accum["wire"]["all_gather"] == pytest.approx(2 * (2 * psi - root) * fp32 * ring, rel=1e-12)
+    # the planner's data-parallel traffic is the engine's: on a link of 1 byte/s with no latency its
+    # communication seconds are the bytes each rank sends (all but the loss's scalar)
+    for overrides, step in zip(layouts, measured):
+        planned = _planner_traffic(load_config(CONFIG, ["optim.name='adamw'", *overrides]))
+        assert planned == pytest.approx(sum(step["wire"].values()) - loss, rel=2e-3), overrides
+
+
+def _planner_traffic(cfg) -> float:
+    import dataclasses
+
+    from shardwise.planner import Cluster, Plan, Training, accelerator, evaluate
+
+    p = cfg.parallel
+    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, comm_efficiency=1.0, intra_node_latency=0.0)
+    plan = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero_stage=p.zero_stage,
+                micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum)
+    training = Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.micro_batch * cfg.train.grad_accum * p.dp,
+                        precision=cfg.train.precision, optimizer="adamw")
+    return evaluate(cfg.model, training, plan, Cluster(unit, p.world_size, gpus_per_node=p.world_size)
+                    ).time.comm_total_s
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -464,8 +464,14 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     biggest = max(t, key=int)
     assert ring_all_reduce(int(biggest), n, Link(m["all_reduce_busbw"], 0.0, "intra")) == pytest.approx(t[biggest])
     from shardwise.planner import load_profile
+    from shardwise.planner.comm import all_gather, all_reduce, group_link, reduce_scatter
 
     acc = load_profile(out)
+    # the planner prices every measured collective at its measured time (the curves in the profile)
+    link = group_link(2, 1, Cluster(acc, 2, gpus_per_node=2))
+    for name, op in (("all_reduce", all_reduce), ("all_gather", all_gather), ("reduce_scatter", reduce_scatter)):
+        for size, seconds in m["collective_times_s"][name].items():
+            assert op(int(size), 2, link) == pytest.approx(seconds), (name, size)
     ev = evaluate(preset("tiny"), Training(seq_len=128, global_batch=4, precision="fp32"),
                   Plan(dp_shard=2, zero_stage=3, micro_batch=2), Cluster(acc, 2, gpus_per_node=2))
     assert ev.fits and ev.time.step_time_s > 0
@@ -477,14 +483,15 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
                                   Plan(dp_shard=4, tp=2, zero_stage=2, micro_batch=1, grad_accum=8)])
 def test_without_overlap_step_time_is_compute_plus_communication(plan):
     """comm_overlap = 0 (gloo on a CPU: collectives use the cores the matmuls use) leaves nothing hidden:
-    T = compute + recompute + every collective + optimizer; with full overlap a ZeRO-0 all-reduce much shorter
+    T = compute + recompute + every collective + optimizer + the sharding copies; with full overlap a ZeRO-0 all-reduce much shorter
     than the backward is exposed only for its last bucket, one block's share."""
     import dataclasses
 
     args, tr = preset("llama3-8b"), Training(seq_len=4096, global_batch=32)
     serial = Cluster(dataclasses.replace(accelerator("h100"), comm_overlap=0.0), 8)
     t = evaluate(args, tr, plan, serial).time
-    assert t.step_time_s == pytest.approx(t.compute_s + t.recompute_s + t.comm_total_s + t.optimizer_s, rel=1e-12)
+    assert t.step_time_s == pytest.approx(t.compute_s + t.recompute_s + t.comm_total_s + t.optimizer_s
+                                          + t.detail["sharding_copies_s"], rel=1e-12)
     assert t.exposed_comm_s == pytest.approx(t.comm_total_s, rel=1e-12)
     if plan.zero_stage == 0:
         overlapped = evaluate(args, tr, plan, Cluster(accelerator("h100"), 8)).time
@@ -650,16 +657,30 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
         compute)
 
 
-def test_all_gather_and_reduce_scatter_use_their_own_bandwidth():
-    from shardwise.planner.comm import all_gather, group_link, reduce_scatter
+def test_measured_bus_bandwidth_curves_price_each_collective_by_size():
+    """A profile's curves (bus bandwidth by message size, per collective) reproduce the measured times at the
+    measured sizes, interpolate the time linearly between them, keep the smallest's time below it and the
+    largest's bandwidth beyond it; other group sizes follow nccl-tests' bus factors; the network tier keeps the
+    curve's shape at its own bandwidth."""
+    from shardwise.planner.comm import all_gather, all_reduce, group_link, reduce_scatter
 
-    acc = dataclasses.replace(accelerator("h100"), comm_efficiency=1.0, intra_node_bw=3e9, all_gather_bw=2e9,
-                              reduce_scatter_bw=1e9, intra_node_latency=0.0, inter_node_latency=0.0)
-    link = group_link(4, 1, Cluster(acc, 4, gpus_per_node=4))
-    x = 1e9
-    assert all_gather(x, 4, link) == pytest.approx(3 * x / (4 * 2e9))
-    assert reduce_scatter(x, 4, link) == pytest.approx(3 * x / (4 * 1e9))
-    assert ring_all_reduce(x, 4, link) == pytest.approx(6 * x / (4 * 3e9))
-    # across nodes the network figure keeps the measured ratio
-    inter = group_link(4, 1, Cluster(acc, 8, gpus_per_node=2))
-    assert reduce_scatter(x, 4, inter) == pytest.approx(3 * x / (4 * acc.inter_node_bw / 3))
+    curves = {"all_reduce": {2**20: 1e9, 2**24: 3e9}, "all_gather": {2**20: 0.5e9, 2**24: 2e9},
+              "reduce_scatter": {2**20: 0.25e9, 2**24: 1e9}}
+    acc = dataclasses.replace(accelerator("h100"), comm_efficiency=1.0, intra_node_bw=3e9, inter_node_bw=1e9,
+                              busbw_curves=curves)
+    link = group_link(2, 1, Cluster(acc, 2, gpus_per_node=2))
+    # at the measured sizes, over 2 ranks: time = factor x X / busbw (factor 1 for all-reduce, 1/2 for the others)
+    for op, fn, factor in ((all_reduce, "all_reduce", 1.0), (all_gather, "all_gather", 0.5),
+                           (reduce_scatter, "reduce_scatter", 0.5)):
+        for size, busbw in curves[fn].items():
+            assert op(size, 2, link) == pytest.approx(factor * size / busbw)
+    small, big = 2**20 / 1e9, 2**24 / 3e9  # all-reduce seconds at the two sizes, 2 ranks
+    mid = (2**20 + 2**24) / 2
+    assert all_reduce(mid, 2, link) == pytest.approx((small + big) / 2)
+    assert all_reduce(16, 2, link) == pytest.approx(small)
+    assert all_reduce(2**26, 2, link) == pytest.approx(4 * big)
+    # 8 ranks: bus factor 2 x 7/8 instead of 1
+    assert all_reduce(2**24, 8, group_link(8, 1, Cluster(acc, 8, gpus_per_node=8))) == pytest.approx(1.75 * big)
+    # across nodes: the same curve at inter/intra = 1/3 of the bandwidth
+    inter = group_link(2, 4, Cluster(acc, 16, gpus_per_node=4))
+    assert inter.tier == "inter" and all_gather(2**24, 2, inter) == pytest.approx(3 * 0.5 * 2**24 / 2e9)

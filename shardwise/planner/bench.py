@@ -12,7 +12,8 @@ one optimizer operator, and the extra cost of an operator on DTensors.
 The profile describes one rank of a `--world`-rank job on this machine: the compute rates are measured in
 `--world` processes at once, each on its own GPU or, on a CPU, with its share of the cores (`--threads`,
 by default cores // world, what `shardwise train --nproc` gives each rank), and the slowest rank's rate is kept.
-Every timing is the fastest of its repetitions (on a shared machine, the one no other job interrupted).
+Every compute timing is the fastest of its repetitions (on a shared machine, the one no other job interrupted);
+collectives, whose time varies from call to call by itself, take the median.
 
 With `--base GPU`, the datasheet entry is kept and its efficiencies become measured / datasheet; without it (a
 CPU, or a device not in the catalogue) the measured rates become the peaks and the efficiencies 1.
@@ -80,11 +81,16 @@ def _device(choice: str) -> str:
     return "cuda" if choice == "cuda" or choice == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _timed(fn, iters: int, device: str, min_seconds: float = 0.0) -> float:
+def _timed(fn, iters: int, device: str, min_seconds: float = 0.0, typical: bool = False) -> float:
     """Seconds per call of `fn`, from the fastest of `iters` samples: what the device does when nothing else
     interrupts it (on a machine shared with other jobs most samples are slowed by them, by varying amounts).
     A sample repeats `fn` for at least `min_seconds`, so that ranks time-sharing cores (more processes than
-    cores) are measured at their share, not in the moments they happen to run alone."""
+    cores) are measured at their share, not in the moments they happen to run alone.
+
+    `typical`: the median sample instead, for operations whose own time varies from call to call even on an idle
+    machine (gloo's collectives: their threads, the scheduler and loopback TCP; the median of a 3 MB all-gather
+    is 1.5x its fastest here). A training step runs many of them, and a sum of many varying terms sits near the
+    sum of their typical values, not of their minima."""
     warm = _once(fn, device)  # also the warm-up: first calls pay for allocation and kernel selection
     reps = max(1, math.ceil(min_seconds / max(warm, 1e-9)))
 
@@ -92,7 +98,8 @@ def _timed(fn, iters: int, device: str, min_seconds: float = 0.0) -> float:
         for _ in range(reps):
             fn()
 
-    return min(_once(sample, device) for _ in range(iters)) / reps
+    samples = sorted(_once(sample, device) for _ in range(iters))
+    return (samples[len(samples) // 2] if typical else samples[0]) / reps
 
 
 def _once(fn, device: str) -> float:
@@ -165,21 +172,32 @@ def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
 
 
 def dtensor_op_overhead(world: int, iters: int, min_seconds: float = 0.0) -> float:
-    """Extra seconds per operator on DTensors: a tiny column-parallel nn.Linear's forward + backward (no
-    collective: the input needs no gradient) against the plain one, over the plain one's operator count."""
+    """Extra seconds per operator on DTensors, as tensor parallelism runs them: a tiny column-parallel nn.Linear
+    feeding a row-parallel one (a block's pattern), forward + backward with the input's gradient, against the
+    plain pair, over the plain pair's operator count. The sharded pair also runs two all-reduces (the row-parallel
+    output forward, the column-parallel input's gradient backward), which the planner prices as tensor-parallel
+    communication: their time, measured alone at the same size, is taken off; what remains is sharding
+    propagation, redistribution and wrapping, host-side work that grows with the operators, not the sizes."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     # the default group as the mesh (no process group of its own to set up)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    plain = torch.nn.Linear(16, 16 * world, bias=False)
-    split = parallelize_module(torch.nn.Linear(16, 16 * world, bias=False), mesh, ColwiseParallel())
-    x = torch.randn(1, 8, 16)
+
+    def pair():
+        return torch.nn.Sequential(torch.nn.Linear(16, 16 * world, bias=False),
+                                   torch.nn.Linear(16 * world, 16, bias=False))
+
+    plain = pair()
+    split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = torch.randn(1, 8, 16, requires_grad=True)
     with opcount.OpCounter() as c:
         plain(x).sum().backward()
-    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds)
-    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds)
-    return max(0.0, t_split - t_plain) / c.calls
+    out = torch.empty(1, 8, 16)
+    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds, typical=True)
+    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds, typical=True)
+    t_reduce = _timed(lambda: dist.all_reduce(out), iters, "cpu", min_seconds, typical=True)
+    return max(0.0, t_split - t_plain - 2 * t_reduce) / c.calls
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -244,7 +262,7 @@ def _collective_worker(rank: int, world: int, init: str, device: str, threads: i
                "reduce_scatter": lambda: _reduce_scatter(parts, x)}
         for name, op in ops.items():
             dist.barrier()
-            results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed(op, iters, dev))
+            results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed(op, iters, dev, typical=True))
     results["overlap"] = comm_overlap(dev, min(max(sizes), 2**24), iters)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -313,7 +331,8 @@ def collectives(world: int, device: str, max_bytes: int, iters: int, threads: in
     """{op: {bytes: seconds}} measured across `world` local processes, and 'overlap' (see comm_overlap)."""
     if device == "cuda" and torch.cuda.device_count() < world:
         raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
-    sizes = [4] + [s for s in (2**16, 2**20, 2**24, 2**26, 2**28) if s <= max_bytes]
+    # every factor of 4 from 64 KiB: the planner interpolates between them (comm.measured_time)
+    sizes = [4] + [2**k for k in range(16, 29, 2) if 2**k <= max_bytes]
     raw = _spawn(_collective_worker, world, device, threads, sizes, iters)
     overlap = raw.pop("overlap")
     return {**{op: {int(k): v for k, v in by_size.items()} for op, by_size in raw.items()}, "overlap": overlap}
@@ -346,8 +365,9 @@ def measure(ns: argparse.Namespace) -> dict:
     # bandwidth (gloo's all-gather and reduce-scatter are slower than its all-reduce)
     measured = {k: rates[k] for k in ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s")
                 if k in rates}
-    measured |= {"all_gather_bw": busbw["all_gather"], "reduce_scatter_bw": busbw["reduce_scatter"],
-                 "launch_async": device == "cuda"}
+    curves = {op: {size: bus_bandwidth({size: seconds}, op, comm_world) for size, seconds in t.items()}
+              for op, t in coll.items()}
+    measured |= {"busbw_curves": curves, "launch_async": device == "cuda"}
     measurements = {"matmul_flops": mm, "attention_flops": attn, "mem_bandwidth": bw, "latency_s": latency,
                     **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap,
                     "collective_times_s": {op: {str(k): v for k, v in t.items()} for op, t in coll.items()},

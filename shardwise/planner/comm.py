@@ -3,7 +3,8 @@
 A ring over N ranks moves a message of X bytes in N-1 steps of X/N bytes per step for a reduce-scatter or an
 all-gather, and 2(N-1) steps for an all-reduce (reference doc 004: T = 2(N-1)X / (NB)); each step also pays the
 link latency alpha. A tree all-reduce (NCCL's double binary tree) pays 2 log2(N) latencies and moves about 2X,
-which wins for small messages. We take the cheaper of the two, as NCCL's tuner does.
+which wins for small messages. We take the cheaper of the two, as NCCL's tuner does. A profile measured by
+`shardwise bench` replaces the model with the measured bus bandwidth at each message size (`measured_time`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,40 @@ class Link:
     """Seconds per step (alpha)."""
     tier: str
     """'intra' (NVLink/PCIe inside a node), 'inter' (network) or 'local' (a group of one)."""
-    all_gather_bandwidth: float | None = None
-    """Bus bandwidth of all-gather where it differs from all-reduce's (measured: gloo's is lower); None: bandwidth."""
-    reduce_scatter_bandwidth: float | None = None
-    """The same for reduce-scatter."""
+    curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """Measured bus bandwidth by message size per collective, scaled to this tier (Accelerator.busbw_curves);
+    empty: the alpha-beta model."""
+
+    def curve(self, op: str) -> tuple[tuple[int, float], ...] | None:
+        return next((c for name, c in self.curves if name == op), None)
+
+
+def measured_time(nbytes: float, n: int, curve: tuple[tuple[int, float], ...], factor) -> float:
+    """Seconds of a collective of `nbytes` over `n` ranks from a measured bus-bandwidth curve.
+
+    Bus bandwidth is defined so that time = factor(N) x X / busbw(X), factor 2(N-1)/N for all-reduce and (N-1)/N
+    for all-gather and reduce-scatter (nccl-tests). The curve gives tau = X / busbw at its measured sizes; between
+    them tau is interpolated linearly in X (locally an alpha-beta line), below the smallest it is the smallest's
+    (the latency floor), beyond the largest it grows at the largest's bandwidth."""
+    sizes = [s for s, _ in curve]
+    taus = [s / bw for s, bw in curve]
+    if nbytes <= sizes[0]:
+        tau = taus[0]
+    elif nbytes >= sizes[-1]:
+        tau = nbytes / curve[-1][1]
+    else:
+        i = next(i for i, s in enumerate(sizes) if s >= nbytes)
+        w = (nbytes - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        tau = taus[i - 1] + w * (taus[i] - taus[i - 1])
+    return factor(n) * tau
+
+
+def _all_reduce_factor(n: int) -> float:
+    return 2 * (n - 1) / n
+
+
+def _half_factor(n: int) -> float:
+    return (n - 1) / n
 
 
 def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
@@ -45,23 +76,32 @@ def tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """The measured curve where the profile has one, else the cheaper of ring and tree."""
+    if n <= 1:
+        return 0.0
+    curve = link.curve("all_reduce")
+    if curve:
+        return measured_time(nbytes, n, curve, _all_reduce_factor)
     return min(ring_all_reduce(nbytes, n, link), tree_all_reduce(nbytes, n, link))
 
 
 def all_gather(nbytes: float, n: int, link: Link) -> float:
-    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B)), B the all-gather's bus bandwidth."""
-    return _ring_half(nbytes, n, link, link.all_gather_bandwidth)
+    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B)), or the measured curve."""
+    return _ring_half(nbytes, n, link, "all_gather")
 
 
 def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
-    """Reduce X bytes and leave X/N on each rank: the same steps as all_gather, at reduce-scatter's bandwidth."""
-    return _ring_half(nbytes, n, link, link.reduce_scatter_bandwidth)
+    """Reduce X bytes and leave X/N on each rank: the same steps as all_gather, or reduce-scatter's curve."""
+    return _ring_half(nbytes, n, link, "reduce_scatter")
 
 
-def _ring_half(nbytes: float, n: int, link: Link, bandwidth: float | None) -> float:
+def _ring_half(nbytes: float, n: int, link: Link, op: str) -> float:
     if n <= 1:
         return 0.0
-    return (n - 1) * (link.latency + nbytes / (n * (bandwidth or link.bandwidth)))
+    curve = link.curve(op)
+    if curve:
+        return measured_time(nbytes, n, curve, _half_factor)
+    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
 
 
 def p2p(nbytes: float, link: Link) -> float:
@@ -95,11 +135,14 @@ def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
     bw = (acc.intra_node_bw if intra else acc.inter_node_bw) * acc.comm_efficiency
-    # measured all-gather / reduce-scatter bandwidths are intra-node; the network tier keeps their ratio
-    ag, rs = (None if b is None else bw * b / acc.intra_node_bw for b in (acc.all_gather_bw, acc.reduce_scatter_bw))
+    curves = ()
+    if acc.busbw_curves:  # measured inside a node; the network tier keeps their shape at its own bandwidth
+        scale = bw / acc.intra_node_bw
+        curves = tuple((op, tuple((size, busbw * scale) for size, busbw in sorted(c.items())))
+                       for op, c in sorted(acc.busbw_curves.items()))
     if intra:
-        return Link(bw, acc.intra_node_latency, "intra", ag, rs)
-    return Link(bw, acc.inter_node_latency, "inter", ag, rs)
+        return Link(bw, acc.intra_node_latency, "intra", curves)
+    return Link(bw, acc.inter_node_latency, "inter", curves)
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:

@@ -72,11 +72,12 @@ class Accelerator:
     launch_async: bool = True
     """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
     earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""
-    all_gather_bw: float | None = None
-    """Intra-node bus bandwidth of all-gather where measured (gloo's is below its all-reduce's); None: that of
-    all-reduce (intra_node_bw). The inter-node tier scales inter_node_bw by the same ratio."""
-    reduce_scatter_bw: float | None = None
-    """The same for reduce-scatter."""
+    busbw_curves: dict[str, dict[int, float]] | None = None
+    """Measured intra-node bus bandwidth of each collective ('all_reduce', 'all_gather', 'reduce_scatter') by
+    message size in bytes, as nccl-tests tabulates it; `shardwise bench` writes it. Small messages reach far less
+    than large ones, and on gloo the three collectives differ (its reduce-scatter is an all-reduce underneath).
+    None (the catalogue): alpha-beta from intra_node_bw and the latency. The inter-node tier scales the curve by
+    inter_node_bw / intra_node_bw."""
     source: str = ""
     """Where the datasheet numbers come from."""
 
@@ -200,6 +201,9 @@ def load_profile(path: str | Path) -> Accelerator:
     if unknown:
         raise PlannerError("--gpu", f"profile {path} has unknown keys {sorted(unknown)}",
                            f"use only {sorted(PROFILE_KEYS)}")
+    if raw.get("busbw_curves"):  # JSON keys are strings
+        raw["busbw_curves"] = {op: {int(size): bw for size, bw in curve.items()}
+                               for op, curve in raw["busbw_curves"].items()}
     if base is not None:
         return dataclasses.replace(accelerator(base), **raw)
     missing = {f.name for f in dataclasses.fields(Accelerator) if f.default is dataclasses.MISSING} - set(raw)

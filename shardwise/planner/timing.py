@@ -1,6 +1,7 @@
 """Step time: compute, each axis's communication (overlapped or exposed), the pipeline bubble, the optimizer.
 
-T_step = T_compute + T_comm,exposed + T_bubble + T_misc (reference doc 000, section 7). Derivations in
+T_step = T_compute + T_comm,exposed + T_bubble + T_misc (reference doc 000, section 7); T_misc is the optimizer
+step, offload traffic and the sharding wrappers' buffer copies. Derivations in
 docs/planner.md, "Time model".
 """
 
@@ -78,8 +79,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
-           acc.comm_overlap, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async, acc.all_gather_bw,
-           acc.reduce_scatter_bw,
+           acc.comm_overlap, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
+           tuple((op, tuple(sorted(c.items()))) for op, c in sorted((acc.busbw_curves or {}).items())),
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
            plan.micro_batch,
            plan.recompute, plan.sequence_parallel, training.stream_bytes)
@@ -266,21 +267,54 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         ag = all_gather(trainable * 4.0, sh_n, sh_link) if z == 1 else 0.0
         return comm + ag, behind_backward(comm) + ag
     hsdp = all_reduce(grads / sh_n, rep_n, rep_link)
+    # gradients are reduced once per step, in the last micro-batch's backward: FSDP2 without gradient sync keeps
+    # them unsharded until then (set_gradient_sync), Megatron accumulates them in its buffer
     rs = reduce_scatter(grads, sh_n, sh_link)
-    ag = all_gather(gathered if z == 3 else trainable * (2.0 if training.mixed else 4.0), sh_n, sh_link)
-    if z in (1, 2):
-        # ZeRO-2 must reduce-scatter after every micro-batch (only the shard is kept); ZeRO-1 once per step.
-        # The updated weights are all-gathered after the optimizer step, before the next forward.
-        n_rs = m if z == 2 else 1
-        comm = n_rs * rs + hsdp + ag
-        return comm, n_rs * behind_backward(rs) + hsdp + ag
-    # ZeRO-3: every micro-batch gathers weights for forward and again for backward and reduce-scatters gradients,
-    # each block's gather prefetched behind the previous block's compute (the first block's has nothing before it)
-    per_mb_fwd, per_mb_bwd, first = ag, ag + rs, ag / layers
-    comm = m * (per_mb_fwd + per_mb_bwd) + hsdp
-    exposed = m * (per_mb_fwd - w * min(per_mb_fwd - first, cost.forward)
-                   + per_mb_bwd - w * min(per_mb_bwd - first, bwd)) + hsdp
-    return comm, exposed
+    if training.layout != "torch" or z == 1:
+        # Megatron's distributed optimizer: the updated weights are all-gathered after the step, before the next
+        # forward
+        ag = all_gather(trainable * (2.0 if training.mixed else 4.0), sh_n, sh_link)
+        return rs + hsdp + ag, behind_backward(rs) + hsdp + ag
+    # FSDP2 reshards after every backward, so every micro-batch gathers the weights again: ZeRO-2 for its forward
+    # (kept through backward), ZeRO-3 for forward and again for backward; each block's gather is prefetched
+    # behind the previous block's compute (the first block's has nothing before it)
+    ag = all_gather(gathered, sh_n, sh_link)
+    first = ag / layers
+    fwd_exposed = ag - w * min(ag - first, cost.forward)
+    if z == 2:
+        return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
+    # backward gathers the blocks only: the root (embedding, final norm, head) is not resharded after forward
+    ag_bwd = all_gather(layers * layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
+    bwd_ag_exposed = ag_bwd - w * min(ag_bwd - first, bwd)
+    last_bwd_exposed = ag_bwd + rs - w * min(ag_bwd + rs - first, bwd)
+    comm = m * (ag + ag_bwd) + rs + hsdp
+    return comm, m * fwd_exposed + (m - 1) * bwd_ag_exposed + last_bwd_exposed + hsdp
+
+
+def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """Exposed seconds per step of the copies FSDP2 (and its `replicate`, shardwise's ZeRO-0/1) makes around its
+    collectives. Each gradient reduction packs the rank's unsharded gradients into one flat buffer (`chunk_cat`)
+    and copies the reduced result out; each gathering of parameters packs the rank's shards (copy-in) and splits
+    the gathered buffer into the unsharded parameters (copy-out). Each copy reads and writes its bytes once, at
+    memory bandwidth. All but the gather's copy-out run on FSDP2's communication streams, so they hide behind
+    compute as far as communication does (`comm_overlap`; on a CPU, not at all). Counts as in `dp_comm`: one
+    reduction per step; ZeRO-2 gathers every weight once per micro-batch, ZeRO-3 the blocks again in backward.
+    Megatron's layout keeps gradients in one contiguous buffer: no copies."""
+    if training.layout != "torch" or plan.dp * plan.cp == 1:
+        return 0.0
+    b = state_bytes_per_param(training)
+    n_params = _max_stage_params(args, training, plan)
+    layers = max(pipeline_layers(args, plan, training.seq_len))
+    trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
+    reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
+    gathered = 0.0
+    if plan.zero_stage >= 2:
+        weights = n_params * (2.0 if training.mixed else 4.0)
+        blocks = layers * layer_params(args, plan.tp) * weights / n_params
+        gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
+    hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
+    exposed = gathered + (1 - acc.comm_overlap) * hidden_side
+    return 2 * exposed / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
 
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
@@ -350,7 +384,8 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     dp_total, dp_exposed = dp_comm(args, training, plan, cluster, cost)
     opt = optimizer_time(args, training, plan, acc)
     off = offload_time(args, training, plan, acc, cost)
-    total = pipe + dp_exposed + opt + off
+    copies = sharding_copies(args, training, plan, acc)
+    total = pipe + dp_exposed + copies + opt + off
     tokens = training.global_batch * training.seq_len
     tps = tokens / total
     mfu = flops_per_token(args, training.seq_len) * tps / (plan.world * acc.peak(training.compute_dtype))
@@ -362,5 +397,6 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
         tokens_per_s=tps, mfu=mfu,
         detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
                 "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
-                "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead},
+                "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead,
+                "sharding_copies_s": copies},
     )
