@@ -1,57 +1,380 @@
-"""The planner on published layouts, and the time a big search takes.
+"""The planner against published large-scale training runs: the layout as given (`--plan`), and the search.
 
     python benchmarks/planner_published.py
 
-Prints, for each published run, the layout as given (`--plan`), the planner's predicted step time, MFU and peak
-memory, next to the published MFU; then the best plan the search finds for the same job and how long the search
-took. The published figures are written here by hand from the papers cited: check them before quoting.
+For each published run: the planner's step time for the layout the source states (knobs the source does not state
+are completed by the search: the fastest completion that fits), its throughput in the source's own FLOP
+definition and its MFU (model FLOPs), next to the published figures, with the ratio predicted/published of
+throughput (= published/predicted step time: above 1 the planner is optimistic); its peak memory per GPU and
+whether that fits, next to whether the run fitted; then the fastest plan the search finds for the same job.
+
+Every figure below was read in a stored copy of the source named next to it (URL given). Nothing is fitted:
+the planner runs with its catalogue hardware (datasheet peaks, stated efficiencies).
+
+Model mapping. The GPT-style models (Megatron-LM's, BLOOM) have a GELU MLP of inner size 4h and multi-head
+attention; ours is Llama's block (SwiGLU, RMSNorm, rotary, GQA). They are mapped with n_kv_heads = n_heads and a
+SwiGLU of inner size f = 8h/3 (rounded to a multiple of 8): three h x f matrices, 3 h (8h/3) = 8 h^2 parameters and
+2 x 8 h^2 forward FLOPs per token, exactly those of the GELU MLP's two h x 4h matrices. The attention is then the
+same 4 h^2 parameters, and the planner's training FLOPs per token, 6 N + 12 l h s with N = 12 l h^2 + V h (tied
+head counted once), equal Korthikanti et al.'s eq. 7, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per B s tokens, to
+within the rounding of f (checked and printed below: within 0.02%). Not mapped: biases, learned position
+embeddings (BLOOM: ALiBi), LayerNorm vs RMSNorm, dropout (Megatron/BLOOM used 0.1: its masks are activation
+memory we do not count), and the activation set differs (SwiGLU saves 4f = 10.7h elements per token in the MLP,
+GELU 8h; no s^2 attention scores: our attention is a fused kernel). So memory is compared only as fits / does
+not fit, and the FLOP count, not the parameter memory, is what the mapping preserves.
+
+FLOP definitions. Narayanan et al. (2021) report "achieved teraFLOP/s" from their eq. 3, 96 B s l h^2 (1 + s/(6h)
++ V/(16 l h)), which counts the recomputation forward (4 passes over the blocks, 3 over the logit layer): that is
+hardware FLOPs, 4/3 of model FLOPs for the blocks. BLOOM's log prints "TFLOPs" with the 4*2 (recompute)
+coefficient likewise. Korthikanti et al. (2022) and Llama 3 (Dubey et al. 2024, after PaLM) report MFU in model
+FLOPs, the planner's `mfu`. So each run's published step time is either measured (Korthikanti table 5, BLOOM's
+log) or implied by its throughput and its own FLOP formula; the predicted throughput in the source's definition
+is published throughput x published time / predicted time, and the predicted MFU is the planner's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
+from dataclasses import dataclass
 
-from shardwise.model import preset
-from shardwise.planner import Cluster, Training, accelerator, parse_plan, search
+from shardwise.model import ModelArgs, flops_per_token, num_params, preset
+from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, parse_plan, search
 from shardwise.planner.hardware import GiB
 
-# (name, model, gpus, seq, global batch in sequences, plan, published BF16 MFU, source)
-# UNSOURCED: none of the Llama 3 405B figures below (layout, batch, MFU) appears in the reference documents
-# (../shared/reference/, checked: they cite no Llama 3 run); they are recalled from Dubey et al. 2024, table 4,
-# and must be checked against that table before being quoted. The one large-run figure the references hold is
-# Megatron-LM's 1T-parameter run, 502 PFLOP/s on 3,072 GPUs = 52% of peak (doc 001, "3D parallelism"
-# paragraph), without its layout or model shape, so it cannot be evaluated here.
-RUNS = [
-    ("llama3-405b 8K, 8192 GPUs", "llama3-405b", 8192, 8192, 2048, "tp=8,pp=16,cp=1,dp_replicate=64,zero_stage=1",
-     0.43, "Dubey et al. 2024, table 4 (unsourced here)"),
-    ("llama3-405b 8K, 16384 GPUs", "llama3-405b", 16384, 8192, 2048,
-     "tp=8,pp=16,cp=1,dp_replicate=128,zero_stage=1", 0.41, "Dubey et al. 2024, table 4 (unsourced here)"),
-]
+NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
+             "https://arxiv.org/abs/2104.04473")
+KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, "
+               "https://arxiv.org/abs/2205.05198")
+LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, https://arxiv.org/abs/2407.21783"
+BLOOM = ("BigScience tr11-176B-ml training README, "
+         "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/README.md")
+
+
+def gpt(name: str, h: int, a: int, l: int, vocab: int = 51200, seq: int = 2048) -> ModelArgs:
+    """A GPT-3-style model (GELU MLP 4h, multi-head attention, tied embedding) as our block (see the docstring)."""
+    return ModelArgs(name=name, dim=h, n_heads=a, n_kv_heads=a, n_layers=l, vocab_size=vocab,
+                     ffn_hidden=8 * round(h / 3), max_seq_len=seq, tie_embeddings=True)
+
+
+def eq3_flops(args: ModelArgs, batch: int, seq: int) -> float:
+    """Narayanan et al. eq. 3 (with recomputation): FLOPs per iteration."""
+    h, l, v = args.dim, args.n_layers, args.vocab_size
+    return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+
+
+def eq7_flops(args: ModelArgs, batch: int, seq: int) -> float:
+    """Korthikanti et al. eq. 7: model FLOPs per iteration (no recomputation)."""
+    h, l, v = args.dim, args.n_layers, args.vocab_size
+    return 72 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (12 * l * h))
+
+
+@dataclass
+class Run:
+    name: str
+    model: ModelArgs
+    gpus: int
+    seq: int
+    batch: int
+    """Global batch in sequences."""
+    plan: str
+    """The knobs the source states (--plan syntax); the search completes the rest."""
+    source: str
+    quote: str
+    """Where in the source, and the figures as printed there."""
+    tflops: float | None = None
+    """Published throughput per GPU, in the source's FLOP definition (`flops`)."""
+    step_s: float | None = None
+    """Published (measured) seconds per iteration, where the source gives one."""
+    mfu: float | None = None
+    """Published MFU (model FLOPs), where the source prints one."""
+    flops: str = "model"
+    """'eq3': Narayanan eq. 3 (hardware FLOPs incl. recompute); 'model': model FLOPs (eq. 7 / PaLM); 'bloom':
+    BLOOM's own hardware-FLOP count (only with a measured step time)."""
+    fitted: bool = True
+    """Whether the run fitted in memory (False: the source reports it did not)."""
+    gpu: str = "a100-80gb"
+    layout: str = "megatron"
+    inter_node_gbs: float | None = None
+    """Per-GPU network bandwidth, GB/s per direction, where the cluster differs from the catalogue's."""
+    search: bool = True
+    """Also run the free search for this job (once per distinct job)."""
+
+    def published_step(self) -> float:
+        """Measured, or implied by the published throughput and the source's FLOP formula."""
+        if self.step_s is not None:
+            return self.step_s
+        flops = eq3_flops(self.model, self.batch, self.seq) if self.flops == "eq3" else \
+            flops_per_token(self.model, self.seq) * self.batch * self.seq
+        return flops / (self.tflops * 1e12 * self.gpus)
+
+
+# --------------------------------------------------------------------------------------------------
+# Narayanan et al. 2021, table 1 (weak scaling; A100 80GB, Selene: 8 GPUs/node, 8x HDR 200 Gb/s per node;
+# V = 51,200, s = 2048; "we use the interleaved pipeline schedule with the scatter/gather optimization enabled"
+# (sec. 5.1); eq. 3 "assumes activation recomputation"). Row: params (B), heads, hidden, layers, tp, pp, GPUs,
+# batch, achieved teraFLOP/s per GPU, % of peak. Micro-batch and virtual stages are not given: the search
+# picks them. Sequence parallelism postdates the paper: off. No distributed optimizer in 2021: ZeRO-0.
+# The scatter/gather optimization (sec. 4.1: pipeline sends "reduced to bsh/t") is what the planner's
+# 'megatron' layout prices for pipeline sends without sequence parallelism.
+T1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+      (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+      (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+      (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+      (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52)]
+
+GPT3 = gpt("gpt3-175b", 12288, 96, 96)  # "GPT-3 model with 175 billion parameters (96 layers, 96 attention heads,
+MT530 = gpt("gpt-530b", 20480, 128, 105)  # hidden size of 12288)" (5.3.2); 530B: table 1 row 529.6
+
+
+def narayanan_runs() -> list[Run]:
+    runs = []
+    for p, a, h, l, tp, pp, n, batch, x, pct in T1:
+        dp = n // (tp * pp)
+        knobs = f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage=0,recompute=full"
+        knobs += ",sequence_parallel=false" if tp > 1 else ""
+        knobs += ",schedule=interleaved-1f1b" if pp > 1 else ""
+        runs.append(Run(f"N21 T1 {p}B n={n}", gpt(f"gpt-{p}b", h, a, l), n, 2048, batch, knobs, NARAYANAN,
+                        f"table 1 row: {p} | {a} | {h} | {l} | {tp} | {pp} | {n} | {batch} | {x} | {pct}%",
+                        tflops=x, flops="eq3", search=p not in (3.6, 7.5)))  # (runtime: under a minute)
+    # Table 2 (PTD-P vs ZeRO-3, "global batch sizes are fixed"): model-parallel size 96 (175B) and 280 (530B),
+    # micro-batch 1. The tp/pp split is not printed: tp = 8 ("For large enough models, we use a
+    # tensor-model-parallel size of 8", 4.1), so pp = 12 and 35 (530B: table 1's 8 x 35). Schedule as in 5.1.
+    for model, mp, pp, batch, rows in ((GPT3, 96, 12, 1536, ((384, 153), (768, 149), (1536, 141))),
+                                       (MT530, 280, 35, 2240, ((560, 171), (1120, 167), (2240, 159)))):
+        for n, x in rows:
+            dp = n // mp
+            runs.append(Run(f"N21 T2 PTD {model.name} n={n}", model, n, 2048, batch,
+                            f"tp=8,pp={pp},cp=1,dp_replicate={dp},zero_stage=0,micro_batch=1,recompute=full,"
+                            f"sequence_parallel=false,schedule=interleaved-1f1b", NARAYANAN,
+                            f"table 2 PTD row: model-parallel {mp}, batch {batch}, {n} GPUs, microbatch 1, {x} TF/s",
+                            tflops=x, flops="eq3", search=False))
+    # Table 2, "ZeRO-3 without Model Parallelism" (DeepSpeed: fp16 weights+grads, fp32 master+Adam: layout
+    # 'zero', whose ZeRO-3 gathers the weights for every micro-batch's forward and backward and reduce-scatters
+    # in every backward); recompute assumed (the teraFLOP/s are eq. 3's, which assumes it). Caption: "The 530-billion-
+    # parameter GPT model did not fit on 560 GPUs when using a microbatch size of 4 with ZeRO-3, so we increased
+    # the number of GPUs used to 640 and global batch size to 2560".
+    for model, rows in ((GPT3, ((384, 1536, 4, 144), (768, 1536, 2, 88), (1536, 1536, 1, 44))),
+                        (MT530, ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48)))):
+        for n, batch, mb, x in rows:
+            runs.append(Run(f"N21 T2 ZeRO-3 {model.name} n={n}", model, n, 2048, batch,
+                            f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch={mb},recompute=full", NARAYANAN,
+                            f"table 2 ZeRO-3 row: batch {batch}, {n} GPUs, microbatch {mb}, {x} TF/s",
+                            tflops=x, flops="eq3", layout="zero", search=False))
+    runs.append(Run(f"N21 T2 ZeRO-3 {MT530.name} n=560 OOM", MT530, 560, 2048, 2240,
+                    "tp=1,pp=1,cp=1,dp_shard=560,zero_stage=3,micro_batch=4,recompute=full", NARAYANAN,
+                    "table 2 caption: did not fit on 560 GPUs with microbatch 4 (batch 2240)", fitted=False,
+                    layout="zero", search=False))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
+# Korthikanti et al. 2022: table 3 (configurations: "no data parallelism", tp 8, "interleaving schedule with
+# three interleaving stages (m = 3) for the 175B and 530B models", s = 2048, v = 51200, A100 80GB Selene) and
+# table 5 (end-to-end iteration time, "Full Recompute" and "Present Work" = sequence parallelism + selective
+# recompute, MFU and HFU). Their selective recompute (recompute QK^T, softmax, AV) is what a fused attention
+# kernel does anyway, so "Present Work" is the planner's recompute=none with sequence parallelism; "Full
+# Recompute" is recompute=full without it. The activation-memory claim (sec. 6.1): "Without the memory savings
+# provided by sequence parallelism and selective recompute together, none of the these models will fit into
+# memory" -> tp + selective without SP (planner: none, no SP) is an out-of-memory row for each model.
+K22 = [("22B", gpt("gpt-22b", 6144, 64, 48), 1, 8, 4, 4, 1, 1.42, 1.10, 0.415, 0.437),
+       ("175B", GPT3, 8, 64, 64, 1, 3, 18.13, 13.75, 0.514, 0.528),
+       ("530B", MT530, 35, 280, 280, 1, 3, 49.05, 37.83, 0.560, 0.570),
+       ("1T", gpt("gpt-1t", 25600, 160, 128), 64, 512, 512, 1, 1, 94.42, 71.49, 0.563, 0.570)]
+
+
+def korthikanti_runs() -> list[Run]:
+    runs = []
+    for size, model, pp, n, batch, mb, v, full_s, present_s, mfu, hfu in K22:
+        sched = "" if pp == 1 else (",schedule=interleaved-1f1b,virtual_stages=3" if v > 1 else ",schedule=1f1b")
+        base = f"tp=8,pp={pp},cp=1,dp_replicate=1,zero_stage=0,micro_batch={mb}{sched}"
+        row = (f"table 3: {size} tp 8 pp {pp} GPUs {n} batch {batch} mb {mb}; table 5: {full_s} s full, "
+               f"{present_s} s present, MFU {mfu:.1%} HFU {hfu:.1%}")
+        runs.append(Run(f"K22 {size} present (SP, sel.)", model, n, 2048, batch,
+                        base + ",recompute=none,sequence_parallel=true", KORTHIKANTI, row, step_s=present_s,
+                        mfu=mfu, tflops=mfu * 312))
+        # the full-recompute baseline: same job, published time only (its model-FLOP TF/s and MFU derived)
+        runs.append(Run(f"K22 {size} full recompute", model, n, 2048, batch,
+                        base + ",recompute=full,sequence_parallel=false", KORTHIKANTI, row, step_s=full_s,
+                        tflops=mfu * 312 * present_s / full_s, search=False))
+        runs.append(Run(f"K22 {size} tp+sel., no SP: OOM", model, n, 2048, batch,
+                        base + ",recompute=none,sequence_parallel=false", KORTHIKANTI,
+                        "sec. 6.1: none fit without SP and selective recompute together", fitted=False, search=False))
+    runs.append(Run("K22 530B dp=8 (2240 GPUs)", MT530, 2240, 2048, 2240,
+                    "tp=8,pp=35,cp=1,dp_replicate=8,zero_stage=0,micro_batch=1,recompute=none,"
+                    "sequence_parallel=true,schedule=interleaved-1f1b,virtual_stages=3", KORTHIKANTI,
+                    "sec. 6.3: 8-way data parallelism (2240 GPUs), batch x 8: 39.15 s/iteration, MFU 54.2%",
+                    step_s=39.15, mfu=0.542, tflops=0.542 * 312, search=False))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
+# Llama 3 405B, table 4 ("Scaling configurations and MFU for each stage of Llama 3 405B pre-training"): GPUs | TP |
+# CP | PP | DP | Seq. Len. | Batch size/DP | Tokens/Batch | TFLOPs/GPU | BF16 MFU. H100 80GB HBM3, 8 GPUs per
+# server on NVLink, 400 Gb/s per GPU (RoCE) = the catalogue's h100. DP is FSDP that "shards optimizer states and
+# gradients, but for model shards we do not reshard after forward" with "FP32 gradient accumulation ... and
+# reduce-scatter gradients in FP32" once per step: with the weights kept through backward, ZeRO-1-like traffic,
+# so zero_stage=1. "Interleaved schedule (Narayanan et al., 2021) with V pipeline stages on
+# one pipeline rank"; "we could pre-train Llama 3 on sequences of 8K tokens without activation checkpointing".
+# Third row: stored copies print DP 4 (one) and 8 (two); 8 x 16 x 16 x 8 = 16,384 GPUs and 131,072 x 16 x 8 =
+# 16M tokens, so DP = 8. Its CP is all-gather based, the planner's ring-based. Meta's stack is neither of the
+# planner's layouts: both are shown.
+def llama3_runs() -> list[Run]:
+    runs = []
+    rows = [(8192, 1, 64, 8192, 32, 430, 0.43, ",recompute=none", "8,192 | 8 | 1 | 16 | 64 | 8,192 | 32 | 16M | 430 | 43%"),
+            (16384, 1, 128, 8192, 16, 400, 0.41, ",recompute=none",
+             "16,384 | 8 | 1 | 16 | 128 | 8,192 | 16 | 16M | 400 | 41%"),
+            (16384, 16, 8, 131072, 16, 380, 0.38, "", "16,384 | 8 | 16 | 16 | 8 | 131,072 | 16 | 16M | 380 | 38%")]
+    for n, cp, dp, seq, per_dp, x, mfu, extra, row in rows:
+        for layout in ("torch", "megatron"):
+            runs.append(Run(f"Llama3 405B {seq // 1024}K n={n} {layout}", preset("llama3-405b"), n, seq,
+                            dp * per_dp, f"tp=8,pp=16,cp={cp},dp_replicate={dp},zero_stage=1,"
+                            f"schedule=interleaved-1f1b{extra}", LLAMA3, f"table 4 row: {row}", tflops=x, mfu=mfu,
+                            gpu="h100", layout=layout, search=layout == "megatron"))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
+# BLOOM 176B (README of the training): h 14336, 70 layers, 112 heads, vocabulary 250,680 (embedding sized
+# 250880 x 14336), tied embedding, ALiBi, GELU; "TP=4 PP=12 DP=8 MBS=2", GBS 2048, seq 2048; BF16_Optimizer "implements
+# its own ZeRO Stage 1", "accumulates grads in fp32" (layout 'megatron'); "--deepspeed-activation-checkpointing";
+# DeepSpeed's pipeline (1F1B and GPipe cost the same time in the planner); no sequence parallelism ("developed
+# after BLOOM was trained", HF blog). Measured: the log line at the end of epoch one, "elapsed time per
+# iteration (s): 104.70 | ... global batch size: 2048 | ... TFLOPs: 149.77" (hardware FLOPs, "4*2 co-efficient").
+# Hardware: 48 nodes of 8 A100 80GB, "4 OmniPath links" per node; 100 Gb/s each (BLOOM paper, 2211.05100 p. 18,
+# as quoted in stored summaries): 400 Gb/s per 8 GPUs = 6.25 GB/s per GPU, a quarter of Selene's.
+def bloom_runs() -> list[Run]:
+    model = ModelArgs(name="bloom-176b", dim=14336, n_heads=112, n_kv_heads=112, n_layers=70, vocab_size=250880,
+                      ffn_hidden=8 * round(14336 / 3), max_seq_len=2048, tie_embeddings=True)
+    return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
+                "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,recompute=full,sequence_parallel=false,"
+                "schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
+                step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8)]
+
+
+RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs()
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def cluster_of(run: Run) -> Cluster:
+    acc = accelerator(run.gpu)
+    if run.inter_node_gbs is not None:
+        acc = dataclasses.replace(acc, inter_node_bw=run.inter_node_gbs * 1e9)
+    return Cluster(acc, run.gpus)
+
+
+def training_of(run: Run) -> Training:
+    # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
+    return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch")
+
+
+def given_plan(run: Run):
+    """The fastest completion of the stated knobs that fits, or (none fits) the plan itself with micro-batch 1,
+    full recompute and 2 virtual stages where left free, evaluated regardless of memory. Returns (evaluation,
+    fits)."""
+    args, training, cluster = run.model, training_of(run), cluster_of(run)
+    fixed = {"offload": "none", **parse_plan(run.plan)}  # no published run offloaded
+    ranked = search(args, training, cluster, fixed=fixed, top_k=1).ranked
+    if ranked:
+        return ranked[0], True
+    local = run.batch // (fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1))
+    mb = fixed.get("micro_batch", 1)
+    plan = Plan(**{"micro_batch": mb, "grad_accum": local // mb, "recompute": "full", "schedule": "none",
+                   "sequence_parallel": fixed.get("tp", 1) > 1,
+                   **({"virtual_stages": 2} if fixed.get("schedule") == "interleaved-1f1b" else {}),
+                   **{k: v for k, v in fixed.items() if k != "dp"}})
+    ev = evaluate(args, training, plan, cluster)
+    return ev, ev.fits
+
+
+def describe(p: Plan) -> str:
+    sched = {"none": "-", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb", "interleaved-1f1b": f"i{p.virtual_stages}"}
+    return (f"t{p.tp} p{p.pp} c{p.cp} d{p.dp_replicate}x{p.dp_shard} z{p.zero_stage} mb{p.micro_batch} "
+            f"{sched[p.schedule]} rc={p.recompute[:3]}{' sp' if p.sequence_parallel else ''}")
+
+
+def check_mapping() -> None:
+    print("model mapping: params (ours vs Narayanan eq. 2) and training FLOPs per token (ours vs eq. 7)")
+    seen = set()
+    for run in RUNS:
+        a = run.model
+        if a.name in seen or a.name.startswith("llama") or a.name.startswith("bloom"):
+            continue
+        seen.add(a.name)
+        h, l, v, s = a.dim, a.n_layers, a.vocab_size, 2048
+        p_eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+        ratio = flops_per_token(a, s) * s / eq7_flops(a, 1, s)
+        print(f"  {a.name:11s} f={a.ffn_hidden:6d} params {num_params(a) / 1e9:8.2f}B vs {p_eq2 / 1e9:8.2f}B, "
+              f"FLOPs/eq.7 = {ratio:.5f}")
 
 
 def main() -> None:
-    for name, model, gpus, seq, batch, plan, published, source in RUNS:
-        args = preset(model)
-        cluster = Cluster(accelerator("h100"), gpus)
-        for layout in ("torch", "megatron"):
-            # Megatron (and Meta's stack) computes the loss on vocab-parallel logits; shardwise's engine gathers them
-            training = Training(seq_len=seq, global_batch=batch, layout=layout, loss_parallel=layout == "megatron")
-            given = search(args, training, cluster, fixed=parse_plan(plan), top_k=1).ranked
-            start = time.perf_counter()
-            best = search(args, training, cluster, top_k=1)
-            seconds = time.perf_counter() - start
-            line = f"{name:28s} layout={layout:8s} published MFU {published:.0%} ({source})"
-            if given:
-                ev = given[0]
-                line += (f" | given plan: {ev.time.step_time_s:.2f} s/step, MFU {ev.time.mfu:.1%}, "
-                         f"{ev.memory['total'] / GiB:.1f} GiB, recompute={ev.plan.recompute}")
-            else:
-                line += " | given plan: no completion fits"
-            if best.ranked:
-                b = best.ranked[0]
-                line += (f" | search ({seconds:.1f} s, {best.evaluated} sized): tp={b.plan.tp} pp={b.plan.pp} "
-                         f"cp={b.plan.cp} dp={b.plan.dp} MFU {b.time.mfu:.1%}")
-            print(line)
+    start_all = time.perf_counter()
+    check_mapping()
+    print()
+    head = (f"{'run':34s} {'pred s':>8s} {'pub s':>8s} {'TF/s pred':>9s} {'pub':>5s} {'ratio':>5s} "
+            f"{'MFU pred':>8s} {'pub':>6s} {'GiB':>6s} fit/pub  given plan (completed)")
+    print(head)
+    print("-" * len(head))
+    ratios, searches, search_lines = [], {}, []
+    for run in RUNS:
+        try:
+            ev, fits = given_plan(run)
+        except PlannerError as e:
+            print(f"{run.name:34s} cannot be expressed: {e}")
+            continue
+        t = ev.time
+        pub_s = run.published_step() if (run.tflops or run.step_s) else None
+        mem = ev.memory["total"] / GiB
+        fit_col = f"{'yes' if fits else 'NO':>3s}/{'yes' if run.fitted else 'NO':3s}"
+        flag = "" if fits == run.fitted else "  <- disagrees"
+        if pub_s is None:
+            print(f"{run.name:34s} {t.step_time_s:8.2f} {'-':>8s} {'-':>9s} {'-':>5s} {'-':>5s} {t.mfu:8.1%} {'-':>6s} "
+                  f"{mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
+        else:
+            tf_pred = run.tflops * pub_s / t.step_time_s if run.tflops else float("nan")
+            ratio = pub_s / t.step_time_s
+            pub_mfu = run.mfu if run.mfu is not None else \
+                flops_per_token(run.model, run.seq) * run.batch * run.seq / (
+                    pub_s * run.gpus * accelerator(run.gpu).peak("bf16"))
+            mark = "" if run.mfu is not None else "*"
+            if fits and run.fitted:
+                ratios.append((run.name, ratio))
+            print(f"{run.name:34s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} {run.tflops:5.0f} {ratio:5.2f} "
+                  f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
+        if run.search:
+            key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, run.layout, run.inter_node_gbs)
+            if key not in searches:
+                t0 = time.perf_counter()
+                best = search(run.model, training_of(run), cluster_of(run), top_k=1)
+                searches[key] = (best, time.perf_counter() - t0)
+                b = best.ranked[0] if best.ranked else None
+                line = (f"{run.name:34s} " + (f"{b.time.step_time_s:8.2f} s  MFU {b.time.mfu:5.1%}  "
+                                               f"{b.memory['total'] / GiB:5.1f} GiB  {describe(b.plan)}"
+                                               if b else "nothing fits"))
+                search_lines.append(line + f"  ({searches[key][1]:.1f} s, {best.evaluated} sized)")
+    print("\nm: measured step time (otherwise implied by the published throughput and the source's FLOP formula)")
+    print("* published MFU derived from the published time and the planner's model FLOPs (not printed by the source)")
+    print("ratio = predicted / published throughput = published / predicted step time (> 1: planner optimistic)\n")
+    groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]]}
+    for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
+                         ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM")):
+        groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
+    print("timed runs whose given plan fits (ratio = predicted/published throughput):")
+    for name, rs in groups.items():
+        if rs:
+            logs = [math.log(r) for _, r in rs]
+            print(f"  {name:17s} n={len(rs):2d}  geometric mean {math.exp(sum(logs) / len(logs)):.3f}  "
+                  f"mean |ratio - 1| {sum(abs(r - 1) for _, r in rs) / len(rs):5.1%}  "
+                  f"range {min(r for _, r in rs):.2f}..{max(r for _, r in rs):.2f}")
+    print()
+    print("search, same job, any layout (fastest plan that fits):")
+    for line in search_lines:
+        print(line)
+    print(f"\ntotal {time.perf_counter() - start_all:.1f} s")
 
 
 if __name__ == "__main__":

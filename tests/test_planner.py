@@ -657,6 +657,44 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
         compute)
 
 
+@pytest.mark.parametrize("layout", ["torch", "zero", "megatron"])
+def test_zero3_traffic_per_step_follows_each_stack(layout):
+    """ZeRO-3 over 8 ranks with 4 micro-batches, on a link of 1 byte/s without latency (seconds = bytes a rank
+    sends): weights gathered for every micro-batch's forward and backward; gradients reduce-scattered once per
+    step by shardwise's engine (FSDP2 without gradient sync until the last micro-batch; its root, embedding +
+    norm + head, is not gathered again in backward) and by Megatron, in every backward by DeepSpeed."""
+    args = preset("llama3-8b")
+    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, comm_efficiency=1.0, intra_node_latency=0.0)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4)
+    training = Training(seq_len=4096, global_batch=32, layout=layout)
+    t = evaluate(args, training, plan, Cluster(unit, 8)).time
+    psi, ring = num_params(args), 7 / 8
+    # as stored: the engine's weights and gradients are fp32 (autocast casts per use), the ZeRO paper's bf16,
+    # Megatron's bf16 weights with fp32 gradients
+    weight_bytes, grad_bytes = (4, 4) if layout == "torch" else (2, 2 if layout == "zero" else 4)
+    root = 2 * args.vocab_size * args.dim + args.dim
+    gathers = 4 * (2 * psi - (root if layout == "torch" else 0)) * weight_bytes
+    reductions = (4 if layout == "zero" else 1) * psi * grad_bytes
+    assert t.comm_total_s == pytest.approx((gathers + reductions) * ring, rel=1e-9)
+
+
+def test_megatron_pipeline_sends_scatter_over_tensor_parallel_ranks():
+    """Megatron's scatter/gather (Narayanan et al. 2021, 4.1): without sequence parallelism each tp rank sends
+    1/t of the activations across stages and the stage all-gathers them over tp; shardwise's engine sends them
+    whole from every tp rank."""
+    from shardwise.planner.timing import stage_cost
+
+    args = preset("llama3-70b")
+    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, inter_node_bw=1.0, comm_efficiency=1.0,
+                               intra_node_latency=0.0, inter_node_latency=0.0)
+    plan = Plan(tp=8, pp=4, micro_batch=1, grad_accum=8, schedule="1f1b")
+    x = 4096 * args.dim * 2  # one micro-batch's activations, bf16
+    sent = {layout: stage_cost(args, Training(seq_len=4096, global_batch=8, layout=layout), plan,
+                               Cluster(unit, 32)).pp_p2p for layout in ("torch", "megatron")}
+    assert sent["torch"] == pytest.approx(2 * x)
+    assert sent["megatron"] == pytest.approx(2 * (x / 8 + x * 7 / 8))
+
+
 def test_measured_bus_bandwidth_curves_price_each_collective_by_size():
     """A profile's curves (bus bandwidth by message size, per collective) reproduce the measured times at the
     measured sizes, interpolate the time linearly between them, keep the smallest's time below it and the

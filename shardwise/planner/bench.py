@@ -171,33 +171,30 @@ def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     return _timed(step, iters, "cpu", min_seconds) / c.per_tensor
 
 
-def dtensor_op_overhead(world: int, iters: int, min_seconds: float = 0.0) -> float:
+def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     """Extra seconds per operator on DTensors, as tensor parallelism runs them: a tiny column-parallel nn.Linear
     feeding a row-parallel one (a block's pattern), forward + backward with the input's gradient, against the
-    plain pair, over the plain pair's operator count. The sharded pair also runs two all-reduces (the row-parallel
-    output forward, the column-parallel input's gradient backward), which the planner prices as tensor-parallel
-    communication: their time, measured alone at the same size, is taken off; what remains is sharding
-    propagation, redistribution and wrapping, host-side work that grows with the operators, not the sizes."""
+    plain pair, over the plain pair's operator count: sharding propagation, redistribution and wrapping,
+    host-side work that grows with the operators, not the sizes. The mesh is this rank alone, so the pair's two
+    all-reduces (which the planner prices as tensor-parallel communication) move nothing and leave only their
+    host-side cost in the difference."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    # the default group as the mesh (no process group of its own to set up)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    alone, _ = dist.new_subgroups(group_size=1)  # every rank takes part in creating every subgroup
+    mesh = DeviceMesh.from_group(alone, "cpu")
 
     def pair():
-        return torch.nn.Sequential(torch.nn.Linear(16, 16 * world, bias=False),
-                                   torch.nn.Linear(16 * world, 16, bias=False))
+        return torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False))
 
     plain = pair()
     split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, 8, 16, requires_grad=True)
     with opcount.OpCounter() as c:
         plain(x).sum().backward()
-    out = torch.empty(1, 8, 16)
-    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds, typical=True)
-    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds, typical=True)
-    t_reduce = _timed(lambda: dist.all_reduce(out), iters, "cpu", min_seconds, typical=True)
-    return max(0.0, t_split - t_plain - 2 * t_reduce) / c.calls
+    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds)
+    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds)
+    return max(0.0, t_split - t_plain) / c.calls
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -223,7 +220,7 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
     jobs = {**{f"matmul_{k}": partial(matmul_flops, matmul_size, DTYPES[k], dev) for k in dtypes},
             "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev)}
     overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
-                 "dtensor_op_overhead_s": partial(dtensor_op_overhead, world)} if device == "cpu" else {}
+                 "dtensor_op_overhead_s": dtensor_op_overhead} if device == "cpu" else {}
     results = {}
     for name, job in jobs.items():
         dist.barrier()

@@ -60,6 +60,12 @@ def _layer_params(key: tuple, tp: int) -> float:
     return total
 
 
+def block_tensor_params(args: ModelArgs, tp: int = 1) -> list[float]:
+    """Parameters of each of one block's parameter tensors on one tp rank (its linears, then its two norms)."""
+    return [n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
+            for _, n_in, n_out, split in linear_shapes(args)] + [args.dim, args.dim]
+
+
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
     """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the
     rank holding the last stage)."""

@@ -13,9 +13,9 @@ from shardwise.model import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.hardware import Accelerator, Cluster
 from shardwise.planner.opcount import op_counts, optimizer_ops
-from shardwise.planner.memory import (head_rank, kv_split, layer_activation_bytes, layer_params, lora_params,
-                                      pipeline_layers, ranks_to_check, replicates, shape_key, stage_layers,
-                                      stage_params, state_bytes_per_param)
+from shardwise.planner.memory import (block_tensor_params, head_rank, kv_split, layer_activation_bytes,
+                                      layer_params, lora_params, pipeline_layers, ranks_to_check, replicates,
+                                      shape_key, stage_layers, stage_params, state_bytes_per_param)
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
@@ -190,13 +190,19 @@ def exposed_part(comm: float, compute: float, overlap: float) -> float:
 
 def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> float:
     """Each micro-batch crosses the rank's boundaries once forward (activations) and once backward (their
-    gradient), v times with interleaving; under sequence parallelism only the rank's sequence shard travels."""
+    gradient), v times with interleaving; under sequence parallelism only the rank's sequence shard travels, and
+    so it does in Megatron's layout (its scatter/gather optimisation)."""
     if plan.pp == 1:
         return 0.0
     _, link = axis_link(plan, ("pp",), cluster)
     x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
     if plan.sequence_parallel:
         x /= plan.tp
+    elif training.layout == "megatron" and plan.tp > 1:
+        # Megatron's scatter/gather (Narayanan et al. 2021, section 4.1): each tp rank sends only its 1/t of the
+        # replicated activations across the (inter-node) pp link; the receiving stage all-gathers them over tp
+        n, tp_link = axis_link(plan, ("tp",), cluster)
+        return 2 * plan.virtual_stages * (p2p(x / plan.tp, link) + all_gather(x, n, tp_link))
     return 2 * plan.virtual_stages * p2p(x, link)
 
 
@@ -251,7 +257,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     layers = max(pipeline_layers(args, plan, training.seq_len))
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
-    gathered = n_params * (2.0 if training.mixed else 4.0)  # weights travel in the compute dtype
+    # weights travel as stored: fp32 in shardwise's engine (FSDP2 without a mixed-precision policy, autocast casts
+    # per use), bf16 in the ZeRO paper's and Megatron's layouts; LoRA's frozen weights in the compute dtype
+    gathered = n_params * (b.params if not training.lora_rank else 2.0 if training.mixed else 4.0)
     m, z, w = plan.grad_accum, plan.zero_stage, cluster.accelerator.comm_overlap
     bwd = cost.backward_input + cost.backward_weight + cost.recompute
 
@@ -261,34 +269,48 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         return comm - w * min(comm * (1 - 1 / layers), bwd)
 
     if z == 0 or z == 1 and replicates(training, plan):
-        # ZeRO-0, and ZeRO-1 as shardwise's engine runs it (replicate's bucketed all-reduce, then the sharded
-        # optimizer all-gathers the updated slices before the next forward)
+        # ZeRO-0, and ZeRO-1 as shardwise's engine runs it: replicate's bucketed all-reduce, then the sharded
+        # optimizer all-gathers the updated fp32 slices before the next forward, one collective per parameter
+        # tensor (each pays the latency; the tensors outside the blocks are taken as one)
         comm = all_reduce(grads, red_n, red_link)
-        ag = all_gather(trainable * 4.0, sh_n, sh_link) if z == 1 else 0.0
+        ag = 0.0
+        if z == 1:
+            block = [all_gather(n * 4.0, sh_n, sh_link) for n in block_tensor_params(args, plan.tp)]
+            if training.lora_rank:
+                # an A and a B adapter on each of the 7 linears (taken as equal)
+                block = 14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0, sh_n, sh_link)]
+            rest = trainable - (0.0 if training.lora_rank else layers * layer_params(args, plan.tp))
+            ag = layers * sum(block) + (all_gather(rest * 4.0, sh_n, sh_link) if rest > 0 else 0.0)
         return comm + ag, behind_backward(comm) + ag
     hsdp = all_reduce(grads / sh_n, rep_n, rep_link)
-    # gradients are reduced once per step, in the last micro-batch's backward: FSDP2 without gradient sync keeps
-    # them unsharded until then (set_gradient_sync), Megatron accumulates them in its buffer
     rs = reduce_scatter(grads, sh_n, sh_link)
-    if training.layout != "torch" or z == 1:
-        # Megatron's distributed optimizer: the updated weights are all-gathered after the step, before the next
-        # forward
-        ag = all_gather(trainable * (2.0 if training.mixed else 4.0), sh_n, sh_link)
-        return rs + hsdp + ag, behind_backward(rs) + hsdp + ag
-    # FSDP2 reshards after every backward, so every micro-batch gathers the weights again: ZeRO-2 for its forward
-    # (kept through backward), ZeRO-3 for forward and again for backward; each block's gather is prefetched
-    # behind the previous block's compute (the first block's has nothing before it)
+    # How often gradients are reduced: shardwise's engine (layout torch) once per step, in the last micro-batch's
+    # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
+    # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
+    # backward at ZeRO-2 and 3, which keep only the shard.
+    n_rs = m if training.layout == "zero" and z >= 2 else 1
+    if z == 1 or z == 2 and training.layout != "torch":
+        # the updated weights are all-gathered after the step, before the next forward (exposed)
+        ag = all_gather(trainable * b.params, sh_n, sh_link)
+        return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
+    # Weights gathered for every micro-batch: FSDP2 reshards after every backward, so ZeRO-2 gathers them again
+    # for each forward (kept through backward); ZeRO-3 for forward and again for backward. Each block's gather is
+    # prefetched behind the previous block's compute (the first block's has nothing before it).
     ag = all_gather(gathered, sh_n, sh_link)
     first = ag / layers
     fwd_exposed = ag - w * min(ag - first, cost.forward)
     if z == 2:
         return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
-    # backward gathers the blocks only: the root (embedding, final norm, head) is not resharded after forward
-    ag_bwd = all_gather(layers * layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
-    bwd_ag_exposed = ag_bwd - w * min(ag_bwd - first, bwd)
-    last_bwd_exposed = ag_bwd + rs - w * min(ag_bwd + rs - first, bwd)
-    comm = m * (ag + ag_bwd) + rs + hsdp
-    return comm, m * fwd_exposed + (m - 1) * bwd_ag_exposed + last_bwd_exposed + hsdp
+    # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
+    ag_bwd = ag if training.layout != "torch" else all_gather(
+        layers * layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
+
+    def bwd_exposed(comm: float) -> float:
+        return comm - w * min(comm - first, bwd)
+
+    comm = m * (ag + ag_bwd) + n_rs * rs + hsdp
+    exposed = m * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
+    return comm, exposed
 
 
 def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
@@ -309,7 +331,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
     gathered = 0.0
     if plan.zero_stage >= 2:
-        weights = n_params * (2.0 if training.mixed else 4.0)
+        weights = n_params * (b.params if not training.lora_rank else 2.0 if training.mixed else 4.0)
         blocks = layers * layer_params(args, plan.tp) * weights / n_params
         gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
     hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
