@@ -80,3 +80,45 @@ def test_layouts_match_single_device(group):
     for row in report["layouts"]:
         assert max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= 1e-5, row
     assert proc.returncode == 0
+
+
+def _embedding_lookups():
+    """torch's RowwiseParallel and our VocabParallelEmbedding on the same weights and ids (a vocabulary of 1001
+    rows, not divisible by 2), with and without sequence parallelism: outputs, gradients and their placement."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from shardwise.parallel.tensor_parallel import VocabParallelEmbedding
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    reference, ids = torch.nn.Embedding(1001, 16), torch.randint(0, 1001, (4, 32))
+    results = []
+    for layout in (Replicate(), Shard(1)):
+        for style in (RowwiseParallel(input_layouts=Replicate(), output_layouts=layout),
+                      VocabParallelEmbedding(layout)):
+            embedding = torch.nn.Embedding(1001, 16)
+            embedding.load_state_dict(reference.state_dict())
+            parallelize_module(embedding, mesh, style)
+            out = embedding(ids)
+            (out.float() ** 2).sum().backward()
+            grad = embedding.weight.grad
+            results.append((out.detach(), grad.full_tensor(), grad.placements, tuple(grad.to_local().shape)))
+    return results
+
+
+def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
+    """Bitwise RowwiseParallel's outputs and gradient, but each rank holds only its rows of the gradient;
+    RowwiseParallel's backward leaves every rank the whole vocabulary's (the reason for our own style)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distributed import run_distributed
+
+    for rank, results in enumerate(run_distributed(_embedding_lookups, 2)):
+        for (out_r, grad_r, placement_r, shape_r), (out_v, grad_v, placement_v, shape_v) in (results[:2], results[2:]):
+            assert out_r.equal(out_v) and grad_r.equal(grad_v)
+            assert placement_v == (Shard(0),) and shape_v == ((501 if rank == 0 else 500), 16)
+            assert placement_r == (Replicate(),) and shape_r == (1001, 16)

@@ -1,12 +1,15 @@
 """The planner against references computed another way: the reference documents' numbers, the bytes our real
-model saves for backward (saved-tensor hooks), Hugging Face's parameter count, and closed-form schedules."""
+model saves for backward (saved-tensor hooks), Hugging Face's parameter count, closed-form schedules, the
+engine's counted collectives, the simulator, and published training runs."""
 
 import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -695,6 +698,23 @@ def test_megatron_pipeline_sends_scatter_over_tensor_parallel_ranks():
     assert sent["megatron"] == pytest.approx(2 * (x / 8 + x * 7 / 8))
 
 
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_tensor_parallel_traffic_per_micro_batch(loss_parallel):
+    """tp 8 on a link of 1 byte/s without latency (seconds = bytes a rank sends): 4 all-reduces of the hidden
+    activations per block, one for the embedding's partial lookups, one for the head's input gradient, and,
+    unless the loss runs on vocabulary-parallel logits, the logits all-gathered to every rank (the engine's
+    output head does: `ColwiseParallel(output_layouts=Replicate())`)."""
+    from shardwise.planner.timing import stage_cost
+
+    args = preset("llama3-8b")
+    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, comm_efficiency=1.0, intra_node_latency=0.0)
+    training = Training(seq_len=4096, global_batch=1, loss_parallel=loss_parallel)
+    cost = stage_cost(args, training, Plan(tp=8, micro_batch=1), Cluster(unit, 8))
+    x = 4096 * args.dim * 2  # bf16 activations of one micro-batch
+    logits = 0.0 if loss_parallel else 4096 * args.vocab_size * 2 * 7 / 8
+    assert cost.tp_comm == pytest.approx((4 * args.n_layers + 2) * 2 * x * 7 / 8 + logits)
+
+
 def test_measured_bus_bandwidth_curves_price_each_collective_by_size():
     """A profile's curves (bus bandwidth by message size, per collective) reproduce the measured times at the
     measured sizes, interpolate the time linearly between them, keep the smallest's time below it and the
@@ -722,3 +742,37 @@ def test_measured_bus_bandwidth_curves_price_each_collective_by_size():
     # across nodes: the same curve at inter/intra = 1/3 of the bandwidth
     inter = group_link(2, 4, Cluster(acc, 16, gpus_per_node=4))
     assert inter.tier == "inter" and all_gather(2**24, 2, inter) == pytest.approx(3 * 0.5 * 2**24 / 2e9)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Published runs (benchmarks/planner_published.py holds the figures, each quoted from its source)
+
+
+def _published(prefix: str):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_published
+
+    return planner_published, [run for run in planner_published.RUNS if run.name.startswith(prefix)]
+
+
+def test_korthikanti_measured_iterations_within_25_percent():
+    """Korthikanti et al. 2022, table 5 and section 6.3: seconds per iteration measured on A100s for 22B to 1T
+    with sequence parallelism (and with full recompute), against the planner's prediction for the stated
+    layout on catalogue hardware (nothing fitted)."""
+    published, runs = _published("K22")
+    timed = [run for run in runs if run.step_s is not None]
+    assert len(timed) == 9
+    for run in timed:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        assert ev.time.step_time_s == pytest.approx(run.step_s, rel=0.25), run.name
+
+
+def test_published_out_of_memory_layouts_do_not_fit():
+    """The layouts the sources report out of memory: Korthikanti's 175B, 530B and 1T with tensor parallelism
+    alone (section 6.1) and Narayanan's 530B under ZeRO-3 on 560 GPUs (table 2's caption)."""
+    published, runs = _published("")
+    oom = [run for run in runs if not run.fitted and not run.name.startswith("K22 22B")]
+    assert len(oom) == 4
+    for run in oom:
+        assert not published.given_plan(run)[1], run.name

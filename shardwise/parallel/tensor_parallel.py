@@ -11,9 +11,14 @@ moved, but the activations outside the matmuls are 1/tp the size.
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -49,12 +54,50 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+class VocabParallelEmbedding(ParallelStyle):
+    """nn.Embedding split by vocabulary rows, whose backward stays on each rank's own rows (Megatron's
+    VocabParallelEmbedding).
+
+    Written here because torch's RowwiseParallel, which splits the forward the same way, has no such backward:
+    DTensor (torch 2.13) shards the embedding's backward (`embedding_dense_backward`) by columns, by batch or as
+    a partial sum, never by vocabulary rows, so every rank builds a gradient for the whole vocabulary (V x d,
+    4 GiB for Llama 3 70B in fp32) and reduce-scatters it to the rows it owns. Here each rank looks up only the
+    ids in its own range of rows, the others masked to zero as in the forward Megatron runs; the partial sums
+    are reduced to `output_layout` (an all-reduce, or a reduce-scatter over the sequence with sequence
+    parallelism) exactly as RowwiseParallel's are, and the backward writes the rank's V/t rows only. The weight
+    stays a Shard(0) DTensor, so checkpoints, optimizers and a tied output head see what RowwiseParallel gives.
+    """
+
+    def __init__(self, output_layout: Placement):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding splits an nn.Embedding, not {type(module).__name__}")
+        module.register_parameter(
+            "weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=0)))
+        module.forward = partial(_vocab_parallel_lookup, module, device_mesh, self.output_layout)
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, output_layout: Placement,
+                           ids: torch.Tensor) -> torch.Tensor:
+    weight = module.weight.to_local()  # its gradient comes back as this rank's Shard(0) rows
+    first = min(mesh.get_local_rank() * math.ceil(module.num_embeddings / mesh.size()), module.num_embeddings)
+    local = ids - first
+    elsewhere = (local < 0) | (local >= weight.shape[0])
+    rows = F.embedding(local.masked_fill(elsewhere, 0), weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+    summed = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
+    return summed.redistribute(mesh, [output_layout]).to_local()
+
+
 def top_plan(sequence_parallel: bool, has_embedding: bool, has_head: bool) -> dict[str, ParallelStyle]:
     """Embedding (split by vocabulary rows), final norm and output head (split by vocabulary columns)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     if has_embedding:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        plan["tok_embeddings"] = VocabParallelEmbedding(residual)
     if has_head:
         if sequence_parallel:
             plan["norm"] = SequenceParallel()

@@ -75,7 +75,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     acc = cluster.accelerator
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds every input the cost reads
     # (the pp link's stride depends on dp, hence the dp product).
-    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.seq_len,
+    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
+           training.seq_len,
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
@@ -122,7 +123,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     else:
         recompute = 0.0
     overhead = op_overhead(args, plan, acc, layers, stage == head_rank(plan), fwd + bwd_in + bwd_w + recompute)
-    return StageCost(fwd, bwd_in, bwd_w, recompute, _tp_comm(args, training, plan, cluster, layers),
+    tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, stage == head_rank(plan))
+    return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"]),
                      _pp_p2p(args, training, plan, cluster), overhead)
 
@@ -150,17 +152,25 @@ def _head_forward(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     return mm + loss_bytes / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
 
-def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int) -> float:
+def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int, embedding: bool,
+             head: bool) -> float:
     """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
     column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
-    Full recompute replays the forward's two. The output head adds one in backward."""
+    Full recompute replays the forward's two. The embedding's rank reduces the partial lookups once; the head's
+    rank reduces the head's input gradient once and, unless the loss runs on vocabulary-parallel logits
+    (`loss_parallel`), all-gathers the logits to every tp rank in forward (shardwise's engine does)."""
     if plan.tp == 1:
         return 0.0
     n, link = axis_link(plan, ("tp",), cluster)
-    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    per_layer = (6 if plan.recompute == "full" else 4) * one
-    return layers * per_layer + one
+    total = layers * (6 if plan.recompute == "full" else 4) * one + (one if embedding else 0.0)
+    if head:
+        total += one
+        if not training.loss_parallel:
+            total += all_gather(tokens * args.vocab_size * training.act_bytes, n, link)
+    return total
 
 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
