@@ -456,14 +456,16 @@ def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batc
     cfg = JobConfig()
     cfg.model = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))
     cfg.data.seq_len = seq_len
-    accum = fixed.get("grad_accum", 1)
-    cfg.train = dataclasses.replace(cfg.train, micro_batch=micro_batch * (pp if pp > 1 else 1), grad_accum=accum,
-                                    precision=precision, activation_checkpoint=fixed.get("recompute", "none"))
+    # a pipeline's accumulation is its micro-batches (what --write-config writes): default one per stage
+    accum = fixed.get("grad_accum", pp if pp > 1 else 1)
+    cfg.train = dataclasses.replace(cfg.train, micro_batch=micro_batch * (accum if pp > 1 else 1),
+                                    grad_accum=1 if pp > 1 else accum, precision=precision,
+                                    activation_checkpoint=fixed.get("recompute", "none"))
     cfg.parallel = ParallelConfig(
         dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
         sequence_parallel=fixed.get("sequence_parallel", False),
         pp_schedule=fixed.get("schedule", "1f1b") if fixed.get("schedule", "none") != "none" else "1f1b",
-        pp_microbatches=pp if pp > 1 else 0, virtual_stages=fixed.get("virtual_stages", 1),
+        pp_microbatches=accum if pp > 1 else 0, virtual_stages=fixed.get("virtual_stages", 1),
     )
     return cfg
 

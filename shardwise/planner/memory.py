@@ -442,7 +442,12 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     """
     state = _model_state(args, training, plan, stage)
     acts = _activation_items(args, training, plan, stage)
-    last, accum = stage == head_rank(plan), plan.grad_accum > 1
+    m = in_flight(plan, stage)
+    # gradients are accumulated from the first finished backward on; the first backward starts with the most
+    # micro-batches in flight, and with gradients already there only if forwards remain after it (more
+    # micro-batches than in flight: accumulation without a pipeline, a pipeline's steady state); a pipeline
+    # with M <= its warm-up (GPipe; 1F1B's first stages at small M) holds its gradients only as activations go
+    last, accum, accum_early = stage == head_rank(plan), plan.grad_accum > 1, plan.grad_accum > m
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
     seq = training.seq_len
     stage_p, root_p, block_p = stage_params(args, plan, stage, seq), root_params(args, plan, stage, seq), \
@@ -452,21 +457,21 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch.
-    held = 0.0
+    held = held_early = 0.0
     if fsdp:
-        held = (stage_p if plan.zero_stage == 2 else root_p) * gathered
+        held = held_early = (stage_p if plan.zero_stage == 2 else root_p) * gathered
         held += stage_p * grad_bytes if accum and not training.lora_rank else 0.0
+        held_early += stage_p * grad_bytes if accum_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args), "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
             "ddp_buckets": 0.0}
-    if plan.pp > 1:  # a received activation and a received gradient, double-buffered
-        base["p2p_buffers"] = 4 * plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
-    early_grads = state["grads"] if accum and not fsdp else 0.0
-    m = in_flight(plan, stage)
+    if plan.pp > 1:
+        base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
+    early_grads = state["grads"] if accum_early and not fsdp else 0.0
     out = {}
     if last:
         out["loss_backward"] = {**base, "grads": early_grads, "activations": acts["activations"] * m,
                                 "compute_copies": acts["copies"] * m, "backward_and_logits": acts["logits"],
-                                "fsdp_buffers": held}
+                                "fsdp_buffers": held_early}
     # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
     # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
     # reduce-scattered are autograd's, not its buffers
@@ -479,7 +484,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
         "activations": acts["activations"] * m - acts["head"] - (bwd["freed"] if plan.recompute == "none" else 0.0),
         "compute_copies": acts["copies"] * m - acts["head_copy"],
         "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
-        "fsdp_buffers": held + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+        "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     out["end_of_backward"] = {
         **base, "replica_params": root_p * 4.0 if base["replica_params"] else 0.0, "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
@@ -491,6 +496,23 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     if plan.pp > 1:
         out["optimizer_step"]["p2p_buffers"] = 0.0
     return out
+
+
+def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """Receive buffers of a pipeline rank. torch.distributed.pipelining (shardwise's engine) allocates, for each
+    stage the rank holds, one buffer per micro-batch for the activations coming in (every stage but the first)
+    and one for the gradients coming back (every stage but the last), and keeps them for the whole step (the
+    simulator's tracker counts them as the stage's inputs). A buffer holds the boundary tensor: b s/c d elements
+    of the residual stream, 1/t of them under sequence parallelism. Megatron's layout allocates per transfer: a
+    received activation and a received gradient, double-buffered."""
+    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.stream_bytes
+    if plan.sequence_parallel:
+        x /= plan.tp
+    if training.layout != "torch":
+        return 4 * x
+    n = plan.pp * plan.stages_per_rank
+    held = sum((s > 0) + (s < n - 1) for s in stages_of_rank(plan.schedule, plan.pp, stage, plan.stages_per_rank))
+    return held * plan.grad_accum * x
 
 
 def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
@@ -553,9 +575,10 @@ def simulator_categories(items: dict[str, float]) -> dict[str, float]:
         "parameters": items["params"] + items["buffers"] + items["replica_params"],
         "gradients": items["grads"],
         "optimizer_state": items["master_weights"] + items["optimizer_state"],
-        "activations": items["activations"] + items["compute_copies"],
+        # the pipeline's receive buffers are the stage's inputs, which the tracker counts as activations
+        "activations": items["activations"] + items["compute_copies"] + items.get("p2p_buffers", 0.0),
         "temporaries": items["backward_and_logits"],
-        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"] + items.get("p2p_buffers", 0.0),
+        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"],
     }
     out["total"] = sum(out.values())
     return out

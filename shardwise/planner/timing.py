@@ -205,7 +205,7 @@ def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -
     if plan.pp == 1:
         return 0.0
     _, link = axis_link(plan, ("pp",), cluster)
-    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.act_bytes
+    x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.stream_bytes  # the residual stream
     if plan.sequence_parallel:
         x /= plan.tp
     elif training.layout == "megatron" and plan.tp > 1:
