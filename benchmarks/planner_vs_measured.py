@@ -35,7 +35,7 @@ from pathlib import Path
 
 from shardwise.model import ModelArgs
 from shardwise.planner import Cluster, Plan, Training, evaluate, load_profile
-from shardwise.planner.bench import compute_rates
+from shardwise.planner.bench import ATTENTION_SHAPES, compute_rates
 from shardwise.planner.config_out import write_config
 from shardwise.planner.hardware import Accelerator
 
@@ -131,6 +131,9 @@ def with_rates(acc: Accelerator, rates: dict) -> Accelerator:
     them into a profile)."""
     return dataclasses.replace(acc, peak_flops={**acc.peak_flops, "fp32": rates["matmul_fp32"]},
                                attention_efficiency=min(1.0, rates["attention"] / rates["matmul_fp32"]),
+                               attention_by_shape={f"{seq},{hd}": min(1.0, rates[f"attention_{seq}_{hd}"]
+                                                                      / rates["matmul_fp32"])
+                                                   for seq, hd in ATTENTION_SHAPES},
                                mem_bandwidth=rates["mem_bandwidth"],
                                **{k: rates[k] for k in OVERHEADS if k in rates})
 

@@ -653,6 +653,35 @@ def test_block_operator_count_is_the_blocks_own_forward_and_backward():
     assert with_block.calls - without.calls == op_counts(args).block
 
 
+def test_optimizer_traffic_per_parameter_holds_at_another_size():
+    """opcount counts the bytes the engine's optimizer step (gradient norm, foreach AdamW, zero_grad) reads and
+    writes per parameter on one extra tiny block; a whole model of another shape, counted directly, moves the
+    same per parameter, and more than a fused step's minimum (weights and both moments read and written,
+    gradients read: 28 bytes in fp32)."""
+    from shardwise.model import ModelArgs, Transformer
+    from shardwise.planner.opcount import OpCounter, micro_batch, op_counts, optimizer_step
+
+    args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, n_layers=3, max_seq_len=16)
+    model = Transformer(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for _ in range(2):  # the first step creates the moments
+        micro_batch(model, args)
+        with OpCounter() as step:
+            optimizer_step(model, optimizer)
+    per_param = step.bytes / sum(p.numel() for p in model.parameters())
+    assert per_param == pytest.approx(op_counts(args).optimizer_bytes_per_param, rel=0.05)
+    assert per_param > 28
+
+
+def test_attention_efficiency_by_shape_interpolates_the_measured_grid():
+    acc = dataclasses.replace(accelerator("h100"), attention_efficiency=0.5,
+                              attention_by_shape={"128,32": 0.2, "128,128": 0.4, "2048,32": 0.6, "2048,128": 0.8})
+    assert acc.attention_eff(128, 32) == pytest.approx(0.2) and acc.attention_eff(2048, 128) == pytest.approx(0.8)
+    assert acc.attention_eff(512, 64) == pytest.approx(0.5 * (0.2 + 0.4) / 2 + 0.5 * (0.6 + 0.8) / 2)
+    assert acc.attention_eff(64, 16) == pytest.approx(0.2) and acc.attention_eff(8192, 256) == pytest.approx(0.8)
+    assert accelerator("h100").attention_eff(512, 64) == accelerator("h100").attention_efficiency
+
+
 def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
     from shardwise.planner.opcount import op_counts
 

@@ -123,17 +123,24 @@ def matmul_flops(n: int, dtype: torch.dtype, device: str, iters: int, min_second
     return 2 * n**3 / _timed(lambda: a @ b, iters, device, min_seconds)
 
 
-def attention_flops(device: str, dtype: torch.dtype, iters: int, min_seconds: float = 0.0) -> float:
-    """Causal SDPA forward + backward: (2 + 5) matmuls of 2 s d FLOPs per query, halved by the mask."""
-    bsz, heads, seq, hd = 2, 8, 1024, 64
-    q, k, v = (torch.randn(bsz, heads, seq, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+ATTENTION_SHAPES = [(seq, hd) for seq in (128, 512, 2048) for hd in (32, 64, 128)]
+"""(sequence length, head dimension) at which fused attention is measured: its rate depends on both (short
+sequences and narrow heads leave the kernel's tiles part empty), and the planner interpolates between them."""
+
+
+def attention_flops(device: str, dtype: torch.dtype, iters: int, min_seconds: float = 0.0, seq: int = 1024,
+                    hd: int = 64) -> float:
+    """Causal SDPA forward + backward: (2 + 5) matmuls of 2 s d FLOPs per query, halved by the mask. As many
+    (batch x head) rows as make about 1 GFLOP per call on a CPU (100 on a GPU)."""
+    flops_per_row = 0.5 * 7 * 2 * seq * seq * hd
+    rows = max(1, round((1e11 if device.startswith("cuda") else 1e9) / flops_per_row))
+    q, k, v = (torch.randn(1, rows, seq, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
     def step():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    flops = 0.5 * 7 * 2 * bsz * heads * seq * seq * hd
-    return flops / _timed(step, iters, device, min_seconds)
+    return rows * flops_per_row / _timed(step, iters, device, min_seconds)
 
 
 def mem_bandwidth(device: str, iters: int, min_seconds: float = 0.0) -> float:
@@ -218,7 +225,9 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
     attn_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shared = device == "cpu" and world * threads > (os.cpu_count() or 1)
     jobs = {**{f"matmul_{k}": partial(matmul_flops, matmul_size, DTYPES[k], dev) for k in dtypes},
-            "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev)}
+            "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev),
+            **{f"attention_{seq}_{hd}": partial(attention_flops, dev, attn_dtype, seq=seq, hd=hd)
+               for seq, hd in ATTENTION_SHAPES}}
     overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
                  "dtensor_op_overhead_s": dtensor_op_overhead} if device == "cpu" else {}
     results = {}
@@ -353,6 +362,7 @@ def measure(ns: argparse.Namespace) -> dict:
     rates = compute_rates(ns.world, device, threads, ns.matmul_size, dtypes, ns.iters)
     mm = {k: rates[f"matmul_{k}"] for k in dtypes}
     attn, bw = rates["attention"], rates["mem_bandwidth"]
+    attn_shapes = {f"{seq},{hd}": rates[f"attention_{seq}_{hd}"] for seq, hd in ATTENTION_SHAPES}
     coll = collectives(comm_world, device, int(ns.comm_mb * 1e6), ns.iters,
                        max(1, (os.cpu_count() or 1) // comm_world) if device == "cpu" else 1)
     overlap = coll.pop("overlap")
@@ -365,7 +375,8 @@ def measure(ns: argparse.Namespace) -> dict:
     curves = {op: {size: bus_bandwidth({size: seconds}, op, comm_world) for size, seconds in t.items()}
               for op, t in coll.items()}
     measured |= {"busbw_curves": curves, "launch_async": device == "cuda"}
-    measurements = {"matmul_flops": mm, "attention_flops": attn, "mem_bandwidth": bw, "latency_s": latency,
+    measurements = {"matmul_flops": mm, "attention_flops": attn, "attention_flops_by_shape": attn_shapes,
+                    "mem_bandwidth": bw, "latency_s": latency,
                     **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap,
                     "collective_times_s": {op: {str(k): v for k, v in t.items()} for op, t in coll.items()},
                     "world": ns.world, "collective_world": comm_world, "threads_per_rank": threads,
@@ -380,6 +391,7 @@ def measure(ns: argparse.Namespace) -> dict:
             acc, matmul_efficiency=min(1.0, mm["bf16"] / acc.peak("bf16")) if "bf16" in acc.peak_flops else
             acc.matmul_efficiency,
             attention_efficiency=min(1.0, attn / acc.peak(attn_dtype)),
+            attention_by_shape={k: min(1.0, r / acc.peak(attn_dtype)) for k, r in attn_shapes.items()},
             bandwidth_efficiency=min(1.0, bw / acc.mem_bandwidth), intra_node_bw=busbw["all_reduce"],
             comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap, **measured,
             source=f"{acc.source}; efficiencies by shardwise bench")
@@ -389,6 +401,7 @@ def measure(ns: argparse.Namespace) -> dict:
             intra_node_bw=busbw["all_reduce"], inter_node_bw=busbw["all_reduce"], host_bw=bw,
             intra_node_latency=latency, inter_node_latency=latency, matmul_efficiency=1.0,
             attention_efficiency=min(1.0, attn / mm[attn_dtype]), bandwidth_efficiency=1.0, comm_efficiency=1.0,
+            attention_by_shape={k: min(1.0, r / mm[attn_dtype]) for k, r in attn_shapes.items()},
             comm_overlap=comm_overlap, **measured,
             source=f"measured by shardwise bench: one of {ns.world} ranks, {threads} threads each (peaks are "
                    "achieved rates; inter-node = this machine's links)")

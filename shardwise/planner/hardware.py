@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,9 @@ class Accelerator:
     launch_async: bool = True
     """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
     earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""
+    attention_by_shape: dict[str, float] | None = None
+    """Measured attention_efficiency by shape, keyed "sequence length,head dimension" (`shardwise bench`
+    measures a grid); None (the catalogue): attention_efficiency for every shape. See attention_eff."""
     busbw_curves: dict[str, dict[int, float]] | None = None
     """Measured intra-node bus bandwidth of each collective ('all_reduce', 'all_gather', 'reduce_scatter') by
     message size in bytes, as nccl-tests tabulates it; `shardwise bench` writes it. Small messages reach far less
@@ -80,6 +84,31 @@ class Accelerator:
     inter_node_bw / intra_node_bw."""
     source: str = ""
     """Where the datasheet numbers come from."""
+
+    def attention_eff(self, seq: int, head_dim: int) -> float:
+        """Share of peak fused attention reaches at this shape: bilinear in log2(sequence) and log2(head
+        dimension) between the measured shapes, clamped to their range; attention_efficiency without a table."""
+        if not self.attention_by_shape:
+            return self.attention_efficiency
+        table = {tuple(int(x) for x in key.split(",")): eff for key, eff in self.attention_by_shape.items()}
+        seqs, hds = sorted({s for s, _ in table}), sorted({h for _, h in table})
+
+        def bracket(values: list[int], x: float) -> tuple[int, int, float]:
+            x = min(max(x, values[0]), values[-1])
+            hi = next(i for i, v in enumerate(values) if v >= x)
+            lo = max(0, hi - 1)
+            if values[hi] == values[lo]:
+                return lo, hi, 0.0
+            return lo, hi, (math.log2(x) - math.log2(values[lo])) / (math.log2(values[hi]) - math.log2(values[lo]))
+
+        s0, s1, ws = bracket(seqs, seq)
+        h0, h1, wh = bracket(hds, head_dim)
+
+        def at(i: int, j: int) -> float:
+            return table[seqs[i], hds[j]]
+
+        return ((1 - ws) * ((1 - wh) * at(s0, h0) + wh * at(s0, h1))
+                + ws * ((1 - wh) * at(s1, h0) + wh * at(s1, h1)))
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

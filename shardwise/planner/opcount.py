@@ -40,6 +40,10 @@ class OpCounts:
     """Parameter tensors of one block."""
     tensors_rest: int
     """Parameter tensors outside the blocks."""
+    optimizer_bytes_per_param: float
+    """Bytes the optimizer step's operators read and write per parameter (fp32 state), summed over its passes:
+    a foreach AdamW runs a pass per operation (lerp, mul, addcmul, sqrt, div, ...), each reading and writing
+    parameter-sized tensors, where a fused kernel would touch each tensor once."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -49,6 +53,8 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.calls = 0
         self.per_tensor = 0
+        self.bytes = 0
+        """Bytes of the tensors each operator reads (its tensor arguments) and writes (its outputs)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += 1
@@ -56,7 +62,19 @@ class OpCounter(TorchDispatchMode):
             self.per_tensor += len(args[0])
         else:
             self.per_tensor += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.bytes += _tensor_bytes((args, kwargs or {}, out))
+        return out
+
+
+def _tensor_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in tree)
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(x) for x in tree.values())
+    return 0
 
 
 TINY = dict(dim=16, n_heads=2, ffn_hidden=32, vocab_size=32, max_seq_len=8)
@@ -111,10 +129,13 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
         micro_batch(model, model.args)
         opt_counts.append(_count(lambda: optimizer_step(model, opt)))
     per_tensor = (opt_counts[1].per_tensor - opt_counts[0].per_tensor) / tensors_block
+    block_params = sum(p.numel() for p in one.layers["0"].parameters())
+    bytes_per_param = (opt_counts[1].bytes - opt_counts[0].bytes) / block_params  # the extra block's
     return OpCounts(block=block, rest=n1 - block, linear=lin, optimizer_calls=opt_counts[0].calls,
                     optimizer_per_tensor=per_tensor,
                     optimizer_fixed=opt_counts[0].per_tensor - per_tensor * (tensors_block + tensors_rest),
-                    tensors_per_block=tensors_block, tensors_rest=tensors_rest)
+                    tensors_per_block=tensors_block, tensors_rest=tensors_rest,
+                    optimizer_bytes_per_param=bytes_per_param)
 
 
 def optimizer_ops(counts: OpCounts, tensors: int, looped: bool) -> float:

@@ -62,7 +62,8 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     mm = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
     # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with cp
     # each rank's queries see on average half the sequence either way (load-balanced ring attention)
-    attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (peak * acc.attention_efficiency)
+    attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (
+        peak * acc.attention_eff(training.seq_len, args.head_dim))
     # elementwise kernels write each saved tensor once and read it once
     elementwise = 2 * layer_activation_bytes(args, training, plan, "none") / (
         acc.mem_bandwidth * acc.bandwidth_efficiency)
@@ -79,7 +80,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            training.seq_len,
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
-           acc.matmul_efficiency, acc.attention_efficiency, acc.bandwidth_efficiency, acc.comm_efficiency,
+           acc.matmul_efficiency, acc.attention_efficiency, tuple(sorted((acc.attention_by_shape or {}).items())),
+           acc.bandwidth_efficiency, acc.comm_efficiency,
            acc.comm_overlap, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
            tuple((op, tuple(sorted(c.items()))) for op, c in sorted((acc.busbw_curves or {}).items())),
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
@@ -350,7 +352,10 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
 
 
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
-    """The optimizer step is memory-bound: read weights, grads, master and states, write weights, master, states."""
+    """The optimizer step is memory-bound: at least read weights, grads, master and states and write weights, master
+    and states once (a fused kernel; the offloaded step). Shardwise's engine (layout torch, fp32 state) runs the
+    gradient norm and torch's foreach AdamW, one pass per operation: the bytes its operators read and write per
+    parameter are counted on the real optimizer (opcount.optimizer_bytes_per_param, about 60 against 28)."""
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
     if training.lora_rank:
@@ -361,9 +366,11 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
     if plan.offload != "none":
         return n_params * touched / HOST_DRAM_BW_PER_GPU
+    c = op_counts(args)
+    if training.layout == "torch" and training.optimizer == "adamw":
+        touched = max(touched, c.optimizer_bytes_per_param)
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
-    c = op_counts(args)
     tensors = max(pipeline_layers(args, plan, training.seq_len)) * c.tensors_per_block + c.tensors_rest
     fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * acc.optimizer_op_overhead_s
     return max(memory, fixed) if acc.launch_async else memory + fixed
