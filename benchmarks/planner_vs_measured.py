@@ -99,9 +99,9 @@ def _env(threads: int | None = None) -> dict:
 
 
 def measure(plan: Plan, threads: int | None, steps: int, warmup: int, work: Path) -> dict:
-    """The fastest and the median step time (seconds) of a real run of `plan` after `warmup` steps, and the load
-    average. The fastest step is the one other jobs disturbed least, as the profile's rates are the fastest
-    repetitions of the bench's measurements."""
+    """The median and the fastest step time (seconds) of a real run of `plan` after `warmup` steps, and the load
+    average. The median is what the planner predicts (a typical step); the fastest is the one other jobs
+    disturbed least."""
     config, run = work / "plan.toml", work / "run"
     write_config(config, MODEL, training(), plan)
     sets = [f"train.steps={steps}", "train.val_every=0", "metrics.log_every=1", f"metrics.out_dir='{run}'",

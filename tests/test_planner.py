@@ -726,6 +726,20 @@ def test_zero3_traffic_per_step_follows_each_stack(layout):
     assert t.comm_total_s == pytest.approx((gathers + reductions) * ring, rel=1e-9)
 
 
+def test_engine_collectives_are_one_per_fsdp_unit_or_bucket():
+    """On a link with latency only (seconds = collectives x steps x 1 s): FSDP2's ZeRO-3 gathers each block and the
+    root in forward, each block again in backward, and reduce-scatters each block and the root, (N-1) ring steps
+    each; replicate (ZeRO-0) all-reduces one bucket per block here (a Llama 3 8B block's gradients exceed the
+    25 MB bucket) and the root, each a tree of 2 log2 N steps (cheaper than the ring's 2(N-1) at this size)."""
+    args = preset("llama3-8b")
+    alpha = dataclasses.replace(accelerator("h100"), intra_node_bw=math.inf, intra_node_latency=1.0)
+    training, blocks = Training(seq_len=4096, global_batch=8), args.n_layers
+    zero3 = evaluate(args, training, Plan(dp_shard=8, zero_stage=3, micro_batch=1), Cluster(alpha, 8)).time
+    assert zero3.comm_total_s == pytest.approx(((blocks + 1) + blocks + (blocks + 1)) * 7)
+    zero0 = evaluate(args, training, Plan(dp_replicate=8, micro_batch=1), Cluster(alpha, 8)).time
+    assert zero0.comm_total_s == pytest.approx((blocks + 1) * 2 * 3)
+
+
 def test_megatron_pipeline_sends_scatter_over_tensor_parallel_ranks():
     """Megatron's scatter/gather (Narayanan et al. 2021, 4.1): without sequence parallelism each tp rank sends
     1/t of the activations across stages and the stage all-gathers them over tp; shardwise's engine sends them

@@ -7,6 +7,7 @@ docs/planner.md, "Time model".
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardwise.model import ModelArgs, flops_per_token
@@ -275,6 +276,20 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     m, z, w = plan.grad_accum, plan.zero_stage, cluster.accelerator.comm_overlap
     bwd = cost.backward_input + cost.backward_weight + cost.recompute
 
+    # shardwise's engine (layout torch) moves data-parallel traffic unit by unit: FSDP2 one collective per block
+    # and one for the root (embedding, final norm, head); replicate one per bucket of whole blocks (up to
+    # ddp_bucket_mb) and one for the root. Small messages reach less bandwidth (the measured curves), and each
+    # pays the latency. The other layouts' buckets are taken as one message.
+    in_blocks = layers * layer_params(args, plan.tp) / n_params if not training.lora_rank else 1.0
+
+    def by_unit(op, nbytes: float, n: int, link, per_bucket: int = 1) -> float:
+        if training.layout != "torch" or n == 1:
+            return op(nbytes, n, link)
+        block, root = nbytes * in_blocks / layers, nbytes * (1 - in_blocks)
+        full, rest = divmod(layers, per_bucket)
+        return (full * op(per_bucket * block, n, link) + (op(rest * block, n, link) if rest else 0.0)
+                + (op(root, n, link) if root > 0 else 0.0))
+
     def behind_backward(comm: float) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
         # has no backward left to hide behind
@@ -284,7 +299,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # ZeRO-0, and ZeRO-1 as shardwise's engine runs it: replicate's bucketed all-reduce, then the sharded
         # optimizer all-gathers the updated fp32 slices before the next forward, one collective per parameter
         # tensor (each pays the latency; the tensors outside the blocks are taken as one)
-        comm = all_reduce(grads, red_n, red_link)
+        block_grads = grads * in_blocks / layers
+        comm = by_unit(all_reduce, grads, red_n, red_link,
+                       per_bucket=max(1, math.ceil(training.ddp_bucket_mb * 2**20 / block_grads)))
         ag = 0.0
         if z == 1:
             block = [all_gather(n * 4.0, sh_n, sh_link) for n in block_tensor_params(args, plan.tp)]
@@ -294,8 +311,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
             rest = trainable - (0.0 if training.lora_rank else layers * layer_params(args, plan.tp))
             ag = layers * sum(block) + (all_gather(rest * 4.0, sh_n, sh_link) if rest > 0 else 0.0)
         return comm + ag, behind_backward(comm) + ag
-    hsdp = all_reduce(grads / sh_n, rep_n, rep_link)
-    rs = reduce_scatter(grads, sh_n, sh_link)
+    hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link)
+    rs = by_unit(reduce_scatter, grads, sh_n, sh_link)
     # How often gradients are reduced: shardwise's engine (layout torch) once per step, in the last micro-batch's
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
@@ -308,14 +325,14 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # Weights gathered for every micro-batch: FSDP2 reshards after every backward, so ZeRO-2 gathers them again
     # for each forward (kept through backward); ZeRO-3 for forward and again for backward. Each block's gather is
     # prefetched behind the previous block's compute (the first block's has nothing before it).
-    ag = all_gather(gathered, sh_n, sh_link)
+    ag = by_unit(all_gather, gathered, sh_n, sh_link)
     first = ag / layers
     fwd_exposed = ag - w * min(ag - first, cost.forward)
     if z == 2:
         return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
     # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
-    ag_bwd = ag if training.layout != "torch" else all_gather(
-        layers * layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
+    ag_bwd = ag if training.layout != "torch" else layers * all_gather(
+        layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
 
     def bwd_exposed(comm: float) -> float:
         return comm - w * min(comm - first, bwd)
