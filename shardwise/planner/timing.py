@@ -280,7 +280,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # and one for the root (embedding, final norm, head); replicate one per bucket of whole blocks (up to
     # ddp_bucket_mb) and one for the root. Small messages reach less bandwidth (the measured curves), and each
     # pays the latency. The other layouts' buckets are taken as one message.
-    in_blocks = layers * layer_params(args, plan.tp) / n_params if not training.lora_rank else 1.0
+    # (n_params is the rank with the most parameters, layers the one with the most blocks: clamp)
+    in_blocks = min(1.0, layers * layer_params(args, plan.tp) / n_params) if not training.lora_rank else 1.0
 
     def by_unit(op, nbytes: float, n: int, link, per_bucket: int = 1) -> float:
         if training.layout != "torch" or n == 1:
