@@ -14,9 +14,10 @@ from shardwise.model import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.hardware import Accelerator, Cluster
 from shardwise.planner.opcount import op_counts, optimizer_ops
-from shardwise.planner.memory import (block_tensor_params, head_rank, kv_split, layer_activation_bytes,
-                                      layer_params, lora_params, pipeline_layers, ranks_to_check, replicates,
-                                      shape_key, stage_layers, stage_params, state_bytes_per_param)
+from shardwise.planner.memory import (block_tensor_params, gathered_weight_bytes, head_rank, kv_split,
+                                      layer_activation_bytes, layer_params, lora_params, pipeline_layers,
+                                      ranks_to_check, replicates, shape_key, stage_layers, stage_params,
+                                      state_bytes_per_param)
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
@@ -270,9 +271,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     layers = max(pipeline_layers(args, plan, training.seq_len))
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
-    # weights travel as stored: fp32 in shardwise's engine (FSDP2 without a mixed-precision policy, autocast casts
-    # per use), bf16 in the ZeRO paper's and Megatron's layouts; LoRA's frozen weights in the compute dtype
-    gathered = n_params * (b.params if not training.lora_rank else 2.0 if training.mixed else 4.0)
+    # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
+    # ZeRO paper's and Megatron's layouts
+    gathered = n_params * gathered_weight_bytes(training)
     m, z, w = plan.grad_accum, plan.zero_stage, cluster.accelerator.comm_overlap
     bwd = cost.backward_input + cost.backward_weight + cost.recompute
 
@@ -361,7 +362,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
     gathered = 0.0
     if plan.zero_stage >= 2:
-        weights = n_params * (b.params if not training.lora_rank else 2.0 if training.mixed else 4.0)
+        weights = n_params * gathered_weight_bytes(training)
         blocks = layers * layer_params(args, plan.tp) * weights / n_params
         gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
     hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
