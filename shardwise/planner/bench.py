@@ -13,7 +13,9 @@ The profile describes one rank of a `--world`-rank job on this machine: the comp
 `--world` processes at once, each on its own GPU or, on a CPU, with its share of the cores (`--threads`,
 by default cores // world, what `shardwise train --nproc` gives each rank), and the slowest rank's rate is kept.
 Every compute timing is the fastest of its repetitions (on a shared machine, the one no other job interrupted);
-collectives, whose time varies from call to call by itself, take the median.
+collectives, whose time varies from call to call by itself, take the median of samples that are each the mean of
+many calls (`_timed_collective`). Also what a collective costs beyond its own time when the ranks arrive from
+compute (`collective_sync`).
 
 With `--base GPU`, the datasheet entry is kept and its efficiencies become measured / datasheet; without it (a
 CPU, or a device not in the catalogue) the measured rates become the peaks and the efficiencies 1.
@@ -70,7 +72,7 @@ def run_bench(ns: argparse.Namespace) -> int:
           f"{', '.join(f'{k} {v / 1e12:.3f} TFLOP/s' for k, v in m['matmul_flops'].items())}; "
           f"memory {m['mem_bandwidth'] / 1e9:.1f} GB/s; all-reduce busbw {m['all_reduce_busbw'] / 1e9:.2f} GB/s "
           f"over {m['collective_world']} ranks, latency {m['latency_s'] * 1e6:.0f} us, overlap with compute "
-          f"{profile['comm_overlap']:.2f}; per operator {profile['op_overhead_s'] * 1e6:.1f} us (optimizer "
+          f"{profile['comm_overlap']:.2f}, sync {profile['collective_sync_s'] * 1e6:.0f} us; per operator {profile['op_overhead_s'] * 1e6:.1f} us (optimizer "
           f"{profile['optimizer_op_overhead_s'] * 1e6:.1f} us, DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us)")
     return 0
 
@@ -81,16 +83,12 @@ def _device(choice: str) -> str:
     return "cuda" if choice == "cuda" or choice == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _timed(fn, iters: int, device: str, min_seconds: float = 0.0, typical: bool = False) -> float:
+def _timed(fn, iters: int, device: str, min_seconds: float = 0.0) -> float:
     """Seconds per call of `fn`, from the fastest of `iters` samples: what the device does when nothing else
     interrupts it (on a machine shared with other jobs most samples are slowed by them, by varying amounts).
     A sample repeats `fn` for at least `min_seconds`, so that ranks time-sharing cores (more processes than
-    cores) are measured at their share, not in the moments they happen to run alone.
-
-    `typical`: the median sample instead, for operations whose own time varies from call to call even on an idle
-    machine (gloo's collectives: their threads, the scheduler and loopback TCP; the median of a 3 MB all-gather
-    is 1.5x its fastest here). A training step runs many of them, and a sum of many varying terms sits near the
-    sum of their typical values, not of their minima."""
+    cores) are measured at their share, not in the moments they happen to run alone. (Collectives:
+    `_timed_collective`.)"""
     warm = _once(fn, device)  # also the warm-up: first calls pay for allocation and kernel selection
     reps = max(1, math.ceil(min_seconds / max(warm, 1e-9)))
 
@@ -99,7 +97,7 @@ def _timed(fn, iters: int, device: str, min_seconds: float = 0.0, typical: bool 
             fn()
 
     samples = sorted(_once(sample, device) for _ in range(iters))
-    return (samples[len(samples) // 2] if typical else samples[0]) / reps
+    return samples[0] / reps
 
 
 def _once(fn, device: str) -> float:
@@ -268,11 +266,71 @@ def _collective_worker(rank: int, world: int, init: str, device: str, threads: i
                "reduce_scatter": lambda: _reduce_scatter(parts, x)}
         for name, op in ops.items():
             dist.barrier()
-            results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed(op, iters, dev, typical=True))
+            results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed_collective(op, iters, dev))
     results["overlap"] = comm_overlap(dev, min(max(sizes), 2**24), iters)
+    results["sync"] = collective_sync(dev, iters)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+COLLECTIVE_SAMPLE_S = 0.05
+"""Shortest sample of a collective's timing: a loop of back-to-back calls, so that a sample is the mean of many."""
+
+
+def _timed_collective(op, iters: int, device: str) -> float:
+    """Seconds per call of collective `op`: the median of `iters` samples, each the mean of back-to-back calls
+    over at least COLLECTIVE_SAMPLE_S.
+
+    Why means: a gloo collective's own time varies from call to call even on an idle machine, and not around a
+    typical value: most calls of a small all-reduce here take 0.2 ms, some take several (its threads wait for the
+    scheduler), and the mean is 1 to 2 ms. A training step sums many collectives, and a sum of many varying
+    terms is near the sum of their means. Why the median of the samples: a burst of other jobs' load falls on a
+    few samples only. Every rank makes the same number of calls (the largest any rank asks for)."""
+    warm = _once(op, device)
+    reps = torch.tensor([max(1, math.ceil(COLLECTIVE_SAMPLE_S / max(warm, 1e-9)))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
+    reps = int(reps.item())
+
+    def sample():
+        for _ in range(reps):
+            op()
+
+    samples = sorted(_once(sample, device) for _ in range(iters))
+    return samples[len(samples) // 2] / reps
+
+
+def collective_sync(device: str, iters: int, nbytes: int = 2**18, segments: int = 10,
+                    segment_s: float = 0.005) -> dict[str, float]:
+    """What a blocking collective costs beyond its own time when every rank computes before it, as in a training
+    step (tensor parallelism's all-reduces between a block's matmuls, FSDP's gathers between blocks).
+
+    Three loops of `segments` each: compute alone (matmuls of about `segment_s`), the all-reduce alone (back to
+    back), and compute then all-reduce: sync = (t_both - t_compute - t_comm) / segments, at least 0. It is the
+    ranks' arrival skew (the same compute does not take the same time on every rank: the collective starts when
+    the slowest arrives) plus waking the communication thread after the compute. Medians of interleaved
+    repetitions, each loop's time the slowest rank's."""
+    a = torch.randn(256, 256, device=device)
+    x = torch.ones(max(1, nbytes // 4), device=device)
+    reps = torch.tensor([max(1, round(segment_s / max(_timed(lambda: a @ a, 3, device), 1e-9)))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
+    reps = int(reps.item())
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    loops = {"compute_s": lambda: [compute() for _ in range(segments)],
+             "comm_s": lambda: [dist.all_reduce(x) for _ in range(segments)],
+             "both_s": lambda: [(compute(), dist.all_reduce(x)) for _ in range(segments)]}
+    times = {key: [] for key in loops}
+    for _ in range(max(5, iters)):
+        for key, fn in loops.items():
+            dist.barrier()
+            times[key].append(_max_over_ranks(_once(fn, device)))
+    out = {key: sorted(v)[len(v) // 2] / segments for key, v in times.items()}
+    out["sync_s"] = max(0.0, out["both_s"] - out["compute_s"] - out["comm_s"])
+    return out
 
 
 def comm_overlap(device: str, nbytes: int, iters: int) -> dict[str, float]:
@@ -334,14 +392,16 @@ def compute_rates(world: int, device: str, threads: int, matmul_size: int, dtype
 
 
 def collectives(world: int, device: str, max_bytes: int, iters: int, threads: int = 1) -> dict:
-    """{op: {bytes: seconds}} measured across `world` local processes, and 'overlap' (see comm_overlap)."""
+    """{op: {bytes: seconds}} measured across `world` local processes, 'overlap' (see comm_overlap) and 'sync'
+    (see collective_sync)."""
     if device == "cuda" and torch.cuda.device_count() < world:
         raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
     # every factor of 4 from 64 KiB: the planner interpolates between them (comm.measured_time)
     sizes = [4] + [2**k for k in range(16, 29, 2) if 2**k <= max_bytes]
     raw = _spawn(_collective_worker, world, device, threads, sizes, iters)
-    overlap = raw.pop("overlap")
-    return {**{op: {int(k): v for k, v in by_size.items()} for op, by_size in raw.items()}, "overlap": overlap}
+    overlap, sync = raw.pop("overlap"), raw.pop("sync")
+    return {**{op: {int(k): v for k, v in by_size.items()} for op, by_size in raw.items()}, "overlap": overlap,
+            "sync": sync}
 
 
 def bus_bandwidth(times: dict[int, float], op: str, world: int) -> float:
@@ -365,7 +425,7 @@ def measure(ns: argparse.Namespace) -> dict:
     attn_shapes = {f"{seq},{hd}": rates[f"attention_{seq}_{hd}"] for seq, hd in ATTENTION_SHAPES}
     coll = collectives(comm_world, device, int(ns.comm_mb * 1e6), ns.iters,
                        max(1, (os.cpu_count() or 1) // comm_world) if device == "cpu" else 1)
-    overlap = coll.pop("overlap")
+    overlap, sync = coll.pop("overlap"), coll.pop("sync")
     busbw = {op: bus_bandwidth(t, op, comm_world) for op, t in coll.items()}
     latency = coll["all_reduce"][min(coll["all_reduce"])] / (2 * (comm_world - 1))
     # per-operator costs (CPU only: a GPU keeps the catalogue's launch figure) and each collective's own bus
@@ -374,10 +434,10 @@ def measure(ns: argparse.Namespace) -> dict:
                 if k in rates}
     curves = {op: {size: bus_bandwidth({size: seconds}, op, comm_world) for size, seconds in t.items()}
               for op, t in coll.items()}
-    measured |= {"busbw_curves": curves, "launch_async": device == "cuda"}
+    measured |= {"busbw_curves": curves, "launch_async": device == "cuda", "collective_sync_s": sync["sync_s"]}
     measurements = {"matmul_flops": mm, "attention_flops": attn, "attention_flops_by_shape": attn_shapes,
                     "mem_bandwidth": bw, "latency_s": latency,
-                    **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap,
+                    **{f"{op}_busbw": v for op, v in busbw.items()}, "overlap": overlap, "sync": sync,
                     "collective_times_s": {op: {str(k): v for k, v in t.items()} for op, t in coll.items()},
                     "world": ns.world, "collective_world": comm_world, "threads_per_rank": threads,
                     "device": device, "host": socket.gethostname(), "cpu_count": os.cpu_count(),

@@ -28,6 +28,8 @@ class Link:
     curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """Measured bus bandwidth by message size per collective, scaled to this tier (Accelerator.busbw_curves);
     empty: the alpha-beta model."""
+    sync: float = 0.0
+    """Seconds each collective adds when the ranks arrive at it from compute (Accelerator.collective_sync_s)."""
 
     def curve(self, op: str) -> tuple[tuple[int, float], ...] | None:
         return next((c for name, c in self.curves if name == op), None)
@@ -75,37 +77,43 @@ def tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
     return 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / link.bandwidth
 
 
-def all_reduce(nbytes: float, n: int, link: Link) -> float:
-    """The measured curve where the profile has one, else the cheaper of ring and tree."""
+def all_reduce(nbytes: float, n: int, link: Link, after_compute: bool = True) -> float:
+    """The measured curve where the profile has one, else the cheaper of ring and tree; plus the link's `sync`
+    when the ranks come to it from compute (`after_compute`; False for a collective issued right after
+    another)."""
     if n <= 1:
         return 0.0
     curve = link.curve("all_reduce")
+    sync = link.sync if after_compute else 0.0
     if curve:
-        return measured_time(nbytes, n, curve, _all_reduce_factor)
-    return min(ring_all_reduce(nbytes, n, link), tree_all_reduce(nbytes, n, link))
+        return measured_time(nbytes, n, curve, _all_reduce_factor) + sync
+    return min(ring_all_reduce(nbytes, n, link), tree_all_reduce(nbytes, n, link)) + sync
 
 
-def all_gather(nbytes: float, n: int, link: Link) -> float:
-    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B)), or the measured curve."""
-    return _ring_half(nbytes, n, link, "all_gather")
+def all_gather(nbytes: float, n: int, link: Link, after_compute: bool = True) -> float:
+    """Gather X bytes in total (X/N from each rank): (N-1)(alpha + X/(N B)), or the measured curve (+ sync, as
+    all_reduce)."""
+    return _ring_half(nbytes, n, link, "all_gather", after_compute)
 
 
-def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
+def reduce_scatter(nbytes: float, n: int, link: Link, after_compute: bool = True) -> float:
     """Reduce X bytes and leave X/N on each rank: the same steps as all_gather, or reduce-scatter's curve."""
-    return _ring_half(nbytes, n, link, "reduce_scatter")
+    return _ring_half(nbytes, n, link, "reduce_scatter", after_compute)
 
 
-def _ring_half(nbytes: float, n: int, link: Link, op: str) -> float:
+def _ring_half(nbytes: float, n: int, link: Link, op: str, after_compute: bool) -> float:
     if n <= 1:
         return 0.0
     curve = link.curve(op)
+    sync = link.sync if after_compute else 0.0
     if curve:
-        return measured_time(nbytes, n, curve, _half_factor)
-    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+        return measured_time(nbytes, n, curve, _half_factor) + sync
+    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth)) + sync
 
 
 def p2p(nbytes: float, link: Link) -> float:
-    return link.latency + nbytes / link.bandwidth
+    """A send to the next rank: the receiver waits for the sender to come from its compute (`sync`)."""
+    return link.latency + nbytes / link.bandwidth + link.sync
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,8 +149,8 @@ def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None
         curves = tuple((op, tuple((size, busbw * scale) for size, busbw in sorted(c.items())))
                        for op, c in sorted(acc.busbw_curves.items()))
     if intra:
-        return Link(bw, acc.intra_node_latency, "intra", curves)
-    return Link(bw, acc.inter_node_latency, "inter", curves)
+        return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s)
+    return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s)
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:

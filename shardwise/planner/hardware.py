@@ -60,6 +60,12 @@ class Accelerator:
     collectives): 1 where communication has its own engines (NCCL on its own SMs and the copy engines; a stated
     assumption for the catalogue GPUs), measured by `shardwise bench` (about 0 for gloo on a CPU, which reduces
     with the cores the matmuls use)."""
+    collective_sync_s: float = 0.0
+    """Seconds a blocking collective costs beyond its own time when the ranks arrive at it from compute: their
+    arrival skew (the same compute does not take exactly as long on every rank, and the collective starts when
+    the slowest arrives) and waking the communication threads. Measured by `shardwise bench` (`collective_sync`;
+    1 to 2 ms for gloo on this 2-core machine); 0 for the catalogue (not measured there: NCCL ranks run the same
+    kernels in step, and the host does not wait)."""
     op_overhead_s: float = 5e-6
     """Fixed seconds per operator of forward and backward besides its arithmetic: a kernel launch on a GPU
     (about 5 us; a stated assumption for the catalogue), Python and dispatcher time on a CPU; measured by

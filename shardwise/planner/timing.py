@@ -1,7 +1,8 @@
 """Step time: compute, each axis's communication (overlapped or exposed), the pipeline bubble, the optimizer.
 
 T_step = T_compute + T_comm,exposed + T_bubble + T_misc (reference doc 000, section 7); T_misc is the optimizer
-step, offload traffic and the sharding wrappers' buffer copies. Derivations in
+step, offload traffic and the sharding wrappers' buffer copies (the step's scalar all-reduces count as
+communication). Derivations in
 docs/planner.md, "Time model".
 """
 
@@ -84,7 +85,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, tuple(sorted((acc.attention_by_shape or {}).items())),
            acc.bandwidth_efficiency, acc.comm_efficiency,
-           acc.comm_overlap, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
+           acc.comm_overlap, acc.collective_sync_s, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
            tuple((op, tuple(sorted(c.items()))) for op, c in sorted((acc.busbw_curves or {}).items())),
            cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
            plan.micro_batch,
@@ -306,12 +307,16 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
                        per_bucket=max(1, math.ceil(training.ddp_bucket_mb * 2**20 / block_grads)))
         ag = 0.0
         if z == 1:
-            block = [all_gather(n * 4.0, sh_n, sh_link) for n in block_tensor_params(args, plan.tp)]
+            # back to back after the optimizer step: only the first comes from compute (pays the link's sync)
+            block = [all_gather(n * 4.0, sh_n, sh_link, after_compute=False)
+                     for n in block_tensor_params(args, plan.tp)]
             if training.lora_rank:
                 # an A and a B adapter on each of the 7 linears (taken as equal)
-                block = 14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0, sh_n, sh_link)]
+                block = 14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0, sh_n, sh_link,
+                                         after_compute=False)]
             rest = trainable - (0.0 if training.lora_rank else layers * layer_params(args, plan.tp))
-            ag = layers * sum(block) + (all_gather(rest * 4.0, sh_n, sh_link) if rest > 0 else 0.0)
+            ag = layers * sum(block) + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
+                                        else 0.0) + sh_link.sync
         return comm + ag, behind_backward(comm) + ag
     hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link)
     rs = by_unit(reduce_scatter, grads, sh_n, sh_link)
@@ -342,6 +347,20 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     comm = m * (ag + ag_bwd) + n_rs * rs + hsdp
     exposed = m * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
     return comm, exposed
+
+
+def step_scalars(plan: Plan, cluster: Cluster) -> float:
+    """Seconds per step of the scalar all-reduces the training step waits on besides the model's traffic: the
+    loss summed over the ranks that see different tokens (dp x cp) and, in a pipeline, over its stages; the
+    gradient norm's partial sums over the ranks its gradients are split across (tensor parallel, the ZeRO-2/3
+    shard group: a DTensor `full_tensor`) and over the pipeline stages. A few bytes each: latency and the
+    link's sync."""
+    t = 0.0
+    for axes, count in ((("dp_replicate", "dp_shard", "cp"), 1), (("pp",), 2), (("tp",), 1),
+                        (plan.shard_axes, 1 if plan.zero_stage >= 2 else 0)):
+        n, link = axis_link(plan, axes, cluster)
+        t += count * all_reduce(4.0, n, link)
+    return t
 
 
 def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
@@ -443,18 +462,19 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     opt = optimizer_time(args, training, plan, acc)
     off = offload_time(args, training, plan, acc, cost)
     copies = sharding_copies(args, training, plan, acc)
-    total = pipe + dp_exposed + copies + opt + off
+    scalars = step_scalars(plan, cluster)
+    total = pipe + dp_exposed + copies + opt + off + scalars
     tokens = training.global_batch * training.seq_len
     tps = tokens / total
     mfu = flops_per_token(args, training.seq_len) * tps / (plan.world * acc.peak(training.compute_dtype))
-    exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p) + dp_exposed + off
+    exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p) + dp_exposed + off + scalars
     return StepTime(
         step_time_s=total, compute_s=m * cost.compute, recompute_s=m * cost.recompute, bubble_s=bubble,
         bubble_fraction=bubble / pipe if pipe else 0.0, exposed_comm_s=exposed,
-        comm_total_s=m * (cost.tp_comm + cost.pp_p2p) + dp_total, optimizer_s=opt, offload_s=off,
+        comm_total_s=m * (cost.tp_comm + cost.pp_p2p) + dp_total + scalars, optimizer_s=opt, offload_s=off,
         tokens_per_s=tps, mfu=mfu,
         detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
                 "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
                 "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead,
-                "sharding_copies_s": copies},
+                "sharding_copies_s": copies, "step_scalars_s": scalars},
     )
