@@ -100,6 +100,10 @@ class Run:
     """Per-GPU network bandwidth, GB/s per direction, where the cluster differs from the catalogue's."""
     search: bool = True
     """Also run the free search for this job (once per distinct job)."""
+    fused_attention: bool = False
+    """Megatron-LM (2021-22) and BLOOM ran attention unfused (batched GEMMs, a fused scale + mask + softmax kernel:
+    Training.fused_attention) with Megatron's default dropout of 0.1 (BLOOM's README: "The default Megatron-LM
+    dropout settings are inherited"; Korthikanti et al. count its masks); Llama 3 a fused kernel, no dropout."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -173,11 +177,12 @@ def narayanan_runs() -> list[Run]:
 # Korthikanti et al. 2022: table 3 (configurations: "no data parallelism", tp 8, "interleaving schedule with
 # three interleaving stages (m = 3) for the 175B and 530B models", s = 2048, v = 51200, A100 80GB Selene) and
 # table 5 (end-to-end iteration time, "Full Recompute" and "Present Work" = sequence parallelism + selective
-# recompute, MFU and HFU). Their selective recompute (recompute QK^T, softmax, AV) is what a fused attention
-# kernel does anyway, so "Present Work" is the planner's recompute=none with sequence parallelism; "Full
+# recompute, MFU and HFU). Their attention is unfused (their activation count has the 5as/h term of the s x s
+# tensors), and their selective recompute recomputes its core (QK^T, softmax, dropout, AV): the planner's
+# recompute=selective with fused_attention=False. "Present Work" is that with sequence parallelism; "Full
 # Recompute" is recompute=full without it. The activation-memory claim (sec. 6.1): "Without the memory savings
 # provided by sequence parallelism and selective recompute together, none of the these models will fit into
-# memory" -> tp + selective without SP (planner: none, no SP) is an out-of-memory row for each model.
+# memory" -> tp + selective without SP is an out-of-memory row for each model.
 K22 = [("22B", gpt("gpt-22b", 6144, 64, 48), 1, 8, 4, 4, 1, 1.42, 1.10, 0.415, 0.437),
        ("175B", GPT3, 8, 64, 64, 1, 3, 18.13, 13.75, 0.514, 0.528),
        ("530B", MT530, 35, 280, 280, 1, 3, 49.05, 37.83, 0.560, 0.570),
@@ -192,17 +197,17 @@ def korthikanti_runs() -> list[Run]:
         row = (f"table 3: {size} tp 8 pp {pp} GPUs {n} batch {batch} mb {mb}; table 5: {full_s} s full, "
                f"{present_s} s present, MFU {mfu:.1%} HFU {hfu:.1%}")
         runs.append(Run(f"K22 {size} present (SP, sel.)", model, n, 2048, batch,
-                        base + ",recompute=none,sequence_parallel=true", KORTHIKANTI, row, step_s=present_s,
+                        base + ",recompute=selective,sequence_parallel=true", KORTHIKANTI, row, step_s=present_s,
                         mfu=mfu, tflops=mfu * 312))
         # the full-recompute baseline: same job, published time only (its model-FLOP TF/s and MFU derived)
         runs.append(Run(f"K22 {size} full recompute", model, n, 2048, batch,
                         base + ",recompute=full,sequence_parallel=false", KORTHIKANTI, row, step_s=full_s,
                         tflops=mfu * 312 * present_s / full_s, search=False))
         runs.append(Run(f"K22 {size} tp+sel., no SP: OOM", model, n, 2048, batch,
-                        base + ",recompute=none,sequence_parallel=false", KORTHIKANTI,
+                        base + ",recompute=selective,sequence_parallel=false", KORTHIKANTI,
                         "sec. 6.1: none fit without SP and selective recompute together", fitted=False, search=False))
     runs.append(Run("K22 530B dp=8 (2240 GPUs)", MT530, 2240, 2048, 2240,
-                    "tp=8,pp=35,cp=1,dp_replicate=8,zero_stage=0,micro_batch=1,recompute=none,"
+                    "tp=8,pp=35,cp=1,dp_replicate=8,zero_stage=0,micro_batch=1,recompute=selective,"
                     "sequence_parallel=true,schedule=interleaved-1f1b,virtual_stages=3", KORTHIKANTI,
                     "sec. 6.3: 8-way data parallelism (2240 GPUs), batch x 8: 39.15 s/iteration, MFU 54.2%",
                     step_s=39.15, mfu=0.542, tflops=0.542 * 312, search=False))
@@ -231,7 +236,8 @@ def llama3_runs() -> list[Run]:
             runs.append(Run(f"Llama3 405B {seq // 1024}K n={n} {layout}", preset("llama3-405b"), n, seq,
                             dp * per_dp, f"tp=8,pp=16,cp={cp},dp_replicate={dp},zero_stage=1,"
                             f"schedule=interleaved-1f1b{extra}", LLAMA3, f"table 4 row: {row}", tflops=x, mfu=mfu,
-                            gpu="h100", layout=layout, search=layout == "megatron"))
+                            gpu="h100", layout=layout, search=layout == "megatron",
+                            fused_attention=True))
     return runs
 
 
@@ -268,7 +274,8 @@ def cluster_of(run: Run) -> Cluster:
 
 def training_of(run: Run) -> Training:
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
-    return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch")
+    return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
+                    fused_attention=run.fused_attention, dropout=not run.fused_attention)
 
 
 def given_plan(run: Run):

@@ -824,24 +824,62 @@ def _published(prefix: str):
     return planner_published, [run for run in planner_published.RUNS if run.name.startswith(prefix)]
 
 
-def test_korthikanti_measured_iterations_within_25_percent():
+def test_korthikanti_measured_iterations_within_15_percent():
     """Korthikanti et al. 2022, table 5 and section 6.3: seconds per iteration measured on A100s for 22B to 1T
-    with sequence parallelism (and with full recompute), against the planner's prediction for the stated
-    layout on catalogue hardware (nothing fitted)."""
+    with sequence parallelism and selective recompute (and with full recompute), against the planner's
+    prediction for the stated layout on catalogue hardware (nothing fitted; unfused attention with dropout, as
+    Megatron-LM ran it then)."""
     published, runs = _published("K22")
     timed = [run for run in runs if run.step_s is not None]
     assert len(timed) == 9
     for run in timed:
         ev, fits = published.given_plan(run)
         assert fits, run.name
-        assert ev.time.step_time_s == pytest.approx(run.step_s, rel=0.25), run.name
+        assert ev.time.step_time_s == pytest.approx(run.step_s, rel=0.15), run.name
+
+
+def test_narayanan_ptd_p_throughput_within_10_percent():
+    """Narayanan et al. 2021, tables 1 and 2 (PTD-P rows): achieved teraFLOP/s per GPU, 1.7B on 32 GPUs to 1T on
+    3,072, as the step time their eq. 3 implies, against the planner's for the stated tp, pp and dp (the search
+    completes micro-batch and virtual stages; catalogue A100s, nothing fitted)."""
+    published, runs = _published("N21")
+    ptd = [run for run in runs if "ZeRO-3" not in run.name]
+    assert len(ptd) == 16
+    for run in ptd:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        assert ev.time.step_time_s == pytest.approx(run.published_step(), rel=0.10), run.name
+
+
+def test_unfused_attention_and_dropout_add_korthikantis_terms():
+    """Korthikanti et al. 2022, table 2: per layer, sbh(10 + 24/t + 5as/(ht)) bytes with tensor parallelism,
+    sbh(34/t + 5as/(ht)) with sequence parallelism, the 5as/(ht) (softmax output, dropout mask and output) gone
+    under selective recompute. Our block's own tensors differ from the GPT block's (SwiGLU, rotary); what
+    unfused attention and dropout add to them must be exactly the two terms our fused, dropout-free block
+    lacks: 5 a s^2 b / t, and the two hidden dropout masks, 2 s b h (/ t with SP)."""
+    args = preset("llama3-8b")
+    s, b, t, a, h = 2048, 2, 8, args.n_heads, args.dim
+    for sp in (False, True):
+        for recompute in ("none", "selective"):
+            plan = Plan(tp=t, micro_batch=b, sequence_parallel=sp, recompute=recompute)
+            gpt = Training(seq_len=s, global_batch=b, layout="megatron", fused_attention=False, dropout=True)
+            ours = dataclasses.replace(gpt, fused_attention=True, dropout=False)
+            # Korthikanti's selective recompute keeps every tensor but the attention core's
+            base = layer_activation_bytes(args, ours, plan, "none")
+            masks = 2 * s * b * h / (t if sp else 1)
+            scores = 5 * a * s * s * b / t if recompute == "none" else 0.0
+            assert layer_activation_bytes(args, gpt, plan) == pytest.approx(base + masks + scores, rel=1e-12)
+    # full recompute keeps the block's input only, either way
+    full = Plan(tp=t, micro_batch=b, recompute="full")
+    assert layer_activation_bytes(args, gpt, full) == layer_activation_bytes(args, ours, full)
 
 
 def test_published_out_of_memory_layouts_do_not_fit():
-    """The layouts the sources report out of memory: Korthikanti's 175B, 530B and 1T with tensor parallelism
-    alone (section 6.1) and Narayanan's 530B under ZeRO-3 on 560 GPUs (table 2's caption)."""
+    """The layouts the sources report out of memory: Korthikanti's 22B, 175B, 530B and 1T with tensor
+    parallelism and selective recompute but without sequence parallelism (section 6.1) and Narayanan's 530B
+    under ZeRO-3 on 560 GPUs (table 2's caption)."""
     published, runs = _published("")
-    oom = [run for run in runs if not run.fitted and not run.name.startswith("K22 22B")]
-    assert len(oom) == 4
+    oom = [run for run in runs if not run.fitted]
+    assert len(oom) == 5
     for run in oom:
         assert not published.given_plan(run)[1], run.name

@@ -263,12 +263,29 @@ def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> f
 
 
 def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, recompute: str | None = None,
-                           seq_len: int | None = None) -> float:
-    """Bytes one block keeps for backward for one micro-batch on one rank (tokens = micro_batch x seq / cp)."""
+                           seq_len: int | None = None, attention_scores: bool = True) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one rank (tokens = micro_batch x seq / cp).
+
+    With unfused attention (`Training.fused_attention` False) also the s x s tensors Korthikanti et al. count,
+    5 a s^2 b bytes in 16-bit with dropout (softmax output and dropout output in the activation dtype, the
+    dropout mask in one byte; 2 a s^2 b without dropout), split over tp by heads, unless recomputed: their
+    selective recompute is exactly these, and keeps every other tensor (`attention_scores` False: leave them
+    out). With `Training.dropout`, the two hidden dropout masks (1 byte per element of the residual stream,
+    split over tp only with sequence parallelism), unless fully recomputed."""
     recompute = plan.recompute if recompute is None else recompute
     seq = seq_len or training.seq_len
     tokens = plan.micro_batch * seq / plan.cp
-    total = tokens * _per_token(args, training, plan, recompute)
+    unfused = not training.fused_attention
+    if unfused and recompute == "none" and attention_scores:
+        kept = 2 * training.act_bytes + 1 if training.dropout else training.act_bytes
+        total = tokens * args.n_heads / plan.tp * seq * kept
+    else:
+        total = 0.0
+    if training.dropout and recompute != "full":
+        total += 2 * tokens * args.dim / (plan.tp if plan.sequence_parallel else 1)
+    if unfused and recompute == "selective":  # the attention core's recompute keeps every other tensor
+        recompute = "none"
+    total += tokens * _per_token(args, training, plan, recompute)
     if recompute == "none" and training.act_bytes != 4:
         # apply_rotary casts the fp32 cos/sin table to the activation dtype for q and for k: 4 (seq, head_dim)
         # copies per block, independent of the batch
@@ -466,7 +483,10 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
             "ddp_buckets": 0.0}
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
-    early_grads = state["grads"] if accum_early and not fsdp else 0.0
+    # Megatron-LM's data-parallel wrapper allocates every parameter's main_grad in one contiguous buffer when the
+    # model is wrapped (its grad buffer): resident from the first backward on, whatever the accumulation
+    resident = training.layout == "megatron"
+    early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     out = {}
     if last:
         out["loss_backward"] = {**base, "grads": early_grads, "activations": acts["activations"] * m,
@@ -520,7 +540,8 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     backward's working sets; memoised (they do not depend on the dp split, ZeRO stage or offload, which a search
     varies most)."""
     key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
-           training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
+           training.fused_attention, training.dropout, training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp,
+           plan.virtual_stages, plan.micro_batch,
            plan.recompute, plan.sequence_parallel, plan.schedule, stage)
     cached = _ACTIVATIONS.get(key)
     if cached is None:

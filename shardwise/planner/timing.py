@@ -63,14 +63,30 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
     matmul_params = layer_params(args, plan.tp) - 2 * args.dim
     mm = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
-    # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with cp
-    # each rank's queries see on average half the sequence either way (load-balanced ring attention)
-    attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (
-        peak * acc.attention_eff(training.seq_len, args.head_dim))
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    if training.fused_attention:
+        # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with
+        # cp each rank's queries see on average half the sequence either way (load-balanced ring attention).
+        # FlashAttention's backward does 5 matmuls to the forward's 2 (2.5x), all of them input-side.
+        attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (
+            peak * acc.attention_eff(training.seq_len, args.head_dim))
+        attn_bwd = 2.5 * attn
+    else:
+        # batched GEMMs over the whole s x s (the mask does not skip work), at the matmul rate; backward's four
+        # (dV, dP, dQ, dK) are twice the forward's two. Each s x s element moves in forward: scores written and
+        # read by the softmax, probabilities written and read by AV: 4 a bytes (a = activation bytes); in
+        # backward: the probabilities read by dV, dP written and read with the probabilities by the softmax's
+        # backward, which writes dscores, read by the dQ and dK GEMMs: 7 a. Dropout on the probabilities adds its
+        # output (written, read by AV) and 1-byte mask in forward, 2 a + 1, and in backward its own pass (dP and
+        # the mask read, dprobs written), 2 a + 1.
+        mm_attn = 4 * q_tokens * training.seq_len * args.dim / plan.tp / (peak * acc.matmul_efficiency)
+        elements = q_tokens * args.n_heads / plan.tp * training.seq_len
+        a, extra = training.act_bytes, (2 * training.act_bytes + 1 if training.dropout else 0)
+        attn = mm_attn + elements * (4 * a + extra) / bandwidth
+        attn_bwd = 2 * mm_attn + elements * (7 * a + extra) / bandwidth
     # elementwise kernels write each saved tensor once and read it once
-    elementwise = 2 * layer_activation_bytes(args, training, plan, "none") / (
-        acc.mem_bandwidth * acc.bandwidth_efficiency)
-    return {"matmul": mm, "attention": attn, "elementwise": elementwise}
+    elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False) / bandwidth
+    return {"matmul": mm, "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise}
 
 
 def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StageCost:
@@ -80,7 +96,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds every input the cost reads
     # (the pp link's stride depends on dp, hence the dp product).
     key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
-           training.seq_len,
+           training.fused_attention, training.dropout, training.seq_len,
            training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
            acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
            acc.matmul_efficiency, acc.attention_efficiency, tuple(sorted((acc.attention_by_shape or {}).items())),
@@ -118,19 +134,20 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
     fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
-    # FlashAttention's backward does 5 matmuls to the forward's 2 (2.5x), all of them input-side
-    bwd_in = layers * (t["matmul"] + 2.5 * t["attention"] + 2 * t["elementwise"]) + head
+    bwd_in = layers * (t["matmul"] + t["attention_bwd"] + 2 * t["elementwise"]) + head
     bwd_w = (layers * t["matmul"] + head) * w_factor
     if plan.recompute == "full":
         recompute = layers * (t["matmul"] + t["attention"] + t["elementwise"])
     elif plan.recompute == "selective":
-        recompute = layers * t["elementwise"]
+        # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
+        # kernel recomputes that anyway, and selective then means the cheap elementwise tensors
+        recompute = layers * (t["elementwise"] if training.fused_attention else t["attention"])
     else:
         recompute = 0.0
     overhead = op_overhead(args, plan, acc, layers, stage == head_rank(plan), fwd + bwd_in + bwd_w + recompute)
     tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, stage == head_rank(plan))
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
-                     _cp_exposed(args, training, plan, cluster, layers, t["attention"]),
+                     _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead)
 
 
@@ -179,7 +196,7 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
 
 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
-                attention: float) -> float:
+                attention: float, attention_bwd: float) -> float:
     """Ring attention passes each rank's K and V round the cp ring (cp - 1 hops) in forward, and K, V, dK, dV in
     backward; each hop overlaps with the attention compute of the block it serves."""
     if plan.cp == 1:
@@ -190,7 +207,7 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     fwd = (n - 1) * p2p(kv, link)
     bwd = (n - 1) * p2p(2 * kv, link)
     w = cluster.accelerator.comm_overlap
-    exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, 2.5 * attention, w)
+    exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w)
     if plan.recompute == "full":
         exposed += exposed_part(fwd, attention, w)
     return layers * exposed

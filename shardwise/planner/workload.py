@@ -52,6 +52,17 @@ class Training:
     """Store the frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
     fused_rmsnorm: bool = True
     """RMSNorm is one kernel saving (input, rstd); False for the composite form (CPU) that also saves x*rstd."""
+    fused_attention: bool = True
+    """Attention is one fused kernel (FlashAttention, torch's SDPA): no s x s tensor in memory, causal tiles
+    skipped. False: Megatron-LM's attention before FlashAttention (the 2021-22 runs, BLOOM): QK^T and AV as
+    batched GEMMs over the whole s x s, the scores through a fused scale + mask + softmax kernel and dropout,
+    each s x s tensor written to and read from memory, and the softmax output, dropout mask and dropout output
+    kept for backward (Korthikanti et al.'s 5 a s^2 b bytes per layer, with dropout)."""
+    dropout: bool = False
+    """Megatron-LM's default hidden and attention dropout (p = 0.1; GPT-3-style runs and BLOOM kept it): a 1-byte
+    mask per element after the attention's output projection and after the MLP, kept for backward (2 s b h bytes
+    per layer, split over tp only with sequence parallelism), and, with unfused attention, dropout over the s x s
+    probabilities. shardwise's model has no dropout."""
     loss_parallel: bool = False
     """The loss runs on vocab-parallel logit shards (Megatron's vocab-parallel cross-entropy) instead of on logits
     all-gathered to every tp rank, as shardwise's engine does (its output head returns replicated logits)."""
