@@ -874,6 +874,21 @@ def test_unfused_attention_and_dropout_add_korthikantis_terms():
     assert layer_activation_bytes(args, gpt, full) == layer_activation_bytes(args, ours, full)
 
 
+def test_unfused_attention_has_no_context_parallelism():
+    """Ring attention runs a fused kernel per block: with unfused attention the search keeps cp = 1, and a plan
+    asking for cp > 1 is rejected naming the key."""
+    from shardwise.planner import search
+
+    args, cluster = preset("llama3-8b"), Cluster(accelerator("a100-80gb"), 64)
+    unfused = Training(seq_len=8192, global_batch=64, layout="megatron", fused_attention=False, dropout=True)
+    ranked = search(args, unfused, cluster, top_k=20).ranked
+    assert ranked and all(ev.plan.cp == 1 for ev in ranked)
+    assert any(ev.plan.cp > 1 for ev in search(args, dataclasses.replace(unfused, fused_attention=True), cluster,
+                                                top_k=50).ranked)
+    with pytest.raises(PlannerError, match="--plan cp"):
+        search(args, unfused, cluster, fixed={"cp": 2})
+
+
 def test_published_out_of_memory_layouts_do_not_fit():
     """The layouts the sources report out of memory: Korthikanti's 22B, 175B, 530B and 1T with tensor
     parallelism and selective recompute but without sequence parallelism (section 6.1) and Narayanan's 530B

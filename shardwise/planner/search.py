@@ -134,6 +134,8 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("tp", f"tp={tp} must divide both {args.n_heads} heads and {world} GPUs", "pick a common divisor")
     if world % (tp * cp) or training.seq_len % cp:
         bad("cp", f"cp={cp} must divide the sequence ({training.seq_len}) and --gpus/tp", "pick a divisor")
+    if cp > 1 and not training.fused_attention:
+        bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
     degrees = [fixed.get(k) for k in ("dp_replicate", "dp_shard")]
@@ -157,7 +159,8 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
     for tp in tps:
         if world % tp:
             continue
-        cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp
+        # ring attention is a fused kernel per block: unfused attention (Training.fused_attention) has no cp
+        cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp and training.fused_attention
                                      and training.seq_len % (2 * c) == 0 or c == 1])
         for cp in cps:
             if (world // tp) % cp:
