@@ -411,6 +411,25 @@ def test_cli_json(capsys):
     assert out["explanation"]["single_device"]["failure"] == "model too big"
 
 
+def test_cli_unfused_attention_reaches_the_model(capsys):
+    """`--attention unfused --dropout` evaluates a plan as Megatron-LM ran it in 2021-22: the same plan as
+    `evaluate` with Training(fused_attention=False, dropout=True) gives, slower and larger than fused."""
+    argv = ("--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "2048", "--global-batch",
+            "16", "--layout", "megatron", "--plan", "tp=8,pp=1,cp=1,dp=1,micro_batch=1,recompute=none,"
+            "sequence_parallel=true", "--json")
+    results = {}
+    for flags in ((), ("--attention", "unfused", "--dropout")):
+        assert run_plan(_ns(*argv, *flags)) == 0
+        results[flags] = json.loads(capsys.readouterr().out)["plans"][0]
+    fused, unfused = results[()], results[("--attention", "unfused", "--dropout")]
+    training = Training(seq_len=2048, global_batch=16, layout="megatron", fused_attention=False, dropout=True)
+    plan = Plan(tp=8, micro_batch=1, grad_accum=16, recompute="none", sequence_parallel=True)
+    ev = evaluate(preset("llama3-8b"), training, plan, Cluster(accelerator("a100-80gb"), 8))
+    assert unfused["step_time_s"] == pytest.approx(ev.time.step_time_s, rel=1e-6)
+    assert unfused["step_time_s"] > fused["step_time_s"]
+    assert unfused["memory_gib"]["total"] > fused["memory_gib"]["total"]
+
+
 def test_cli_given_plan_that_does_not_fit_is_still_reported(capsys):
     rc = run_plan(_ns("--model", "llama3-70b", "--gpus", "8", "--global-batch", "8", "--seq-len", "4096",
                       "--plan", "dp=8,tp=1,pp=1,zero_stage=0,micro_batch=1,recompute=none", "--json"))

@@ -35,6 +35,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--optimizer", default="adamw", choices=["adamw", "sgd", "momentum", "adamw8bit"])
     a("--layout", default="torch", choices=["torch", "zero", "megatron"],
       help="how mixed precision stores model state (see docs/planner.md)")
+    a("--attention", default="fused", choices=["fused", "unfused"],
+      help="fused: one kernel, no s x s tensors (FlashAttention, SDPA); unfused: Megatron-LM before "
+           "FlashAttention (batched GEMMs, softmax over the stored s x s scores), to evaluate runs of 2021-22")
+    a("--dropout", action="store_true", help="Megatron's hidden and attention dropout (its masks are kept)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
@@ -67,7 +71,8 @@ def build_inputs(ns: argparse.Namespace):
     # torch's CPU RMSNorm is the composite kernel (it also saves x * rstd); GPUs get the fused one
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
                         layout=ns.layout, lora_rank=ns.lora_rank, qlora=ns.qlora,
-                        fused_rmsnorm=not acc.name.startswith("cpu"))
+                        fused_rmsnorm=not acc.name.startswith("cpu"), fused_attention=ns.attention == "fused",
+                        dropout=ns.dropout)
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
     if ns.intra_node_gbs is not None:
