@@ -72,8 +72,9 @@ def run_bench(ns: argparse.Namespace) -> int:
           f"{', '.join(f'{k} {v / 1e12:.3f} TFLOP/s' for k, v in m['matmul_flops'].items())}; "
           f"memory {m['mem_bandwidth'] / 1e9:.1f} GB/s; all-reduce busbw {m['all_reduce_busbw'] / 1e9:.2f} GB/s "
           f"over {m['collective_world']} ranks, latency {m['latency_s'] * 1e6:.0f} us, overlap with compute "
-          f"{profile['comm_overlap']:.2f}, sync {profile['collective_sync_s'] * 1e6:.0f} us; per operator {profile['op_overhead_s'] * 1e6:.1f} us (optimizer "
-          f"{profile['optimizer_op_overhead_s'] * 1e6:.1f} us, DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us)")
+          f"{profile['comm_overlap']:.2f}, sync {profile['collective_sync_s'] * 1e6:.0f} us; per operator "
+          f"{profile['op_overhead_s'] * 1e6:.1f} us (optimizer {profile['optimizer_op_overhead_s'] * 1e6:.1f} us, "
+          f"DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us)")
     return 0
 
 
