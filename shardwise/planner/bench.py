@@ -289,9 +289,7 @@ def _timed_collective(op, iters: int, device: str) -> float:
     terms is near the sum of their means. Why the median of the samples: a burst of other jobs' load falls on a
     few samples only. Every rank makes the same number of calls (the largest any rank asks for)."""
     warm = _once(op, device)
-    reps = torch.tensor([max(1, math.ceil(COLLECTIVE_SAMPLE_S / max(warm, 1e-9)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
-    reps = int(reps.item())
+    reps = int(_max_over_ranks(max(1, math.ceil(COLLECTIVE_SAMPLE_S / max(warm, 1e-9)))))
 
     def sample():
         for _ in range(reps):
@@ -313,9 +311,7 @@ def collective_sync(device: str, iters: int, nbytes: int = 2**18, segments: int 
     repetitions, each loop's time the slowest rank's."""
     a = torch.randn(256, 256, device=device)
     x = torch.ones(max(1, nbytes // 4), device=device)
-    reps = torch.tensor([max(1, round(segment_s / max(_timed(lambda: a @ a, 3, device), 1e-9)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
-    reps = int(reps.item())
+    reps = int(_max_over_ranks(max(1, round(segment_s / max(_timed(lambda: a @ a, 3, device), 1e-9)))))
 
     def compute():
         for _ in range(reps):
