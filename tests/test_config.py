@@ -68,17 +68,25 @@ BAD_CONFIGS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
-def test_cli_rejects_bad_config_in_one_line(tmp_path, case):
+def test_cli_rejects_bad_config_in_one_line(tmp_path, capsys, monkeypatch, case):
+    """`shardwise train` in this process (`main`, what the console script calls): exit 2, one line naming the
+    field, nothing written. One case runs as its own process as well, to see the real stderr and exit code."""
+    from shardwise.cli import main
+
     text, field = BAD_CONFIGS[case]
     out_dir = tmp_path / "run"
     path = _write(tmp_path, text + f"\n[metrics]\nout_dir = '{out_dir}'\n")
     cache = tmp_path / "cache"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardwise", "train", "--config", str(path)],
-        capture_output=True, text=True, env={"SHARDWISE_CACHE": str(cache), "PATH": "/usr/bin:/bin"},
-    )
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert field in lines[0] and "Traceback" not in proc.stderr
+    monkeypatch.setenv("SHARDWISE_CACHE", str(cache))
+    code = main(["train", "--config", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert field in lines[0]
     assert not out_dir.exists() and not cache.exists()
+    if case == "heads":
+        proc = subprocess.run(
+            [sys.executable, "-m", "shardwise", "train", "--config", str(path)],
+            capture_output=True, text=True, env={"SHARDWISE_CACHE": str(cache), "PATH": "/usr/bin:/bin"},
+        )
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == lines, proc.stderr
+        assert not out_dir.exists() and not cache.exists()

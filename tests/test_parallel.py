@@ -58,7 +58,9 @@ PARITY = {
                  "dp_replicate=2,dp_shard=2"],
     "tp": ["tp=2", "tp=2,sequence_parallel=true", "tp=4", "tp=4,sequence_parallel=true"],
     "cp": ["cp=2", "cp=4"],
-    "multi-axis": ["dp_shard=2,tp=2", "dp=2,tp=2,zero_stage=1", "dp_shard=2,cp=2,tp=2,sequence_parallel=true",
+    # FSDP x tp without accumulation or recompute is the selective row's layout less the recompute (and
+    # adamw's row at ZeRO-2): not run on its own
+    "multi-axis": ["dp=2,tp=2,zero_stage=1", "dp_shard=2,cp=2,tp=2,sequence_parallel=true",
                    "dp_shard=2,tp=2,grad_accum=2", "dp_shard=2,tp=2,activation_checkpoint=selective",
                    "dp_shard=2,cp=2,activation_checkpoint=full"],
 }
