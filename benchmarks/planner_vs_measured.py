@@ -35,7 +35,7 @@ from pathlib import Path
 
 from shardwise.model import ModelArgs
 from shardwise.planner import Cluster, Plan, Training, evaluate, load_profile
-from shardwise.planner.bench import ATTENTION_SHAPES, compute_rates
+from shardwise.planner.bench import ATTENTION_SHAPES, OVERHEADS, compute_rates
 from shardwise.planner.config_out import write_config
 from shardwise.planner.hardware import Accelerator
 
@@ -122,8 +122,6 @@ def rates_now(plan: Plan, threads: int | None, iters: int) -> dict:
     return compute_rates(plan.world, "cpu", threads_of(plan, threads), 1024, ["fp32"], iters)
 
 
-OVERHEADS = ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s")
-"""Per-operator costs bench.compute_rates also measures: seconds, so the faster of two is the smaller."""
 
 
 def with_rates(acc: Accelerator, rates: dict) -> Accelerator:

@@ -732,6 +732,32 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
         compute)
 
 
+@pytest.mark.parametrize("plan, dtensors", [
+    (Plan(micro_batch=8), False), (Plan(pp=2, micro_batch=4, grad_accum=2, schedule="1f1b"), False),
+    (Plan(dp_replicate=2, micro_batch=4), True), (Plan(dp_shard=2, zero_stage=3, micro_batch=4), True),
+    (Plan(tp=2, micro_batch=8), True)])
+def test_dtensor_overheads_are_paid_where_the_engine_makes_dtensors(plan, dtensors):
+    """FSDP2's replicate and fully_shard and tensor parallelism make every parameter a DTensor: the optimizer step
+    pays the measured extra per operator over all its operators (a CPU's foreach loops: one per tensor); a pure
+    pipeline's parameters stay plain. Forward and backward pay theirs only under tp, on its 7 projections a
+    block."""
+    from shardwise.planner.opcount import op_counts, optimizer_ops
+
+    model, train = preset("tiny"), Training(seq_len=128, global_batch=8, precision="fp32")
+    base = dataclasses.replace(accelerator("h100"), launch_async=False)
+    c = op_counts(model)
+
+    def time(**kw):
+        return evaluate(model, train, plan, Cluster(dataclasses.replace(base, **kw), plan.world)).time
+
+    per_op = 1e-5
+    tensors = model.n_layers // plan.pp * c.tensors_per_block + c.tensors_rest
+    extra = time(dtensor_optimizer_op_overhead_s=per_op).optimizer_s - time().optimizer_s
+    assert extra == pytest.approx(optimizer_ops(c, tensors, looped=True) * per_op if dtensors else 0.0)
+    step = time(dtensor_op_overhead_s=per_op).step_time_s - time().step_time_s
+    assert step == pytest.approx(model.n_layers * 7 * c.linear * per_op if plan.tp > 1 else 0.0)
+
+
 @pytest.mark.parametrize("layout", ["torch", "zero", "megatron"])
 def test_zero3_traffic_per_step_follows_each_stack(layout):
     """ZeRO-3 over 8 ranks with 4 micro-batches, on a link of 1 byte/s without latency (seconds = bytes a rank

@@ -107,9 +107,14 @@ def top_plan(sequence_parallel: bool, has_embedding: bool, has_head: bool) -> di
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split the model's matmuls over `tp_mesh` in place (parameters become DTensors)."""
-    if tp_mesh.size() == 1:
-        return
+    """Split the model's matmuls over `tp_mesh` in place (parameters become DTensors); nothing on a 1-rank mesh."""
+    if tp_mesh.size() > 1:
+        split_model(model, tp_mesh, sequence_parallel)
+
+
+def split_model(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """`apply_tensor_parallel` on a mesh of any size, one rank included (`shardwise bench` times DTensor's
+    host-side cost that way when it has a single process)."""
     has_embedding = getattr(model, "tok_embeddings", None) is not None
     has_head = getattr(model, "output", None) is not None
     parallelize_module(model, tp_mesh, top_plan(sequence_parallel, has_embedding, has_head))

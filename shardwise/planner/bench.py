@@ -74,7 +74,8 @@ def run_bench(ns: argparse.Namespace) -> int:
           f"over {m['collective_world']} ranks, latency {m['latency_s'] * 1e6:.0f} us, overlap with compute "
           f"{profile['comm_overlap']:.2f}, sync {profile['collective_sync_s'] * 1e6:.0f} us; per operator "
           f"{profile['op_overhead_s'] * 1e6:.1f} us (optimizer {profile['optimizer_op_overhead_s'] * 1e6:.1f} us, "
-          f"DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us)")
+          f"DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us, optimizer on DTensors "
+          f"+{profile['dtensor_optimizer_op_overhead_s'] * 1e6:.1f} us)")
     return 0
 
 
@@ -110,6 +111,9 @@ def _once(fn, device: str) -> float:
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
+
+OVERHEADS = ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s", "dtensor_optimizer_op_overhead_s")
+"""The per-operator costs (seconds, CPU only) `compute_rates` measures beside the rates; the profile's fields."""
 
 SUSTAINED_S = 0.25
 """Shortest sample of a compute-rate measurement when the ranks' threads outnumber the cores: many scheduler time
@@ -178,29 +182,87 @@ def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
 
 
 def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
-    """Extra seconds per operator on DTensors, as tensor parallelism runs them: a tiny column-parallel nn.Linear
-    feeding a row-parallel one (a block's pattern), forward + backward with the input's gradient, against the
-    plain pair, over the plain pair's operator count: sharding propagation, redistribution and wrapping,
-    host-side work that grows with the operators, not the sizes. The mesh is this rank alone, so the pair's two
-    all-reduces (which the planner prices as tensor-parallel communication) move nothing and leave only their
-    host-side cost in the difference."""
+    """Extra seconds per operator on DTensors, as tensor parallelism runs them: our tiny model split over pairs
+    of ranks by the engine (`split_model`, the smallest tp; this rank alone in a 1-rank or odd world) against the
+    same model unsplit, per block (3 blocks less 1), over the operators of a block's 7 projections: sharding
+    propagation, redistribution, wrapping and issuing the functional collectives, host-side work that grows with
+    the operators, not the sizes. Timed as this thread's CPU time, so that the waits for the collectives (priced
+    as tensor-parallel communication) are left out: gloo runs them on threads of its own, and this one sleeps.
+    Times the plain model's wall / CPU time, the share of a core this rank gets (1 unless the ranks' threads
+    outnumber the cores). On a 2-rank mesh this is about 1.5x what a 1-rank mesh shows, where a Partial
+    placement needs no collective."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    alone, _ = dist.new_subgroups(group_size=1)  # every rank takes part in creating every subgroup
-    mesh = DeviceMesh.from_group(alone, "cpu")
+    from shardwise.parallel.tensor_parallel import split_model
 
-    def pair():
-        return torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 16, bias=False))
+    pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)  # every rank takes part
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    base = ModelArgs(n_heads=2, n_kv_heads=2)  # the tiny model's 2 heads, each KV head on its own rank
+    cpu, wall = {}, {}
+    for split in (False, True):
+        for n_layers in (1, 3):
+            torch.manual_seed(0)  # the same tokens on both ranks of a pair
+            model = Transformer(opcount.tiny_args(base, n_layers))
+            if split:
+                split_model(model, mesh, sequence_parallel=False)
+            cpu[split, n_layers], wall[split, n_layers] = _thread_timed(
+                lambda: opcount.micro_batch(model, model.args), iters, min_seconds)
+    per_block = (cpu[True, 3] - cpu[True, 1] - cpu[False, 3] + cpu[False, 1]) / 2
+    share = wall[False, 3] / cpu[False, 3]
+    return max(0.0, per_block * share) / (7 * opcount.op_counts(base).linear)
 
-    plain = pair()
-    split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    x = torch.randn(1, 8, 16, requires_grad=True)
-    with opcount.OpCounter() as c:
-        plain(x).sum().backward()
-    t_plain = _timed(lambda: plain(x).sum().backward(), iters, "cpu", min_seconds)
-    t_split = _timed(lambda: split(x).sum().backward(), iters, "cpu", min_seconds)
-    return max(0.0, t_split - t_plain) / c.calls
+
+def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
+    """Extra seconds per operator of an optimizer step (gradient norm and foreach AdamW, as
+    `optimizer_op_overhead` times them) when the parameters are DTensors, as every parallel layout of the engine
+    but a pure pipeline makes them: the tiny 8-block model's parameters and gradients replicated over a 2-rank
+    mesh (FSDP2's replicate; this rank alone in a 1-rank or odd world) against the plain ones, this thread's CPU
+    time times the plain step's wall / CPU time (see `dtensor_op_overhead`), over the plain step's operators."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_module
+
+    pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    cpu, wall, ops = {}, {}, 0
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(opcount.tiny_args(ModelArgs(), n_layers=8))
+        if split:
+            distribute_module(model, mesh)  # every parameter replicated (a DTensor), as FSDP2's replicate does
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        grads = [p.grad for p in model.parameters()]
+
+        def step():
+            torch.nn.utils.get_total_norm(grads, foreach=True)
+            opt.step()
+
+        step()  # creates the states
+        if not split:
+            with opcount.OpCounter() as c:
+                step()
+            ops = c.per_tensor
+        cpu[split], wall[split] = _thread_timed(step, iters, min_seconds)
+    return max(0.0, (cpu[True] - cpu[False]) * wall[False] / cpu[False]) / ops
+
+
+def _thread_timed(fn, iters: int, min_seconds: float = 0.0) -> tuple[float, float]:
+    """(CPU seconds of this thread, wall seconds) per call of `fn`, each from the fastest of `iters` samples of
+    at least max(min_seconds, 50 ms). `fn` may hold collectives: the ranks agree on the calls per sample."""
+    fn()  # warm-up: first calls take one-off paths
+    start = time.perf_counter()
+    fn()
+    reps = max(1, math.ceil(max(min_seconds, 0.05) / max(_max_over_ranks(time.perf_counter() - start), 1e-9)))
+    cpu, wall = [], []
+    for _ in range(iters):
+        dist.barrier()
+        c0, w0 = time.thread_time(), time.perf_counter()
+        for _ in range(reps):
+            fn()
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return min(cpu) / reps, min(wall) / reps
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -228,7 +290,8 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
             **{f"attention_{seq}_{hd}": partial(attention_flops, dev, attn_dtype, seq=seq, hd=hd)
                for seq, hd in ATTENTION_SHAPES}}
     overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
-                 "dtensor_op_overhead_s": dtensor_op_overhead} if device == "cpu" else {}
+                 "dtensor_op_overhead_s": dtensor_op_overhead,
+                 "dtensor_optimizer_op_overhead_s": dtensor_optimizer_op_overhead} if device == "cpu" else {}
     results = {}
     for name, job in jobs.items():
         dist.barrier()
@@ -299,7 +362,7 @@ def _timed_collective(op, iters: int, device: str) -> float:
     return samples[len(samples) // 2] / reps
 
 
-def collective_sync(device: str, iters: int, nbytes: int = 2**18, segments: int = 10,
+def collective_sync(device: str, iters: int, nbytes: int = 2**18, segments: int = 40,
                     segment_s: float = 0.005) -> dict[str, float]:
     """What a blocking collective costs beyond its own time when every rank computes before it, as in a training
     step (tensor parallelism's all-reduces between a block's matmuls, FSDP's gathers between blocks).
@@ -427,8 +490,7 @@ def measure(ns: argparse.Namespace) -> dict:
     latency = coll["all_reduce"][min(coll["all_reduce"])] / (2 * (comm_world - 1))
     # per-operator costs (CPU only: a GPU keeps the catalogue's launch figure) and each collective's own bus
     # bandwidth (gloo's all-gather and reduce-scatter are slower than its all-reduce)
-    measured = {k: rates[k] for k in ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s")
-                if k in rates}
+    measured = {k: rates[k] for k in OVERHEADS if k in rates}
     curves = {op: {size: bus_bandwidth({size: seconds}, op, comm_world) for size, seconds in t.items()}
               for op, t in coll.items()}
     measured |= {"busbw_curves": curves, "launch_async": device == "cuda", "collective_sync_s": sync["sync_s"]}

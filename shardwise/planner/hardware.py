@@ -74,8 +74,14 @@ class Accelerator:
     """The same per operator of the optimizer step (a foreach kernel launch on a GPU; one tensor's turn in a
     foreach loop on a CPU); measured by `shardwise bench` on a tiny model's AdamW step."""
     dtensor_op_overhead_s: float = 0.0
-    """Extra seconds per operator when it runs on DTensors (tensor parallelism): sharding propagation and
-    unwrapping, host-side; measured by `shardwise bench`, 0 for the catalogue (not measured there)."""
+    """Extra seconds per operator of forward and backward when it runs on DTensors (tensor parallelism):
+    sharding propagation, redistribution, wrapping, issuing functional collectives, host-side; measured by
+    `shardwise bench` on a 2-rank mesh, 0 for the catalogue (not measured there)."""
+    dtensor_optimizer_op_overhead_s: float = 0.0
+    """Extra seconds per operator of the optimizer step (per tensor of a foreach call) when the parameters are
+    DTensors (every layout with tp, dp or cp > 1 in shardwise's engine: FSDP2's replicate and fully_shard and
+    tensor parallelism all make them so): DTensor's dispatch of each element of the foreach lists; measured by
+    `shardwise bench`, 0 for the catalogue (not measured there)."""
     launch_async: bool = True
     """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
     earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""

@@ -427,7 +427,10 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
     tensors = max(pipeline_layers(args, plan, training.seq_len)) * c.tensors_per_block + c.tensors_rest
-    fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * acc.optimizer_op_overhead_s
+    per_op = acc.optimizer_op_overhead_s
+    if training.layout == "torch" and plan.tp * plan.dp * plan.cp > 1:
+        per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
+    fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * per_op
     return max(memory, fixed) if acc.launch_async else memory + fixed
 
 
