@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardwise.model import build_model, materialize, num_params, preset
+from shardwise.model import ModelArgs, build_model, materialize, num_params, preset
 from shardwise.planner import (Cluster, Plan, PlannerError, Training, accelerator, evaluate, from_hf_config,
                                model_state_bytes, parse_plan, search, stage_memory, state_bytes_per_param)
 from shardwise.planner.cli import add_plan_arguments, run_plan
@@ -756,6 +756,37 @@ def test_dtensor_overheads_are_paid_where_the_engine_makes_dtensors(plan, dtenso
     assert extra == pytest.approx(optimizer_ops(c, tensors, looped=True) * per_op if dtensors else 0.0)
     step = time(dtensor_op_overhead_s=per_op).step_time_s - time().step_time_s
     assert step == pytest.approx(model.n_layers * 7 * c.linear * per_op if plan.tp > 1 else 0.0)
+
+
+def test_data_parallel_units_pay_their_measured_host_cost():
+    """Per micro-batch, each unit the engine wraps: fully_shard a unit per block and the root; replicate a unit
+    per bucket of blocks (grouped as `data_parallel._buckets` groups them, by global fp32 bytes) and the root;
+    nothing without data parallelism, for the other stacks, or where the host runs ahead of the device."""
+    from shardwise.parallel.data_parallel import _buckets
+    from shardwise.planner.timing import dp_unit_overhead
+
+    args = ModelArgs(name="small", dim=256, n_layers=16, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=320,
+                     max_seq_len=128)
+    train = Training(seq_len=128, global_batch=64)
+    acc = dataclasses.replace(accelerator("h100"), launch_async=False, replicate_unit_overhead_s=1.0,
+                              zero2_unit_overhead_s=10.0, zero3_unit_overhead_s=100.0)
+    blocks = list(build_model(args).layers.values())
+    buckets = len(_buckets(blocks, train.ddp_bucket_mb))
+    assert 1 < buckets < args.n_layers  # several blocks a bucket, several buckets
+    for tp in (1, 2):
+        assert dp_unit_overhead(args, train, Plan(dp_replicate=8, tp=tp), acc) == buckets + 1
+    assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=2), acc) == 10.0 * (args.n_layers + 1)
+    assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=3, pp=2, schedule="1f1b"), acc) == (
+        100.0 * (args.n_layers // 2 + 1))
+    assert dp_unit_overhead(args, train, Plan(tp=8), acc) == 0.0
+    assert dp_unit_overhead(args, dataclasses.replace(train, layout="zero"), Plan(dp_shard=8, zero_stage=3), acc) == 0
+    assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=3),
+                            dataclasses.replace(acc, launch_async=True)) == 0.0
+    # and it reaches the step, once per micro-batch
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=2, grad_accum=4)
+    base = dataclasses.replace(acc, zero3_unit_overhead_s=0.0)
+    with_hooks, without = (evaluate(args, train, plan, Cluster(a, 8)).time for a in (acc, base))
+    assert with_hooks.step_time_s - without.step_time_s == pytest.approx(4 * 100.0 * (args.n_layers + 1))
 
 
 @pytest.mark.parametrize("layout", ["torch", "zero", "megatron"])

@@ -75,7 +75,9 @@ def run_bench(ns: argparse.Namespace) -> int:
           f"{profile['comm_overlap']:.2f}, sync {profile['collective_sync_s'] * 1e6:.0f} us; per operator "
           f"{profile['op_overhead_s'] * 1e6:.1f} us (optimizer {profile['optimizer_op_overhead_s'] * 1e6:.1f} us, "
           f"DTensor +{profile['dtensor_op_overhead_s'] * 1e6:.1f} us, optimizer on DTensors "
-          f"+{profile['dtensor_optimizer_op_overhead_s'] * 1e6:.1f} us)")
+          f"+{profile['dtensor_optimizer_op_overhead_s'] * 1e6:.1f} us); per data-parallel unit and micro-batch: "
+          f"replicate {profile['replicate_unit_overhead_s'] * 1e3:.2f} ms, ZeRO-2 "
+          f"{profile['zero2_unit_overhead_s'] * 1e3:.2f} ms, ZeRO-3 {profile['zero3_unit_overhead_s'] * 1e3:.2f} ms")
     return 0
 
 
@@ -112,7 +114,8 @@ def _once(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-OVERHEADS = ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s", "dtensor_optimizer_op_overhead_s")
+OVERHEADS = ("op_overhead_s", "optimizer_op_overhead_s", "dtensor_op_overhead_s", "dtensor_optimizer_op_overhead_s",
+             "replicate_unit_overhead_s", "zero2_unit_overhead_s", "zero3_unit_overhead_s")
 """The per-operator costs (seconds, CPU only) `compute_rates` measures beside the rates; the profile's fields."""
 
 SUSTAINED_S = 0.25
@@ -247,6 +250,38 @@ def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float
     return max(0.0, (cpu[True] - cpu[False]) * wall[False] / cpu[False]) / ops
 
 
+def dp_unit_overhead(kind: str, iters: int, min_seconds: float = 0.0) -> float:
+    """Host seconds per micro-batch (forward + backward) of one data-parallel unit of the engine's wrappers,
+    `kind` "replicate" (FSDP2's replicate, ZeRO-0/1), "zero2" or "zero3" (fully_shard without and with
+    resharding after forward): the tiny model with each block and the root wrapped over pairs of ranks (this
+    rank alone in a 1-rank or odd world) against the plain model, per block (3 blocks less 1), timed as this
+    thread's CPU time times the plain model's wall / CPU time (see `dtensor_op_overhead`: the collectives'
+    waits are left out, the planner prices them). What remains is the wrappers' hooks, their copies in and out
+    of the communication buffers, and issuing the collectives."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardwise.parallel.compat import replicate
+
+    pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    cpu, wall = {}, {}
+    for wrapped in (False, True):
+        for n_layers in (1, 3):
+            torch.manual_seed(0)
+            model = Transformer(opcount.tiny_args(ModelArgs(), n_layers))
+            if wrapped:
+                for unit in [*model.layers.values(), model]:  # bottom-up, as apply_data_parallel wraps
+                    if kind == "replicate":
+                        replicate(unit, mesh=mesh)
+                    else:
+                        fully_shard(unit, mesh=mesh, reshard_after_forward=kind == "zero3" and unit is not model)
+            cpu[wrapped, n_layers], wall[wrapped, n_layers] = _thread_timed(
+                lambda: opcount.micro_batch(model, model.args), iters, min_seconds)
+    per_block = (cpu[True, 3] - cpu[True, 1] - cpu[False, 3] + cpu[False, 1]) / 2
+    return max(0.0, per_block * wall[False, 3] / cpu[False, 3])
+
+
 def _thread_timed(fn, iters: int, min_seconds: float = 0.0) -> tuple[float, float]:
     """(CPU seconds of this thread, wall seconds) per call of `fn`, each from the fastest of `iters` samples of
     at least max(min_seconds, 50 ms). `fn` may hold collectives: the ranks agree on the calls per sample."""
@@ -291,7 +326,9 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
                for seq, hd in ATTENTION_SHAPES}}
     overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
                  "dtensor_op_overhead_s": dtensor_op_overhead,
-                 "dtensor_optimizer_op_overhead_s": dtensor_optimizer_op_overhead} if device == "cpu" else {}
+                 "dtensor_optimizer_op_overhead_s": dtensor_optimizer_op_overhead,
+                 **{f"{kind}_unit_overhead_s": partial(dp_unit_overhead, kind)
+                    for kind in ("replicate", "zero2", "zero3")}} if device == "cpu" else {}
     results = {}
     for name, job in jobs.items():
         dist.barrier()

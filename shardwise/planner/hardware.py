@@ -82,6 +82,14 @@ class Accelerator:
     DTensors (every layout with tp, dp or cp > 1 in shardwise's engine: FSDP2's replicate and fully_shard and
     tensor parallelism all make them so): DTensor's dispatch of each element of the foreach lists; measured by
     `shardwise bench`, 0 for the catalogue (not measured there)."""
+    replicate_unit_overhead_s: float = 0.0
+    zero2_unit_overhead_s: float = 0.0
+    zero3_unit_overhead_s: float = 0.0
+    """Host seconds per micro-batch (forward + backward) that each data-parallel unit of shardwise's engine costs
+    beyond the collectives it issues: FSDP2's replicate (ZeRO-0/1, a unit per bucket of blocks and the root) and
+    fully_shard (ZeRO-2 and 3, a unit per block and the root), their hooks, copy-in/out and issuing. Measured by
+    `shardwise bench` on a CPU (1 to 2 ms per unit there); 0 for the catalogue (not measured; a GPU's host runs
+    ahead of its kernels)."""
     launch_async: bool = True
     """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
     earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""

@@ -452,6 +452,26 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     return step + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
+def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """Host seconds per micro-batch of the engine's data-parallel wrappers on a rank (layout torch): a unit per
+    block and the root under fully_shard (ZeRO-2/3), per bucket of blocks (as `data_parallel._buckets` groups
+    them, by fp32 parameter bytes) and the root under replicate (ZeRO-0/1), each at the profile's measured cost.
+    Where launches are asynchronous the host runs ahead of the device: 0."""
+    if training.layout != "torch" or acc.launch_async:
+        return 0.0
+    layers = max(pipeline_layers(args, plan, training.seq_len))
+    if plan.zero_stage >= 2:
+        if plan.shard_group == 1:
+            return 0.0
+        per_unit = acc.zero3_unit_overhead_s if plan.zero_stage == 3 else acc.zero2_unit_overhead_s
+        return (layers + 1) * per_unit
+    if plan.dp * plan.cp == 1:
+        return 0.0
+    # the engine sums p.numel() over a block: a DTensor's is its global size, so tp does not change the buckets
+    per_bucket = math.ceil(training.ddp_bucket_mb * 2**20 / (4 * layer_params(args, 1)))
+    return (math.ceil(layers / per_bucket) + 1) * acc.replicate_unit_overhead_s
+
+
 # ---------------------------------------------------------------------------------------------------
 # Summary
 
@@ -483,7 +503,8 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     off = offload_time(args, training, plan, acc, cost)
     copies = sharding_copies(args, training, plan, acc)
     scalars = step_scalars(plan, cluster)
-    total = pipe + dp_exposed + copies + opt + off + scalars
+    hooks = m * dp_unit_overhead(args, training, plan, acc)
+    total = pipe + dp_exposed + copies + opt + off + scalars + hooks
     tokens = training.global_batch * training.seq_len
     tps = tokens / total
     mfu = flops_per_token(args, training.seq_len) * tps / (plan.world * acc.peak(training.compute_dtype))
@@ -496,5 +517,5 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
         detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
                 "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
                 "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead,
-                "sharding_copies_s": copies, "step_scalars_s": scalars},
+                "sharding_copies_s": copies, "step_scalars_s": scalars, "dp_unit_overhead_s": hooks},
     )
