@@ -192,8 +192,8 @@ def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     the operators, not the sizes. Timed as this thread's CPU time, so that the waits for the collectives (priced
     as tensor-parallel communication) are left out: gloo runs them on threads of its own, and this one sleeps.
     Times the plain model's wall / CPU time, the share of a core this rank gets (1 unless the ranks' threads
-    outnumber the cores). On a 2-rank mesh this is about 1.5x what a 1-rank mesh shows, where a Partial
-    placement needs no collective."""
+    outnumber the cores). Not on a 1-rank mesh: there a Partial placement needs no collective, and the functional
+    collectives' host work (about 200 us of CPU per call on a 2-core machine) never runs."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from shardwise.parallel.tensor_parallel import split_model
