@@ -122,8 +122,6 @@ def rates_now(plan: Plan, threads: int | None, iters: int) -> dict:
     return compute_rates(plan.world, "cpu", threads_of(plan, threads), 1024, ["fp32"], iters)
 
 
-
-
 def with_rates(acc: Accelerator, rates: dict) -> Accelerator:
     """The profile with its compute rates and per-operator costs replaced by `rates` (as `shardwise bench` turns
     them into a profile)."""
