@@ -319,9 +319,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # ZeRO-0, and ZeRO-1 as shardwise's engine runs it: replicate's bucketed all-reduce, then the sharded
         # optimizer all-gathers the updated fp32 slices before the next forward, one collective per parameter
         # tensor (each pays the latency; the tensors outside the blocks are taken as one)
-        block_grads = grads * in_blocks / layers
-        comm = by_unit(all_reduce, grads, red_n, red_link,
-                       per_bucket=max(1, math.ceil(training.ddp_bucket_mb * 2**20 / block_grads)))
+        comm = by_unit(all_reduce, grads, red_n, red_link, per_bucket=blocks_per_bucket(args, training))
         ag = 0.0
         if z == 1:
             # back to back after the optimizer step: only the first comes from compute (pays the link's sync)
@@ -467,9 +465,14 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
         return (layers + 1) * per_unit
     if plan.dp * plan.cp == 1:
         return 0.0
-    # the engine sums p.numel() over a block: a DTensor's is its global size, so tp does not change the buckets
-    per_bucket = math.ceil(training.ddp_bucket_mb * 2**20 / (4 * layer_params(args, 1)))
-    return (math.ceil(layers / per_bucket) + 1) * acc.replicate_unit_overhead_s
+    return (math.ceil(layers / blocks_per_bucket(args, training)) + 1) * acc.replicate_unit_overhead_s
+
+
+def blocks_per_bucket(args: ModelArgs, training: Training) -> int:
+    """Blocks in one of replicate's buckets, as `data_parallel._buckets` groups them: until the group's parameter
+    bytes reach ddp_bucket_mb, counting every parameter (frozen ones too) at its global size (a DTensor's numel)
+    in fp32, as the engine holds them."""
+    return max(1, math.ceil(training.ddp_bucket_mb * 2**20 / (4 * layer_params(args, 1))))
 
 
 # ---------------------------------------------------------------------------------------------------
