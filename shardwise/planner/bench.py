@@ -185,53 +185,36 @@ def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
 
 
 def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
-    """Extra seconds per operator on DTensors, as tensor parallelism runs them: our tiny model split over pairs
-    of ranks by the engine (`split_model`, the smallest tp; this rank alone in a 1-rank or odd world) against the
-    same model unsplit, per block (3 blocks less 1), over the operators of a block's 7 projections: sharding
-    propagation, redistribution, wrapping and issuing the functional collectives, host-side work that grows with
-    the operators, not the sizes. Timed as this thread's CPU time, so that the waits for the collectives (priced
-    as tensor-parallel communication) are left out: gloo runs them on threads of its own, and this one sleeps.
-    Times the plain model's wall / CPU time, the share of a core this rank gets (1 unless the ranks' threads
-    outnumber the cores). Not on a 1-rank mesh: there a Partial placement needs no collective, and the functional
-    collectives' host work (about 200 us of CPU per call on a 2-core machine) never runs."""
-    from torch.distributed.device_mesh import DeviceMesh
-
+    """Extra seconds per operator on DTensors, as tensor parallelism runs them: our tiny model split over a pair
+    of ranks by the engine (`split_model`, the smallest tp), per block (`_host_seconds_per_block`), over the
+    operators of a block's 7 projections: sharding propagation, redistribution, wrapping and issuing the
+    functional collectives, host-side work that grows with the operators, not the sizes. Not on a 1-rank mesh
+    where there is a pair: there a Partial placement needs no collective, and the functional collectives' host
+    work (about 200 us of CPU per call on a 2-core machine) never runs."""
     from shardwise.parallel.tensor_parallel import split_model
 
-    pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)  # every rank takes part
-    mesh = DeviceMesh.from_group(pair, "cpu")
+    mesh = _pair_mesh()
     base = ModelArgs(n_heads=2, n_kv_heads=2)  # the tiny model's 2 heads, each KV head on its own rank
-    cpu, wall = {}, {}
-    for split in (False, True):
-        for n_layers in (1, 3):
-            torch.manual_seed(0)  # the same tokens on both ranks of a pair
-            model = Transformer(opcount.tiny_args(base, n_layers))
-            if split:
-                split_model(model, mesh, sequence_parallel=False)
-            cpu[split, n_layers], wall[split, n_layers] = _thread_timed(
-                lambda: opcount.micro_batch(model, model.args), iters, min_seconds)
-    per_block = (cpu[True, 3] - cpu[True, 1] - cpu[False, 3] + cpu[False, 1]) / 2
-    share = wall[False, 3] / cpu[False, 3]
-    return max(0.0, per_block * share) / (7 * opcount.op_counts(base).linear)
+    per_block = _host_seconds_per_block(base, lambda model: split_model(model, mesh, sequence_parallel=False),
+                                        iters, min_seconds)
+    return per_block / (7 * opcount.op_counts(base).linear)
 
 
 def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     """Extra seconds per operator of an optimizer step (gradient norm and foreach AdamW, as
     `optimizer_op_overhead` times them) when the parameters are DTensors, as every parallel layout of the engine
-    but a pure pipeline makes them: the tiny 8-block model's parameters and gradients replicated over a 2-rank
-    mesh (FSDP2's replicate; this rank alone in a 1-rank or odd world) against the plain ones, this thread's CPU
-    time times the plain step's wall / CPU time (see `dtensor_op_overhead`), over the plain step's operators."""
-    from torch.distributed.device_mesh import DeviceMesh
+    but a pure pipeline makes them: the tiny 8-block model's parameters and gradients replicated over a pair of
+    ranks (as FSDP2's replicate leaves them) against the plain ones, this thread's CPU time times the plain
+    step's wall / CPU time (see `_host_seconds_per_block`), over the plain step's operators."""
     from torch.distributed.tensor import distribute_module
 
-    pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)
-    mesh = DeviceMesh.from_group(pair, "cpu")
+    mesh = _pair_mesh()
     cpu, wall, ops = {}, {}, 0
     for split in (False, True):
         torch.manual_seed(0)
         model = Transformer(opcount.tiny_args(ModelArgs(), n_layers=8))
         if split:
-            distribute_module(model, mesh)  # every parameter replicated (a DTensor), as FSDP2's replicate does
+            distribute_module(model, mesh)  # every parameter replicated (a DTensor)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
@@ -252,31 +235,45 @@ def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float
 
 def dp_unit_overhead(kind: str, iters: int, min_seconds: float = 0.0) -> float:
     """Host seconds per micro-batch (forward + backward) of one data-parallel unit of the engine's wrappers,
-    `kind` "replicate" (FSDP2's replicate, ZeRO-0/1), "zero2" or "zero3" (fully_shard without and with
-    resharding after forward): the tiny model with each block and the root wrapped over pairs of ranks (this
-    rank alone in a 1-rank or odd world) against the plain model, per block (3 blocks less 1), timed as this
-    thread's CPU time times the plain model's wall / CPU time (see `dtensor_op_overhead`: the collectives'
-    waits are left out, the planner prices them). What remains is the wrappers' hooks, their copies in and out
-    of the communication buffers, and issuing the collectives."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    `kind` "replicate" (ZeRO-0/1), "zero2" or "zero3" (fully_shard without and with resharding after forward):
+    the tiny model wrapped over a pair of ranks by the engine (`apply_data_parallel`, each block its own bucket,
+    so a unit per block and the root), per block (`_host_seconds_per_block`): the wrappers' hooks, their copies
+    in and out of the communication buffers, and issuing the collectives."""
+    from types import SimpleNamespace
 
-    from shardwise.parallel.compat import replicate
+    from shardwise.config import ParallelConfig
+    from shardwise.parallel.data_parallel import apply_data_parallel
+
+    mesh = _pair_mesh()
+    view = SimpleNamespace(grad_reduce=mesh, fsdp=mesh)  # the two sub-meshes apply_data_parallel reads
+    config = ParallelConfig(zero_stage={"replicate": 0, "zero2": 2, "zero3": 3}[kind], bucket_mb=0.0)
+    return _host_seconds_per_block(ModelArgs(), lambda model: apply_data_parallel(model, view, config),
+                                   iters, min_seconds)
+
+
+def _pair_mesh():
+    """A mesh of this rank and its neighbour (the smallest parallel group), or of this rank alone in a 1-rank or
+    odd world. Every rank takes part in creating every subgroup."""
+    from torch.distributed.device_mesh import DeviceMesh
 
     pair, _ = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1)
-    mesh = DeviceMesh.from_group(pair, "cpu")
+    return DeviceMesh.from_group(pair, "cpu")
+
+
+def _host_seconds_per_block(base: ModelArgs, transform, iters: int, min_seconds: float = 0.0) -> float:
+    """Host seconds per block that `transform(model)` (the engine's tensor or data parallelism) adds to our tiny
+    model's forward + backward: 3 blocks less 1, transformed less plain, halved. Timed as this thread's CPU time,
+    so that the waits for the collectives (which the planner prices as communication) are left out: gloo runs
+    them on threads of its own, and this one sleeps. Times the plain model's wall / CPU time, the share of a
+    core this rank gets (1 unless the ranks' threads outnumber the cores)."""
     cpu, wall = {}, {}
-    for wrapped in (False, True):
+    for changed in (False, True):
         for n_layers in (1, 3):
-            torch.manual_seed(0)
-            model = Transformer(opcount.tiny_args(ModelArgs(), n_layers))
-            if wrapped:
-                for unit in [*model.layers.values(), model]:  # bottom-up, as apply_data_parallel wraps
-                    if kind == "replicate":
-                        replicate(unit, mesh=mesh)
-                    else:
-                        fully_shard(unit, mesh=mesh, reshard_after_forward=kind == "zero3" and unit is not model)
-            cpu[wrapped, n_layers], wall[wrapped, n_layers] = _thread_timed(
+            torch.manual_seed(0)  # the same tokens on both ranks of a pair
+            model = Transformer(opcount.tiny_args(base, n_layers))
+            if changed:
+                transform(model)
+            cpu[changed, n_layers], wall[changed, n_layers] = _thread_timed(
                 lambda: opcount.micro_batch(model, model.args), iters, min_seconds)
     per_block = (cpu[True, 3] - cpu[True, 1] - cpu[False, 3] + cpu[False, 1]) / 2
     return max(0.0, per_block * wall[False, 3] / cpu[False, 3])
