@@ -18,7 +18,7 @@ No factor is fitted: the planner's rates are the profile's measured peaks with e
 that can be calibrated": this model's kernels against the bench's) and keeps it for every parallel layout,
 whose ratios then test the parallel terms only.
 
-    python benchmarks/planner_vs_measured.py [--repeats 3] [--steps 12] [--profiles DIR]
+    python benchmarks/planner_vs_measured.py [--repeats 3] [--steps 24] [--profiles DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def measure(plan: Plan, threads: int | None, steps: int, warmup: int, work: Path
     average. The median is what the planner predicts (a typical step); the fastest is the one other jobs
     disturbed least."""
     config, run = work / "plan.toml", work / "run"
+    shutil.rmtree(run, ignore_errors=True)  # training appends to an existing metrics.jsonl: start clean
     write_config(config, MODEL, training(), plan)
     sets = [f"train.steps={steps}", "train.val_every=0", "metrics.log_every=1", f"metrics.out_dir='{run}'",
             "data.max_corpus_mb=1"]
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default=None, help="folder of profile_world<N>.json from an earlier run "
                         "(default: calibrate before every repetition)")
     parser.add_argument("--out", default=None, help="folder for profiles and results (default: a temp folder)")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=24, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the measurement")
     parser.add_argument("--repeats", type=int, default=3, help="calibrations + runs of every layout")
     parser.add_argument("--iters", type=int, default=10, help="repetitions per bench measurement")
@@ -185,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, plan, threads in layouts:
             work = rep_dir / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
             work.mkdir(exist_ok=True)
-            # compute rates just before and just after the run (the load of a shared machine changes within
-            # minutes), the faster of the two as every bench timing is the fastest of its repetitions
+            # compute rates just before and just after the run: the load of a shared machine changes within
+            # seconds to minutes (here the matmul rate of one core has read 55 and 93 GFLOP/s a few seconds apart),
+            # so the run is predicted with the mean of the two that bracket it
             before = rates_now(plan, threads, ns.iters)
             runs[name] = measure(plan, threads, ns.steps, ns.warmup, work)
             after = rates_now(plan, threads, ns.iters)
-            rates = {k: (min if k in OVERHEADS else max)(before[k], after[k]) for k in before}
+            rates = {k: (before[k] + after[k]) / 2 for k in before}
             run_accs[name] = with_rates(accs[plan.world, threads_of(plan, threads)], rates)
             runs[name]["matmul_gflops"] = [round(before["matmul_fp32"] / 1e9, 1), round(after["matmul_fp32"] / 1e9, 1)]
             print(f"  rep {rep + 1}, {name}: {runs[name]}", file=sys.stderr, flush=True)

@@ -77,18 +77,24 @@ def loss_sum(
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters' gradients grouped by the mesh they are DTensors on (plain tensors together): a foreach
+    operator takes one group (DTensor runs it once per list, not once per tensor)."""
+    by_mesh: dict = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    return list(by_mesh.values())
+
+
 def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     """The 2-norm of all gradients of the model, however they are split.
 
     DTensor gradients (tensor parallel, FSDP) are reduced per mesh by DTensor itself; pipeline stages hold
     disjoint parameters, so their squared norms are summed across the pipeline group.
     """
-    by_mesh: dict = {}
-    for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        by_mesh.setdefault(key, []).append(p.grad)
     squares = []
-    for key, grads in by_mesh.items():
+    for grads in grads_by_mesh(params):
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = torch.stack(squares).sum() if squares else torch.zeros(())
@@ -163,8 +169,8 @@ def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tens
         # the coefficient as a Python number: gradients may be a mix of DTensors on several meshes and tensors
         coef = min(1.0, grad_clip / (float(grad_norm) + 1e-6))
         if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
+            for grads in grads_by_mesh(params):
+                torch._foreach_mul_(grads, coef)  # what torch.nn.utils.clip_grads_with_norm_ runs, per mesh
     if not scaler.is_enabled() and not (math.isfinite(float(grad_norm)) and math.isfinite(loss.item())):
         optimizer.zero_grad(set_to_none=True)  # no update from a broken step; the loop decides what next
         return StepResult(loss=loss.item(), grad_norm=float(grad_norm), skipped=True, nonfinite=True)

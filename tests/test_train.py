@@ -12,7 +12,7 @@ from shardwise.data import Batch
 from shardwise.model import build_model, materialize, preset
 from shardwise.optim import build_optimizer, lr_factor
 from shardwise.config import OptimConfig
-from shardwise.train import build_grad_scaler, loss_sum, train, train_step
+from shardwise.train import build_grad_scaler, loss_sum, optimizer_step, train, train_step
 
 CPU = torch.device("cpu")
 
@@ -58,6 +58,35 @@ def test_grad_accumulation_equals_one_big_batch(k):
     assert loss_k == pytest.approx(loss_one, rel=1e-6)
     for name, g in grads_one.items():
         torch.testing.assert_close(grads_k[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("clip", [0.5, 1e6])
+def test_clipping_scales_the_gradients_to_the_threshold(clip):
+    """The optimizer sees gradients whose total norm is the threshold when the norm exceeds it, and the
+    gradients unchanged when it does not; the step reports the norm before clipping."""
+    seen = {}
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["norm"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+            seen["grads"] = [p.grad.clone() for p in model.parameters()]
+            return super().step(closure)
+
+    model = _model()
+    loss_sum(model, _batch(4), CPU, "fp32").backward()
+    raw = [p.grad.clone() for p in model.parameters()]
+    raw_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in raw])).item()
+    assert raw_norm > 0.5
+    opt = Recording(model.parameters(), lr=0.0)
+    result = optimizer_step(list(model.parameters()), opt, build_grad_scaler(TrainConfig(), CPU), clip,
+                            torch.zeros(()))
+    assert result.grad_norm == pytest.approx(raw_norm, rel=1e-5)
+    if clip < raw_norm:
+        assert seen["norm"] == pytest.approx(clip, rel=1e-5)
+        for g, r in zip(seen["grads"], raw):
+            torch.testing.assert_close(g, r * (clip / (raw_norm + 1e-6)), rtol=1e-6, atol=0)
+    else:
+        assert all(torch.equal(g, r) for g, r in zip(seen["grads"], raw))
 
 
 def test_grad_accumulation_full_step_equals_one_big_batch():

@@ -5,9 +5,9 @@ parsing, autograd bookkeeping, allocation), on a GPU the kernel launch. We count
 (`shardwise.model`) by running it under a counting TorchDispatchMode at a tiny size; the count depends on the
 code path, not on the tensor sizes, so it holds for every size with the same structure (grouped-query attention
 or not, tied embeddings or not). Counts are per micro-batch (forward + backward) for one block and for the rest
-(embedding, final norm, head, loss), and per optimizer step (gradient norm, AdamW with foreach=True as
-shardwise.optim builds it, zero_grad), split into calls and per-tensor work: a foreach operator is one launch of
-a multi-tensor kernel on a GPU but a loop of one operator per tensor on a CPU.
+(embedding, final norm, head, loss), and per optimizer step (the engine's own: gradient norm, clipping, AdamW with
+foreach=True as shardwise.optim builds it, zero_grad), split into calls and per-tensor work: a foreach operator is
+one launch of a multi-tensor kernel on a GPU but a loop of one operator per tensor on a CPU.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class OpCounter(TorchDispatchMode):
         self.calls = 0
         self.per_tensor = 0
         self.bytes = 0
-        """Bytes of the tensors each operator reads (its tensor arguments) and writes (its outputs)."""
+        """Bytes of the tensors each operator reads (its tensor arguments) and writes (its new outputs, and the
+        arguments it modifies in place: an in-place foreach operator returns nothing)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += 1
@@ -62,8 +63,14 @@ class OpCounter(TorchDispatchMode):
             self.per_tensor += len(args[0])
         else:
             self.per_tensor += 1
-        out = func(*args, **(kwargs or {}))
-        self.bytes += _tensor_bytes((args, kwargs or {}, out))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        written = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        outs = out if len(schema.returns) > 1 else (out,)  # one return may be a list (Tensor[])
+        fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
+        self.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes((written, fresh))
         return out
 
 
@@ -94,11 +101,17 @@ def micro_batch(model: Transformer, args: ModelArgs) -> None:
 
 
 def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
-    """What shardwise.train.optimizer_step does on one device without clipping: norm, step, zero_grad."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch.nn.utils.get_total_norm(grads, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    """The engine's own optimizer step (shardwise.train.optimizer_step, fp32: gradient norm, clipping, AdamW,
+    zero_grad) with clipping active, as whenever the norm exceeds the threshold (early training; the planner's
+    benchmark runs): the step's dearest case, one more pass over the gradients."""
+    from shardwise.train import optimizer_step as engine_step  # the trainer's imports are heavy: only here
+
+    engine_step(list(model.parameters()), optimizer, _NO_SCALER, grad_clip=CLIP_ALWAYS, loss=torch.zeros(()))
+
+
+_NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
+CLIP_ALWAYS = 1e-12
+"""A clipping threshold below any gradient norm of a step that learns: the step scales every gradient."""
 
 
 def _count(fn) -> OpCounter:

@@ -407,8 +407,8 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """The optimizer step is memory-bound: at least read weights, grads, master and states and write weights, master
     and states once (a fused kernel; the offloaded step). Shardwise's engine (layout torch, fp32 state) runs the
-    gradient norm and torch's foreach AdamW, one pass per operation: the bytes its operators read and write per
-    parameter are counted on the real optimizer (opcount.optimizer_bytes_per_param, about 60 against 28)."""
+    gradient norm, clipping and torch's foreach AdamW, one pass per operation: the bytes its operators read and
+    write per parameter are counted on the real step (opcount.optimizer_bytes_per_param, 96 against 28)."""
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
     if training.lora_rank:
