@@ -4,8 +4,8 @@
    an N-process job gets cores // N threads and shares the cores and the memory bus with the other N - 1, so its
    compute rates depend on N; the collectives are gloo over loopback, the "intra-node" tier). Every run is
    also bracketed by a fresh measurement of the compute rates of its ranks (`bench.compute_rates`, all ranks at
-   once), because other jobs on a shared machine change its load within minutes: the prediction for a run uses
-   the faster of the two.
+   once), because the load of a shared machine changes within seconds to minutes: the prediction for a run uses
+   the mean of the two.
 2. For each layout: `shardwise train --config <the plan as written by shardwise plan --write-config> --nproc N`
    for a few steps; the measured step time is the median `step_time_s` in the run's metrics.jsonl after the
    warm-up steps (the first carry one-off work, the second the communication counter): the planner predicts a
