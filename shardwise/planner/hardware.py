@@ -88,8 +88,8 @@ class Accelerator:
     """Host seconds per micro-batch (forward + backward) that each data-parallel unit of shardwise's engine costs
     beyond the collectives it issues: FSDP2's replicate (ZeRO-0/1, a unit per bucket of blocks and the root) and
     fully_shard (ZeRO-2 and 3, a unit per block and the root), their hooks, copy-in/out and issuing. Measured by
-    `shardwise bench` on a CPU (1 to 4 ms per unit on a 2-core machine); 0 for the catalogue (not measured; a GPU's host runs
-    ahead of its kernels)."""
+    `shardwise bench` on a CPU (1 to 4 ms per unit on a 2-core machine); 0 for the catalogue (not measured; a
+    GPU's host runs ahead of its kernels)."""
     launch_async: bool = True
     """Operators are issued asynchronously to a device (a GPU's stream), so their fixed cost overlaps with
     earlier operators' arithmetic: time = max(arithmetic, overhead). False on a CPU: time = arithmetic + overhead."""
