@@ -31,7 +31,7 @@ from shardwise.model import Transformer, build_model, canonical_name, flops_per_
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter
-from shardwise.parallel.data_parallel import ShardedOptimizer, set_gradient_sync
+from shardwise.parallel.data_parallel import ShardedOptimizer, reshard_after_evaluation, set_gradient_sync
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward
 from shardwise.runtime import Runtime
 
@@ -188,6 +188,8 @@ def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, 
     """Mean token loss over the validation micro-batches (each data-parallel rank evaluates its share)."""
     if isinstance(model, Pipeline):
         total, tokens = evaluate_sums(model, batches, runtime)
+        for stage in model.stages:
+            reshard_after_evaluation(stage)
         runtime.sum_over_data_ranks(total)
         runtime.sum_over_data_ranks(tokens)
         return (total / tokens).item()
@@ -200,6 +202,7 @@ def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, 
             batch, positions = runtime.shard_sequence(batch)
         total += loss_sum(model, batch, device, precision, positions)
         tokens += batch.targets.numel()
+    reshard_after_evaluation(model)
     model.train()
     if runtime is not None:
         runtime.sum_over_data_ranks(total)

@@ -112,3 +112,33 @@ def test_tensor_parallel_volume_per_layer(sp):
         assert per_layer == {"all_gather": pytest.approx(2 * all_reduce), "reduce_scatter": pytest.approx(2 * all_reduce)}
     else:
         assert per_layer == {"all_reduce": pytest.approx(4 * all_reduce)}
+
+
+def _params_after_evaluation(overrides):
+    """Whether, after a validation pass, the model's parameters are still the optimizer's (and its state dict,
+    which maps one to the other by identity, can be taken)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from shardwise.data import Batch
+    from shardwise.train import evaluate
+
+    cfg = load_config(CONFIG, ["optim.name='adamw'", *overrides])
+    _, model, optimizer, runtime = counted_step(cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1))
+    evaluate(model, [Batch(tokens[:, :-1], tokens[:, 1:], [0])], runtime.device, cfg.train.precision, runtime)
+    registered = {id(p) for p in model.parameters()}
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    get_optimizer_state_dict(model, optimizer)
+    return registered == optimized
+
+
+def test_validation_leaves_fsdp_parameters_sharded():
+    """FSDP2 reshards a module kept gathered after forward (the root; every block under ZeRO-2) in backward; a
+    validation pass has none, and once left the gathered tensors registered: the next checkpoint failed."""
+    layouts = [["parallel.dp_shard=2", "parallel.zero_stage=3"], ["parallel.dp_shard=2", "parallel.zero_stage=2"]]
+    assert run_distributed(_evaluations, 2, layouts)[0] == [True, True]
+
+
+def _evaluations(layouts):
+    return [_params_after_evaluation(overrides) for overrides in layouts]

@@ -68,6 +68,19 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: ParallelConfig) -> 
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=False)
 
 
+def reshard_after_evaluation(model: nn.Module) -> None:
+    """Put FSDP2 modules back in their sharded state after a forward without backward (evaluation).
+
+    FSDP2 reshards a module kept unsharded after forward (the root, every block under ZeRO-2) in its backward.
+    A forward under no_grad has none, so the gathered parameters would stay registered on the module: memory
+    ZeRO-3 meant to free, and parameters that are no longer the optimizer's, which breaks the next checkpoint
+    (get_optimizer_state_dict maps optimizer parameters to module names by identity).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
     if isinstance(model, FSDPModule):
