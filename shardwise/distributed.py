@@ -3,7 +3,9 @@ functions on N local gloo ranks (for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import os
 import signal
 import socket
@@ -156,12 +158,38 @@ def shutdown() -> None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command under torchrun with `nproc` processes on this machine."""
+    """Re-run this command under torchrun with `nproc` processes on this machine; SIGTERM stops it cleanly."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    torchrun = subprocess.Popen(cmd, env=env)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop_ranks(torchrun.pid))
+    try:
+        return torchrun.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_ranks(torchrun_pid: int) -> None:
+    """Pass SIGTERM on to the ranks, not to torchrun: each rank finishes its step, saves and exits 0, and torchrun
+    then exits 0 too. Signalled itself, torchrun signals the ranks, SIGKILLs them after 30 s whether or not their
+    save is done, and exits non-zero with a traceback. Before the ranks exist, torchrun gets the signal."""
+    for pid in _children(torchrun_pid) or [torchrun_pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; elsewhere none are found)."""
+    children = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+            if int(fields[1]) == pid:
+                children.append(int(stat.split("/")[2]))
+    return children
 
 
 def _free_port() -> int:
