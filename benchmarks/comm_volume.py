@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardwise.config import load_config
 from shardwise.distributed import run_distributed
-from shardwise.model import num_params
+from shardwise.model_args import num_params
 from shardwise.parallel.comm import counted_step
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "tests" / "configs" / "parity.toml")

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from shardwise.config import OptimConfig, TrainConfig
 from shardwise.data import Batch
-from shardwise.model import build_model, materialize, preset
+from shardwise.model import build_model, materialize
+from shardwise.model_args import preset
 from shardwise.optim import build_lr_schedule, build_optimizer
 from shardwise.train import build_grad_scaler, train_step
 

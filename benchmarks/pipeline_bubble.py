@@ -27,6 +27,7 @@ from shardwise.distributed import run_distributed
 from shardwise.parallel.pipeline import build_pipeline, forward_backward
 from shardwise.runtime import Runtime
 
+
 def _model(dim: int, seq: int) -> list[str]:
     return [f"model.dim={dim}", "model.n_heads=8", "model.n_kv_heads=4", f"model.ffn_hidden={3 * dim}",
             "model.vocab_size=320", f"model.max_seq_len={seq}", f"data.seq_len={seq}", "optim.name='sgd'"]

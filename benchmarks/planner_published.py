@@ -39,9 +39,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from shardwise.model import ModelArgs, flops_per_token, num_params, preset
+from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, parse_plan, search
-from shardwise.planner.hardware import GiB
+from shardwise.hardware import GiB
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
              "https://arxiv.org/abs/2104.04473")

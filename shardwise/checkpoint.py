@@ -55,7 +55,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from shardwise.model import ModelArgs
+from shardwise.errors import CheckpointError
+from shardwise.model_args import ModelArgs
 from shardwise.parallel.data_parallel import ShardedOptimizer
 
 FORMAT = "shardwise-checkpoint"
@@ -68,14 +69,6 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
 
 log = logging.getLogger("shardwise.checkpoint")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: one line naming the path, the problem and the fix."""
-
-    def __init__(self, path: str | os.PathLike, problem: str, fix: str):
-        self.path, self.problem, self.fix = str(path), problem, fix
-        super().__init__(f"checkpoint {path}: {problem}; fix: {fix}")
 
 
 @dataclass

@@ -9,8 +9,7 @@ import sys
 from shardwise.config import ConfigError, load_config
 
 
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model from a TOML config")
+def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file (see configs/); omitted: the built-in defaults")
     _add_overrides(p)
     p.add_argument("--nproc", type=int, default=0,
@@ -54,8 +53,7 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write the newest checkpoint of a run as a Hugging Face Llama folder")
+def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the run's TOML file (its metrics.out_dir holds the checkpoints)")
     _add_overrides(p)
     p.add_argument("--out", required=True, help="folder to write config.json and safetensors into")
@@ -73,8 +71,7 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="prove parallel layouts train exactly like one device")
+def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file; omitted: the built-in defaults")
     _add_overrides(p)
     p.add_argument("--layout", action="append", required=True,
@@ -91,41 +88,55 @@ def _run_verify(args: argparse.Namespace) -> int:
     return run_verify(args)
 
 
-def _add_planner(sub: argparse._SubParsersAction) -> None:
-    from shardwise.planner.bench import add_bench_arguments, run_bench
+def _add_plan(p: argparse.ArgumentParser) -> None:
     from shardwise.planner.cli import add_plan_arguments, run_plan
 
-    p = sub.add_parser("plan", help="memory and step time of parallel plans, the best one, and why")
     add_plan_arguments(p)
     p.set_defaults(run=run_plan)
-    p = sub.add_parser("bench", help="measure this machine's FLOP/s and collective bandwidth (a planner profile)")
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from shardwise.planner.bench import add_bench_arguments, run_bench
+
     add_bench_arguments(p)
     p.set_defaults(run=run_bench)
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
+def _add_simulate(p: argparse.ArgumentParser) -> None:
     from shardwise.simulate import add_simulate_arguments, run_simulate
 
-    p = sub.add_parser("simulate", help="run one real training step as ranks of a large world, on fake tensors")
     add_simulate_arguments(p)
     p.set_defaults(run=run_simulate)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# name: (help, adds the command's arguments). Only the command being run is built: its module may import torch,
+# which `shardwise plan` (and `--help`) need not wait for.
+COMMANDS = {
+    "train": ("train a model from a TOML config", _add_train),
+    "export": ("write the newest checkpoint of a run as a Hugging Face Llama folder", _add_export),
+    "verify": ("prove parallel layouts train exactly like one device", _add_verify),
+    "plan": ("memory and step time of parallel plans, the best one, and why", _add_plan),
+    "bench": ("measure this machine's FLOP/s and collective bandwidth (a planner profile)", _add_bench),
+    "simulate": ("run one real training step as ranks of a large world, on fake tensors", _add_simulate),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s arguments (every command's when None) and the other commands listed."""
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train(sub)
-    _add_export(sub)
-    _add_verify(sub)
-    _add_planner(sub)
-    _add_simulate(sub)
+    for name, (text, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if command in (None, name):
+            add(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from shardwise.checkpoint import CheckpointError
-    from shardwise.train import TrainingError
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")  # the first word; "" lists the commands
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    from shardwise.errors import CheckpointError, TrainingError
 
     try:
         return args.run(args)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shardwise.model import PRESETS, ModelArgs
+from shardwise.model_args import PRESETS, ModelArgs
 
 
 class ConfigError(ValueError):
@@ -190,7 +190,7 @@ class MetricsConfig:
     progress: bool = True
     """Show progress: a bar on a terminal, else one plain line per logged step."""
     accelerator: str = "auto"
-    """Accelerator for MFU: a name from shardwise.planner.hardware.CATALOGUE, or 'auto' to detect it."""
+    """Accelerator for MFU: a name from shardwise.hardware.CATALOGUE, or 'auto' to detect it."""
     peak_flops: float = 0.0
     """Declared peak FLOP/s per device for MFU; overrides the catalogue (needed on CPU, which has no entry)."""
     log_samples: bool = False
@@ -358,7 +358,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.metrics.log_every < 1:
         raise ConfigError("metrics.log_every", f"{cfg.metrics.log_every} < 1", "set it to 1 or more")
     if cfg.metrics.accelerator != "auto":
-        from shardwise.planner.hardware import ALIASES, CATALOGUE
+        from shardwise.hardware import ALIASES, CATALOGUE
 
         if ALIASES.get(cfg.metrics.accelerator, cfg.metrics.accelerator) not in CATALOGUE:
             raise ConfigError("metrics.accelerator", f"unknown accelerator {cfg.metrics.accelerator!r}",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.model import ModelArgs
+from shardwise.model_args import ModelArgs, args_from_hf_config
 
 # ours -> transformers, for the per-layer parameters ({i} is the layer index)
 _LAYER_NAMES = {
@@ -80,33 +80,6 @@ def hf_config(args: ModelArgs) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-
-
-def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
-    """ModelArgs from a Llama-family config.json (as a dict); ValueError if it describes another network."""
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [k for k in required if k not in cfg]
-    if missing:
-        raise ValueError(f"config.json lacks {', '.join(missing)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not SwiGLU's silu")
-    n_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-    if head_dim * n_heads != cfg["hidden_size"]:
-        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
-    return ModelArgs(
-        name=name,
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        vocab_size=cfg["vocab_size"],
-        ffn_hidden=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

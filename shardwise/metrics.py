@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import MetricsConfig
-from shardwise.planner.hardware import PlannerError, accelerator, detect_accelerator
+from shardwise.hardware import PlannerError, accelerator, detect_accelerator
 
 
 def peak_flops(cfg: MetricsConfig, precision: str, device: torch.device) -> float | None:

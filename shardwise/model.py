@@ -15,115 +15,14 @@ layers keeps the others' parameter names.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class ModelArgs:
-    name: str = "debug"
-    """Preset the shape came from (see PRESETS), or a name of your own for a custom shape."""
-    dim: int = 128
-    """Hidden size d."""
-    n_layers: int = 4
-    """Transformer blocks."""
-    n_heads: int = 4
-    """Attention (query) heads; must divide dim."""
-    n_kv_heads: int = 2
-    """Key/value heads for grouped-query attention; must divide n_heads (= n_heads for plain multi-head)."""
-    vocab_size: int = 512
-    """Rows of the embedding and output head; at least the tokenizer's vocabulary."""
-    ffn_hidden: int = 384
-    """Inner size of the SwiGLU MLP."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    max_seq_len: int = 2048
-    """Longest sequence the rotary table covers."""
-    tie_embeddings: bool = False
-    """Share the token-embedding matrix with the output head."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-def _preset(name: str, **kw) -> ModelArgs:
-    return ModelArgs(name=name, **kw)
-
-
-# Published shapes. Llama 3: Dubey et al. 2024, table 3 (and the released config.json files); Llama 2: Touvron
-# et al. 2023. GPT-3 175B (Brown et al. 2020: 96 layers, d 12288, 96 heads) is given our SwiGLU block with the
-# inner size 8/3 d that keeps the MLP's parameter count at GPT-3's 8 d^2.
-PRESETS: dict[str, ModelArgs] = {
-    p.name: p
-    for p in [
-        _preset("debug"),
-        _preset("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden=192,
-                max_seq_len=256),
-        _preset("llama3.2-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
-        _preset("llama3.2-3b", dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
-        _preset("llama2-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                ffn_hidden=11008, max_seq_len=4096),
-        _preset("llama2-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                ffn_hidden=28672, max_seq_len=4096),
-        _preset("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=14336, rope_theta=500000.0, max_seq_len=8192),
-        _preset("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=28672, rope_theta=500000.0, max_seq_len=8192),
-        _preset("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192),
-        _preset("gpt3-175b", dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50257,
-                ffn_hidden=32768, max_seq_len=2048, tie_embeddings=True),
-    ]
-}
-
-
-def preset(name: str, **overrides) -> ModelArgs:
-    """A preset shape, optionally with fields replaced."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sizes and FLOPs, from the shape alone (the planner uses these without building anything)
-
-
-def num_params(args: ModelArgs, *, embedding: bool = True) -> int:
-    """Parameter count; embedding=False leaves out the input embedding table (it does no matmul)."""
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    attn = d * d + 2 * d * kv + d * d
-    mlp = 3 * d * args.ffn_hidden
-    per_layer = attn + mlp + 2 * d
-    emb = args.vocab_size * d
-    head = 0 if args.tie_embeddings else args.vocab_size * d
-    total = args.n_layers * per_layer + d + head + emb
-    if not embedding:
-        # with tied weights the shared matrix still does the output matmul, so it stays in
-        total -= 0 if args.tie_embeddings else emb
-    return total
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: 6 N + 12 L d s (Kaplan et al.; Chinchilla appendix F).
-
-    N counts the weights that take part in a matmul (every linear layer and the output head, not the
-    embedding lookup or the norms); 12 L d s is the attention-score and attention-value matmuls, forward and
-    backward, counted without the causal mask's saving, as the PaLM MFU definition does.
-    """
-    matmul_params = num_params(args, embedding=False) - (2 * args.n_layers + 1) * args.dim
-    return 6.0 * matmul_params + 12.0 * args.n_layers * args.dim * seq_len
-
+from shardwise.model_args import ModelArgs
 
 # ---------------------------------------------------------------------------------------------------
 # Modules

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config import OptimConfig
 
-
 NamedParams = list[tuple[str, torch.Tensor, int]]
 """(name, tensor to optimise, dimensions of the parameter it stands for): a slice of a matrix stays a matrix."""
 

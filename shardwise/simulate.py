@@ -29,9 +29,9 @@ import torch.distributed as dist
 from shardwise.config import ConfigError, JobConfig, ParallelConfig, load_config, validate_parallel
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv
+from shardwise.parallel import parallelize
 from shardwise.parallel.comm import TYPES, CommCounter
 from shardwise.parallel.mesh import MeshView, build_mesh
-from shardwise.parallel import parallelize
 from shardwise.runtime import Runtime
 
 GiB = 2**30
@@ -192,6 +192,7 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
     peak is no higher. first_step=True measures the real first step from a fresh optimizer and then the
     second (kept if it differs): the same answer, one more simulated forward and backward.
     """
+    from shardwise.parallel.pipeline import Pipeline
     from shardwise.parallel.torch_private import (
         FakeTensors,
         forget_sharding_caches,
@@ -199,7 +200,6 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
         initialize_pipeline,
         unanimous_pipeline_vote,
     )
-    from shardwise.parallel.pipeline import Pipeline
 
     init_fake_process_group(rank, world)
     try:

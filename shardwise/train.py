@@ -25,9 +25,11 @@ from shardwise import data
 from shardwise.checkpoint import Checkpointer, StopSignal, TrainState
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.distributed import explain_failure
+from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
-from shardwise.model import Transformer, build_model, canonical_name, flops_per_token, materialize, num_params
+from shardwise.model import Transformer, build_model, canonical_name, materialize
+from shardwise.model_args import flops_per_token, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter
@@ -271,10 +273,6 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
         runtime.close()
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. non-finite steps beyond the allowance); the last checkpoint is kept."""
-
-
 def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     device = runtime.device
     dataset, loader, val = build_data(cfg, runtime)
@@ -296,7 +294,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     tokens_per_step = global_batch * cfg.data.seq_len
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params | "
-        f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of {cfg.data.seq_len} tokens | "
+        f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of "
+        f"{cfg.data.seq_len} tokens | "
         f"{tokens_per_step} tokens/step on {runtime.describe()}"
         + (f" | resumed after step {first_step - 1}" if first_step > 1 else "")
     )

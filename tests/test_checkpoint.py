@@ -5,25 +5,25 @@ under the saving layout, which the parity tests tie to one device).
 """
 
 import logging
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_distributed
 from torch.distributed.tensor import DTensor
 
-from distributed import run_distributed
 from shardwise import checkpoint, hf
 from shardwise.checkpoint import Checkpointer, CheckpointError, TrainState, latest_checkpoint, load, scan_checkpoints
 from shardwise.config import load_config
 from shardwise.model import build_model, materialize
 from shardwise.optim import build_lr_schedule, effective_lr
-from shardwise.runtime import Runtime
 from shardwise.parallel.pipeline import Pipeline
+from shardwise.runtime import Runtime
 from shardwise.train import (
     build_data,
     build_grad_scaler,

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from shardwise.config import ConfigError, JobConfig, field_docs, load_config
-from shardwise.model import PRESETS
+from shardwise.model_args import PRESETS
 
 
 def _write(tmp_path, text):

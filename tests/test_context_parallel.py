@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.activation_checkpoint import apply_activation_checkpointing
-from shardwise.model import build_model, causal_attention, materialize, preset
+from shardwise.model import build_model, causal_attention, materialize
+from shardwise.model_args import preset
 from shardwise.parallel.context_parallel import (
     apply_context_parallel,
     context_parallel_attention,

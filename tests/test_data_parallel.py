@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import pytest
+from distributed import run_distributed
 from torch.distributed.tensor import DTensor
 
-from distributed import run_distributed
 from shardwise.config import load_config
-from shardwise.model import num_params
+from shardwise.model_args import num_params
 from shardwise.parallel.comm import counted_step
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")

@@ -6,7 +6,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import hf
-from shardwise.model import PRESETS, build_model, flops_per_token, init_value, materialize, num_params, preset
+from shardwise.model import build_model, init_value, materialize
+from shardwise.model_args import PRESETS, flops_per_token, num_params, preset
 
 
 def _pair(args, seed=0):

@@ -17,9 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardwise.model import ModelArgs, build_model, materialize, num_params, preset
-from shardwise.planner import (Cluster, Plan, PlannerError, Training, accelerator, evaluate, from_hf_config,
-                               model_state_bytes, parse_plan, search, stage_memory, state_bytes_per_param)
+from shardwise.model import build_model, materialize
+from shardwise.model_args import ModelArgs, num_params, preset
+from shardwise.planner import (
+    Cluster,
+    Plan,
+    PlannerError,
+    Training,
+    accelerator,
+    evaluate,
+    from_hf_config,
+    model_state_bytes,
+    parse_plan,
+    search,
+    stage_memory,
+    state_bytes_per_param,
+)
 from shardwise.planner.cli import add_plan_arguments, run_plan
 from shardwise.planner.comm import Link, all_reduce, ring_all_reduce
 from shardwise.planner.memory import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
@@ -622,8 +635,9 @@ def test_pipeline_ranks_hold_the_engines_cost_balanced_stages(schedule):
     (1f1b: 4 + 2 blocks where an even cut gives 3 + 3; zero-bubble's V: 1, 2, 2, 1 with the first and last stage
     on rank 0). Each rank's parameters, as the planner counts them, are those of the stage modules the engine
     builds for it (deep copies of the meta model with the other layers deleted)."""
-    from shardwise.model import ModelArgs
-    from shardwise.parallel.pipeline import build_stage_module, layer_costs, split_layers, stages_of_rank
+    from shardwise.model_args import ModelArgs
+    from shardwise.layout import layer_costs, split_layers, stages_of_rank
+    from shardwise.parallel.pipeline import build_stage_module
     from shardwise.planner.memory import stage_layers, stage_params
 
     args = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=2048)
@@ -648,7 +662,7 @@ def test_pipeline_ranks_hold_the_engines_cost_balanced_stages(schedule):
 def test_pipeline_time_follows_the_rank_with_the_most_blocks():
     """With a 1,024-token vocabulary (head ~1.2 blocks) the engine cuts 6 blocks over 3 stages as 2, 3, 1 + head:
     the middle rank, neither the first nor the one with the head, sets the pipeline's pace."""
-    from shardwise.model import ModelArgs
+    from shardwise.model_args import ModelArgs
     from shardwise.planner.memory import pipeline_layers
     from shardwise.planner.timing import _stage_cost, stage_cost
 
@@ -669,8 +683,10 @@ def test_pipeline_time_follows_the_rank_with_the_most_blocks():
 def test_block_operator_count_is_the_blocks_own_forward_and_backward():
     # opcount takes a block's operators as the difference between a 2-block and a 1-block model; counted here on
     # a lone block instead (its input needs a gradient, as inside the model), at another size
-    from shardwise.model import ModelArgs, TransformerBlock, rotary_table
-    from shardwise.planner.opcount import OpCounter, op_counts
+    from shardwise.model import TransformerBlock, rotary_table
+    from shardwise.model_args import ModelArgs
+    from shardwise.planner.opcount import OpCounter
+    from shardwise.planner.operators import op_counts
 
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
     block = TransformerBlock(args)
@@ -691,8 +707,10 @@ def test_optimizer_traffic_per_parameter_holds_at_another_size():
     AdamW: norm 1, clip 1+1, decay p 1+1, lerp m 2+1, mul v 1+1, addcmul v 3+1, sqrt 1+1, div 1+1, add eps 1+1,
     addcdiv p 3+1: 24 words, 96 bytes, where a fused step moves 28 (weights and both moments read and written,
     gradients read)."""
-    from shardwise.model import ModelArgs, Transformer
-    from shardwise.planner.opcount import OpCounter, micro_batch, op_counts, optimizer_step
+    from shardwise.model import Transformer
+    from shardwise.model_args import ModelArgs
+    from shardwise.planner.opcount import OpCounter, micro_batch, optimizer_step
+    from shardwise.planner.operators import op_counts
 
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, n_layers=3, max_seq_len=16)
     model = Transformer(args)
@@ -716,7 +734,7 @@ def test_attention_efficiency_by_shape_interpolates_the_measured_grid():
 
 
 def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
-    from shardwise.planner.opcount import op_counts
+    from shardwise.planner.operators import op_counts
 
     model, train = preset("tiny"), Training(seq_len=128, global_batch=8, precision="fp32")
     plan = Plan(micro_batch=8)
@@ -747,7 +765,7 @@ def test_dtensor_overheads_are_paid_where_the_engine_makes_dtensors(plan, dtenso
     pays the measured extra per operator over all its operators (a CPU's foreach loops: one per tensor); a pure
     pipeline's parameters stay plain. Forward and backward pay theirs only under tp, on its 7 projections a
     block."""
-    from shardwise.planner.opcount import op_counts, optimizer_ops
+    from shardwise.planner.operators import op_counts, optimizer_ops
 
     model, train = preset("tiny"), Training(seq_len=128, global_batch=8, precision="fp32")
     base = dataclasses.replace(accelerator("h100"), launch_async=False)
@@ -980,3 +998,15 @@ def test_published_out_of_memory_layouts_do_not_fit():
     assert len(oom) == 5
     for run in oom:
         assert not published.given_plan(run)[1], run.name
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
+    """The planner reads operator counts from a table (it imports no torch); counted again on the real model and
+    optimizer step under this torch, they are the table's."""
+    from shardwise.planner.opcount import live_op_counts
+    from shardwise.planner.operators import op_counts
+
+    args = ModelArgs(n_heads=4, n_kv_heads=2 if gqa else 4, tie_embeddings=tied)
+    assert live_op_counts(args) == op_counts(args)

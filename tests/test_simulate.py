@@ -7,10 +7,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
 from distributed import run_distributed
+
 from shardwise.config import load_config
-from shardwise.model import build_model, num_params, preset
+from shardwise.model import build_model
+from shardwise.model_args import num_params, preset
 from shardwise.simulate import measured_run
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
@@ -121,7 +122,7 @@ def stage_params(args, layers: range, first: bool, last: bool) -> int:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_pipeline_stage_model_state_is_zero_formula_of_its_parameters(stage):
     """pp 2 x 4 data ranks: each simulated stage holds ZeRO's bytes for the parameters of that stage."""
-    from shardwise.parallel.pipeline import layer_costs, split_layers
+    from shardwise.layout import layer_costs, split_layers
     from shardwise.simulate import simulate
 
     n = 4
@@ -181,7 +182,7 @@ BIG = [("llama3-70b", 1024, "tp=8,pp=4,dp=32,zero_stage=3")]
 
 @pytest.mark.parametrize("model, world, plan", BIG, ids=[plan for _, _, plan in BIG])
 def test_big_job_simulates_in_8_gib_without_allocating_the_model(model, world, plan):
-    from shardwise.parallel.pipeline import layer_costs, split_layers
+    from shardwise.layout import layer_costs, split_layers
 
     out = measured_run(model, world, plan)
     print(f"{model} x {out['world']} ({plan}): {out['cpu_s']:.1f} s CPU, {out['wall_s']:.1f} s wall, "

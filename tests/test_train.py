@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
-
 from probes import LiveBytes, SavedBytes
+
 from shardwise.activation_checkpoint import apply_activation_checkpointing
-from shardwise.config import TrainConfig, load_config
+from shardwise.config import OptimConfig, TrainConfig, load_config
 from shardwise.data import Batch
-from shardwise.model import build_model, materialize, preset
+from shardwise.model import build_model, materialize
+from shardwise.model_args import preset
 from shardwise.optim import build_optimizer, lr_factor
-from shardwise.config import OptimConfig
 from shardwise.train import build_grad_scaler, loss_sum, optimizer_step, train, train_step
 
 CPU = torch.device("cpu")

@@ -10,10 +10,22 @@ Public API (what the CLI and the simulator call):
 """
 
 from shardwise.planner.explain import explain
-from shardwise.planner.hardware import (CATALOGUE, Accelerator, Cluster, PlannerError, accelerator, load_profile,
-                                        resolve_accelerator)
-from shardwise.planner.memory import (layer_activation_bytes, model_state_bytes, peak_memory, stage_memory,
-                                      state_bytes_per_param)
+from shardwise.hardware import (
+                                        CATALOGUE,
+                                        Accelerator,
+                                        Cluster,
+                                        PlannerError,
+                                        accelerator,
+                                        load_profile,
+                                        resolve_accelerator,
+)
+from shardwise.planner.memory import (
+                                        layer_activation_bytes,
+                                        model_state_bytes,
+                                        peak_memory,
+                                        stage_memory,
+                                        state_bytes_per_param,
+)
 from shardwise.planner.plan import Plan, parse_plan, validate_plan
 from shardwise.planner.search import Evaluation, SearchResult, evaluate, search
 from shardwise.planner.timing import StepTime, step_time

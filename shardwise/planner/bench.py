@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardwise.model import ModelArgs, Transformer
+from shardwise.model import Transformer
+from shardwise.model_args import ModelArgs
 from shardwise.planner import opcount
-from shardwise.planner.hardware import GiB, Accelerator, PlannerError, accelerator
+from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -197,7 +198,7 @@ def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     base = ModelArgs(n_heads=2, n_kv_heads=2)  # the tiny model's 2 heads, each KV head on its own rank
     per_block = _host_seconds_per_block(base, lambda model: split_model(model, mesh, sequence_parallel=False),
                                         iters, min_seconds)
-    return per_block / (7 * opcount.op_counts(base).linear)
+    return per_block / (7 * opcount.live_op_counts(base).linear)
 
 
 def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:

@@ -13,7 +13,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from shardwise.planner.hardware import Accelerator, Cluster
+from shardwise.hardware import Accelerator, Cluster
 from shardwise.planner.plan import Plan
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.model import ModelArgs
-from shardwise.parallel.pipeline import layer_costs, split_layers, stages_of_rank
-from shardwise.planner.hardware import GiB
+from shardwise.model_args import ModelArgs
+from shardwise.layout import layer_costs, split_layers, stages_of_rank
+from shardwise.hardware import GiB
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 

@@ -13,37 +13,14 @@ one launch of a multi-tensor kernel on a GPU but a loop of one operator per tens
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
-from shardwise.model import ModelArgs, Transformer
-
-
-@dataclass(frozen=True)
-class OpCounts:
-    block: int
-    """Operators of one block's forward + backward."""
-    rest: int
-    """Operators of embedding, final norm, output head and loss, forward + backward."""
-    linear: int
-    """Operators of one nn.Linear's forward + backward (tensor parallelism runs these on DTensors: 7 per block)."""
-    optimizer_calls: int
-    """Operator calls of one optimizer step (gradient norm, AdamW foreach, zero_grad), foreach calls counted once."""
-    optimizer_per_tensor: float
-    """Operators per parameter tensor of one optimizer step when each foreach call loops over its tensors."""
-    optimizer_fixed: float
-    """Operators of one optimizer step that do not repeat per tensor, in the same (looped) count."""
-    tensors_per_block: int
-    """Parameter tensors of one block."""
-    tensors_rest: int
-    """Parameter tensors outside the blocks."""
-    optimizer_bytes_per_param: float
-    """Bytes the optimizer step's operators read and write per parameter (fp32 state), summed over its passes:
-    a foreach AdamW runs a pass per operation (lerp, mul, addcmul, sqrt, div, ...), each reading and writing
-    parameter-sized tensors, where a fused kernel would touch each tensor once."""
+from shardwise.model import Transformer
+from shardwise.model_args import ModelArgs
+from shardwise.planner.operators import OpCounts
 
 
 class OpCounter(TorchDispatchMode):
@@ -120,7 +97,7 @@ def _count(fn) -> OpCounter:
     return c
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def _counts(gqa: bool, tied: bool) -> OpCounts:
     base = ModelArgs(n_heads=2, n_kv_heads=1 if gqa else 2, tie_embeddings=tied)
     torch.manual_seed(0)
@@ -151,14 +128,7 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
                     optimizer_bytes_per_param=bytes_per_param)
 
 
-def optimizer_ops(counts: OpCounts, tensors: int, looped: bool) -> float:
-    """Operators of one optimizer step over `tensors` parameter tensors: each foreach call once (`looped` False: a
-    GPU's multi-tensor kernels) or once per tensor (a CPU's foreach loops)."""
-    if looped:
-        return counts.optimizer_fixed + counts.optimizer_per_tensor * tensors
-    return counts.optimizer_calls
-
-
-def op_counts(args: ModelArgs) -> OpCounts:
-    """Operator counts of `args`'s structure (computed once per structure, a fraction of a second)."""
+def live_op_counts(args: ModelArgs) -> OpCounts:
+    """Operator counts of `args`'s structure, counted now on this torch (once per structure, a fraction of a
+    second); the planner reads the same numbers from operators.OP_COUNTS without torch."""
     return _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings)

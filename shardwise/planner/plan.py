@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardwise.planner.hardware import PlannerError
+from shardwise.hardware import PlannerError
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]

@@ -5,7 +5,7 @@ matplotlib is imported here only, so the planner itself does not depend on it.
 
 from __future__ import annotations
 
-from shardwise.planner.hardware import GiB, PlannerError
+from shardwise.hardware import GiB, PlannerError
 from shardwise.planner.search import Evaluation
 from shardwise.planner.timeline import simulate
 

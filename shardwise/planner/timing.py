@@ -11,14 +11,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.model import ModelArgs, flops_per_token
+from shardwise.model_args import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
-from shardwise.planner.hardware import Accelerator, Cluster
-from shardwise.planner.opcount import op_counts, optimizer_ops
-from shardwise.planner.memory import (block_tensor_params, gathered_weight_bytes, head_rank, kv_split,
-                                      layer_activation_bytes, layer_params, lora_params, pipeline_layers,
-                                      ranks_to_check, replicates, shape_key, stage_layers, stage_params,
-                                      state_bytes_per_param)
+from shardwise.hardware import Accelerator, Cluster
+from shardwise.planner.memory import (
+    block_tensor_params,
+    gathered_weight_bytes,
+    head_rank,
+    kv_split,
+    layer_activation_bytes,
+    layer_params,
+    lora_params,
+    pipeline_layers,
+    ranks_to_check,
+    replicates,
+    shape_key,
+    stage_layers,
+    stage_params,
+    state_bytes_per_param,
+)
+from shardwise.planner.operators import op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 

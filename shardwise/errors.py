@@ -1,0 +1,18 @@
+"""The errors a run reports to the user as one line (the CLI prints them without a traceback); no torch here,
+so the command line can name them before it imports the engine."""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: one line naming the path, the problem and the fix."""
+
+    def __init__(self, path: str | os.PathLike, problem: str, fix: str):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        super().__init__(f"checkpoint {path}: {problem}; fix: {fix}")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. non-finite steps beyond the allowance); the last checkpoint is kept."""
