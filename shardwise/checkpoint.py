@@ -5,8 +5,9 @@ What a checkpoint holds, and in which form (every form is independent of the lay
 - model: `get_model_state_dict` of this rank's parts, keyed by the full-model parameter name; DTensors are
   written as the shards they are, and DCP cuts whatever the loading layout asks for out of them (resharding).
 - optimizer: `get_optimizer_state_dict` in its flattened form ("state.<param>.exp_avg"), whose tensors are
-  shaped like their parameter. ZeRO-1's ShardedOptimizer keeps a 1/N slice of each local tensor; its slices
-  are all-gathered into that same parameter-shaped form, so a ZeRO-1 checkpoint loads under ZeRO-3 and back.
+  shaped like their parameter. parallel.data_parallel gives and takes that form for any optimizer: ZeRO-1's,
+  which keeps a 1/N slice of each local tensor, all-gathers its slices into it and cuts them out again, so a
+  ZeRO-1 checkpoint loads under ZeRO-3 and back.
 - per rank: the torch CPU (and CUDA) RNG states; a layout with another world size takes rank r % saved world.
 - train_state.json: step, LR schedule, loss scaler, data-loader position and the optimizer's hyperparameters
   (lr, betas, ...), all plain numbers. DCP would pickle these, and loading pickles runs arbitrary code.
@@ -46,25 +47,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from shardwise.errors import CheckpointError
+from shardwise.model import canonical_name
 from shardwise.model_args import ModelArgs
-from shardwise.parallel.data_parallel import ShardedOptimizer
+from shardwise.parallel.data_parallel import (
+    optimizer_load_targets,
+    optimizer_name,
+    optimizer_state_dict,
+    set_optimizer_state,
+)
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 1
 META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _REPLACED_DIR = re.compile(r"step_(\d+)\.old")
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # fields of ModelArgs that change a parameter's shape, or what the weights mean
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
 
@@ -78,7 +77,7 @@ class TrainState:
     parts: list[nn.Module]
     """This rank's model: [model], or its pipeline stage modules (Pipeline.stages)."""
     optimizer: Any = None
-    """The optimizer over all of `parts` (a torch Optimizer, or ZeRO-1's ShardedOptimizer); None: weights only."""
+    """The optimizer over all of `parts` (a torch Optimizer, or ZeRO-1's sharded one); None: weights only."""
     schedule: Any = None
     """The LR scheduler (LambdaLR), or None."""
     scaler: torch.amp.GradScaler | None = None
@@ -177,10 +176,6 @@ def _quiet_single_process():
 # The state in checkpoint form: flat dict of tensors (DCP) + plain numbers (JSON)
 
 
-def _optimizer_name(optimizer) -> str:
-    return type(optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer).__name__
-
-
 def _rng_states(device: torch.device | None) -> dict[str, torch.Tensor]:
     states = {f"rng/{_rank()}/cpu": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
@@ -194,59 +189,9 @@ def _device(parts: list[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-def _param_names(parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """(canonical name, parameter) in the order the container yields them (ShardedOptimizer's order)."""
-    from shardwise.model import canonical_name
-
-    multi = len(parts) > 1
-    return [(_canonical(canonical_name(n), multi), p) for n, p in _container(parts).named_parameters()]
-
-
-def _zero1_start(opt: ShardedOptimizer, param: torch.Tensor, chunk: int) -> int:
-    """Where this rank's ZeRO-1 slice starts in the flattened local tensor (as ShardedOptimizer cuts it)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return min(opt.rank * chunk, local.numel())
-
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (shaped like param's local tensor) as a tensor placed like `param`."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return local
-
-
-@torch.no_grad()
-def _zero1_state(opt: ShardedOptimizer, parts: list[nn.Module]) -> tuple[dict, dict]:
-    """ZeRO-1's slices all-gathered into the flattened, parameter-shaped form get_optimizer_state_dict gives."""
-    names = _param_names(parts)
-    if [id(p) for _, p in names] != [id(p) for p, _, _ in opt.params]:
-        raise RuntimeError("ShardedOptimizer was built over other parameters than these parts")
-    tensors, plain = {}, {}
-    for (name, _), (param, piece, chunk) in zip(names, opt.params):
-        local = param.to_local() if isinstance(param, DTensor) else param
-        for key, value in opt.inner.state.get(piece, {}).items():
-            if torch.is_tensor(value) and value.ndim == 1:  # a slice of the parameter: gather the full one
-                mine = torch.zeros(chunk, dtype=value.dtype, device=local.device)
-                mine[: value.numel()] = value
-                gathered = torch.empty(chunk * opt.world, dtype=value.dtype, device=local.device)
-                dist.all_gather_into_tensor(gathered, mine, group=opt.group)
-                value = _like_param(param, gathered[: local.numel()].view(local.shape))
-            tensors[f"state.{name}.{key}"] = value
-    by_piece = {id(piece): name for (name, _), (_, piece, _) in zip(names, opt.params)}
-    for group in opt.inner.param_groups:
-        for piece in group["params"]:
-            for k, v in group.items():
-                if k != "params":
-                    plain[f"param_groups.{by_piece[id(piece)]}.{k}"] = v
-    return tensors, plain
-
-
 def _optimizer_state(state: TrainState) -> tuple[dict, dict]:
     """(tensors, plain values) of the optimizer, flattened and keyed by canonical parameter name."""
-    if isinstance(state.optimizer, ShardedOptimizer):
-        return _zero1_state(state.optimizer, state.parts)
-    osd = get_optimizer_state_dict(_container(state.parts), state.optimizer, options=_OPTIONS)
+    osd = optimizer_state_dict(_container(state.parts), state.optimizer)
     multi = len(state.parts) > 1
     tensors = {_canonical(k, multi): v for k, v in osd.items() if torch.is_tensor(v)}
     plain = {_canonical(k, multi): v for k, v in osd.items() if not torch.is_tensor(v)}
@@ -365,7 +310,7 @@ class Checkpointer:
         tensors, plain_optim = self._collect(state)
         plain_optim = _gather_plain(plain_optim)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
-                "layout": self.layout, "world_size": _world(), "optimizer": _optimizer_name(state.optimizer)}
+                "layout": self.layout, "world_size": _world(), "optimizer": optimizer_name(state.optimizer)}
         if _rank() == 0:
             train_state = {
                 "step": step,
@@ -553,57 +498,22 @@ def _read_metadata(path: Path) -> Metadata:
                               "resume from another checkpoint") from None
 
 
-def _zero1_targets(opt: ShardedOptimizer, parts: list[nn.Module], metadata: Metadata) -> dict[str, torch.Tensor]:
-    """Parameter-shaped buffers for every optimizer state the checkpoint holds for this rank's parameters."""
-    targets = {}
-    for name, param in _param_names(parts):
-        prefix = f"optim/state.{name}."
-        for key, entry in metadata.state_dict_metadata.items():
-            if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata) and "." not in key[len(prefix):]:
-                dtype = entry.properties.dtype
-                if tuple(entry.size) == tuple(param.shape):
-                    targets[key] = torch.zeros_like(param, dtype=dtype)
-                else:
-                    targets[key] = torch.zeros(tuple(entry.size), dtype=dtype)
-    return targets
-
-
-@torch.no_grad()
-def _set_zero1(opt: ShardedOptimizer, parts: list[nn.Module], targets: dict, plain: dict) -> None:
-    """Cut this rank's slice out of each parameter-shaped state and load it into the inner optimizer."""
-    owner = {id(piece): (name, param, chunk)
-             for (name, _), (param, piece, chunk) in zip(_param_names(parts), opt.params)}
-    state, groups, index = {}, [], {}
-    for group in opt.inner.param_groups:
-        first = owner[id(group["params"][0])][0]
-        groups.append({k: _restore_type(v, plain[f"param_groups.{first}.{k}"])
-                       for k, v in group.items() if k != "params"})
-        groups[-1]["params"] = []
-        for piece in group["params"]:
-            name, param, chunk = owner[id(piece)]
-            i = index.setdefault(id(piece), len(index))
-            groups[-1]["params"].append(i)
-            lo, prefix = _zero1_start(opt, param, chunk), f"optim/state.{name}."
-            per = {}
-            for key, value in targets.items():
-                if key.startswith(prefix) and "." not in key[len(prefix):]:
-                    if value.shape == param.shape and value.ndim > 0:  # parameter-shaped: keep our slice
-                        local = value.to_local() if isinstance(value, DTensor) else value
-                        value = local.reshape(-1)[lo:lo + piece.numel()].clone()
-                    per[key[len(prefix):]] = value
-            if per:
-                state[i] = per
-    opt.inner.load_state_dict({"state": state, "param_groups": groups})
+def _saved_optimizer_tensors(parts: list[nn.Module], metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Size and dtype of each optimizer tensor the checkpoint holds for these parts' parameters, keyed as the
+    optimizer over the parts names it (with the part index): what ZeRO-1 makes its load buffers from."""
+    multi = len(parts) > 1
+    fqns = [canonical_name(n) for n, _ in _container(parts).named_parameters()]
+    own = {_canonical(fqn, multi): fqn for fqn in fqns}  # the checkpoint's name -> the optimizer's
+    saved = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        name, _, state = key.removeprefix("optim/state.").rpartition(".")
+        if key.startswith("optim/state.") and name in own and isinstance(entry, TensorStorageMetadata):
+            saved[f"state.{own[name]}.{state}"] = (torch.Size(entry.size), entry.properties.dtype)
+    return saved
 
 
 def _plain_keys(state: TrainState, optim_live: dict) -> list[str]:
     """The optimizer's non-tensor values (hyperparameters: "param_groups.<name>.lr", ...) a load needs."""
-    if state.optimizer is None:
-        return []
-    if isinstance(state.optimizer, ShardedOptimizer):
-        names = {id(piece): name for (name, _), (_, piece, _) in zip(_param_names(state.parts), state.optimizer.params)}
-        return [f"param_groups.{names[id(g['params'][0])]}.{k}" for g in state.optimizer.inner.param_groups
-                for k in g if k != "params"]
     return [_canonical(k, len(state.parts) > 1) for k, v in optim_live.items() if not torch.is_tensor(v)]
 
 
@@ -620,9 +530,9 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     path = Path(path)
     meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
     _check_meta(path, meta, model_args)
-    if state.optimizer is not None and meta.get("optimizer") != _optimizer_name(state.optimizer):
+    if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
         raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
-                              f"{_optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")
+                              f"{optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")
     metadata = _read_metadata(path)
     targets, model_live, optim_live = _targets(state, metadata, int(meta.get("world_size", 1)))
     missing = [k for k in _plain_keys(state, optim_live) if k not in train_state.get("optimizer_param_groups", {})]
@@ -644,13 +554,9 @@ def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[d
     model_live = get_model_state_dict(_container(state.parts))
     targets = {f"model/{_canonical(k, multi)}": v for k, v in model_live.items()}
     optim_live: dict = {}
-    if state.optimizer is None:
-        pass
-    elif isinstance(state.optimizer, ShardedOptimizer):
-        targets.update(_zero1_targets(state.optimizer, state.parts, metadata))
-    else:
-        # on a fresh optimizer this first creates its state (a zero step at lr 0): the buffers to load into
-        optim_live = get_optimizer_state_dict(_container(state.parts), state.optimizer, options=_OPTIONS)
+    if state.optimizer is not None:
+        saved = _saved_optimizer_tensors(state.parts, metadata)
+        optim_live = optimizer_load_targets(_container(state.parts), state.optimizer, saved)
         targets.update({f"optim/{_canonical(k, multi)}": v for k, v in optim_live.items() if torch.is_tensor(v)})
     src = _rank() % saved_world  # under another world size, rank r continues rank r % saved world's streams
     for key, value in _rng_states(_device(state.parts)).items():
@@ -665,9 +571,7 @@ def _restore(state: TrainState, targets: dict, model_live: dict, optim_live: dic
     multi = len(state.parts) > 1
     set_model_state_dict(_container(state.parts), {k: targets[f"model/{_canonical(k, multi)}"] for k in model_live})
     plain = train_state["optimizer_param_groups"]
-    if isinstance(state.optimizer, ShardedOptimizer):
-        _set_zero1(state.optimizer, state.parts, targets, plain)
-    elif state.optimizer is not None:
+    if state.optimizer is not None:
         _set_optimizer(state, optim_live, targets, plain)
     if state.schedule is not None and train_state["lr_schedule"] is not None:
         _load_schedule(state.schedule, train_state["lr_schedule"])
@@ -691,7 +595,7 @@ def _set_optimizer(state: TrainState, live: dict, targets: dict, plain: dict) ->
             osd[k] = targets[f"optim/{canonical}"]
         else:
             osd[k] = _restore_type(v, plain[canonical])
-    set_optimizer_state_dict(_container(state.parts), state.optimizer, osd, options=_OPTIONS)
+    set_optimizer_state(_container(state.parts), state.optimizer, osd)
 
 
 def _check_loader(train_state: dict, state: TrainState) -> str | None:

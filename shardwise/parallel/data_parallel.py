@@ -5,7 +5,8 @@
 - ZeRO-1: as ZeRO-0, plus `ShardedOptimizer`: each data-parallel rank keeps the optimizer state of 1/N of
   every parameter, updates that slice, and all-gathers the slices (Megatron's distributed optimizer, here on
   the local tensors so it composes with tensor parallelism). torch's ZeroRedundancyOptimizer broadcasts whole
-  parameters and does not take DTensors, hence our own.
+  parameters and does not take DTensors, hence our own. Checkpoints see its state in the flattened,
+  parameter-shaped form torch gives for any optimizer (`optimizer_state_dict` and its loading counterparts).
 - ZeRO-2: `fully_shard(reshard_after_forward=False)`: gradients and optimizer state sharded, parameters
   gathered once per step and kept through backward.
 - ZeRO-3: `fully_shard(reshard_after_forward=True)`: parameters too, gathered again in backward.
@@ -22,14 +23,22 @@ global mean loss (rather than setting FSDP's divide factor to 1: that uses PREMU
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardwise.config import ParallelConfig
+from shardwise.model import canonical_name
 from shardwise.parallel.compat import replicate
 from shardwise.parallel.mesh import MeshView
 
@@ -100,9 +109,9 @@ class ShardedOptimizer:
         self.params: list[tuple[nn.Parameter, nn.Parameter, int]] = []
         named_slices = []
         for name, param in model.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = _local(param)
             chunk = math.ceil(local.numel() / self.world)
-            lo, hi = min(self.rank * chunk, local.numel()), min((self.rank + 1) * chunk, local.numel())
+            lo, hi = self._start(local, chunk), min((self.rank + 1) * chunk, local.numel())
             piece = nn.Parameter(local.detach().view(-1)[lo:hi])  # shares storage with the parameter
             self.params.append((param, piece, chunk))
             named_slices.append((name, piece, param.ndim))
@@ -117,25 +126,165 @@ class ShardedOptimizer:
             param.grad = None
             piece.grad = None
 
+    def _start(self, local: torch.Tensor, chunk: int) -> int:
+        """Where this rank's slice starts in the flattened local tensor."""
+        return min(self.rank * chunk, local.numel())
+
+    def _all_gather(self, piece: torch.Tensor, chunk: int, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of `local` (this rank's is `piece`: its values, or a state of them), flat."""
+        mine = torch.zeros(chunk, dtype=piece.dtype, device=local.device)
+        mine[: piece.numel()] = piece
+        gathered = torch.empty(chunk * self.world, dtype=piece.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        return gathered[: local.numel()]
+
     @torch.no_grad()
     def step(self) -> None:
         for param, piece, chunk in self.params:
             if param.grad is None:
                 continue
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            lo = min(self.rank * chunk, grad.numel())
+            grad = _local(param.grad)
+            lo = self._start(grad, chunk)
             piece.grad = grad.reshape(-1)[lo:lo + piece.numel()]
         self.inner.step()
         for param, piece, chunk in self.params:
-            local = param.to_local() if isinstance(param, DTensor) else param
-            mine = torch.zeros(chunk, dtype=local.dtype, device=local.device)
-            mine[: piece.numel()] = piece
-            gathered = torch.empty(chunk * self.world, dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(gathered, mine, group=self.group)
-            local.view(-1).copy_(gathered[: local.numel()])
+            local = _local(param)
+            local.view(-1).copy_(self._all_gather(piece, chunk, local))
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+    # --- the parameter-shaped form checkpoints hold (names[i] names self.params[i]) -------------------------
+    def param_names(self, model: nn.Module) -> list[str]:
+        """Each parameter's name in `model` (the module this optimizer was built over), as torch's state-dict
+        functions give it (without the wrappers' prefixes)."""
+        named = list(model.named_parameters())
+        if [id(p) for _, p in named] != [id(p) for p, _, _ in self.params]:
+            raise RuntimeError("ShardedOptimizer was built over other parameters than these")
+        return [canonical_name(n) for n, _ in named]
+
+    @torch.no_grad()
+    def state_dict_full(self, names: list[str]) -> dict[str, Any]:
+        """The form `get_optimizer_state_dict(flatten_optimizer_state_dict=True)` gives for a torch optimizer:
+        "state.<name>.<key>" with the slices all-gathered into tensors shaped and placed like their parameter,
+        and "param_groups.<name>.<key>" for every parameter (collective over the group)."""
+        flat = {}
+        for name, (param, piece, chunk) in zip(names, self.params):
+            local = _local(param)
+            for key, value in self.inner.state.get(piece, {}).items():
+                if torch.is_tensor(value) and value.ndim == 1:  # a slice of the parameter: gather the whole
+                    value = _like(param, self._all_gather(value, chunk, local).view(local.shape))
+                flat[f"state.{name}.{key}"] = value
+        name_of = self._name_of(names)
+        for group in self.inner.param_groups:
+            for piece in group["params"]:
+                flat.update({f"param_groups.{name_of[id(piece)]}.{k}": v for k, v in group.items() if k != "params"})
+        return flat
+
+    def load_targets(self, names: list[str], saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, Any]:
+        """What `load_state_dict_full` takes, unfilled: an empty tensor for each state of these parameters in
+        `saved` (key -> size, dtype of a checkpoint's tensors), placed like the parameter where shaped like it;
+        the current value of each group's hyperparameters, keyed by the group's first parameter."""
+        flat: dict[str, Any] = {}
+        for name, (param, _, _) in zip(names, self.params):
+            for key, (size, dtype) in _states(name, saved).items():
+                flat[f"state.{name}.{key}"] = (torch.zeros_like(param, dtype=dtype) if tuple(size) == tuple(param.shape)
+                                               else torch.zeros(tuple(size), dtype=dtype))
+        name_of = self._name_of(names)
+        for group in self.inner.param_groups:
+            first = name_of[id(group["params"][0])]
+            flat.update({f"param_groups.{first}.{k}": v for k, v in group.items() if k != "params"})
+        return flat
+
+    @torch.no_grad()
+    def load_state_dict_full(self, names: list[str], flat: Mapping[str, Any]) -> None:
+        """Load the form `load_targets` gave, filled: this rank's slice is cut out of each parameter-shaped
+        state; a group's hyperparameters are its first parameter's."""
+        owner = {id(piece): (name, param, piece, chunk) for name, (param, piece, chunk) in zip(names, self.params)}
+        state, groups, index = {}, [], {}
+        for group in self.inner.param_groups:
+            first = owner[id(group["params"][0])][0]
+            groups.append({k: flat[f"param_groups.{first}.{k}"] for k in group if k != "params"})
+            groups[-1]["params"] = []
+            for piece in group["params"]:
+                i = index.setdefault(id(piece), len(index))
+                groups[-1]["params"].append(i)
+                mine = self._my_slice(*owner[id(piece)], flat)
+                if mine:
+                    state[i] = mine
+        self.inner.load_state_dict({"state": state, "param_groups": groups})
+
+    def _my_slice(self, name: str, param: nn.Parameter, piece: nn.Parameter, chunk: int,
+                  flat: Mapping[str, Any]) -> dict[str, Any]:
+        """One parameter's states in `flat`, the parameter-shaped ones cut to this rank's slice."""
+        lo, mine = self._start(_local(param), chunk), {}
+        for key, value in _states(name, flat).items():
+            if value.shape == param.shape and value.ndim > 0:  # parameter-shaped: keep our slice
+                value = _local(value).reshape(-1)[lo:lo + piece.numel()].clone()
+            mine[key] = value
+        return mine
+
+    def _name_of(self, names: list[str]) -> dict[int, str]:
+        """id(slice) -> its parameter's name (the inner optimizer's groups hold the slices)."""
+        return {id(piece): name for name, (_, piece, _) in zip(names, self.params)}
+
+
+def _states(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries "state.<name>.<key>" of a flattened optimizer state dict, by key."""
+    prefix = f"state.{name}."
+    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (shaped like param's local tensor) as a tensor placed like `param`."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimizer state in torch's flattened, parameter-shaped form, for a torch optimizer or ZeRO-1's alike
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The torch optimizer's class name ("AdamW"), also for ZeRO-1's wrapper of one."""
+    return type(optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer).__name__
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """`get_optimizer_state_dict(model, optimizer)` flattened: "state.<param>.<key>" tensors shaped and placed
+    like their parameter, "param_groups.<param>.<key>" plain values; for ZeRO-1 too (collective)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_dict_full(optimizer.param_names(model))
+    return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+
+
+def optimizer_load_targets(model: nn.Module, optimizer: Any,
+                           saved: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, Any]:
+    """The flattened state dict to load into: tensors to read a checkpoint's into, and the current plain values.
+
+    A torch optimizer's comes from its own state, which torch first creates on a fresh optimizer (a step at lr
+    0); ZeRO-1's slices say nothing of the shapes, so its buffers are made for what `saved` (key -> size, dtype
+    of the checkpoint's optimizer tensors, keyed as here) holds for these parameters.
+    """
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.load_targets(optimizer.param_names(model), saved)
+    return get_optimizer_state_dict(model, optimizer, options=_FLAT)
+
+
+def set_optimizer_state(model: nn.Module, optimizer: Any, flat: Mapping[str, Any]) -> None:
+    """Load what `optimizer_load_targets` gave, filled, into the optimizer."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.load_state_dict_full(optimizer.param_names(model), flat)
+    else:
+        set_optimizer_state_dict(model, optimizer, dict(flat), options=_FLAT)
