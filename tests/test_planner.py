@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from functools import partial
@@ -442,6 +443,25 @@ def test_cli_table(capsys):
     assert run_plan(_ns("--model", "llama3.2-1b", "--gpus", "8", "--global-batch", "64", "--seq-len", "2048")) == 0
     out = capsys.readouterr().out
     assert "step s" in out and "Decision sequence" in out
+
+
+# Citations of documents users do not have: "reference doc 001", "docs 001, 002", "(ref 002)", "reference documents"
+_PRIVATE_CITATION = re.compile(r"reference doc|\bdocs? 0\d\d\b|\(ref\.? ?\d+\)|reference/0\d\d|\b0\d\d_[0-9a-f]{16}\b",
+                               re.IGNORECASE)
+
+
+def test_plan_output_and_package_text_cite_public_sources(capsys):
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "16",
+                        "--plan", "tp=2,pp=2,dp=2,schedule=1f1b")) == 0
+    out = capsys.readouterr().out
+    assert "Decision sequence (LoRA -> BF16 + checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D)" in out
+    assert not _PRIVATE_CITATION.search(out), _PRIVATE_CITATION.search(out)
+    root = Path(__file__).parent.parent
+    texts = [*(root / "shardwise").rglob("*.py"), *(root / "docs").rglob("*.md"), root / "README.md"]
+    assert len(texts) > 10
+    cited = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in texts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _PRIVATE_CITATION.search(line)]
+    assert not cited, "\n".join(cited)
 
 
 @pytest.mark.parametrize("argv, flag", [
