@@ -1,10 +1,10 @@
-"""Measured communication per rank per step against the reference documents' formulas.
+"""Measured communication per rank per step against the ring-collective formulas of DDP, ZeRO, TP and PP.
 
 Each layout runs one real training step on N local gloo processes with every collective counted
 (shardwise.parallel.comm.CommCounter: payload bytes of each call, turned into the bytes one rank sends with
 ring algorithms). Theory, with Psi parameters of 4 bytes (fp32 gradients and weights on CPU):
 
-- DDP (ZeRO-0): gradient all-reduce 2 Psi (N-1)/N            (reference doc 004; doc 002's ring all-reduce)
+- DDP (ZeRO-0): gradient all-reduce 2 Psi (N-1)/N            (ring all-reduce, Sergeev & Balso 2018)
 - ZeRO-3: all-gather in forward and backward + reduce-scatter: 3 Psi (N-1)/N
 - TP: per layer 4 all-reduces of b x s x d (2 forward, 2 backward): 8 bsd (N-1)/N; with sequence
   parallelism 4 all-gathers + 4 reduce-scatters of bsd, the same bytes

@@ -3,7 +3,7 @@
 Each schedule runs real training steps of a pipeline on local gloo processes (one core each). A rank's busy
 time is the wall time its stage modules spend in forward and backward (module hooks); its idle fraction is
 1 - busy / step time. Theory, for P stages, M micro-batches per step and v stages per rank, with equal
-stages and backward = 2 x forward (reference doc 004, Narayanan et al. 2021):
+stages and backward = 2 x forward (GPipe, Huang et al. 2019; 1F1B and interleaving, Narayanan et al. 2021):
 
     gpipe, 1f1b:        (P - 1) / (M + P - 1)
     interleaved-1f1b:   (P - 1) / (v M + P - 1)

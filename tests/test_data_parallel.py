@@ -1,4 +1,4 @@
-"""ZeRO stages hold what they claim, and move the bytes the reference documents say they move."""
+"""ZeRO stages hold what they claim, and move the bytes ZeRO (Rajbhandari et al. 2020) and ring collectives say."""
 
 from pathlib import Path
 
@@ -51,7 +51,7 @@ def test_zero_stages_memory_and_volume(n):
     assert zero0["params"] == psi and zero0["state"] == 2 * psi
     assert zero1["params"] == psi and 2 * psi / n <= zero1["state"] <= 2 * psi / n + 2 * n * 64
     assert zero2["params"] == zero3["params"] == psi / n and zero2["state"] == zero3["state"] == 2 * psi / n
-    # bytes on the wire per rank (reference doc 004): DDP all-reduce 2 Psi (N-1)/N, plus the one fp32 scalar
+    # bytes on the wire per rank (ring all-reduce): DDP all-reduce 2 Psi (N-1)/N, plus the one fp32 scalar
     # of the loss the ranks sum for reporting
     loss = 2 * fp32 * ring
     assert zero0["wire"] == {"all_reduce": pytest.approx(2 * psi * fp32 * ring + loss, rel=1e-12)}

@@ -1,11 +1,12 @@
-"""The planner against references computed another way: the reference documents' numbers, the bytes our real
-model saves for backward (saved-tensor hooks), Hugging Face's parameter count, closed-form schedules, the
-engine's counted collectives, the simulator, and published training runs."""
+"""The planner against references computed another way: the ZeRO paper's tables, the ring all-reduce and bubble
+formulas, the bytes our real model saves for backward (saved-tensor hooks), Hugging Face's parameter count,
+closed-form schedules, the engine's counted collectives, the simulator, and published training runs."""
 
 import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from functools import partial
@@ -41,11 +42,11 @@ from shardwise.planner.timing import bubble_fraction
 GB = 1e9
 
 # ---------------------------------------------------------------------------------------------------
-# Model state: the reference documents' tables
+# Model state: the ZeRO paper's formulas and tables
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param_with_12_in_the_optimizer():
-    # reference doc 001: "about 16 bytes per parameter all-in, and 12 of those 16 sit in the optimizer"
+    # ZeRO (Rajbhandari et al. 2020): mixed-precision Adam is 16 bytes per parameter, 12 of them in the optimizer
     b = state_bytes_per_param(Training(precision="bf16", optimizer="adamw", layout="zero"))
     assert b.params + b.grads + b.master + b.optimizer == 16
     assert b.master + b.optimizer == 12
@@ -56,20 +57,20 @@ def test_mixed_precision_adam_is_16_bytes_per_param_with_12_in_the_optimizer():
 
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_table(stage, expected_gb):
-    # reference doc 002, 5.5.3: Psi = 7.5B, N_d = 64, K = 12
+    # the ZeRO paper's example (Rajbhandari et al. 2020): Psi = 7.5B, N_d = 64, K = 12
     items = model_state_bytes(7.5e9, Training(layout="zero"), zero_stage=stage, shard=64)
     assert round(sum(items.values()) / GB, 1) == expected_gb
 
 
 @pytest.mark.parametrize("stage, expected_gb", [(0, 112.0), (1, 38.5), (2, 26.25), (3, 14.0)])
 def test_7b_on_8_gpus(stage, expected_gb):
-    # reference doc 004: 4P + 12P/N, 2P + 14P/N, 16P/N for P = 7B, N = 8
+    # ZeRO's stages with fp16 weights and gradients: 4P + 12P/N, 2P + 14P/N, 16P/N for P = 7B, N = 8
     items = model_state_bytes(7e9, Training(layout="zero"), zero_stage=stage, shard=8)
     assert sum(items.values()) / GB == pytest.approx(expected_gb, rel=1e-12)
 
 
 def test_optimizers_and_offload_change_the_state_bill():
-    # reference doc 002, 5.4.5: SGD keeps no state, momentum one tensor, Adam two
+    # torch.optim's state: SGD keeps none, momentum one tensor (momentum_buffer), Adam two (exp_avg, exp_avg_sq)
     per = {o: state_bytes_per_param(Training(optimizer=o, precision="fp32")).optimizer
            for o in ("sgd", "momentum", "adamw")}
     assert per == {"sgd": 0, "momentum": 4, "adamw": 8}
@@ -255,7 +256,7 @@ def test_sequence_parallel_and_context_parallel_shrink_the_right_terms(layout, s
 
 
 def test_ring_all_reduce_matches_reference_formula():
-    # reference doc 004: N = 8, X = 2 GB, B = 25 GB/s -> 2(N-1)X/(NB) = 0.14 s; 12.5 GB/s -> 0.28 s
+    # ring all-reduce (Sergeev & Balso 2018), 2(N-1)X/(NB): N = 8, X = 2 GB, B = 25 GB/s -> 0.14 s; 12.5 -> 0.28 s
     assert ring_all_reduce(2e9, 8, Link(25e9, 0.0, "intra")) == pytest.approx(0.14)
     assert ring_all_reduce(2e9, 8, Link(12.5e9, 0.0, "intra")) == pytest.approx(0.28)
     for n in (2, 16, 1024):
@@ -282,7 +283,7 @@ def _makespan_gpipe(p: int, m: int, tf: float, tb: float) -> float:
 
 @pytest.mark.parametrize("p, m", [(4, 4), (4, 16), (8, 3), (2, 32)])
 def test_bubble_fraction_matches_reference_and_a_schedule_simulation(p, m):
-    expected = (p - 1) / (m + p - 1)  # reference doc 004
+    expected = (p - 1) / (m + p - 1)  # GPipe's bubble (Huang et al. 2019)
     for schedule in ("gpipe", "1f1b"):
         assert bubble_fraction(Plan(pp=p, grad_accum=m, schedule=schedule)) == pytest.approx(expected)
     tf, tb = 1.0, 2.0
@@ -358,7 +359,7 @@ def test_evaluate_reports_consistent_itemised_memory_and_time():
                   Cluster(accelerator("h100"), 8))
     total = ev.memory.pop("total")
     assert total == pytest.approx(sum(ev.memory.values()))
-    # ZeRO-3 over 8 ranks: weights + Adam state are 12 bytes / param / 8 (reference doc 004's 16P/N less the
+    # ZeRO-3 over 8 ranks: weights + Adam state are 12 bytes / param / 8 (ZeRO-3's 16P/N less the
     # gradients); at the peak (the last micro-batch's backward) the gradients are not yet reduce-scattered:
     # accumulation without synchronisation keeps them unsharded, fp32, among FSDP's buffers
     states = ev.memory["params"] + ev.memory["optimizer_state"] + ev.memory["master_weights"]
@@ -455,6 +456,25 @@ def test_cli_table(capsys):
     assert run_plan(_ns("--model", "llama3.2-1b", "--gpus", "8", "--global-batch", "64", "--seq-len", "2048")) == 0
     out = capsys.readouterr().out
     assert "step s" in out and "Decision sequence" in out
+
+
+# Citations of documents users do not have: "reference doc 001", "docs 001, 002", "(ref 002)", "reference documents"
+_PRIVATE_CITATION = re.compile(r"reference doc|\bdocs? 0\d\d\b|\(ref\.? ?\d+\)|reference/0\d\d|\b0\d\d_[0-9a-f]{16}\b",
+                               re.IGNORECASE)
+
+
+def test_plan_output_and_package_text_cite_public_sources(capsys):
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "16",
+                        "--plan", "tp=2,pp=2,dp=2,schedule=1f1b")) == 0
+    out = capsys.readouterr().out
+    assert "Decision sequence (LoRA -> BF16 + checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D)" in out
+    assert not _PRIVATE_CITATION.search(out), _PRIVATE_CITATION.search(out)
+    root = Path(__file__).parent.parent
+    texts = [*(root / "shardwise").rglob("*.py"), *(root / "docs").rglob("*.md"), root / "README.md"]
+    assert len(texts) > 10
+    cited = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in texts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _PRIVATE_CITATION.search(line)]
+    assert not cited, "\n".join(cited)
 
 
 @pytest.mark.parametrize("argv, flag", [

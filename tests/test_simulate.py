@@ -73,13 +73,13 @@ def test_simulated_rank_matches_the_real_one(world):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Model state: ZeRO's formulas (reference docs 002 and 004)
+# Model state: ZeRO's formulas (Rajbhandari et al. 2020)
 
 # Our engine keeps fp32 weights that are also the optimizer's master copy, fp32 gradients and Adam's two fp32
 # moments, and casts to bf16 per use (autocast / FSDP2): 4 + 4 + 8 = 16 bytes per parameter, the ZeRO paper's
 # 2 + 2 + K (K = 12) total arranged differently. Stage 1 shards the optimizer state, 2 also the gradients,
 # 3 also the weights, so per rank: ZeRO-1 (4 + 4) Psi + 8 Psi/N, ZeRO-2 4 Psi + 12 Psi/N, ZeRO-3 16 Psi/N
-# (the reference documents' figure for ZeRO-3 with mixed-precision Adam).
+# (the ZeRO paper's (2 + 2 + K) Psi / N_d for ZeRO-3 with mixed-precision Adam, K = 12).
 ZERO = {1: (8, 8), 2: (4, 12), 3: (0, 16)}  # stage -> (unsharded bytes/param, sharded bytes/param)
 _STATE_MODEL = ["model.dim=256", "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=768",
                 "model.vocab_size=1024", "model.n_layers=4", "optim.name='adamw'", "train.precision='bf16'",

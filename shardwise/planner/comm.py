@@ -1,10 +1,11 @@
 """Collective costs on a link: the alpha-beta model, and which link each mesh axis lands on.
 
 A ring over N ranks moves a message of X bytes in N-1 steps of X/N bytes per step for a reduce-scatter or an
-all-gather, and 2(N-1) steps for an all-reduce (reference doc 004: T = 2(N-1)X / (NB)); each step also pays the
-link latency alpha. A tree all-reduce (NCCL's double binary tree) pays 2 log2(N) latencies and moves about 2X,
-which wins for small messages. We take the cheaper of the two, as NCCL's tuner does. A profile measured by
-`shardwise bench` replaces the model with the measured bus bandwidth at each message size (`measured_time`).
+all-gather, and 2(N-1) steps for an all-reduce (T = 2(N-1)X / (NB): the ring all-reduce of Horovod, Sergeev &
+Balso 2018); each step also pays the link latency alpha. A tree all-reduce (NCCL's double binary tree) pays
+2 log2(N) latencies and moves about 2X, which wins for small messages. We take the cheaper of the two, as NCCL's
+tuner does. A profile measured by `shardwise bench` replaces the model with the measured bus bandwidth at each
+message size (`measured_time`).
 """
 
 from __future__ import annotations

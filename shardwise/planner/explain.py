@@ -1,9 +1,14 @@
-"""Why the best plan is what it is, in the reference documents' terms.
+"""Why the best plan is what it is: which constraint broke on one device, and the cheapest fix that respects it.
 
-Three parts: which of the three single-device failure modes (model too big, batch too small, wall-clock too
-long; reference doc 001) applies; where the plan stops on doc 001's decision sequence (LoRA -> BF16 +
-checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D); and, for every degree and knob, what the search saw
-when it was set otherwise (slower, by how much, or out of memory, by how much).
+Three parts: which of the three ways a run outgrows one device (model too big, batch too small, wall-clock too
+long) applies; where the plan stops on the decision sequence, cheapest fix first (LoRA -> BF16 + checkpointing ->
+DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D); and, for every degree and knob, what the search saw when it was set
+otherwise (slower, by how much, or out of memory, by how much).
+
+The steps' public sources: LoRA and QLoRA (Hu et al. 2022; Dettmers et al. 2023), activation checkpointing (Chen
+et al. 2016), PyTorch DDP (Li et al. 2020), ZeRO (Rajbhandari et al. 2020), PyTorch FSDP (Zhao et al. 2023),
+Megatron-LM tensor parallelism (Shoeybi et al. 2019), GPipe pipeline parallelism (Huang et al. 2019) and 3D
+parallelism (Narayanan et al. 2021).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
 
 
 def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
-    """Which of doc 001's eight steps the plan uses, and the last one it needs."""
+    """Which of the decision sequence's eight steps the plan uses, and the last one it needs."""
     p = ev.plan
     steps = [
         ("1 LoRA/QLoRA", training.lora_rank > 0),
@@ -112,7 +117,8 @@ def render(expl: dict, cluster: Cluster) -> str:
     sd = expl["single_device"]
     lines = [f"On one {cluster.accelerator.name}: {sd['failure']} - {sd['reason']}."]
     if expl["decision_sequence"]:
-        lines.append("Decision sequence (reference doc 001) used: " + ", ".join(expl["decision_sequence"])
+        lines.append("Decision sequence (LoRA -> BF16 + checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D) "
+                     "used: " + ", ".join(expl["decision_sequence"])
                      + f"; it stops at step {expl['decision_sequence'][-1].split()[0]}.")
     for text in expl["knobs"].values():
         lines.append("  " + text)

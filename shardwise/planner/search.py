@@ -1,8 +1,8 @@
 """Search: every valid plan, pruned by memory, ranked by step time; and the reason behind the winner.
 
-The objective is reference doc 000's: minimise T_step subject to M_device <= M_budget. The space is walked
-degrees first (tp, cp, pp, dp split, ZeRO stage, offload), then micro-batch, schedule and recompute. Three
-kinds of pruning keep it fast, none of which drops a plan that could win under this model:
+The objective is the usual one for hybrid parallelism: minimise T_step subject to M_device <= M_budget. The
+space is walked degrees first (tp, cp, pp, dp split, ZeRO stage, offload), then micro-batch, schedule and
+recompute. Three kinds of pruning keep it fast, none of which drops a plan that could win under this model:
 
 * memory lower bounds: a degree combination whose model state plus the smallest possible activation set (one
   sequence, full recompute, 1F1B) does not fit is skipped whole; micro-batches are tried in increasing size and

@@ -1,9 +1,8 @@
 """Step time: compute, each axis's communication (overlapped or exposed), the pipeline bubble, the optimizer.
 
-T_step = T_compute + T_comm,exposed + T_bubble + T_misc (reference doc 000, section 7); T_misc is the optimizer
-step, offload traffic and the sharding wrappers' buffer copies (the step's scalar all-reduces count as
-communication). Derivations in
-docs/planner.md, "Time model".
+T_step = T_compute + T_comm,exposed + T_bubble + T_misc (compute, the communication overlap leaves exposed, the
+pipeline bubble, and the rest); T_misc is the optimizer step, offload traffic and the sharding wrappers' buffer
+copies (the step's scalar all-reduces count as communication). Derivations in docs/planner.md, "Time model".
 """
 
 from __future__ import annotations
@@ -257,8 +256,9 @@ def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -
 def pipeline_time(cost: StageCost, plan: Plan) -> float:
     """Wall-clock of the M micro-batches on the heaviest rank, bubble included.
 
-    1F1B and GPipe: (M + P - 1) slots of t_mb, bubble (P-1)/(M+P-1) (reference doc 004). Interleaved with v chunks:
-    the fill and drain slots shrink to chunk size, (P-1) t_mb / v, so bubble = (P-1)/(vM + P - 1).
+    1F1B and GPipe: (M + P - 1) slots of t_mb, bubble (P-1)/(M+P-1) (GPipe, Huang et al. 2019; 1F1B has the
+    same bubble, Narayanan et al. 2021). Interleaved with v chunks: the fill and drain slots shrink to chunk size,
+    (P-1) t_mb / v, so bubble = (P-1)/(vM + P - 1).
     Zero-bubble ZB-H1 (Qi et al. 2024): the deferred weight-gradient passes fill the drain, leaving
     (P-1)(t_F + t_B - t_W).
     """

@@ -20,9 +20,9 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit"]
 Layout = Literal["torch", "zero", "megatron"]
 
-# Bytes per parameter of optimizer state beyond the master weights (reference doc 002, 5.4.5): Adam keeps two fp32
-# moments, momentum SGD one velocity, SGD nothing; bitsandbytes' 8-bit Adam keeps two 1-byte moments plus one
-# fp32 absmax per 2048-element block for each of them.
+# Bytes per parameter of optimizer state beyond the master weights, as torch.optim keeps it: Adam two fp32
+# moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
+# bitsandbytes' 8-bit Adam keeps two 1-byte moments plus one fp32 absmax per 2048-element block for each of them.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 2048}
 
 # QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants: 4 bits plus
