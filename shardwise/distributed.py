@@ -200,8 +200,8 @@ def handed_error(failures: dict) -> tuple[int, int, str] | None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command under torchrun with `nproc` processes on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine."""
+    cmd = [sys.executable, "-m", "shardwise.torchrun", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
