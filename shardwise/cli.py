@@ -142,11 +142,20 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as e:
         # a bad value is the user's to fix: one line naming the field, no traceback
-        print(f"shardwise: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e, 2)
     except (CheckpointError, TrainingError) as e:
-        print(f"shardwise: error: {e}", file=sys.stderr)
-        return 3
+        return _error(e, 3)
+
+
+def _error(e: Exception, exit_code: int) -> int:
+    """Print a shardwise error as one line, once per job: under torchrun every rank meets it, so only rank 0
+    prints it and each rank hands it to the launcher, which prints it when rank 0 did not fail with one."""
+    line = f"shardwise: error: {e}"
+    from shardwise.distributed import hand_error_to_launcher
+
+    if not hand_error_to_launcher(line, exit_code) or int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr)
+    return exit_code
 
 
 if __name__ == "__main__":

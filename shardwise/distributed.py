@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import glob
+import json
 import os
 import signal
 import socket
@@ -157,9 +158,53 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------------
+# A shardwise error under the launcher
+#
+# A bad config, checkpoint or run is one line for the user to act on, and every rank meets it. So rank 0 alone prints
+# it, and every rank hands the line and its exit code to the launcher through torchelastic's error file
+# (TORCHELASTIC_ERROR_FILE: torchrun gives each worker one and reads it back into the failures of its
+# ChildFailedError): a structured channel, so `shardwise.torchrun` ends the job with that exit code instead of
+# torchrun's report, and prints the line itself when rank 0 has none.
+
+_KEY = "shardwise"
+_STOPPED_BY_TORCHRUN = (-signal.SIGTERM, -signal.SIGKILL)
+"""How ranks that did not fail themselves end when torchrun stops the group around a failed one."""
+
+
+def hand_error_to_launcher(line: str, exit_code: int) -> bool:
+    """Write a shardwise error to this worker's torchelastic error file; False when there is none (not torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    # torchelastic's fields as its ErrorHandler writes them, the line for a traceback (what torchrun run directly
+    # shows as the failure's cause), and ours under a key of their own
+    message = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+    with open(path, "w") as f:
+        json.dump({"message": message, _KEY: {"exit_code": exit_code, "line": line}}, f)
+    return True
+
+
+def handed_error(failures: dict) -> tuple[int, int, str] | None:
+    """(rank, exit code, line) of the shardwise error a failed torchrun job ends with: rank 0's, else the first
+    rank's to fail; None when some rank failed otherwise (a bug or a crash: its traceback and torchrun's report
+    stay).
+
+    failures: ChildFailedError.failures, {global rank: ProcessFailure}.
+    """
+    # a rank that torchrun stopped after it handed its error over (and printed it, on rank 0) still handed it
+    records = {r: f.error_file_data[_KEY] for r, f in failures.items() if _KEY in f.error_file_data}
+    handed = {r: rec for r, rec in records.items() if failures[r].exitcode in (rec["exit_code"], *_STOPPED_BY_TORCHRUN)}
+    if not handed or any(r not in handed and f.exitcode not in _STOPPED_BY_TORCHRUN for r, f in failures.items()):
+        return None
+    rank = 0 if 0 in handed else min(handed, key=lambda r: (failures[r].timestamp, r))
+    return rank, handed[rank]["exit_code"], handed[rank]["line"]
+
+
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command under torchrun with `nproc` processes on this machine; SIGTERM stops it cleanly."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine; SIGTERM
+    stops it cleanly."""
+    cmd = [sys.executable, "-m", "shardwise.torchrun", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

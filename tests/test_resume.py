@@ -103,6 +103,38 @@ def test_nonfinite_loss_stops_with_step_named(tmp_path):
     assert "non-finite" in line and "step" in line and "rank 0" in line
 
 
+def test_launcher_picks_the_handed_error_rank_0_first(tmp_path, monkeypatch):
+    """shardwise.torchrun ends a job with a rank's handed error only when no rank failed any other way."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from shardwise.distributed import hand_error_to_launcher, handed_error
+
+    def failure(rank, exitcode, line=None):
+        path = tmp_path / f"{rank}-{exitcode}-{line}.json"  # a rank that handed no error has no file
+        if line:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            assert hand_error_to_launcher(line, 3)
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    assert handed_error({0: failure(0, 3, "zero"), 1: failure(1, 3, "one")}) == (0, 3, "zero")
+    assert handed_error({0: failure(0, -15), 2: failure(2, 3, "two")}) == (2, 3, "two")  # rank 0 stopped first
+    assert handed_error({0: failure(0, 3, "zero"), 1: failure(1, 1)}) is None  # a bug on rank 1: its traceback
+    assert handed_error({0: failure(0, 1, "zero")}) is None  # the error was handed, then something else ended it
+
+
+@pytest.mark.multiprocess
+def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
+    """Resuming under 4 ranks a checkpoint saved by 1 (the global batch differs): every rank meets the error, the
+    user sees its line once and exit code 3, without torchrun's report or a traceback."""
+    out = tmp_path / "run"
+    assert _train(out, 2).returncode == 0
+    proc = _train(out, 4, nproc=4)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text[-3000:]
+    assert text.count("shardwise: error:") == 1 and "global_batch=8, this run has 32" in text, text[-3000:]
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+
+
 def test_export_to_hugging_face_and_start_from_it(tmp_path):
     from shardwise.hf import from_hf_name
 
@@ -130,7 +162,7 @@ def _worker_pids(out):
             env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
         except (OSError, ValueError):
             continue
-        if "shardwise" in text and str(out) in text and b"RANK" in env and "torch.distributed.run" not in text:
+        if "shardwise" in text and str(out) in text and b"RANK" in env and "shardwise.torchrun" not in text:
             pids[int(env[b"RANK"])] = int(proc.name)
     return pids
 

@@ -1,0 +1,64 @@
+"""`python -m shardwise.torchrun ARGS`: torchrun, with its arguments, for `shardwise train --nproc`.
+
+A job that fails with a shardwise error (a bad config, checkpoint or run, which every rank meets and rank 0 prints
+as one line) ends with that line once and its exit code (2 or 3), instead of exit code 1 after torchrun's
+multi-screen ChildFailedError report with torchrun's own traceback. Any other failure keeps torchrun's report, and
+the failed rank's traceback, which the rank prints itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from shardwise.distributed import handed_error
+
+_STOPPING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""torchrun's logger for a failed worker group: "failed (exitcode: 3) local_rank: 0 ..." and "Sending process ...
+closing signal SIGTERM" for each rank still running."""
+
+
+class _HeldBack(logging.Filter):
+    """Keeps a logger's records back (to be handled or dropped once the job's outcome is known)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def main(argv: list[str]) -> int:
+    args = torchrun.parse_args(argv)
+    log, held = logging.getLogger(_STOPPING_LOGGER), _HeldBack()
+    if args.max_restarts == 0:
+        # Without restarts nothing follows these lines but the job's end, so they can wait for its outcome. With
+        # restarts they are the live account of each restart, and pass at once.
+        log.addFilter(held)
+    try:
+        # run(), not main(): main's @record only copies the failed rank's error file to torchrun's own, which exists
+        # when torchrun itself runs under torchelastic, and otherwise logs an error saying it does not
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as e:
+        handed = handed_error(e.failures)
+        if handed is None:
+            raise
+        held.records.clear()  # the failed rank's line says what went wrong; torchrun stopping the others is no news
+        rank, code, line = handed
+        if rank != 0:  # rank 0 printed its own
+            print(line, file=sys.stderr)
+        return code
+    finally:
+        log.removeFilter(held)
+        for record in held.records:
+            log.handle(record)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
