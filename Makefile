@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test lint install install-test clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+lint: $(VENV)/.test
+	$(PY) -m ruff check shardwise tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs

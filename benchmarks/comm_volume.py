@@ -21,7 +21,7 @@ from pathlib import Path
 from shardwise.config import load_config
 from shardwise.distributed import run_distributed
 from shardwise.model_args import num_params
-from shardwise.parallel.comm import counted_step
+from shardwise.train import counted_step
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "tests" / "configs" / "parity.toml")
 

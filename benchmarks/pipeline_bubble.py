@@ -25,7 +25,7 @@ from shardwise.config import load_config
 from shardwise.data import Batch
 from shardwise.distributed import run_distributed
 from shardwise.parallel.pipeline import build_pipeline, forward_backward
-from shardwise.runtime import Runtime
+from shardwise.parallel.runtime import Runtime
 
 
 def _model(dim: int, seq: int) -> list[str]:

@@ -39,9 +39,9 @@ import math
 import time
 from dataclasses import dataclass
 
+from shardwise.hardware import GiB
 from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, parse_plan, search
-from shardwise.hardware import GiB
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
              "https://arxiv.org/abs/2104.04473")
@@ -227,7 +227,8 @@ def korthikanti_runs() -> list[Run]:
 # planner's layouts: both are shown.
 def llama3_runs() -> list[Run]:
     runs = []
-    rows = [(8192, 1, 64, 8192, 32, 430, 0.43, ",recompute=none", "8,192 | 8 | 1 | 16 | 64 | 8,192 | 32 | 16M | 430 | 43%"),
+    rows = [(8192, 1, 64, 8192, 32, 430, 0.43, ",recompute=none",
+             "8,192 | 8 | 1 | 16 | 64 | 8,192 | 32 | 16M | 430 | 43%"),
             (16384, 1, 128, 8192, 16, 400, 0.41, ",recompute=none",
              "16,384 | 8 | 1 | 16 | 128 | 8,192 | 16 | 16M | 400 | 41%"),
             (16384, 16, 8, 131072, 16, 380, 0.38, "", "16,384 | 8 | 16 | 16 | 8 | 131,072 | 16 | 16M | 380 | 38%")]
@@ -298,7 +299,8 @@ def given_plan(run: Run):
 
 
 def describe(p: Plan) -> str:
-    sched = {"none": "-", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb", "interleaved-1f1b": f"i{p.virtual_stages}"}
+    sched = {"none": "-", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb",
+             "interleaved-1f1b": f"i{p.virtual_stages}"}
     return (f"t{p.tp} p{p.pp} c{p.cp} d{p.dp_replicate}x{p.dp_shard} z{p.zero_stage} mb{p.micro_batch} "
             f"{sched[p.schedule]} rc={p.recompute[:3]}{' sp' if p.sequence_parallel else ''}")
 
@@ -350,7 +352,8 @@ def main() -> None:
             mark = "" if run.mfu is not None else "*"
             if fits and run.fitted:
                 ratios.append((run.name, ratio))
-            print(f"{run.name:34s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} {run.tflops:5.0f} {ratio:5.2f} "
+            print(f"{run.name:34s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} "
+                  f"{run.tflops:5.0f} {ratio:5.2f} "
                   f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
         if run.search:
             key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, run.layout, run.inter_node_gbs)

@@ -34,11 +34,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardwise.hardware import Accelerator
 from shardwise.model_args import ModelArgs
 from shardwise.planner import Cluster, Plan, Training, evaluate, load_profile
 from shardwise.planner.bench import ATTENTION_SHAPES, OVERHEADS, compute_rates
 from shardwise.planner.config_out import write_config
-from shardwise.hardware import Accelerator
 
 # Big enough that the matmuls dominate the step (per-op Python overhead is ~1% of it), small enough that a run
 # of 8 steps takes ~20 s on 2 cores: 3.2M parameters, 8 x 128 tokens per step, ~20 GFLOP per step.

@@ -381,7 +381,8 @@ def _validate_model(m: ModelArgs, data: DataConfig) -> None:
             f"pick n_heads among the divisors of {m.dim}, or change dim",
         )
     if (m.dim // m.n_heads) % 2:
-        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd", "rotary embedding needs an even head dim")
+        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd",
+                          "rotary embedding needs an even head dim")
     _positive("model.n_kv_heads", m.n_kv_heads)
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
@@ -414,7 +415,8 @@ def _validate_data(d: DataConfig) -> None:
             "use 'byte', 'bpe' or the path of a tokenizer.json",
         )
     if d.tokenizer == "bpe" and d.bpe_vocab_size < 260:
-        raise ConfigError("data.bpe_vocab_size", f"{d.bpe_vocab_size} is too small", "use at least 260 (bytes + merges)")
+        raise ConfigError("data.bpe_vocab_size", f"{d.bpe_vocab_size} is too small",
+                          "use at least 260 (bytes + merges)")
     _positive("data.seq_len", d.seq_len)
     if not 0 < d.val_fraction < 0.5:
         raise ConfigError("data.val_fraction", f"{d.val_fraction} is outside (0, 0.5)", "use e.g. 0.01")
@@ -526,7 +528,8 @@ def _validate_pp(cfg: JobConfig) -> None:
             raise ConfigError("parallel.virtual_stages", "needs pp > 1", "set parallel.pp > 1 or virtual_stages = 1")
         return
     if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages < 2:
-        raise ConfigError("parallel.virtual_stages", "interleaved-1f1b needs >= 2 stages per rank", "set it to 2 or more")
+        raise ConfigError("parallel.virtual_stages", "interleaved-1f1b needs >= 2 stages per rank",
+                          "set it to 2 or more")
     if p.pp_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
         raise ConfigError(
             "parallel.virtual_stages", f"{p.pp_schedule} runs one stage per rank",

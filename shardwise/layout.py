@@ -10,7 +10,6 @@ import itertools
 
 from shardwise.model_args import ModelArgs
 
-
 # ---------------------------------------------------------------------------------------------------
 # Split: which layers each stage runs
 

@@ -32,7 +32,7 @@ from shardwise.distributed import DistEnv
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import TYPES, CommCounter
 from shardwise.parallel.mesh import MeshView, build_mesh
-from shardwise.runtime import Runtime
+from shardwise.parallel.runtime import Runtime
 
 GiB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication_buffers")

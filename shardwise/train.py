@@ -35,7 +35,7 @@ from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter
 from shardwise.parallel.data_parallel import ShardedOptimizer, reshard_after_evaluation, set_gradient_sync
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward
-from shardwise.runtime import Runtime
+from shardwise.parallel.runtime import Runtime
 
 
 @dataclass
@@ -452,3 +452,23 @@ def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) ->
         target = path if runtime.pp_size == 1 else f"{path}.stage{runtime.pp_rank}"
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, target)
+
+
+def counted_step(cfg, seed: int = 0):
+    """Build the model under cfg's layout on the running process group and run two training steps on random
+    tokens, the second under a CommCounter (the first carries one-off traffic such as pipeline shape
+    probing). Returns (stats, model, optimizer, runtime), for tests and benchmarks."""
+    runtime = Runtime.create(cfg)
+    model = build_training_model(cfg, runtime)
+    optimizer, _ = build_optimizer_for(model, cfg, runtime, lr=1e-3)
+    scaler = build_grad_scaler(cfg.train, runtime.device)
+    g = torch.Generator().manual_seed(seed * 1000 + runtime.dp_rank)
+    b, s = cfg.train.micro_batch, cfg.data.seq_len
+    counter = CommCounter()
+    for step in range(2):
+        tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=g)
+        batch = data.Batch(tokens[:, :-1], tokens[:, 1:], list(range(b)))
+        with counter if step == 1 else contextlib.nullcontext():
+            training_step(model, optimizer, scaler, [batch] * cfg.train.grad_accum, cfg, runtime,
+                          global_tokens=b * s * cfg.train.grad_accum * runtime.dp_size)
+    return counter.stats, model, optimizer, runtime

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 from torch.distributed.tensor import DTensor
 
 from shardwise import checkpoint, hf
@@ -23,7 +22,7 @@ from shardwise.config import load_config
 from shardwise.model import build_model, materialize
 from shardwise.optim import build_lr_schedule, effective_lr
 from shardwise.parallel.pipeline import Pipeline
-from shardwise.runtime import Runtime
+from shardwise.parallel.runtime import Runtime
 from shardwise.train import (
     build_data,
     build_grad_scaler,
@@ -32,6 +31,8 @@ from shardwise.train import (
     pipeline_train_step,
     train_step,
 )
+
+from distributed import run_distributed
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 # AdamW (two moments and a step count per parameter) with clipping, warmup and cosine decay: every piece of

@@ -3,12 +3,13 @@
 from pathlib import Path
 
 import pytest
-from distributed import run_distributed
 from torch.distributed.tensor import DTensor
 
 from shardwise.config import load_config
 from shardwise.model_args import num_params
-from shardwise.parallel.comm import counted_step
+from shardwise.train import counted_step
+
+from distributed import run_distributed
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 
@@ -109,7 +110,8 @@ def test_tensor_parallel_volume_per_layer(sp):
     if sp:
         # 2 all-gathers forward (before attention and MLP) + 2 backward (of the forward reduce-scatters), each
         # half an all-reduce's bytes; reduce-scatters likewise
-        assert per_layer == {"all_gather": pytest.approx(2 * all_reduce), "reduce_scatter": pytest.approx(2 * all_reduce)}
+        assert per_layer == {"all_gather": pytest.approx(2 * all_reduce),
+                             "reduce_scatter": pytest.approx(2 * all_reduce)}
     else:
         assert per_layer == {"all_reduce": pytest.approx(4 * all_reduce)}
 
@@ -186,7 +188,8 @@ def _zero1_state_round_trip():
         else:
             live[k] = flat[k]
     set_optimizer_state(model, fresh, live)
-    states = [(sharded.inner.state[a], fresh.inner.state[b]) for (_, a, _), (_, b, _) in zip(sharded.params, fresh.params)]
+    states = [(sharded.inner.state[a], fresh.inner.state[b])
+              for (_, a, _), (_, b, _) in zip(sharded.params, fresh.params)]
     return {"keys": sorted(flat) == sorted(expected),
             "values": all(torch.equal(flat[k], v) if torch.is_tensor(v) else flat[k] == v for k, v in expected.items()),
             "loaded": all(s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s) for s, t in states),

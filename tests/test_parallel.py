@@ -115,8 +115,9 @@ def _embedding_lookups():
 def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
     """Bitwise RowwiseParallel's outputs and gradient, but each rank holds only its rows of the gradient;
     RowwiseParallel's backward leaves every rank the whole vocabulary's (the reason for our own style)."""
-    from distributed import run_distributed
     from torch.distributed.tensor import Replicate, Shard
+
+    from distributed import run_distributed
 
     for rank, results in enumerate(run_distributed(_embedding_lookups, 2)):
         for (out_r, grad_r, placement_r, shape_r), (out_v, grad_v, placement_v, shape_v) in (results[:2], results[2:]):

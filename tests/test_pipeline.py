@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from shardwise.config import ConfigError, load_config
+from shardwise.layout import layer_costs, split_layers, stage_costs, stages_of_rank
 from shardwise.model import build_model
 from shardwise.model_args import flops_per_token, preset
-from shardwise.layout import layer_costs, split_layers, stage_costs, stages_of_rank
 from shardwise.parallel.pipeline import build_stage_module
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")

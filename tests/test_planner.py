@@ -546,8 +546,9 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
                                   Plan(dp_shard=4, tp=2, zero_stage=2, micro_batch=1, grad_accum=8)])
 def test_without_overlap_step_time_is_compute_plus_communication(plan):
     """comm_overlap = 0 (gloo on a CPU: collectives use the cores the matmuls use) leaves nothing hidden:
-    T = compute + recompute + every collective + optimizer + the sharding copies; with full overlap a ZeRO-0 all-reduce much shorter
-    than the backward is exposed only for its last bucket, one block's share (and the step's scalar all-reduces)."""
+    T = compute + recompute + every collective + optimizer + the sharding copies; with full overlap a ZeRO-0
+    all-reduce much shorter than the backward is exposed only for its last bucket, one block's share (and the
+    step's scalar all-reduces)."""
     import dataclasses
 
     args, tr = preset("llama3-8b"), Training(seq_len=4096, global_batch=32)
@@ -583,7 +584,7 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     best = json.loads(capsys.readouterr().out)["plans"][0]
     cfg = load_config(path)
     p = cfg.parallel
-    assert (p.dp, p.tp, p.pp, p.cp, p.zero_stage) == (best["dp"], best["tp"], best["pp"], best["cp"], best["zero_stage"])
+    assert (p.dp, p.tp, p.pp, p.cp, p.zero_stage) == tuple(best[k] for k in ("dp", "tp", "pp", "cp", "zero_stage"))
     assert p.world_size == 8 and cfg.model.dim == 4096
     assert cfg.train.activation_checkpoint == best["recompute"]
     sequences = cfg.train.micro_batch * cfg.train.grad_accum * p.dp
@@ -655,8 +656,8 @@ def test_pipeline_ranks_hold_the_engines_cost_balanced_stages(schedule):
     (1f1b: 4 + 2 blocks where an even cut gives 3 + 3; zero-bubble's V: 1, 2, 2, 1 with the first and last stage
     on rank 0). Each rank's parameters, as the planner counts them, are those of the stage modules the engine
     builds for it (deep copies of the meta model with the other layers deleted)."""
-    from shardwise.model_args import ModelArgs
     from shardwise.layout import layer_costs, split_layers, stages_of_rank
+    from shardwise.model_args import ModelArgs
     from shardwise.parallel.pipeline import build_stage_module
     from shardwise.planner.memory import stage_layers, stage_params
 

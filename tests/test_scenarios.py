@@ -3,9 +3,10 @@
 Each feature has its own tests elsewhere; these catch what breaks where features meet (a validation pass under
 ZeRO-3 once left FSDP's root unsharded, and the save that followed it failed). One job per layout turns on
 everything at once: validation and checkpoints every 2 steps, logging to JSONL and TensorBoard, the sample log,
-gradient accumulation, activation checkpointing, and bf16 where it meets a parallelism. It runs 4 steps (step 4 validates, then saves: the
-final save), then resumes from step 4 with more steps to go and is stopped mid-run by SIGTERM, which must save
-and exit 0. The checkpoint the SIGTERM left is then loaded onto one device, checked as any resume checks it.
+gradient accumulation, activation checkpointing, and bf16 where it meets a parallelism. It runs 4 steps (step 4
+validates, then saves: the final save), then resumes from step 4 with more steps to go and is stopped mid-run by
+SIGTERM, which must save and exit 0. The checkpoint the SIGTERM left is then loaded onto one device, checked as any
+resume checks it.
 """
 
 import json

@@ -7,12 +7,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from distributed import run_distributed
 
 from shardwise.config import load_config
 from shardwise.model import build_model
 from shardwise.model_args import num_params, preset
 from shardwise.simulate import measured_run
+
+from distributed import run_distributed
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 GiB = 2**30
@@ -24,7 +25,7 @@ GiB = 2**30
 def _real_steps(layouts):
     """On each gloo rank, per layout: the trainer's model, optimizer and two steps, measured as the simulator
     measures (the layouts of one world share one set of processes)."""
-    from shardwise.runtime import Runtime
+    from shardwise.parallel.runtime import Runtime
     from shardwise.simulate import build_step_inputs, measure_step
 
     out = []

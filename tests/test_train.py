@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from probes import LiveBytes, SavedBytes
 
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.config import OptimConfig, TrainConfig, load_config
@@ -13,6 +12,8 @@ from shardwise.model import build_model, materialize
 from shardwise.model_args import preset
 from shardwise.optim import build_optimizer, lr_factor
 from shardwise.train import build_grad_scaler, loss_sum, optimizer_step, train, train_step
+
+from probes import LiveBytes, SavedBytes
 
 CPU = torch.device("cpu")
 
@@ -33,8 +34,8 @@ def _batch(rows, seq=32, vocab=320, seed=0):
 
 def _split(batch, k):
     n = batch.inputs.shape[0] // k
-    return [Batch(batch.inputs[i * n:(i + 1) * n], batch.targets[i * n:(i + 1) * n], batch.sample_ids[i * n:(i + 1) * n])
-            for i in range(k)]
+    cuts = [slice(i * n, (i + 1) * n) for i in range(k)]
+    return [Batch(batch.inputs[c], batch.targets[c], batch.sample_ids[c]) for c in cuts]
 
 
 def _grads(model, batches):

@@ -12,7 +12,6 @@ collectives of a step do not change from step to step).
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -122,27 +121,3 @@ class CommCounter(TorchDispatchMode):
                 payload *= group  # the input is one rank's piece; the payload is the gathered whole
             self.stats.add(kind, payload, group)
         return func(*args, **kwargs)
-
-
-def counted_step(cfg, seed: int = 0):
-    """Build the model under cfg's layout on the running process group and run two training steps on random
-    tokens, the second under a CommCounter (the first carries one-off traffic such as pipeline shape
-    probing). Returns (stats, model, optimizer, runtime), for tests and benchmarks."""
-    from shardwise.data import Batch
-    from shardwise.runtime import Runtime
-    from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model, training_step
-
-    runtime = Runtime.create(cfg)
-    model = build_training_model(cfg, runtime)
-    optimizer, _ = build_optimizer_for(model, cfg, runtime, lr=1e-3)
-    scaler = build_grad_scaler(cfg.train, runtime.device)
-    g = torch.Generator().manual_seed(seed * 1000 + runtime.dp_rank)
-    b, s = cfg.train.micro_batch, cfg.data.seq_len
-    counter = CommCounter()
-    for step in range(2):
-        tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=g)
-        batch = Batch(tokens[:, :-1], tokens[:, 1:], list(range(b)))
-        with counter if step == 1 else contextlib.nullcontext():
-            training_step(model, optimizer, scaler, [batch] * cfg.train.grad_accum, cfg, runtime,
-                          global_tokens=b * s * cfg.train.grad_accum * runtime.dp_size)
-    return counter.stats, model, optimizer, runtime

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: the model cut into stages of consecutive layers, run by a torch.distributed.pipelining schedule.
+"""Pipeline parallelism: the model cut into stages of consecutive layers, run by a torch.distributed.pipelining
+schedule.
 
 1. Split. The layers are cut into pp x stages_per_rank contiguous stages so that the slowest stage (the
    pipeline runs at its pace) is as fast as possible; the embedding rides on the first stage, the final
@@ -41,10 +42,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from shardwise.config import JobConfig
 from shardwise.data import Batch
+from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model import Transformer, build_model, materialize
-from shardwise.layout import split_layers, layer_costs, stages_of_rank
 from shardwise.parallel import parallelize
-from shardwise.runtime import Runtime
+from shardwise.parallel.runtime import Runtime
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

@@ -9,7 +9,6 @@ Public API (what the CLI and the simulator call):
 * many plans: `search(args, training, cluster, fixed=..., top_k=...) -> SearchResult`, `explain(...)`.
 """
 
-from shardwise.planner.explain import explain
 from shardwise.hardware import (
                                         CATALOGUE,
                                         Accelerator,
@@ -19,6 +18,7 @@ from shardwise.hardware import (
                                         load_profile,
                                         resolve_accelerator,
 )
+from shardwise.planner.explain import explain
 from shardwise.planner.memory import (
                                         layer_activation_bytes,
                                         model_state_bytes,

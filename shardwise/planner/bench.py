@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
 from shardwise.planner import opcount
-from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

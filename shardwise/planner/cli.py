@@ -12,8 +12,8 @@ import sys
 import time
 
 from shardwise.config import ConfigError
-from shardwise.planner.explain import explain, render
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
+from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, parse_plan
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.workload import Training, resolve_model

@@ -6,8 +6,8 @@ import dataclasses
 from pathlib import Path
 
 from shardwise.config import load_config
-from shardwise.model_args import PRESETS, ModelArgs
 from shardwise.hardware import PlannerError
+from shardwise.model_args import PRESETS, ModelArgs
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 

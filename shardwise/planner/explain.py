@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwise.model_args import ModelArgs, num_params
 from shardwise.hardware import Cluster, GiB
+from shardwise.model_args import ModelArgs, num_params
 from shardwise.planner.memory import lora_params, model_state_bytes
 from shardwise.planner.search import Evaluation, SearchResult, budget, search
 from shardwise.planner.workload import Training

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.model_args import ModelArgs
-from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.hardware import GiB
+from shardwise.layout import layer_costs, split_layers, stages_of_rank
+from shardwise.model_args import ModelArgs
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 
@@ -479,7 +479,8 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
         held = held_early = (stage_p if plan.zero_stage == 2 else root_p) * gathered
         held += stage_p * grad_bytes if accum and not training.lora_rank else 0.0
         held_early += stage_p * grad_bytes if accum_early and not training.lora_rank else 0.0
-    base = {**state, "buffers": rotary_table_bytes(args), "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
+    base = {**state, "buffers": rotary_table_bytes(args),
+            "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
             "ddp_buckets": 0.0}
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
@@ -507,11 +508,13 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     out["end_of_backward"] = {
-        **base, "replica_params": root_p * 4.0 if base["replica_params"] else 0.0, "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
+        **base, "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
+        "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not accum else 0.0)}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
-    out["optimizer_step"] = {**state, "buffers": base["buffers"], **dict.fromkeys(("replica_params", "ddp_buckets", "activations",
+    out["optimizer_step"] = {**state, "buffers": base["buffers"],
+                             **dict.fromkeys(("replica_params", "ddp_buckets", "activations",
                                                         "compute_copies", "backward_and_logits", "fsdp_buffers"), 0.0)}
     if plan.pp > 1:
         out["optimizer_step"]["p2p_buffers"] = 0.0

@@ -22,8 +22,8 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from shardwise.model_args import ModelArgs
 from shardwise.hardware import Cluster, GiB, PlannerError
+from shardwise.model_args import ModelArgs
 from shardwise.planner.memory import peak_memory, stage_memory
 from shardwise.planner.plan import Plan, engine_runs, validate_plan
 from shardwise.planner.timing import StepTime, step_time

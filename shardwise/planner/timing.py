@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.hardware import Accelerator, Cluster
 from shardwise.model_args import ModelArgs, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
-from shardwise.hardware import Accelerator, Cluster
 from shardwise.planner.memory import (
     block_tensor_params,
     gathered_weight_bytes,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 from shardwise.hardware import PlannerError
+from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit"]
