@@ -40,8 +40,9 @@ import time
 from dataclasses import dataclass
 
 from shardwise.hardware import GiB
+from shardwise.layout import parse_layout
 from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
-from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, parse_plan, search
+from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, search
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
              "https://arxiv.org/abs/2104.04473")
@@ -136,9 +137,9 @@ def narayanan_runs() -> list[Run]:
     runs = []
     for p, a, h, l, tp, pp, n, batch, x, pct in T1:
         dp = n // (tp * pp)
-        knobs = f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage=0,recompute=full"
+        knobs = f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage=0,activation_checkpoint=full"
         knobs += ",sequence_parallel=false" if tp > 1 else ""
-        knobs += ",schedule=interleaved-1f1b" if pp > 1 else ""
+        knobs += ",pp_schedule=interleaved-1f1b" if pp > 1 else ""
         runs.append(Run(f"N21 T1 {p}B n={n}", gpt(f"gpt-{p}b", h, a, l), n, 2048, batch, knobs, NARAYANAN,
                         f"table 1 row: {p} | {a} | {h} | {l} | {tp} | {pp} | {n} | {batch} | {x} | {pct}%",
                         tflops=x, flops="eq3", search=p not in (3.6, 7.5)))  # (runtime: under a minute)
@@ -150,8 +151,8 @@ def narayanan_runs() -> list[Run]:
         for n, x in rows:
             dp = n // mp
             runs.append(Run(f"N21 T2 PTD {model.name} n={n}", model, n, 2048, batch,
-                            f"tp=8,pp={pp},cp=1,dp_replicate={dp},zero_stage=0,micro_batch=1,recompute=full,"
-                            f"sequence_parallel=false,schedule=interleaved-1f1b", NARAYANAN,
+                            f"tp=8,pp={pp},cp=1,dp_replicate={dp},zero_stage=0,micro_batch=1,activation_checkpoint=full,"
+                            f"sequence_parallel=false,pp_schedule=interleaved-1f1b", NARAYANAN,
                             f"table 2 PTD row: model-parallel {mp}, batch {batch}, {n} GPUs, microbatch 1, {x} TF/s",
                             tflops=x, flops="eq3", search=False))
     # Table 2, "ZeRO-3 without Model Parallelism" (DeepSpeed: fp16 weights+grads, fp32 master+Adam: layout
@@ -163,11 +164,12 @@ def narayanan_runs() -> list[Run]:
                         (MT530, ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48)))):
         for n, batch, mb, x in rows:
             runs.append(Run(f"N21 T2 ZeRO-3 {model.name} n={n}", model, n, 2048, batch,
-                            f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch={mb},recompute=full", NARAYANAN,
+                            f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch={mb},activation_checkpoint=full",
+                            NARAYANAN,
                             f"table 2 ZeRO-3 row: batch {batch}, {n} GPUs, microbatch {mb}, {x} TF/s",
                             tflops=x, flops="eq3", layout="zero", search=False))
     runs.append(Run(f"N21 T2 ZeRO-3 {MT530.name} n=560 OOM", MT530, 560, 2048, 2240,
-                    "tp=1,pp=1,cp=1,dp_shard=560,zero_stage=3,micro_batch=4,recompute=full", NARAYANAN,
+                    "tp=1,pp=1,cp=1,dp_shard=560,zero_stage=3,micro_batch=4,activation_checkpoint=full", NARAYANAN,
                     "table 2 caption: did not fit on 560 GPUs with microbatch 4 (batch 2240)", fitted=False,
                     layout="zero", search=False))
     return runs
@@ -179,8 +181,9 @@ def narayanan_runs() -> list[Run]:
 # table 5 (end-to-end iteration time, "Full Recompute" and "Present Work" = sequence parallelism + selective
 # recompute, MFU and HFU). Their attention is unfused (their activation count has the 5as/h term of the s x s
 # tensors), and their selective recompute recomputes its core (QK^T, softmax, dropout, AV): the planner's
-# recompute=selective with fused_attention=False. "Present Work" is that with sequence parallelism; "Full
-# Recompute" is recompute=full without it. The activation-memory claim (sec. 6.1): "Without the memory savings
+# activation_checkpoint=selective with fused_attention=False. "Present Work" is that with sequence parallelism;
+# "Full Recompute" is activation_checkpoint=full without it. The activation-memory claim (sec. 6.1): "Without the
+# memory savings
 # provided by sequence parallelism and selective recompute together, none of the these models will fit into
 # memory" -> tp + selective without SP is an out-of-memory row for each model.
 K22 = [("22B", gpt("gpt-22b", 6144, 64, 48), 1, 8, 4, 4, 1, 1.42, 1.10, 0.415, 0.437),
@@ -192,23 +195,24 @@ K22 = [("22B", gpt("gpt-22b", 6144, 64, 48), 1, 8, 4, 4, 1, 1.42, 1.10, 0.415, 0
 def korthikanti_runs() -> list[Run]:
     runs = []
     for size, model, pp, n, batch, mb, v, full_s, present_s, mfu, hfu in K22:
-        sched = "" if pp == 1 else (",schedule=interleaved-1f1b,virtual_stages=3" if v > 1 else ",schedule=1f1b")
+        sched = "" if pp == 1 else (",pp_schedule=interleaved-1f1b,virtual_stages=3" if v > 1 else ",pp_schedule=1f1b")
         base = f"tp=8,pp={pp},cp=1,dp_replicate=1,zero_stage=0,micro_batch={mb}{sched}"
         row = (f"table 3: {size} tp 8 pp {pp} GPUs {n} batch {batch} mb {mb}; table 5: {full_s} s full, "
                f"{present_s} s present, MFU {mfu:.1%} HFU {hfu:.1%}")
         runs.append(Run(f"K22 {size} present (SP, sel.)", model, n, 2048, batch,
-                        base + ",recompute=selective,sequence_parallel=true", KORTHIKANTI, row, step_s=present_s,
+                        base + ",activation_checkpoint=selective,sequence_parallel=true", KORTHIKANTI, row,
+                        step_s=present_s,
                         mfu=mfu, tflops=mfu * 312))
         # the full-recompute baseline: same job, published time only (its model-FLOP TF/s and MFU derived)
         runs.append(Run(f"K22 {size} full recompute", model, n, 2048, batch,
-                        base + ",recompute=full,sequence_parallel=false", KORTHIKANTI, row, step_s=full_s,
+                        base + ",activation_checkpoint=full,sequence_parallel=false", KORTHIKANTI, row, step_s=full_s,
                         tflops=mfu * 312 * present_s / full_s, search=False))
         runs.append(Run(f"K22 {size} tp+sel., no SP: OOM", model, n, 2048, batch,
-                        base + ",recompute=selective,sequence_parallel=false", KORTHIKANTI,
+                        base + ",activation_checkpoint=selective,sequence_parallel=false", KORTHIKANTI,
                         "sec. 6.1: none fit without SP and selective recompute together", fitted=False, search=False))
     runs.append(Run("K22 530B dp=8 (2240 GPUs)", MT530, 2240, 2048, 2240,
-                    "tp=8,pp=35,cp=1,dp_replicate=8,zero_stage=0,micro_batch=1,recompute=selective,"
-                    "sequence_parallel=true,schedule=interleaved-1f1b,virtual_stages=3", KORTHIKANTI,
+                    "tp=8,pp=35,cp=1,dp_replicate=8,zero_stage=0,micro_batch=1,activation_checkpoint=selective,"
+                    "sequence_parallel=true,pp_schedule=interleaved-1f1b,virtual_stages=3", KORTHIKANTI,
                     "sec. 6.3: 8-way data parallelism (2240 GPUs), batch x 8: 39.15 s/iteration, MFU 54.2%",
                     step_s=39.15, mfu=0.542, tflops=0.542 * 312, search=False))
     return runs
@@ -227,16 +231,16 @@ def korthikanti_runs() -> list[Run]:
 # planner's layouts: both are shown.
 def llama3_runs() -> list[Run]:
     runs = []
-    rows = [(8192, 1, 64, 8192, 32, 430, 0.43, ",recompute=none",
+    rows = [(8192, 1, 64, 8192, 32, 430, 0.43, ",activation_checkpoint=none",
              "8,192 | 8 | 1 | 16 | 64 | 8,192 | 32 | 16M | 430 | 43%"),
-            (16384, 1, 128, 8192, 16, 400, 0.41, ",recompute=none",
+            (16384, 1, 128, 8192, 16, 400, 0.41, ",activation_checkpoint=none",
              "16,384 | 8 | 1 | 16 | 128 | 8,192 | 16 | 16M | 400 | 41%"),
             (16384, 16, 8, 131072, 16, 380, 0.38, "", "16,384 | 8 | 16 | 16 | 8 | 131,072 | 16 | 16M | 380 | 38%")]
     for n, cp, dp, seq, per_dp, x, mfu, extra, row in rows:
         for layout in ("torch", "megatron"):
             runs.append(Run(f"Llama3 405B {seq // 1024}K n={n} {layout}", preset("llama3-405b"), n, seq,
                             dp * per_dp, f"tp=8,pp=16,cp={cp},dp_replicate={dp},zero_stage=1,"
-                            f"schedule=interleaved-1f1b{extra}", LLAMA3, f"table 4 row: {row}", tflops=x, mfu=mfu,
+                            f"pp_schedule=interleaved-1f1b{extra}", LLAMA3, f"table 4 row: {row}", tflops=x, mfu=mfu,
                             gpu="h100", layout=layout, search=layout == "megatron",
                             fused_attention=True))
     return runs
@@ -255,8 +259,8 @@ def bloom_runs() -> list[Run]:
     model = ModelArgs(name="bloom-176b", dim=14336, n_heads=112, n_kv_heads=112, n_layers=70, vocab_size=250880,
                       ffn_hidden=8 * round(14336 / 3), max_seq_len=2048, tie_embeddings=True)
     return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
-                "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,recompute=full,sequence_parallel=false,"
-                "schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
+                "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,activation_checkpoint=full,sequence_parallel=false,"
+                "pp_schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
                 step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8)]
 
 
@@ -284,16 +288,14 @@ def given_plan(run: Run):
     full recompute and 2 virtual stages where left free, evaluated regardless of memory. Returns (evaluation,
     fits)."""
     args, training, cluster = run.model, training_of(run), cluster_of(run)
-    fixed = {"offload": "none", **parse_plan(run.plan)}  # no published run offloaded
+    fixed = {"offload": "none", **parse_layout(run.plan, "--plan")}  # no published run offloaded
     ranked = search(args, training, cluster, fixed=fixed, top_k=1).ranked
     if ranked:
         return ranked[0], True
     local = run.batch // (fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1))
     mb = fixed.get("micro_batch", 1)
-    plan = Plan(**{"micro_batch": mb, "grad_accum": local // mb, "recompute": "full", "schedule": "none",
-                   "sequence_parallel": fixed.get("tp", 1) > 1,
-                   **({"virtual_stages": 2} if fixed.get("schedule") == "interleaved-1f1b" else {}),
-                   **{k: v for k, v in fixed.items() if k != "dp"}})
+    plan = Plan(**{"micro_batch": mb, "grad_accum": local // mb, "activation_checkpoint": "full",
+                   "sequence_parallel": fixed.get("tp", 1) > 1, **{k: v for k, v in fixed.items() if k != "dp"}})
     ev = evaluate(args, training, plan, cluster)
     return ev, ev.fits
 
@@ -302,7 +304,7 @@ def describe(p: Plan) -> str:
     sched = {"none": "-", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb",
              "interleaved-1f1b": f"i{p.virtual_stages}"}
     return (f"t{p.tp} p{p.pp} c{p.cp} d{p.dp_replicate}x{p.dp_shard} z{p.zero_stage} mb{p.micro_batch} "
-            f"{sched[p.schedule]} rc={p.recompute[:3]}{' sp' if p.sequence_parallel else ''}")
+            f"{sched[p.pp_schedule]} rc={p.activation_checkpoint[:3]}{' sp' if p.sequence_parallel else ''}")
 
 
 def check_mapping() -> None:

@@ -57,8 +57,8 @@ LAYOUTS: list[tuple[str, Plan, int | None]] = [
     ("dp 2, ZeRO-1", Plan(dp_replicate=2, zero_stage=1, micro_batch=4), None),
     ("FSDP 2 (ZeRO-3)", Plan(dp_shard=2, zero_stage=3, micro_batch=4), None),
     ("tp 2", Plan(tp=2, micro_batch=8), None),
-    ("pp 2, 1f1b, 2 micro-batches", Plan(pp=2, micro_batch=4, grad_accum=2, schedule="1f1b"), None),
-    ("pp 2, gpipe, 4 micro-batches", Plan(pp=2, micro_batch=2, grad_accum=4, schedule="gpipe"), None),
+    ("pp 2, 1f1b, 2 micro-batches", Plan(pp=2, micro_batch=4, grad_accum=2, pp_schedule="1f1b"), None),
+    ("pp 2, gpipe, 4 micro-batches", Plan(pp=2, micro_batch=2, grad_accum=4, pp_schedule="gpipe"), None),
     ("dp 2 x tp 2 (4 processes)", Plan(dp_replicate=2, tp=2, micro_batch=4), None),
 ]
 REFERENCE = "1 device, 1 core"

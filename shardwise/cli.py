@@ -7,6 +7,7 @@ import os
 import sys
 
 from shardwise.config import ConfigError, load_config
+from shardwise.layout import Layout
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -62,8 +63,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 def _run_export(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):  # one process reads any layout's checkpoint
-        setattr(cfg.parallel, key, 1)
+    cfg.parallel = Layout()  # one process reads any layout's checkpoint
     from shardwise.train import export_hf_from_checkpoint
 
     path = export_hf_from_checkpoint(cfg, args.out)

@@ -23,17 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shardwise.errors import ConfigError
+from shardwise.layout import Layout
 from shardwise.model_args import PRESETS, ModelArgs
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work, with the dotted field name and how to fix it."""
-
-    def __init__(self, field_name: str, problem: str, fix: str):
-        self.field = field_name
-        self.problem = problem
-        self.fix = fix
-        super().__init__(f"{field_name}: {problem}; fix: {fix}")
 
 
 @dataclass
@@ -100,10 +92,6 @@ class TrainConfig:
     """fp16 only: initial dynamic loss scale."""
     loss_scale_growth_interval: int = 2000
     """fp16 only: double the loss scale after this many steps without inf/nan."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    """Recompute in backward: 'full' re-runs whole blocks, 'selective' keeps matmul outputs and recomputes the rest."""
-    activation_checkpoint_every: int = 1
-    """Checkpoint every k-th transformer block (1 = all of them)."""
     compile: bool = False
     """torch.compile each transformer block."""
     val_every: int = 50
@@ -119,48 +107,6 @@ class TrainConfig:
     """'auto' takes CUDA when present, else CPU."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this raises an error (a hung or dead rank) instead of hanging."""
-
-
-@dataclass
-class ParallelConfig:
-    dp_replicate: int = 1
-    """Data-parallel replicas: ZeRO-0/1 data parallelism, or the replicate dim of HSDP (ZeRO-2/3)."""
-    dp_shard: int = 1
-    """Data-parallel ranks that shard state (FSDP; needs zero_stage 2 or 3)."""
-    tp: int = 1
-    """Tensor-parallel degree (Megatron column/row split inside each block); innermost mesh dim."""
-    pp: int = 1
-    """Pipeline-parallel stages (ranks); outermost mesh dim."""
-    cp: int = 1
-    """Context-parallel degree: the sequence is split across this many ranks."""
-    zero_stage: int = 0
-    """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded."""
-    sequence_parallel: bool = False
-    """With tp > 1: norms and residuals hold a 1/tp slice of the sequence (Korthikanti et al.)."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
-    """Pipeline schedule; interleaved-1f1b needs virtual_stages >= 2, zero-bubble runs 2 stages per rank (V shape)."""
-    pp_microbatches: int = 0
-    """Pipeline micro-batches each train.micro_batch is cut into; 0 means pp x virtual_stages."""
-    virtual_stages: int = 1
-    """Pipeline stages per rank (model chunks); > 1 for interleaved schedules."""
-    bucket_mb: float = 25.0
-    """ZeRO-0/1: gradients are all-reduced in buckets of about this many MB, overlapped with backward."""
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def stages_per_rank(self) -> int:
-        return 2 if self.pp_schedule == "zero-bubble" else self.virtual_stages
-
-    @property
-    def n_microbatches(self) -> int:
-        return self.pp_microbatches or self.pp * self.stages_per_rank
 
 
 @dataclass
@@ -208,7 +154,7 @@ class JobConfig:
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch, precision, recompute and length of the run."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Layout = field(default_factory=Layout)
     """Degrees of each parallelism (their product is the world size) and how each is run."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Sharded checkpoints, resume, preemption."""
@@ -252,6 +198,32 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it (and `--set` reads it)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def layout_settings(layout: Layout) -> list[str]:
+    """The whole [parallel] table of `layout` as `--set` overrides (every field: nothing left to a default)."""
+    return [f"parallel.{k}={toml_value(v)}" for k, v in dataclasses.asdict(layout).items()]
+
+
+def layout_tables(layout: Layout, micro_batch: int, grad_accum: int) -> dict[str, dict]:
+    """[parallel] and [train] values that run `layout` on the planner's batch split (micro_batch sequences per
+    micro-batch, grad_accum micro-batches per step and data-parallel rank). Without a pipeline that is
+    train.micro_batch x train.grad_accum as given; with one, the engine runs all of a step's micro-batches in one
+    schedule step: train.micro_batch = micro_batch x grad_accum, cut into pp_microbatches = grad_accum."""
+    parallel = dataclasses.asdict(layout)
+    if layout.pp > 1:
+        parallel["pp_microbatches"] = grad_accum
+        return {"parallel": parallel, "train": {"micro_batch": micro_batch * grad_accum, "grad_accum": 1}}
+    return {"parallel": parallel, "train": {"micro_batch": micro_batch, "grad_accum": grad_accum}}
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
@@ -269,12 +241,19 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     node[leaf] = value
 
 
+MOVED = {"train.activation_checkpoint": "parallel.activation_checkpoint",
+         "train.activation_checkpoint_every": "parallel.activation_checkpoint_every"}
+"""Keys an earlier version read, and where they are now (activation checkpointing is part of the layout)."""
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(prefix.rstrip(".") or "config", "expected a table", f"write [{prefix.rstrip('.')}]")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
+        if f"{prefix}{key}" in MOVED:
+            raise ConfigError(f"{prefix}{key}", "moved", f"write it as {MOVED[f'{prefix}{key}']}")
         if key not in names:
             raise ConfigError(
                 f"{prefix}{key}", "unknown key", f"remove it or use one of: {', '.join(sorted(names))}"
@@ -445,7 +424,7 @@ def _validate_optim(o: OptimConfig) -> None:
 
 
 def _validate_train(t: TrainConfig) -> None:
-    for key in ("steps", "micro_batch", "grad_accum", "activation_checkpoint_every", "val_batches"):
+    for key in ("steps", "micro_batch", "grad_accum", "val_batches"):
         _positive(f"train.{key}", getattr(t, key))
     if t.val_every < 0:
         raise ConfigError("train.val_every", "negative", "use 0 to disable validation")
@@ -463,10 +442,8 @@ def fit_world(cfg: JobConfig, world_size: int) -> None:
     """A job that sets no parallel degree runs data parallel over the whole world (dp_shard for ZeRO-2/3)."""
     p = cfg.parallel
     if world_size > 1 and p.world_size == 1:
-        if p.zero_stage >= 2:
-            p.dp_shard = world_size
-        else:
-            p.dp_replicate = world_size
+        key = "dp_shard" if p.zero_stage >= 2 else "dp_replicate"
+        cfg.parallel = dataclasses.replace(p, **{key: world_size})
 
 
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
@@ -481,6 +458,10 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not 0-3", "use 0, 1, 2 or 3")
+    _positive("parallel.activation_checkpoint_every", p.activation_checkpoint_every)
+    if p.offload != "none":
+        raise ConfigError("parallel.offload", f"the engine does not offload ({p.offload!r}) yet; the planner prices it",
+                          "set parallel.offload = 'none'")
     if p.dp_shard > 1 and p.zero_stage < 2:
         raise ConfigError(
             "parallel.dp_shard", f"sharding over {p.dp_shard} ranks needs zero_stage 2 or 3 (FSDP)",
@@ -582,8 +563,8 @@ def _validate_pp(cfg: JobConfig) -> None:
             "parallel.zero_stage", "ZeRO-3 reshards parameters between zero-bubble's input and weight backward "
             "passes and the weight gradients come out wrong in torch 2.13", "use zero_stage = 2 with zero-bubble",
         )
-    if p.pp_schedule == "zero-bubble" and cfg.train.activation_checkpoint == "selective":
+    if p.pp_schedule == "zero-bubble" and p.activation_checkpoint == "selective":
         raise ConfigError(
-            "train.activation_checkpoint", "zero-bubble runs two backward passes over each block (input, then "
+            "parallel.activation_checkpoint", "zero-bubble runs two backward passes over each block (input, then "
             "weight gradients) and selective checkpointing allows one", "use 'full' or 'none' with zero-bubble",
         )

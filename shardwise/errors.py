@@ -6,6 +6,16 @@ from __future__ import annotations
 import os
 
 
+class ConfigError(ValueError):
+    """A config value that cannot work, with the dotted field name and how to fix it."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field = field_name
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field_name}: {problem}; fix: {fix}")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded: one line naming the path, the problem and the fix."""
 
@@ -16,3 +26,4 @@ class CheckpointError(RuntimeError):
 
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. non-finite steps beyond the allowance); the last checkpoint is kept."""
+

@@ -1,14 +1,168 @@
-"""The parallel layout: which layers each pipeline stage runs and which stages each rank holds.
+"""The parallel layout, written once: the degrees and the knobs that go with them (`Layout`, the `[parallel]` table of
+a job), read from a string such as "dp_shard=2,tp=2" by one parser with one set of defaults, and where its pieces
+go: which layers each pipeline stage runs and which stages each rank holds.
 
-No torch here: the engine builds its stages from these, and the planner sizes and times the same stages
-without building anything.
+The trainer, the planner (its `Plan` is a Layout and a batch split), the simulator and `shardwise verify` all use
+this module. No torch here: the planner sizes and times layouts without building anything.
+
+Mesh order, outermost to innermost (torchtitan's): pp, dp_replicate, dp_shard, cp, tp. tp is innermost so it lands
+inside a node; pp outermost so its point-to-point traffic is what crosses the slowest links.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import typing
+from dataclasses import dataclass
+from typing import Literal
 
+from shardwise.errors import ConfigError
 from shardwise.model_args import ModelArgs
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Recompute = Literal["none", "full", "selective"]
+Offload = Literal["none", "optimizer", "full"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    """Data-parallel replicas: ZeRO-0/1 data parallelism, or the replicate dim of HSDP (ZeRO-2/3)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard state (FSDP; needs zero_stage 2 or 3)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split inside each block); innermost mesh dim."""
+    pp: int = 1
+    """Pipeline-parallel stages (ranks); outermost mesh dim."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    zero_stage: int = -1
+    """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded. Left
+    unset: 3 when dp_shard > 1 (FSDP's default), else 0."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals hold a 1/tp slice of the sequence (Korthikanti et al. 2022)."""
+    pp_schedule: Schedule = "1f1b"
+    """Pipeline schedule; interleaved-1f1b runs virtual_stages (default 2) stages per rank, zero-bubble 2 (a V)."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches each train.micro_batch is cut into; 0 means pp x stages per rank."""
+    virtual_stages: int = 0
+    """Pipeline stages per rank (model chunks) for interleaved-1f1b; 0: its default, 2 (1 for other schedules)."""
+    activation_checkpoint: Recompute = "none"
+    """Recompute in backward what forward would keep: none, full (keep block inputs), selective (keep matmul
+    outputs, recompute the cheap elementwise work; Korthikanti et al. 2022)."""
+    activation_checkpoint_every: int = 1
+    """Checkpoint every k-th block (1: all of them)."""
+    offload: Offload = "none"
+    """Keep optimizer state (and master weights), or all model state, in host memory (the planner prices it; the
+    engine does not offload yet)."""
+    bucket_mb: float = 25.0
+    """ZeRO-0/1: gradients are all-reduced in buckets of about this many MB, overlapped with backward."""
+
+    def __post_init__(self):
+        # the defaults that depend on other fields, resolved once so that every reader sees the same layout
+        if self.zero_stage == -1:
+            object.__setattr__(self, "zero_stage", 3 if self.dp_shard > 1 else 0)
+        if self.virtual_stages == 0:
+            interleaved = self.pp > 1 and self.pp_schedule == "interleaved-1f1b"
+            object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pipeline rank: two for zero-bubble (its V), virtual_stages otherwise."""
+        return 2 if self.pp_schedule == "zero-bubble" else self.virtual_stages
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.pp_microbatches or self.pp * self.stages_per_rank
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that split model state: ZeRO-1 shards the optimizer over every data-parallel rank (dp_replicate x
+        dp_shard x cp: cp ranks hold the same weights); ZeRO-2/3 are FSDP over dp_shard x cp, replicated across
+        dp_replicate (HSDP)."""
+        if self.zero_stage == 1:
+            return self.dp * self.cp
+        return self.dp_shard * self.cp
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The mesh axes of shard_group, for placing its collectives."""
+        return ("dp_replicate", "dp_shard", "cp") if self.zero_stage == 1 else ("dp_shard", "cp")
+
+
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(Layout))
+BATCH_KEYS = ("micro_batch", "grad_accum")
+"""The batch split a layout string may also fix: the [train] fields of those names."""
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _typed(key: str, value: str, hint, source: str):
+    if hint is bool:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ConfigError(f"{source} {key}", f"{value!r} is not a boolean", f"write {key}=true or false")
+        return value.lower() in ("true", "1")
+    if hint is int or hint is float:
+        try:
+            return hint(value)
+        except ValueError:
+            raise ConfigError(f"{source} {key}", f"{value!r} is not a number",
+                              f"write {key}=<{hint.__name__}>") from None
+    choices = typing.get_args(hint)
+    if value not in choices:
+        raise ConfigError(f"{source} {key}", f"{value!r} is not a choice", f"use one of {', '.join(choices)}")
+    return value
+
+
+def parse_layout(text: str, source: str = "--layout") -> dict:
+    """'dp_shard=2,tp=2,pp_schedule=gpipe' -> {'dp_shard': 2, 'tp': 2, 'pp_schedule': 'gpipe'}: the keys a user
+    fixed, typed. Keys: the [parallel] fields (Layout), dp (data-parallel ranks, placed by `complete_layout`), and
+    micro_batch and grad_accum (the [train] batch split)."""
+    hints = typing.get_type_hints(Layout) | {"dp": int, "micro_batch": int, "grad_accum": int}
+    fixed: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise ConfigError(source, f"'{item}' is not key=value", f'write e.g. {source} "dp_shard=2,tp=2"')
+        if key not in hints:
+            raise ConfigError(source, f"unknown key {key!r}", f"use {', '.join(['dp', *LAYOUT_KEYS, *BATCH_KEYS])}")
+        fixed[key] = _typed(key, value.strip("'\""), hints[key], source)
+    if "dp" in fixed and {"dp_replicate", "dp_shard"} <= fixed.keys():
+        if fixed["dp"] != fixed["dp_replicate"] * fixed["dp_shard"]:
+            raise ConfigError(f"{source} dp", "dp != dp_replicate * dp_shard", "give dp or its two factors")
+    return fixed
+
+
+def complete_layout(fixed: dict, world: int | None = None, source: str = "--layout") -> Layout:
+    """The Layout a partial one means: tp, pp, cp default to 1; dp to the ranks `world` leaves (1 without a
+    world); `dp=N` is dp_shard under ZeRO-2/3 and dp_replicate otherwise; the rest are Layout's defaults."""
+    tp, pp, cp = (fixed.get(k, 1) for k in ("tp", "pp", "cp"))
+    if world is not None and world % (tp * pp * cp):
+        raise ConfigError(source, f"tp*pp*cp = {tp * pp * cp} does not divide the {world} ranks",
+                          "pick degrees whose product divides the world size")
+    given = {k: v for k, v in fixed.items() if k in LAYOUT_KEYS}
+    default_dp = world // (tp * pp * cp) if world is not None else 1
+    if "dp_replicate" not in given and "dp_shard" not in given:
+        dp = fixed.get("dp", default_dp)
+        given["dp_shard" if given.get("zero_stage", 0) >= 2 else "dp_replicate"] = dp
+    elif "dp" in fixed or world is not None:
+        dp = fixed.get("dp", default_dp)
+        known = given.get("dp_replicate") or given.get("dp_shard")
+        if dp % known:
+            raise ConfigError(f"{source} dp", f"{known} does not divide dp={dp}", "give dp or its two factors")
+        given.setdefault("dp_shard" if "dp_replicate" in given else "dp_replicate", dp // known)
+    return Layout(**given)
 
 # ---------------------------------------------------------------------------------------------------
 # Split: which layers each stage runs

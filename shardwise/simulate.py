@@ -15,6 +15,7 @@ layers, embedding, head and numbers of micro-batches in flight).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -26,9 +27,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ConfigError, JobConfig, ParallelConfig, load_config, validate_parallel
+from shardwise.config import ConfigError, JobConfig, layout_tables, load_config, validate_parallel
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv
+from shardwise.layout import Layout, complete_layout, parse_layout
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import TYPES, CommCounter
 from shardwise.parallel.mesh import MeshView, build_mesh
@@ -319,7 +321,7 @@ def build_step_inputs(cfg: JobConfig, runtime: Runtime, fakes=None):
 # A whole simulation
 
 
-def ranks_to_simulate(p: ParallelConfig, world: int) -> list[int]:
+def ranks_to_simulate(p: Layout, world: int) -> list[int]:
     """Rank 0, or for a pipeline the first rank of its first, middle and last stage (pp is the outermost dim)."""
     per_stage = world // p.pp
     return sorted({s * per_stage for s in (0, p.pp // 2, p.pp - 1)})
@@ -364,11 +366,8 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
     piped = p.pp > 1
     n_micro = p.n_microbatches if piped else 1
-    plan = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, cp=p.cp,
-                zero_stage=p.zero_stage, micro_batch=max(1, t.micro_batch // n_micro),
-                grad_accum=t.grad_accum * n_micro, recompute=t.activation_checkpoint,
-                schedule=p.pp_schedule if piped else "none", virtual_stages=p.virtual_stages if piped else 1,
-                sequence_parallel=p.sequence_parallel)
+    plan = Plan(**dataclasses.asdict(p), micro_batch=max(1, t.micro_batch // n_micro),
+                grad_accum=t.grad_accum * n_micro)
     return simulator_categories(stage_memory(cfg.model, training, plan, stage))
 
 
@@ -429,44 +428,26 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
 
 def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batch: int,
                      precision: str) -> JobConfig:
-    """A JobConfig for `--model NAME --plan KEYS`: the planner's keys mapped onto [parallel] and [train]."""
-    import dataclasses
+    """A JobConfig for `--model NAME --plan KEYS`: the layout the keys mean (shardwise.layout's parser and
+    defaults) on the planner's batch split, as `shardwise plan --write-config` writes it (config.layout_tables)."""
+    from shardwise.planner import PlannerError, resolve_model
 
-    from shardwise.planner import PlannerError, parse_plan, resolve_model
-
-    try:
-        fixed, args = parse_plan(plan), resolve_model(model)
-    except PlannerError as e:
-        problem, _, fix = str(e).removeprefix(f"{e.field}: ").rpartition("; fix: ")
-        raise ConfigError(e.field, problem, fix) from None
-    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
     if not world:
         raise ConfigError("--world", "missing", "give --world N with --model")
-    if fixed.get("offload", "none") != "none":
-        raise ConfigError("--plan offload", "the engine does not offload (a planner what-if)", "drop offload")
-    if world % (tp * pp * cp):
-        raise ConfigError("--plan", f"tp*pp*cp = {tp * pp * cp} does not divide --world {world}",
-                          "pick degrees whose product divides the world size")
-    dp = fixed.get("dp", world // (tp * pp * cp))
-    zero = fixed.get("zero_stage", 3 if dp > 1 else 0)
-    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if "dp_replicate" in fixed else
-                      (dp if zero >= 2 else 1))
-    if dp % max(shard, 1):
-        raise ConfigError("--plan dp_shard", f"dp_shard={shard} does not divide dp={dp}", "pick a divisor of dp")
+    fixed = parse_layout(plan, "--plan")
+    layout = complete_layout(fixed, world, source="--plan")
+    try:
+        args = resolve_model(model)
+    except PlannerError as e:
+        raise ConfigError(e.field, *str(e).removeprefix(f"{e.field}: ").rsplit("; fix: ", 1)) from None
+    # a pipeline's accumulation is its micro-batches: default one per stage
+    accum = fixed.get("grad_accum", layout.pp if layout.pp > 1 else 1)
+    tables = layout_tables(layout, micro_batch, accum)
     cfg = JobConfig()
     cfg.model = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))
     cfg.data.seq_len = seq_len
-    # a pipeline's accumulation is its micro-batches (what --write-config writes): default one per stage
-    accum = fixed.get("grad_accum", pp if pp > 1 else 1)
-    cfg.train = dataclasses.replace(cfg.train, micro_batch=micro_batch * (accum if pp > 1 else 1),
-                                    grad_accum=1 if pp > 1 else accum, precision=precision,
-                                    activation_checkpoint=fixed.get("recompute", "none"))
-    cfg.parallel = ParallelConfig(
-        dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
-        sequence_parallel=fixed.get("sequence_parallel", False),
-        pp_schedule=fixed.get("schedule", "1f1b") if fixed.get("schedule", "none") != "none" else "1f1b",
-        pp_microbatches=accum if pp > 1 else 0, virtual_stages=fixed.get("virtual_stages", 1),
-    )
+    cfg.train = dataclasses.replace(cfg.train, precision=precision, **tables["train"])
+    cfg.parallel = Layout(**tables["parallel"])
     return cfg
 
 
@@ -478,7 +459,7 @@ def to_json(cfg: JobConfig, world: int, reports: list[RankReport], seconds: floa
         layout.update(pp_schedule=p.pp_schedule, pp_microbatches=p.n_microbatches)
     return {"model": cfg.model.name, "world": world, "layout": layout, "seq_len": cfg.data.seq_len,
             "micro_batch": cfg.train.micro_batch, "grad_accum": cfg.train.grad_accum,
-            "precision": cfg.train.precision, "activation_checkpoint": cfg.train.activation_checkpoint,
+            "precision": cfg.train.precision, "activation_checkpoint": cfg.parallel.activation_checkpoint,
             "seconds": round(seconds, 2), "ranks": [r.to_json() for r in reports]}
 
 
@@ -498,7 +479,7 @@ def format_reports(cfg: JobConfig, world: int, reports: list[RankReport], second
     return "\n".join(lines)
 
 
-def _format_rank(r: RankReport, p: ParallelConfig) -> list[str]:
+def _format_rank(r: RankReport, p: Layout) -> list[str]:
     peak, ratios = r.peak_step, r.ratios()
     unit, div = ("GiB", GiB) if peak.peak_bytes >= GiB else ("MiB", 2**20)
     coords = ", ".join(f"{k}={v}" for k, v in r.coordinates.items() if getattr(p, k) > 1)

@@ -9,47 +9,22 @@ update and clipping would hide from the loss); parameters at the end, per tensor
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.config import ConfigError, ParallelConfig, TrainConfig, load_config
-
-_PARALLEL_KEYS = {f.name for f in dataclasses.fields(ParallelConfig)}
-_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
+from shardwise.config import layout_settings, load_config
+from shardwise.layout import BATCH_KEYS, complete_layout, parse_layout
 
 
 def layout_overrides(text: str) -> list[str]:
-    """'dp_shard=2,tp=2' -> ['parallel.dp_shard=2', 'parallel.tp=2', 'parallel.zero_stage=3'].
-
-    Keys are ParallelConfig fields, TrainConfig fields (e.g. grad_accum, activation_checkpoint) or dotted
-    config paths. 'dp=N' means dp_replicate=N (ZeRO-0/1) or dp_shard=N when zero_stage is 2 or 3. Without a
-    zero_stage, sharding over dp_shard implies ZeRO-3.
-    """
-    pairs = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError("--layout", f"'{item}' is not key=value", 'write e.g. --layout "dp_shard=2,tp=2"')
-        pairs[key.strip()] = value.strip()
-    if "dp" in pairs:
-        stage = int(pairs.get("zero_stage", 0))
-        pairs["dp_shard" if stage >= 2 else "dp_replicate"] = pairs.pop("dp")
-    if int(pairs.get("dp_shard", 1)) > 1 and "zero_stage" not in pairs:
-        pairs["zero_stage"] = "3"
-    out = []
-    for key, value in pairs.items():
-        if key in _PARALLEL_KEYS:
-            key = f"parallel.{key}"
-        elif key in _TRAIN_KEYS:
-            key = f"train.{key}"
-        elif "." not in key:
-            raise ConfigError("--layout", f"unknown key '{key}'", "use parallel or train fields, e.g. tp=2")
-        out.append(f"{key}={value}")
-    return out
+    """'dp_shard=2,tp=2' -> the --set overrides of the whole [parallel] table it means (shardwise.layout's parser
+    and defaults: here dp_shard > 1 is ZeRO-3), plus train.micro_batch / train.grad_accum where it gives them."""
+    fixed = parse_layout(text, "--layout")
+    return [*layout_settings(complete_layout(fixed, source="--layout")),
+            *(f"train.{k}={fixed[k]}" for k in BATCH_KEYS if k in fixed)]
 
 
 def _quiet(out_dir: Path, steps: int) -> list[str]:

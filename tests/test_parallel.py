@@ -28,7 +28,11 @@ INVALID = [
     (["parallel.tp=2"], 4, "parallel"),  # the world has 4 ranks, the degrees 2
     (["parallel.dp_shard=2", "parallel.zero_stage=1"], 2, "parallel.dp_shard"),  # sharding needs ZeRO-2/3
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),  # no tp
-    (["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'"], 2, "parallel.virtual_stages"),
+    # interleaved-1f1b runs 2 stages per rank unless told otherwise; 1 is not interleaving
+    (["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'", "parallel.virtual_stages=1"], 2,
+     "parallel.virtual_stages"),
+    (["train.activation_checkpoint='full'"], 1, "train.activation_checkpoint"),  # moved to [parallel]
+    (["parallel.offload='optimizer'"], 1, "parallel.offload"),  # the planner prices it; the engine has none yet
 ]
 
 

@@ -117,8 +117,8 @@ def test_stages_hold_every_parameter_once_under_its_full_model_name():
 @pytest.mark.parametrize("overrides, field", [
     (["parallel.pp=2", "train.precision=fp16"], "train.precision"),
     (["parallel.pp=2", "parallel.pp_schedule='zero-bubble'", "train.compile=true"], "train.compile"),
-    (["parallel.pp=2", "parallel.pp_schedule='zero-bubble'", "train.activation_checkpoint='selective'"],
-     "train.activation_checkpoint"),
+    (["parallel.pp=2", "parallel.pp_schedule='zero-bubble'", "parallel.activation_checkpoint='selective'"],
+     "parallel.activation_checkpoint"),
     (["parallel.pp=2", "parallel.pp_schedule='zero-bubble'", "parallel.dp_shard=2", "parallel.zero_stage=3"],
      "parallel.zero_stage"),
     # 9 micro-batches in rounds of 4: 2 rounds do not divide 9

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.planner import (
@@ -29,7 +30,6 @@ from shardwise.planner import (
     evaluate,
     from_hf_config,
     model_state_bytes,
-    parse_plan,
     search,
     stage_memory,
     state_bytes_per_param,
@@ -82,10 +82,10 @@ def test_optimizers_and_offload_change_the_state_bill():
 
 def test_lora_and_qlora_keep_state_only_for_adapters():
     args = preset("llama2-7b")
-    full = stage_memory(args, Training(seq_len=512, global_batch=1), Plan(recompute="full"), 0)
-    lora = stage_memory(args, Training(seq_len=512, global_batch=1, lora_rank=8), Plan(recompute="full"), 0)
+    full = stage_memory(args, Training(seq_len=512, global_batch=1), Plan(activation_checkpoint="full"), 0)
+    lora = stage_memory(args, Training(seq_len=512, global_batch=1, lora_rank=8), Plan(activation_checkpoint="full"), 0)
     qlora = stage_memory(args, Training(seq_len=512, global_batch=1, lora_rank=8, qlora=True),
-                         Plan(recompute="full"), 0)
+                         Plan(activation_checkpoint="full"), 0)
     n = num_params(args)
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
     linears = args.n_layers * (2 * d * d + 2 * d * kv + 3 * d * f)
@@ -175,7 +175,7 @@ def test_activation_memory_matches_saved_tensors(mode):
     measured = _measure_saved(model, run, mode)
     # CPU RMSNorm is the composite kernel (saves x * rstd too)
     training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False)
-    plan = Plan(micro_batch=b, recompute=mode)
+    plan = Plan(micro_batch=b, activation_checkpoint=mode)
     predicted = (args.n_layers * layer_activation_bytes(args, training, plan)
                  + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan))
     assert predicted == pytest.approx(measured, rel=0.10)
@@ -285,7 +285,7 @@ def _makespan_gpipe(p: int, m: int, tf: float, tb: float) -> float:
 def test_bubble_fraction_matches_reference_and_a_schedule_simulation(p, m):
     expected = (p - 1) / (m + p - 1)  # GPipe's bubble (Huang et al. 2019)
     for schedule in ("gpipe", "1f1b"):
-        assert bubble_fraction(Plan(pp=p, grad_accum=m, schedule=schedule)) == pytest.approx(expected)
+        assert bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule=schedule)) == pytest.approx(expected)
     tf, tb = 1.0, 2.0
     makespan = _makespan_gpipe(p, m, tf, tb)
     assert 1 - m * (tf + tb) / makespan == pytest.approx(expected)
@@ -299,7 +299,7 @@ def test_1f1b_timeline_gives_the_bubble_and_the_micro_batches_in_flight(p, m):
     tf, tb = 1.0, 2.0
     ops = simulate("1f1b", p, m, tf, tb)
     assert makespan(ops) == pytest.approx((m + p - 1) * (tf + tb))
-    assert bubble_fraction(Plan(pp=p, grad_accum=m, schedule="1f1b")) == pytest.approx(
+    assert bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule="1f1b")) == pytest.approx(
         1 - m * (tf + tb) / makespan(ops))
     for rank in range(p):
         # activations held = forwards started minus backwards finished, at its highest
@@ -307,24 +307,24 @@ def test_1f1b_timeline_gives_the_bubble_and_the_micro_batches_in_flight(p, m):
         for op in sorted((o for o in ops if o.rank == rank), key=lambda o: o.start):
             held += 1 if op.kind == "F" else -1
             peak = max(peak, held)
-        assert in_flight(Plan(pp=p, grad_accum=m, schedule="1f1b"), rank) == peak
+        assert in_flight(Plan(pp=p, grad_accum=m, pp_schedule="1f1b"), rank) == peak
         gpipe = simulate("gpipe", p, m, tf, tb)
         held, peak = 0, 0
         for op in sorted((o for o in gpipe if o.rank == rank), key=lambda o: o.start):
             held += 1 if op.kind == "F" else -1
             peak = max(peak, held)
-        assert in_flight(Plan(pp=p, grad_accum=m, schedule="gpipe"), rank) == peak
+        assert in_flight(Plan(pp=p, grad_accum=m, pp_schedule="gpipe"), rank) == peak
 
 
 def test_interleaving_divides_the_bubble_by_v_and_zero_bubble_shrinks_it():
     p, m = 4, 8
-    one = bubble_fraction(Plan(pp=p, grad_accum=m, schedule="1f1b"))
+    one = bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule="1f1b"))
     for v in (2, 3):
-        inter = bubble_fraction(Plan(pp=p, grad_accum=m, schedule="interleaved-1f1b", virtual_stages=v))
+        inter = bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule="interleaved-1f1b", virtual_stages=v))
         assert inter == pytest.approx((p - 1) / (v * m + p - 1))
         # bubble time (P-1) t / v: the ratio of bubble to work is 1/v of 1F1B's
         assert inter / (1 - inter) == pytest.approx(one / (1 - one) / v)
-    assert bubble_fraction(Plan(pp=p, grad_accum=m, schedule="zero-bubble")) < one / 2
+    assert bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule="zero-bubble")) < one / 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def test_matmul_time_counts_the_flops_our_model_runs():
 def test_evaluate_reports_consistent_itemised_memory_and_time():
     args = preset("llama3-8b")
     tr = Training(seq_len=8192, global_batch=64)
-    ev = evaluate(args, tr, Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=8, recompute="full"),
+    ev = evaluate(args, tr, Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=8, activation_checkpoint="full"),
                   Cluster(accelerator("h100"), 8))
     total = ev.memory.pop("total")
     assert total == pytest.approx(sum(ev.memory.values()))
@@ -398,8 +398,8 @@ def test_search_prefers_no_parallel_model_split_when_the_model_fits():
 def test_fixed_knobs_are_respected():
     args = preset("llama3-70b")
     result = search(args, Training(seq_len=4096, global_batch=256), Cluster(accelerator("h100"), 64),
-                    fixed=parse_plan("tp=8,pp=4,recompute=full"))
-    assert result.ranked and all(e.plan.tp == 8 and e.plan.pp == 4 and e.plan.recompute == "full"
+                    fixed=parse_layout("tp=8,pp=4,activation_checkpoint=full", "--plan"))
+    assert result.ranked and all(e.plan.tp == 8 and e.plan.pp == 4 and e.plan.activation_checkpoint == "full"
                                  for e in result.ranked)
 
 
@@ -415,9 +415,9 @@ def test_cli_json(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     plan = out["plans"][0]
-    for key in ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum", "recompute", "schedule",
-                "virtual_stages", "sequence_parallel", "memory_gib", "step_time_s", "tokens_per_s", "mfu",
-                "bubble_fraction", "exposed_comm_s"):
+    for key in ("dp", "tp", "pp", "cp", "zero_stage", "micro_batch", "grad_accum", "activation_checkpoint",
+                "pp_schedule", "virtual_stages", "sequence_parallel", "memory_gib", "step_time_s", "tokens_per_s",
+                "mfu", "bubble_fraction", "exposed_comm_s"):
         assert key in plan
     assert plan["memory_gib"]["total"] == pytest.approx(
         sum(v for k, v in plan["memory_gib"].items() if k != "total"), abs=0.01)
@@ -429,7 +429,7 @@ def test_cli_unfused_attention_reaches_the_model(capsys):
     """`--attention unfused --dropout` evaluates a plan as Megatron-LM ran it in 2021-22: the same plan as
     `evaluate` with Training(fused_attention=False, dropout=True) gives, slower and larger than fused."""
     argv = ("--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "2048", "--global-batch",
-            "16", "--layout", "megatron", "--plan", "tp=8,pp=1,cp=1,dp=1,micro_batch=1,recompute=none,"
+            "16", "--layout", "megatron", "--plan", "tp=8,pp=1,cp=1,dp=1,micro_batch=1,activation_checkpoint=none,"
             "sequence_parallel=true", "--json")
     results = {}
     for flags in ((), ("--attention", "unfused", "--dropout")):
@@ -437,7 +437,7 @@ def test_cli_unfused_attention_reaches_the_model(capsys):
         results[flags] = json.loads(capsys.readouterr().out)["plans"][0]
     fused, unfused = results[()], results[("--attention", "unfused", "--dropout")]
     training = Training(seq_len=2048, global_batch=16, layout="megatron", fused_attention=False, dropout=True)
-    plan = Plan(tp=8, micro_batch=1, grad_accum=16, recompute="none", sequence_parallel=True)
+    plan = Plan(tp=8, micro_batch=1, grad_accum=16, activation_checkpoint="none", sequence_parallel=True)
     ev = evaluate(preset("llama3-8b"), training, plan, Cluster(accelerator("a100-80gb"), 8))
     assert unfused["step_time_s"] == pytest.approx(ev.time.step_time_s, rel=1e-6)
     assert unfused["step_time_s"] > fused["step_time_s"]
@@ -446,7 +446,7 @@ def test_cli_unfused_attention_reaches_the_model(capsys):
 
 def test_cli_given_plan_that_does_not_fit_is_still_reported(capsys):
     rc = run_plan(_ns("--model", "llama3-70b", "--gpus", "8", "--global-batch", "8", "--seq-len", "4096",
-                      "--plan", "dp=8,tp=1,pp=1,zero_stage=0,micro_batch=1,recompute=none", "--json"))
+                      "--plan", "dp=8,tp=1,pp=1,zero_stage=0,micro_batch=1,activation_checkpoint=none", "--json"))
     assert rc == 1
     plan = json.loads(capsys.readouterr().out)["plans"][0]
     assert plan["fits"] is False and plan["memory_gib"]["total"] > 1000
@@ -465,7 +465,7 @@ _PRIVATE_CITATION = re.compile(r"reference doc|\bdocs? 0\d\d\b|\(ref\.? ?\d+\)|r
 
 def test_plan_output_and_package_text_cite_public_sources(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "16",
-                        "--plan", "tp=2,pp=2,dp=2,schedule=1f1b")) == 0
+                        "--plan", "tp=2,pp=2,dp=2,pp_schedule=1f1b")) == 0
     out = capsys.readouterr().out
     assert "Decision sequence (LoRA -> BF16 + checkpointing -> DDP -> ZeRO-1/2 -> FSDP -> TP -> PP -> 3D)" in out
     assert not _PRIVATE_CITATION.search(out), _PRIVATE_CITATION.search(out)
@@ -497,7 +497,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     assert run_plan(_ns("--model", "llama3-70b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "128",
-                        "--plan", "tp=8,pp=4,schedule=1f1b", "--plot", str(out))) == 0
+                        "--plan", "tp=8,pp=4,pp_schedule=1f1b", "--plot", str(out))) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -573,7 +573,7 @@ def test_plan_validation_names_the_key():
     assert math.isclose(bubble_fraction(Plan()), 0.0)
 
 
-@pytest.mark.parametrize("plan", [None, "dp=2,tp=2,pp=2,schedule=1f1b"])
+@pytest.mark.parametrize("plan", [None, "dp=2,tp=2,pp=2,pp_schedule=1f1b"])
 def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     """The written config passes the engine's own validation and carries the plan's degrees and knobs."""
     from shardwise.config import load_config
@@ -586,7 +586,7 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     p = cfg.parallel
     assert (p.dp, p.tp, p.pp, p.cp, p.zero_stage) == tuple(best[k] for k in ("dp", "tp", "pp", "cp", "zero_stage"))
     assert p.world_size == 8 and cfg.model.dim == 4096
-    assert cfg.train.activation_checkpoint == best["recompute"]
+    assert cfg.parallel.activation_checkpoint == best["activation_checkpoint"]
     sequences = cfg.train.micro_batch * cfg.train.grad_accum * p.dp
     assert sequences == best["micro_batch"] * best["grad_accum"] * best["dp"]
 
@@ -599,8 +599,8 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
 # backward (128K-vocabulary logits gathered to every tp rank), the 7B one inside the first block's backward.
 SIMULATED = [
     ("llama3-70b", "tp=8,dp=128,zero_stage=3"),
-    ("llama3-70b", "tp=8,dp=128,zero_stage=1,recompute=full"),
-    ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,recompute=selective"),
+    ("llama3-70b", "tp=8,dp=128,zero_stage=1,activation_checkpoint=full"),
+    ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective"),
     ("llama3-70b", "tp=8,dp=64,cp=2,zero_stage=3"),
     ("llama2-7b", "dp=1024,zero_stage=3"),
 ]
@@ -622,7 +622,7 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
     training = Training(seq_len=4096, global_batch=p.dp, precision="bf16", fused_rmsnorm=False,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
     layout = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, cp=p.cp, zero_stage=p.zero_stage,
-                  recompute=cfg.train.activation_checkpoint, sequence_parallel=p.sequence_parallel)
+                  activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel)
     predicted = simulator_categories(stage_memory(cfg.model, training, layout, 0))
     assert predicted["total"] == pytest.approx(measured.peak_bytes, rel=0.10)
     for category in CATEGORIES:  # every category that holds at least 5% of the peak
@@ -663,7 +663,7 @@ def test_pipeline_ranks_hold_the_engines_cost_balanced_stages(schedule):
 
     args = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=2048)
     seq, pp = 64, 2
-    plan = Plan(pp=pp, micro_batch=1, grad_accum=4, schedule=schedule)
+    plan = Plan(pp=pp, micro_batch=1, grad_accum=4, pp_schedule=schedule)
     training = Training(seq_len=seq, global_batch=4, precision="fp32", fragmentation=0.0, fixed_overhead_gib=0.0)
     per_rank = 2 if schedule == "zero-bubble" else 1
     split = split_layers(layer_costs(args, seq), pp * per_rank)  # as pipeline.build_pipeline cuts the model
@@ -688,7 +688,7 @@ def test_pipeline_time_follows_the_rank_with_the_most_blocks():
     from shardwise.planner.timing import _stage_cost, stage_cost
 
     args = ModelArgs(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=1024)
-    plan = Plan(pp=3, micro_batch=1, grad_accum=4, schedule="1f1b")
+    plan = Plan(pp=3, micro_batch=1, grad_accum=4, pp_schedule="1f1b")
     training = Training(seq_len=64, global_batch=4, precision="fp32")
     cluster = Cluster(accelerator("h100"), 3, gpus_per_node=3)
     assert pipeline_layers(args, plan, 64) == (2, 3, 1)
@@ -778,7 +778,7 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
 
 
 @pytest.mark.parametrize("plan, dtensors", [
-    (Plan(micro_batch=8), False), (Plan(pp=2, micro_batch=4, grad_accum=2, schedule="1f1b"), False),
+    (Plan(micro_batch=8), False), (Plan(pp=2, micro_batch=4, grad_accum=2, pp_schedule="1f1b"), False),
     (Plan(dp_replicate=2, micro_batch=4), True), (Plan(dp_shard=2, zero_stage=3, micro_batch=4), True),
     (Plan(tp=2, micro_batch=8), True)])
 def test_dtensor_overheads_are_paid_where_the_engine_makes_dtensors(plan, dtensors):
@@ -821,7 +821,7 @@ def test_data_parallel_units_pay_their_measured_host_cost():
     for tp in (1, 2):
         assert dp_unit_overhead(args, train, Plan(dp_replicate=8, tp=tp), acc) == buckets + 1
     assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=2), acc) == 10.0 * (args.n_layers + 1)
-    assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=3, pp=2, schedule="1f1b"), acc) == (
+    assert dp_unit_overhead(args, train, Plan(dp_shard=8, zero_stage=3, pp=2, pp_schedule="1f1b"), acc) == (
         100.0 * (args.n_layers // 2 + 1))
     assert dp_unit_overhead(args, train, Plan(tp=8), acc) == 0.0
     assert dp_unit_overhead(args, dataclasses.replace(train, layout="zero"), Plan(dp_shard=8, zero_stage=3), acc) == 0
@@ -880,7 +880,7 @@ def test_megatron_pipeline_sends_scatter_over_tensor_parallel_ranks():
     args = preset("llama3-70b")
     unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, inter_node_bw=1.0, comm_efficiency=1.0,
                                intra_node_latency=0.0, inter_node_latency=0.0)
-    plan = Plan(tp=8, pp=4, micro_batch=1, grad_accum=8, schedule="1f1b")
+    plan = Plan(tp=8, pp=4, micro_batch=1, grad_accum=8, pp_schedule="1f1b")
     x = 4096 * args.dim  # one micro-batch's residual stream: fp32 in the engine (autocast), bf16 in Megatron
     sent = {layout: stage_cost(args, Training(seq_len=4096, global_batch=8, layout=layout), plan,
                                Cluster(unit, 32)).pp_p2p for layout in ("torch", "megatron")}
@@ -982,7 +982,7 @@ def test_unfused_attention_and_dropout_add_korthikantis_terms():
     s, b, t, a, h = 2048, 2, 8, args.n_heads, args.dim
     for sp in (False, True):
         for recompute in ("none", "selective"):
-            plan = Plan(tp=t, micro_batch=b, sequence_parallel=sp, recompute=recompute)
+            plan = Plan(tp=t, micro_batch=b, sequence_parallel=sp, activation_checkpoint=recompute)
             gpt = Training(seq_len=s, global_batch=b, layout="megatron", fused_attention=False, dropout=True)
             ours = dataclasses.replace(gpt, fused_attention=True, dropout=False)
             # Korthikanti's selective recompute keeps every tensor but the attention core's
@@ -991,7 +991,7 @@ def test_unfused_attention_and_dropout_add_korthikantis_terms():
             scores = 5 * a * s * s * b / t if recompute == "none" else 0.0
             assert layer_activation_bytes(args, gpt, plan) == pytest.approx(base + masks + scores, rel=1e-12)
     # full recompute keeps the block's input only, either way
-    full = Plan(tp=t, micro_batch=b, recompute="full")
+    full = Plan(tp=t, micro_batch=b, activation_checkpoint="full")
     assert layer_activation_bytes(args, gpt, full) == layer_activation_bytes(args, ours, full)
 
 

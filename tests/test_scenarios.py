@@ -28,7 +28,7 @@ CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 JOB = ["train.val_every=2", "train.val_batches=2", "checkpoint.enabled=true", "checkpoint.every=2",
        "metrics.log_every=1", "metrics.tensorboard=true", "metrics.log_samples=true", "train.micro_batch=4",
        "train.grad_accum=2"]
-FULL, SELECTIVE = "train.activation_checkpoint='full'", "train.activation_checkpoint='selective'"
+FULL, SELECTIVE = "parallel.activation_checkpoint='full'", "parallel.activation_checkpoint='selective'"
 BF16 = "train.precision='bf16'"  # where autocast meets DTensor, ring attention or the pipeline (~1.5 s a run here)
 
 # (processes, settings): one representative of each family; HSDP runs ZeRO-2 so that stage is here too

@@ -47,7 +47,7 @@ FAITHFUL = {
     4: {"zero1-dp": ["parallel.dp_replicate=4", "parallel.zero_stage=1"],
         "hsdp-zero2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=2"],
         "zero3-cp-checkpointed": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3",
-                                  "train.activation_checkpoint='full'"],
+                                  "parallel.activation_checkpoint='full'"],
         # pipelines: ranks 0 and 3 are the first and last stage; p2p sends are counted too
         "pp2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
         "pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]},

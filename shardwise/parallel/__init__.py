@@ -27,7 +27,7 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
             from shardwise.parallel.context_parallel import apply_context_parallel
 
             apply_context_parallel(model, mesh.cp)
-    apply_activation_checkpointing(model, t.activation_checkpoint, t.activation_checkpoint_every)
+    apply_activation_checkpointing(model, p.activation_checkpoint, p.activation_checkpoint_every)
     if t.compile:
         for block in model.layers.values():
             block.compile()

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardwise.config import ParallelConfig
+from shardwise.layout import Layout
 from shardwise.model import canonical_name
 from shardwise.parallel.compat import replicate
 from shardwise.parallel.mesh import MeshView
@@ -57,7 +57,7 @@ def _buckets(blocks: list[nn.Module], bucket_mb: float) -> list[list[nn.Module]]
     return groups
 
 
-def apply_data_parallel(model: nn.Module, mesh: MeshView, p: ParallelConfig) -> None:
+def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
     """Wrap blocks (bottom-up) and then the root, so each block's gradients reduce as soon as they exist."""
     blocks = list(model.layers.values())
     if p.zero_stage <= 1:

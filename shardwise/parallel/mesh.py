@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.config import ParallelConfig
+from shardwise.layout import Layout
 from shardwise.parallel.compat import flatten_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-def build_mesh(p: ParallelConfig, device_type: str) -> DeviceMesh:
+def build_mesh(p: Layout, device_type: str) -> DeviceMesh:
     sizes = tuple(getattr(p, dim) for dim in MESH_DIMS)
     return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
@@ -28,7 +28,7 @@ class MeshView:
     """The sub-meshes each parallelism works on, and this rank's coordinates."""
 
     mesh: DeviceMesh
-    p: ParallelConfig
+    p: Layout
 
     # each sub-mesh is made once: flattening creates process groups
 

@@ -242,12 +242,12 @@ def dp_unit_overhead(kind: str, iters: int, min_seconds: float = 0.0) -> float:
     in and out of the communication buffers, and issuing the collectives."""
     from types import SimpleNamespace
 
-    from shardwise.config import ParallelConfig
+    from shardwise.layout import Layout
     from shardwise.parallel.data_parallel import apply_data_parallel
 
     mesh = _pair_mesh()
     view = SimpleNamespace(grad_reduce=mesh, fsdp=mesh)  # the two sub-meshes apply_data_parallel reads
-    config = ParallelConfig(zero_stage={"replicate": 0, "zero2": 2, "zero3": 3}[kind], bucket_mb=0.0)
+    config = Layout(zero_stage={"replicate": 0, "zero2": 2, "zero3": 3}[kind], bucket_mb=0.0)
     return _host_seconds_per_block(ModelArgs(), lambda model: apply_data_parallel(model, view, config),
                                    iters, min_seconds)
 

@@ -13,8 +13,9 @@ import time
 
 from shardwise.config import ConfigError
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
+from shardwise.layout import complete_layout, parse_layout
 from shardwise.planner.explain import explain, render
-from shardwise.planner.plan import Plan, parse_plan
+from shardwise.planner.plan import Plan
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.workload import Training, resolve_model
 
@@ -45,7 +46,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--intra-node-gbs", type=float, default=None, help="override intra-node bandwidth, GB/s per direction")
     a("--inter-node-gbs", type=float, default=None, help="override inter-node bandwidth, GB/s per direction")
     a("--max-tp", type=int, default=None, help="largest tensor-parallel degree to consider")
-    a("--plan", default=None, help='fix knobs, e.g. "dp=32,tp=8,pp=4,micro_batch=2,recompute=full"')
+    a("--plan", default=None, help='fix knobs, e.g. "dp=32,tp=8,pp=4,micro_batch=2,activation_checkpoint=full"')
     a("--top-k", type=int, default=5, help="plans to show")
     a("--json", action="store_true", help="print JSON (documented in docs/planner.md)")
     a("--write-config", default=None, metavar="PATH", help="write the best plan as a `shardwise train` config")
@@ -85,25 +86,15 @@ def build_inputs(ns: argparse.Namespace):
 
 
 def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
-    """A whole plan from --plan's keys, filling what it omits with the least-memory choices; used to report
-    a given plan (fits or not) when no completion of it fits."""
-    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
-    if world % (tp * pp * cp):
-        raise PlannerError("--plan", f"tp*pp*cp = {tp * pp * cp} does not divide --gpus {world}", "fix the degrees")
-    dp = fixed.get("dp", world // (tp * pp * cp))
-    zero = fixed.get("zero_stage", 3 if dp > 1 else 0)
-    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if "dp_replicate" in fixed else
-                      (dp if zero >= 2 else 1))
+    """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
+    batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
+    layout = complete_layout({"activation_checkpoint": "full", **fixed}, world, source="--plan")
     mb = fixed.get("micro_batch", 1)
-    if training.global_batch % (dp * mb):
+    if training.global_batch % (layout.dp * mb):
         raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
-                           f"dp*micro_batch = {dp * mb}", "change micro_batch, dp or the global batch")
-    return Plan(dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=mb,
-                grad_accum=fixed.get("grad_accum", training.global_batch // (dp * mb)),
-                recompute=fixed.get("recompute", "full"),
-                schedule=fixed.get("schedule", "1f1b" if pp > 1 else "none"),
-                virtual_stages=fixed.get("virtual_stages", 1),
-                sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=fixed.get("offload", "none"))
+                           f"dp*micro_batch = {layout.dp * mb}", "change micro_batch, dp or the global batch")
+    return Plan(**dataclasses.asdict(layout), micro_batch=mb,
+                grad_accum=fixed.get("grad_accum", training.global_batch // (layout.dp * mb)))
 
 
 def run_plan(ns: argparse.Namespace) -> int:
@@ -116,7 +107,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     model, training, cluster = build_inputs(ns)
-    fixed = parse_plan(ns.plan) if ns.plan else {}
+    fixed = parse_layout(ns.plan, "--plan") if ns.plan else {}
     start = time.perf_counter()
     result = search(model, training, cluster, fixed=fixed, top_k=ns.top_k, max_tp=ns.max_tp)
     seconds = time.perf_counter() - start
@@ -160,10 +151,10 @@ COLUMNS = ("#", "dp(rep x shard)", "tp", "pp", "cp", "zero", "mb", "accum", "rec
 
 def _row(i: int, ev: Evaluation) -> list[str]:
     p, t = ev.plan, ev.time
-    sched = p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    sched = "-" if p.pp == 1 else p.pp_schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
     mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.fits else " OOM")
     return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", str(p.tp), str(p.pp), str(p.cp), str(p.zero_stage),
-            str(p.micro_batch), str(p.grad_accum), p.recompute, sched, "y" if p.sequence_parallel else "n",
+            str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",
             p.offload, mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.1f}%",
             f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
 

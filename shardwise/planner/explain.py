@@ -21,8 +21,8 @@ from shardwise.planner.memory import lora_params, model_state_bytes
 from shardwise.planner.search import Evaluation, SearchResult, budget, search
 from shardwise.planner.workload import Training
 
-EXPLAINED = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "recompute", "schedule",
-             "virtual_stages", "offload")
+EXPLAINED = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
+             "pp_schedule", "virtual_stages", "offload")
 
 
 def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict:
@@ -68,7 +68,7 @@ def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     p = ev.plan
     steps = [
         ("1 LoRA/QLoRA", training.lora_rank > 0),
-        ("2 BF16 + checkpointing", training.mixed or p.recompute != "none"),
+        ("2 BF16 + checkpointing", training.mixed or p.activation_checkpoint != "none"),
         ("3 DDP", p.dp > 1 and p.zero_stage == 0 or p.dp_replicate > 1),
         ("4 ZeRO-1/2", p.zero_stage in (1, 2)),
         ("5 FSDP (ZeRO-3)", p.zero_stage == 3),

@@ -82,7 +82,7 @@ def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...
     """Blocks on each pipeline rank, as the engine cuts and places them: `split_layers` over its own
     `layer_costs` (the cost-balanced split, which gives the stage with the output head fewer blocks), each rank
     holding the stages `stages_of_rank` gives it (a loop, or a V for zero-bubble)."""
-    return _pipeline_layers(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.schedule)
+    return _pipeline_layers(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -108,7 +108,7 @@ def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
 def head_rank(plan: Plan) -> int:
     """The pipeline rank holding the last stage (final norm, output head, loss): pp - 1, or rank 0 under the
     zero-bubble V, which folds the last stage back onto the first rank."""
-    return _head_rank(plan.pp, plan.stages_per_rank, plan.schedule)
+    return _head_rank(plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -121,7 +121,7 @@ def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight), the one with the head, and the first rank with each block count (among ranks with equal
     blocks the earlier one holds at least as many micro-batches in flight)."""
-    return _ranks_to_check(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.schedule)
+    return _ranks_to_check(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,7 +272,7 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     selective recompute is exactly these, and keeps every other tensor (`attention_scores` False: leave them
     out). With `Training.dropout`, the two hidden dropout masks (1 byte per element of the residual stream,
     split over tp only with sequence parallelism), unless fully recomputed."""
-    recompute = plan.recompute if recompute is None else recompute
+    recompute = plan.activation_checkpoint if recompute is None else recompute
     seq = seq_len or training.seq_len
     tokens = plan.micro_batch * seq / plan.cp
     unfused = not training.fused_attention
@@ -346,9 +346,9 @@ def in_flight(plan: Plan, stage: int) -> float:
     p, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
     if p == 1:
         return 1.0
-    if plan.schedule == "gpipe":
+    if plan.pp_schedule == "gpipe":
         return float(m)
-    if plan.schedule == "interleaved-1f1b":
+    if plan.pp_schedule == "interleaved-1f1b":
         chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
         return chunks / v
     return float(min(p - stage, m))
@@ -370,7 +370,7 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dic
     out = {"freed": tokens * 2 * f * e, "working": tokens * (3 * f * e + args.dim * training.stream_bytes),
            "weight_grad": 0.0 if training.lora_rank else args.dim * f * state_bytes_per_param(training).grads,
            "recomputed": 0.0}
-    if plan.recompute != "none":
+    if plan.activation_checkpoint != "none":
         out["recomputed"] = layer_activation_bytes(args, training, plan, "none") - layer_activation_bytes(
             args, training, plan)
     return out
@@ -394,7 +394,7 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     if not training.mixed or training.layout != "torch" or training.lora_rank:
         return 0.0
     n = 0.0
-    if plan.recompute == "none":
+    if plan.activation_checkpoint == "none":
         n += stage_layers(args, plan, stage, training.seq_len) * (layer_params(args, plan.tp) - 2 * args.dim)
     if stage == head_rank(plan):
         n += args.vocab_size * args.dim / plan.tp
@@ -499,10 +499,11 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     # (recomputed tensors are made in backward: the tracker sees them as temporaries)
     bwd = acts["block_backward"]
     fresh_grads = head_p * grad_bytes + bwd["weight_grad"]
-    rebuilt = bwd["recomputed"] - bwd["freed"] if plan.recompute != "none" else 0.0
+    rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
     out["first_block_backward"] = {
         **base, "grads": early_grads or (0.0 if fsdp else fresh_grads),
-        "activations": acts["activations"] * m - acts["head"] - (bwd["freed"] if plan.recompute == "none" else 0.0),
+        "activations": acts["activations"] * m - acts["head"]
+        - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
         "compute_copies": acts["copies"] * m - acts["head_copy"],
         "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
@@ -534,7 +535,7 @@ def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int
     if training.layout != "torch":
         return 4 * x
     n = plan.pp * plan.stages_per_rank
-    held = sum((s > 0) + (s < n - 1) for s in stages_of_rank(plan.schedule, plan.pp, stage, plan.stages_per_rank))
+    held = sum((s > 0) + (s < n - 1) for s in stages_of_rank(plan.pp_schedule, plan.pp, stage, plan.stages_per_rank))
     return held * plan.grad_accum * x
 
 
@@ -545,7 +546,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
            training.fused_attention, training.dropout, training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp,
            plan.virtual_stages, plan.micro_batch,
-           plan.recompute, plan.sequence_parallel, plan.schedule, stage)
+           plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage)
     cached = _ACTIVATIONS.get(key)
     if cached is None:
         last = stage == head_rank(plan)
@@ -568,7 +569,7 @@ _ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys
 def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
     """model_state_bytes for a stage; memoised, since a search asks for it under many micro-batches and schedules."""
     key = (shape_key(args), training.precision, training.layout, training.optimizer, training.lora_rank,
-           training.qlora, training.seq_len, plan.tp, plan.pp, plan.virtual_stages, plan.schedule, plan.zero_stage,
+           training.qlora, training.seq_len, plan.tp, plan.pp, plan.virtual_stages, plan.pp_schedule, plan.zero_stage,
            plan.shard_group, plan.offload, stage)
     cached = _MODEL_STATE.get(key)
     if cached is None:

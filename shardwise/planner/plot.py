@@ -57,7 +57,7 @@ def _timeline(ax, ev: Evaluation) -> None:
     per_mb = t.detail["per_microbatch_s"]
     compute = t.compute_s + t.recompute_s
     fwd_share = 1 / 3 if compute == 0 else (t.compute_s / 3) / compute  # forward is a third of the compute
-    schedule = p.schedule if p.schedule in ("gpipe", "1f1b") else "1f1b"
+    schedule = p.pp_schedule if p.pp_schedule in ("gpipe", "1f1b") else "1f1b"
     m = min(p.grad_accum, MAX_TIMELINE_MICROBATCHES)
     ops = simulate(schedule, p.pp, m, per_mb * fwd_share, per_mb * (1 - fwd_share))
     for op in ops:
@@ -67,6 +67,6 @@ def _timeline(ax, ev: Evaluation) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_ylabel("pipeline rank")
-    note = "" if schedule == p.schedule else f" ({p.schedule} drawn as 1F1B)"
+    note = "" if schedule == p.pp_schedule else f" ({p.pp_schedule} drawn as 1F1B)"
     ax.set_title(f"{schedule} timeline, first {m} of {p.grad_accum} micro-batches{note}; "
                  f"bubble {100 * t.bubble_fraction:.1f}%")

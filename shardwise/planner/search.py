@@ -50,7 +50,7 @@ class Evaluation:
     def to_json(self) -> dict:
         p = self.plan
         out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "micro_batch",
-                                          "grad_accum", "recompute", "schedule", "virtual_stages",
+                                          "grad_accum", "activation_checkpoint", "pp_schedule", "virtual_stages",
                                           "sequence_parallel", "offload")}
         out["dp"] = p.dp
         out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
@@ -92,8 +92,8 @@ class SearchResult:
     """(knob, value) -> smallest peak memory seen (or lower bound) with that value."""
 
 
-KNOBS = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "recompute", "schedule",
-         "virtual_stages", "offload")
+KNOBS = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
+         "pp_schedule", "virtual_stages", "offload")
 
 
 def divisors(n: int) -> list[int]:
@@ -144,11 +144,6 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("dp", f"dp*tp*pp*cp = {dp * tp * pp * cp} but --gpus is {world}", "make the product the world size")
     if fixed.get("zero_stage", 0) > 3:
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
-    choices = {"recompute": ("none", "selective", "full"), "offload": ("none", "optimizer", "full"),
-               "schedule": ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")}
-    for key, allowed in choices.items():
-        if key in fixed and fixed[key] not in allowed:
-            bad(key, f"{fixed[key]!r} is not a choice", f"use one of {', '.join(allowed)}")
 
 
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
@@ -201,11 +196,11 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     schedules = _schedules(args, base, fixed, max_virtual)
     if not schedules:
         return
-    recomputes = _choices(fixed, "recompute", ["none", "selective", "full"])
+    recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
     # lower bound: one sequence, the cheapest recompute allowed, the least of the schedules (they hold different
     # micro-batches in flight and place the head differently: zero-bubble's V puts it on the first rank)
-    floors = [dataclasses.replace(base, micro_batch=1, grad_accum=local, recompute=recomputes[-1], schedule=name,
-                                  virtual_stages=v) for name, v in schedules]
+    floors = [dataclasses.replace(base, micro_batch=1, grad_accum=local, activation_checkpoint=recomputes[-1],
+                                  pp_schedule=name, virtual_stages=v) for name, v in schedules]
     low, floor = min(((peak_memory(args, training, f)[1]["total"], f) for f in floors), key=lambda x: x[0])
     if low > limit:
         _note_memory(result, floor, low)
@@ -215,14 +210,14 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
             continue
         any_fit = False
         for schedule, v in schedules:
-            plan = _with(base, micro_batch=mb, grad_accum=local // mb, schedule=schedule, virtual_stages=v)
+            plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule, virtual_stages=v)
             if schedule == "interleaved-1f1b" and plan.grad_accum % plan.pp:
                 continue
             ev = _cheapest_recompute(args, training, cluster, plan, recomputes, limit, result)
             if ev is not None:
                 fits.append(ev)
                 any_fit = True
-        if not any_fit and "recompute" not in fixed and "micro_batch" not in fixed:
+        if not any_fit and "activation_checkpoint" not in fixed and "micro_batch" not in fixed:
             break  # memory grows with the micro-batch: larger ones cannot fit either
 
 
@@ -232,7 +227,7 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     first that fits, in that order, is the only one worth timing."""
     found = None
     for recompute in recomputes:
-        candidate = _with(plan, recompute=recompute)  # valid by construction
+        candidate = _with(plan, activation_checkpoint=recompute)  # valid by construction
         if not engine_runs(candidate, training):
             continue
         result.evaluated += 1
@@ -255,10 +250,10 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
 
 
 def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> list[tuple[str, int]]:
-    if base.pp == 1:  # a fixed pipeline schedule rules out pp = 1
-        return [("none", 1)] if fixed.get("schedule", "none") == "none" else []
+    if base.pp == 1:  # a fixed pipeline schedule rules out pp = 1; without a pipeline the schedule is not used
+        return [(base.pp_schedule, 1)] if "pp_schedule" not in fixed else []
     # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs)
-    names = _choices(fixed, "schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
+    names = _choices(fixed, "pp_schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
     out = []
     for name in names:
         if name == "interleaved-1f1b":

@@ -114,9 +114,9 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            acc.bandwidth_efficiency, acc.comm_efficiency,
            acc.comm_overlap, acc.collective_sync_s, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
            tuple((op, tuple(sorted(c.items()))) for op, c in sorted((acc.busbw_curves or {}).items())),
-           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.schedule,
+           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
            plan.micro_batch,
-           plan.recompute, plan.sequence_parallel, training.stream_bytes)
+           plan.activation_checkpoint, plan.sequence_parallel, training.stream_bytes)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = ranks_to_check(args, plan, training.seq_len)
@@ -147,9 +147,9 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
     bwd_in = layers * (t["matmul"] + t["attention_bwd"] + 2 * t["elementwise"]) + head
     bwd_w = (layers * t["matmul"] + head) * w_factor
-    if plan.recompute == "full":
+    if plan.activation_checkpoint == "full":
         recompute = layers * (t["matmul"] + t["attention"] + t["elementwise"])
-    elif plan.recompute == "selective":
+    elif plan.activation_checkpoint == "selective":
         # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
         # kernel recomputes that anyway, and selective then means the cheap elementwise tensors
         recompute = layers * (t["elementwise"] if training.fused_attention else t["attention"])
@@ -198,7 +198,7 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     tokens = plan.micro_batch * training.seq_len / plan.cp
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    total = layers * (6 if plan.recompute == "full" else 4) * one + (one if embedding else 0.0)
+    total = layers * (6 if plan.activation_checkpoint == "full" else 4) * one + (one if embedding else 0.0)
     if head:
         total += one
         if not training.loss_parallel:
@@ -219,7 +219,7 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     bwd = (n - 1) * p2p(2 * kv, link)
     w = cluster.accelerator.comm_overlap
     exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w)
-    if plan.recompute == "full":
+    if plan.activation_checkpoint == "full":
         exposed += exposed_part(fwd, attention, w)
     return layers * exposed
 
@@ -266,9 +266,9 @@ def pipeline_time(cost: StageCost, plan: Plan) -> float:
     t = cost.total
     if p == 1:
         return m * t
-    if plan.schedule == "interleaved-1f1b":
+    if plan.pp_schedule == "interleaved-1f1b":
         return (m + (p - 1) / v) * t
-    if plan.schedule == "zero-bubble":
+    if plan.pp_schedule == "zero-bubble":
         fwd = cost.forward + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
         bwd_in = cost.backward_input + cost.recompute + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
         return m * t + (p - 1) * max(0.0, fwd + bwd_in - cost.backward_weight)

@@ -1,0 +1,86 @@
+"""The parallel layout is one object with one parser and one set of defaults: every layout string the project
+shows a user parses, means the same Layout as the [parallel] table written from it, and the trainer (`verify`),
+the planner (`plan --write-config`) and the simulator resolve it to the same ZeRO stage."""
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import ConfigError, from_dict, load_config, toml_value
+from shardwise.layout import BATCH_KEYS, LAYOUT_KEYS, Layout, complete_layout, parse_layout
+
+ROOT = Path(__file__).parent.parent
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+KEYS = {"dp", *LAYOUT_KEYS, *BATCH_KEYS}
+_STRING = re.compile(r"[\"'`]((?:[a-z_]+=[\w.-]+,)*[a-z_]+=[\w.-]+)[\"'`]")
+
+
+def _layout_strings() -> list[str]:
+    """Every quoted `key=value,...` string in the README, docs, tests and benchmarks whose keys are all layout
+    keys and that names at least one degree (the rest are other key=value lists)."""
+    found = set()
+    sources = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py")]
+    for path in (p for p in sources if p.name != Path(__file__).name):  # this file's bad strings are meant to fail
+        for text in _STRING.findall(path.read_text()):
+            keys = {item.partition("=")[0] for item in text.split(",")}
+            if keys <= KEYS and keys & {"dp", "dp_replicate", "dp_shard", "tp", "pp", "cp"}:
+                found.add(text)
+    return sorted(found)
+
+
+STRINGS = _layout_strings()
+
+
+def test_the_project_shows_layout_strings():
+    assert len(STRINGS) >= 40, STRINGS  # the scan finds them (README, docs/planner.md, the parity tests, ...)
+
+
+@pytest.mark.parametrize("text", STRINGS)
+def test_a_layout_string_and_its_toml_table_are_one_layout(text):
+    layout = complete_layout(parse_layout(text))
+    table = "[parallel]\n" + "\n".join(f"{k} = {toml_value(v)}" for k, v in dataclasses.asdict(layout).items())
+    assert from_dict(tomllib.loads(table)).parallel == layout  # read back as a job's TOML is read
+
+
+@pytest.mark.parametrize("text", ["dp=2", "dp=4,zero_stage=1", "dp_shard=2", "dp_replicate=2,dp_shard=2",
+                                  "tp=2,dp=2", "dp_shard=2,zero_stage=2", "pp=2,dp=2", "cp=2,dp_shard=2"])
+def test_verify_plan_and_simulate_resolve_one_zero_stage(text, tmp_path):
+    from shardwise.planner.cli import complete_plan
+    from shardwise.planner.config_out import write_config
+    from shardwise.planner.workload import Training
+    from shardwise.simulate import config_from_plan
+    from shardwise.verify import layout_overrides
+
+    expected = complete_layout(parse_layout(text))
+    world = expected.world_size
+    verified = load_config(CONFIG, layout_overrides(text)).parallel
+    simulated = config_from_plan("tiny", text, world, seq_len=64, micro_batch=2, precision="fp32").parallel
+    training = Training(seq_len=64, global_batch=4 * expected.dp)
+    write_config(tmp_path / "plan.toml", load_config(CONFIG).model, training, complete_plan(
+        parse_layout(text, "--plan"), training, world))
+    planned = load_config(tmp_path / "plan.toml").parallel
+    for got in (verified, simulated, planned):
+        assert (got.zero_stage, got.dp_replicate, got.dp_shard) == (
+            expected.zero_stage, expected.dp_replicate, expected.dp_shard), got
+
+
+def test_defaults_are_stated_once():
+    assert complete_layout(parse_layout("dp=4")).zero_stage == 0  # data parallel: DDP
+    assert complete_layout(parse_layout("dp_shard=4")).zero_stage == 3  # FSDP's default
+    assert complete_layout(parse_layout("dp=4,zero_stage=2")).dp_shard == 4  # dp goes where ZeRO-2/3 shards
+    assert complete_layout(parse_layout("tp=2"), world=8).dp_replicate == 4  # dp fills the world
+    assert Layout(pp=2, pp_schedule="interleaved-1f1b").virtual_stages == 2
+    assert load_config(CONFIG, ["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'"]).parallel.virtual_stages == 2
+
+
+@pytest.mark.parametrize("text, field", [("tp=two", "--layout tp"), ("tp", "--layout"), ("zero=3", "--layout"),
+                                          ("pp_schedule=2f2b", "--layout pp_schedule"),
+                                          ("sequence_parallel=maybe", "--layout sequence_parallel"),
+                                          ("dp=4,dp_replicate=2,dp_shard=1", "--layout dp")])
+def test_a_bad_layout_string_names_its_key(text, field):
+    with pytest.raises(ConfigError) as e:
+        parse_layout(text)
+    assert e.value.field == field
