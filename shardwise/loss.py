@@ -2,8 +2,9 @@
 (`shardwise.parallel.pipeline`) and the operator count (`shardwise.planner.opcount`): the precision's autocast,
 the token cross-entropy, and the scaling that makes data-parallel gradients a sum.
 
-Every parallel layout is proven bitwise equal to the single-device run, so these must be the very same
-operators in the same order wherever a step runs; one definition keeps them so.
+Every parallel layout is checked against the single-device run (`shardwise verify`), and the operator count
+prices the engine's step: both hold only while every path runs the same operators in the same order, which one
+definition keeps so.
 """
 
 from __future__ import annotations
