@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +26,7 @@ from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.distributed import explain_failure
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
+from shardwise.loss import autocast_context, scale_for_gradient_sum, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
 from shardwise.model_args import flops_per_token, num_params
@@ -50,14 +50,6 @@ class StepResult:
     """The loss or the gradient norm was inf/nan (without fp16 loss scaling, which handles its own)."""
 
 
-def autocast_context(precision: str, device: torch.device):
-    """bf16/fp16 autocast: matmuls in low precision, weights and optimizer stay fp32 (the master copy)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
     """Dynamic loss scaling for fp16 (disabled otherwise): an inf/nan step is skipped and the scale halves."""
     return torch.amp.GradScaler(
@@ -71,12 +63,12 @@ def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradS
 def loss_sum(
     model: nn.Module, batch: data.Batch, device: torch.device, precision: str, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Summed (not averaged) token cross-entropy of one micro-batch, computed in fp32."""
+    """One micro-batch through `model` under the precision's autocast: its summed fp32 token cross-entropy."""
     with autocast_context(precision, device):
         tokens = batch.inputs.to(device, non_blocking=True)
         logits = model(tokens) if positions is None else model(tokens, positions)
     targets = batch.targets.to(device, non_blocking=True)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    return token_loss_sum(logits, targets)
 
 
 def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -133,9 +125,8 @@ def train_step(
             set_gradient_sync(model, i == len(batches) - 1)
             batch, positions = runtime.shard_sequence(batch)
         loss = loss_sum(model, batch, device, precision, positions) / global_tokens
-        # data parallelism averages gradients over the ranks that see different tokens; undo the division
         scale = runtime.grad_reduce_size if runtime is not None else 1
-        scaler.scale(loss * scale if scale > 1 else loss).backward()
+        scaler.scale(scale_for_gradient_sum(loss, scale)).backward()
         total += loss.detach()
     if runtime is not None:
         runtime.sum_over_data_ranks(total)

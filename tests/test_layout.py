@@ -73,7 +73,8 @@ def test_defaults_are_stated_once():
     assert complete_layout(parse_layout("dp=4,zero_stage=2")).dp_shard == 4  # dp goes where ZeRO-2/3 shards
     assert complete_layout(parse_layout("tp=2"), world=8).dp_replicate == 4  # dp fills the world
     assert Layout(pp=2, pp_schedule="interleaved-1f1b").virtual_stages == 2
-    assert load_config(CONFIG, ["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'"]).parallel.virtual_stages == 2
+    interleaved = load_config(CONFIG, ["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'"]).parallel
+    assert interleaved.virtual_stages == 2
 
 
 @pytest.mark.parametrize("text, field", [("tp=two", "--layout tp"), ("tp", "--layout"), ("zero=3", "--layout"),

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -43,6 +42,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from shardwise.config import JobConfig
 from shardwise.data import Batch
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
+from shardwise.loss import autocast_forward, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.model import Transformer, build_model, materialize
 from shardwise.parallel import parallelize
 from shardwise.parallel.runtime import Runtime
@@ -79,8 +79,7 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, global_tokens: in
     x grad_scale (the data-parallel rank count: data-parallel wrappers average gradients, and we want their
     sum); the schedule is built with scale_grads=False since the division by the global count is done here.
     """
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-    return ce / global_tokens * grad_scale
+    return scale_for_gradient_sum(token_loss_sum(logits, targets) / global_tokens, grad_scale)
 
 
 @dataclass
@@ -106,14 +105,6 @@ class Pipeline:
         return self.stages.parameters()
 
 
-def _autocast_forward(module: nn.Module, precision: str, device_type: str) -> None:
-    """bf16/fp16 autocast around the stage's forward only (the schedule runs backward itself)."""
-    if precision == "fp32":
-        return
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    module.forward = torch.autocast(device_type, dtype=dtype)(module.forward)
-
-
 def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What stage `stage` takes and returns for one pipeline micro-batch, as meta tensors (shapes, no data).
 
@@ -133,8 +124,8 @@ def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, t
     else:
         inputs = hidden
     if stage == n_stages - 1:
-        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # fp16 is rejected with pp > 1
-        return inputs, torch.empty(batch, seq, cfg.model.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        return inputs, torch.empty(batch, seq, cfg.model.vocab_size, dtype=compute_dtype(t.precision), device="meta",
+                                   requires_grad=True)
     return inputs, hidden
 
 
@@ -157,7 +148,7 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
         if runtime.positions is not None:
             # context parallel: this rank always holds these positions; Attention takes rope[:, :local_len]
             module.rope = module.rope[:, runtime.positions]
-        _autocast_forward(module, cfg.train.precision, runtime.device.type)
+        autocast_forward(module, cfg.train.precision, runtime.device)
         modules.append(module)
         inputs, outputs = stage_io(cfg, s, n_stages)
         stages.append(PipelineStage(module, s, n_stages, runtime.device, input_args=inputs, output_args=outputs,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
+from shardwise.loss import token_loss_sum
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
 from shardwise.planner.operators import OpCounts
@@ -74,7 +74,7 @@ def micro_batch(model: Transformer, args: ModelArgs) -> None:
     """One forward + backward as the engine runs it (fp32 logits, summed token cross-entropy)."""
     tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
     logits = model(tokens)
-    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+    token_loss_sum(logits, tokens).backward()
 
 
 def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
