@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout
+from shardwise.layout import Layout, engine_cannot_run
 from shardwise.model_args import PRESETS, ModelArgs
 
 
@@ -548,23 +548,6 @@ def _validate_pp(cfg: JobConfig) -> None:
             f"interleaved-1f1b runs the {steps} micro-batches of a step (grad_accum x {n}) in rounds of pp={p.pp}, "
             f"and {rounds} rounds do not divide them", f"make pp_microbatches x grad_accum a multiple of {p.pp}",
         )
-    if cfg.train.precision == "fp16":
-        raise ConfigError(
-            "train.precision", "fp16 loss scaling with pp > 1: each stage would find inf/nan and skip on its own",
-            "use bf16 or fp32 with pipeline parallelism",
-        )
-    if p.pp_schedule == "zero-bubble" and cfg.train.compile:
-        raise ConfigError(
-            "train.compile", "zero-bubble splits backward into input and weight passes, which compiled blocks "
-            "do not support in torch 2.13", "set train.compile = false, or use another parallel.pp_schedule",
-        )
-    if p.pp_schedule == "zero-bubble" and p.zero_stage == 3 and p.dp_shard * p.cp > 1:
-        raise ConfigError(
-            "parallel.zero_stage", "ZeRO-3 reshards parameters between zero-bubble's input and weight backward "
-            "passes and the weight gradients come out wrong in torch 2.13", "use zero_stage = 2 with zero-bubble",
-        )
-    if p.pp_schedule == "zero-bubble" and p.activation_checkpoint == "selective":
-        raise ConfigError(
-            "parallel.activation_checkpoint", "zero-bubble runs two backward passes over each block (input, then "
-            "weight gradients) and selective checkpointing allows one", "use 'full' or 'none' with zero-bubble",
-        )
+    error = engine_cannot_run(p, cfg.train.precision, cfg.train.compile)
+    if error is not None:
+        raise error

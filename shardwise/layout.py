@@ -164,6 +164,29 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
         given.setdefault("dp_shard" if "dp_replicate" in given else "dp_replicate", dp // known)
     return Layout(**given)
 
+def engine_cannot_run(layout: Layout, precision: str, compile: bool = False) -> ConfigError | None:
+    """What the engine cannot run on torch 2.13 in this layout, as the error naming the field (None: it can). The
+    config refuses these jobs and the planner's search leaves these plans out."""
+    if layout.pp > 1 and precision == "fp16":
+        return ConfigError("train.precision", "fp16 loss scaling with pp > 1: each stage would find inf/nan and "
+                           "skip on its own", "use bf16 or fp32 with pipeline parallelism")
+    if layout.pp == 1 or layout.pp_schedule != "zero-bubble":
+        return None
+    if compile:
+        return ConfigError("train.compile", "zero-bubble splits backward into input and weight passes, which "
+                           "compiled blocks do not support in torch 2.13",
+                           "set train.compile = false, or use another parallel.pp_schedule")
+    if layout.zero_stage == 3 and layout.dp_shard * layout.cp > 1:
+        return ConfigError("parallel.zero_stage", "ZeRO-3 reshards parameters between zero-bubble's input and "
+                           "weight backward passes and the weight gradients come out wrong in torch 2.13",
+                           "use zero_stage = 2 with zero-bubble")
+    if layout.activation_checkpoint == "selective":
+        return ConfigError("parallel.activation_checkpoint", "zero-bubble runs two backward passes over each block "
+                           "(input, then weight gradients) and selective checkpointing allows one",
+                           "use 'full' or 'none' with zero-bubble")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Split: which layers each stage runs
 

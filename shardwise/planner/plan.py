@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass
 
 from shardwise.hardware import PlannerError
-from shardwise.layout import Layout, Offload, Recompute, Schedule
+from shardwise.layout import Layout, Offload, Recompute, Schedule, engine_cannot_run
 
 RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(Schedule)
@@ -27,14 +27,8 @@ class Plan(Layout):
 
 
 def engine_runs(plan: Plan, training) -> bool:
-    """Whether shardwise's engine can run the plan (torch 2.13 limits its validation rejects, see
-    config._validate_pp): zero-bubble with ZeRO-3 sharding or with selective recompute, fp16 with a pipeline."""
-    if plan.pp > 1 and training.precision == "fp16":
-        return False
-    if plan.pp_schedule == "zero-bubble":
-        zero3_sharded = plan.zero_stage == 3 and plan.dp_shard * plan.cp > 1
-        return not zero3_sharded and plan.activation_checkpoint != "selective"
-    return True
+    """Whether shardwise's engine can run the plan: what its config would refuse (layout.engine_cannot_run)."""
+    return engine_cannot_run(plan, training.precision) is None
 
 
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int) -> None:
