@@ -29,15 +29,14 @@ class Runtime:
 
     @classmethod
     def create(cls, cfg: JobConfig) -> Runtime:
-        p = cfg.parallel
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1 and p.world_size != 1:
-            raise ConfigError(
-                "parallel", f"the degrees ask for {p.world_size} ranks but this is a single process",
-                f"add --nproc {p.world_size}, or run under torchrun --nproc_per_node {p.world_size}",
-            )
-        fit_world(cfg, world)
+        if world == 1 and cfg.parallel.world_size != 1:
+            n = cfg.parallel.world_size
+            raise ConfigError("parallel", f"the degrees ask for {n} ranks but this is a single process",
+                              f"add --nproc {n}, or run under torchrun --nproc_per_node {n}")
+        fit_world(cfg, world)  # replaces cfg.parallel (a frozen Layout): read it only after
         validate_parallel(cfg, world)  # before any process group exists
+        p = cfg.parallel
         env = init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         if world == 1:
             return cls(env, cfg, None)
