@@ -11,6 +11,7 @@ inside a node; pp outermost so its point-to-point traffic is what crosses the sl
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import typing
@@ -221,7 +222,12 @@ def split_layers(costs: tuple[int, list[int], int], n_stages: int) -> list[range
     """Contiguous layer ranges, at least one layer each, minimising the largest stage cost.
 
     Among the splits that reach that optimum, the one with the smallest sum of squared stage costs (the
-    most even). Two small dynamic programs over (stages, layers): O(n_stages x n_layers^2).
+    most even). Two dynamic programs over (stages, layers). The first finds the optimum in
+    O(n_stages x n_layers x log n_layers): the best largest cost of s stages over a prefix grows with the
+    prefix while the cost of the stage after it shrinks as that stage starts later, so the best start is
+    where the two cross, found by bisection. The second only tries the starts whose stage stays within that
+    optimum, a window of about n_layers / n_stages, so it is O(n_layers^2) at worst (a 405B model's
+    126 layers over 64 stages takes milliseconds, which a planner search that meets many stage counts needs).
     """
     embedding, blocks, head = costs
     n = len(blocks)
@@ -229,24 +235,45 @@ def split_layers(costs: tuple[int, list[int], int], n_stages: int) -> list[range
         raise ValueError(f"cannot cut {n} layers into {n_stages} stages of at least one layer")
     prefix = [0, *itertools.accumulate(blocks)]
 
-    def cost(s: int, i: int, j: int) -> int:  # stage s runs layers i..j-1
-        return prefix[j] - prefix[i] + (embedding if s == 0 else 0) + (head if s == n_stages - 1 else 0)
+    extra = [embedding if s == 0 else 0 for s in range(n_stages)]
+    extra[-1] += head
 
-    def solve(objective, combine, limit: float) -> list[list]:
-        # best[s][j]: (value, start of stage s) for stages 0..s covering layers 0..j-1
-        best = [[None] * (n + 1) for _ in range(n_stages)]
-        for j in range(1, n - n_stages + 2):
-            if cost(0, 0, j) <= limit:
-                best[0][j] = (objective(cost(0, 0, j)), 0)
-        for s in range(1, n_stages):
-            for j in range(s + 1, n - n_stages + s + 2):
-                options = [(combine(best[s - 1][i][0], objective(cost(s, i, j))), i)
-                           for i in range(s, j) if best[s - 1][i] is not None and cost(s, i, j) <= limit]
-                best[s][j] = min(options) if options else None
-        return best
+    def ends(s: int) -> range:  # where stage s can end, leaving a layer for each later stage
+        return range(s + 1, n - n_stages + s + 2)
 
-    bottleneck = solve(lambda c: c, max, float("inf"))[-1][n][0]
-    best = solve(lambda c: c * c, lambda a, b: a + b, bottleneck)
+    # (stage s runs layers i..j-1 at cost prefix[j] - prefix[i] + extra[s]; written out in the loops, which run
+    # n_stages x n_layers x log n_layers times)
+    # worst[s][j]: the smallest largest stage cost of stages 0..s covering layers 0..j-1
+    worst = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in ends(0):
+        worst[0][j] = prefix[j] + extra[0]
+    for s in range(1, n_stages):
+        before, here, top = worst[s - 1], worst[s], extra[s]
+        for j in ends(s):
+            end = prefix[j] + top
+            lo, hi = s, j - 1  # the first start at which the stages before cost at least stage s does
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if before[mid] >= end - prefix[mid]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            here[j] = min(max(before[i], end - prefix[i]) for i in {lo, max(s, lo - 1)})
+    limit = worst[-1][n]
+
+    # best[s][j]: (sum of squared costs, start of stage s) over the splits of layers 0..j-1 into stages 0..s
+    # whose every stage costs at most `limit`
+    best = [[None] * (n + 1) for _ in range(n_stages)]
+    for j in ends(0):
+        if prefix[j] + extra[0] <= limit:
+            best[0][j] = ((prefix[j] + extra[0]) ** 2, 0)
+    for s in range(1, n_stages):
+        before, here, top = best[s - 1], best[s], extra[s]
+        for j in ends(s):
+            end = prefix[j] + top
+            first = max(s, bisect.bisect_left(prefix, end - limit))
+            options = [(before[i][0] + (end - prefix[i]) ** 2, i) for i in range(first, j) if before[i] is not None]
+            here[j] = min(options) if options else None
     split, j = [], n
     for s in reversed(range(n_stages)):
         i = best[s][j][1]
