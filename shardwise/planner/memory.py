@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
@@ -66,16 +67,46 @@ def block_tensor_params(args: ModelArgs, tp: int = 1) -> list[float]:
             for _, n_in, n_out, split in linear_shapes(args)] + [args.dim, args.dim]
 
 
+class StageShape(NamedTuple):
+    """What one rank of a pipeline stage holds, from the model's shape and the layout's degrees alone."""
+
+    layers: int
+    """Blocks (pipeline_layers)."""
+    params: float
+    """Parameters on one rank: its blocks, plus the embedding (first rank) and the final norm and head (the rank
+    holding the last stage)."""
+    root: float
+    """Parameters outside the blocks (the root FSDP unit): embedding, final norm, head."""
+    last: bool
+    """Holds the last stage (head_rank)."""
+    boundaries: int
+    """Receive buffers per micro-batch: one for each held stage's incoming activation (all but the first stage)
+    and one for its incoming gradient (all but the last)."""
+
+
+def stage_shape(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> StageShape:
+    """StageShape of pipeline rank `stage`; memoised, since a search asks for it under every batch split, ZeRO
+    stage and recompute policy of the same degrees."""
+    return _stage_shape(shape_key(args), seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_shape(key: tuple, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
+                 stage: int) -> StageShape:
+    args = _args(key)
+    layers = _pipeline_layers(key, seq_len, pp, per_rank, schedule)[stage]
+    last = stage == _head_rank(pp, per_rank, schedule)
+    emb = args.vocab_size * args.dim / tp  # vocab-parallel embedding and head
+    root = (emb if stage == 0 else 0.0) + (args.dim + (0 if args.tie_embeddings and pp == 1 else emb) if last else 0.0)
+    n = pp * per_rank
+    boundaries = sum((s > 0) + (s < n - 1) for s in stages_of_rank(schedule, pp, stage, per_rank))
+    return StageShape(layers, layers * _layer_params(key, tp) + root, root, last, boundaries)
+
+
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
     """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the
     rank holding the last stage)."""
-    n = stage_layers(args, plan, stage, seq_len) * layer_params(args, plan.tp)
-    emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head
-    if stage == 0:
-        n += emb
-    if stage == head_rank(plan):
-        n += args.dim + (0 if args.tie_embeddings and plan.pp == 1 else emb)
-    return n
+    return stage_shape(args, plan, stage, seq_len).params
 
 
 def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
@@ -102,7 +133,7 @@ def _split(key: tuple, seq_len: int, n_stages: int) -> list[range]:
 
 def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
     """Blocks on pipeline rank `stage` (see pipeline_layers)."""
-    return pipeline_layers(args, plan, seq_len)[stage]
+    return stage_shape(args, plan, stage, seq_len).layers
 
 
 def head_rank(plan: Plan) -> int:
@@ -158,12 +189,17 @@ def state_bytes_per_param(training: Training) -> StateBytes:
     'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
     (see transient_bytes). fp32 training: 4+4+states, no master.
     """
-    opt = OPTIMIZER_STATE_BYTES[training.optimizer]
-    if not training.mixed:
+    return _state_bytes(training.optimizer, training.mixed, training.layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bytes(optimizer: str, mixed: bool, layout: str) -> StateBytes:
+    opt = OPTIMIZER_STATE_BYTES[optimizer]
+    if not mixed:
         return StateBytes(4.0, 4.0, 0.0, opt)
-    if training.layout == "zero":
+    if layout == "zero":
         return StateBytes(2.0, 2.0, 4.0, opt)
-    if training.layout == "megatron":
+    if layout == "megatron":
         return StateBytes(2.0, 4.0, 4.0, opt)
     return StateBytes(4.0, 4.0, 0.0, opt)
 
@@ -409,8 +445,7 @@ def gathered_weight_bytes(training: Training) -> float:
 
 def root_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
     """Parameters of the stage's root FSDP unit (everything outside the blocks): embedding, final norm, head."""
-    return stage_params(args, plan, stage, seq_len) - stage_layers(args, plan, stage, seq_len) * layer_params(
-        args, plan.tp)
+    return stage_shape(args, plan, stage, seq_len).root
 
 
 def replicates(training: Training, plan: Plan) -> bool:
@@ -464,11 +499,10 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     # micro-batches in flight, and with gradients already there only if forwards remain after it (more
     # micro-batches than in flight: accumulation without a pipeline, a pipeline's steady state); a pipeline
     # with M <= its warm-up (GPipe; 1F1B's first stages at small M) holds its gradients only as activations go
-    last, accum, accum_early = stage == head_rank(plan), plan.grad_accum > 1, plan.grad_accum > m
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    last, accum, accum_early = shape.last, plan.grad_accum > 1, plan.grad_accum > m
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
-    seq = training.seq_len
-    stage_p, root_p, block_p = stage_params(args, plan, stage, seq), root_params(args, plan, stage, seq), \
-        layer_params(args, plan.tp)
+    stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = state_bytes_per_param(training).grads
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
@@ -534,9 +568,7 @@ def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int
         x /= plan.tp
     if training.layout != "torch":
         return 4 * x
-    n = plan.pp * plan.stages_per_rank
-    held = sum((s > 0) + (s < n - 1) for s in stages_of_rank(plan.pp_schedule, plan.pp, stage, plan.stages_per_rank))
-    return held * plan.grad_accum * x
+    return stage_shape(args, plan, stage, training.seq_len).boundaries * plan.grad_accum * x
 
 
 def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:

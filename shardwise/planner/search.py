@@ -199,34 +199,63 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
     # lower bound: one sequence, the cheapest recompute allowed, the least of the schedules (they hold different
     # micro-batches in flight and place the head differently: zero-bubble's V puts it on the first rank)
-    floors = [dataclasses.replace(base, micro_batch=1, grad_accum=local, activation_checkpoint=recomputes[-1],
-                                  pp_schedule=name, virtual_stages=v) for name, v in schedules]
-    low, floor = min(((peak_memory(args, training, f)[1]["total"], f) for f in floors), key=lambda x: x[0])
-    if low > limit:
-        _note_memory(result, floor, low)
-        return
+    floors = [_with(base, micro_batch=1, grad_accum=local, activation_checkpoint=recomputes[-1], pp_schedule=name,
+                    virtual_stages=v) for name, v in schedules]
+    fitting = _floors_that_fit(args, training, floors, limit, result)
+    alive = [s for s, fits in zip(schedules, fitting) if fits]
+    # Memory grows with the micro-batch and falls with recompute (none, selective, full). So, per schedule, the
+    # first policy that may still fit, and a schedule none of whose policies fit a micro-batch is not tried at
+    # larger ones. That holds while a step has more than 2 pp micro-batches: then every rank holds its most in
+    # flight and accumulates gradients from its first backward. With fewer, fewer are in flight and the
+    # accumulated gradients go (at one), so memory can fall as the micro-batch grows: every schedule is tried.
+    start = dict.fromkeys(alive, 0)
     for mb in _choices(fixed, "micro_batch", divisors(local)):
         if local % mb or "grad_accum" in fixed and fixed["grad_accum"] != local // mb:
             continue
-        any_fit = False
-        for schedule, v in schedules:
+        steady = local // mb > 2 * base.pp
+        for schedule, v in list(start) if steady else alive:
             plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule, virtual_stages=v)
             if schedule == "interleaved-1f1b" and plan.grad_accum % plan.pp:
                 continue
-            ev = _cheapest_recompute(args, training, cluster, plan, recomputes, limit, result)
-            if ev is not None:
-                fits.append(ev)
-                any_fit = True
-        if not any_fit and "activation_checkpoint" not in fixed and "micro_batch" not in fixed:
-            break  # memory grows with the micro-batch: larger ones cannot fit either
+            first = start[schedule, v] if steady else 0
+            found = _cheapest_recompute(args, training, cluster, plan, recomputes[first:], limit, result)
+            if found is not None:
+                fits.append(found[1])
+            if steady and found is None:
+                del start[schedule, v]
+            elif steady:
+                start[schedule, v] = first + found[0]
+
+
+def _floors_that_fit(args: ModelArgs, training: Training, floors: list[Plan], limit: float,
+                     result: SearchResult) -> list[bool]:
+    """Which of `floors` fit within `limit`; when none does, the least of their peaks is noted for the explanation.
+
+    A plan's first rank is a lower bound on its peak (peak_memory checks more ranks), so a floor whose first rank
+    is over the limit is out without the others, and the least peak is found by visiting floors from the lowest
+    bound up, stopping once the next bound exceeds the least peak found (ties go to the earlier floor, as min())."""
+    firsts = [stage_memory(args, training, f, 0) for f in floors]
+    fits = [False] * len(floors)
+    for i, (f, first) in enumerate(zip(floors, firsts)):
+        if first["total"] <= limit:
+            fits[i] = peak_memory(args, training, f, first)[1]["total"] <= limit
+    if any(fits):
+        return fits
+    least = (math.inf, 0)
+    for i in sorted(range(len(floors)), key=lambda i: firsts[i]["total"]):
+        if firsts[i]["total"] > least[0]:
+            break
+        least = min(least, (peak_memory(args, training, floors[i], firsts[i])[1]["total"], i))
+    _note_memory(result, floors[least[1]], least[0])
+    return fits
 
 
 def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, plan: Plan, recomputes: list[str],
-                        limit: float, result: SearchResult) -> Evaluation | None:
-    """The fastest recompute policy that fits: none < selective < full in time and the reverse in memory, so the
-    first that fits, in that order, is the only one worth timing."""
+                        limit: float, result: SearchResult) -> tuple[int, Evaluation] | None:
+    """The fastest recompute policy that fits, and its index in `recomputes`: none < selective < full in time and
+    the reverse in memory, so the first that fits, in that order, is the only one worth timing."""
     found = None
-    for recompute in recomputes:
+    for index, recompute in enumerate(recomputes):
         candidate = _with(plan, activation_checkpoint=recompute)  # valid by construction
         if not engine_runs(candidate, training):
             continue
@@ -238,15 +267,15 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
             continue
         stage, mem = peak_memory(args, training, candidate, first)
         if mem["total"] <= limit:
-            found = (candidate, stage, mem)
+            found = (index, candidate, stage, mem)
             break
         _note_memory(result, candidate, mem["total"])
     if found is None:
         return None
-    candidate, stage, mem = found
+    index, candidate, stage, mem = found
     ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit)
     _note(result, ev)
-    return ev
+    return index, ev
 
 
 def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> list[tuple[str, int]]:
