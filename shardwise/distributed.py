@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import glob
 import json
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before any group exists: see shutdown
 import torch.multiprocessing as mp
 
 
@@ -154,8 +156,26 @@ def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy every process group now, joining their gloo worker threads.
+
+    destroy_process_group() drops only torch's own references: a group and its threads live on while anything
+    else holds it, and DTensor's sharding caches hold every mesh they saw (a mesh holds its groups) until the
+    interpreter finalizes. A gloo thread that then frees a finished collective's tensors asks for the GIL;
+    during finalization Python ends it with pthread_exit, whose unwinding through the work's noexcept destructor
+    calls std::terminate (SIGABRT). So: empty the caches, then collect the garbage that still holds groups
+    (modules and DTensors form cycles) while the interpreter is whole. The caller must hold no mesh, group or
+    parallelized module. torch.distributed.nn.functional takes the default group as a default argument
+    (`group=group.WORLD`, evaluated at import; torch's checkpoint code imports it): this module imports it
+    before any group exists.
+    """
+    if not dist.is_initialized():
+        return
+    if "torch.distributed.tensor" in sys.modules:  # else no DTensor was made: nothing cached
+        from shardwise.parallel.torch_private import forget_sharding_caches
+
+        forget_sharding_caches()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,7 +273,7 @@ def _entry(rank: int, world: int, port: int, fn, args, results):
     except BaseException:  # report every rank's failure to the parent, whatever it is
         results[rank] = ("error", traceback.format_exc())
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def run_distributed(fn, world: int, *args) -> list:

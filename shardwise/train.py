@@ -334,8 +334,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     samples.close()
     if save_final:
         save_full_parameters(parts, save_final, runtime)
-    summary["model"] = model
-    return summary
+    return summary  # not the model: it holds the process groups, which runtime.close() destroys
 
 
 class Throughput:

@@ -1,6 +1,8 @@
-"""The parallel engine: every layout trains like one device; bad layouts stop before any process starts."""
+"""The parallel engine: every layout trains like one device; bad layouts stop before any process starts; a job
+leaves no process group behind."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +130,24 @@ def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
             assert out_r.equal(out_v) and grad_r.equal(grad_v)
             assert placement_v == (Shard(0),) and shape_v == ((501 if rank == 0 else 500), 16)
             assert placement_r == (Replicate(),) and shape_r == (1001, 16)
+
+
+def _gloo_threads_after_training(out: str) -> list[str]:
+    """Train 2 steps with tensor parallelism on this rank, then name the gloo threads still running."""
+    from shardwise.config import load_config
+    from shardwise.train import train
+
+    train(load_config(CONFIG, ["parallel.tp=2", "train.steps=2", f"metrics.out_dir='{out}'", "train.val_every=0",
+                               "metrics.tensorboard=false", "metrics.progress=false"]))
+    names = [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_no_gloo_thread_outlives_a_job(tmp_path):
+    """A job destroys every process group it made, joining their gloo threads, before it returns: a gloo
+    thread still running when the interpreter finalizes can abort the process (see distributed.shutdown).
+    Under tensor parallelism the mesh's groups were kept alive by DTensor's caches and by the model."""
+    from distributed import run_distributed
+
+    assert run_distributed(_gloo_threads_after_training, 2, str(tmp_path / "run")) == [[], []]

@@ -133,4 +133,5 @@ class Runtime:
         return fn()
 
     def close(self) -> None:
+        self.mesh = None  # a DeviceMesh holds its process groups: they must go with the others (see shutdown)
         shutdown()

@@ -12,7 +12,8 @@ None has a public equivalent in torch 2.13:
   under autograd.grad, see `_ModTracker`); `ReplicateModule`, to tell ZeRO-0/1 apart;
 - DTensor's `ShardingPropagator._propagate_tensor_meta_non_cached`, wrapped so the tracker skips its
   global-shape tensors (`untracked_sharding_propagation`);
-- DTensor's sharding caches, cleared between simulated ranks (`forget_sharding_caches`);
+- DTensor's sharding caches, cleared between simulated ranks and before a job's process groups are destroyed
+  (`forget_sharding_caches`);
 - `DeviceMesh.__init__`, wrapped so that a mesh made while fake mode is on (FSDP makes a TP x FSDP mesh inside
   `fully_shard`) keeps a real rank table;
 - the pipeline schedules' `_PipelineSchedule._warmup_p2p` (the first step's vote on whether stages infer their
@@ -58,15 +59,17 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
 def forget_sharding_caches() -> None:
     """DTensor caches sharding decisions keyed by meshes, and meshes compare equal by shape alone, not by their
-    process groups: a second simulated rank (a new process group) would reuse the first one's groups."""
+    process groups: a second simulated rank (a new process group) would reuse the first one's groups. The caches
+    also keep every mesh they saw, and its process groups, alive (see distributed.shutdown)."""
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 _TOTAL_KEY = "Total"
