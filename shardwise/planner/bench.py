@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.distributed import shutdown
 from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
@@ -341,13 +342,7 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
         results[name] = slowest.item()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-    if overheads:
-        # after a DTensor has lived on the gloo group, a rank's normal interpreter exit sometimes aborts in a C++
-        # destructor (torch 2.13: "terminate called without an active exception"); the results are written
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    shutdown()  # the overheads' pair meshes made groups that DTensor's caches hold
 
 
 def _collective_worker(rank: int, world: int, init: str, device: str, threads: int, sizes: list[int], iters: int,
