@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.frozen import hashed_once
+
 GB = 1e9  # datasheets and published memory tables (ZeRO's 120 GB for 7.5B parameters) count in powers of ten
 GiB = 2**30
 TFLOPS = 1e12
@@ -27,7 +29,8 @@ class PlannerError(ValueError):
         super().__init__(f"{field_name}: {problem}; fix: {fix}")
 
 
-@dataclass
+@hashed_once
+@dataclass(frozen=True)
 class Accelerator:
     name: str
     """Catalogue key, e.g. 'h100'."""
@@ -203,7 +206,8 @@ def accelerator(name: str) -> Accelerator:
     return dataclasses.replace(CATALOGUE[key], peak_flops=dict(CATALOGUE[key].peak_flops))
 
 
-@dataclass
+@hashed_once
+@dataclass(frozen=True)
 class Cluster:
     """The machines a plan runs on: how many devices and how they are wired."""
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shardwise.frozen import hashed_once
 
-@dataclass
+
+@hashed_once
+@dataclass(frozen=True)
 class ModelArgs:
     name: str = "debug"
     """Preset the shape came from (see PRESETS), or a name of your own for a custom shape."""

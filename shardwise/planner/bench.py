@@ -555,7 +555,7 @@ def measure(ns: argparse.Namespace) -> dict:
             source=f"measured by shardwise bench: one of {ns.world} ranks, {threads} threads each (peaks are "
                    "achieved rates; inter-node = this machine's links)")
     if device == "cpu":  # the ranks share the host's memory
-        acc.memory_bytes /= ns.world
+        acc = dataclasses.replace(acc, memory_bytes=acc.memory_bytes / ns.world)
     return {**dataclasses.asdict(acc), "measurements": measurements}
 
 

@@ -37,24 +37,15 @@ def kv_split(args: ModelArgs, tp: int) -> int:
 
 def layer_params(args: ModelArgs, tp: int = 1) -> float:
     """Parameters of one block held by one tp rank (norm weights are replicated)."""
-    return _layer_params(shape_key(args), tp)
+    return _layer_params(args, tp)
 
 
-def shape_key(args: ModelArgs) -> tuple:
-    """The fields of ModelArgs the planner's arithmetic reads (ModelArgs itself is mutable, so not a cache key)."""
-    return (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size, args.ffn_hidden,
-            args.tie_embeddings)
-
-
-def _args(key: tuple) -> ModelArgs:
-    """ModelArgs back from shape_key (what the memoised functions are keyed on)."""
-    return ModelArgs(dim=key[0], n_layers=key[1], n_heads=key[2], n_kv_heads=key[3], vocab_size=key[4],
-                     ffn_hidden=key[5], tie_embeddings=key[6])
+# The memoised functions below are keyed on ModelArgs and Training themselves (frozen, hashed once), and on the
+# layout's fields they read, passed one by one
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_params(key: tuple, tp: int) -> float:
-    args = _args(key)
+def _layer_params(args: ModelArgs, tp: int) -> float:
     total = 2 * args.dim
     for _, n_in, n_out, split in linear_shapes(args):
         total += n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
@@ -87,20 +78,19 @@ class StageShape(NamedTuple):
 def stage_shape(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> StageShape:
     """StageShape of pipeline rank `stage`; memoised, since a search asks for it under every batch split, ZeRO
     stage and recompute policy of the same degrees."""
-    return _stage_shape(shape_key(args), seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage)
+    return _stage_shape(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage)
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_shape(key: tuple, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
+def _stage_shape(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
                  stage: int) -> StageShape:
-    args = _args(key)
-    layers = _pipeline_layers(key, seq_len, pp, per_rank, schedule)[stage]
+    layers = _pipeline_layers(args, seq_len, pp, per_rank, schedule)[stage]
     last = stage == _head_rank(pp, per_rank, schedule)
     emb = args.vocab_size * args.dim / tp  # vocab-parallel embedding and head
     root = (emb if stage == 0 else 0.0) + (args.dim + (0 if args.tie_embeddings and pp == 1 else emb) if last else 0.0)
     n = pp * per_rank
     boundaries = sum((s > 0) + (s < n - 1) for s in stages_of_rank(schedule, pp, stage, per_rank))
-    return StageShape(layers, layers * _layer_params(key, tp) + root, root, last, boundaries)
+    return StageShape(layers, layers * _layer_params(args, tp) + root, root, last, boundaries)
 
 
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
@@ -113,22 +103,22 @@ def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...
     """Blocks on each pipeline rank, as the engine cuts and places them: `split_layers` over its own
     `layer_costs` (the cost-balanced split, which gives the stage with the output head fewer blocks), each rank
     holding the stages `stages_of_rank` gives it (a loop, or a V for zero-bubble)."""
-    return _pipeline_layers(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
+    return _pipeline_layers(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_layers(key: tuple, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
-    split = _split(key, seq_len, pp * per_rank)
+def _pipeline_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
+    split = _split(args, seq_len, pp * per_rank)
     return tuple(sum(len(split[s]) for s in stages_of_rank(schedule, pp, rank, per_rank)) for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(key: tuple, seq_len: int, n_stages: int) -> list[range]:
+def _split(args: ModelArgs, seq_len: int, n_stages: int) -> list[range]:
     # the split depends on the number of stages only, not on how they are placed; a search meets each count
     # under several (pp, virtual stages) pairs, and the engine's dynamic program is the costly part
     if n_stages == 1:
-        return [range(key[1])]
-    return split_layers(layer_costs(_args(key), seq_len), n_stages)
+        return [range(args.n_layers)]
+    return split_layers(layer_costs(args, seq_len), n_stages)
 
 
 def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
@@ -152,12 +142,12 @@ def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight), the one with the head, and the first rank with each block count (among ranks with equal
     blocks the earlier one holds at least as many micro-batches in flight)."""
-    return _ranks_to_check(shape_key(args), seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
+    return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=4096)
-def _ranks_to_check(key: tuple, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
-    layers = _pipeline_layers(key, seq_len, pp, per_rank, schedule)
+def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
+    layers = _pipeline_layers(args, seq_len, pp, per_rank, schedule)
     first_with = {n: layers.index(n) for n in set(layers)}
     return tuple(sorted({0, _head_rank(pp, per_rank, schedule), *first_with.values()}))
 
@@ -330,8 +320,7 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
 
 
 def _per_token(args: ModelArgs, training: Training, plan: Plan, recompute: str) -> float:
-    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, recompute, plan.tp,
-           plan.sequence_parallel, plan.zero_stage >= 3)
+    key = (args, training, recompute, plan.tp, plan.sequence_parallel, plan.zero_stage >= 3)
     cached = _PER_TOKEN.get(key)
     if cached is None:
         terms = block_terms(args, training, recompute, plan.zero_stage)
@@ -575,9 +564,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     """One micro-batch's saved activations and weight copies, the head's share of them, and the loss's and a block
     backward's working sets; memoised (they do not depend on the dp split, ZeRO stage or offload, which a search
     varies most)."""
-    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
-           training.fused_attention, training.dropout, training.lora_rank, training.seq_len, plan.tp, plan.cp, plan.pp,
-           plan.virtual_stages, plan.micro_batch,
+    key = (args, training, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
            plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage)
     cached = _ACTIVATIONS.get(key)
     if cached is None:
@@ -600,8 +587,7 @@ _ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys
 
 def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
     """model_state_bytes for a stage; memoised, since a search asks for it under many micro-batches and schedules."""
-    key = (shape_key(args), training.precision, training.layout, training.optimizer, training.lora_rank,
-           training.qlora, training.seq_len, plan.tp, plan.pp, plan.virtual_stages, plan.pp_schedule, plan.zero_stage,
+    key = (args, training, plan.tp, plan.pp, plan.virtual_stages, plan.pp_schedule, plan.zero_stage,
            plan.shard_group, plan.offload, stage)
     cached = _MODEL_STATE.get(key)
     if cached is None:

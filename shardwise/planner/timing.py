@@ -24,7 +24,6 @@ from shardwise.planner.memory import (
     pipeline_layers,
     ranks_to_check,
     replicates,
-    shape_key,
     stage_layers,
     stage_params,
     state_bytes_per_param,
@@ -103,20 +102,10 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
 def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StageCost:
     """One micro-batch's forward + backward on the heaviest pipeline rank: the one with the head, or one with the
     most blocks of the engine's cost-balanced split (memory.ranks_to_check)."""
-    acc = cluster.accelerator
-    # memoised: a search asks again for every dp split and ZeRO stage. The key holds every input the cost reads
-    # (the pp link's stride depends on dp, hence the dp product).
-    key = (shape_key(args), training.precision, training.layout, training.fused_rmsnorm, training.loss_parallel,
-           training.fused_attention, training.dropout, training.seq_len,
-           training.lora_rank, acc.name, tuple(sorted(acc.peak_flops.items())), acc.mem_bandwidth,
-           acc.intra_node_bw, acc.inter_node_bw, acc.intra_node_latency, acc.inter_node_latency,
-           acc.matmul_efficiency, acc.attention_efficiency, tuple(sorted((acc.attention_by_shape or {}).items())),
-           acc.bandwidth_efficiency, acc.comm_efficiency,
-           acc.comm_overlap, acc.collective_sync_s, acc.op_overhead_s, acc.dtensor_op_overhead_s, acc.launch_async,
-           tuple((op, tuple(sorted(c.items()))) for op, c in sorted((acc.busbw_curves or {}).items())),
-           cluster.gpus_per_node, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
-           plan.micro_batch,
-           plan.activation_checkpoint, plan.sequence_parallel, training.stream_bytes)
+    # memoised: a search asks again for every dp split and ZeRO stage. The key holds the model, recipe and cluster
+    # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
+    key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
+           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = ranks_to_check(args, plan, training.seq_len)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from shardwise.frozen import hashed_once
 from shardwise.hardware import PlannerError
 from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 
@@ -30,7 +31,8 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit":
 QLORA_BITS = 4 + 8 / 64 + 32 / (64 * 256)
 
 
-@dataclass
+@hashed_once
+@dataclass(frozen=True)
 class Training:
     """The recipe: sequence and batch, numerics, optimizer, adapters and offload."""
 
