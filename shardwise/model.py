@@ -173,16 +173,20 @@ def init_value(args: ModelArgs, name: str, shape: torch.Size, seed: int) -> torc
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, seed: int) -> None:
+def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, seed: int,
+                init_values: bool = True) -> None:
     """Allocate a meta-device model on `device` and give every parameter its (seed, name) initial value.
 
     Parameters that are DTensors (sharded by tensor parallelism or FSDP) receive just their local piece of
     the full value, so every layout starts from the numbers the single-device model starts from.
+    init_values=False leaves the storage as allocated (the simulator's fake tensors have no values to set).
     """
     model.to_empty(device=device)
     if isinstance(model, Transformer):
         model.tie_weights()
         model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+    if not init_values:
+        return
     for name, param in model.named_parameters():
         full = init_value(args, name, param.shape, seed)
         param.copy_(_local_piece(param, full).to(param.dtype))

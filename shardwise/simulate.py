@@ -18,9 +18,14 @@ import argparse
 import dataclasses
 import gc
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,10 +35,31 @@ from shardwise.config import ConfigError, JobConfig, layout_tables, load_config,
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv
 from shardwise.layout import Layout, complete_layout, parse_layout
-from shardwise.parallel import parallelize
+from shardwise.model import materialize
 from shardwise.parallel.comm import TYPES, CommCounter
+from shardwise.parallel.context_parallel import load_balanced_positions
 from shardwise.parallel.mesh import MeshView, build_mesh
+from shardwise.parallel.pipeline import Pipeline, model_parts
 from shardwise.parallel.runtime import Runtime
+from shardwise.parallel.torch_private import (
+    FakeTensors,
+    build_tracker,
+    fake_scalar,
+    forget_sharding_caches,
+    init_fake_process_group,
+    initialize_pipeline,
+    unanimous_pipeline_vote,
+    untracked_sharding_propagation,
+)
+from shardwise.planner import Plan, PlannerError, Training, resolve_model, stage_memory
+from shardwise.planner.memory import simulator_categories
+from shardwise.train import (
+    build_grad_scaler,
+    build_optimizer_for,
+    build_training_model,
+    pipeline_train_step,
+    train_step,
+)
 
 GiB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication_buffers")
@@ -82,12 +108,8 @@ class StepMeasure:
 
 def measure_step(model, optimizer, scaler, batches: list[Batch], cfg: JobConfig, runtime: Runtime) -> StepMeasure:
     """Run one real training step under a fresh memory tracker and collective counter (fake or real tensors)."""
-    from shardwise.parallel.pipeline import Pipeline
-    from shardwise.parallel.torch_private import build_tracker, untracked_sharding_propagation
-    from shardwise.train import pipeline_train_step, train_step
-
     piped = isinstance(model, Pipeline)
-    modules = list(model.stages) if piped else [model]
+    modules = model_parts(model)
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO-1's ShardedOptimizer wraps a torch optimizer
     tracker = build_tracker(modules, inner, model.schedule if piped else None)
     counter = _StepCounter()
@@ -127,8 +149,6 @@ class _StepCounter(CommCounter):
     mode instead of two, since every op of the step pays for each mode on the stack."""
 
     def __init__(self):
-        from shardwise.parallel.torch_private import fake_scalar
-
         super().__init__()
         self.fake_scalar = fake_scalar
 
@@ -193,15 +213,6 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
     peak is no higher. first_step=True measures the real first step from a fresh optimizer and then the
     second (kept if it differs): the same answer, one more simulated forward and backward.
     """
-    from shardwise.parallel.pipeline import Pipeline
-    from shardwise.parallel.torch_private import (
-        FakeTensors,
-        forget_sharding_caches,
-        init_fake_process_group,
-        initialize_pipeline,
-        unanimous_pipeline_vote,
-    )
-
     init_fake_process_group(rank, world)
     try:
         runtime = build_fake_runtime(cfg, rank, world)
@@ -254,60 +265,24 @@ def build_fake_runtime(cfg: JobConfig, rank: int, world: int) -> Runtime:
         getattr(mesh, name)
     runtime = Runtime(DistEnv(rank, world, 0, torch.device("cpu")), cfg, mesh)
     if p.cp > 1:
-        from shardwise.parallel.context_parallel import load_balanced_positions
-
         runtime.positions = load_balanced_positions(cfg.data.seq_len, p.cp, mesh.coordinate("cp"))
     return runtime
 
 
-def build_model_fake(cfg: JobConfig, runtime: Runtime, fakes):
-    """`build_training_model` with fake parameters: meta -> parallelize -> storage-less tensors.
-
-    parallelize() runs before fake mode (it only reshapes meta tensors); the parameters then get fake storage
-    but not their initial values: drawing them (and slicing each into its shards) costs time and changes no
-    byte the step allocates.
-    """
-    from shardwise.model import build_model
-
-    if cfg.parallel.pp > 1:
-        return _build_pipeline_fake(cfg, runtime, fakes)
-    model = build_model(cfg.model)
-    parallelize(model, runtime.mesh, cfg)
-    with fakes:
-        materialize_fake(model, cfg.model, runtime.device, cfg.train.seed)
-    return model
-
-
-def materialize_fake(model, args, device, seed: int = 0) -> None:
-    """`materialize` without the initial values: storage-less parameters (and the rotary table) on `device`."""
-    from shardwise.model import Transformer, rotary_table
-
-    model.to_empty(device=device)
-    if isinstance(model, Transformer):
-        model.tie_weights()
-        model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
-
-
-def _build_pipeline_fake(cfg: JobConfig, runtime: Runtime, fakes):
-    """`build_pipeline` (this rank's stages, each cut from the meta model and parallelised on meta) with the
-    stages materialised as fake tensors; each stage is given its shapes, so its schedule sends none."""
-    from shardwise.parallel.pipeline import build_pipeline
-
-    def materialize(module, args, device, seed):
+def fake_materializer(fakes) -> Callable:
+    """`model.materialize` for the trainer's builders, making storage-less fake tensors (under `fakes`) without
+    initial values: drawing them (and slicing each into its shards) costs time and changes no byte the step
+    allocates. parallelize() runs before, outside fake mode (it only reshapes meta tensors)."""
+    def materialize_fake(module, args, device, seed):
         with fakes:
-            materialize_fake(module, args, device, seed)
+            materialize(module, args, device, seed, init_values=False)
 
-    return build_pipeline(cfg, runtime, materialize=materialize)
+    return materialize_fake
 
 
 def build_step_inputs(cfg: JobConfig, runtime: Runtime, fakes=None):
     """Model (or pipeline), optimizer, grad scaler and one step's micro-batches, as the trainer builds them."""
-    from shardwise.train import build_grad_scaler, build_optimizer_for, build_training_model
-
-    if fakes is None:
-        model = build_training_model(cfg, runtime)
-    else:
-        model = build_model_fake(cfg, runtime, fakes)
+    model = build_training_model(cfg, runtime, materialize if fakes is None else fake_materializer(fakes))
     optimizer, _ = build_optimizer_for(model, cfg, runtime, cfg.optim.lr)
     scaler = build_grad_scaler(cfg.train, runtime.device)
     shape = (cfg.train.micro_batch, cfg.data.seq_len)
@@ -342,9 +317,6 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
             raise ConfigError("--rank", f"{rank} is not in 0..{world - 1}", "pick a rank of the world")
     processes = processes or len(ranks)
     if processes > 1 and len(ranks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         with ProcessPoolExecutor(min(processes, len(ranks)), mp_context=multiprocessing.get_context("spawn")) as pool:
             reports = list(pool.map(simulate_rank, *zip(*[(cfg, world, r, first_step) for r in ranks])))
     else:
@@ -359,9 +331,6 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
 
     Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
     """
-    from shardwise.planner import Plan, Training, stage_memory
-    from shardwise.planner.memory import simulator_categories
-
     p, t = cfg.parallel, cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False,
@@ -433,8 +402,6 @@ def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batc
                      precision: str) -> JobConfig:
     """A JobConfig for `--model NAME --plan KEYS`: the layout the keys mean (shardwise.layout's parser and
     defaults) on the planner's batch split, as `shardwise plan --write-config` writes it (config.layout_tables)."""
-    from shardwise.planner import PlannerError, resolve_model
-
     if not world:
         raise ConfigError("--world", "missing", "give --world N with --model")
     fixed = parse_layout(plan, "--plan")
@@ -502,6 +469,29 @@ def _format_rank(r: RankReport, p: Layout) -> list[str]:
     return lines
 
 
+def measured_run(model: str, world: int, plan: str, seq_len: int = 8192) -> dict:
+    """`shardwise simulate --json` for one plan (every simulated rank at once, as a user runs it), with what the
+    command cost: CPU seconds over it and its rank processes, wall seconds, and max_rss_gib, a bound on the RAM
+    they held at once (each of them counted at the largest one's peak). For benchmarks and tests."""
+    cmd = [sys.executable, "-m", "shardwise.simulate", "--model", model, "--world", str(world), "--plan", plan,
+           "--seq-len", str(seq_len), "--micro-batch", "1", "--precision", "bf16", "--json"]
+    wall = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        # wait4: the rusage of this command and the processes it waited for, not of everything this one ran
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - wall
+        out.seek(0), err.seek(0)
+        if proc.returncode:
+            raise RuntimeError(f"simulating {model} x {world} failed:\n{err.read()[-3000:]}")
+        result = json.loads(out.read())
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    result["wall_s"] = wall
+    result["max_rss_gib"] = (1 + len(result["ranks"])) * usage.ru_maxrss / 2**20  # the command and its ranks
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise simulate", description=__doc__.split("\n")[0])
     add_simulate_arguments(parser)
@@ -510,33 +500,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-_MEASURED = """
-import json, os, resource, sys, time
-from shardwise.simulate import config_from_plan, simulate, to_json
-wall, cpu = time.perf_counter(), time.process_time()
-model, world, plan, seq_len = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-cfg = config_from_plan(model, plan, world, seq_len=seq_len, micro_batch=1, precision="bf16")
-reports = simulate(cfg, world, processes=0)
-processes = len(reports)
-out = to_json(cfg, world, reports, time.perf_counter() - wall)
-children = resource.getrusage(resource.RUSAGE_CHILDREN)
-out["cpu_s"] = time.process_time() - cpu + children.ru_utime + children.ru_stime
-out["wall_s"] = time.perf_counter() - wall
-# RAM held at once, at most: this process plus as many of its rank simulations as ran together, each counted
-# at the largest one's peak
-together = min(processes, len(reports)) if len(reports) > 1 else 0
-out["max_rss_gib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + together * children.ru_maxrss) / 2**20
-print(json.dumps(out))
-"""
-
-
-def measured_run(model: str, world: int, plan: str, seq_len: int = 8192) -> dict:
-    """simulate()'s JSON for one plan, run in a fresh process that also reports its CPU seconds, wall seconds
-    and peak RSS (fresh, so the RSS is the simulation's alone). For benchmarks and tests."""
-    proc = subprocess.run([sys.executable, "-c", _MEASURED, model, str(world), plan, str(seq_len)],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"simulating {model} x {world} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter
 from shardwise.parallel.data_parallel import ShardedOptimizer, reshard_after_evaluation, set_gradient_sync
-from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward
+from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward, model_parts
 from shardwise.parallel.runtime import Runtime
 
 
@@ -181,7 +182,7 @@ def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, 
     """Mean token loss over the validation micro-batches (each data-parallel rank evaluates its share)."""
     if isinstance(model, Pipeline):
         total, tokens = evaluate_sums(model, batches, runtime)
-        for stage in model.stages:
+        for stage in model_parts(model):
             reshard_after_evaluation(stage)
         runtime.sum_over_data_ranks(total)
         runtime.sum_over_data_ranks(tokens)
@@ -225,13 +226,16 @@ def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, dat
     return dataset, loader, val
 
 
-def build_training_model(cfg: JobConfig, runtime: Runtime) -> Transformer | Pipeline:
+def build_training_model(cfg: JobConfig, runtime: Runtime,
+                         materialize: Callable = materialize) -> Transformer | Pipeline:
     """Meta model -> parallelize (TP, CP, activation checkpointing, compile, DP) -> materialise.
 
     With pp > 1: this rank's pipeline stages, each built that way, and the schedule that runs them.
+    `materialize(module, model_args, device, seed)` gives the parallelised meta modules their storage and
+    values; the simulator passes one that makes fake tensors.
     """
     if runtime.pp_size > 1:
-        return build_pipeline(cfg, runtime)
+        return build_pipeline(cfg, runtime, materialize=materialize)
     model = build_model(cfg.model)
     parallelize(model, runtime.mesh, cfg)
     materialize(model, cfg.model, runtime.device, cfg.train.seed)
@@ -241,7 +245,7 @@ def build_training_model(cfg: JobConfig, runtime: Runtime) -> Transformer | Pipe
 def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Runtime, lr: float):
     """The optimizer, sharded across data-parallel ranks for ZeRO-1; and the optimizer the lr schedule drives."""
     if isinstance(model, Pipeline):
-        model = model.stages  # one optimizer over all of this rank's stages
+        model = model.stages  # one optimizer over all of this rank's stages, as one module
     if cfg.parallel.zero_stage == 1 and runtime.mesh is not None and runtime.grad_reduce_size > 1:
         sharded = ShardedOptimizer(model, lambda named: build_optimizer(named, cfg.optim, lr),
                                    runtime.mesh.grad_reduce.get_group())
@@ -272,7 +276,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     optimizer, inner = build_optimizer_for(model, cfg, runtime, effective_lr(cfg.optim, global_batch))
     schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
     scaler = build_grad_scaler(cfg.train, device)
-    parts = list(model.stages) if isinstance(model, Pipeline) else [model]
+    parts = model_parts(model)
     checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device)
     first_step = checkpoints.resume() + 1
     if first_step == 1 and cfg.checkpoint.init_from_hf:
@@ -417,7 +421,7 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str) -> Path:
     runtime = Runtime.create(cfg)
     try:
         model = build_training_model(cfg, runtime)
-        parts = list(model.stages) if isinstance(model, Pipeline) else [model]
+        parts = model_parts(model)
         load(path, TrainState(parts), cfg.model)
         export_hf(parts, cfg.model, out, runtime)
     finally:

@@ -189,11 +189,10 @@ def test_big_job_simulates_in_8_gib_without_allocating_the_model(model, world, p
     print(f"{model} x {out['world']} ({plan}): {out['cpu_s']:.1f} s CPU, {out['wall_s']:.1f} s wall, "
           f"{out['max_rss_gib']:.2f} GiB RSS")
     assert out["max_rss_gib"] < 8
-    # "simulates in under a minute" is the wall time a user waits, measured by benchmarks/simulate_scale.py and
-    # recorded in docs/simulator.md (its three stages run at once: ~100 s CPU, ~54 s wall on 2 cores). A timed
-    # test on a shared 2-core CI machine varies by more than that margin, so this bound only catches a
-    # regression of half as much again
-    assert out["wall_s"] < 90
+    # the "simulates in under 60 s": the wall time a user waits for `shardwise simulate`, whose three
+    # stages run at once (on this 2-core machine ~100 s CPU, ~54 s wall; benchmarks/simulate_scale.py and
+    # docs/simulator.md have the figures)
+    assert out["wall_s"] < 60
     args, pp = preset(model), out["layout"]["pp"]
     split = split_layers(layer_costs(args, out["seq_len"]), pp)
     assert [r["coordinates"]["pp"] for r in out["ranks"]] == sorted({0, pp // 2, pp - 1})

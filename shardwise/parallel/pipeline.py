@@ -105,6 +105,12 @@ class Pipeline:
         return self.stages.parameters()
 
 
+def model_parts(model: nn.Module | Pipeline) -> list[nn.Module]:
+    """The modules this rank trains (torchtitan's model_parts): the model, or its pipeline stages in order.
+    Checkpoints, weight import and export, evaluation's reshard and the simulator's tracker work on these."""
+    return list(model.stages) if isinstance(model, Pipeline) else [model]
+
+
 def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What stage `stage` takes and returns for one pipeline micro-batch, as meta tensors (shapes, no data).
 
