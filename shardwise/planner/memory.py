@@ -93,6 +93,31 @@ def _stage_shape(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int,
     return StageShape(layers, layers * _layer_params(args, tp) + root, root, last, boundaries)
 
 
+class Placement(NamedTuple):
+    """Where the model sits on a layout's pipeline ranks, worked out once per (model, sequence, degrees)."""
+
+    ranks: tuple[int, ...]
+    """The ranks whose peak memory or time can be the largest (ranks_to_check)."""
+    shapes: dict[int, StageShape]
+    """StageShape of each of `ranks`."""
+    max_layers: int
+    """The most blocks any rank holds."""
+    max_params: float
+    """The most parameters any rank holds (it paces gradient reduction and the optimizer)."""
+
+
+def placement(args: ModelArgs, plan: Plan, seq_len: int) -> Placement:
+    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str) -> Placement:
+    ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule)
+    shapes = {r: _stage_shape(args, seq_len, tp, pp, per_rank, schedule, r) for r in ranks}
+    return Placement(ranks, shapes, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule)),
+                     max(s.params for s in shapes.values()))
+
+
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
     """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the
     rank holding the last stage)."""

@@ -16,16 +16,13 @@ from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduc
 from shardwise.planner.memory import (
     block_tensor_params,
     gathered_weight_bytes,
-    head_rank,
     kv_split,
     layer_activation_bytes,
     layer_params,
     lora_params,
-    pipeline_layers,
-    ranks_to_check,
+    placement,
     replicates,
-    stage_layers,
-    stage_params,
+    stage_shape,
     state_bytes_per_param,
 )
 from shardwise.planner.operators import op_counts, optimizer_ops
@@ -108,7 +105,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
-        ranks = ranks_to_check(args, plan, training.seq_len)
+        ranks = placement(args, plan, training.seq_len).ranks
         cost = max((_stage_cost(args, training, plan, cluster, s) for s in ranks), key=lambda c: c.total)
         if len(_STAGE_COSTS) >= 100_000:
             _STAGE_COSTS.clear()
@@ -121,16 +118,15 @@ _STAGE_COSTS: dict[tuple, StageCost] = {}
 
 def _max_stage_params(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Parameters on the pipeline rank holding the most (it sets the pace of gradient reduction and the optimizer)."""
-    return max(stage_params(args, plan, s, training.seq_len) for s in ranks_to_check(args, plan, training.seq_len))
-
-
+    return placement(args, plan, training.seq_len).max_params
 
 
 def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int) -> StageCost:
     acc = cluster.accelerator
     t = layer_times(args, training, plan, acc)
-    layers = stage_layers(args, plan, stage, training.seq_len)
-    head = _head_forward(args, training, plan, acc) if stage == head_rank(plan) else 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    layers = shape.layers
+    head = _head_forward(args, training, plan, acc) if shape.last else 0.0
     # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
     fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
@@ -144,8 +140,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         recompute = layers * (t["elementwise"] if training.fused_attention else t["attention"])
     else:
         recompute = 0.0
-    overhead = op_overhead(args, plan, acc, layers, stage == head_rank(plan), fwd + bwd_in + bwd_w + recompute)
-    tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, stage == head_rank(plan))
+    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute)
+    tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last)
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead)
@@ -287,7 +283,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         return 0.0, 0.0
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
-    layers = max(pipeline_layers(args, plan, training.seq_len))
+    layers = placement(args, plan, training.seq_len).max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
@@ -392,7 +388,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
         return 0.0
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
-    layers = max(pipeline_layers(args, plan, training.seq_len))
+    layers = placement(args, plan, training.seq_len).max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
     gathered = 0.0
@@ -413,7 +409,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
     if training.lora_rank:
-        n_params = max(pipeline_layers(args, plan, training.seq_len)) * lora_params(
+        n_params = placement(args, plan, training.seq_len).max_layers * lora_params(
             args, training.lora_rank, plan.tp)
     if plan.zero_stage >= 1:
         n_params /= plan.shard_group
@@ -425,7 +421,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
         touched = max(touched, c.optimizer_bytes_per_param)
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
-    tensors = max(pipeline_layers(args, plan, training.seq_len)) * c.tensors_per_block + c.tensors_rest
+    tensors = placement(args, plan, training.seq_len).max_layers * c.tensors_per_block + c.tensors_rest
     per_op = acc.optimizer_op_overhead_s
     if training.layout == "torch" and plan.tp * plan.dp * plan.cp > 1:
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
@@ -458,7 +454,7 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     Where launches are asynchronous the host runs ahead of the device: 0."""
     if training.layout != "torch" or acc.launch_async:
         return 0.0
-    layers = max(pipeline_layers(args, plan, training.seq_len))
+    layers = placement(args, plan, training.seq_len).max_layers
     if plan.zero_stage >= 2:
         if plan.shard_group == 1:
             return 0.0
