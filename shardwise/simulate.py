@@ -302,13 +302,16 @@ def ranks_to_simulate(p: Layout, world: int) -> list[int]:
 
 
 def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_step: bool = False,
-             processes: int = 1) -> list[RankReport]:
+             processes: int = 1, start_method: str = "spawn") -> list[RankReport]:
     """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each.
 
-    processes > 1 simulates several ranks at once, each in a fresh process (a pipeline's stages are
+    processes > 1 simulates several ranks at once, each in its own process (a pipeline's stages are
     independent simulations); worth it for large models, where a rank takes far longer than starting Python.
-    processes = 0: all of them at once. On 2 cores, 3 ranks of 30 s each end after ~45 s that way, and after
-    ~60 s two at a time (the third waits for a whole rank).
+    processes = 0: all of them at once. On 2 cores, 3 ranks of 30 s each end after ~50 s that way, and after
+    ~60 s two at a time (the third waits for a whole rank). start_method: how those processes start
+    (multiprocessing's): "spawn" imports torch and shardwise again in each (~5 s of CPU apiece); the CLI,
+    a fresh process that has run nothing yet, forks them instead (a fork of a process that has run torch
+    ops or collectives would copy its thread pools half-alive).
     """
     validate_parallel(cfg, world)
     ranks = ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world)
@@ -317,7 +320,8 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
             raise ConfigError("--rank", f"{rank} is not in 0..{world - 1}", "pick a rank of the world")
     processes = processes or len(ranks)
     if processes > 1 and len(ranks) > 1:
-        with ProcessPoolExecutor(min(processes, len(ranks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        context = multiprocessing.get_context(start_method)
+        with ProcessPoolExecutor(min(processes, len(ranks)), mp_context=context) as pool:
             reports = list(pool.map(simulate_rank, *zip(*[(cfg, world, r, first_step) for r in ranks])))
     else:
         reports = [simulate_rank(cfg, world, rank, first_step) for rank in ranks]
@@ -371,7 +375,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         cfg, world = config_from_args(args)
         start = time.perf_counter()
-        reports = simulate(cfg, world, args.rank, args.first_step, processes=args.processes)
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        reports = simulate(cfg, world, args.rank, args.first_step, processes=args.processes,
+                           start_method="fork" if fork else "spawn")
     except ConfigError as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
