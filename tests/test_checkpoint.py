@@ -221,16 +221,19 @@ def test_async_save_and_keep_last(tmp_path):
     assert _steps(fresh, cfg, runtime, 1) == _steps(state, cfg, runtime, 1)
 
 
+@pytest.mark.multiprocess
 def test_exact_resume_dp2_tp2(four_ranks):
     out = four_ranks[1]["tp"]
     assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
 
 
+@pytest.mark.multiprocess
 def test_exact_resume_zero1(four_ranks):
     out = four_ranks[1]["zero1"]
     assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
 
 
+@pytest.mark.multiprocess
 def test_reshard_dp2_tp2_to_fsdp4_and_to_two_ranks_zero2_and_zero1(four_ranks, two_ranks):
     same_layout = four_ranks[1]["tp"]["losses"][2:]
     for other in (four_ranks[1]["fsdp4"], two_ranks["from_tp"], two_ranks["from_tp_to_zero1"]):
@@ -238,16 +241,19 @@ def test_reshard_dp2_tp2_to_fsdp4_and_to_two_ranks_zero2_and_zero1(four_ranks, t
         assert other["losses"] == pytest.approx(same_layout, rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_exact_resume_pp2_dp2_and_reshard_to_tp2_dp2(four_ranks):
     out, other = four_ranks[1]["pp"], four_ranks[1]["pp_to_tp"]
     assert out["step"] == 2 and out["resumed"] == out["losses"][2:] and out["equal"]
     assert other["losses"] == pytest.approx(out["losses"][2:], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_reshard_zero1_to_zero3_on_two_ranks(four_ranks, two_ranks):
     assert two_ranks["from_zero1"]["losses"] == pytest.approx(four_ranks[1]["zero1"]["losses"][2:], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_hf_import_and_export_under_tp2(hf_folder, two_ranks):
     torch.testing.assert_close(two_ranks["hf_logits"], hf_folder[2], rtol=1e-5, atol=1e-5)
     import transformers
@@ -442,6 +448,7 @@ def save_then_die(run: str, moment: str) -> None:
 
 
 @pytest.mark.parametrize("moment", ["data", "commit"])
+@pytest.mark.multiprocess
 def test_kill_during_a_save_keeps_the_previous_checkpoint(saved_run, tmp_path, moment):
     run = tmp_path / "run"
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_checkpoint as t; " \

@@ -118,6 +118,7 @@ def _assemble(ranks: list[dict], pick, dim: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("key", ["attention", "attention_checkpointed"])
+@pytest.mark.multiprocess
 def test_attention_and_its_gradients_equal_one_device(ranks, inputs, key):
     out, grads = _attention_grads(causal_attention, inputs, lambda x: x.clone())
     torch.testing.assert_close(_assemble(ranks, lambda r: r[key][0], dim=2), out, rtol=1e-6, atol=1e-6)
@@ -126,6 +127,7 @@ def test_attention_and_its_gradients_equal_one_device(ranks, inputs, key):
 
 
 @pytest.mark.parametrize("policy", AC_POLICIES)
+@pytest.mark.multiprocess
 def test_model_logits_and_gradients_equal_one_device(ranks, inputs, policy):
     logits, grads = _model_grads(inputs, "none", lambda m: None, lambda x: x, None)
     key = f"model_{policy}"
@@ -135,5 +137,6 @@ def test_model_logits_and_gradients_equal_one_device(ranks, inputs, policy):
             torch.testing.assert_close(r[key][1][name], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.multiprocess
 def test_one_rank_cp_mesh_is_a_no_op(ranks):
     assert all(r["noop"] for r in ranks)

@@ -11,6 +11,8 @@ from shardwise.train import counted_step
 
 from distributed import run_distributed
 
+pytestmark = pytest.mark.multiprocess  # every test here starts rank processes
+
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
 
 

@@ -78,6 +78,7 @@ PARITY["adamw"] = ["dp=2,zero_stage=1", "dp_shard=2,tp=2,zero_stage=2"]
 
 
 @pytest.mark.parametrize("group", sorted(PARITY))
+@pytest.mark.multiprocess
 def test_layouts_match_single_device(group):
     args = ["verify", "--config", CONFIG, "--steps", "3", "--json", *(ADAMW if group == "adamw" else [])]
     for layout in PARITY[group]:
@@ -118,6 +119,7 @@ def _embedding_lookups():
     return results
 
 
+@pytest.mark.multiprocess
 def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
     """Bitwise RowwiseParallel's outputs and gradient, but each rank holds only its rows of the gradient;
     RowwiseParallel's backward leaves every rank the whole vocabulary's (the reason for our own style)."""
@@ -144,6 +146,7 @@ def _gloo_threads_after_training(out: str) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+@pytest.mark.multiprocess
 def test_no_gloo_thread_outlives_a_job(tmp_path):
     """A job destroys every process group it made, joining their gloo threads, before it returns: a gloo
     thread still running when the interpreter finalizes can abort the process (see distributed.shutdown).

@@ -166,11 +166,13 @@ def parity_report():
 
 
 @pytest.mark.parametrize("layout", PARITY)
+@pytest.mark.multiprocess
 def test_pipeline_layout_matches_single_device(parity_report, layout):
     row = parity_report[layout]
     assert max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= 1e-5, row
 
 
+@pytest.mark.multiprocess
 def test_validation_through_the_schedule_matches_single_device(tmp_path):
     """Evaluation runs the schedule forward-only in groups of grad_accum micro-batches (3 batches: the last group
     is padded and the padding's losses dropped), then training resumes through the schedule."""

@@ -501,6 +501,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.multiprocess
 def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     from shardwise.planner.bench import add_bench_arguments, run_bench
 
@@ -630,6 +631,7 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
             assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
 
 
+@pytest.mark.multiprocess
 def test_pipeline_memory_matches_the_simulator_with_few_blocks_per_stage():
     """Llama 3 70B cut to 8 blocks on tp 8 x pp 4 x FSDP 32, 8 micro-batches of 4096 tokens (1F1B): two blocks
     per stage, so the per-stage terms (the pipeline's receive buffers, one per micro-batch; the embedding and

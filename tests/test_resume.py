@@ -62,6 +62,7 @@ def fsdp2_whole(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-device", "fsdp2"])
+@pytest.mark.multiprocess
 def test_interrupted_run_resumes_exactly(tmp_path, nproc, request):
     layout = FSDP2 if nproc == 2 else []
     whole, split = (request.getfixturevalue("fsdp2_whole") if nproc == 2 else tmp_path / "whole"), tmp_path / "split"
@@ -77,6 +78,7 @@ def test_interrupted_run_resumes_exactly(tmp_path, nproc, request):
     assert all((a[k] == b[k]).all() for k in a)  # bitwise
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     out = tmp_path / "run"
     with _reaped(_train(out, 10_000, popen=True)) as proc:
@@ -95,6 +97,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     assert max(_losses(out)) == stopped + 2
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_loss_stops_with_step_named(tmp_path):
     out = tmp_path / "run"
     proc = _train(out, 20, "optim.lr=1e12")
@@ -135,6 +138,7 @@ def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_export_to_hugging_face_and_start_from_it(tmp_path):
     from shardwise.hf import from_hf_name
 
@@ -167,6 +171,7 @@ def _worker_pids(out):
     return pids
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, fsdp2_whole):
     """SIGKILL one of 2 ranks mid-run under --max-restarts: torchrun restarts both, they resume from the newest
     checkpoint, and the run ends with the losses and (bitwise) parameters of a run nobody killed, having trained
@@ -191,6 +196,7 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, fsdp2
     assert len(ids) == len(set(ids)) == 8 * 16  # 8 steps x global batch 16, none twice (all in one epoch)
 
 
+@pytest.mark.multiprocess
 def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path):
     """SIGSTOP one of 2 ranks: with train.collective_timeout_s = 5 the other's collective times out and the run
     ends with one line naming the operation, the step, this rank and the hung one, instead of hanging."""

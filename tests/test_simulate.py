@@ -55,6 +55,7 @@ FAITHFUL = {
 
 
 @pytest.mark.parametrize("world", FAITHFUL)
+@pytest.mark.multiprocess
 def test_simulated_rank_matches_the_real_one(world):
     from shardwise.simulate import simulate_rank
 
@@ -149,6 +150,7 @@ def test_pipeline_stage_model_state_is_zero_formula_of_its_parameters(stage):
 # The command line
 
 
+@pytest.mark.multiprocess
 def test_cli_json_and_table():
     args = ["--model", "tiny", "--world", "8", "--plan", "tp=2,dp=4,zero_stage=3", "--seq-len", "64"]
     proc = subprocess.run([sys.executable, "-m", "shardwise.simulate", *args, "--json"], capture_output=True,
@@ -165,6 +167,7 @@ def test_cli_json_and_table():
     assert rank["ratio"]["total"] == pytest.approx(rank["peak_bytes"] / rank["planner"]["total"], rel=1e-3)
 
 
+@pytest.mark.multiprocess
 def test_bad_rank_is_a_config_error():
     proc = subprocess.run([sys.executable, "-m", "shardwise.simulate", "--config", CONFIG, "--set",
                            "parallel.dp_shard=2", "--set", "parallel.zero_stage=3", "--rank", "5"],
@@ -182,6 +185,7 @@ BIG = [("llama3-70b", 1024, "tp=8,pp=4,dp=32,zero_stage=3")]
 
 
 @pytest.mark.parametrize("model, world, plan", BIG, ids=[plan for _, _, plan in BIG])
+@pytest.mark.multiprocess
 def test_big_job_simulates_in_8_gib_without_allocating_the_model(model, world, plan):
     from shardwise.layout import layer_costs, split_layers
 

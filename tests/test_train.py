@@ -209,6 +209,7 @@ def test_bf16_autocast_close_to_fp32_and_keeps_fp32_master_weights():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.multiprocess
 def test_compiled_blocks_match_eager():
     eager, compiled = _model(), _model()
     for block in compiled.layers.values():
