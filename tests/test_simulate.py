@@ -194,7 +194,7 @@ def test_big_job_simulates_in_8_gib_without_allocating_the_model(model, world, p
           f"{out['max_rss_gib']:.2f} GiB RSS")
     assert out["max_rss_gib"] < 8
     # the "simulates in under 60 s": the wall time a user waits for `shardwise simulate`, whose three
-    # stages run at once (on this 2-core machine ~100 s CPU, ~54 s wall; benchmarks/simulate_scale.py and
+    # stages run at once (on this 2-core machine ~90-100 s CPU, ~47-52 s wall; benchmarks/simulate_scale.py and
     # docs/simulator.md have the figures)
     assert out["wall_s"] < 60
     args, pp = preset(model), out["layout"]["pp"]
