@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,16 @@ def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
         return None
 
 
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register `fn` to run in shutdown() before the process groups are destroyed: what else holds groups lets
+    go of them there (shardwise.parallel registers the emptying of DTensor's caches)."""
+    _BEFORE_SHUTDOWN.append(fn)
+    return fn
+
+
 def shutdown() -> None:
     """Destroy every process group now, joining their gloo worker threads.
 
@@ -162,18 +173,16 @@ def shutdown() -> None:
     else holds it, and DTensor's sharding caches hold every mesh they saw (a mesh holds its groups) until the
     interpreter finalizes. A gloo thread that then frees a finished collective's tensors asks for the GIL;
     during finalization Python ends it with pthread_exit, whose unwinding through the work's noexcept destructor
-    calls std::terminate (SIGABRT). So: empty the caches, then collect the garbage that still holds groups
-    (modules and DTensors form cycles) while the interpreter is whole. The caller must hold no mesh, group or
-    parallelized module. torch.distributed.nn.functional takes the default group as a default argument
-    (`group=group.WORLD`, evaluated at import; torch's checkpoint code imports it): this module imports it
-    before any group exists.
+    calls std::terminate (SIGABRT). So: the `before_shutdown` hooks empty the caches, then the garbage that
+    still holds groups (modules and DTensors form cycles) is collected while the interpreter is whole. The
+    caller must hold no mesh, group or parallelized module. torch.distributed.nn.functional takes the default
+    group as a default argument (`group=group.WORLD`, evaluated at import; torch's checkpoint code imports it):
+    this module imports it before any group exists.
     """
     if not dist.is_initialized():
         return
-    if "torch.distributed.tensor" in sys.modules:  # else no DTensor was made: nothing cached
-        from shardwise.parallel.torch_private import forget_sharding_caches
-
-        forget_sharding_caches()
+    for fn in _BEFORE_SHUTDOWN:
+        fn()
     dist.destroy_process_group()
     gc.collect()
 

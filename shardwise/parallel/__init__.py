@@ -9,13 +9,26 @@ each stage is parallelised on its own (see pipeline.py).
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.config import JobConfig
+from shardwise.distributed import before_shutdown
 from shardwise.parallel.data_parallel import apply_data_parallel
 from shardwise.parallel.mesh import MeshView
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel
+
+
+@before_shutdown
+def _forget_dtensor_caches() -> None:
+    """DTensor's sharding caches hold every mesh they saw, and so its process groups: empty them before a job's
+    groups are destroyed (distributed.shutdown). Every DTensor shardwise makes comes through this package."""
+    if "torch.distributed.tensor" in sys.modules:  # else no DTensor was made: nothing cached
+        from shardwise.parallel.torch_private import forget_sharding_caches  # the simulator's heavy imports
+
+        forget_sharding_caches()
 
 
 def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None:

@@ -43,6 +43,7 @@ from shardwise.distributed import shutdown
 from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
+from shardwise.parallel.tensor_parallel import split_model  # (and shardwise.parallel's hook for shutdown)
 from shardwise.planner import opcount
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,8 +194,6 @@ def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
     functional collectives, host-side work that grows with the operators, not the sizes. Not on a 1-rank mesh
     where there is a pair: there a Partial placement needs no collective, and the functional collectives' host
     work (about 200 us of CPU per call on a 2-core machine) never runs."""
-    from shardwise.parallel.tensor_parallel import split_model
-
     mesh = _pair_mesh()
     base = ModelArgs(n_heads=2, n_kv_heads=2)  # the tiny model's 2 heads, each KV head on its own rank
     per_block = _host_seconds_per_block(base, lambda model: split_model(model, mesh, sequence_parallel=False),
