@@ -98,8 +98,6 @@ class Placement(NamedTuple):
 
     ranks: tuple[int, ...]
     """The ranks whose peak memory or time can be the largest (ranks_to_check)."""
-    shapes: dict[int, StageShape]
-    """StageShape of each of `ranks`."""
     max_layers: int
     """The most blocks any rank holds."""
     max_params: float
@@ -113,9 +111,8 @@ def placement(args: ModelArgs, plan: Plan, seq_len: int) -> Placement:
 @functools.lru_cache(maxsize=4096)
 def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str) -> Placement:
     ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule)
-    shapes = {r: _stage_shape(args, seq_len, tp, pp, per_rank, schedule, r) for r in ranks}
-    return Placement(ranks, shapes, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule)),
-                     max(s.params for s in shapes.values()))
+    return Placement(ranks, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule)),
+                     max(_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r).params for r in ranks))
 
 
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
@@ -455,11 +452,6 @@ def gathered_weight_bytes(training: Training) -> float:
     """Bytes per parameter of a weight FSDP gathers: fp32 under 'torch' (the engine gives FSDP2 no mixed-precision
     policy; autocast casts after the gather), the compute dtype under 'zero'/'megatron'."""
     return 4.0 if training.layout == "torch" or not training.mixed else 2.0
-
-
-def root_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
-    """Parameters of the stage's root FSDP unit (everything outside the blocks): embedding, final norm, head."""
-    return stage_shape(args, plan, stage, seq_len).root
 
 
 def replicates(training: Training, plan: Plan) -> bool:

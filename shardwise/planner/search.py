@@ -197,7 +197,7 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     if not schedules:
         return
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
-    # lower bound: one sequence, the cheapest recompute allowed, the least of the schedules (they hold different
+    # lower bound per schedule: one sequence under the most recompute allowed (schedules hold different
     # micro-batches in flight and place the head differently: zero-bubble's V puts it on the first rank)
     floors = [_with(base, micro_batch=1, grad_accum=local, activation_checkpoint=recomputes[-1], pp_schedule=name,
                     virtual_stages=v) for name, v in schedules]
