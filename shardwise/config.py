@@ -50,8 +50,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "momentum"] = "adamw"
-    """Optimizer: AdamW (2 states/param), plain SGD (none) or SGD with Nesterov-free momentum (1 state/param)."""
+    name: Literal["adamw", "sgd", "momentum", "adamw8bit", "adamw4bit", "adafactor"] = "adamw"
+    """Optimizer: AdamW (2 fp32 states/param), plain SGD (none), SGD with Nesterov-free momentum (1 state/param),
+    AdamW with 8-bit or 4-bit block-quantised states (torchao), or Adafactor (factored second moment)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
@@ -74,6 +75,26 @@ class OptimConfig:
     """'linear' scales lr by global_batch / base_global_batch (Goyal et al.'s linear scaling rule)."""
     base_global_batch: int = 0
     """Global batch (sequences) at which lr was tuned; needed when lr_scaling = 'linear'."""
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+"""The projections of a block LoRA can adapt: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA adapters of this rank on `targets` in every block, all other weights frozen (Hu et al. 2022); 0 trains
+    every weight."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (not on the frozen projection's)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections to adapt, by name: wq, wk, wv, wo (attention), w1, w3, w2 (MLP)."""
+    qlora: bool = False
+    """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (NF4, torchao; Dettmers et
+    al. 2023)."""
 
 
 @dataclass
@@ -154,6 +175,8 @@ class JobConfig:
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batch, precision, recompute and length of the run."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (LoRA, QLoRA) instead of training every weight."""
     parallel: Layout = field(default_factory=Layout)
     """Degrees of each parallelism (their product is the world size) and how each is run."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -322,6 +345,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_data(cfg.data)
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
+    _validate_lora(cfg.lora)
     validate_parallel(cfg)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
@@ -421,6 +445,22 @@ def _validate_optim(o: OptimConfig) -> None:
             "optim.base_global_batch", "lr_scaling = 'linear' needs the batch lr was tuned at",
             "set optim.base_global_batch to that global batch in sequences",
         )
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    if lora.rank < 0:
+        raise ConfigError("lora.rank", f"{lora.rank} < 0", "use a positive rank such as 16, or 0 to train every weight")
+    if lora.rank == 0:
+        if lora.qlora:
+            raise ConfigError("lora.qlora", "QLoRA trains LoRA adapters, and lora.rank is 0", "set lora.rank, e.g. 16")
+        return
+    _positive("lora.alpha", lora.alpha)
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError("lora.dropout", f"{lora.dropout} outside [0, 1)", "use e.g. 0.0 or 0.05")
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    if unknown or not lora.targets:
+        raise ConfigError("lora.targets", f"{unknown or 'an empty list'} names no projection of a block",
+                          f"use some of {', '.join(LORA_TARGETS)}")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -158,11 +158,17 @@ def init_value(args: ModelArgs, name: str, shape: torch.Size, seed: int) -> torc
 
     Embeddings and input projections: N(0, 0.02). Projections that write into the residual stream (wo, w2):
     N(0, 0.02 / sqrt(2 n_layers)), GPT-2's scaling, so the residual's variance does not grow with depth.
-    Output head: N(0, dim^-0.5). Norm weights: ones.
+    Output head: N(0, dim^-0.5). Norm weights: ones. LoRA adapters (see lora.py): A as nn.Linear initialises a
+    weight (Kaiming-uniform with a = sqrt(5), peft's default), B zeros, so the adapted model starts as the base.
     """
     name = canonical_name(name)
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith("lora_b"):
+        return torch.zeros(shape)
+    if name.endswith("lora_a"):
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=param_generator(seed, name))
     if name.endswith(("wo.weight", "w2.weight")):
         std = 0.02 / math.sqrt(2 * args.n_layers)
     elif name == "output.weight":

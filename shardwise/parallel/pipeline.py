@@ -42,6 +42,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from shardwise.config import JobConfig
 from shardwise.data import Batch
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
+from shardwise.lora import apply_lora
 from shardwise.loss import autocast_forward, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.model import Transformer, build_model, materialize
 from shardwise.parallel import parallelize
@@ -146,6 +147,7 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
     split = split_layers(layer_costs(cfg.model, cfg.data.seq_len), n_stages)
     ids = stages_of_rank(p.pp_schedule, p.pp, runtime.pp_rank, p.stages_per_rank)
     meta = build_model(cfg.model)
+    apply_lora(meta, cfg.lora)
     modules, stages = [], []
     for s in ids:
         module = build_stage_module(meta, split[s], s == 0, s == n_stages - 1)

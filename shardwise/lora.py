@@ -1,0 +1,79 @@
+"""LoRA: low-rank adapters on a frozen model (Hu et al. 2022), applied in place to the meta model.
+
+Each adapted projection y = x W^T becomes y = x W^T + (alpha / r) * dropout(x) A^T B^T, with A (r x in) and B
+(out x r) trained and W frozen. B starts at zero, so the adapted model starts as the base model. Every weight that
+is not an adapter is frozen (embedding, norms and head too), and only adapters reach the optimizer.
+
+`apply_lora` swaps the target `nn.Linear`s of every block for `LoRALinear` on the meta device, before any parallel
+transform: the base weight keeps its name (`layers.0.attention.wq.weight`), so checkpoints and Hugging Face import
+see the same names; the adapters are `...wq.lora_a` and `...wq.lora_b`, initialised by `model.init_value` from
+(seed, name) like every other parameter, so every layout starts from the same adapters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config import LoraConfig
+
+ADAPTER_SUFFIXES = ("lora_a", "lora_b")
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear (so tensor parallelism and FSDP treat it as one) with a trainable low-rank update.
+
+    The adapters are parameters of this module, not submodules: a parallel style that places a linear's
+    parameters sees them with the base weight (see parallel/tensor_parallel.py for their placements).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.rank, self.scale = rank, alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
+        return F.linear(x, self.weight) + self.scale * update
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A: the plain linear this module computes (without dropout), in fp32."""
+        return self.weight.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """Adapt the `cfg.targets` projections of every block and freeze everything else (no-op when rank is 0)."""
+    if cfg.rank == 0:
+        return
+    for block in model.layers.values():
+        for parent in (block.attention, block.feed_forward):
+            for target in cfg.targets:
+                base = getattr(parent, target, None)
+                if isinstance(base, nn.Linear) and not isinstance(base, LoRALinear):
+                    setattr(parent, target, _adapted(base, cfg))
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def _adapted(base: nn.Linear, cfg: LoraConfig) -> LoRALinear:
+    layer = LoRALinear(base.in_features, base.out_features, cfg.rank, cfg.alpha, cfg.dropout,
+                       device=base.weight.device, dtype=base.weight.dtype)
+    layer.weight = base.weight
+    return layer
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters only, by parameter name (what an adapter checkpoint or a peft export holds)."""
+    return {name: p for name, p in model.named_parameters() if is_adapter(name)}

@@ -1,0 +1,83 @@
+"""LoRA on one device: the transform, its start (B = 0), what it trains and what it leaves alone."""
+
+import pytest
+import torch
+
+from shardwise.config import LoraConfig, OptimConfig, load_config
+from shardwise.errors import ConfigError
+from shardwise.lora import LoRALinear, apply_lora
+from shardwise.model import build_model, materialize
+from shardwise.model_args import preset
+from shardwise.optim import build_optimizer
+from shardwise.train import build_grad_scaler, train_step
+
+from test_train import _batch
+
+CPU = torch.device("cpu")
+
+
+def _models(lora: LoraConfig, seed=0):
+    args = preset("tiny")
+    base, adapted = build_model(args), build_model(args)
+    apply_lora(adapted, lora)
+    materialize(base, args, CPU, seed)
+    materialize(adapted, args, CPU, seed)
+    return base, adapted
+
+
+def test_adapters_start_at_zero_and_give_the_base_logits_exactly():
+    base, adapted = _models(LoraConfig(rank=4))
+    tokens = _batch(2).inputs
+    assert torch.equal(adapted(tokens), base(tokens))
+    wq = adapted.layers["0"].attention.wq
+    assert isinstance(wq, LoRALinear) and wq.lora_a.abs().sum() > 0 and not wq.lora_b.any()
+
+
+def test_targets_rank_and_names():
+    _, adapted = _models(LoraConfig(rank=8, targets=["wq", "w2"]))
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 2 * adapted.args.n_layers
+    assert "layers.0.attention.wq.lora_a" in trainable and "layers.0.feed_forward.w2.lora_b" in trainable
+    assert adapted.layers["0"].attention.wq.lora_a.shape == (8, adapted.args.dim)
+    assert not isinstance(adapted.layers["0"].attention.wk, LoRALinear)
+    assert "layers.0.attention.wq.weight" in dict(adapted.named_parameters())  # the base keeps its name
+
+
+def test_training_moves_only_adapters_and_only_they_have_optimizer_state():
+    _, model = _models(LoraConfig(rank=4, alpha=8))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=1e-2), 1e-2)
+    scaler = build_grad_scaler(load_config().train, CPU)
+    losses = [train_step(model, optimizer, scaler, [_batch(4, seed=s)], device=CPU, grad_clip=1.0).loss
+              for s in range(5)]
+    assert losses[-1] < losses[0]
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name  # bitwise
+    with_state = {id(p) for p in optimizer.state}
+    adapters = {id(p) for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+    assert with_state == adapters
+    assert model.layers["0"].attention.wq.lora_b.detach().abs().sum() > 0
+
+
+def test_merged_weight_computes_what_the_adapted_linear_computes():
+    layer = LoRALinear(16, 8, rank=2, alpha=4.0, dropout=0.0)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.lora_a)
+    torch.nn.init.normal_(layer.lora_b)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(layer(x), x @ layer.merged_weight().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("lora.rank=-1", "lora.rank"),
+    ("lora.targets=['wx']", "lora.targets"),
+    ("lora.targets=[]", "lora.targets"),
+    ("lora.qlora=true", "lora.qlora"),
+    ("lora.dropout=1.0", "lora.dropout"),
+])
+def test_bad_lora_settings_name_their_field(override, field):
+    extra = [] if override.startswith(("lora.qlora", "lora.rank")) else ["lora.rank=4"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*extra, override])
+    assert e.value.field == field
