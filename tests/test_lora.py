@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_train import _batch
 
 from shardwise.config import LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
@@ -10,8 +11,6 @@ from shardwise.model import build_model, materialize
 from shardwise.model_args import preset
 from shardwise.optim import build_optimizer
 from shardwise.train import build_grad_scaler, train_step
-
-from test_train import _batch
 
 CPU = torch.device("cpu")
 
