@@ -53,8 +53,14 @@ def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
-    """Adapt the `cfg.targets` projections of every block and freeze everything else (no-op when rank is 0)."""
+def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype = torch.float32) -> None:
+    """Adapt the `cfg.targets` projections of every block and freeze everything else (no-op when rank is 0).
+
+    `frozen_dtype` (the compute dtype of mixed precision) stores the frozen matrices that only ever feed a matmul
+    (the blocks' projections and the output head) at half the bytes: autocast would cast them to it at every use,
+    so the matmuls see the same numbers. The embedding (its output is the fp32 residual stream) and the norms
+    (autocast runs them in fp32) keep their dtype; adapters stay fp32, the optimizer's master copy.
+    """
     if cfg.rank == 0:
         return
     for block in model.layers.values():
@@ -65,6 +71,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
                     setattr(parent, target, _adapted(base, cfg))
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if frozen_dtype != torch.float32:
+        _store_frozen_linears(model, frozen_dtype)
+
+
+def _store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+            module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
+    model.tie_weights()  # a head tied to the embedding shares the embedding's (kept) dtype
 
 
 def _adapted(base: nn.Linear, cfg: LoraConfig) -> LoRALinear:

@@ -28,7 +28,7 @@ from shardwise.distributed import explain_failure
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
 from shardwise.lora import apply_lora
-from shardwise.loss import autocast_context, scale_for_gradient_sum, token_loss_sum
+from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
 from shardwise.model_args import flops_per_token, num_params
@@ -238,7 +238,7 @@ def build_training_model(cfg: JobConfig, runtime: Runtime,
     if runtime.pp_size > 1:
         return build_pipeline(cfg, runtime, materialize=materialize)
     model = build_model(cfg.model)
-    apply_lora(model, cfg.lora)
+    apply_lora(model, cfg.lora, compute_dtype(cfg.train.precision))
     parallelize(model, runtime.mesh, cfg)
     materialize(model, cfg.model, runtime.device, cfg.train.seed)
     return model

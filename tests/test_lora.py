@@ -80,3 +80,22 @@ def test_bad_lora_settings_name_their_field(override, field):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*extra, override])
     assert e.value.field == field
+
+
+def test_mixed_precision_stores_frozen_projections_in_the_compute_dtype_with_the_same_logits():
+    """autocast casts an fp32 weight to bf16 at every matmul; storing the frozen projections in bf16 gives those
+    matmuls the same numbers at half the bytes (the embedding and norms stay fp32)."""
+    args = preset("tiny")
+    kept, halved = build_model(args), build_model(args)
+    apply_lora(kept, LoraConfig(rank=4))
+    apply_lora(halved, LoraConfig(rank=4), frozen_dtype=torch.bfloat16)
+    for model in (kept, halved):
+        materialize(model, args, CPU, 0)
+        model.layers["1"].attention.wq.lora_b.data.normal_(generator=torch.Generator().manual_seed(1))
+    dtypes = {n: p.dtype for n, p in halved.named_parameters()}
+    assert dtypes["layers.0.feed_forward.w2.weight"] == dtypes["output.weight"] == torch.bfloat16
+    assert dtypes["tok_embeddings.weight"] == dtypes["norm.weight"] == dtypes["layers.0.attention.wq.lora_a"] \
+        == torch.float32
+    tokens = _batch(2).inputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(kept(tokens), halved(tokens))

@@ -147,7 +147,7 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
     split = split_layers(layer_costs(cfg.model, cfg.data.seq_len), n_stages)
     ids = stages_of_rank(p.pp_schedule, p.pp, runtime.pp_rank, p.stages_per_rank)
     meta = build_model(cfg.model)
-    apply_lora(meta, cfg.lora)
+    apply_lora(meta, cfg.lora, compute_dtype(cfg.train.precision))
     modules, stages = [], []
     for s in ids:
         module = build_stage_module(meta, split[s], s == 0, s == n_stages - 1)
