@@ -7,6 +7,7 @@ from test_train import _batch
 from shardwise.config import LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.lora import LoRALinear, apply_lora
+from shardwise.loss import compute_dtype
 from shardwise.model import build_model, materialize
 from shardwise.model_args import preset
 from shardwise.optim import build_optimizer
@@ -99,3 +100,19 @@ def test_mixed_precision_stores_frozen_projections_in_the_compute_dtype_with_the
     tokens = _batch(2).inputs
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(kept(tokens), halved(tokens))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planner_parameter_bytes_equal_the_engines_lora_model(precision):
+    """The planner's LoRA parameter bytes against the bytes of the model the engine builds (one rank)."""
+    from shardwise.planner.memory import stage_memory
+    from shardwise.planner.plan import Plan
+    from shardwise.planner.workload import Training
+
+    args = preset("tiny")
+    model = build_model(args)
+    apply_lora(model, LoraConfig(rank=4), frozen_dtype=compute_dtype(precision))
+    materialize(model, args, CPU, 0)
+    measured = sum(p.numel() * p.element_size() for p in model.parameters())
+    training = Training(seq_len=32, global_batch=1, precision=precision, lora_rank=4)
+    assert stage_memory(args, training, Plan(), 0)["params"] == pytest.approx(measured, rel=1e-9)

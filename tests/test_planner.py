@@ -90,9 +90,12 @@ def test_lora_and_qlora_keep_state_only_for_adapters():
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
     linears = args.n_layers * (2 * d * d + 2 * d * kv + 3 * d * f)
     adapters = args.n_layers * 8 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
-    assert lora["params"] == pytest.approx(2 * n + 4 * adapters, rel=1e-9)  # frozen bf16 base, fp32 adapters
-    # QLoRA: the blocks' linears in NF4 with double-quantised constants (4.127 bits), embeddings and norms bf16
-    assert qlora["params"] == pytest.approx(linears * 4.127 / 8 + 2 * (n - linears) + 4 * adapters, rel=1e-3)
+    head = args.vocab_size * d
+    rest = n - linears - head  # embedding and norms
+    # frozen projections and head in bf16 (the compute dtype), embedding and norms fp32 as stored, fp32 adapters
+    assert lora["params"] == pytest.approx(2 * (linears + head) + 4 * rest + 4 * adapters, rel=1e-9)
+    # QLoRA: the blocks' linears in NF4 with double-quantised constants (4.127 bits)
+    assert qlora["params"] == pytest.approx(linears * 4.127 / 8 + 2 * head + 4 * rest + 4 * adapters, rel=1e-3)
     assert lora["optimizer_state"] < full["optimizer_state"] / 100
 
 

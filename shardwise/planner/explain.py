@@ -17,7 +17,7 @@ import dataclasses
 
 from shardwise.hardware import Cluster, GiB
 from shardwise.model_args import ModelArgs, num_params
-from shardwise.planner.memory import lora_params, model_state_bytes
+from shardwise.planner.memory import layer_params, lora_params, model_state_bytes
 from shardwise.planner.search import Evaluation, SearchResult, budget, search
 from shardwise.planner.workload import Training
 
@@ -33,7 +33,9 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
     trainable = None
     if training.lora_rank:
         trainable = args.n_layers * lora_params(args, training.lora_rank)
-    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable).values())
+    linears = args.n_layers * (layer_params(args) - 2 * args.dim)
+    matmul = linears + (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable, linears, matmul).values())
     states += training.fixed_overhead_gib * GiB
     out = {"model_state_gib": states / GiB, "budget_gib": limit / GiB, "fits": False, "max_micro_batch": 0,
            "step_time_s": None}

@@ -218,22 +218,25 @@ def _state_bytes(optimizer: str, mixed: bool, layout: str) -> StateBytes:
 
 def model_state_bytes(n_params: float, training: Training, zero_stage: int, shard: int,
                       offload: str = "none", n_trainable: float | None = None,
-                      n_quantizable: float = 0.0) -> dict[str, float]:
+                      n_quantizable: float = 0.0, n_matmul: float = 0.0) -> dict[str, float]:
     """Itemised model-state bytes on one rank for n_params local parameters, sharded over `shard` ranks.
 
     ZeRO stage 1 shards master weights and optimizer state, 2 also gradients, 3 also weights. With LoRA only
-    `n_trainable` parameters have gradients and optimizer state; frozen weights are kept in the compute dtype,
-    except that QLoRA stores `n_quantizable` of them (the blocks' linears) in 4-bit NF4. Offload moves optimizer
-    state and master ('optimizer') or everything ('full') to the host.
+    `n_trainable` parameters have gradients and optimizer state. The frozen weights that only feed a matmul
+    (`n_matmul`: the blocks' linears and the head) are stored in the compute dtype, as the engine stores them
+    (shardwise.lora: autocast would cast them at every use), the embedding and norms as the weights are stored;
+    QLoRA stores `n_quantizable` of the matmul weights (the adapted linears) in 4-bit NF4. Offload moves
+    optimizer state and master ('optimizer') or everything ('full') to the host.
     """
     b = state_bytes_per_param(training)
     trainable = n_params if n_trainable is None else n_trainable
     if n_trainable is None:
         weights = n_params * b.params
     else:  # LoRA: frozen base + adapters (adapters get their own full-precision treatment)
-        frozen_bytes = 2.0 if training.mixed else 4.0
         quantized = n_quantizable if training.qlora else 0.0
-        weights = (n_params - quantized) * frozen_bytes + quantized * QLORA_BITS / 8 + trainable * b.params
+        matmul = max(n_matmul, quantized)
+        weights = (quantized * QLORA_BITS / 8 + (matmul - quantized) * (2.0 if training.mixed else 4.0)
+                   + (n_params - matmul) * b.params + trainable * b.params)
     items = {
         "params": weights / (shard if zero_stage >= 3 else 1),
         "grads": trainable * b.grads / (shard if zero_stage >= 2 else 1),
@@ -611,8 +614,9 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         layers = stage_layers(args, plan, stage, training.seq_len)
         trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
+        head = args.vocab_size * args.dim / plan.tp if stage == head_rank(plan) and not args.tie_embeddings else 0.0
         items = model_state_bytes(stage_params(args, plan, stage, training.seq_len), training, plan.zero_stage,
-                                  plan.shard_group, plan.offload, trainable, linears)
+                                  plan.shard_group, plan.offload, trainable, linears, linears + head)
         if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
             items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
         cached = _remember(_MODEL_STATE, key, items)
