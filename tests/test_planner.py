@@ -1036,3 +1036,29 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
 
     args = ModelArgs(n_heads=4, n_kv_heads=2 if gqa else 4, tie_embeddings=tied)
     assert live_op_counts(args) == op_counts(args)
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "16"], ["--lora-rank", "16", "--qlora"],
+                                   ["--optimizer", "adamw8bit"]])
+def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_path, extra, capsys):
+    """Llama 3 8B on one H100: the plan the search picks (offload, LoRA, QLoRA, 8-bit state) is written as a config
+    that the engine's validation accepts unchanged, with the recipe's knobs in it, not silently dropped."""
+    from shardwise.config import load_config
+
+    path = tmp_path / "plan.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu", "h100", "--json", "--write-config", str(path), *extra]
+    assert run_plan(_ns(*argv)) == 0, capsys.readouterr().err
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    cfg = load_config(path)
+    assert cfg.parallel.offload == best["offload"] and cfg.parallel.world_size == 1
+    assert cfg.lora.rank == (16 if extra[:1] == ["--lora-rank"] else 0)
+    assert cfg.lora.qlora == ("--qlora" in extra)
+    assert cfg.optim.name == (extra[1] if extra[:1] == ["--optimizer"] else "adamw")
+
+
+@pytest.mark.parametrize("flag, value", [("--layout", "zero"), ("--attention", "unfused"), ("--dropout", None)])
+def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, value, capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--write-config", str(tmp_path / "x.toml"), flag,
+            *([value] if value else [])]
+    assert run_plan(_ns(*argv)) == 2
+    assert f"--write-config {flag}" in capsys.readouterr().err

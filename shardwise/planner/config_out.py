@@ -18,15 +18,34 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
     if plan.offload != "none":
         raise PlannerError("--write-config", f"the engine has no {plan.offload} offload yet",
                            "pass --plan with offload=none")
-    if training.precision not in ("fp32", "bf16", "fp16"):
-        raise PlannerError("--write-config", f"the engine trains in fp32, bf16 or fp16, not {training.precision}",
-                           "plan with --precision bf16")
+    _engine_runs(training)
     preset = PRESETS.get(args.name)
     model = {"name": args.name} if preset == args else dataclasses.asdict(args)
     layout = Layout(**{k: getattr(plan, k) for k in LAYOUT_KEYS})
     tables = layout_tables(layout, plan.micro_batch, plan.grad_accum)
-    return {"model": model, "data": {"seq_len": training.seq_len},
-            "train": {"precision": training.precision, **tables["train"]}, "parallel": tables["parallel"]}
+    out = {"model": model, "data": {"seq_len": training.seq_len}, "optim": {"name": training.optimizer},
+           "train": {"precision": training.precision, **tables["train"]}, "parallel": tables["parallel"]}
+    if training.lora_rank:  # the planner prices adapters on every linear of every block: the engine's default targets
+        out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora}
+    return out
+
+
+def _engine_runs(training: Training) -> None:
+    """Refuse a recipe the engine would not run as planned: a config never drops a knob the plan was priced with."""
+    refusals = [
+        (training.precision not in ("fp32", "bf16", "fp16"), "--precision",
+         f"the engine trains in fp32, bf16 or fp16, not {training.precision}", "plan with --precision bf16"),
+        (training.layout != "torch", "--layout", f"the engine stores state as torch does, not as {training.layout}",
+         "plan with --layout torch"),
+        (not training.fused_attention, "--attention", "the engine's attention is fused (SDPA)",
+         "plan with --attention fused"),
+        (training.dropout, "--dropout", "the engine's model has no dropout", "plan without --dropout"),
+        (training.loss_parallel, "loss_parallel", "the engine gathers logits before the loss",
+         "plan without loss_parallel"),
+    ]
+    for refused, flag, problem, fix in refusals:
+        if refused:
+            raise PlannerError(f"--write-config {flag}", problem, fix)
 
 
 def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan) -> None:

@@ -128,6 +128,24 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
                     optimizer_bytes_per_param=bytes_per_param)
 
 
+@functools.cache
+def nf4_dequant_counts(storage: str, compute: str) -> tuple[int, float]:
+    """(operators, bytes read and written per weight) of one dequantisation of a QLoRA base weight as torchao's
+    `linear_nf4` runs it in forward and again in backward (`weight.to(dtype)`: NF4Tensor.get_original_weight, then
+    the cast to the compute dtype when the weight was quantised from another): unpack the 4-bit codes to int64
+    indices, look up the NF4 table, rescale by the dequantised block constants, interleave, each an eager kernel."""
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels do not load on a CPU machine
+    from torchao.quantization import to_nf4
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    weight = to_nf4(torch.randn(256, 512).to(dtypes[storage]))
+    weight.get_original_weight()  # warm-up
+    c = _count(lambda: weight.get_original_weight().to(dtypes[compute]))
+    return c.calls, c.bytes / weight.numel()
+
+
 def live_op_counts(args: ModelArgs) -> OpCounts:
     """Operator counts of `args`'s structure, counted now on this torch (once per structure, a fraction of a
     second); the planner reads the same numbers from operators.OP_COUNTS without torch."""
