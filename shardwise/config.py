@@ -221,6 +221,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def with_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
+    """`cfg` with `key=value` overrides applied, type-checked as `load_config` checks them (not validated: a
+    simulated job may be larger than any machine here)."""
+    raw = to_dict(cfg)
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(raw)
+
+
 def toml_value(value: Any) -> str:
     """A value as TOML writes it (and `--set` reads it)."""
     if isinstance(value, bool):

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ConfigError, JobConfig, layout_tables, load_config, validate_parallel
+from shardwise.config import ConfigError, JobConfig, layout_tables, load_config, validate_parallel, with_overrides
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv
 from shardwise.layout import Layout, complete_layout, parse_layout
@@ -338,6 +338,7 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     p, t = cfg.parallel, cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False,
+                        lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
     piped = p.pp > 1
     n_micro = p.n_microbatches if piped else 1
@@ -401,6 +402,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
     else:
         cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
                                args.micro_batch or 1, args.precision or "bf16")
+        if args.overrides:  # the recipe beyond the layout: --set lora.rank=16, --set optim.name=adamw8bit, ...
+            cfg = with_overrides(cfg, args.overrides)
     return cfg, args.world or cfg.parallel.world_size
 
 

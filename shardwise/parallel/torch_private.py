@@ -36,7 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -147,6 +147,21 @@ class _MomentMixin:
             for key in self._watched:
                 if snap.get(key, 0) > self.category_max.get(key.value, 0):
                     self.category_max[key.value] = snap[key]
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """torch's trackers hook every parameter's gradient, which raises on a frozen one (LoRA's base weights):
+        count every parameter, hook only those that get gradients (as torch's own hooks do)."""
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._track_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)))
+        return memory
+
+    def _track_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
     def _current_moment(self) -> PeakMoment:
         if self._in_opt:
