@@ -148,7 +148,7 @@ def _hf_model(folder):
     return transformers.LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
 
 
-def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tmp_path, capsys):
+def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tmp_path):
     from peft import PeftModel
 
     from shardwise.cli import main
