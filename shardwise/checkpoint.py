@@ -4,6 +4,8 @@ under any parallel layout.
 What a checkpoint holds, and in which form (every form is independent of the layout that wrote it):
 - model: `get_model_state_dict` of this rank's parts, keyed by the full-model parameter name; DTensors are
   written as the shards they are, and DCP cuts whatever the loading layout asks for out of them (resharding).
+  A LoRA model's checkpoint holds its adapters only (meta.json records their rank, alpha / rank and targets):
+  the frozen base is rebuilt at resume from where it came from (the seeded init, or checkpoint.init_from_hf).
 - optimizer: `get_optimizer_state_dict` in its flattened form ("state.<param>.exp_avg"), whose tensors are
   shaped like their parameter. parallel.data_parallel gives and takes that form for any optimizer: ZeRO-1's,
   which keeps a 1/N slice of each local tensor, all-gathers its slices into it and cuts them out again, so a
@@ -47,9 +49,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardwise.errors import CheckpointError
+from shardwise.lora import adapter_spec, is_adapter
 from shardwise.model import canonical_name
 from shardwise.model_args import ModelArgs
 from shardwise.parallel.data_parallel import (
@@ -200,7 +203,15 @@ def _optimizer_state(state: TrainState) -> tuple[dict, dict]:
 
 def _model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     multi = len(parts) > 1
-    return {_canonical(k, multi): v for k, v in get_model_state_dict(_container(parts)).items()}
+    return {_canonical(k, multi): v for k, v in _saved_params(parts, get_model_state_dict(_container(parts))).items()}
+
+
+def _saved_params(parts: list[nn.Module], state_dict: dict) -> dict:
+    """The part of the model a checkpoint holds: all of it, or a LoRA model's adapters (the base is frozen, and
+    rebuilt from its source at resume, so QLoRA's NF4 base never reaches a checkpoint)."""
+    if adapter_spec(parts) is None:
+        return state_dict
+    return {k: v for k, v in state_dict.items() if is_adapter(k)}
 
 
 def _schedule_state(schedule) -> dict:
@@ -310,7 +321,8 @@ class Checkpointer:
         tensors, plain_optim = self._collect(state)
         plain_optim = _gather_plain(plain_optim)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
-                "layout": self.layout, "world_size": _world(), "optimizer": optimizer_name(state.optimizer)}
+                "layout": self.layout, "world_size": _world(), "optimizer": optimizer_name(state.optimizer),
+                "lora": adapter_spec(state.parts)}
         if _rank() == 0:
             train_state = {
                 "step": step,
@@ -433,7 +445,7 @@ def _read_json(path: Path, name: str) -> dict:
         raise CheckpointError(path, f"{name} is not valid JSON ({e})", "resume from another checkpoint") from None
 
 
-def _check_meta(path: Path, meta: dict, model_args: ModelArgs) -> None:
+def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Module]) -> None:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
                               f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
@@ -443,6 +455,24 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs) -> None:
     if diffs:
         raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
                               "set the [model] config to the checkpoint's shape, or start a new run folder")
+    _check_lora(path, meta.get("lora"), adapter_spec(parts))
+
+
+def _lora_text(spec: dict | None) -> str:
+    if spec is None:
+        return "no LoRA (every weight)"
+    return f"LoRA rank {spec['rank']}, alpha/rank {spec['scale']:g}, targets {','.join(spec['targets'])}"
+
+
+def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
+    """An adapter checkpoint resumes only into the same adapters (it holds nothing else), and a full one only
+    into full training (a LoRA run starts from a base through checkpoint.init_from_hf, not through resume)."""
+    if saved == mine:
+        return
+    fix = ("set [lora] as the checkpoint was saved" if saved is not None else
+           "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
+           "checkpoint.init_from_hf in a new run folder")
+    raise CheckpointError(path, f"it holds {_lora_text(saved)}, this run trains {_lora_text(mine)}", fix)
 
 
 def _check_files(path: Path, meta: dict) -> str | None:
@@ -529,7 +559,7 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     """
     path = Path(path)
     meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
-    _check_meta(path, meta, model_args)
+    _check_meta(path, meta, model_args, state.parts)
     if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
         raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
                               f"{optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")
@@ -551,7 +581,7 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
 def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[dict, dict, dict]:
     """The tensors to read into (DCP key -> tensor), and the live model/optimizer state dicts they belong to."""
     multi = len(state.parts) > 1
-    model_live = get_model_state_dict(_container(state.parts))
+    model_live = _saved_params(state.parts, get_model_state_dict(_container(state.parts)))
     targets = {f"model/{_canonical(k, multi)}": v for k, v in model_live.items()}
     optim_live: dict = {}
     if state.optimizer is not None:
@@ -569,7 +599,9 @@ def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[d
 def _restore(state: TrainState, targets: dict, model_live: dict, optim_live: dict, train_state: dict) -> None:
     """Hand the read tensors and the JSON state to their owners."""
     multi = len(state.parts) > 1
-    set_model_state_dict(_container(state.parts), {k: targets[f"model/{_canonical(k, multi)}"] for k in model_live})
+    # a LoRA checkpoint sets the adapters only (not strict), on the base already in place
+    set_model_state_dict(_container(state.parts), {k: targets[f"model/{_canonical(k, multi)}"] for k in model_live},
+                         options=StateDictOptions(strict=adapter_spec(state.parts) is None))
     plain = train_state["optimizer_param_groups"]
     if state.optimizer is not None:
         _set_optimizer(state, optim_live, targets, plain)

@@ -58,16 +58,25 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the run's TOML file (its metrics.out_dir holds the checkpoints)")
     _add_overrides(p)
     p.add_argument("--out", required=True, help="folder to write config.json and safetensors into")
+    p.add_argument("--format", choices=("merged", "base", "peft"), default="merged",
+                   help="merged: the model, a LoRA run's adapters merged into its weights (W + alpha/r BA; the "
+                        "default); base: a LoRA run's frozen base alone; peft: a LoRA run's adapters as "
+                        "adapter_config.json + adapter_model.safetensors, which peft loads on the base")
     p.set_defaults(run=_run_export)
 
 
 def _run_export(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     cfg.parallel = Layout()  # one process reads any layout's checkpoint
+    if args.format != "merged" and not cfg.lora.rank:
+        raise ConfigError("--format", f"{args.format} needs a LoRA run's adapters, and lora.rank is 0",
+                          "use --format merged (the default) for a run that trains every weight")
     from shardwise.train import export_hf_from_checkpoint
 
-    path = export_hf_from_checkpoint(cfg, args.out)
-    print(f"exported {path} to {args.out}")
+    path = export_hf_from_checkpoint(cfg, args.out, args.format)
+    print(f"exported {path} to {args.out} ({args.format})")
+    if args.format == "peft" and not cfg.checkpoint.init_from_hf:
+        print("the adapters' base is the run's seeded initial model: write it with --format base")
     return 0
 
 

@@ -1,8 +1,10 @@
 """Hugging Face Llama interchange: config and parameter names, both ways.
 
 Our rotary embedding uses the same "rotate half" layout as `transformers`' Llama, so weights map one to one
-with no permutation of the query/key rows. `export_hf` writes a folder `LlamaForCausalLM.from_pretrained` loads;
-`import_hf` reads such a folder (safetensors only: no pickles) into a model under any parallel layout.
+with no permutation of the query/key rows. `export_hf` writes a folder `LlamaForCausalLM.from_pretrained` loads
+(for a LoRA model: the merged weights W + (alpha / r) B A, or the base alone); `export_peft` writes a LoRA model's
+adapters as the folder `peft.PeftModel.from_pretrained` loads; `import_hf` reads a Hugging Face folder
+(safetensors only: no pickles) into a model under any parallel layout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from shardwise.config import LoraConfig
+from shardwise.lora import LoRALinear, dense, is_adapter
 from shardwise.model_args import ModelArgs, args_from_hf_config
 
 # ours -> transformers, for the per-layer parameters ({i} is the layer index)
@@ -45,6 +49,25 @@ def to_hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def hf_module_name(target: str) -> str:
+    """The transformers module of one of our block projections ("wq" -> "q_proj"): peft's target_modules."""
+    for ours, theirs in _LAYER_NAMES.items():
+        if ours.split(".")[1] == target:
+            return theirs.split(".")[1]
+    raise KeyError(f"no Hugging Face module for projection {target!r}")
+
+
+# our adapter -> peft's: lora_A (r x in) and lora_B (out x r) are nn.Linear weights, laid out as ours
+_PEFT_ADAPTERS = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def to_peft_name(name: str) -> str:
+    """The key peft saves an adapter under: layers.0.attention.wq.lora_a ->
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    module, _, adapter = name.rpartition(".")
+    return f"base_model.model.{to_hf_name(module + '.weight').removesuffix('.weight')}.{_PEFT_ADAPTERS[adapter]}.weight"
 
 
 def from_hf_name(name: str) -> str:
@@ -94,26 +117,48 @@ def _full(param):
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None) -> None:
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return dense(_full(tensor)).detach().to("cpu", copy=True).contiguous()
+
+
+def _hf_tensors(parts, merge_lora: bool) -> dict[str, torch.Tensor]:
+    """Every weight, full, on CPU, by its transformers name; a LoRA model's adapted projections merged
+    (W + (alpha / r) B A, in the adapters' dtype) or, with merge_lora False, their frozen base alone.
+
+    QLoRA's NF4 base is dequantised either way (lora.dense; merged_weight does it too).
+    """
+    from shardwise.model import canonical_name
+
+    tensors = {}
+    for part in parts:
+        adapted = {canonical_name(n) + ".weight": m for n, m in part.named_modules() if isinstance(m, LoRALinear)}
+        for name, param in part.named_parameters():
+            name = canonical_name(name)
+            if is_adapter(name):
+                continue
+            if merge_lora and name in adapted:
+                layer = adapted[name]
+                param = layer.merged_weight().to(layer.lora_a.dtype)
+            tensors[to_hf_name(name)] = _cpu(param)
+    return tensors
+
+
+def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *, merge_lora: bool = True) -> None:
     """Write the model as a Hugging Face Llama folder (collective: every rank calls it).
 
     Sharded parameters are gathered (DTensor.full_tensor); one rank per pipeline stage writes that stage's
     safetensors file (model.safetensors with one stage, else model-0000k-of-0000n.safetensors and an index).
-    Tied embeddings are written once, as transformers does.
+    Tied embeddings are written once, as transformers does. A LoRA model is written merged, or (merge_lora
+    False) as its base: what `export_peft`'s adapters go on.
     """
     import torch.distributed as dist
     from safetensors.torch import save_file
-
-    from shardwise.model import canonical_name
 
     folder = Path(folder)
     pp_rank, pp_size = (runtime.pp_rank, runtime.pp_size) if runtime is not None else (0, 1)
     writes = runtime.writes_stage_files if runtime is not None else True
     main = runtime.is_main if runtime is not None else True
-    tensors = {}
-    for part in parts:
-        for name, param in part.named_parameters():
-            tensors[to_hf_name(canonical_name(name))] = _full(param).detach().to("cpu", copy=True).contiguous()
+    tensors = _hf_tensors(parts, merge_lora)
     file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         folder.mkdir(parents=True, exist_ok=True)
@@ -133,6 +178,56 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None) -
         (folder / "config.json").write_text(json.dumps(hf_config(args), indent=2))
 
 
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def peft_config(lora: LoraConfig, base_model: str | None) -> dict:
+    """The `peft.LoraConfig` of our adapters, as `save_pretrained` writes it (fields left out take peft's
+    defaults). peft scales by lora_alpha / r, as we do (no rsLoRA, no DoRA)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(hf_module_name(t) for t in lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def export_peft(parts, lora: LoraConfig, folder: str | os.PathLike, runtime=None,
+                base_model: str | None = None) -> None:
+    """Write a LoRA model's adapters as a peft folder: adapter_config.json + adapter_model.safetensors
+    (collective: sharded adapters are gathered, pipeline stages' adapters sent to the main rank, which writes).
+
+    `base_model` (the Hugging Face folder the run started from, if any) is recorded as base_model_name_or_path;
+    the adapters go on that model, or on the base `export_hf(..., merge_lora=False)` writes.
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from shardwise.model import canonical_name
+
+    tensors = {to_peft_name(canonical_name(n)): _cpu(p) for part in parts for n, p in part.named_parameters()
+               if is_adapter(n)}
+    if dist.is_initialized() and dist.get_world_size() > 1:  # adapters are small: gather them whole
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, tensors)
+        tensors = {k: v for theirs in everyone for k, v in theirs.items()}
+    if runtime is None or runtime.is_main:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+        (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
+
+
 def _hf_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
         weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
@@ -148,7 +243,8 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
 
     Every rank reads the full tensors it needs and keeps its local piece (DTensor parameters get the slice of
     the full value their placement says, as `materialize` does); no communication. Returns the folder's shape;
-    ValueError when it is not the model's shape or a parameter is missing.
+    ValueError when it is not the model's shape or a parameter is missing. A LoRA model takes its base from the
+    folder (which has no adapters); its adapters keep their seeded initial values.
     """
     from safetensors import safe_open
 
@@ -174,6 +270,8 @@ def _copy_into(parts, where: dict, folder: Path) -> None:
 
     for part in parts:
         for name, param in part.named_parameters():
+            if is_adapter(name):
+                continue
             key = to_hf_name(canonical_name(name))
             if key not in where:
                 raise ValueError(f"{folder} has no tensor {key!r} (our {canonical_name(name)})")

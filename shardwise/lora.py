@@ -43,14 +43,34 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha / r) B A: the plain linear this module computes (without dropout), in fp32."""
-        return self.weight.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
+        return dense(self.weight).float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
 
 
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as a plain tensor: QLoRA's NF4 base (torchao's NF4Tensor) dequantised, any other as it is.
+
+    Duck-typed on NF4Tensor's `get_original_weight` so that torchao is imported only by the runs that use it;
+    `.float()` would not do: on an NF4 tensor of an fp32 original it is a no-op that returns the NF4 tensor.
+    """
+    return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+
+
 def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_spec(parts: list[nn.Module]) -> dict | None:
+    """What the adapters of a model are (rank, alpha / rank, targets), as an adapter checkpoint records it and a
+    run resuming it must match; None for a model without LoRA."""
+    layers = {name.rsplit(".", 1)[-1]: m for part in parts for name, m in part.named_modules()
+              if isinstance(m, LoRALinear)}
+    if not layers:
+        return None
+    first = next(iter(layers.values()))
+    return {"rank": first.rank, "scale": first.scale, "targets": sorted(layers)}
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype = torch.float32) -> None:

@@ -280,8 +280,10 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     scaler = build_grad_scaler(cfg.train, device)
     parts = model_parts(model)
     checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device)
+    if cfg.lora.rank and cfg.checkpoint.init_from_hf:
+        import_hf(parts, cfg.checkpoint.init_from_hf)  # LoRA checkpoints hold adapters only: the base goes first
     first_step = checkpoints.resume() + 1
-    if first_step == 1 and cfg.checkpoint.init_from_hf:
+    if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
@@ -411,21 +413,43 @@ class Checkpoints:
             self.stop.close()
 
 
-def export_hf_from_checkpoint(cfg: JobConfig, out: str) -> Path:
-    """Load the newest complete checkpoint of cfg's run folder (weights only) and write a Hugging Face folder."""
+def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer | Pipeline, Path]:
+    """This rank's model (cfg's layout) with the weights of the newest complete checkpoint of cfg's run folder,
+    and that checkpoint's path. No optimizer state is read.
+
+    A LoRA checkpoint holds only the adapters: the frozen base is rebuilt first from where the run took it
+    (the seeded init of build_training_model, then checkpoint.init_from_hf if set), the adapters go on top.
+    """
     from shardwise.checkpoint import CheckpointError, latest_checkpoint, load
-    from shardwise.hf import export_hf
 
     path = latest_checkpoint(cfg.metrics.out_dir)
     if path is None:
         raise CheckpointError(Path(cfg.metrics.out_dir) / "checkpoints", "no complete checkpoint",
                               "train with checkpoint.enabled = true first, or point metrics.out_dir at the run")
+    model = build_training_model(cfg, runtime)
+    parts = model_parts(model)
+    if cfg.lora.rank and cfg.checkpoint.init_from_hf:
+        import_hf(parts, cfg.checkpoint.init_from_hf)
+    load(path, TrainState(parts), cfg.model)
+    return model, path
+
+
+def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> Path:
+    """Load the newest complete checkpoint of cfg's run folder (weights only) and write it as a Hugging Face
+    folder: `fmt` "merged" (the model; a LoRA run's adapters merged into its weights), "base" (a LoRA run's
+    frozen base alone) or "peft" (a LoRA run's adapters, in peft's format); the CLI checks "base" and "peft"
+    are asked of a LoRA run."""
+    from shardwise.hf import export_hf, export_peft
+
     runtime = Runtime.create(cfg)
     try:
-        model = build_training_model(cfg, runtime)
+        model, path = model_from_checkpoint(cfg, runtime)
         parts = model_parts(model)
-        load(path, TrainState(parts), cfg.model)
-        export_hf(parts, cfg.model, out, runtime)
+        if fmt == "peft":
+            base = cfg.checkpoint.init_from_hf
+            export_peft(parts, cfg.lora, out, runtime, base_model=str(Path(base).resolve()) if base else None)
+        else:
+            export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged")
     finally:
         runtime.close()
     return path

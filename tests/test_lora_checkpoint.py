@@ -1,0 +1,261 @@
+"""LoRA checkpoints and export: adapter-only checkpoints that resume exactly and under another layout, refuse
+other adapter settings, and export as a merged Hugging Face model or as peft's adapter folder.
+
+References: the uninterrupted run (exact resume), the saving run's adapter values (resharding), transformers'
+and peft's own forward passes (export), the Hugging Face folder's tensors (the base under init_from_hf).
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_checkpoint import ADAMW, CONFIG, _assert_refused, _build, _cfg, _full_params, _steps
+from torch.distributed.tensor import DTensor
+
+from shardwise import hf
+from shardwise.checkpoint import Checkpointer, TrainState, _read_metadata, latest_checkpoint, load
+from shardwise.config import LORA_TARGETS
+from shardwise.lora import LoRALinear, apply_lora, is_adapter
+from shardwise.model import build_model, materialize
+from shardwise.parallel.runtime import Runtime
+from shardwise.train import build_training_model, train
+
+from distributed import run_distributed
+
+# dropout on: a resume must also bring back the RNG stream the adapters' dropout draws from
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.1"]
+LORA_NO_DROPOUT = ["lora.rank=4", "lora.alpha=8"]  # across layouts, ranks draw different dropout masks
+FSDP2 = ["parallel.dp_shard=2", "parallel.zero_stage=3", "train.micro_batch=4"]  # the one-process global batch
+
+
+def _adapters(parts) -> dict[str, torch.Tensor]:
+    return {n: v for n, v in _full_params(parts).items() if is_adapter(n)}
+
+
+@torch.no_grad()
+def _scramble_adapters(state) -> None:
+    """Overwrite every rank's piece of every adapter: only a complete load brings the saved values back (the
+    base is left as built: an adapter checkpoint does not hold it)."""
+    for part in state.parts:
+        for name, p in part.named_parameters():
+            if is_adapter(name):
+                (p.to_local() if isinstance(p, DTensor) else p).fill_(0.125)
+
+
+def test_lora_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path):
+    cfg = _cfg(LORA)
+    runtime = Runtime.create(cfg)
+    ckpt = Checkpointer(tmp_path, cfg.model)
+    state = _build(cfg, runtime)
+    losses = _steps(state, cfg, runtime, 2)
+    ckpt.save(2, state)
+    losses += _steps(state, cfg, runtime, 2)
+    reference = _full_params(state.parts)
+
+    fresh = _build(cfg, runtime)
+    _scramble_adapters(fresh)
+    assert ckpt.resume(fresh) == 2
+    assert _steps(fresh, cfg, runtime, 2) == losses[2:]  # identical floats
+    params = _full_params(fresh.parts)
+    assert all(torch.equal(params[n], reference[n]) for n in reference)
+
+    path = latest_checkpoint(tmp_path)
+    keys = _read_metadata(path).state_dict_metadata
+    adapters = {n for n in reference if is_adapter(n)}
+    assert {k.removeprefix("model/") for k in keys if k.startswith("model/")} == adapters
+    assert {k.removeprefix("optim/state.").rpartition(".")[0] for k in keys if k.startswith("optim/")} == adapters
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["lora"] == {"rank": 4, "scale": 2.0, "targets": sorted(LORA_TARGETS)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A LoRA checkpoint and a full-training one, each of one step."""
+    paths = {}
+    for name, overrides in (("lora", LORA), ("full", [])):
+        run = tmp_path_factory.mktemp(name)
+        cfg = _cfg(overrides)
+        runtime = Runtime.create(cfg)
+        state = _build(cfg, runtime)
+        _steps(state, cfg, runtime, 1)
+        Checkpointer(run, cfg.model).save(1, state)
+        paths[name] = latest_checkpoint(run)
+    return paths
+
+
+@pytest.mark.parametrize("checkpoint, overrides, words", [
+    ("lora", ["lora.rank=0"], ["LoRA rank 4", "no LoRA", "[lora]"]),
+    ("lora", ["lora.rank=8", "lora.alpha=16"], ["LoRA rank 4", "LoRA rank 8"]),
+    ("lora", [*LORA, "lora.targets=['wq','wv']"], ["targets wq,wv"]),
+    ("lora", [*LORA, "lora.alpha=16"], ["alpha/rank 2", "alpha/rank 4"]),
+    ("full", LORA, ["no LoRA", "init_from_hf"]),
+])
+def test_other_adapter_settings_are_refused_in_one_line(saved, checkpoint, overrides, words):
+    _assert_refused(saved[checkpoint], overrides, *words)
+
+
+def test_a_lora_model_imports_a_hugging_face_base_and_keeps_its_seeded_adapters(hf_base):
+    folder, tokens, logits = hf_base
+    cfg = _cfg(LORA)
+    model = build_training_model(cfg, Runtime.create(cfg))
+    seeded = _adapters([model])
+    hf.import_hf([model], folder)
+    assert all(torch.equal(v, seeded[n]) for n, v in _adapters([model]).items())
+    with torch.no_grad():  # B = 0: the adapted model is the base
+        torch.testing.assert_close(model.eval()(tokens), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_weight_dequantises_an_nf4_base():
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels do not load on a CPU machine
+    from torchao.quantization import to_nf4
+
+    layer = LoRALinear(256, 64, rank=2, alpha=4.0, dropout=0.0)
+    for p in (layer.weight, layer.lora_a, layer.lora_b):
+        torch.nn.init.normal_(p)
+    nf4 = to_nf4(layer.weight.detach())
+    layer.weight = torch.nn.Parameter(nf4, requires_grad=False)
+    expected = nf4.get_original_weight() + 2.0 * layer.lora_b.detach() @ layer.lora_a.detach()
+    torch.testing.assert_close(layer.merged_weight(), expected, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A LoRA run from a Hugging Face base, stopped, resumed, exported through the command line
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A random tiny Llama saved by transformers, and its logits on some tokens."""
+    transformers = pytest.importorskip("transformers")
+    args = _cfg().model
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.hf_config(args))).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    folder = tmp_path_factory.mktemp("hf_base")
+    theirs.save_pretrained(folder)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return folder, tokens, theirs(tokens).logits
+
+
+def _hf_model(folder):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+
+
+def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tmp_path):
+    from peft import PeftModel
+
+    from shardwise.cli import main
+
+    folder, tokens, base_logits = hf_base
+    run = tmp_path / "run"
+    overrides = [*LORA, "checkpoint.enabled=true", f"checkpoint.init_from_hf='{folder}'",
+                 f"metrics.out_dir='{run}'", "metrics.progress=false", "metrics.tensorboard=false"]
+    assert train(_cfg([*overrides, "train.stop_after=2"]))["stopped_at"] == 2
+    final = tmp_path / "final.safetensors"
+    assert train(_cfg(overrides), save_final=str(final))["first_step"] == 3
+
+    # resumed on the Hugging Face base (bitwise), with trained adapters
+    trained = load_file(final)
+    base = {hf.from_hf_name(k): v for k, v in load_file(folder / "model.safetensors").items()}
+    assert all(torch.equal(trained[n], v) for n, v in base.items())
+    assert trained["layers.0.attention.wq.lora_b"].abs().sum() > 0
+
+    # the reference: a LoRA model with the trained values, built here from the saved tensors
+    cfg = _cfg(overrides)
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.lora)
+    materialize(model, cfg.model, "cpu", seed=5)
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        adapted = model.eval()(tokens)
+
+    sets = [a for o in (*ADAMW, *overrides) for a in ("--set", o)]
+    for fmt in ("merged", "base", "peft"):
+        assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_model(tmp_path / "merged")(tokens).logits, adapted, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_hf_model(tmp_path / "base")(tokens).logits, base_logits, rtol=1e-5, atol=1e-5)
+        peft_model = PeftModel.from_pretrained(_hf_model(folder), tmp_path / "peft").eval()
+        torch.testing.assert_close(peft_model(tokens).logits, adapted, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(folder).resolve())
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"}
+
+
+def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
+    from shardwise.cli import main
+
+    assert main(["export", "--set", f"metrics.out_dir='{tmp_path}'", "--out", str(tmp_path / "x"),
+                 "--format", "peft"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--format" in err and "lora.rank is 0" in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Across layouts: saved by one process, resumed by FSDP over two ranks, and back
+
+
+def _save(run, overrides):
+    """Train 2 steps and save; the adapters as saved and the losses of 2 more steps."""
+    cfg = _cfg([*LORA_NO_DROPOUT, *overrides])
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    _steps(state, cfg, runtime, 2)
+    Checkpointer(run, cfg.model).save(2, state)
+    return {"adapters": _adapters(state.parts), "next": _steps(state, cfg, runtime, 2)}
+
+
+def _resume(run, overrides, export_to=None):
+    """A fresh state (adapters scrambled on every rank) resumes the run; its adapters, an export of it (merged
+    and peft) and the losses of 2 more steps."""
+    cfg = _cfg([*LORA_NO_DROPOUT, *overrides])
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    _scramble_adapters(state)
+    step = Checkpointer(run, cfg.model).resume(state)
+    if export_to is not None:
+        hf.export_hf(state.parts, cfg.model, export_to / "merged", runtime)
+        hf.export_peft(state.parts, cfg.lora, export_to / "peft", runtime)
+    return {"step": step, "adapters": _adapters(state.parts), "next": _steps(state, cfg, runtime, 2)}
+
+
+def _two_rank_job(saved_by_one, run, export_to):
+    return {"resumed": _resume(saved_by_one, FSDP2, export_to), "saved": _save(run, FSDP2)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.multiprocess
+def test_lora_checkpoint_reshards_between_one_process_and_fsdp2(tmp_path):
+    one, two, exported = tmp_path / "one", tmp_path / "two", tmp_path / "exported"
+    by_one = _save(one, [])
+    out = run_distributed(_two_rank_job, 2, one, two, exported)[0]
+    # one process -> FSDP over 2: every rank's shard of every adapter comes back (the full tensors gather both)
+    assert out["resumed"]["step"] == 2 and _same(out["resumed"]["adapters"], by_one["adapters"])
+    assert out["resumed"]["next"] == pytest.approx(by_one["next"], rel=1e-5)
+    # FSDP over 2 -> one process
+    back = _resume(two, [])
+    assert back["step"] == 2 and _same(back["adapters"], out["saved"]["adapters"])
+    assert back["next"] == pytest.approx(out["saved"]["next"], rel=1e-5)
+    # an export under FSDP (sharded adapters gathered, merged on their shards) is the one-process export
+    cfg = _cfg(LORA_NO_DROPOUT)
+    model = build_training_model(cfg, Runtime.create(cfg))
+    load(latest_checkpoint(one), TrainState([model]), cfg.model)
+    hf.export_hf([model], cfg.model, tmp_path / "merged_one")
+    hf.export_peft([model], cfg.lora, tmp_path / "peft_one")
+    for got, want in ((exported / "merged" / hf.SINGLE_FILE, tmp_path / "merged_one" / hf.SINGLE_FILE),
+                      (exported / "peft" / hf.ADAPTER_FILE, tmp_path / "peft_one" / hf.ADAPTER_FILE)):
+        got, want = load_file(got), load_file(want)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
