@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout, engine_cannot_run
-from shardwise.model_args import PRESETS, ModelArgs
+from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs
 
 
 @dataclass
@@ -77,7 +77,7 @@ class OptimConfig:
     """Global batch (sequences) at which lr was tuned; needed when lr_scaling = 'linear'."""
 
 
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+LORA_TARGETS = PROJECTIONS
 """The projections of a block LoRA can adapt: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
 
 

@@ -102,15 +102,36 @@ def num_params(args: ModelArgs, *, embedding: bool = True) -> int:
     return total
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+"""A block's linears: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
+
+
+def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each of a block's seven linears, by their name in the model."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    return {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+
+
+def adapter_params(args: ModelArgs, rank: int, targets=PROJECTIONS) -> int:
+    """LoRA's trainable parameters over the whole model: r (in + out) per adapted linear of every block."""
+    shapes = projection_shapes(args)
+    return args.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None = None) -> float:
     """Training FLOPs (forward + backward) per token: 6 N + 12 L d s (Kaplan et al.; Chinchilla appendix F).
 
     N counts the weights that take part in a matmul (every linear layer and the output head, not the
     embedding lookup or the norms); 12 L d s is the attention-score and attention-value matmuls, forward and
     backward, counted without the causal mask's saving, as the PaLM MFU definition does.
+    With LoRA (`adapter_params`, the adapters' count) a frozen weight does the forward and the input-gradient
+    matmuls but no weight gradient: 4 N, plus 6 per adapter parameter; the attention matmuls are all still done.
     """
     matmul_params = num_params(args, embedding=False) - (2 * args.n_layers + 1) * args.dim
-    return 6.0 * matmul_params + 12.0 * args.n_layers * args.dim * seq_len
+    attention = 12.0 * args.n_layers * args.dim * seq_len
+    if adapter_params is None:
+        return 6.0 * matmul_params + attention
+    return 4.0 * matmul_params + 6.0 * adapter_params + attention
 
 
 def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:

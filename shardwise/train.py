@@ -31,7 +31,7 @@ from shardwise.lora import apply_lora
 from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
-from shardwise.model_args import flops_per_token, num_params
+from shardwise.model_args import adapter_params, flops_per_token, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter
@@ -350,7 +350,8 @@ class Throughput:
 
     def __init__(self, cfg: JobConfig, runtime: Runtime, tokens_per_step: int):
         self.tokens_per_step, self.runtime = tokens_per_step, runtime
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        adapters = adapter_params(cfg.model, cfg.lora.rank, cfg.lora.targets) if cfg.lora.rank else None
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, adapters)
         self.peak = peak_flops(cfg.metrics, cfg.train.precision, runtime.device)
         self.time, self.steps = 0.0, 0
 

@@ -116,3 +116,28 @@ def test_planner_parameter_bytes_equal_the_engines_lora_model(precision):
     measured = sum(p.numel() * p.element_size() for p in model.parameters())
     training = Training(seq_len=32, global_batch=1, precision=precision, lora_rank=4)
     assert stage_memory(args, training, Plan(), 0)["params"] == pytest.approx(measured, rel=1e-9)
+
+
+def test_adapter_count_and_lora_flops_against_the_model():
+    """adapter_params against the adapters of the built model; LoRA's FLOPs per token against torch's
+    FlopCounterMode on a forward + backward of the adapted model (frozen weights: no weight-gradient matmuls)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.loss import token_loss_sum
+    from shardwise.model_args import adapter_params, flops_per_token
+
+    args = preset("tiny")
+    _, model = _models(LoraConfig(rank=4, targets=["wq", "wv", "w2"]))
+    assert adapter_params(args, 4, ("wq", "wv", "w2")) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    batch = _batch(2, seq=32)
+    with FlopCounterMode(display=False) as counter:
+        token_loss_sum(model(batch.inputs), batch.targets).backward()
+    tokens = batch.inputs.numel()
+    expected = flops_per_token(args, 32, adapter_params(args, 4, ("wq", "wv", "w2"))) * tokens
+    # the formula counts attention without the causal mask's saving (PaLM's MFU) as SDPA's FLOP count does;
+    # block 0's input needs no gradient (the embedding is frozen): its q, k, v, gate and up projections skip
+    # their input-gradient matmuls, which the formula (a per-token rate for any depth) does not model
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    # (and so do the adapters' A matmuls on block 0's q and v)
+    skipped = 2 * (d * d + 2 * d * kv + 2 * d * f + 2 * 4 * d) * tokens
+    assert counter.get_total_flops() == pytest.approx(expected - skipped, rel=1e-6)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
-from shardwise.model_args import ModelArgs
+from shardwise.model_args import ModelArgs, projection_shapes
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 
@@ -25,9 +25,8 @@ from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Traini
 def linear_shapes(args: ModelArgs) -> list[tuple[str, int, int, str]]:
     """(name, in, out, how tp splits it) for the seven linears of a block: 'col' splits outputs, 'row' inputs,
     'kv' is a column split that cannot go below one KV head per rank."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    return [("wq", d, d, "col"), ("wk", d, kv, "kv"), ("wv", d, kv, "kv"), ("wo", d, d, "row"),
-            ("w1", d, f, "col"), ("w3", d, f, "col"), ("w2", f, d, "row")]
+    splits = {"wq": "col", "wk": "kv", "wv": "kv", "wo": "row", "w1": "col", "w3": "col", "w2": "row"}
+    return [(name, n_in, n_out, splits[name]) for name, (n_in, n_out) in projection_shapes(args).items()]
 
 
 def kv_split(args: ModelArgs, tp: int) -> int:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.hardware import Accelerator, Cluster
-from shardwise.model_args import ModelArgs, flops_per_token
+from shardwise.model_args import ModelArgs, adapter_params, flops_per_token
 from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
 from shardwise.planner.memory import (
     block_tensor_params,
@@ -507,7 +507,8 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     total = pipe + dp_exposed + copies + opt + off + scalars + hooks
     tokens = training.global_batch * training.seq_len
     tps = tokens / total
-    mfu = flops_per_token(args, training.seq_len) * tps / (plan.world * acc.peak(training.compute_dtype))
+    adapters = adapter_params(args, training.lora_rank) if training.lora_rank else None
+    mfu = flops_per_token(args, training.seq_len, adapters) * tps / (plan.world * acc.peak(training.compute_dtype))
     exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p) + dp_exposed + off + scalars
     return StepTime(
         step_time_s=total, compute_s=m * cost.compute, recompute_s=m * cost.recompute, bubble_s=bubble,
