@@ -79,6 +79,10 @@ class OptimConfig:
 
 LORA_TARGETS = PROJECTIONS
 """The projections of a block LoRA can adapt: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
+# QLoRA's NF4 storage (torchao's to_nf4 defaults, as in Dettmers et al. 2023; see shardwise/nf4.py): one int8
+# absmax scaler per NF4_BLOCK_SIZE weights, one quantisation factor per NF4_SCALER_BLOCK_SIZE scalers
+NF4_BLOCK_SIZE = 64
+NF4_SCALER_BLOCK_SIZE = 256
 
 
 @dataclass
@@ -356,6 +360,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_train(cfg.train)
     _validate_lora(cfg.lora)
     validate_parallel(cfg)
+    _validate_qlora(cfg)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
     hf = cfg.checkpoint.init_from_hf
@@ -470,6 +475,39 @@ def _validate_lora(lora: LoraConfig) -> None:
     if unknown or not lora.targets:
         raise ConfigError("lora.targets", f"{unknown or 'an empty list'} names no projection of a block",
                           f"use some of {', '.join(LORA_TARGETS)}")
+
+
+def projection_shape(m: ModelArgs, target: str) -> tuple[int, int]:
+    """(out, in) of a block's projection `target` (one of LORA_TARGETS), as nn.Linear stores its weight."""
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    return {"wq": (q, m.dim), "wk": (kv, m.dim), "wv": (kv, m.dim), "wo": (m.dim, q),
+            "w1": (m.ffn_hidden, m.dim), "w3": (m.ffn_hidden, m.dim), "w2": (m.dim, m.ffn_hidden)}[target]
+
+
+def _validate_qlora(cfg: JobConfig) -> None:
+    """The NF4 base must be quantisable whole and, under FSDP, split into whole blocks of scalers per rank."""
+    lora, p = cfg.lora, cfg.parallel
+    if not lora.qlora:
+        return
+    if p.tp > 1:
+        raise ConfigError("lora.qlora", f"tensor parallelism (tp={p.tp}) would split NF4 weights along dim 1 "
+                          "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
+                          "set parallel.tp = 1 (shard the 4-bit base with FSDP: dp_shard > 1), or lora.qlora = false")
+    # torchao quantises blocks of NF4_BLOCK_SIZE weights and double-quantises blocks of NF4_SCALER_BLOCK_SIZE
+    # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
+    unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
+    shards = p.dp_shard * p.cp if p.zero_stage >= 2 else 1
+    for target in lora.targets:
+        out, inp = projection_shape(cfg.model, target)
+        if out * inp % unit:
+            raise ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
+                              f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "
+                              "which NF4 needs", f"drop {target} from lora.targets or change the model's shape")
+        if shards > 1 and (out % shards or out * inp % (unit * shards)):
+            raise ConfigError("lora.qlora", f"FSDP cuts {target}'s NF4 weight ({out} x {inp}) into {shards} dim-0 "
+                              f"chunks (dp_shard x cp), which must each hold a multiple of {unit} weights",
+                              f"pick dp_shard x cp dividing {out} and {out * inp // unit}, drop {target} from "
+                              "lora.targets, or use zero_stage 0/1 (the frozen base is then not sharded)")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -266,10 +266,10 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
 @torch.no_grad()
 def _copy_into(parts, where: dict, folder: Path) -> None:
     """Each parameter's local piece of the full tensor of the same (Hugging Face) name."""
-    from shardwise.model import _local_piece, canonical_name
+    from shardwise.model import canonical_name, set_full_value
 
     for part in parts:
-        for name, param in part.named_parameters():
+        for name, param in list(part.named_parameters()):
             if is_adapter(name):
                 continue
             key = to_hf_name(canonical_name(name))
@@ -278,4 +278,4 @@ def _copy_into(parts, where: dict, folder: Path) -> None:
             full = where[key].get_tensor(key)
             if tuple(full.shape) != tuple(param.shape):
                 raise ValueError(f"{folder}: {key} has shape {tuple(full.shape)}, the model {tuple(param.shape)}")
-            param.copy_(_local_piece(param, full.to(param.dtype)))
+            set_full_value(part, name, param, full)

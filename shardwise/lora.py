@@ -8,6 +8,9 @@ is not an adapter is frozen (embedding, norms and head too), and only adapters r
 transform: the base weight keeps its name (`layers.0.attention.wq.weight`), so checkpoints and Hugging Face import
 see the same names; the adapters are `...wq.lora_a` and `...wq.lora_b`, initialised by `model.init_value` from
 (seed, name) like every other parameter, so every layout starts from the same adapters.
+
+QLoRA (`lora.qlora`): the adapted projections' frozen weights are stored in 4-bit NF4 (see nf4.py for the order
+in which that composes with FSDP); the forward is the same, `F.linear` dequantising the NF4 weight.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise import nf4
 from shardwise.config import LoraConfig
 
 ADAPTER_SUFFIXES = ("lora_a", "lora_b")
@@ -37,6 +41,7 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # with an NF4 weight (QLoRA), torchao's F.linear dequantises it; its backward gives x's gradient only
         update = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
         return F.linear(x, self.weight) + self.scale * update
 
@@ -97,7 +102,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype = to
 
 def _store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
-        if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+        # QLoRA's NF4 weights stay as they are: quantised from the fp32 values under every precision, so a bf16
+        # and an fp32 run hold the same 4-bit numbers (and NF4's scaler factors are fp32: planner's QLORA_BITS)
+        if isinstance(module, nn.Linear) and not module.weight.requires_grad and not nf4.is_nf4(module.weight):
             module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
     model.tie_weights()  # a head tied to the embedding shares the embedding's (kept) dtype
 
@@ -105,7 +112,8 @@ def _store_frozen_linears(model: nn.Module, dtype: torch.dtype) -> None:
 def _adapted(base: nn.Linear, cfg: LoraConfig) -> LoRALinear:
     layer = LoRALinear(base.in_features, base.out_features, cfg.rank, cfg.alpha, cfg.dropout,
                        device=base.weight.device, dtype=base.weight.dtype)
-    layer.weight = base.weight
+    # QLoRA: NF4 on the meta device already, so that FSDP2 (applied later) shards the 4-bit storage
+    layer.weight = nn.Parameter(nf4.quantize(base.weight), requires_grad=False) if cfg.qlora else base.weight
     return layer
 
 

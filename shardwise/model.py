@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise import nf4
 from shardwise.model_args import ModelArgs
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,8 +194,19 @@ def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, s
         model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
     if not init_values:
         return
-    for name, param in model.named_parameters():
-        full = init_value(args, name, param.shape, seed)
+    for name, param in list(model.named_parameters()):
+        set_full_value(model, name, param, init_value(args, name, param.shape, seed))
+
+
+@torch.no_grad()
+def set_full_value(model: nn.Module, name: str, param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give parameter `name` of `model` its local piece of the full single-device value `full` (no communication).
+
+    A QLoRA base weight (NF4, see nf4.py) is quantised whole and then cut, the others are cut and copied.
+    """
+    if nf4.is_nf4(param):
+        nf4.assign(model, name, full.to(param.dtype))
+    else:
         param.copy_(_local_piece(param, full).to(param.dtype))
 
 

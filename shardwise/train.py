@@ -27,7 +27,7 @@ from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.distributed import explain_failure
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
-from shardwise.lora import apply_lora
+from shardwise.lora import apply_lora, dense
 from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
@@ -238,6 +238,8 @@ def build_training_model(cfg: JobConfig, runtime: Runtime,
     if runtime.pp_size > 1:
         return build_pipeline(cfg, runtime, materialize=materialize)
     model = build_model(cfg.model)
+    # QLoRA: apply_lora makes the adapted base weights NF4 while still on meta, parallelize's FSDP2 then shards
+    # their 4-bit storage, and materialize quantises each full value before cutting this rank's piece (nf4.py)
     apply_lora(model, cfg.lora, compute_dtype(cfg.train.precision))
     parallelize(model, runtime.mesh, cfg)
     materialize(model, cfg.model, runtime.device, cfg.train.seed)
@@ -467,7 +469,7 @@ def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) ->
     tensors = {}
     for part in parts:
         for name, param in part.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            full = dense(param.full_tensor() if isinstance(param, DTensor) else param)  # QLoRA: dequantised
             tensors[canonical_name(name)] = full.detach().to("cpu").contiguous()
     if runtime.writes_stage_files:
         target = path if runtime.pp_size == 1 else f"{path}.stage{runtime.pp_rank}"

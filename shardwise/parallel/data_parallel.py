@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.layout import Layout
 from shardwise.model import canonical_name
+from shardwise.nf4 import is_nf4
 from shardwise.parallel.compat import replicate
 from shardwise.parallel.mesh import MeshView
 
@@ -64,9 +65,12 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
         dp_mesh = mesh.grad_reduce
         if dp_mesh.size() == 1:
             return
+        # QLoRA's NF4 base stays a plain tensor on every rank: frozen, it has no gradient to all-reduce, and
+        # replicate cannot gather an NF4Tensor (see nf4.py)
+        ignored = {param for param in model.parameters() if is_nf4(param)}
         for group in _buckets(blocks, p.bucket_mb):
-            replicate(group if len(group) > 1 else group[0], mesh=dp_mesh)
-        replicate(model, mesh=dp_mesh)
+            replicate(group if len(group) > 1 else group[0], mesh=dp_mesh, ignored_params=ignored)
+        replicate(model, mesh=dp_mesh, ignored_params=ignored)
     else:
         shard_mesh = mesh.fsdp
         if shard_mesh.size() == 1:
@@ -108,7 +112,7 @@ class ShardedOptimizer:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params: list[tuple[nn.Parameter, nn.Parameter, int]] = []
         named_slices = []
-        for name, param in model.named_parameters():
+        for name, param in _trained(model):
             local = _local(param)
             chunk = math.ceil(local.numel() / self.world)
             lo, hi = self._start(local, chunk), min((self.rank + 1) * chunk, local.numel())
@@ -161,7 +165,7 @@ class ShardedOptimizer:
     def param_names(self, model: nn.Module) -> list[str]:
         """Each parameter's name in `model` (the module this optimizer was built over), as torch's state-dict
         functions give it (without the wrappers' prefixes)."""
-        named = list(model.named_parameters())
+        named = _trained(model)
         if [id(p) for _, p in named] != [id(p) for p, _, _ in self.params]:
             raise RuntimeError("ShardedOptimizer was built over other parameters than these")
         return [canonical_name(n) for n, _ in named]
@@ -230,6 +234,11 @@ class ShardedOptimizer:
     def _name_of(self, names: list[str]) -> dict[int, str]:
         """id(slice) -> its parameter's name (the inner optimizer's groups hold the slices)."""
         return {id(piece): name for name, (_, piece, _) in zip(names, self.params)}
+
+
+def _trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an optimizer updates: not LoRA's frozen base (a QLoRA one cannot even be sliced)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def _states(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:

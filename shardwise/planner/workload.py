@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from shardwise.config import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 from shardwise.frozen import hashed_once
 from shardwise.hardware import PlannerError
 from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
@@ -26,9 +27,12 @@ Layout = Literal["torch", "zero", "megatron"]
 # bitsandbytes' 8-bit Adam keeps two 1-byte moments plus one fp32 absmax per 2048-element block for each of them.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 2048}
 
-# QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants: 4 bits plus
-# 8-bit absmax per 64 weights plus an fp32 constant per 256 of those (Dettmers et al. 2023, section 3): 4.127 bits.
-QLORA_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+# QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants (Dettmers et al.
+# 2023, section 3), as torchao's NF4Tensor holds them for the engine's fp32 weights (shardwise/nf4.py): a 4-bit
+# code per weight, an int8 absmax scaler per NF4_BLOCK_SIZE (64) weights, and an fp32 factor per
+# NF4_SCALER_BLOCK_SIZE (256) scalers: 4.127 bits. Each tensor also keeps the scalers' fp32 mean and the 16-entry
+# fp32 code table (68 bytes, on every rank), left out here.
+QLORA_BITS = 4 + 8 / NF4_BLOCK_SIZE + 32 / (NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE)
 
 
 @hashed_once

@@ -1,0 +1,133 @@
+"""QLoRA: NF4 base weights (torchao) under LoRA, on one device and under FSDP2, ZeRO-0/1 and pipeline parallelism;
+the shapes and layouts NF4 cannot take; the planner's bytes per NF4 weight against what torchao stores."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_parallel import _shardwise
+from test_train import _batch
+
+from shardwise.config import LoraConfig, OptimConfig, load_config
+from shardwise.errors import ConfigError
+from shardwise.lora import LoRALinear, apply_lora
+from shardwise.model import build_model, materialize
+from shardwise.model_args import ModelArgs
+from shardwise.nf4 import CONSTANT_PARTS, SHARDED_PARTS, is_nf4, storage_bytes
+from shardwise.optim import build_optimizer
+from shardwise.planner.memory import model_state_bytes
+from shardwise.planner.workload import QLORA_BITS, Training
+from shardwise.train import build_grad_scaler, train_step
+
+CPU = torch.device("cpu")
+CONFIG = str(Path(__file__).parent / "configs" / "qlora.toml")
+# every projection a multiple of 64 x 256 weights (wq 128 x 128)
+ARGS = ModelArgs(name="qlora", dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=256, vocab_size=320)
+
+
+def _to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 of `weight`, straight from its public API (the reference, not shardwise's path)."""
+    from torchao.quantization import to_nf4
+
+    return to_nf4(weight, block_size=64, scaler_block_size=256)
+
+
+def _qlora_model(seed=0, rank=4):
+    model = build_model(ARGS)
+    apply_lora(model, LoraConfig(rank=rank, qlora=True))
+    materialize(model, ARGS, CPU, seed)
+    return model
+
+
+def test_qlora_with_zero_adapters_is_the_model_with_dequantised_base_weights():
+    model = _qlora_model()
+    reference = build_model(ARGS)
+    materialize(reference, ARGS, CPU, 0)
+    adapted = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert len(adapted) == 7 * ARGS.n_layers
+    with torch.no_grad():
+        for name in adapted:
+            weight = reference.get_submodule(name).weight
+            assert is_nf4(model.get_submodule(name).weight)
+            dequantised = _to_nf4(weight.detach().clone()).get_original_weight()
+            # 4 bits: close to the weight (NF4's largest gap is 0.28 of a block's absmax), not equal to it
+            assert 0 < (dequantised - weight).norm() / weight.norm() < 0.15
+            weight.copy_(dequantised)
+    tokens = _batch(2, vocab=ARGS.vocab_size).inputs
+    assert torch.equal(model(tokens), reference(tokens))
+
+
+def test_qlora_training_moves_only_adapters_and_only_they_have_optimizer_state():
+    model = _qlora_model()
+    nf4_parts = {n: [getattr(p, a).clone() for a in SHARDED_PARTS + CONSTANT_PARTS]
+                 for n, p in model.named_parameters() if is_nf4(p)}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and n not in nf4_parts}
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=1e-2), 1e-2)
+    scaler = build_grad_scaler(load_config().train, CPU)
+    losses = [train_step(model, optimizer, scaler, [_batch(4, vocab=ARGS.vocab_size, seed=s)], device=CPU,
+                         grad_clip=1.0).loss for s in range(4)]
+    assert losses[-1] < losses[0]
+    params = dict(model.named_parameters())
+    for name, parts in nf4_parts.items():  # bitwise, every part torchao stores
+        assert all(torch.equal(getattr(params[name], a), v) for a, v in zip(SHARDED_PARTS + CONSTANT_PARTS, parts))
+    for name, value in frozen.items():
+        assert torch.equal(params[name], value), name
+    adapters = {id(p) for n, p in params.items() if n.endswith(("lora_a", "lora_b"))}
+    assert {id(p) for p in optimizer.state} == adapters
+    assert model.layers["0"].feed_forward.w2.lora_b.detach().abs().sum() > 0
+
+
+def test_planner_bits_per_nf4_weight_are_what_torchao_stores():
+    weight = torch.randn(512, 256)
+    stored = _to_nf4(weight)
+    per_tensor = sum(getattr(stored, a).nbytes for a in CONSTANT_PARTS)  # scalers' mean, 16-entry code table
+    assert storage_bytes(stored) - per_tensor == weight.numel() * QLORA_BITS / 8
+    assert per_tensor == 4 * (1 + 16)
+    # the planner's frozen-weight bytes for a fully quantised model of that size (no adapters, one rank)
+    planned = model_state_bytes(weight.numel(), Training(lora_rank=1, qlora=True), zero_stage=0, shard=1,
+                                n_trainable=0, n_quantizable=weight.numel())["params"]
+    assert planned == storage_bytes(stored) - per_tensor
+    # FSDP's dim-0 chunk of it holds half of the sharded parts
+    half = torch.chunk(stored, 2, dim=0)[0]
+    assert sum(getattr(half, a).nbytes for a in SHARDED_PARTS) == planned / 2
+
+
+def test_qlora_model_stores_the_planned_bytes():
+    model = _qlora_model()
+    quantized = [p for p in model.parameters() if is_nf4(p)]
+    n = sum(p.numel() for p in quantized)
+    measured = sum(storage_bytes(p) for p in quantized)
+    assert n == ARGS.n_layers * (4 * 128 * 128 + 3 * 256 * 128)  # wq wk wv wo, w1 w3 w2
+    assert measured - n * QLORA_BITS / 8 == 68 * len(quantized)  # + each tensor's constants
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["parallel.tp=2"], "tensor parallelism"),
+    (["model.name='tiny'", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192"],
+     "not a multiple of 16384"),
+    # wq is 128 x 128 = one scaler block: it cannot be cut in two
+    (["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256", "parallel.dp_shard=2",
+      "parallel.zero_stage=3"], "FSDP cuts wq"),
+])
+def test_qlora_rejects_what_nf4_cannot_hold_before_anything_runs(overrides, problem):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, overrides)
+    assert e.value.field == "lora.qlora" and problem in e.value.problem
+
+
+def test_qlora_accepts_the_same_shape_where_the_base_is_not_sharded():
+    small = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256"]
+    load_config(CONFIG, [*small, "parallel.dp_replicate=2", "parallel.zero_stage=1"])
+    load_config(CONFIG, [*small, "lora.targets=['w1', 'w3', 'w2']", "parallel.dp_shard=2", "parallel.zero_stage=3"])
+
+
+@pytest.mark.multiprocess
+def test_qlora_layouts_match_single_device_qlora():
+    layouts = ["dp_shard=2,zero_stage=3", "dp_shard=2,zero_stage=2", "dp=2,zero_stage=1", "pp=2"]
+    proc = _shardwise("verify", "--config", CONFIG, "--steps", "3", "--json",
+                      *[arg for layout in layouts for arg in ("--layout", layout)])
+    assert proc.stdout, proc.stderr[-3000:]
+    for row in json.loads(proc.stdout)["layouts"]:
+        assert max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= 1e-5, row
+    assert proc.returncode == 0
