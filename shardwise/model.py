@@ -192,10 +192,12 @@ def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, s
     if isinstance(model, Transformer):
         model.tie_weights()
         model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
-    if not init_values:
-        return
     for name, param in list(model.named_parameters()):
-        set_full_value(model, name, param, init_value(args, name, param.shape, seed))
+        if init_values:
+            set_full_value(model, name, param, init_value(args, name, param.shape, seed))
+        elif nf4.is_nf4(param):
+            # to_empty gave an NF4Tensor storage for its sharded parts only: quantising a value makes all of it
+            set_full_value(model, name, param, torch.empty(param.shape, dtype=param.dtype))
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ from test_train import _batch
 
 from shardwise.config import LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
-from shardwise.lora import LoRALinear, apply_lora
+from shardwise.hf import export_hf, import_hf
+from shardwise.lora import LoRALinear, apply_lora, is_adapter
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs
 from shardwise.nf4 import CONSTANT_PARTS, SHARDED_PARTS, is_nf4, storage_bytes
@@ -76,6 +77,24 @@ def test_qlora_training_moves_only_adapters_and_only_they_have_optimizer_state()
     adapters = {id(p) for n, p in params.items() if n.endswith(("lora_a", "lora_b"))}
     assert {id(p) for p in optimizer.state} == adapters
     assert model.layers["0"].feed_forward.w2.lora_b.detach().abs().sum() > 0
+
+
+def test_qlora_from_hugging_face_quantises_the_imported_weights(tmp_path):
+    source = build_model(ARGS)
+    materialize(source, ARGS, CPU, seed=1)
+    export_hf([source], ARGS, tmp_path)
+    model = _qlora_model(seed=0)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
+    import_hf([model], tmp_path)
+    imported = dict(source.named_parameters())
+    for name, param in model.named_parameters():
+        if is_adapter(name):  # not in the base model: they keep their start
+            assert torch.equal(param, adapters[name]), name
+        elif is_nf4(param):
+            expected = _to_nf4(imported[name].detach()).get_original_weight()
+            assert torch.equal(param.get_original_weight(), expected), name
+        else:
+            assert torch.equal(param, imported[name]), name
 
 
 def test_planner_bits_per_nf4_weight_are_what_torchao_stores():
