@@ -143,7 +143,8 @@ def test_qlora_accepts_the_same_shape_where_the_base_is_not_sharded():
 
 @pytest.mark.multiprocess
 def test_qlora_layouts_match_single_device_qlora():
-    layouts = ["dp_shard=2,zero_stage=3", "dp_shard=2,zero_stage=2", "dp=2,zero_stage=1", "pp=2"]
+    # ZeRO-3 (FSDP2 shards the NF4 storage), ZeRO-1 (replicate leaves it out), a pipeline of two stages
+    layouts = ["dp_shard=2,zero_stage=3", "dp=2,zero_stage=1", "pp=2"]
     proc = _shardwise("verify", "--config", CONFIG, "--steps", "3", "--json",
                       *[arg for layout in layouts for arg in ("--layout", layout)])
     assert proc.stdout, proc.stderr[-3000:]
