@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout, engine_cannot_run
-from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs
+from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, projection_shapes
 
 
 @dataclass
@@ -477,13 +477,6 @@ def _validate_lora(lora: LoraConfig) -> None:
                           f"use some of {', '.join(LORA_TARGETS)}")
 
 
-def projection_shape(m: ModelArgs, target: str) -> tuple[int, int]:
-    """(out, in) of a block's projection `target` (one of LORA_TARGETS), as nn.Linear stores its weight."""
-    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    return {"wq": (q, m.dim), "wk": (kv, m.dim), "wv": (kv, m.dim), "wo": (m.dim, q),
-            "w1": (m.ffn_hidden, m.dim), "w3": (m.ffn_hidden, m.dim), "w2": (m.dim, m.ffn_hidden)}[target]
-
-
 def _validate_qlora(cfg: JobConfig) -> None:
     """The NF4 base must be quantisable whole and, under FSDP, split into whole blocks of scalers per rank."""
     lora, p = cfg.lora, cfg.parallel
@@ -497,8 +490,9 @@ def _validate_qlora(cfg: JobConfig) -> None:
     # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
     shards = p.dp_shard * p.cp if p.zero_stage >= 2 else 1
+    shapes = projection_shapes(cfg.model)
     for target in lora.targets:
-        out, inp = projection_shape(cfg.model, target)
+        inp, out = shapes[target]
         if out * inp % unit:
             raise ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
                               f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import _build, _steps
 from test_parallel import _shardwise
 from test_train import _batch
 
+from shardwise.checkpoint import Checkpointer, _read_metadata, latest_checkpoint
 from shardwise.config import LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.hf import export_hf, import_hf
@@ -17,6 +19,7 @@ from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs
 from shardwise.nf4 import CONSTANT_PARTS, SHARDED_PARTS, is_nf4, storage_bytes
 from shardwise.optim import build_optimizer
+from shardwise.parallel.runtime import Runtime
 from shardwise.planner.memory import model_state_bytes
 from shardwise.planner.workload import QLORA_BITS, Training
 from shardwise.train import build_grad_scaler, train_step
@@ -95,6 +98,31 @@ def test_qlora_from_hugging_face_quantises_the_imported_weights(tmp_path):
             assert torch.equal(param.get_original_weight(), expected), name
         else:
             assert torch.equal(param, imported[name]), name
+
+
+def test_qlora_base_is_quantised_from_fp32_under_mixed_precision():
+    model = build_model(ARGS)
+    apply_lora(model, LoraConfig(rank=4, qlora=True), frozen_dtype=torch.bfloat16)
+    wq = model.layers["0"].attention.wq.weight
+    # the 4-bit numbers of an fp32 run, with fp32 scaler factors (the planner's QLORA_BITS)
+    assert is_nf4(wq) and wq.dtype == torch.float32 and wq.quantization_factor.dtype == torch.float32
+    assert model.output.weight.dtype == torch.bfloat16  # LoRA's other frozen matmul weight, as before
+
+
+def test_qlora_resume_rebuilds_the_nf4_base_and_continues_exactly(tmp_path):
+    cfg = load_config(CONFIG, ["optim.name='adamw'", "optim.lr=3e-3", "train.steps=4"])
+    runtime = Runtime.create(cfg)
+    checkpointer = Checkpointer(tmp_path, cfg.model)
+    state = _build(cfg, runtime)
+    losses = _steps(state, cfg, runtime, 2)
+    checkpointer.save(2, state)
+    losses += _steps(state, cfg, runtime, 2)
+    fresh = _build(cfg, runtime)  # base quantised again from its seed, adapters at their start
+    assert checkpointer.resume(fresh) == 2
+    assert _steps(fresh, cfg, runtime, 2) == losses[2:]  # identical floats
+    keys = _read_metadata(latest_checkpoint(tmp_path)).state_dict_metadata
+    assert {k for k in keys if k.startswith("model/") and not is_adapter(k)} == set()  # no NF4 base in it
+    runtime.close()
 
 
 def test_planner_bits_per_nf4_weight_are_what_torchao_stores():
