@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from shardwise.config import ConfigError, load_config
 from shardwise.layout import Layout
@@ -80,6 +81,57 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", dest="run_dir", metavar="DIR",
+                   help="a training run's folder (its metrics.out_dir), with checkpoints")
+    p.add_argument("--hf", dest="hf_dir", metavar="DIR",
+                   help="a Hugging Face Llama folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--prompt", default="", help="text the model continues")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (or at end-of-text)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (the most likely token each step)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens that sum to p")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    _check_generate(args)  # before torch is imported or anything is loaded
+    from shardwise.generate import Sampling, complete, load_hf, load_run
+
+    loaded = load_run(args.run_dir) if args.run_dir else load_hf(args.hf_dir)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    print(complete(loaded, args.prompt, args.max_new_tokens, sampling))
+    return 0
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    if bool(args.run_dir) == bool(args.hf_dir):
+        given = "both given" if args.run_dir else "neither given"
+        raise ConfigError("--run/--hf", given, "pass one: --run DIR for a training run's folder, --hf DIR for a "
+                          "Hugging Face Llama folder")
+    flag, folder = ("--run", Path(args.run_dir)) if args.run_dir else ("--hf", Path(args.hf_dir))
+    needs = ["job_config.json", "checkpoints"] if args.run_dir else ["config.json", "tokenizer.json"]
+    missing = [n for n in needs if not (folder / n).exists()]
+    if not folder.is_dir():
+        raise ConfigError(flag, f"no folder {folder}", "pass the path of an existing folder")
+    if missing:
+        fix = ("train with checkpoint.enabled = true, and pass its metrics.out_dir" if args.run_dir
+               else "copy the model's tokenizer.json (and config.json) from where the weights came from")
+        raise ConfigError(flag, f"{folder} has no {' and no '.join(missing)}", fix)
+    if args.run_dir and not any((folder / "checkpoints").glob("step_*/meta.json")):
+        raise ConfigError(flag, f"{folder} has no complete checkpoint", "let the run save one "
+                          "(checkpoint.every, or the end of the run)")
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"{args.max_new_tokens} < 1", "ask for at least one token")
+    if args.temperature < 0:
+        raise ConfigError("--temperature", f"{args.temperature} < 0", "0 for greedy decoding, or a positive value")
+    if args.top_k < 0:
+        raise ConfigError("--top-k", f"{args.top_k} < 0", "0 keeps every token, k > 0 the k most likely")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError("--top-p", f"{args.top_p} is outside (0, 1]", "a share of probability in (0, 1]; 1 keeps all")
+
+
 def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file; omitted: the built-in defaults")
     _add_overrides(p)
@@ -123,6 +175,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "train": ("train a model from a TOML config", _add_train),
     "export": ("write the newest checkpoint of a run as a Hugging Face Llama folder", _add_export),
+    "generate": ("write text with a trained run or a Hugging Face Llama folder (KV cache, sampling)",
+                 _add_generate),
     "verify": ("prove parallel layouts train exactly like one device", _add_verify),
     "plan": ("memory and step time of parallel plans, the best one, and why", _add_plan),
     "bench": ("measure this machine's FLOP/s and collective bandwidth (a planner profile)", _add_bench),

@@ -1,0 +1,254 @@
+"""Sampling: the KV cache against the training forward, transformers' filters and greedy `generate`, seeds, and
+`shardwise generate` on a run trained under a 2-rank layout and on a Hugging Face folder."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.cli import main
+from shardwise.config import load_config
+from shardwise.generate import Sampling, filter_logits, generate_ids, kv_cache, load_hf, next_token
+from shardwise.model import build_model, causal_attention, materialize
+
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+
+
+@pytest.fixture(scope="module")
+def model():
+    args = load_config(CONFIG, ["model.n_layers=2"]).model  # 8 query heads on 4 key/value heads: GQA
+    m = build_model(args)
+    materialize(m, args, "cpu", seed=5)
+    # sharp attention: at N(0, 0.02) the attention scores are ~0.03 and attention is nearly uniform, which would
+    # hide a wrong mask, position or cached key; x8 on both projections makes the scores ~2
+    with torch.no_grad():
+        for block in m.layers.values():
+            block.attention.wq.weight.mul_(8)
+            block.attention.wk.weight.mul_(8)
+    return m.eval()
+
+
+def _prompt(n, vocab, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache
+
+
+@torch.no_grad()
+def test_cached_logits_equal_the_training_forward(model):
+    """A prompt of 7, a chunk of 5 (a mask offset by the cached positions), then one token at a time: every
+    position's logits equal those of one forward over the whole sequence."""
+    tokens = torch.tensor([_prompt(24, model.args.vocab_size)] * 2)  # a batch of two
+    full = model(tokens)
+    pieces, bounds = [], [0, 7, 12, *range(13, 25)]
+    with kv_cache(model, batch=2, max_len=24) as cache:
+        for lo, hi in zip(bounds, bounds[1:]):
+            pieces.append(model(tokens[:, lo:hi], torch.arange(lo, hi)))
+        assert cache.lengths == [24, 24]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    # the model's own attention is back
+    assert all(block.attention.attention_fn is causal_attention for block in model.layers.values())
+
+
+@torch.no_grad()
+def test_cache_under_bf16_autocast_with_a_lora_model_stored_in_bf16():
+    """A LoRA run trained in bf16 stores its frozen projections in bf16 and runs under autocast: the cache takes
+    autocast's dtype, and its logits are the full forward's (to bf16's precision)."""
+    from shardwise.lora import apply_lora
+    from shardwise.loss import autocast_context
+
+    cfg = load_config(CONFIG, ["model.n_layers=2", "lora.rank=4", "train.precision='bf16'"])
+    m = build_model(cfg.model)
+    apply_lora(m, cfg.lora, torch.bfloat16)
+    materialize(m, cfg.model, "cpu", seed=5)
+    for name, p in m.named_parameters():
+        if name.endswith("lora_b"):
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))  # adapters that change the output
+    m.eval()
+    tokens = torch.tensor([_prompt(16, cfg.model.vocab_size)])
+    with autocast_context("bf16", torch.device("cpu")):
+        full = m(tokens)
+        with kv_cache(m, batch=1, max_len=16) as cache:
+            pieces = [m(tokens[:, :9], torch.arange(9))] + [m(tokens[:, i:i + 1], torch.arange(i, i + 1))
+                                                            for i in range(9, 16)]
+    assert cache.keys.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(pieces, dim=1).float(), full.float(), rtol=2e-2, atol=2e-2)
+    new = generate_ids(m, tokens[0].tolist(), 5, Sampling(temperature=0), precision="bf16")
+    assert len(new) == 5
+
+
+def test_greedy_decoding_with_cache_equals_without(model):
+    prompt = _prompt(6, model.args.vocab_size, seed=1)
+    greedy = Sampling(temperature=0)
+    cached = generate_ids(model, prompt, 20, greedy, use_cache=True)
+    uncached = generate_ids(model, prompt, 20, greedy, use_cache=False)
+    assert len(cached) == 20 and cached == uncached
+
+
+def test_stop_token_ends_generation(model):
+    prompt = _prompt(6, model.args.vocab_size, seed=1)
+    first = generate_ids(model, prompt, 20, Sampling(temperature=0))
+    stop = first[4]
+    assert generate_ids(model, prompt, 20, Sampling(temperature=0), stop_ids=[stop]) == first[:first.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
+    prompt = _prompt(6, model.args.vocab_size, seed=2)
+    runs = {seed: generate_ids(model, prompt, 20, Sampling(temperature=1.0, seed=seed)) for seed in (1, 2)}
+    assert generate_ids(model, prompt, 20, Sampling(temperature=1.0, seed=1)) == runs[1]
+    assert runs[1] != runs[2]
+    # the same draws with and without the cache: the cache changes nothing the sampler sees
+    assert generate_ids(model, prompt, 20, Sampling(temperature=1.0, seed=1), use_cache=False) == runs[1]
+
+
+def test_filters_by_hand():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = probs.log()
+
+    def kept(**kw):
+        return torch.isfinite(filter_logits(logits, **kw)).nonzero().flatten().tolist()
+
+    assert kept(top_k=2) == [0, 1]
+    # nucleus: ascending cumulative 0.05, 0.15, 0.30, 0.50, 1.0; drop the tail whose mass is <= 1 - p
+    assert kept(top_p=0.8) == [0, 1, 2]  # drops mass 0.15: 0.85 >= 0.8 stays
+    assert kept(top_p=0.6) == [0, 1]  # drops mass 0.30
+    assert kept(top_p=0.4) == [0]  # drops mass 0.50
+    assert kept(top_p=0.01) == [0]  # the most likely token always stays
+    # top-k first, then top-p over the renormalised survivors: 0.5, 0.2, 0.15 -> 0.588, 0.235, 0.176
+    assert kept(top_k=3, top_p=0.7) == [0, 1]
+    # ties with the k-th logit stay, as in transformers
+    assert torch.isfinite(filter_logits(torch.tensor([1.0, 2.0, 2.0, 0.0]), top_k=1)).tolist() == [
+        False, True, True, False]
+
+
+def test_filters_match_transformers_warpers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for t, k, p in [(1.0, 5, 1.0), (0.7, 0, 0.9), (1.3, 10, 0.5), (0.5, 50, 0.95)]:
+        theirs = TemperatureLogitsWarper(t)(None, scores)
+        theirs = TopKLogitsWarper(k)(None, theirs) if k else theirs
+        theirs = TopPLogitsWarper(p)(None, theirs) if p < 1 else theirs
+        torch.testing.assert_close(filter_logits(scores / t, k, p), theirs, rtol=0, atol=0)
+    assert transformers is not None
+
+
+def test_temperature_zero_is_argmax_and_top_k_one_is_greedy():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    assert next_token(logits, Sampling(temperature=0), None) == best
+    g = torch.Generator().manual_seed(0)
+    assert {next_token(logits, Sampling(temperature=2.0, top_k=1), g) for _ in range(20)} == {best}
+
+
+# ---------------------------------------------------------------------------------------------------
+# A Hugging Face folder: greedy tokens against transformers' own generate
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A random tiny LlamaForCausalLM written by save_pretrained, with a byte-level BPE tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("hf")
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(folder)
+    tok = tokenizers.ByteLevelBPETokenizer()
+    text = [Path(json.__file__).read_text()]
+    tok.train_from_iterator(text, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, theirs
+
+
+def test_hf_greedy_tokens_match_transformers_generate(hf_folder, capsys):
+    folder, theirs = hf_folder
+    loaded = load_hf(folder)
+    prompt = loaded.prefix + list(loaded.tokenizer.encode("def loads(s, *, cls=None"))
+    ours = generate_ids(loaded.model, prompt, 20, Sampling(temperature=0), loaded.stop_ids)
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=2,
+                              pad_token_id=0)
+    assert ours == out[0, len(prompt):].tolist()
+    assert main(["generate", "--hf", str(folder), "--prompt", "def loads(s, *, cls=None", "--temperature", "0",
+                 "--max-new-tokens", "20"]) == 0
+    new = [i for i in ours if i not in loaded.stop_ids]
+    expected = loaded.tokenizer.decode(prompt[1:] + new)
+    assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([], "--run/--hf"),
+    (["--run", "R", "--hf", "H"], "--run/--hf"),
+    (["--run", "H"], "--run"),  # a folder, but not a training run's
+    (["--hf", "H", "--temperature", "-0.5"], "--temperature"),
+    (["--hf", "H", "--top-p", "0"], "--top-p"),
+    (["--hf", "H", "--top-p", "1.01"], "--top-p"),
+    (["--hf", "H", "--top-k", "-1"], "--top-k"),
+    (["--hf", "H", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--hf", "H", "--max-new-tokens", "250"], "--max-new-tokens"),  # past the model's 256 positions
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_bad_input_is_one_line_naming_the_flag(hf_folder, tmp_path, capsys, argv, flag):
+    folder = str(hf_folder[0])
+    argv = [folder if a in ("H", "R") else a for a in argv]
+    assert main(["generate", "--prompt", "x = 1\n" * 4, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"shardwise: error: {flag}: ") and "fix:" in err[0]
+
+
+def test_hf_folder_without_tokenizer_says_what_is_needed(hf_folder, tmp_path, capsys):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((hf_folder[0] / name).read_bytes())
+    assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: --hf: ") and "no tokenizer.json" in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# A run trained on two ranks, generated from in one process
+
+
+@pytest.mark.multiprocess
+def test_generate_from_a_tensor_parallel_run(tmp_path, capsys):
+    """Train 3 steps with tp=2 saving a checkpoint, then `shardwise generate --run` in this one process; the
+    reference decodes, without a cache, from the parameters the two ranks gathered at the end (--save-final)."""
+    from safetensors.torch import load_file
+
+    from shardwise.data import ByteTokenizer
+
+    run, final = tmp_path / "run", tmp_path / "final.safetensors"
+    sets = [f"metrics.out_dir='{run}'", "train.steps=3", "checkpoint.enabled=true", "parallel.tp=2",
+            "model.n_layers=2"]
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", CONFIG,
+                           *[f"--set={s}" for s in sets], "--nproc=2", "--save-final", str(final)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    prompt = "import os\n"
+    assert main(["generate", "--run", str(run), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "30"]) == 0
+    written = capsys.readouterr().out
+
+    args = load_config(CONFIG, sets).model
+    reference = build_model(args)
+    materialize(reference, args, "cpu", seed=0)
+    reference.load_state_dict(load_file(str(final)))  # every parameter (the rotary table is no state)
+    tok = ByteTokenizer()
+    ids = [tok.eos_id, *tok.encode(prompt).tolist()]
+    new = generate_ids(reference.eval(), ids, 30, Sampling(temperature=0), [tok.eos_id], use_cache=False)
+    assert written == tok.decode(ids[1:] + new) + "\n"
+    assert written.startswith(prompt) and len(written) > len(prompt) + 1
