@@ -1038,6 +1038,28 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
     assert live_op_counts(args) == op_counts(args)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pinned_qlora_dequantisation_is_what_the_engines_block_dispatches(precision):
+    """QLoRA's dequantisation cost is read from a table; counted again on the engine's QLoRA block against its LoRA
+    block under this torch and torchao, it is the table's; and it is priced: QLoRA's step is the LoRA step plus
+    those bytes at the elementwise bandwidth, three passes per micro-batch with recompute."""
+    from shardwise.planner.opcount import qlora_dequant_counts
+    from shardwise.planner.operators import QLORA_DEQUANT
+    from shardwise.planner.timing import stage_cost
+
+    cost = QLORA_DEQUANT[precision]
+    assert qlora_dequant_counts(precision) == (cost.forward_ops, cost.forward_bytes, cost.backward_ops,
+                                               cost.backward_bytes)
+    args, cluster = preset("llama3-8b"), Cluster(accelerator("h100"), 1)
+    plan = Plan(micro_batch=1, grad_accum=1, activation_checkpoint="full")
+    lora, qlora = (stage_cost(args, Training(seq_len=2048, global_batch=1, precision=precision, lora_rank=16,
+                                             qlora=q), plan, cluster) for q in (False, True))
+    weights = args.n_layers * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    acc = cluster.accelerator
+    seconds = weights * (2 * cost.forward_bytes + cost.backward_bytes) / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+    assert qlora.compute + qlora.recompute - lora.compute - lora.recompute == pytest.approx(seconds, rel=1e-9)
+
+
 @pytest.mark.parametrize("extra", [[], ["--lora-rank", "16"], ["--lora-rank", "16", "--qlora"],
                                    ["--optimizer", "adamw8bit"]])
 def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_path, extra, capsys):

@@ -129,21 +129,46 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
 
 
 @functools.cache
-def nf4_dequant_counts(storage: str, compute: str) -> tuple[int, float]:
-    """(operators, bytes read and written per weight) of one dequantisation of a QLoRA base weight as torchao's
-    `linear_nf4` runs it in forward and again in backward (`weight.to(dtype)`: NF4Tensor.get_original_weight, then
-    the cast to the compute dtype when the weight was quantised from another): unpack the 4-bit codes to int64
-    indices, look up the NF4 table, rescale by the dequantised block constants, interleave, each an eager kernel."""
-    import logging
+def qlora_dequant_counts(precision: str, dim: int = 256) -> tuple[float, float, float, float]:
+    """What QLoRA adds to a block's forward + backward, per NF4 weight: (forward operators per adapted linear,
+    forward bytes per weight, backward operators per adapted linear, backward bytes per weight).
 
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels do not load on a CPU machine
-    from torchao.quantization import to_nf4
+    Counted as the difference between the engine's own block (shardwise.lora, shardwise.nf4: torchao's NF4Tensor,
+    dequantised by `F.linear` in forward and again in backward, each time by a chain of eager kernels: unpack the
+    4-bit codes to int64 indices, look up the NF4 table, rescale by the dequantised block constants, interleave,
+    cast) with QLoRA and with plain LoRA, under the precision's autocast; at a size where every linear is whole
+    NF4 blocks. Everything else the two blocks do is the same, so the difference is the dequantisation's."""
+    from shardwise.config import LoraConfig
+    from shardwise.lora import apply_lora
+    from shardwise.loss import autocast_context, compute_dtype
+    from shardwise.model import materialize
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    weight = to_nf4(torch.randn(256, 512).to(dtypes[storage]))
-    weight.get_original_weight()  # warm-up
-    c = _count(lambda: weight.get_original_weight().to(dtypes[compute]))
-    return c.calls, c.bytes / weight.numel()
+    def block(qlora: bool) -> list[int]:
+        """(forward calls, forward bytes, backward calls, backward bytes) of the second of two blocks: the first
+        block's inputs need no gradient (the embedding is frozen), so it skips the input-gradient matmuls."""
+        per_depth = []
+        for n_layers in (1, 2):
+            args = ModelArgs(name="opcount", dim=dim, n_layers=n_layers, n_heads=2, n_kv_heads=2, ffn_hidden=dim,
+                             vocab_size=32, max_seq_len=8)
+            torch.manual_seed(0)
+            model = Transformer(args)
+            apply_lora(model, LoraConfig(rank=2, qlora=qlora), compute_dtype(precision))
+            materialize(model, args, "cpu", 0)
+            tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
+
+            def forward():
+                with autocast_context(precision, torch.device("cpu")):
+                    return token_loss_sum(model(tokens), tokens)
+
+            forward().backward()  # warm-up
+            fwd = _count(forward)
+            bwd = _count(forward().backward)
+            per_depth.append([fwd.calls, fwd.bytes, bwd.calls, bwd.bytes])
+        return [two - one for one, two in zip(*per_depth)]
+
+    weights = 7 * dim * dim  # the block's seven linears, all dim x dim here
+    (fc, fb, bc, bb), (qfc, qfb, qbc, qbb) = block(False), block(True)
+    return (qfc - fc) / 7, (qfb - fb) / weights, (qbc - bc) / 7, (qbb - bb) / weights
 
 
 def live_op_counts(args: ModelArgs) -> OpCounts:

@@ -43,6 +43,27 @@ OP_COUNTS: dict[tuple[bool, bool], OpCounts] = {
 }
 
 
+@dataclass(frozen=True)
+class Dequant:
+    """What QLoRA's NF4 base adds to one adapted linear's forward and backward (opcount.qlora_dequant_counts):
+    torchao dequantises the weight with a chain of eager kernels each time it is used, in forward (and in a
+    recompute) and again for the input gradient, and these kernels read and write several times the weight."""
+
+    forward_ops: float
+    forward_bytes: float
+    """Bytes read and written per weight element in forward."""
+    backward_ops: float
+    backward_bytes: float
+
+
+# precision -> dequantisation cost (at 256 x 256 weights: the per-tensor constants are already negligible there)
+QLORA_DEQUANT: dict[str, Dequant] = {
+    "fp32": Dequant(25.0, 71.40875244140625, 24.0, 67.53375244140625),
+    "bf16": Dequant(26.0, 77.40875244140625, 25.0, 75.47125244140625),
+    "fp16": Dequant(26.0, 77.40875244140625, 25.0, 75.47125244140625),
+}
+
+
 def op_counts(args: ModelArgs) -> OpCounts:
     """Operator counts of `args`'s structure."""
     return OP_COUNTS[args.n_kv_heads < args.n_heads, args.tie_embeddings]

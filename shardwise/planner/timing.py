@@ -25,7 +25,7 @@ from shardwise.planner.memory import (
     stage_shape,
     state_bytes_per_param,
 )
-from shardwise.planner.operators import op_counts, optimizer_ops
+from shardwise.planner.operators import QLORA_DEQUANT, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
@@ -140,14 +140,34 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         recompute = layers * (t["elementwise"] if training.fused_attention else t["attention"])
     else:
         recompute = 0.0
-    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute)
+    dequant_fwd, dequant_bwd, dequant_ops = qlora_dequant(args, training, plan, acc, layers)
+    if dequant_fwd:  # QLoRA: the NF4 base is dequantised in forward, in a recompute, and for input gradients
+        recomputes = plan.activation_checkpoint != "none"
+        fwd, bwd_in, recompute = fwd + dequant_fwd, bwd_in + dequant_bwd, recompute + recomputes * dequant_fwd
+    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops)
     tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last)
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead)
 
 
-def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head: bool, compute: float) -> float:
+def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                  layers: int) -> tuple[float, float, float]:
+    """QLoRA: (forward seconds, backward seconds, operators) of dequantising a rank's NF4 base weights for one
+    micro-batch. torchao's eager dequantisation is memory-bound: the bytes its kernels read and write per weight,
+    counted on the engine's block (operators.QLORA_DEQUANT), at the elementwise bandwidth. Every rank dequantises
+    the whole (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
+    if not training.qlora:
+        return 0.0, 0.0, 0.0
+    cost = QLORA_DEQUANT[training.precision]
+    weights = layers * (layer_params(args, plan.tp) - 2 * args.dim)
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    ops = layers * 7 * (cost.forward_ops + cost.backward_ops)
+    return weights * cost.forward_bytes / bandwidth, weights * cost.backward_bytes / bandwidth, ops
+
+
+def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head: bool, compute: float,
+                extra_ops: float = 0.0) -> float:
     """Seconds of fixed per-operator cost in one micro-batch's forward + backward on a rank, beyond `compute`.
 
     Operators: the blocks' (and, on the head's rank, embedding, head and loss) counted in our model (opcount);
@@ -156,7 +176,7 @@ def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head
     it hides behind the kernels: only max(0, overhead - compute) is exposed. Recomputed forwards are not counted.
     """
     c = op_counts(args)
-    t = (layers * c.block + (c.rest if head else 0)) * acc.op_overhead_s
+    t = (layers * c.block + (c.rest if head else 0) + extra_ops) * acc.op_overhead_s
     if plan.tp > 1:
         t += layers * 7 * c.linear * acc.dtensor_op_overhead_s
     return max(0.0, t - compute) if acc.launch_async else t
