@@ -48,7 +48,8 @@ def _buckets(blocks: list[nn.Module], bucket_mb: float) -> list[list[nn.Module]]
     groups, current, size = [], [], 0.0
     for block in blocks:
         current.append(block)
-        size += sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+        # the gradients a bucket all-reduces: a frozen weight (LoRA's base) has none
+        size += sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad) / 2**20
         if size >= bucket_mb:
             groups.append(current)
             current, size = [], 0.0
@@ -108,7 +109,7 @@ class ShardedOptimizer:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params: list[tuple[nn.Parameter, nn.Parameter, int]] = []
         named_slices = []
-        for name, param in model.named_parameters():
+        for name, param in _trained(model):
             local = _local(param)
             chunk = math.ceil(local.numel() / self.world)
             lo, hi = self._start(local, chunk), min((self.rank + 1) * chunk, local.numel())
@@ -161,7 +162,7 @@ class ShardedOptimizer:
     def param_names(self, model: nn.Module) -> list[str]:
         """Each parameter's name in `model` (the module this optimizer was built over), as torch's state-dict
         functions give it (without the wrappers' prefixes)."""
-        named = list(model.named_parameters())
+        named = _trained(model)
         if [id(p) for _, p in named] != [id(p) for p, _, _ in self.params]:
             raise RuntimeError("ShardedOptimizer was built over other parameters than these")
         return [canonical_name(n) for n, _ in named]
@@ -230,6 +231,11 @@ class ShardedOptimizer:
     def _name_of(self, names: list[str]) -> dict[int, str]:
         """id(slice) -> its parameter's name (the inner optimizer's groups hold the slices)."""
         return {id(piece): name for name, (_, piece, _) in zip(names, self.params)}
+
+
+def _trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the optimizer updates: frozen ones (a LoRA run's base) get no slice, state or gather."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def _states(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
