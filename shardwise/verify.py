@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.config import JobConfig, layout_settings, load_config
+from shardwise.config import ConfigError, JobConfig, layout_settings, load_config
 from shardwise.layout import BATCH_KEYS, complete_layout, parse_layout
 
 
@@ -102,7 +102,11 @@ def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
+    base = load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
+    if base.lora.rank and base.lora.dropout > 0:
+        # each rank draws its own masks for its own micro-batches: no layout can draw one device's
+        raise ConfigError("lora.dropout", f"{base.lora.dropout} > 0 draws random masks that differ between one "
+                          "device and a layout", "verify with --set lora.dropout=0")
     layouts = [(text, layout_overrides(text)) for text in args.layout]
     configs = []
     for text, extra in layouts:  # every layout is validated before anything runs
