@@ -48,8 +48,7 @@ def _buckets(blocks: list[nn.Module], bucket_mb: float) -> list[list[nn.Module]]
     groups, current, size = [], [], 0.0
     for block in blocks:
         current.append(block)
-        # the gradients a bucket all-reduces: a frozen weight (LoRA's base) has none
-        size += sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad) / 2**20
+        size += sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
         if size >= bucket_mb:
             groups.append(current)
             current, size = [], 0.0
