@@ -4,6 +4,9 @@ The reference reads the same global batch as the layout (the union of what its d
 one device with grad_accum x dp micro-batches. It starts from the same (seed, name) initialisation. Losses
 and gradient norms are compared at every step (the norm catches a gradient scaled wrongly, which Adam's
 update and clipping would hide from the loss); parameters at the end, per tensor as ||p - p_ref|| / ||p_ref||.
+Each layout also reports which parameters its steps changed from their initial values: a parity in which
+nothing trained would prove nothing, and a LoRA run must change its adapters and leave the frozen base bitwise
+as it started.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.config import layout_settings, load_config
+from shardwise.config import ConfigError, JobConfig, layout_settings, load_config
 from shardwise.layout import BATCH_KEYS, complete_layout, parse_layout
 
 
@@ -57,6 +60,33 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a)
 
 
+def initial_parameters(cfg: JobConfig) -> dict:
+    """Every parameter's value before the first step, by name, as every layout starts (one device, CPU)."""
+    from shardwise.hf import import_hf
+    from shardwise.lora import apply_lora
+    from shardwise.model import build_model, canonical_name, materialize
+
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.lora)
+    materialize(model, cfg.model, "cpu", cfg.train.seed)
+    if cfg.checkpoint.init_from_hf:
+        import_hf([model], cfg.checkpoint.init_from_hf)
+    return {canonical_name(n): p.detach() for n, p in model.named_parameters()}
+
+
+def changed(initial: dict, params: dict) -> list[str]:
+    """The parameters whose final value is not bitwise their initial one."""
+    import torch
+
+    return sorted(k for k, v in params.items() if k not in initial or not torch.equal(v, initial[k].to(v.dtype)))
+
+
+def _param_rel(p, ref) -> float:
+    """||p - ref|| / ||ref||; the plain difference for a reference of zeros (a LoRA B that did not move)."""
+    diff, norm = (p - ref).norm().item(), ref.norm().item()
+    return diff / norm if norm else diff
+
+
 def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
     """Largest relative differences: loss and gradient norm over the steps, parameters (per tensor) at the end."""
     (ref_steps, ref_params), (steps, params) = ref, got
@@ -65,19 +95,24 @@ def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
         return {"loss_rel": inf, "grad_norm_rel": inf, "param_rel": inf, "error": "different steps or parameters"}
     loss_rel = max(_rel(a[0], b[0]) for a, b in zip(steps, ref_steps))
     grad_norm_rel = max(_rel(a[1], b[1]) for a, b in zip(steps, ref_steps))
-    per_tensor = {k: ((params[k] - v).norm() / v.norm()).item() for k, v in ref_params.items()}
+    per_tensor = {k: _param_rel(params[k], v) for k, v in ref_params.items()}
     worst = max(per_tensor, key=per_tensor.get)
     return {"loss_rel": loss_rel, "grad_norm_rel": grad_norm_rel, "param_rel": per_tensor[worst],
             "worst_param": worst}
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
+    base = load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
+    if base.lora.rank and base.lora.dropout > 0:
+        # each rank draws its own masks for its own micro-batches: no layout can draw one device's
+        raise ConfigError("lora.dropout", f"{base.lora.dropout} > 0 draws random masks that differ between one "
+                          "device and a layout", "verify with --set lora.dropout=0")
     layouts = [(text, layout_overrides(text)) for text in args.layout]
     configs = []
     for text, extra in layouts:  # every layout is validated before anything runs
         cfg = load_config(args.config, [*args.overrides, *extra])
         configs.append((text, extra, cfg))
+    initial = initial_parameters(configs[0][2])  # layouts change how parameters are split, not their values
     results = []
     with tempfile.TemporaryDirectory(prefix="shardwise-verify-") as tmp:
         refs: dict[int, tuple] = {}
@@ -93,11 +128,12 @@ def run_verify(args: argparse.Namespace) -> int:
                        cfg.parallel.world_size)
             row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(refs[accum], got)}
             row["ok"] = max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= args.rtol
+            row["trained"] = changed(initial, got[1])
             results.append(row)
             if not args.json:
                 print(f"{text:<50} world {row['world_size']:>2}  loss {row['loss_rel']:.1e}  "
                       f"grad norm {row['grad_norm_rel']:.1e}  params {row['param_rel']:.1e}  "
-                      f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
+                      f"trained {len(row['trained'])}/{len(got[1])}  {'ok' if row['ok'] else 'FAIL'}", flush=True)
     if args.json:
         print(json.dumps({"steps": args.steps, "rtol": args.rtol, "layouts": results}, indent=2))
     return 0 if all(r["ok"] for r in results) else 1

@@ -237,7 +237,7 @@ class ShardedOptimizer:
 
 
 def _trained(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters an optimizer updates: not LoRA's frozen base (a QLoRA one cannot even be sliced)."""
+    """The parameters the optimizer updates: frozen ones (a LoRA run's base) get no slice, state or gather."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 

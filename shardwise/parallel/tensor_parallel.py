@@ -7,11 +7,19 @@ summed). That is one all-reduce per attention and one per MLP in forward, and th
 With sequence parallelism the all-reduce becomes a reduce-scatter to a 1/tp slice of the sequence, on which
 the norms and residual adds run, and an all-gather before the next column-parallel matmul: the same bytes
 moved, but the activations outside the matmuls are 1/tp the size.
+
+A LoRA-adapted projection (shardwise.lora.LoRALinear) is split like its base, and its adapters so that the
+low-rank path needs no communication of its own: a column-parallel base (W split by output rows) keeps A whole
+and splits B by the same rows, so x A^T is computed on every rank and B's rows give this rank's output slice;
+a row-parallel base (W split by input columns) splits A by the same columns and keeps B whole, so x_i A_i^T is
+a partial sum of the rank-r activation, B maps it to a partial sum of the output, and that is added to the
+base's partial sum before the one reduction the row-parallel linear does anyway (as torchtitan's LoRA).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from functools import partial
 
 import torch
@@ -28,18 +36,54 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.lora import LoRALinear
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Module path inside a TransformerBlock -> how it is split across the tp group."""
+
+def _place_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
+                      src_data_rank: int | None) -> None:
+    """Distribute `module`'s own parameters, each as `placements[name]` says (frozen ones stay frozen)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        placed = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+class ColwiseLoRA(ColwiseParallel):
+    """ColwiseParallel for a LoRALinear: W and B split by output rows (Shard(0)), A replicated."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        # distribute_module calls this for every submodule too (the adapter's dropout), which owns nothing
+        _place_parameters(module, device_mesh, {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)},
+                          self.src_data_rank)
+
+
+class RowwiseLoRA(RowwiseParallel):
+    """RowwiseParallel for a LoRALinear: W and A split by input columns (Shard(1)), B replicated."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _place_parameters(module, device_mesh, {"weight": Shard(1), "lora_a": Shard(1), "lora_b": Replicate()},
+                          self.src_data_rank)
+
+
+def block_plan(sequence_parallel: bool, adapted: Collection[str] = ()) -> dict[str, ParallelStyle]:
+    """Module path inside a TransformerBlock -> how it is split across the tp group. `adapted`: the paths that
+    are LoRALinear, whose adapters are placed after their base."""
     residual = Shard(1) if sequence_parallel else Replicate()
+
+    def colwise(path: str) -> ParallelStyle:
+        return ColwiseLoRA() if path in adapted else ColwiseParallel()
+
+    def rowwise(path: str) -> ParallelStyle:
+        style = RowwiseLoRA if path in adapted else RowwiseParallel
+        return style(output_layouts=residual)
+
     plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "attention.wq": colwise("attention.wq"),
+        "attention.wk": colwise("attention.wk"),
+        "attention.wv": colwise("attention.wv"),
+        "attention.wo": rowwise("attention.wo"),
+        "feed_forward.w1": colwise("feed_forward.w1"),
+        "feed_forward.w3": colwise("feed_forward.w3"),
+        "feed_forward.w2": rowwise("feed_forward.w2"),
     }
     # The input of attention and MLP enters as one (replicated) DTensor, so the input gradients of the three
     # (two) column-parallel projections add up as partial sums and are reduced once, not once per projection
@@ -75,8 +119,7 @@ class VocabParallelEmbedding(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding splits an nn.Embedding, not {type(module).__name__}")
-        module.register_parameter(
-            "weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=0)))
+        _place_parameters(module, device_mesh, {"weight": Shard(0)}, src_data_rank=0)
         module.forward = partial(_vocab_parallel_lookup, module, device_mesh, self.output_layout)
         return module
 
@@ -115,10 +158,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 def split_model(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """`apply_tensor_parallel` on a mesh of any size, one rank included (`shardwise bench` times DTensor's
     host-side cost that way when it has a single process)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     has_embedding = getattr(model, "tok_embeddings", None) is not None
     has_head = getattr(model, "output", None) is not None
     parallelize_module(model, tp_mesh, top_plan(sequence_parallel, has_embedding, has_head))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        adapted = [path for path, module in block.named_modules() if isinstance(module, LoRALinear)]
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, adapted))
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # both are Shard(0) over the vocabulary: re-share the one DTensor
+    # torch's SequenceParallel makes the norms' new DTensor parameters trainable: a LoRA run's stay frozen
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
