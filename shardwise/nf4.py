@@ -85,9 +85,21 @@ def local_piece(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
                 raise ValueError(f"an NF4 weight can only be split along dim 0, not {placement}")
             mesh = param.device_mesh
             local = torch.chunk(local, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)]
+    if local is not quantized:
+        local = _own_storage(local)
     # from_local with run_check=False only wraps: the NF4 chunk is not copied or dequantised
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+def _own_storage(chunk: torch.Tensor) -> torch.Tensor:
+    """A copy of NF4 chunk `chunk` in storage of its own. torchao's split makes each part of a chunk a view of the
+    whole tensor's part, and a view keeps its whole storage alive: every rank would hold all ranks' NF4 bytes.
+    Copied part by part (NF4's copy_ between equal layouts), not cloned: NF4's clone dequantises and quantises
+    the chunk again, which changes its numbers."""
+    owned = torch.empty_like(chunk)
+    owned.copy_(chunk)
+    return owned
 
 
 @torch.no_grad()

@@ -634,6 +634,36 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
             assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
 
 
+# LoRA and QLoRA recipes on a tiny model under FSDP (ZeRO-3 over 2 ranks): (config, overrides)
+CONFIGS = Path(__file__).parent / "configs"
+ADAPTED = [
+    (CONFIGS / "parity.toml", ["lora.rank=4", "optim.name='adamw'"]),
+    (CONFIGS / "qlora.toml", []),  # the NF4 base: each rank stores half of the 4-bit codes, scalers and factors
+]
+
+
+@pytest.mark.parametrize("config, overrides", ADAPTED, ids=["lora", "qlora"])
+def test_adapter_model_state_matches_the_simulator_under_fsdp(config, overrides):
+    """Bytes per rank of weights (frozen base, NF4 storage, adapters), adapter gradients and optimizer state,
+    as the simulator's tracker sees the engine keep them between steps, against the planner's model state."""
+    from shardwise.config import load_config
+    from shardwise.planner.memory import moment_memory
+    from shardwise.simulate import simulate_rank
+
+    cfg = load_config(str(config), [*overrides, "parallel.dp_shard=2", "parallel.zero_stage=3"])
+    measured = simulate_rank(cfg, 2, 0).peak_step.model_state
+    t = cfg.train
+    training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * 2, precision=t.precision,
+                        optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False, lora_rank=cfg.lora.rank,
+                        qlora=cfg.lora.qlora, fragmentation=0.0, fixed_overhead_gib=0.0)
+    layout = Plan(**dataclasses.asdict(cfg.parallel), micro_batch=t.micro_batch, grad_accum=t.grad_accum)
+    state = moment_memory(cfg.model, training, layout, 0)["optimizer_step"]  # model state and nothing else
+    predicted = {"parameters": state["params"], "gradients": state["grads"],
+                 "optimizer_state": state["master_weights"] + state["optimizer_state"]}
+    for category, value in predicted.items():
+        assert value > 0 and measured[category] == pytest.approx(value, rel=0.05), category
+
+
 @pytest.mark.multiprocess
 def test_pipeline_memory_matches_the_simulator_with_few_blocks_per_stage():
     """Llama 3 70B cut to 8 blocks on tp 8 x pp 4 x FSDP 32, 8 micro-batches of 4096 tokens (1F1B): two blocks
