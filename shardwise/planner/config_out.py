@@ -15,9 +15,9 @@ from shardwise.planner.workload import Training
 
 def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, dict]:
     """Config tables for one plan: its layout and batch split as config.layout_tables maps them."""
-    if plan.offload != "none":
-        raise PlannerError("--write-config", f"the engine has no {plan.offload} offload yet",
-                           "pass --plan with offload=none")
+    if plan.offload == "optimizer":
+        raise PlannerError("--write-config", "the engine has no optimizer-only offload",
+                           "pass --plan with offload=full or offload=none")
     if training.precision not in ("fp32", "bf16", "fp16"):
         raise PlannerError("--write-config", f"the engine trains in fp32, bf16 or fp16, not {training.precision}",
                            "plan with --precision bf16")
@@ -25,7 +25,7 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
     model = {"name": args.name} if preset == args else dataclasses.asdict(args)
     layout = Layout(**{k: getattr(plan, k) for k in LAYOUT_KEYS})
     tables = layout_tables(layout, plan.micro_batch, plan.grad_accum)
-    return {"model": model, "data": {"seq_len": training.seq_len},
+    return {"model": model, "data": {"seq_len": training.seq_len}, "optim": {"name": training.optimizer},
             "train": {"precision": training.precision, **tables["train"]}, "parallel": tables["parallel"]}
 
 

@@ -16,7 +16,7 @@ from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
+from shardwise.planner.workload import FULL_PRECISION_STATE_BYTES, OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 
 # ---------------------------------------------------------------------------------------------------
 # Parameters (docs/planner.md, "Parameters per rank")
@@ -615,11 +615,22 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
                                   plan.shard_group, plan.offload, trainable, linears)
         if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
             items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
+        items["optimizer_state"] += _full_precision_embedding_state(args, training, plan, stage)
         cached = _remember(_MODEL_STATE, key, items)
     return cached
 
 
 _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
+
+
+def _full_precision_embedding_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """The low-bit AdamWs keep the embedding's moments in fp32: its extra bytes on the first pipeline rank, which
+    holds the embedding (split over tp, and over the shard group from ZeRO-1), when it is trained and on the device."""
+    full = FULL_PRECISION_STATE_BYTES.get(training.optimizer)
+    if full is None or training.lora_rank or plan.offload != "none" or stage != 0:
+        return 0.0
+    shard = plan.shard_group if plan.zero_stage >= 1 else 1
+    return (full - OPTIMIZER_STATE_BYTES[training.optimizer]) * args.vocab_size * args.dim / plan.tp / shard
 
 
 def rotary_table_bytes(args: ModelArgs) -> float:
