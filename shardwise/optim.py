@@ -50,7 +50,9 @@ def build_optimizer(params: nn.Module | NamedParams, cfg: OptimConfig, lr: float
         # foreach is torch's fast path on CPU and GPU and works on DTensor parameters; fused is CUDA-first
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
     if cfg.name in ("adamw8bit", "adamw4bit"):
-        return _low_bit_adamw(cfg, groups, lr, {id(p) for name, p, _ in params if FULL_PRECISION_STATE in name})
+        # by name component: a pipeline's optimizer sees "<stage>.tok_embeddings.weight"
+        full = {id(p) for name, p, _ in params if set(name.split(".")) & set(FULL_PRECISION_STATE)}
+        return _low_bit_adamw(cfg, groups, lr, full)
     if cfg.name == "adafactor":
         # torch's Adafactor (Shazeer & Stern 2018) keeps no first moment and factors the second into row and
         # column means; beta2 follows its own schedule (1 - t^-0.8), so optim.beta1/beta2/eps do not apply
@@ -59,10 +61,11 @@ def build_optimizer(params: nn.Module | NamedParams, cfg: OptimConfig, lr: float
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
 
 
-FULL_PRECISION_STATE = "tok_embeddings"
-"""Parameters (by name) whose moments stay fp32 under the low-bit AdamWs: the embedding's rows of rare tokens get
-gradients orders of magnitude below a block's largest, their second moment rounds to 0 while the first does not,
-and the update m / (sqrt(v) + eps) explodes (Dettmers et al. 2022, section 2.3, keep 32-bit state for it)."""
+FULL_PRECISION_STATE = ("tok_embeddings", "output")
+"""Parameters (by name) whose moments stay fp32 under the low-bit AdamWs: the vocabulary matrices. Rows of rare
+tokens get gradients orders of magnitude below their block's largest, their second moment rounds to 0 while the
+first does not, and the update m / (sqrt(v) + eps) blows those rows up (Dettmers et al. 2022, section 2.3, keep
+32-bit state for the embedding; the head's rows of rare tokens are the same case)."""
 
 
 def _low_bit_adamw(cfg: OptimConfig, groups: list[dict], lr: float, full_precision: set[int]) -> torch.optim.Optimizer:

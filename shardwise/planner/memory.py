@@ -624,13 +624,16 @@ _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys
 
 
 def _full_precision_embedding_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
-    """The low-bit AdamWs keep the embedding's moments in fp32: its extra bytes on the first pipeline rank, which
-    holds the embedding (split over tp, and over the shard group from ZeRO-1), when it is trained and on the device."""
+    """The low-bit AdamWs keep the moments of the vocabulary matrices (embedding, head) in fp32: their extra bytes
+    on the ranks holding them (the root parameters but the final norm; split over tp, and over the shard group from
+    ZeRO-1), when they are trained and on the device."""
     full = FULL_PRECISION_STATE_BYTES.get(training.optimizer)
-    if full is None or training.lora_rank or plan.offload != "none" or stage != 0:
+    if full is None or training.lora_rank or plan.offload != "none":
         return 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    vocabulary = shape.root - (args.dim if shape.last else 0)
     shard = plan.shard_group if plan.zero_stage >= 1 else 1
-    return (full - OPTIMIZER_STATE_BYTES[training.optimizer]) * args.vocab_size * args.dim / plan.tp / shard
+    return (full - OPTIMIZER_STATE_BYTES[training.optimizer]) * vocabulary / shard
 
 
 def rotary_table_bytes(args: ModelArgs) -> float:

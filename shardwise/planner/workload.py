@@ -25,14 +25,14 @@ Layout = Literal["torch", "zero", "megatron"]
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
 # - torchao's AdamW8bit both moments as uint8 codes plus an fp32 scale per block of 256 (2 x (1 + 4/256) = 2.03125),
 #   AdamW4bit both as packed 4-bit codes plus an fp32 scale per block of 128 (2 x (0.5 + 4/128) = 1.0625); a
-#   256-entry (16-entry) fp32 code book per tensor is not counted. The embedding keeps fp32 moments under both
-#   (shardwise.optim.FULL_PRECISION_STATE), counted by memory.py; so do tensors under 4096 values (norms), not;
+#   256-entry (16-entry) fp32 code book per tensor is not counted. The embedding and head keep fp32 moments under
+#   both (shardwise.optim.FULL_PRECISION_STATE), counted by memory.py; so do tensors under 4096 values, not;
 # - torch's Adafactor no first moment and a second moment factored into fp32 row and column means, 4(r + c) bytes
 #   for an r x c matrix: 0.0078 B/param at 1024 x 1024, 0.002 at 4096 x 4096, counted as 0.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
                          "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
 FULL_PRECISION_STATE_BYTES = {"adamw8bit": 8.0, "adamw4bit": 8.0}
-"""Optimizers whose state for the embedding is fp32 AdamW's (8 B/param) rather than OPTIMIZER_STATE_BYTES's."""
+"""Optimizers whose state for the embedding and head is fp32 AdamW's (8 B/param), not OPTIMIZER_STATE_BYTES's."""
 
 # QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants: 4 bits plus
 # 8-bit absmax per 64 weights plus an fp32 constant per 256 of those (Dettmers et al. 2023, section 3): 4.127 bits.
