@@ -91,7 +91,14 @@ def _with_full_precision(cls: type) -> type:
             return torch.zeros_like(p)  # placed like p: a DTensor stays one
         return cls._new_buffer(self, p, signed)
 
-    return type(cls.__name__, (cls,), {"_new_buffer": _new_buffer, "full_precision": frozenset()})
+    def step(self, closure=None):
+        # torch's AOT autograd cache (on disk, across processes) keys a DTensor argument by its shape, not by the
+        # tensor inside it: an update compiled for quantised moments was reused for fp32 ones of the same local
+        # shape (and failed: "'Tensor' object has no attribute 'codes'"); compile this step without that cache
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return cls.step(self, closure)
+
+    return type(cls.__name__, (cls,), {"_new_buffer": _new_buffer, "step": step, "full_precision": frozenset()})
 
 
 def _torchao_optimizers():
