@@ -230,9 +230,17 @@ def _schedule_state(schedule) -> dict:
 
 
 def _load_schedule(schedule, saved: dict) -> None:
-    n = len(schedule.optimizer.param_groups)
-    schedule.load_state_dict({k: [v["per_group"]] * n if isinstance(v, dict) and "per_group" in v else v
-                              for k, v in saved.items()})
+    n, current = len(schedule.optimizer.param_groups), schedule.state_dict()
+    loaded = {k: [v["per_group"]] * n if isinstance(v, dict) and "per_group" in v else v for k, v in saved.items()}
+    schedule.load_state_dict({k: _as_tensors(current.get(k), v) for k, v in loaded.items()})
+
+
+def _as_tensors(current: Any, value: Any) -> Any:
+    """Per-group numbers as tensors where the live schedule holds tensors (torchao's optimizers keep lr as one, and
+    LambdaLR then multiplies base_lr in float32: a Python float would round the next lr differently)."""
+    if isinstance(current, list) and isinstance(value, list) and current and torch.is_tensor(current[0]):
+        return [torch.tensor(v, dtype=c.dtype) for v, c in zip(value, current)]
+    return value
 
 
 def _plain_json(value: Any) -> Any:

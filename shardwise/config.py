@@ -540,9 +540,6 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not 0-3", "use 0, 1, 2 or 3")
     _positive("parallel.activation_checkpoint_every", p.activation_checkpoint_every)
-    if p.offload != "none":
-        raise ConfigError("parallel.offload", f"the engine does not offload ({p.offload!r}) yet; the planner prices it",
-                          "set parallel.offload = 'none'")
     if p.dp_shard > 1 and p.zero_stage < 2:
         raise ConfigError(
             "parallel.dp_shard", f"sharding over {p.dp_shard} ranks needs zero_stage 2 or 3 (FSDP)",
@@ -560,6 +557,9 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
             "data.seq_len", f"{cfg.data.seq_len} is not divisible by 2 x cp = {2 * p.cp} (load-balanced chunks)",
             f"use a multiple of {2 * p.cp * p.tp if p.sequence_parallel else 2 * p.cp}",
         )
+    error = engine_cannot_run(p, cfg.train.precision, cfg.train.compile, cfg.optim.name)
+    if error is not None:
+        raise error
 
 
 def _validate_tp(cfg: JobConfig) -> None:
@@ -629,6 +629,3 @@ def _validate_pp(cfg: JobConfig) -> None:
             f"interleaved-1f1b runs the {steps} micro-batches of a step (grad_accum x {n}) in rounds of pp={p.pp}, "
             f"and {rounds} rounds do not divide them", f"make pp_microbatches x grad_accum a multiple of {p.pp}",
         )
-    error = engine_cannot_run(p, cfg.train.precision, cfg.train.compile)
-    if error is not None:
-        raise error

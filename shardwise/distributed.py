@@ -41,8 +41,9 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> DistEnv:
-    """Join the job torchrun started (NCCL on GPU, gloo on CPU); a plain run is a world of one."""
+def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, group_of_one: bool = False) -> DistEnv:
+    """Join the job torchrun started (NCCL on GPU, gloo on CPU); a plain run is a world of one, with a process
+    group of its own only when `group_of_one` (FSDP2 on one device, for its CPU offload, needs a mesh)."""
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -50,9 +51,9 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0) -> D
     if use_cuda:
         torch.cuda.set_device(device)
     store = None
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or group_of_one) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = _attempt_store(timeout)
+        store = _attempt_store(timeout) if world > 1 else dist.HashStore()
         dist.init_process_group(
             "nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
             timeout=timeout, device_id=device if use_cuda else None,

@@ -55,8 +55,9 @@ class Layout:
     activation_checkpoint_every: int = 1
     """Checkpoint every k-th block (1: all of them)."""
     offload: Offload = "none"
-    """Keep optimizer state (and master weights), or all model state, in host memory (the planner prices it; the
-    engine does not offload yet)."""
+    """Keep all model state in host memory and step the optimizer there: 'full' (FSDP2's CPUOffloadPolicy; needs
+    zero_stage 2 or 3, on one device too). 'optimizer' (only the optimizer state) is priced by the planner but
+    the engine has no implementation of it."""
     bucket_mb: float = 25.0
     """ZeRO-0/1: gradients are all-reduced in buckets of about this many MB, overlapped with backward."""
 
@@ -165,9 +166,14 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
         given.setdefault("dp_shard" if "dp_replicate" in given else "dp_replicate", dp // known)
     return Layout(**given)
 
-def engine_cannot_run(layout: Layout, precision: str, compile: bool = False) -> ConfigError | None:
+
+def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
+                      optimizer: str = "adamw") -> ConfigError | None:
     """What the engine cannot run on torch 2.13 in this layout, as the error naming the field (None: it can). The
     config refuses these jobs and the planner's search leaves these plans out."""
+    error = _offload_error(layout) or _optimizer_error(layout, optimizer)
+    if error is not None:
+        return error
     if layout.pp > 1 and precision == "fp16":
         return ConfigError("train.precision", "fp16 loss scaling with pp > 1: each stage would find inf/nan and "
                            "skip on its own", "use bf16 or fp32 with pipeline parallelism")
@@ -187,6 +193,38 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False) -> 
                            "use 'full' or 'none' with zero-bubble")
     return None
 
+
+def fsdp_applies(layout: Layout) -> bool:
+    """Whether the engine wraps the model in FSDP2's fully_shard: ZeRO-2/3 over more than one rank, or with full
+    offload (FSDP2 is what moves the state to the host; on one data-parallel rank it shards over a mesh of one)."""
+    return layout.zero_stage >= 2 and (layout.dp_shard * layout.cp > 1 or layout.offload == "full")
+
+
+def _offload_error(layout: Layout) -> ConfigError | None:
+    if layout.offload == "optimizer":
+        return ConfigError("parallel.offload", "'optimizer' offload has no implementation here: torchao's "
+                           "CPUOffloadOptimizer runs on CUDA only, takes no DTensor parameters and keeps per-tensor "
+                           "optimizers that DCP checkpoints cannot hold",
+                           "use parallel.offload = 'full' (FSDP2's CPUOffloadPolicy: state and step on the host)")
+    if layout.offload == "full" and layout.zero_stage < 2:
+        return ConfigError("parallel.offload", f"'full' offload is FSDP2's CPUOffloadPolicy and zero_stage is "
+                           f"{layout.zero_stage}", "set parallel.zero_stage = 2 or 3 (one device runs FSDP over a "
+                           "mesh of one)")
+    return None
+
+
+def _optimizer_error(layout: Layout, optimizer: str) -> ConfigError | None:
+    """torch's Adafactor factors each parameter's second moment over its rows and columns: it needs whole tensors."""
+    if optimizer != "adafactor":
+        return None
+    if layout.tp > 1 or fsdp_applies(layout):
+        return ConfigError("optim.name", "torch's Adafactor cannot update sharded DTensors (tensor parallel, FSDP, "
+                           "offload): its row and column statistics fail in place on them",
+                           "use adamw or adamw8bit, or adafactor with tp = 1 and zero_stage 0")
+    if layout.zero_stage == 1 and layout.dp * layout.cp > 1:
+        return ConfigError("optim.name", "ZeRO-1 hands the optimizer flat 1/N slices of each parameter, of which "
+                           "Adafactor would keep an unfactored second moment", "use zero_stage 0 with adafactor")
+    return None
 
 # ---------------------------------------------------------------------------------------------------
 # Split: which layers each stage runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
@@ -47,8 +49,69 @@ def build_optimizer(params: nn.Module | NamedParams, cfg: OptimConfig, lr: float
     if cfg.name == "adamw":
         # foreach is torch's fast path on CPU and GPU and works on DTensor parameters; fused is CUDA-first
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    if cfg.name in ("adamw8bit", "adamw4bit"):
+        # by name component: a pipeline's optimizer sees "<stage>.tok_embeddings.weight"
+        full = {id(p) for name, p, _ in params if set(name.split(".")) & set(FULL_PRECISION_STATE)}
+        return _low_bit_adamw(cfg, groups, lr, full)
+    if cfg.name == "adafactor":
+        # torch's Adafactor (Shazeer & Stern 2018) keeps no first moment and factors the second into row and
+        # column means; beta2 follows its own schedule (1 - t^-0.8), so optim.beta1/beta2/eps do not apply
+        return torch.optim.Adafactor(groups, lr=lr, foreach=True)
     momentum = cfg.momentum if cfg.name == "momentum" else 0.0
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
+
+
+FULL_PRECISION_STATE = ("tok_embeddings", "output")
+"""Parameters (by name) whose moments stay fp32 under the low-bit AdamWs: the vocabulary matrices. Rows of rare
+tokens get gradients orders of magnitude below their block's largest, their second moment rounds to 0 while the
+first does not, and the update m / (sqrt(v) + eps) blows those rows up (Dettmers et al. 2022, section 2.3, keep
+32-bit state for the embedding; the head's rows of rare tokens are the same case)."""
+
+
+def _low_bit_adamw(cfg: OptimConfig, groups: list[dict], lr: float, full_precision: set[int]) -> torch.optim.Optimizer:
+    """torchao's AdamW with block-quantised moments (Dettmers et al. 2022 for 8 bits, Li et al. 2023 for 4):
+    8-bit keeps both moments as one byte plus an fp32 scale per 256 values, 4-bit as half a byte plus one per
+    128. Tensors under 4096 values (or not a multiple of the block) keep fp32 moments, as bitsandbytes does, and
+    so do the parameters in `full_precision` (ids). torchao compiles its per-tensor update (torch.compile): the
+    first step of each new shape pays for that."""
+    optimizers = _torchao_optimizers()
+    cls = _with_full_precision(optimizers.AdamW8bit if cfg.name == "adamw8bit" else optimizers.AdamW4bit)
+    optimizer = cls(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    optimizer.full_precision = full_precision
+    return optimizer
+
+
+@functools.cache
+def _with_full_precision(cls: type) -> type:
+    """torchao's `cls` with fp32 moments for the parameters in its `full_precision` (ids); torchao allocates the
+    moments in `_new_buffer`, which it has no option for. Same class name: checkpoints record the optimizer by it."""
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+        if id(p) in self.full_precision:
+            return torch.zeros_like(p)  # placed like p: a DTensor stays one
+        return cls._new_buffer(self, p, signed)
+
+    def step(self, closure=None):
+        # torch's AOT autograd cache (on disk, across processes) keys a DTensor argument by its shape, not by the
+        # tensor inside it: an update compiled for quantised moments was reused for fp32 ones of the same local
+        # shape (and failed: "'Tensor' object has no attribute 'codes'"); compile this step without that cache
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return cls.step(self, closure)
+
+    return type(cls.__name__, (cls,), {"_new_buffer": _new_buffer, "step": step, "full_precision": frozenset()})
+
+
+def _torchao_optimizers():
+    """torchao.optim, imported on first use: on a machine without CUDA its import logs the CUDA kernels it could
+    not load, which concern its quantised matmuls, not the optimizers."""
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import torchao.optim
+    finally:
+        logger.setLevel(level)
+    return torchao.optim
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

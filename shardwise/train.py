@@ -34,8 +34,13 @@ from shardwise.model import Transformer, build_model, canonical_name, materializ
 from shardwise.model_args import adapter_params, flops_per_token, num_params
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
-from shardwise.parallel.comm import CommCounter
-from shardwise.parallel.data_parallel import ShardedOptimizer, reshard_after_evaluation, set_gradient_sync
+from shardwise.parallel.comm import CommCounter, uncounted
+from shardwise.parallel.data_parallel import (
+    ShardedOptimizer,
+    materialize_on_host,
+    reshard_after_evaluation,
+    set_gradient_sync,
+)
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward, model_parts
 from shardwise.parallel.runtime import Runtime
 
@@ -170,7 +175,10 @@ def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tens
         optimizer.zero_grad(set_to_none=True)  # no update from a broken step; the loop decides what next
         return StepResult(loss=loss.item(), grad_norm=float(grad_norm), skipped=True, nonfinite=True)
     scale_before = scaler.get_scale() if scaler.is_enabled() else None
-    scaler.step(optimizer)  # skips the update when unscale_ found inf/nan
+    # skips the update when unscale_ found inf/nan; a torch optimizer's step is elementwise (no collective to
+    # count), ZeRO-1's all-gathers are counted inside ShardedOptimizer.step
+    with contextlib.nullcontext() if isinstance(optimizer, ShardedOptimizer) else uncounted():
+        scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     skipped = scale_before is not None and scaler.get_scale() < scale_before
@@ -235,6 +243,8 @@ def build_training_model(cfg: JobConfig, runtime: Runtime,
     `materialize(module, model_args, device, seed)` gives the parallelised meta modules their storage and
     values; the simulator passes one that makes fake tensors.
     """
+    if cfg.parallel.offload == "full":
+        materialize = materialize_on_host(materialize, runtime.device)
     if runtime.pp_size > 1:
         return build_pipeline(cfg, runtime, materialize=materialize)
     model = build_model(cfg.model)
@@ -364,7 +374,8 @@ class Throughput:
     def values(self, result: StepResult, schedule, scaler) -> dict[str, float]:
         tokens_per_s = self.steps * self.tokens_per_step / self.time
         values = {
-            "loss": result.loss, "grad_norm": result.grad_norm, "lr": schedule.get_last_lr()[0],
+            # float(): torchao's optimizers keep lr as a tensor
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": float(schedule.get_last_lr()[0]),
             "tokens_per_s": tokens_per_s, "step_time_s": self.time / self.steps,
             "peak_memory_gib": peak_memory_bytes(self.runtime.device) / 2**30, "skipped": int(result.skipped),
         }

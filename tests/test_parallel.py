@@ -34,7 +34,11 @@ INVALID = [
     (["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'", "parallel.virtual_stages=1"], 2,
      "parallel.virtual_stages"),
     (["train.activation_checkpoint='full'"], 1, "train.activation_checkpoint"),  # moved to [parallel]
-    (["parallel.offload='optimizer'"], 1, "parallel.offload"),  # the planner prices it; the engine has none yet
+    (["parallel.offload='optimizer'"], 1, "parallel.offload"),  # the planner prices it; the engine has none
+    (["parallel.offload='full'"], 1, "parallel.offload"),  # FSDP2's CPUOffloadPolicy: needs zero_stage 2/3
+    (["optim.name='adafactor'", "parallel.dp_shard=2"], 2, "optim.name"),  # Adafactor fails on FSDP's DTensors
+    (["optim.name='adafactor'", "parallel.tp=2"], 2, "optim.name"),  # and on tensor-parallel ones
+    (["optim.name='adafactor'", "parallel.dp_replicate=2", "parallel.zero_stage=1"], 2, "optim.name"),  # slices
 ]
 
 

@@ -74,7 +74,9 @@ def test_optimizers_and_offload_change_the_state_bill():
     per = {o: state_bytes_per_param(Training(optimizer=o, precision="fp32")).optimizer
            for o in ("sgd", "momentum", "adamw")}
     assert per == {"sgd": 0, "momentum": 4, "adamw": 8}
-    assert state_bytes_per_param(Training(optimizer="adamw8bit")).optimizer == pytest.approx(2, rel=0.01)
+    # torchao's low-bit moments: codes plus an fp32 scale per block (256 for 8-bit, 128 for 4-bit), two moments
+    assert state_bytes_per_param(Training(optimizer="adamw8bit")).optimizer == 2 * (1 + 4 / 256)
+    assert state_bytes_per_param(Training(optimizer="adamw4bit")).optimizer == 2 * (0.5 + 4 / 128)
     off = model_state_bytes(1e9, Training(), 0, 1, offload="optimizer")
     assert off["optimizer_state"] == off["master_weights"] == 0 and off["params"] > 0
     assert sum(model_state_bytes(1e9, Training(), 0, 1, offload="full").values()) == 0
@@ -489,7 +491,7 @@ def test_plan_output_and_package_text_cite_public_sources(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1000"], "--global-batch-tokens"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "v100", "--precision", "bf16"], "--precision"),
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "offload=optimizer", "--write-config", "x.toml"],
-     "--write-config"),
+     "--plan offload"),  # the engine has no optimizer-only offload: the search does not offer it
 ])
 def test_cli_bad_inputs_name_the_flag(argv, flag, capsys):
     assert run_plan(_ns(*argv)) == 2

@@ -12,6 +12,7 @@ collectives of a step do not change from step to step).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -121,3 +122,17 @@ class CommCounter(TorchDispatchMode):
                 payload *= group  # the input is one rank's piece; the payload is the gathered whole
             self.stats.add(kind, payload, group)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Run with the active CommCounter off the dispatch stack, for code that issues no collective: torchao's
+    low-bit optimizers compile their update with fullgraph=True, which refuses to run under a Python dispatch mode.
+    (torch has no public way to step out of a mode.)"""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    if isinstance(_get_current_dispatch_mode(), CommCounter):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield

@@ -11,6 +11,7 @@
   gathered once per step and kept through backward.
 - ZeRO-3: `fully_shard(reshard_after_forward=True)`: parameters too, gathered again in backward.
 - HSDP: ZeRO-2/3 with dp_replicate > 1: shard inside a group of dp_shard ranks, replicate across groups.
+- CPU offload ('full'): ZeRO-2/3 with FSDP2's CPUOffloadPolicy, also on one data-parallel rank (a mesh of one).
 
 Context-parallel ranks hold the same parameters and see different tokens, so they join the gradient
 reduction (and FSDP's sharding), as in torchtitan.
@@ -23,7 +24,7 @@ global mean loss (rather than setting FSDP's divide factor to 1: that uses PREMU
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,15 +32,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _init_optim_state,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardwise.layout import Layout
+from shardwise.layout import Layout, fsdp_applies
 from shardwise.model import canonical_name
 from shardwise.nf4 import is_nf4
+from shardwise.parallel.comm import uncounted
 from shardwise.parallel.compat import replicate
 from shardwise.parallel.mesh import MeshView
 
@@ -71,14 +74,33 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
         for group in _buckets(blocks, p.bucket_mb):
             replicate(group if len(group) > 1 else group[0], mesh=dp_mesh, ignored_params=ignored)
         replicate(model, mesh=dp_mesh, ignored_params=ignored)
-    else:
-        shard_mesh = mesh.fsdp
-        if shard_mesh.size() == 1:
-            return
+    elif fsdp_applies(p):
+        shard_mesh, offload = mesh.fsdp, offload_policy(p, mesh.fsdp.device_type)
         for block in blocks:
-            fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3)
+            fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
-        fully_shard(model, mesh=shard_mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload)
+
+
+def offload_policy(p: Layout, device_type: str) -> OffloadPolicy:
+    """parallel.offload = 'full': FSDP2 keeps the sharded parameters, their gradients and so the optimizer state in
+    host memory, copies each block's shard to the device for its all-gather, and the optimizer steps on the host.
+    Pinned (page-locked) host memory makes those copies asynchronous; it exists only beside an accelerator."""
+    if p.offload == "full":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
+
+
+def materialize_on_host(materialize: Callable, device: torch.device) -> Callable:
+    """`materialize` (model.materialize's signature) for full offload: parameters on the host, where FSDP2's
+    CPUOffloadPolicy expects its shards, and buffers (the rotary table) on `device`, where forward runs."""
+    def on_host(module: nn.Module, args, _device, seed: int) -> None:
+        materialize(module, args, torch.device("cpu"), seed)
+        for owner in module.modules():
+            for name, buffer in owner.named_buffers(recurse=False):
+                setattr(owner, name, buffer.to(device))
+
+    return on_host
 
 
 def reshard_after_evaluation(model: nn.Module) -> None:
@@ -150,7 +172,8 @@ class ShardedOptimizer:
             grad = _local(param.grad)
             lo = self._start(grad, chunk)
             piece.grad = grad.reshape(-1)[lo:lo + piece.numel()]
-        self.inner.step()
+        with uncounted():  # elementwise work only; the all-gathers below are what a CommCounter should see
+            self.inner.step()
         for param, piece, chunk in self.params:
             local = _local(param)
             local.view(-1).copy_(self._all_gather(piece, chunk, local))
@@ -219,7 +242,21 @@ class ShardedOptimizer:
                 mine = self._my_slice(*owner[id(piece)], flat)
                 if mine:
                     state[i] = mine
+        own = self._own_buffers()
         self.inner.load_state_dict({"state": state, "param_groups": groups})
+        for piece, states in self.inner.state.items():
+            for key, buffer in own.get(piece, {}).items():
+                if type(buffer) is not type(states.get(key)):  # torchao's quantised moments: quantise into them
+                    states[key] = buffer.copy_(states[key])
+
+    def _own_buffers(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The state the inner optimizer allocates itself, by slice (made by a step at lr 0 on zero gradients, as
+        torch's get_optimizer_state_dict does). load_state_dict would keep the checkpoint's plain fp32 tensors in
+        its place; torchao's 8/4-bit moments must stay quantised. They are saved dequantised (the gathered whole
+        of each slice), and quantising again is not the identity (the signed code book has no -1): a ZeRO-1 resume
+        of a low-bit optimizer continues closely, not bitwise."""
+        _init_optim_state(self.inner)
+        return {piece: dict(states) for piece, states in self.inner.state.items()}
 
     def _my_slice(self, name: str, param: nn.Parameter, piece: nn.Parameter, chunk: int,
                   flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from shardwise.config import ConfigError, JobConfig, fit_world, validate_parallel
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv, init_distributed, shutdown
+from shardwise.layout import fsdp_applies
 from shardwise.parallel.mesh import MeshView, build_mesh
 
 T = TypeVar("T")
@@ -37,8 +38,8 @@ class Runtime:
         fit_world(cfg, world)  # replaces cfg.parallel (a frozen Layout): read it only after
         validate_parallel(cfg, world)  # before any process group exists
         p = cfg.parallel
-        env = init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
-        if world == 1:
+        env = init_distributed(cfg.train.device, cfg.train.collective_timeout_s, group_of_one=fsdp_applies(p))
+        if world == 1 and not fsdp_applies(p):
             return cls(env, cfg, None)
         mesh = MeshView(build_mesh(p, env.device.type), p)
         runtime = cls(env, cfg, mesh)
@@ -103,9 +104,9 @@ class Runtime:
         if not self.mesh:
             return str(self.device)
         p = self.cfg.parallel
-        dims = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
-                         if getattr(p, d) > 1)
-        return f"{self.world_size} x {self.device.type} ({dims}, ZeRO-{p.zero_stage})"
+        dims = [f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if getattr(p, d) > 1]
+        offload = [f"{p.offload} offload"] if p.offload != "none" else []
+        return f"{self.world_size} x {self.device.type} ({', '.join([*dims, f'ZeRO-{p.zero_stage}', *offload])})"
 
     # --- the loop's own collectives --------------------------------------------------------------------
     def shard_sequence(self, batch: Batch) -> tuple[Batch, torch.Tensor | None]:

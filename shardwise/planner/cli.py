@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import time
+import typing
 
 from shardwise.config import ConfigError
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
@@ -17,7 +18,7 @@ from shardwise.layout import complete_layout, parse_layout
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan
 from shardwise.planner.search import Evaluation, evaluate, search
-from shardwise.planner.workload import Training, resolve_model
+from shardwise.planner.workload import Optimizer, Training, resolve_model
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # Llama 2/3 pretraining batches are 4M tokens (Touvron et al. 2023)
 
@@ -33,7 +34,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step")
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
-    a("--optimizer", default="adamw", choices=["adamw", "sgd", "momentum", "adamw8bit"])
+    a("--optimizer", default="adamw", choices=list(typing.get_args(Optimizer)))
     a("--layout", default="torch", choices=["torch", "zero", "megatron"],
       help="how mixed precision stores model state (see docs/planner.md)")
     a("--attention", default="fused", choices=["fused", "unfused"],

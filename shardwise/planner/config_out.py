@@ -15,9 +15,9 @@ from shardwise.planner.workload import Training
 
 def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, dict]:
     """Config tables for one plan: its layout and batch split as config.layout_tables maps them."""
-    if plan.offload != "none":
-        raise PlannerError("--write-config", f"the engine has no {plan.offload} offload yet",
-                           "pass --plan with offload=none")
+    if plan.offload == "optimizer":
+        raise PlannerError("--write-config", "the engine has no optimizer-only offload",
+                           "pass --plan with offload=full or offload=none")
     _engine_runs(training)
     preset = PRESETS.get(args.name)
     model = {"name": args.name} if preset == args else dataclasses.asdict(args)

@@ -16,7 +16,7 @@ from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, projection_shapes
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
+from shardwise.planner.workload import FULL_PRECISION_STATE_BYTES, OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 
 # ---------------------------------------------------------------------------------------------------
 # Parameters (docs/planner.md, "Parameters per rank")
@@ -618,11 +618,25 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
                                   plan.shard_group, plan.offload, trainable, linears, linears + head)
         if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
             items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
+        items["optimizer_state"] += _full_precision_embedding_state(args, training, plan, stage)
         cached = _remember(_MODEL_STATE, key, items)
     return cached
 
 
 _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
+
+
+def _full_precision_embedding_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """The low-bit AdamWs keep the moments of the vocabulary matrices (embedding, head) in fp32: their extra bytes
+    on the ranks holding them (the root parameters but the final norm; split over tp, and over the shard group from
+    ZeRO-1), when they are trained and on the device."""
+    full = FULL_PRECISION_STATE_BYTES.get(training.optimizer)
+    if full is None or training.lora_rank or plan.offload != "none":
+        return 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    vocabulary = shape.root - (args.dim if shape.last else 0)
+    shard = plan.shard_group if plan.zero_stage >= 1 else 1
+    return (full - OPTIMIZER_STATE_BYTES[training.optimizer]) * vocabulary / shard
 
 
 def rotary_table_bytes(args: ModelArgs) -> float:

@@ -28,7 +28,7 @@ class Plan(Layout):
 
 def engine_runs(plan: Plan, training) -> bool:
     """Whether shardwise's engine can run the plan: what its config would refuse (layout.engine_cannot_run)."""
-    return engine_cannot_run(plan, training.precision) is None
+    return engine_cannot_run(plan, training.precision, optimizer=training.optimizer) is None
 
 
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int) -> None:
@@ -47,7 +47,7 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
                            "make micro_batch x grad_accum x dp equal the global batch in sequences")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise PlannerError("--plan zero_stage", f"{plan.zero_stage}", "use 0, 1, 2 or 3")
-    if plan.zero_stage and plan.shard_group == 1:
+    if plan.zero_stage and plan.shard_group == 1 and not (plan.offload == "full" and plan.dp == 1):
         raise PlannerError("--plan zero_stage", f"ZeRO-{plan.zero_stage} has only one rank to shard over",
                            "set dp_replicate (ZeRO-1) or dp_shard (ZeRO-2/3) > 1, or zero_stage=0")
     if plan.dp_shard > 1 and plan.zero_stage < 2:

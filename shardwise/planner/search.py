@@ -17,7 +17,6 @@ recompute. Three kinds of pruning keep it fast, none of which drops a plan that 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -106,12 +105,12 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     fixed = dict(fixed or {})
     check_fixed(args, training, cluster, fixed)
     result = SearchResult([], 0)
-    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "full"]
+    # the offloads the engine runs ('optimizer' it does not: layout.engine_cannot_run)
+    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"]
     fits: list[Evaluation] = []
     for offload in offloads:
-        for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp):
-            _search_degrees(args, training, cluster, dataclasses.replace(base, offload=offload), fixed,
-                            max_virtual, result, fits)
+        for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
+            _search_degrees(args, training, cluster, base, fixed, max_virtual, result, fits)
         if fits:
             break
     fits.sort(key=lambda e: (e.time.step_time_s, e.memory["total"]))
@@ -144,10 +143,12 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("dp", f"dp*tp*pp*cp = {dp * tp * pp * cp} but --gpus is {world}", "make the product the world size")
     if fixed.get("zero_stage", 0) > 3:
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
+    if fixed.get("offload") == "optimizer":
+        bad("offload", "the engine has no optimizer-only offload", "use offload=full or offload=none")
 
 
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
-                  max_cp: int):
+                  max_cp: int, offload: str = "none"):
     world = cluster.gpus
     tps = _choices(fixed, "tp", [t for t in divisors(math.gcd(args.n_heads, cluster.gpus_per_node, world))
                                  if max_tp is None or t <= max_tp])
@@ -167,10 +168,10 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                yield from _dp_splits(dp, tp, cp, pp, fixed)
+                yield from _dp_splits(dp, tp, cp, pp, fixed, offload)
 
 
-def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict):
+def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none"):
     shards = _choices(fixed, "dp_shard", divisors(dp))
     for dp_shard in shards:
         if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
@@ -180,9 +181,11 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict):
         stages = ([0] + ([1] if dp * cp > 1 else [])) if dp_shard == 1 else []
         if dp_shard * cp > 1:
             stages += [2, 3]
+        if offload == "full":  # FSDP2's CPUOffloadPolicy: ZeRO-2/3, over a mesh of one where nothing else shards
+            stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
         for zero in _choices(fixed, "zero_stage", stages):
             yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
-                       sequence_parallel=fixed.get("sequence_parallel", tp > 1))
+                       sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=offload)
 
 
 def _choices(fixed: dict, key: str, options: list) -> list:

@@ -19,13 +19,21 @@ from shardwise.hardware import PlannerError
 from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
-Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit"]
+Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit", "adamw4bit", "adafactor"]
 Layout = Literal["torch", "zero", "megatron"]
 
-# Bytes per parameter of optimizer state beyond the master weights, as torch.optim keeps it: Adam two fp32
-# moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
-# bitsandbytes' 8-bit Adam keeps two 1-byte moments plus one fp32 absmax per 2048-element block for each of them.
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 2048}
+# Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
+# - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
+# - torchao's AdamW8bit both moments as uint8 codes plus an fp32 scale per block of 256 (2 x (1 + 4/256) = 2.03125),
+#   AdamW4bit both as packed 4-bit codes plus an fp32 scale per block of 128 (2 x (0.5 + 4/128) = 1.0625); a
+#   256-entry (16-entry) fp32 code book per tensor is not counted. The embedding and head keep fp32 moments under
+#   both (shardwise.optim.FULL_PRECISION_STATE), counted by memory.py; so do tensors under 4096 values, not;
+# - torch's Adafactor no first moment and a second moment factored into fp32 row and column means, 4(r + c) bytes
+#   for an r x c matrix: 0.0078 B/param at 1024 x 1024, 0.002 at 4096 x 4096, counted as 0.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
+                         "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
+FULL_PRECISION_STATE_BYTES = {"adamw8bit": 8.0, "adamw4bit": 8.0}
+"""Optimizers whose state for the embedding and head is fp32 AdamW's (8 B/param), not OPTIMIZER_STATE_BYTES's."""
 
 # QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants (Dettmers et al.
 # 2023, section 3), as torchao's NF4Tensor holds them for the engine's fp32 weights (shardwise/nf4.py): a 4-bit
@@ -47,7 +55,8 @@ class Training:
     precision: Precision = "bf16"
     """Matmul precision: fp32, or mixed bf16/fp16 (fp8: fp8 matmuls, bf16 storage) with fp32 master state."""
     optimizer: Optimizer = "adamw"
-    """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit (2 one-byte states)."""
+    """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit / adamw4bit (2 block-quantised states, torchao),
+    adafactor (factored second moment only)."""
     layout: Layout = "torch"
     """How mixed precision stores model state: 'torch' fp32 weights+grads cast per use (autocast / FSDP2),
     'zero' bf16 weights+grads with an fp32 master in the optimizer (ZeRO paper), 'megatron' bf16 weights, fp32 grads."""
