@@ -314,6 +314,7 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
     ops or collectives would copy its thread pools half-alive).
     """
     validate_parallel(cfg, world)
+    _check_simulable(cfg)
     ranks = ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world)
     for rank in ranks:
         if not 0 <= rank < world:
@@ -328,6 +329,18 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
     for report in reports:
         report.planner = planner_prediction(cfg, report.coordinates.get("pp", 0))
     return reports
+
+
+def _check_simulable(cfg: JobConfig) -> None:
+    """Refuse what fake tensors cannot show, rather than print ratios that mean nothing."""
+    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
+        # torchao's update is torch.compile'd, and eager it reads the block scales' values (.item())
+        raise ConfigError("optim.name", f"{cfg.optim.name}'s step (torchao) cannot run on fake tensors",
+                          "simulate with optim.name = 'adamw'; its state bytes are checked on real tensors "
+                          "(tests/test_optim.py)")
+    if cfg.parallel.offload != "none":
+        raise ConfigError("parallel.offload", "the simulated ranks run on the host, where offloaded state would "
+                          "be counted as the device's", "simulate with parallel.offload = 'none'")
 
 
 def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:

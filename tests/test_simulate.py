@@ -210,3 +210,15 @@ def test_big_job_simulates_in_8_gib_without_allocating_the_model(model, world, p
         share = 4 * stage_params(args, split[s], s == 0, s == pp - 1) / (out["world"] // pp)
         slack = n_tensors * 4 * max(args.dim, args.ffn_hidden)
         assert share <= rank["model_state"]["parameters"] <= share + slack, (s, rank["model_state"], share)
+
+
+@pytest.mark.parametrize("override, field", [("optim.name=adamw8bit", "optim.name"),
+                                             ("parallel.offload=full", "parallel.offload")])
+def test_what_fake_tensors_cannot_show_is_refused_before_any_rank_starts(override, field):
+    from shardwise.config import ConfigError, load_config
+    from shardwise.simulate import simulate
+
+    cfg = load_config("tests/configs/parity.toml", ["parallel.dp_shard=2", override])
+    with pytest.raises(ConfigError) as e:
+        simulate(cfg, 2)
+    assert e.value.field == field
