@@ -293,9 +293,10 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
 
 
 def _norm_terms(name: str, d: int, training: Training, autocast_copies: int) -> list[Term]:
-    # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad
+    # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad,
+    # which a frozen weight (LoRA) does not have
     terms = [Term(f"{name}_input", d, "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
-    if not training.fused_rmsnorm:
+    if not training.fused_rmsnorm and not training.lora_rank:
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
     # the output feeds column-parallel linears: torch (DTensor) saves their all-gathered, full-sequence input;
     # Megatron saves the sequence-parallel shard and gathers it again in backward (Korthikanti et al., 4.2.2)
