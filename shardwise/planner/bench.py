@@ -247,7 +247,10 @@ def dp_unit_overhead(kind: str, iters: int, min_seconds: float = 0.0) -> float:
 
     mesh = _pair_mesh()
     view = SimpleNamespace(grad_reduce=mesh, fsdp=mesh)  # the two sub-meshes apply_data_parallel reads
-    config = Layout(zero_stage={"replicate": 0, "zero2": 2, "zero3": 3}[kind], bucket_mb=0.0)
+    zero = {"replicate": 0, "zero2": 2, "zero3": 3}[kind]
+    # the layout of that pair: the engine wraps by the layout's degrees (ZeRO-2/3 shard over dp_shard)
+    degrees = {"dp_shard": mesh.size()} if zero >= 2 else {"dp_replicate": mesh.size()}
+    config = Layout(**degrees, zero_stage=zero, bucket_mb=0.0)
     return _host_seconds_per_block(ModelArgs(), lambda model: apply_data_parallel(model, view, config),
                                    iters, min_seconds)
 
