@@ -1110,6 +1110,14 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert cfg.optim.name == (extra[1] if extra[:1] == ["--optimizer"] else "adamw")
 
 
+def test_qlora_is_priced_under_every_precision_the_planner_takes(capsys):
+    """fp8 has no dequantisation count of its own: it dequantises to bf16 as the bf16 recipe does."""
+    for precision in ("fp32", "bf16", "fp16", "fp8"):
+        argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu", "h100", "--precision", precision,
+                "--lora-rank", "16", "--qlora"]
+        assert run_plan(_ns(*argv)) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, value", [("--layout", "zero"), ("--attention", "unfused"), ("--dropout", None)])
 def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, value, capsys):
     argv = ["--model", "llama3-8b", "--gpus", "8", "--write-config", str(tmp_path / "x.toml"), flag,

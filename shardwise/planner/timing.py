@@ -159,7 +159,8 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     the whole (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
     if not training.qlora:
         return 0.0, 0.0, 0.0
-    cost = QLORA_DEQUANT[training.precision]
+    # fp8 recipes dequantise to bf16 as well (the fp8 cast of the matmul input comes after, priced with the matmul)
+    cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
     weights = layers * (layer_params(args, plan.tp) - 2 * args.dim)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     ops = layers * 7 * (cost.forward_ops + cost.backward_ops)
