@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import LoraConfig
-from shardwise.lora import LoRALinear, dense, is_adapter
+from shardwise.lora import LoRALinear, full_value, is_adapter
 from shardwise.model_args import ModelArgs, args_from_hf_config
 
 # ours -> transformers, for the per-layer parameters ({i} is the layer index)
@@ -111,21 +111,15 @@ def hf_config(args: ModelArgs) -> dict:
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
-def _full(param):
-    from torch.distributed.tensor import DTensor
-
-    return param.full_tensor() if isinstance(param, DTensor) else param
-
-
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return dense(_full(tensor)).detach().to("cpu", copy=True).contiguous()
+    return full_value(tensor).detach().to("cpu", copy=True).contiguous()
 
 
 def _hf_tensors(parts, merge_lora: bool) -> dict[str, torch.Tensor]:
     """Every weight, full, on CPU, by its transformers name; a LoRA model's adapted projections merged
     (W + (alpha / r) B A, in the adapters' dtype) or, with merge_lora False, their frozen base alone.
 
-    QLoRA's NF4 base is dequantised either way (lora.dense; merged_weight does it too).
+    QLoRA's NF4 base is dequantised either way (lora.full_value).
     """
     from shardwise.model import canonical_name
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise import nf4
 from shardwise.config import LoraConfig
@@ -47,8 +48,10 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A: the plain linear this module computes (without dropout), in fp32."""
-        return dense(self.weight).float() + self.scale * (self.lora_b.float() @ self.lora_a.float())
+        """W + (alpha / r) B A: the plain linear this module computes (without dropout), whole and in fp32.
+        A collective when the module is sharded: every rank calls it."""
+        a, b = full_value(self.lora_a).float(), full_value(self.lora_b).float()
+        return full_value(self.weight).float() + self.scale * (b @ a)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
@@ -61,6 +64,25 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     `.float()` would not do: on an NF4 tensor of an fp32 original it is a no-op that returns the NF4 tensor.
     """
     return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+
+
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's whole value as a plain tensor: gathered if it is a DTensor (a collective: every rank of its
+    mesh calls it), QLoRA's NF4 base dequantised.
+
+    A sharded NF4 weight is dequantised shard by shard and the plain pieces gathered, never gathered as NF4:
+    DTensor's gather of an NF4 local tensor goes through torchao's functional all-gather of its parts, which on
+    gloo let the asynchronous gather write into freed memory (heap corruption, about one save in five). The
+    result is the same bits: each FSDP shard holds whole blocks of scalers (config._validate_qlora) and the
+    per-tensor scaler mean, so its dequantised rows are those rows of the whole weight dequantised.
+    """
+    if not isinstance(param, DTensor):
+        return dense(param)
+    local = param.to_local()
+    if local is not dense(local):
+        param = DTensor.from_local(dense(local), param.device_mesh, param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+    return param.full_tensor()
 
 
 def is_adapter(name: str) -> bool:

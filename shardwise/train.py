@@ -27,7 +27,7 @@ from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.distributed import explain_failure
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
-from shardwise.lora import apply_lora, dense
+from shardwise.lora import apply_lora, full_value
 from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_sum, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
@@ -480,7 +480,7 @@ def save_full_parameters(parts: list[nn.Module], path: str, runtime: Runtime) ->
     tensors = {}
     for part in parts:
         for name, param in part.named_parameters():
-            full = dense(param.full_tensor() if isinstance(param, DTensor) else param)  # QLoRA: dequantised
+            full = full_value(param)  # QLoRA: dequantised
             tensors[canonical_name(name)] = full.detach().to("cpu").contiguous()
     if runtime.writes_stage_files:
         target = path if runtime.pp_size == 1 else f"{path}.stage{runtime.pp_rank}"

@@ -9,12 +9,13 @@ import torch
 from test_checkpoint import _build, _steps
 from test_parallel import _shardwise
 from test_train import _batch
+from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint import Checkpointer, _read_metadata, latest_checkpoint
 from shardwise.config import LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.hf import export_hf, import_hf
-from shardwise.lora import LoRALinear, apply_lora, is_adapter
+from shardwise.lora import LoRALinear, apply_lora, dense, full_value, is_adapter
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs
 from shardwise.nf4 import CONSTANT_PARTS, SHARDED_PARTS, is_nf4, storage_bytes
@@ -22,7 +23,9 @@ from shardwise.optim import build_optimizer
 from shardwise.parallel.runtime import Runtime
 from shardwise.planner.memory import model_state_bytes
 from shardwise.planner.workload import QLORA_BITS, Training
-from shardwise.train import build_grad_scaler, train_step
+from shardwise.train import build_grad_scaler, build_training_model, train_step
+
+from distributed import run_distributed
 
 CPU = torch.device("cpu")
 CONFIG = str(Path(__file__).parent / "configs" / "qlora.toml")
@@ -179,3 +182,43 @@ def test_qlora_layouts_match_single_device_qlora():
     for row in json.loads(proc.stdout)["layouts"]:
         assert max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= 1e-5, row
     assert proc.returncode == 0
+
+
+def _nf4_and_merged(model) -> tuple[dict, dict]:
+    """Where `model` keeps NF4 weights, and every adapted projection's merged weight, B set to 0.01 first."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                (p.to_local() if isinstance(p, DTensor) else p).fill_(0.01)
+    merged = {n: m.merged_weight() for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return {n: p for n, p in model.named_parameters() if is_nf4(p)}, merged
+
+
+def _gather_nf4_base(rounds: int) -> tuple[dict, dict]:
+    """On each of 2 ranks: the QLoRA model under ZeRO-3, every NF4 weight gathered `rounds` times (what a final
+    save and an export do); the last round's values, and the merged weights an export writes."""
+    cfg = load_config(CONFIG, ["parallel.dp_shard=2", "parallel.zero_stage=3"])
+    model = build_training_model(cfg, Runtime.create(cfg))
+    sharded, merged = _nf4_and_merged(model)
+    assert all(isinstance(p, DTensor) for p in sharded.values())
+    for _ in range(rounds):
+        gathered = {n: full_value(p) for n, p in sharded.items()}
+    return gathered, merged
+
+
+@pytest.mark.multiprocess
+def test_sharded_nf4_base_gathers_to_the_single_device_weights_bit_for_bit():
+    # gathered as NF4 (DTensor.full_tensor through torchao's all-gather of its parts), this loop corrupted the
+    # heap within a few hundred gathers on gloo ("malloc(): unaligned tcache chunk detected", a final save's
+    # SIGABRT in CI); shard by shard dequantised, then gathered, it is the same bits
+    reference = load_config(CONFIG).model
+    model = build_model(reference)
+    apply_lora(model, LoraConfig(rank=4, qlora=True))
+    materialize(model, reference, CPU, 0)
+    nf4_weights, expected_merged = _nf4_and_merged(model)
+    expected = {n: dense(p) for n, p in nf4_weights.items()}
+    for gathered, merged in run_distributed(_gather_nf4_base, 2, 50):
+        assert gathered.keys() == expected.keys() and merged.keys() == expected_merged.keys()
+        assert all(torch.equal(gathered[n], expected[n]) for n in expected)
+        for name, weight in expected_merged.items():  # B A: a matmul of gathered pieces, to fp32 rounding
+            torch.testing.assert_close(merged[name], weight, rtol=1e-6, atol=1e-6)
