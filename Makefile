@@ -24,7 +24,7 @@ demo: $(VENV)/.base
 	$(VENV)/bin/shardwise train --config configs/demo.toml
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check shardwise tests benchmarks
