@@ -655,13 +655,14 @@ def _check_loader(train_state: dict, state: TrainState) -> str | None:
 
 
 class StopSignal:
-    """Set by SIGTERM (what Slurm and Kubernetes send before a kill): the loop finishes its step, saves, exits.
+    """Set by SIGTERM (what Slurm and Kubernetes send before a kill) or SIGUSR1 (Slurm's warning before the time
+    limit, as `shardwise launch slurm` asks for it): the loop finishes its step, saves, exits.
 
     `requested()` is collective: ranks receive the signal at different moments, so they agree (any rank) before
     deciding to stop, and all stop after the same step.
     """
 
-    def __init__(self, signals=(signal.SIGTERM,)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
         self._set = False
         self._previous = {s: signal.signal(s, self._handler) for s in signals}
 

@@ -20,6 +20,11 @@ def _add_train(p: argparse.ArgumentParser) -> None:
                    help="with --nproc: restart all processes this many times when one fails (they resume from "
                         "the newest checkpoint)")
     p.add_argument("--save-final", metavar="PATH", help="write the final parameters, unsharded, to safetensors")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="with --nproc: the job spans this many machines, each running this command (what "
+                        "`shardwise launch slurm` writes); --rdzv-endpoint and --rdzv-id say where they meet")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous (with --nnodes)")
+    p.add_argument("--rdzv-id", help="the job's id, the same on every machine (with --nnodes)")
     p.set_defaults(run=_run_train)
 
 
@@ -36,12 +41,12 @@ def _run_train(args: argparse.Namespace) -> int:
         from shardwise.config import fit_world, validate_parallel
         from shardwise.distributed import launch_local
 
-        fit_world(cfg, args.nproc)
-        validate_parallel(cfg, args.nproc)
+        fit_world(cfg, args.nproc * args.nnodes)
+        validate_parallel(cfg, args.nproc * args.nnodes)
         argv = ["train"] + (["--config", args.config] if args.config else [])
         argv += [f"--set={o}" for o in args.overrides]
         argv += ["--save-final", args.save_final] if args.save_final else []
-        return launch_local(args.nproc, argv, max_restarts=args.max_restarts)
+        return launch_local(args.nproc, argv, max_restarts=args.max_restarts, rendezvous=_rendezvous(args))
     from shardwise.train import train  # heavy imports only once the config is known good
 
     summary = train(cfg, save_final=args.save_final)
@@ -53,6 +58,18 @@ def _run_train(args: argparse.Namespace) -> int:
         line += f", val_loss {summary['val_loss']:.4f}"
     print(f"{line}; metrics in {cfg.metrics.out_dir}/metrics.jsonl")
     return 0
+
+
+def _rendezvous(args: argparse.Namespace) -> tuple[int, str, str] | None:
+    """(nodes, endpoint, id) for a job over several machines; None for one (torchrun --standalone)."""
+    if args.nnodes < 1:
+        raise ConfigError("--nnodes", f"{args.nnodes} is not a number of machines", "set --nnodes 1 or more")
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        return None
+    if not (args.rdzv_endpoint and args.rdzv_id):
+        raise ConfigError("--rdzv-endpoint", "a job over several machines needs where they meet",
+                          "set --rdzv-endpoint HOST:PORT (the first machine) and --rdzv-id (the job's id)")
+    return args.nnodes, args.rdzv_endpoint, args.rdzv_id
 
 
 def _add_export(p: argparse.ArgumentParser) -> None:
@@ -149,6 +166,15 @@ def _run_verify(args: argparse.Namespace) -> int:
     return run_verify(args)
 
 
+def _add_launch(p: argparse.ArgumentParser) -> None:
+    from shardwise.launch.slurm import add_slurm_arguments
+
+    schedulers = p.add_subparsers(dest="scheduler", required=True)
+    add_slurm_arguments(schedulers.add_parser(
+        "slurm", help="an sbatch script: srun + torchrun, save before the time limit, requeue",
+        description="write (--write), submit (--submit) or print an sbatch script for the job"))
+
+
 def _add_plan(p: argparse.ArgumentParser) -> None:
     from shardwise.planner.cli import add_plan_arguments, run_plan
 
@@ -178,6 +204,7 @@ COMMANDS = {
     "generate": ("write text with a trained run or a Hugging Face Llama folder (KV cache, sampling)",
                  _add_generate),
     "verify": ("prove parallel layouts train exactly like one device", _add_verify),
+    "launch": ("run the job on a cluster's scheduler (Slurm)", _add_launch),
     "plan": ("memory and step time of parallel plans, the best one, and why", _add_plan),
     "bench": ("measure this machine's FLOP/s and collective bandwidth (a planner profile)", _add_bench),
     "simulate": ("run one real training step as ranks of a large world, on fake tensors", _add_simulate),

@@ -231,28 +231,40 @@ def handed_error(failures: dict) -> tuple[int, int, str] | None:
     return rank, handed[rank]["exit_code"], handed[rank]["line"]
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine; SIGTERM
-    stops it cleanly."""
-    cmd = [sys.executable, "-m", "shardwise.torchrun", "--standalone", f"--nproc_per_node={nproc}",
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
+                 rendezvous: tuple[int, str, str] | None = None) -> int:
+    """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine; SIGTERM and
+    SIGUSR1 (Slurm's warning before the time limit) stop it cleanly.
+
+    rendezvous: (machines, HOST:PORT, job id) when the job spans several machines, each running this; torchrun's
+    c10d rendezvous then joins them (else --standalone).
+    """
+    where = ["--standalone"] if rendezvous is None else [
+        f"--nnodes={rendezvous[0]}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous[1]}",
+        f"--rdzv-id={rendezvous[2]}"]
+    cmd = [sys.executable, "-m", "shardwise.torchrun", *where, f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     torchrun = subprocess.Popen(cmd, env=env)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop_ranks(torchrun.pid))
+    stop = [signal.SIGTERM, signal.SIGUSR1]
+    previous = {s: signal.signal(s, lambda signum, frame: _stop_ranks(torchrun.pid, signum)) for s in stop}
     try:
         return torchrun.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-def _stop_ranks(torchrun_pid: int) -> None:
-    """Pass SIGTERM on to the ranks, not to torchrun: each rank finishes its step, saves and exits 0, and torchrun
-    then exits 0 too. Signalled itself, torchrun signals the ranks, SIGKILLs them after 30 s whether or not their
-    save is done, and exits non-zero with a traceback. Before the ranks exist, torchrun gets the signal."""
-    for pid in _children(torchrun_pid) or [torchrun_pid]:
+def _stop_ranks(torchrun_pid: int, signum: int = signal.SIGTERM) -> None:
+    """Pass the signal on to the ranks, not to torchrun: each rank finishes its step, saves and exits 0, and
+    torchrun then exits 0 too. Signalled itself, torchrun signals the ranks, SIGKILLs them after 30 s whether or not
+    their save is done, and exits non-zero with a traceback (it ignores SIGUSR1: shardwise.torchrun). Before the
+    ranks exist, torchrun gets SIGTERM."""
+    children = _children(torchrun_pid)
+    for pid in children or [torchrun_pid]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signum if children else signal.SIGTERM)
 
 
 def _children(pid: int) -> list[int]:

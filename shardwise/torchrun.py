@@ -9,6 +9,7 @@ the failed rank's traceback, which the rank prints itself.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from torch.distributed import run as torchrun
@@ -34,6 +35,10 @@ class _HeldBack(logging.Filter):
 
 
 def main(argv: list[str]) -> int:
+    # SIGUSR1 asks the ranks to save and stop (Slurm's warning before the time limit reaches every process of the
+    # step, this agent too): the agent lives on until they have. Its workers inherit the "ignore", and each rank's
+    # checkpoint.StopSignal handles the signal once it is installed.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     args = torchrun.parse_args(argv)
     log, held = logging.getLogger(_STOPPING_LOGGER), _HeldBack()
     if args.max_restarts == 0:

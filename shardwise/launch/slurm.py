@@ -1,0 +1,206 @@
+"""`shardwise launch slurm`: an sbatch script that runs a job on a Slurm allocation.
+
+The script runs one task per node (`srun --ntasks-per-node=1`). Each task is `shardwise train --nproc P --nnodes N`:
+torchrun with its c10d rendezvous on the allocation's first node (`scontrol show hostnames`) and the job id as the
+rendezvous id, so the nodes find each other from Slurm's own variables, never from guessed ones. Every path in it
+is absolute: the run folder (metrics.out_dir, where the checkpoints and the job's log go) must be on storage every
+node sees.
+
+Stopping and requeue. `#SBATCH --signal=B:USR1@S` has Slurm signal the batch shell S seconds before the time limit
+(`scancel --signal=USR1 --batch JOB` does the same by hand). The shell passes USR1 on to every process of the job
+step (`scancel --signal=USR1 JOB`): shardwise's launcher and torchrun's agent ignore it, and each rank finishes its
+step, the ranks save together and exit 0 (checkpoint.StopSignal). With --requeue the shell then requeues the job
+(`scontrol requeue`), and the job, started again under the same id, resumes from its newest checkpoint as any run
+does (checkpoint.resume), the data loader where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.config import JobConfig, fit_world, load_config, validate_parallel
+from shardwise.errors import ConfigError
+
+STOP_SIGNAL = "USR1"
+# file systems that every node of a cluster mounts (the run folder of a multi-node job must be on one)
+SHARED_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
+                       "wekafs", "9p", "virtiofs", "fuse.juicefs", "fuse.sshfs", "cifs", "smb3")
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """What the sbatch script says: the allocation, the `shardwise train` command, stopping and requeue."""
+
+    train_args: tuple[str, ...]  # --config FILE and --save-final PATH (absolute), the --set overrides
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    out_dir: Path
+    workdir: Path
+    name: str = "shardwise"
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    requeue: bool = False
+    warn_seconds: int = 120
+
+
+def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (--gpus-per-node to Slurm)")
+    p.add_argument("--nproc-per-node", type=int, default=0,
+                   help="processes per node; default: one per GPU (required for a CPU job)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--time", help="time limit, as Slurm writes it (e.g. 4:00:00)")
+    p.add_argument("--account", help="Slurm account to charge")
+    p.add_argument("--save-final", metavar="PATH",
+                   help="the job writes its final parameters, unsharded, to safetensors (shardwise train's flag)")
+    p.add_argument("--job-name", default="shardwise", help="the job's name in squeue")
+    p.add_argument("--requeue", action="store_true",
+                   help="after the save that the time-limit warning asks for, requeue the job; it resumes")
+    p.add_argument("--warn-seconds", type=int, default=120,
+                   help="how long before the time limit Slurm asks the ranks to save (their step and the save "
+                        "must fit in it)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--submit", action="store_true", help="write the script into the run folder and sbatch it")
+    out.add_argument("--write", metavar="PATH", help="write the script to PATH")
+    out.add_argument("--dry-run", action="store_true", help="print the script (what happens with neither flag)")
+    p.set_defaults(run=run_slurm)
+
+
+def slurm_job(args: argparse.Namespace) -> tuple[SlurmJob, JobConfig]:
+    """The job the arguments describe, every check made before anything is written or submitted."""
+    cfg = load_config(args.config, args.overrides)
+    if args.nodes < 1:
+        raise ConfigError("--nodes", f"{args.nodes} is not a number of nodes", "set --nodes 1 or more")
+    if args.gpus_per_node < 0 or args.nproc_per_node < 0:
+        raise ConfigError("--gpus-per-node", "a count below 0", "set --gpus-per-node and --nproc-per-node >= 0")
+    per_node = args.nproc_per_node or args.gpus_per_node
+    if per_node == 0:
+        raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its processes per node",
+                          "set --nproc-per-node, or --gpus-per-node for one process per GPU")
+    world = args.nodes * per_node
+    fit_world(cfg, world)
+    if cfg.parallel.world_size != world:
+        raise ConfigError("--nodes", f"{args.nodes} nodes x {per_node} processes = {world} ranks, but the layout's "
+                          f"degrees (dp_replicate x dp_shard x tp x pp x cp) multiply to {cfg.parallel.world_size}",
+                          f"allocate nodes x processes = {cfg.parallel.world_size}, or change [parallel]")
+    validate_parallel(cfg, world)
+    if args.warn_seconds < 1:
+        raise ConfigError("--warn-seconds", f"{args.warn_seconds} leaves no time to save", "set it to 60 or more")
+    if args.requeue and not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
+        raise ConfigError(field, "--requeue starts the job again, which goes on from its newest checkpoint only "
+                          "with checkpoints saved and resumed", f"set {field} = true")
+    out_dir = Path(cfg.metrics.out_dir).absolute()
+    train_args = [*(["--config", str(Path(args.config).absolute())] if args.config else []),
+                  *[f"--set={o}" for o in args.overrides], f"--set=metrics.out_dir={json.dumps(str(out_dir))}",
+                  *(["--save-final", str(Path(args.save_final).absolute())] if args.save_final else [])]
+    job = SlurmJob(tuple(train_args), args.nodes, per_node, args.gpus_per_node, out_dir, Path.cwd(),
+                   args.job_name, args.partition, args.time, args.account, args.requeue, args.warn_seconds)
+    return job, cfg
+
+
+def script(job: SlurmJob) -> str:
+    """The sbatch script for `job`."""
+    directives = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+                  *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
+                  *([f"--partition={job.partition}"] if job.partition else []),
+                  *([f"--time={job.time}"] if job.time else []),
+                  *([f"--account={job.account}"] if job.account else []),
+                  f"--chdir={job.workdir}", f"--output={job.out_dir}/slurm-%j.out", "--open-mode=append",
+                  f"--signal=B:{STOP_SIGNAL}@{job.warn_seconds}", "--requeue" if job.requeue else "--no-requeue"]
+    train = [sys.executable, "-m", "shardwise", "train", *job.train_args, "--nproc", str(job.nproc_per_node),
+             "--nnodes", str(job.nodes)]
+    lines = [
+        "#!/bin/bash",
+        f"# written by `shardwise launch slurm`: {job.nodes} node(s) x {job.nproc_per_node} process(es), run folder "
+        f"{job.out_dir}",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -u",
+        "",
+        "# torchrun's c10d rendezvous on the allocation's first node, on a port of the job's own",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        "",
+        f"# {STOP_SIGNAL}: the time limit is {job.warn_seconds} s away (or `scancel --signal={STOP_SIGNAL} --batch`):"
+        " every process of",
+        "# the step gets it; the ranks finish their step, save and exit 0",
+        "stopping=0",
+        f"stop() {{ stopping=1; echo \"shardwise: {STOP_SIGNAL}: saving and stopping\"; "
+        f"scancel --signal={STOP_SIGNAL} \"$SLURM_JOB_ID\"; }}",
+        f"trap stop {STOP_SIGNAL}",
+        "",
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {shlex.join(train)} \\",
+        '    --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" &',
+        "step=$!",
+        "# wait returns early when a trapped signal arrives: wait again until the step has ended",
+        'while true; do wait "$step"; code=$?; kill -0 "$step" 2>/dev/null || break; done',
+    ]
+    if job.requeue:
+        lines += [
+            'if [ "$stopping" = 1 ] && [ "$code" = 0 ]; then',
+            '    echo "shardwise: saved; requeueing job $SLURM_JOB_ID (it resumes from the newest checkpoint)"',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "fi",
+        ]
+    lines.append('exit "$code"')
+    return "\n".join(lines) + "\n"
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system `path` is on (/proc/mounts: the longest mount point above it)."""
+    best, kind = "", "unknown"
+    path = path.absolute()
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == Path(point) or Path(point) in path.parents) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def run_slurm(args: argparse.Namespace) -> int:
+    job, _ = slurm_job(args)
+    kind = file_system(job.out_dir)
+    if job.nodes > 1 and kind not in SHARED_FILE_SYSTEMS:
+        print(f"shardwise: warning: metrics.out_dir {job.out_dir} is on {kind}, which other nodes may not see: "
+              "the checkpoints of a multi-node job must be on shared storage", file=sys.stderr)
+    text = script(job)
+    if not (args.submit or args.write):
+        print(text, end="")
+        return 0
+    if args.submit and shutil.which("sbatch") is None:
+        raise ConfigError("--submit", "sbatch is not on PATH (this is not a Slurm login node)",
+                          "write the script with --write PATH and submit it where Slurm runs")
+    job.out_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's log there from its first line
+    path = Path(args.write) if args.write else job.out_dir / "slurm-job.sh"
+    path.write_text(text)
+    path.chmod(0o755)
+    if not args.submit:
+        print(f"wrote {path}; submit it with: sbatch {path}")
+        return 0
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        print(f"shardwise: error: sbatch refused {path}: {done.stderr.strip()}", file=sys.stderr)
+        return done.returncode
+    job_id = done.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id} ({path}); its log: {job.out_dir}/slurm-{job_id}.out")
+    return 0
+

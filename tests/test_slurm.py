@@ -1,0 +1,188 @@
+"""`shardwise launch slurm`: what it refuses before anything is written or submitted, and the script it writes run by
+a real Slurm (slurmctld, slurmd and munge on this machine, started by the fixture below): the job trains, saves at
+the time-limit warning, is requeued, resumes, and ends as a run nobody stopped.
+
+.ci/run installs Slurm (Debian's slurmd, slurmctld, munge) and sets SHARDWISE_REQUIRE_SLURM=1, so that there a
+missing Slurm fails the tests instead of skipping them.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_resume import CONFIG, FSDP2, _losses, _params, _train
+
+from shardwise.cli import main
+from shardwise.metrics import read_sample_log
+
+REQUIRED = os.environ.get("SHARDWISE_REQUIRE_SLURM") == "1"
+# what test_resume's _train sets, for the job's own command line
+RUN = ["train.steps=24", "checkpoint.enabled=true", "checkpoint.every=2", "metrics.log_every=1", "train.val_every=0",
+       "metrics.tensorboard=false", *FSDP2]
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise", "launch", "slurm", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Before anything is submitted
+
+
+def test_the_script_is_bash_with_the_allocation_and_the_rendezvous(tmp_path):
+    out = tmp_path / "run"
+    done = _launch("--config", CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--set", "parallel.dp_replicate=8",
+                   "--set", f"metrics.out_dir='{out}'", "--partition", "gpu", "--time", "4:00:00", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    checked = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu", "--time=4:00:00",
+                      f"--output={out}/slurm-%j.out", "--signal=B:USR1@120", "--no-requeue"):
+        assert f"#SBATCH {directive}\n" in text
+    assert "--nproc 4 --nnodes 2" in text and '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in text
+    assert "scontrol requeue" not in text  # not asked for
+    # two nodes and a run folder on this machine's own disk: said, not refused (a cluster may mount it anyway)
+    assert "may not see" in done.stderr and not out.exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--nodes", "3", "--nproc-per-node", "2", "--set", "parallel.dp_shard=2", "--set", "parallel.zero_stage=3"],
+     "--nodes"),
+    (["--nodes", "1"], "--nproc-per-node"),
+    (["--nodes", "0", "--nproc-per-node", "2"], "--nodes"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--requeue"], "checkpoint.enabled"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--requeue", "--set", "checkpoint.enabled=true", "--set",
+      "checkpoint.resume=false"], "checkpoint.resume"),
+])
+def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, field, tmp_path, capsys):
+    script = tmp_path / "job.sh"
+    assert main(["launch", "slurm", "--config", CONFIG, *args, "--write", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
+    assert not script.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real Slurm on this machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _munge() -> None:
+    """A running munged (Slurm's authentication), started if there is none."""
+    if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
+        return
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+
+
+def _slurm_conf(root: Path, host: str) -> Path:
+    """A one-node cluster: this machine, its CPUs, jobs sharing them; the settings Debian's Slurm 22.05 runs with
+    in a container (no cgroup process tracking or task binding); requeued jobs start again after 11 s, not 121."""
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=shardwise-test", f"SlurmctldHost={host}", "SlurmUser=root", "AuthType=auth/munge",
+        # how long a job's credential lives, and so how long a requeued job waits to start again (120 s by default)
+        "AuthInfo=cred_expire=10",
+        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}",
+        f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.pid'}",
+        f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd.log'}",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
+        "SchedulerType=sched/backfill", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+        "ReturnToService=2", "JobRequeue=1",
+        f"NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN",
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""]))
+    (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+    return conf
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """slurmctld and slurmd of a one-node cluster on this machine, for this module; SLURM_CONF points at it."""
+    missing = [b for b in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol") if shutil.which(b) is None]
+    if missing or os.geteuid() != 0:
+        why = f"Slurm is not installed ({', '.join(missing)})" if missing else "Slurm's daemons need root"
+        if REQUIRED:
+            pytest.fail(why)
+        pytest.skip(f"{why}: .ci/run installs it (apt-get install slurmd slurmctld munge slurm-client)")
+    _munge()
+    host = socket.gethostname().split(".")[0]
+    conf = _slurm_conf(tmp_path_factory.mktemp("slurm"), host)
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        subprocess.run(["slurmctld", "-f", str(conf)], check=True)
+        subprocess.run(["slurmd", "-f", str(conf), "-N", host], check=True)
+        _wait(lambda: subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True).stdout.strip()
+              in ("idle", "mix"), 60, "the node to be idle")
+        yield conf
+    finally:
+        subprocess.run(["scontrol", "shutdown"], capture_output=True)
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+
+
+def _job(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields (a finished job stays listed for MinJobAge, 300 s by default)."""
+    line = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+@pytest.mark.multiprocess
+def test_a_slurm_job_saves_at_the_warning_is_requeued_and_ends_like_an_uninterrupted_run(slurm, tmp_path):
+    whole, run = tmp_path / "whole", tmp_path / "slurm"
+    reference = _train(whole, 24, *FSDP2, nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    script = tmp_path / "job.sh"
+    sets = [a for s in [*RUN, f"metrics.out_dir='{run}'"] for a in ("--set", s)]
+    job = [*sets, "--config", CONFIG, "--nodes", "1", "--nproc-per-node", "2", "--requeue",
+           "--save-final", str(run / "final.safetensors")]
+    written = _launch(*job, "--write", str(script))
+    assert written.returncode == 0, written.stderr
+    assert subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True).returncode == 0
+    submitted = _launch(*job, "--submit")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    try:
+        _wait(lambda: (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 4, 300, "step 4")
+        # what Slurm does --warn-seconds before the time limit: USR1 to the batch shell
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        _wait(lambda: _job(job_id).get("Restarts") == "1", 300, "the requeue")
+        _wait(lambda: _job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the job's end")
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    log = (run / f"slurm-{job_id}.out").read_text()
+    assert _job(job_id)["JobState"] == "COMPLETED", log[-3000:]
+    assert "requeueing job" in log and "resumed after step" in log, log[-3000:]
+    stopped = int(re.search(r"step (\d+): stopped as asked", log).group(1))
+    assert 4 <= stopped < 24
+    assert _losses(run) == _losses(whole)  # every step, the ones after the requeue too
+    a, b = _params(whole), _params(run)
+    assert all((a[k] == b[k]).all() for k in a)  # bitwise
+    assert read_sample_log(run) == read_sample_log(whole)  # every sample once, in the same steps
