@@ -37,6 +37,9 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
+    if not args.nproc and (args.nnodes != 1 or args.rdzv_endpoint or args.rdzv_id):
+        raise ConfigError("--nnodes", "machines and a rendezvous say how torchrun starts the processes, and --nproc "
+                          "(which starts them) is not given", "add --nproc with the processes per machine")
     if args.nproc:
         from shardwise.config import fit_world, validate_parallel
         from shardwise.distributed import launch_local

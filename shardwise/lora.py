@@ -72,15 +72,17 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
 
     A sharded NF4 weight is dequantised shard by shard and the plain pieces gathered, never gathered as NF4:
     DTensor's gather of an NF4 local tensor goes through torchao's functional all-gather of its parts, which on
-    gloo let the asynchronous gather write into freed memory (heap corruption, about one save in five). The
-    result is the same bits: each FSDP shard holds whole blocks of scalers (config._validate_qlora) and the
-    per-tensor scaler mean, so its dequantised rows are those rows of the whole weight dequantised.
+    gloo corrupted the heap ("malloc(): unaligned tcache chunk detected": a final save's SIGABRT in CI; a 2-rank
+    loop of such gathers crashed within seconds, tests/test_qlora.py). The result is the same bits: each FSDP
+    shard holds whole blocks of scalers (config._validate_qlora) and the per-tensor scaler mean, so its
+    dequantised rows are those rows of the whole weight dequantised.
     """
     if not isinstance(param, DTensor):
         return dense(param)
     local = param.to_local()
-    if local is not dense(local):
-        param = DTensor.from_local(dense(local), param.device_mesh, param.placements, run_check=False,
+    plain = dense(local)
+    if plain is not local:
+        param = DTensor.from_local(plain, param.device_mesh, param.placements, run_check=False,
                                    shape=param.shape, stride=param.stride())
     return param.full_tensor()
 

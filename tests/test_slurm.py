@@ -70,6 +70,16 @@ def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, fie
     assert not script.exists()
 
 
+@pytest.mark.parametrize("args, field", [
+    (["--nnodes", "2"], "--nnodes"),  # machines without --nproc: nothing would start them
+    (["--nproc", "2", "--nnodes", "2"], "--rdzv-endpoint"),  # machines that do not know where to meet
+])
+def test_train_over_several_machines_needs_the_processes_and_the_rendezvous(args, field, capsys):
+    assert main(["train", "--config", CONFIG, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
+
+
 # ---------------------------------------------------------------------------------------------------
 # A real Slurm on this machine
 
