@@ -173,9 +173,12 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
     from shardwise.launch.slurm import add_slurm_arguments
 
     schedulers = p.add_subparsers(dest="scheduler", required=True)
-    add_slurm_arguments(schedulers.add_parser(
+    slurm = schedulers.add_parser(
         "slurm", help="an sbatch script: srun + torchrun, save before the time limit, requeue",
-        description="write (--write), submit (--submit) or print an sbatch script for the job"))
+        description="write (--write), submit (--submit) or print an sbatch script for the job")
+    slurm.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
+    _add_overrides(slurm)
+    add_slurm_arguments(slurm)
 
 
 def _add_plan(p: argparse.ArgumentParser) -> None:

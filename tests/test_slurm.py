@@ -19,6 +19,7 @@ import pytest
 from test_resume import CONFIG, FSDP2, _losses, _params, _train
 
 from shardwise.cli import main
+from shardwise.distributed import _free_port
 from shardwise.metrics import read_sample_log
 
 REQUIRED = os.environ.get("SHARDWISE_REQUIRE_SLURM") == "1"
@@ -82,12 +83,6 @@ def test_train_over_several_machines_needs_the_processes_and_the_rendezvous(args
 
 # ---------------------------------------------------------------------------------------------------
 # A real Slurm on this machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _munge() -> None:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import JobConfig, fit_world, load_config, validate_parallel
+from shardwise.config import fit_world, load_config, validate_parallel
 from shardwise.errors import ConfigError
 
 STOP_SIGNAL = "USR1"
@@ -53,9 +53,7 @@ class SlurmJob:
 
 
 def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set optim.lr=3e-4 (repeatable)")
+    """The scheduler's flags; the job's own (--config, --set) are the CLI's, as for `shardwise train`."""
     p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (--gpus-per-node to Slurm)")
     p.add_argument("--nproc-per-node", type=int, default=0,
@@ -78,7 +76,7 @@ def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_slurm)
 
 
-def slurm_job(args: argparse.Namespace) -> tuple[SlurmJob, JobConfig]:
+def slurm_job(args: argparse.Namespace) -> SlurmJob:
     """The job the arguments describe, every check made before anything is written or submitted."""
     cfg = load_config(args.config, args.overrides)
     if args.nodes < 1:
@@ -108,7 +106,7 @@ def slurm_job(args: argparse.Namespace) -> tuple[SlurmJob, JobConfig]:
                   *(["--save-final", str(Path(args.save_final).absolute())] if args.save_final else [])]
     job = SlurmJob(tuple(train_args), args.nodes, per_node, args.gpus_per_node, out_dir, Path.cwd(),
                    args.job_name, args.partition, args.time, args.account, args.requeue, args.warn_seconds)
-    return job, cfg
+    return job
 
 
 def script(job: SlurmJob) -> str:
@@ -177,7 +175,7 @@ def file_system(path: Path) -> str:
 
 
 def run_slurm(args: argparse.Namespace) -> int:
-    job, _ = slurm_job(args)
+    job = slurm_job(args)
     kind = file_system(job.out_dir)
     if job.nodes > 1 and kind not in SHARED_FILE_SYSTEMS:
         print(f"shardwise: warning: metrics.out_dir {job.out_dir} is on {kind}, which other nodes may not see: "
