@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError, fit_nodes, load_config
+from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
 
 
@@ -16,15 +17,24 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     _add_overrides(p)
     p.add_argument("--nproc", type=int, default=0,
                    help="start this many processes on this machine (torchrun); the degrees must multiply to it")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=int, default=None,
                    help="with --nproc: restart all processes this many times when one fails (they resume from "
-                        "the newest checkpoint)")
+                        "the newest checkpoint); default 0, or 3 with an elastic --nnodes MIN:MAX")
     p.add_argument("--save-final", metavar="PATH", help="write the final parameters, unsharded, to safetensors")
-    p.add_argument("--nnodes", type=int, default=1,
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
                    help="with --nproc: the job spans this many machines, each running this command (what "
-                        "`shardwise launch slurm` writes); --rdzv-endpoint and --rdzv-id say where they meet")
+                        "`shardwise launch slurm` writes); --rdzv-endpoint and --rdzv-id say where they meet. "
+                        "MIN:MAX: elastic (torchrun's): the job runs on the machines it has between MIN and MAX, "
+                        "restarting from its newest checkpoint when one leaves or joins, with the world it then has "
+                        "(needs checkpoints; set train.global_batch to keep the batch the same)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's c10d rendezvous (with --nnodes)")
     p.add_argument("--rdzv-id", help="the job's id, the same on every machine (with --nnodes)")
+    p.add_argument("--stopped-exit-code", type=int, default=0, metavar="CODE",
+                   help="exit with CODE, not 0, when a signal (SIGTERM, SIGUSR1) stopped the run before its last step "
+                        "and the state was saved: a Kubernetes Job reruns only what failed (`launch k8s` sets it)")
+    p.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
+                   help="torchrun's --rdzv-conf, e.g. last_call_timeout=10 (how long an elastic rendezvous waits "
+                        "for more machines once it has MIN; default 30 s)")
     p.set_defaults(run=_run_train)
 
 
@@ -37,19 +47,21 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
-    if not args.nproc and (args.nnodes != 1 or args.rdzv_endpoint or args.rdzv_id):
-        raise ConfigError("--nnodes", "machines and a rendezvous say how torchrun starts the processes, and --nproc "
-                          "(which starts them) is not given", "add --nproc with the processes per machine")
+    if not args.nproc and (args.nnodes != "1" or args.rdzv_endpoint or args.rdzv_id or args.max_restarts):
+        raise ConfigError("--nnodes", "machines, restarts and a rendezvous say how torchrun starts the processes, "
+                          "and --nproc (which starts them) is not given", "add --nproc with the processes per machine")
     if args.nproc:
-        from shardwise.config import fit_world, validate_parallel
-        from shardwise.distributed import launch_local
+        from shardwise.launch.local import launch_local
 
-        fit_world(cfg, args.nproc * args.nnodes)
-        validate_parallel(cfg, args.nproc * args.nnodes)
+        rendezvous = _rendezvous(args)
+        fit_nodes(cfg, args.nproc, rendezvous.nodes if rendezvous else (1, 1))
         argv = ["train"] + (["--config", args.config] if args.config else [])
         argv += [f"--set={o}" for o in args.overrides]
         argv += ["--save-final", args.save_final] if args.save_final else []
-        return launch_local(args.nproc, argv, max_restarts=args.max_restarts, rendezvous=_rendezvous(args))
+        elastic = rendezvous is not None and rendezvous.elastic
+        restarts = args.max_restarts if args.max_restarts is not None else 3 if elastic else 0
+        return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
+                            stopped_exit_code=args.stopped_exit_code)
     from shardwise.train import train  # heavy imports only once the config is known good
 
     summary = train(cfg, save_final=args.save_final)
@@ -60,19 +72,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if "val_loss" in summary:
         line += f", val_loss {summary['val_loss']:.4f}"
     print(f"{line}; metrics in {cfg.metrics.out_dir}/metrics.jsonl")
-    return 0
+    return args.stopped_exit_code if "stopped_at" in summary else 0
 
 
-def _rendezvous(args: argparse.Namespace) -> tuple[int, str, str] | None:
-    """(nodes, endpoint, id) for a job over several machines; None for one (torchrun --standalone)."""
-    if args.nnodes < 1:
-        raise ConfigError("--nnodes", f"{args.nnodes} is not a number of machines", "set --nnodes 1 or more")
-    if args.nnodes == 1 and not args.rdzv_endpoint:
+def _rendezvous(args: argparse.Namespace) -> Rendezvous | None:
+    """Where the machines of a job over several meet; None for one machine (torchrun --standalone)."""
+    nodes = node_range(args.nnodes)
+    if nodes == (1, 1) and not args.rdzv_endpoint:
         return None
     if not (args.rdzv_endpoint and args.rdzv_id):
         raise ConfigError("--rdzv-endpoint", "a job over several machines needs where they meet",
                           "set --rdzv-endpoint HOST:PORT (the first machine) and --rdzv-id (the job's id)")
-    return args.nnodes, args.rdzv_endpoint, args.rdzv_id
+    return Rendezvous(nodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf)
 
 
 def _add_export(p: argparse.ArgumentParser) -> None:
@@ -170,6 +181,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _add_launch(p: argparse.ArgumentParser) -> None:
+    from shardwise.launch.k8s import add_k8s_arguments, run_k8s
+    from shardwise.launch.local import add_local_arguments
     from shardwise.launch.slurm import add_slurm_arguments
 
     schedulers = p.add_subparsers(dest="scheduler", required=True)
@@ -179,6 +192,34 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
     slurm.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
     _add_overrides(slurm)
     add_slurm_arguments(slurm)
+    k8s = schedulers.add_parser(
+        "k8s", help="Kubernetes manifests: a Kubeflow Trainer TrainJob, or a JobSet; Kueue, GPUs, a shared volume",
+        description="write (--write) or print the manifests that run the job on Kubernetes")
+    k8s.add_argument("--config", help="the job's TOML file, as the pods see it (in the image or on the volume)")
+    _add_overrides(k8s)
+    add_k8s_arguments(k8s)
+    k8s.set_defaults(run=run_k8s)
+    local = schedulers.add_parser(
+        "local", help="several machines played on this one: one torchrun agent each, elastic with MIN:MAX",
+        description="run the job as --nnodes machines of --nproc-per-node ranks each, all on this machine, meeting "
+                    "at a c10d rendezvous as a cluster's would; take one away mid-run (kill its process group) to "
+                    "see an elastic job continue on the machines it has")
+    local.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
+    _add_overrides(local)
+    add_local_arguments(local)
+    local.set_defaults(run=_run_launch_local)
+
+
+def _run_launch_local(args: argparse.Namespace) -> int:
+    from shardwise.launch.local import leave_request, run_local
+
+    cfg = load_config(args.config, args.overrides)
+    nodes = node_range(args.nnodes)
+    if args.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", f"{args.nproc_per_node} processes", "set --nproc-per-node 1 or more")
+    leave_request(args.leave, nodes[1])
+    fit_nodes(cfg, args.nproc_per_node, nodes)  # every world the job may have, before any machine starts
+    return run_local(args, nodes, Path(cfg.metrics.out_dir))
 
 
 def _add_plan(p: argparse.ArgumentParser) -> None:
@@ -210,7 +251,7 @@ COMMANDS = {
     "generate": ("write text with a trained run or a Hugging Face Llama folder (KV cache, sampling)",
                  _add_generate),
     "verify": ("prove parallel layouts train exactly like one device", _add_verify),
-    "launch": ("run the job on a cluster's scheduler (Slurm)", _add_launch),
+    "launch": ("run the job on a cluster's scheduler (Slurm), or as several machines on this one", _add_launch),
     "plan": ("memory and step time of parallel plans, the best one, and why", _add_plan),
     "bench": ("measure this machine's FLOP/s and collective bandwidth (a planner profile)", _add_bench),
     "simulate": ("run one real training step as ranks of a large world, on fake tensors", _add_simulate),

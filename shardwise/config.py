@@ -11,6 +11,7 @@ Every field carries a one-line docstring (the string literal below it); `field_d
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
@@ -109,6 +110,11 @@ class TrainConfig:
     """Sequences per forward/backward pass on one rank."""
     grad_accum: int = 1
     """Micro-batches accumulated before each optimizer step (global batch = micro_batch x grad_accum x dp)."""
+    global_batch: int = 0
+    """Sequences per optimizer step over all data-parallel ranks, kept whatever the world: grad_accum then follows
+    (global_batch / (micro_batch x dp)), as torchtitan's global_batch_size and Megatron's --global-batch-size do. An
+    elastic job that loses or gains ranks keeps its batch, its lr and its data order. 0: micro_batch x grad_accum x
+    dp."""
     seed: int = 0
     """Seeds weight init (a function of seed and parameter name) and the data order."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -507,6 +513,12 @@ def _validate_qlora(cfg: JobConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     for key in ("steps", "micro_batch", "grad_accum", "val_batches"):
         _positive(f"train.{key}", getattr(t, key))
+    if t.global_batch < 0:
+        raise ConfigError("train.global_batch", f"{t.global_batch} is negative",
+                          "set the sequences per step, or 0 for micro_batch x grad_accum x dp")
+    if t.global_batch and t.grad_accum != 1:
+        raise ConfigError("train.global_batch", "set together with train.grad_accum, which it decides",
+                          "set one of them")
     if t.val_every < 0:
         raise ConfigError("train.val_every", "negative", "use 0 to disable validation")
     _positive("train.loss_scale_init", t.loss_scale_init)
@@ -520,11 +532,41 @@ def _validate_train(t: TrainConfig) -> None:
 
 
 def fit_world(cfg: JobConfig, world_size: int) -> None:
-    """A job that sets no parallel degree runs data parallel over the whole world (dp_shard for ZeRO-2/3)."""
+    """Fit a job to its world: a job that sets no data-parallel degree runs data parallel over the ranks its other
+    degrees leave (dp_shard for ZeRO-2/3, else dp_replicate); one that sets train.global_batch accumulates the
+    micro-batches that batch needs on that many data-parallel ranks."""
     p = cfg.parallel
-    if world_size > 1 and p.world_size == 1:
+    if p.dp == 1 and world_size > p.world_size and world_size % p.world_size == 0:
         key = "dp_shard" if p.zero_stage >= 2 else "dp_replicate"
-        cfg.parallel = dataclasses.replace(p, **{key: world_size})
+        cfg.parallel = p = dataclasses.replace(p, **{key: world_size // p.world_size})
+    t = cfg.train
+    if t.global_batch:
+        if t.global_batch % (t.micro_batch * p.dp):
+            raise ConfigError(
+                "train.global_batch", f"{t.global_batch} sequences do not split into micro-batches of "
+                f"{t.micro_batch} on {p.dp} data-parallel ranks",
+                f"make it a multiple of micro_batch x dp = {t.micro_batch * p.dp}")
+        cfg.train = dataclasses.replace(t, grad_accum=t.global_batch // (t.micro_batch * p.dp))
+
+
+def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
+    """Check the job on every world it may run on (nproc x each number of machines in the range), before any
+    process starts; an elastic job also needs the checkpoints it restarts from. Leaves cfg fitted to the largest."""
+    low, high = nodes
+    if low < high and not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
+        raise ConfigError(field, "an elastic job restarts from its newest checkpoint when a machine leaves or joins",
+                          f"set {field} = true")
+    for n in range(low, high + 1):
+        world = n * nproc
+        fitted = copy.deepcopy(cfg) if n < high else cfg
+        try:
+            fit_world(fitted, world)
+            validate_parallel(fitted, world)
+        except ConfigError as e:
+            if low == high:
+                raise
+            raise ConfigError(e.field, f"on {n} machines ({world} ranks): {e.problem}", e.fix) from None
 
 
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:

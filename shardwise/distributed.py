@@ -1,18 +1,13 @@
-"""Process-group set-up from torchrun's environment, the local launcher behind `--nproc`, and a spawner of
-functions on N local gloo ranks (for tests and benchmarks)."""
+"""Process-group set-up from torchrun's environment, what a failed collective means, a shardwise error handed to
+the launcher, and a spawner of functions on N local gloo ranks (for tests and benchmarks)."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
-import glob
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -23,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # before any group exists: see shutdown
 import torch.multiprocessing as mp
+
+from shardwise.launch.local import free_port
 
 
 @dataclass
@@ -61,8 +58,17 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, grou
     return DistEnv(rank, world, local_rank, device, store, timeout_s)
 
 
+ATTEMPT_ENV = "SHARDWISE_ATTEMPT"
+"""The name of this attempt at the job, the same on every rank (shardwise.torchrun sets it at each rendezvous)."""
+
+
+def attempt() -> str:
+    """This attempt's name: shardwise.torchrun's, else torchrun's restart count (0 outside torchrun)."""
+    return os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
-    """The job's store (torch's env:// rendezvous), its keys prefixed by torchrun's restart count.
+    """The job's store (torch's env:// rendezvous), its keys prefixed by the attempt's name.
 
     torchrun keeps one store server for all restarts of a job and torch's workers connect to it without a
     per-attempt prefix, so after a restart a rank may read a peer's gloo address left by the previous attempt
@@ -70,7 +76,7 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     gives each attempt its own keys.
     """
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    return dist.PrefixStore(f"shardwise/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"shardwise/attempt{attempt()}", store)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,60 +237,6 @@ def handed_error(failures: dict) -> tuple[int, int, str] | None:
     return rank, handed[rank]["exit_code"], handed[rank]["line"]
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0,
-                 rendezvous: tuple[int, str, str] | None = None) -> int:
-    """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine; SIGTERM and
-    SIGUSR1 (Slurm's warning before the time limit) stop it cleanly.
-
-    rendezvous: (machines, HOST:PORT, job id) when the job spans several machines, each running this; torchrun's
-    c10d rendezvous then joins them (else --standalone).
-    """
-    where = ["--standalone"] if rendezvous is None else [
-        f"--nnodes={rendezvous[0]}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous[1]}",
-        f"--rdzv-id={rendezvous[2]}"]
-    cmd = [sys.executable, "-m", "shardwise.torchrun", *where, f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun = subprocess.Popen(cmd, env=env)
-    stop = [signal.SIGTERM, signal.SIGUSR1]
-    previous = {s: signal.signal(s, lambda signum, frame: _stop_ranks(torchrun.pid, signum)) for s in stop}
-    try:
-        return torchrun.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _stop_ranks(torchrun_pid: int, signum: int = signal.SIGTERM) -> None:
-    """Pass the signal on to the ranks, not to torchrun: each rank finishes its step, saves and exits 0, and
-    torchrun then exits 0 too. Signalled itself, torchrun signals the ranks, SIGKILLs them after 30 s whether or not
-    their save is done, and exits non-zero with a traceback (it ignores SIGUSR1: shardwise.torchrun). Before the
-    ranks exist, torchrun gets SIGTERM."""
-    children = _children(torchrun_pid)
-    for pid in children or [torchrun_pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum if children else signal.SIGTERM)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux's /proc; elsewhere none are found)."""
-    children = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
-            if int(fields[1]) == pid:
-                children.append(int(stat.split("/")[2]))
-    return children
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -307,7 +259,7 @@ def run_distributed(fn, world: int, *args) -> list:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, results), nprocs=world,
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, results), nprocs=world,
                            start_method="spawn", join=True)
         out = dict(results)
     for rank in range(world):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import MetricsConfig
+from shardwise.distributed import attempt
 from shardwise.hardware import PlannerError, accelerator, detect_accelerator
 
 
@@ -95,12 +96,13 @@ class SampleLog:
     """Each step's sample ids, one JSON line per step, in out_dir/samples/dp<rank>.jsonl (metrics.log_samples).
 
     One writer per data-parallel rank (the others of its tp/cp/pp group read the same samples). Lines are
-    appended and flushed, so a step replayed after a restart appears twice; the later line is the one that
-    counts, as for metrics.jsonl. `read_sample_log` applies that rule.
+    appended and flushed, so a step replayed after a restart appears twice; each line names its attempt
+    (distributed.attempt: the same on every rank of one start, later starts sorting after earlier ones), and the
+    latest attempt's lines are the ones that count, as for metrics.jsonl. `read_sample_log` applies that rule.
     """
 
     def __init__(self, out_dir: str, dp_rank: int, enabled: bool):
-        self._file = None
+        self._file, self._attempt = None, int(attempt())
         if enabled:
             folder = Path(out_dir) / "samples"
             folder.mkdir(parents=True, exist_ok=True)
@@ -109,7 +111,7 @@ class SampleLog:
     def log(self, step: int, batches) -> None:
         if self._file is not None:
             ids = [i for batch in batches for i in batch.sample_ids]
-            self._file.write(json.dumps({"step": step, "ids": ids}) + "\n")
+            self._file.write(json.dumps({"step": step, "ids": ids, "attempt": self._attempt}) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -118,12 +120,29 @@ class SampleLog:
 
 
 def read_sample_log(out_dir: str | Path) -> dict[int, dict[int, list[int]]]:
-    """{dp_rank: {step: sample ids}} from a run's sample log, the last line of each step winning."""
-    logs = {}
+    """{dp_rank: {step: sample ids}} from a run's sample log: each step as its latest attempt read it (the
+    last line of the step in each rank's file; a rank's line from an earlier attempt than another rank's for the
+    same step is dropped: the world changed, and that rank's step was done again by the ranks of the new one)."""
+    logs: dict[int, dict[int, tuple[int, list[int]]]] = {}
     for path in sorted((Path(out_dir) / "samples").glob("dp*.jsonl")):
         steps = {}
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            steps[row["step"]] = row["ids"]
+            steps[row["step"]] = (row.get("attempt", 0), row["ids"])
         logs[int(path.stem[2:])] = steps
-    return logs
+    latest: dict[int, int] = {}
+    for steps in logs.values():
+        for step, (att, _) in steps.items():
+            latest[step] = max(att, latest.get(step, att))
+    return {dp: {step: ids for step, (att, ids) in steps.items() if att == latest[step]}
+            for dp, steps in sorted(logs.items())}
+
+
+def samples_by_step(out_dir: str | Path) -> dict[int, list[int]]:
+    """{step: the step's sample ids over all data-parallel ranks, in rank order}: a run's global batches,
+    comparable between runs on different worlds."""
+    steps: dict[int, list[int]] = {}
+    for _, rank in sorted(read_sample_log(out_dir).items()):
+        for step, ids in rank.items():
+            steps.setdefault(step, []).extend(ids)
+    return dict(sorted(steps.items()))

@@ -9,13 +9,19 @@ the failed rank's traceback, which the rank prints itself.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
+import uuid
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from shardwise.distributed import handed_error
+from shardwise.distributed import ATTEMPT_ENV, handed_error
 
 _STOPPING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 """torchrun's logger for a failed worker group: "failed (exitcode: 3) local_rank: 0 ..." and "Sending process ...
@@ -34,12 +40,48 @@ class _HeldBack(logging.Filter):
         return False
 
 
+_BACKEND = "shardwise-c10d"
+_ATTEMPT_KEY = "shardwise/attempt"
+
+
+def _c10d_naming_attempts(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun's c10d rendezvous, which also gives each of its rounds a name that every rank of the round reads
+    (ATTEMPT_ENV, in the environment the workers inherit): the prefix of their keys in the job's store.
+
+    Workers of every round share one store, and torchrun's own per-attempt number (TORCHELASTIC_RESTART_COUNT)
+    counts each machine's failures, so it differs between machines once one joins a running job. The round's
+    store (torchrun's, prefixed by the round) is fresh each round: the rank-0 machine writes the name there and the
+    others wait for it. The name is its clock in nanoseconds, so later rounds sort after earlier ones (the sample
+    log uses that when a step ran twice, on two worlds).
+    """
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    join = handler.next_rendezvous
+
+    def next_rendezvous():
+        info = join()
+        if info.rank == 0:
+            info.store.set(_ATTEMPT_KEY, str(time.time_ns()))
+        os.environ[ATTEMPT_ENV] = info.store.get(_ATTEMPT_KEY).decode()
+        return info
+
+    handler.next_rendezvous = next_rendezvous
+    handler.get_backend = lambda: _BACKEND  # the name it was asked for under (the registry checks)
+    return handler
+
+
 def main(argv: list[str]) -> int:
     # SIGUSR1 asks the ranks to save and stop (Slurm's warning before the time limit reaches every process of the
     # step, this agent too): the agent lives on until they have. Its workers inherit the "ignore", and each rank's
     # checkpoint.StopSignal handles the signal once it is installed.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     args = torchrun.parse_args(argv)
+    if args.standalone:  # what torchrun makes of --standalone, for the backend below
+        args.standalone = False
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.rdzv_backend == "c10d":
+        rendezvous_handler_registry.register(_BACKEND, _c10d_naming_attempts)
+        args.rdzv_backend = _BACKEND
     log, held = logging.getLogger(_STOPPING_LOGGER), _HeldBack()
     if args.max_restarts == 0:
         # Without restarts nothing follows these lines but the job's end, so they can wait for its outcome. With

@@ -27,7 +27,7 @@ INVALID = [
     (["parallel.cp=4", "data.seq_len=60"], 4, "data.seq_len"),  # 60 not divisible by 2 x 4
     (["parallel.tp=4", "parallel.sequence_parallel=true", "parallel.cp=2", "data.seq_len=36"], 8,
      "data.seq_len"),  # 36 / cp 2 = 18 tokens not divisible by tp 4
-    (["parallel.tp=2"], 4, "parallel"),  # the world has 4 ranks, the degrees 2
+    (["parallel.tp=2"], 3, "parallel"),  # the world has 3 ranks, the degrees 2 (4 would be dp 2 x tp 2)
     (["parallel.dp_shard=2", "parallel.zero_stage=1"], 2, "parallel.dp_shard"),  # sharding needs ZeRO-2/3
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),  # no tp
     # interleaved-1f1b runs 2 stages per rank unless told otherwise; 1 is not interleaving
@@ -46,13 +46,13 @@ INVALID = [
 def test_invalid_layout_rejected_before_any_process(tmp_path, capsys, monkeypatch, overrides, nproc, field):
     """`shardwise train --nproc N` with a bad layout: exit 2 and one line naming the field, before torchrun is
     started or anything is written (the command runs in this process; starting a launcher fails the test)."""
-    import shardwise.distributed
+    import shardwise.launch.local
     from shardwise.cli import main
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a process was started for an invalid layout")
 
-    monkeypatch.setattr(shardwise.distributed, "launch_local", no_launch)
+    monkeypatch.setattr(shardwise.launch.local, "launch_local", no_launch)
     code = main(["train", "--config", CONFIG, *[f"--set={o}" for o in overrides],
                  f"--set=metrics.out_dir='{tmp_path / 'run'}'", "--nproc", str(nproc)])
     lines = capsys.readouterr().err.strip().splitlines()

@@ -19,7 +19,7 @@ import pytest
 from test_resume import CONFIG, FSDP2, _losses, _params, _train
 
 from shardwise.cli import main
-from shardwise.distributed import _free_port
+from shardwise.launch.local import free_port
 from shardwise.metrics import read_sample_log
 
 REQUIRED = os.environ.get("SHARDWISE_REQUIRE_SLURM") == "1"
@@ -104,7 +104,7 @@ def _slurm_conf(root: Path, host: str) -> Path:
         "ClusterName=shardwise-test", f"SlurmctldHost={host}", "SlurmUser=root", "AuthType=auth/munge",
         # how long a job's credential lives, and so how long a requeued job waits to start again (120 s by default)
         "AuthInfo=cred_expire=10",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd.log'}",

@@ -1,0 +1,143 @@
+"""Elastic jobs (`--nnodes MIN:MAX`): a job keeps its global batch on any world (train.global_batch), every world
+it may have is checked before anything starts, and a job that loses a machine mid-run finishes on the machines it
+has, like a run that changed world size at the same step through a checkpoint, every sample read once.
+
+The machines are torchrun agents on this one (`shardwise launch local`); one is killed as a lost node would be.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from shardwise.cli import main
+from shardwise.config import ConfigError, fit_nodes, fit_world, load_config
+from shardwise.metrics import read_sample_log, samples_by_step
+
+CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+# parity.toml's micro-batch is 8: 16 sequences a step are 2 ranks x 1 micro-batch, or 1 rank x 2
+RUN = ["train.steps=20", "train.global_batch=16", "checkpoint.enabled=true", "checkpoint.every=1",
+       "metrics.log_every=1", "train.val_every=0", "metrics.tensorboard=false", "metrics.log_samples=true"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The batch on any world, and the worlds checked first
+
+
+@pytest.mark.parametrize("world, parallel, dp, accum", [
+    (1, [], 1, 4), (2, [], 2, 2), (4, [], 4, 1),
+    (4, ["parallel.tp=2"], 2, 2),  # dp fills what tp leaves
+    (4, ["parallel.zero_stage=3"], 4, 1),  # ZeRO-3 over the world: dp_shard
+])
+def test_global_batch_sets_grad_accum_for_the_world(world, parallel, dp, accum):
+    cfg = load_config(CONFIG, ["train.global_batch=32", *parallel])
+    fit_world(cfg, world)
+    assert (cfg.parallel.dp, cfg.train.grad_accum, cfg.parallel.world_size) == (dp, accum, world)
+    assert cfg.train.micro_batch * cfg.train.grad_accum * cfg.parallel.dp == 32
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["train.global_batch=16", "train.grad_accum=2"], "train.global_batch"),  # both say the same thing
+    (["train.global_batch=-8"], "train.global_batch"),
+])
+def test_global_batch_that_cannot_be_is_refused(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, overrides)
+    assert e.value.field == field
+
+
+def test_a_world_the_global_batch_does_not_split_over_is_named():
+    cfg = load_config(CONFIG, ["train.global_batch=16", "checkpoint.enabled=true"])
+    with pytest.raises(ConfigError) as e:
+        fit_nodes(cfg, 1, (1, 3))  # 1 and 2 ranks split 16 into micro-batches of 8; 3 ranks do not
+    assert e.value.field == "train.global_batch" and "on 3 machines (3 ranks)" in e.value.problem
+
+
+def _refused(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("args, field", [
+    (["train", "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"], "checkpoint.enabled"),
+    (["train", "--nproc", "1", "--nnodes", "2:1", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"], "--nnodes"),
+    (["train", "--nproc", "1", "--nnodes", "x", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"], "--nnodes"),
+    (["train", "--nnodes", "1:2"], "--nnodes"),  # machines without --nproc: nothing would start them
+    (["launch", "local", "--nnodes", "1:2"], "checkpoint.enabled"),
+    (["launch", "local", "--nnodes", "2", "--leave", "0@3"], "--leave"),  # the first hosts the rendezvous
+    (["launch", "local", "--nnodes", "2", "--leave", "2@3"], "--leave"),  # there is no third
+    (["launch", "local", "--nnodes", "2", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["launch", "local", "--nnodes", "1:3", "--set", "train.global_batch=16", "--set", "checkpoint.enabled=true"],
+     "train.global_batch"),
+])
+def test_bad_elastic_input_is_one_line_before_any_process(args, field, capsys, tmp_path, monkeypatch):
+    import shardwise.launch.local
+
+    def no_start(*a, **k):
+        raise AssertionError("a process was started for a job that cannot run")
+
+    monkeypatch.setattr(shardwise.launch.local, "launch_local", no_start)
+    monkeypatch.setattr(shardwise.launch.local, "run_local", no_start)
+    err = _refused([args[0], *args[1:], "--config", CONFIG, "--set", f"metrics.out_dir='{tmp_path / 'run'}'"], capsys)
+    assert err.startswith(f"shardwise: error: {field}: "), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_sample_log_keeps_the_latest_attempt_of_each_step(tmp_path):
+    """Two ranks read steps 1-3; rank 1's machine is lost during step 3 (its line for it logged), and the job,
+    now one rank, goes on from step 2's checkpoint: step 3 is the new attempt's, on rank 0 alone."""
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    first, second = 1_000, 2_000
+    rank0 = [(1, [0], first), (2, [2], first), (3, [4], first), (3, [4, 5], second), (4, [6, 7], second)]
+    rank1 = [(1, [1], first), (2, [3], first), (3, [5], first)]
+    for name, lines in (("dp0", rank0), ("dp1", rank1)):
+        (folder / f"{name}.jsonl").write_text("".join(
+            json.dumps({"step": s, "ids": ids, "attempt": a}) + "\n" for s, ids, a in lines))
+    assert read_sample_log(tmp_path) == {0: {1: [0], 2: [2], 3: [4, 5], 4: [6, 7]}, 1: {1: [1], 2: [3]}}
+    assert samples_by_step(tmp_path) == {1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# A machine lost mid-run
+
+
+def _shardwise(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _sets(out: Path, *extra: str) -> list[str]:
+    return ["--config", CONFIG, *[a for s in [*RUN, f"metrics.out_dir='{out}'", *extra] for a in ("--set", s)]]
+
+
+@pytest.mark.multiprocess
+def test_an_elastic_job_that_loses_a_machine_finishes_like_a_world_change_through_a_checkpoint(tmp_path):
+    """Two machines of one rank each, `--nnodes 1:2`; machine 1 is killed (agent and rank) after step 8. The job
+    restarts on machine 0 from the newest checkpoint, resharded to one rank accumulating two micro-batches, and
+    ends with the parameters of a run that stopped on 2 ranks after that step and went on with 1."""
+    run, ref = tmp_path / "elastic", tmp_path / "reference"
+    done = _shardwise("launch", "local", *_sets(run, "train.collective_timeout_s=10"), "--nnodes", "1:2",
+                      "--nproc-per-node", "1", "--leave", "1@8", "--save-final", str(run / "final.safetensors"))
+    assert "machine 1 left after step 8" in done.stderr, done.stderr[-3000:]
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() + done.stderr.splitlines()
+               if "resumed after step" in line for line in [line.split(" | ")[-1]]]
+    assert len(resumed) == 1 and 7 <= resumed[0] < 20, done.stdout[-3000:]
+    assert "on cpu | resumed" in done.stdout + done.stderr  # on one rank, no longer two
+
+    _shardwise("train", *_sets(ref, f"train.stop_after={resumed[0]}"), "--nproc", "2")
+    _shardwise("train", *_sets(ref), "--save-final", str(ref / "final.safetensors"))
+    a, b = load_file(run / "final.safetensors"), load_file(ref / "final.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bitwise
+
+    steps = samples_by_step(run)
+    assert steps == samples_by_step(ref) and list(steps) == list(range(1, 21))
+    ids = [i for step in steps.values() for i in step]
+    assert len(ids) == 20 * 16 == len(set(ids))  # every sample once
