@@ -181,45 +181,26 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _add_launch(p: argparse.ArgumentParser) -> None:
-    from shardwise.launch.k8s import add_k8s_arguments, run_k8s
+    from shardwise.launch.k8s import add_k8s_arguments
     from shardwise.launch.local import add_local_arguments
     from shardwise.launch.slurm import add_slurm_arguments
 
     schedulers = p.add_subparsers(dest="scheduler", required=True)
-    slurm = schedulers.add_parser(
-        "slurm", help="an sbatch script: srun + torchrun, save before the time limit, requeue",
-        description="write (--write), submit (--submit) or print an sbatch script for the job")
-    slurm.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
-    _add_overrides(slurm)
-    add_slurm_arguments(slurm)
-    k8s = schedulers.add_parser(
-        "k8s", help="Kubernetes manifests: a Kubeflow Trainer TrainJob, or a JobSet; Kueue, GPUs, a shared volume",
-        description="write (--write) or print the manifests that run the job on Kubernetes")
-    k8s.add_argument("--config", help="the job's TOML file, as the pods see it (in the image or on the volume)")
-    _add_overrides(k8s)
-    add_k8s_arguments(k8s)
-    k8s.set_defaults(run=run_k8s)
-    local = schedulers.add_parser(
-        "local", help="several machines played on this one: one torchrun agent each, elastic with MIN:MAX",
-        description="run the job as --nnodes machines of --nproc-per-node ranks each, all on this machine, meeting "
-                    "at a c10d rendezvous as a cluster's would; take one away mid-run (kill its process group) to "
-                    "see an elastic job continue on the machines it has")
-    local.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
-    _add_overrides(local)
-    add_local_arguments(local)
-    local.set_defaults(run=_run_launch_local)
-
-
-def _run_launch_local(args: argparse.Namespace) -> int:
-    from shardwise.launch.local import leave_request, run_local
-
-    cfg = load_config(args.config, args.overrides)
-    nodes = node_range(args.nnodes)
-    if args.nproc_per_node < 1:
-        raise ConfigError("--nproc-per-node", f"{args.nproc_per_node} processes", "set --nproc-per-node 1 or more")
-    leave_request(args.leave, nodes[1])
-    fit_nodes(cfg, args.nproc_per_node, nodes)  # every world the job may have, before any machine starts
-    return run_local(args, nodes, Path(cfg.metrics.out_dir))
+    for name, text, description, add in [
+        ("slurm", "an sbatch script: srun + torchrun, save before the time limit, requeue",
+         "write (--write), submit (--submit) or print an sbatch script for the job", add_slurm_arguments),
+        ("k8s", "Kubernetes manifests: a Kubeflow Trainer TrainJob, or a JobSet; Kueue, GPUs, a shared volume",
+         "write (--write) or print the manifests that run the job on Kubernetes (the pods read --config: put it in "
+         "the image or on the volume)", add_k8s_arguments),
+        ("local", "several machines played on this one: one torchrun agent each, elastic with MIN:MAX",
+         "run the job as --nnodes machines of --nproc-per-node ranks each, all on this machine, meeting at a c10d "
+         "rendezvous as a cluster's would; --leave takes one away mid-run, to see an elastic job go on with the "
+         "machines it has", add_local_arguments),
+    ]:
+        scheduler = schedulers.add_parser(name, help=text, description=description)
+        scheduler.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
+        _add_overrides(scheduler)
+        add(scheduler)
 
 
 def _add_plan(p: argparse.ArgumentParser) -> None:

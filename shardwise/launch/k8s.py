@@ -33,7 +33,7 @@ import yaml
 
 from shardwise.config import JobConfig, fit_nodes, load_config
 from shardwise.errors import ConfigError
-from shardwise.launch.local import node_range
+from shardwise.launch.local import node_range, ranks_per_node
 
 RUNTIME = "torch-distributed"
 """Kubeflow Trainer's ClusterTrainingRuntime for PyTorch (torchrun)."""
@@ -65,6 +65,7 @@ def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of the whole job after a failure (JobSet's failurePolicy; torchrun's when elastic)")
     p.add_argument("--write", metavar="PATH", help="write the manifests (YAML) there; default: print them")
+    p.set_defaults(run=run_k8s)
 
 
 def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) -> list[dict]:
@@ -176,12 +177,7 @@ def _job_set(args, name, labels, train, nodes, resources, volumes, mounts) -> di
 def run_k8s(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     nodes = node_range(args.nodes, "--nodes")
-    if args.gpus_per_node < 0 or args.nproc_per_node < 0:
-        raise ConfigError("--gpus-per-node", "a count below 0", "set --gpus-per-node and --nproc-per-node >= 0")
-    per_node = args.nproc_per_node or args.gpus_per_node
-    if per_node == 0:
-        raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its ranks per pod",
-                          "set --nproc-per-node, or --gpus-per-node for one rank per GPU")
+    per_node = ranks_per_node(args.gpus_per_node, args.nproc_per_node)
     fit_nodes(cfg, per_node, nodes)
     text = yaml.safe_dump_all(manifests(args, cfg, nodes), sort_keys=False)
     if not args.write:

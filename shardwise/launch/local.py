@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.config import fit_nodes, load_config
 from shardwise.errors import ConfigError
 
 
@@ -59,6 +60,16 @@ def node_range(text: str, field: str = "--nnodes") -> tuple[int, int]:
         raise ConfigError(field, f"{text!r} is not a number of machines or a range of them",
                           f"set {field} N, or MIN:MAX with 1 <= MIN <= MAX for an elastic job")
     return nodes
+
+
+def ranks_per_node(gpus_per_node: int, nproc_per_node: int) -> int:
+    """Ranks on each machine: --nproc-per-node, else one per GPU (--gpus-per-node)."""
+    if gpus_per_node < 0 or nproc_per_node < 0:
+        raise ConfigError("--gpus-per-node", "a count below 0", "set --gpus-per-node and --nproc-per-node >= 0")
+    if not (nproc_per_node or gpus_per_node):
+        raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its ranks per node",
+                          "set --nproc-per-node, or --gpus-per-node for one rank per GPU")
+    return nproc_per_node or gpus_per_node
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
@@ -141,6 +152,18 @@ def add_local_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leave", metavar="MACHINE@STEP",
                    help="take machine MACHINE (1 or more) away once the run has logged step STEP, as a lost node: "
                         "its agent and ranks are killed (SIGKILL) and an elastic job goes on without it")
+    p.set_defaults(run=run_launch_local)
+
+
+def run_launch_local(args: argparse.Namespace) -> int:
+    """`shardwise launch local`: every world the job may have checked, then its machines started."""
+    cfg = load_config(args.config, args.overrides)
+    nodes = node_range(args.nnodes)
+    if args.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", f"{args.nproc_per_node} processes", "set --nproc-per-node 1 or more")
+    leave_request(args.leave, nodes[1])
+    fit_nodes(cfg, args.nproc_per_node, nodes)  # before any machine starts
+    return run_local(args, nodes, Path(cfg.metrics.out_dir))
 
 
 def leave_request(text: str | None, machines: int) -> tuple[int, int] | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from shardwise.config import fit_world, load_config, validate_parallel
 from shardwise.errors import ConfigError
+from shardwise.launch.local import ranks_per_node
 
 STOP_SIGNAL = "USR1"
 # file systems that every node of a cluster mounts (the run folder of a multi-node job must be on one)
@@ -81,12 +82,7 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
     cfg = load_config(args.config, args.overrides)
     if args.nodes < 1:
         raise ConfigError("--nodes", f"{args.nodes} is not a number of nodes", "set --nodes 1 or more")
-    if args.gpus_per_node < 0 or args.nproc_per_node < 0:
-        raise ConfigError("--gpus-per-node", "a count below 0", "set --gpus-per-node and --nproc-per-node >= 0")
-    per_node = args.nproc_per_node or args.gpus_per_node
-    if per_node == 0:
-        raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its processes per node",
-                          "set --nproc-per-node, or --gpus-per-node for one process per GPU")
+    per_node = ranks_per_node(args.gpus_per_node, args.nproc_per_node)
     world = args.nodes * per_node
     fit_world(cfg, world)
     if cfg.parallel.world_size != world:
