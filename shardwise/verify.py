@@ -117,10 +117,11 @@ def run_verify(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shardwise-verify-") as tmp:
         refs: dict[int, tuple] = {}
         for i, (text, extra, cfg) in enumerate(configs):
-            accum = cfg.train.grad_accum * cfg.parallel.dp
+            # the global batch in micro-batches, as one device reads it
+            accum = cfg.train.global_batch // cfg.train.micro_batch or cfg.train.grad_accum * cfg.parallel.dp
             if accum not in refs:
                 out = Path(tmp) / f"ref-{accum}"
-                refs[accum] = _run(args.config, [*args.overrides, f"train.grad_accum={accum}",
+                refs[accum] = _run(args.config, [*args.overrides, "train.global_batch=0", f"train.grad_accum={accum}",
                                                  f"train.micro_batch={cfg.train.micro_batch}",
                                                  *_quiet(out, args.steps)], out, 1)
             out = Path(tmp) / f"layout-{i}"
