@@ -114,7 +114,7 @@ def _train_command(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, i
     if low < high:
         where += ["--max-restarts", str(args.max_restarts)]
     quoted = " ".join(shlex.quote(w) for w in words)
-    return f"exec {quoted} " + " ".join(f'"{w}"' if w.startswith("$") or "$" in w else w for w in where)
+    return f"exec {quoted} " + " ".join(f'"{w}"' if "$" in w else w for w in where)
 
 
 def _job_name_env() -> dict:
