@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shardwise.errors import ConfigError
-from shardwise.model_args import ModelArgs
+from shardwise.model_args import ModelArgs, mlp_params
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Recompute = Literal["none", "full", "selective"]
@@ -38,6 +38,10 @@ class Layout:
     """Pipeline-parallel stages (ranks); outermost mesh dim."""
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
+    ep: int = 1
+    """Expert-parallel degree: a mixture of experts' experts split over this many ranks, drawn from the dp_shard x
+    cp ranks (as torchtitan): it adds no ranks, needs ZeRO-2/3, and FSDP shards the experts over the
+    dp_shard x cp / ep ranks that remain."""
     zero_stage: int = -1
     """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded. Left
     unset: 3 when dp_shard > 1 (FSDP's default), else 0."""
@@ -94,6 +98,11 @@ class Layout:
         if self.zero_stage == 1:
             return self.dp * self.cp
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shard_group(self) -> int:
+        """Ranks FSDP shards each expert's state over (ep ranks hold different experts)."""
+        return self.shard_group // self.ep if self.ep > 1 else self.shard_group
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -242,9 +251,10 @@ def layer_costs(args: ModelArgs, seq_len: int) -> tuple[int, list[int], int]:
     1F1B, the most micro-batches in flight.
     """
     d, kv = args.dim, args.n_kv_heads * args.head_dim
-    block = 6 * (2 * d * d + 2 * d * kv + 3 * d * args.ffn_hidden) + 12 * d * seq_len
+    attention = 6 * (2 * d * d + 2 * d * kv) + 12 * d * seq_len
+    blocks = [attention + 6 * mlp_params(args, i, active=True) for i in range(args.n_layers)]
     head = 6 * d * args.vocab_size + 5 * args.vocab_size + 8 * d
-    return 2 * d, [block] * args.n_layers, head
+    return 2 * d, blocks, head
 
 
 def stage_costs(costs: tuple[int, list[int], int], split: list[range]) -> list[int]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from shardwise import nf4
 from shardwise.model_args import ModelArgs
+from shardwise.moe import MoE
 
 # ---------------------------------------------------------------------------------------------------
 # Modules
@@ -76,27 +77,35 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)  # up
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)  # down
+        hidden = hidden or args.ffn_hidden
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention and an MLP: the dense SwiGLU `feed_forward`, or, in a mixture of experts' MoE layers, `moe`."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        if args.is_moe_layer(layer):
+            shared = FeedForward(args, args.n_shared_experts * args.expert_hidden) if args.n_shared_experts else None
+            self.moe = MoE(args, shared)
+        else:
+            self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        mlp = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -104,7 +113,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # recomputed, never saved: it is a function of the shape, so checkpoints carry only weights
@@ -159,7 +168,8 @@ def init_value(args: ModelArgs, name: str, shape: torch.Size, seed: int) -> torc
 
     Embeddings and input projections: N(0, 0.02). Projections that write into the residual stream (wo, w2):
     N(0, 0.02 / sqrt(2 n_layers)), GPT-2's scaling, so the residual's variance does not grow with depth.
-    Output head: N(0, dim^-0.5). Norm weights: ones. LoRA adapters (see lora.py): A as nn.Linear initialises a
+    Output head: N(0, dim^-0.5). Norm weights: ones. Experts as the linears they stand for (w2 as the down
+    projection); the router N(0, 0.02). LoRA adapters (see lora.py): A as nn.Linear initialises a
     weight (Kaiming-uniform with a = sqrt(5), peft's default), B zeros, so the adapted model starts as the base.
     """
     name = canonical_name(name)
@@ -170,7 +180,7 @@ def init_value(args: ModelArgs, name: str, shape: torch.Size, seed: int) -> torc
     if name.endswith("lora_a"):
         bound = 1.0 / math.sqrt(shape[1])
         return torch.empty(shape).uniform_(-bound, bound, generator=param_generator(seed, name))
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = 0.02 / math.sqrt(2 * args.n_layers)
     elif name == "output.weight":
         std = args.dim**-0.5
@@ -192,6 +202,9 @@ def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, s
     if isinstance(model, Transformer):
         model.tie_weights()
         model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.reset_buffers()  # to_empty left them as uninitialised memory
     for name, param in list(model.named_parameters()):
         if init_values:
             set_full_value(model, name, param, init_value(args, name, param.shape, seed))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from shardwise.frozen import hashed_once
 
@@ -37,10 +38,46 @@ class ModelArgs:
     """Longest sequence the rotary table covers."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the output head."""
+    # mixture of experts (a block's MLP replaced by routed experts; see shardwise.moe)
+    n_experts: int = 0
+    """Routed experts per MoE block; 0: every block has the dense SwiGLU MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (token choice)."""
+    moe_ffn_hidden: int = 0
+    """Inner size of each expert's SwiGLU MLP; 0: ffn_hidden."""
+    n_shared_experts: int = 0
+    """Experts every token also goes through, unrouted (DeepSeekMoE's shared experts), each of moe_ffn_hidden."""
+    n_dense_layers: int = 0
+    """The first blocks keep the dense MLP of ffn_hidden (DeepSeek-V3: 3)."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Mixtral, Qwen3-MoE) or a sigmoid each (DeepSeek-V3)."""
+    route_norm: bool = True
+    """Renormalise a token's top-k scores to sum to 1 before they weight the experts' outputs."""
+    route_scale: float = 1.0
+    """Multiplies the combine weights (DeepSeek-V3's routed scaling factor, 2.5)."""
+    capacity_factor: float = 0.0
+    """0: dropless. Else an expert takes at most ceil(capacity_factor x tokens x top_k / n_experts) of a rank's
+    micro-batch tokens (GShard, Switch); the rest skip it and are counted as dropped."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing loss alpha x n_experts x sum_i f_i P_i (Switch Transformer), per sequence; 0: off."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step an expert's routing bias rises by this much if
+    it took fewer tokens than the mean, falls if more; 0: off (the bias stays 0)."""
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer >= self.n_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(0, self.n_layers - self.n_dense_layers) if self.n_experts else 0
 
 
 def _preset(name: str, **kw) -> ModelArgs:
@@ -70,6 +107,19 @@ PRESETS: dict[str, ModelArgs] = {
                 ffn_hidden=28672, rope_theta=500000.0, max_seq_len=8192),
         _preset("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                 ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192),
+        # mixtures of experts. Mixtral 8x7B: Jiang et al. 2024 and its config.json. Qwen3-30B-A3B (its
+        # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. The
+        # DeepSeek-V3-like shape (DeepSeek-AI 2024, table of hyper-parameters) has GQA attention in place of MLA.
+        _preset("debug-moe", n_experts=8, top_k=2, moe_ffn_hidden=96, n_shared_experts=1, n_dense_layers=1),
+        _preset("mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2),
+        _preset("qwen3-30b-a3b-like", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                ffn_hidden=6144, moe_ffn_hidden=768, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
+                n_experts=128, top_k=8),
+        _preset("deepseek-v3-like", dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
+                ffn_hidden=18432, moe_ffn_hidden=2048, n_experts=256, top_k=8, n_shared_experts=1,
+                n_dense_layers=3, score_func="sigmoid", route_scale=2.5, max_seq_len=4096,
+                bias_update_rate=0.001),
         _preset("gpt3-175b", dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50257,
                 ffn_hidden=32768, max_seq_len=2048, tie_embeddings=True),
     ]
@@ -87,15 +137,25 @@ def preset(name: str, **overrides) -> ModelArgs:
 # Sizes and FLOPs, from the shape alone (the planner uses these without building anything)
 
 
-def num_params(args: ModelArgs, *, embedding: bool = True) -> int:
-    """Parameter count; embedding=False leaves out the input embedding table (it does no matmul)."""
+def mlp_params(args: ModelArgs, layer: int, *, active: bool = False) -> int:
+    """Parameters of block `layer`'s MLP: the dense SwiGLU, or the router, the experts and the shared experts
+    (active=True: only the top_k experts a token goes through)."""
+    d = args.dim
+    if not args.is_moe_layer(layer):
+        return 3 * d * args.ffn_hidden
+    experts = args.top_k if active else args.n_experts
+    return d * args.n_experts + (experts + args.n_shared_experts) * 3 * d * args.expert_hidden
+
+
+def num_params(args: ModelArgs, *, embedding: bool = True, active: bool = False) -> int:
+    """Parameter count; embedding=False leaves out the input embedding table (it does no matmul); active=True
+    counts, of a mixture of experts, the parameters one token uses (its top_k experts, not all of them)."""
     d, kv = args.dim, args.n_kv_heads * args.head_dim
     attn = d * d + 2 * d * kv + d * d
-    mlp = 3 * d * args.ffn_hidden
-    per_layer = attn + mlp + 2 * d
+    blocks = sum(attn + mlp_params(args, i, active=active) + 2 * d for i in range(args.n_layers))
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else args.vocab_size * d
-    total = args.n_layers * per_layer + d + head + emb
+    total = blocks + d + head + emb
     if not embedding:
         # with tied weights the shared matrix still does the output matmul, so it stays in
         total -= 0 if args.tie_embeddings else emb
@@ -122,12 +182,13 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None 
     """Training FLOPs (forward + backward) per token: 6 N + 12 L d s (Kaplan et al.; Chinchilla appendix F).
 
     N counts the weights that take part in a matmul (every linear layer and the output head, not the
-    embedding lookup or the norms); 12 L d s is the attention-score and attention-value matmuls, forward and
-    backward, counted without the causal mask's saving, as the PaLM MFU definition does.
+    embedding lookup or the norms; of a mixture of experts, the router and the top_k experts a token uses);
+    12 L d s is the attention-score and attention-value matmuls, forward and backward, counted without the
+    causal mask's saving, as the PaLM MFU definition does.
     With LoRA (`adapter_params`, the adapters' count) a frozen weight does the forward and the input-gradient
     matmuls but no weight gradient: 4 N, plus 6 per adapter parameter; the attention matmuls are all still done.
     """
-    matmul_params = num_params(args, embedding=False) - (2 * args.n_layers + 1) * args.dim
+    matmul_params = num_params(args, embedding=False, active=True) - (2 * args.n_layers + 1) * args.dim
     attention = 12.0 * args.n_layers * args.dim * seq_len
     if adapter_params is None:
         return 6.0 * matmul_params + attention

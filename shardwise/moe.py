@@ -1,0 +1,232 @@
+"""Mixture of experts: the MLP of a block replaced by routed SwiGLU experts, written once for one device.
+
+Token choice (Shazeer et al. 2017; GShard; Switch Transformer): a linear router scores every expert for every
+token (softmax over experts as Mixtral and Qwen3-MoE, or a sigmoid each as DeepSeek-V3), each token goes to its
+top_k experts, and their outputs are summed with the token's (optionally renormalised and scaled) scores. Shared
+experts (DeepSeekMoE) see every token. Dropless by default: every (token, expert) pair is computed once; with a
+capacity factor an expert takes only its first tokens and the others are counted as dropped.
+
+Load balancing, two ways:
+- the auxiliary loss alpha x E x sum_i f_i P_i (Switch Transformer eq. 4, with f_i the share of a token's k
+  choices that go to expert i and P_i the mean routing probability), computed per sequence (DeepSeek-V3's
+  sequence-wise form): a sequence is whole on one rank under data, tensor, pipeline and expert parallelism, so
+  the loss is the same however the batch is split. It joins the gradient through `_AuxLossGradient`
+  (Megatron-LM's MoEAuxLossAutoScaler): no change to the loss a pipeline's last stage computes;
+- auxiliary-loss-free (DeepSeek-V3 section 2.1.2): a per-expert bias added to the scores for the choice only,
+  moved after each step towards the mean load (`update_expert_bias`).
+
+The experts run as one grouped GEMM (`torch._grouped_mm`) where its alignment rules hold, else as an exact loop
+over experts. Expert parallelism (shardwise.parallel.expert_parallel) swaps `GroupedExperts.dispatch` for an
+all-to-all exchange; the rest of this file does not know about it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.model_args import ModelArgs
+
+
+class Router(nn.Module):
+    """Scores (tokens, experts) in fp32, and each token's top_k experts with their combine weights."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(args.n_experts, args.dim))
+        self.top_k, self.score_func = args.top_k, args.score_func
+        self.route_norm, self.route_scale = args.route_norm, args.route_scale
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores (T, E) fp32, weights (T, k), experts (T, k)) for x of (T, dim)."""
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        # the balancing bias steers which experts are chosen, never how much they weigh (DeepSeek-V3 eq. 16)
+        chosen = torch.topk(scores + bias, self.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(-1, chosen)
+        if self.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        return scores, weights * self.route_scale, chosen
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm(x, weight^T)` runs: rows 16-byte aligned, and on CUDA bf16 on sm90 or later."""
+    size = x.element_size()
+    aligned = all((n * size) % 16 == 0 for n in weight.shape[1:])
+    if x.device.type == "cuda":
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return aligned and x.device.type == "cpu"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class GroupedExperts(nn.Module):
+    """n SwiGLU experts stored as 3-D weights, laid out as Hugging Face's Mixtral stores them:
+    w1 (gate) and w3 (up) (n, hidden, dim), w2 (down) (n, dim, hidden)."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.use_grouped_mm = True
+        """False: always the loop (the grouped GEMM's reference)."""
+        # expert parallelism replaces this with an all-to-all exchange around `compute`
+        self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] = GroupedExperts.compute
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's experts' weights as plain tensors (expert parallelism makes them DTensors)."""
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, dim) sorted by expert, `counts[i]` of them for expert i (of all n); same shape out."""
+        return self.dispatch(self, x, counts)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts over x sorted by local expert, counts (n_local,)."""
+        w1, w3, w2 = self.weights()
+        dtype = _compute_dtype(x)
+        x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
+        if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_supported(x, w1):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        outs = []
+        for i, chunk in enumerate(torch.split(x, counts.tolist())):
+            outs.append(F.linear(F.silu(F.linear(chunk, w1[i])) * F.linear(chunk, w3[i]), w2[i]))
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on the block's output whose backward also starts the auxiliary loss's gradient, with the factor
+    that puts it on the scale of the main loss's (Megatron-LM's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: activation checkpointing re-runs forwards then, whose routing
+    must not be counted twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts) in place of a block's MLP."""
+
+    def __init__(self, args: ModelArgs, shared: nn.Module | None = None):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.capacity_factor, self.aux_loss_coeff = args.capacity_factor, args.aux_loss_coeff
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
+        self.shared = shared
+        # the balancing bias is state (checkpointed); the step's statistics are not
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.aux_grad_scale = 0.0
+        """d(objective)/d(sum of this micro-batch's per-sequence aux losses), set by the trainer each step."""
+
+    def reset_buffers(self) -> None:
+        for buffer in (self.expert_bias, self.tokens_per_expert, self.dropped, self.aux_loss):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        scores, weights, chosen = self.router(tokens, self.expert_bias)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        kept, kept_counts = self._capacity(order, counts, tokens.shape[0])
+        routed = self.experts(tokens[kept // self.top_k], kept_counts)
+        out = torch.zeros(flat.shape[0], dim, dtype=routed.dtype, device=x.device)
+        out = out.index_copy(0, kept, routed).view(-1, self.top_k, dim)
+        out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(bsz, seq, dim)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        counting = self.training and torch.is_grad_enabled() and not _in_backward()
+        if counting:
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            self.dropped += flat.shape[0] - kept.shape[0]
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1), chosen.view(bsz, seq, -1))
+            if counting:
+                self.aux_loss += aux.detach()
+            out = _AuxLossGradient.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    def _capacity(self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int):
+        """The (token, choice) pairs each expert computes, by expert, and how many each: all of them (dropless),
+        or each expert's first ceil(capacity_factor x tokens x top_k / n_experts)."""
+        if self.capacity_factor <= 0:
+            return order, counts
+        capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(order.shape[0], device=order.device) - torch.repeat_interleave(starts, counts)
+        return order[rank_in_expert < capacity], counts.clamp(max=capacity)
+
+
+def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """sum over sequences of E x sum_i f_i P_i, for scores (batch, seq, E) and chosen (batch, seq, k).
+
+    f_i: the share of the sequence's seq x k choices that went to expert i (no gradient); P_i: the mean over the
+    sequence of expert i's score normalised over experts (the softmax itself; a sigmoid's scores divided by their
+    sum, as DeepSeek-V3 eq. 18-20). Perfect balance gives 1 per sequence.
+    """
+    n_experts, k = scores.shape[-1], chosen.shape[-1]
+    counts = torch.zeros_like(scores[:, 0]).scatter_add_(1, chosen.flatten(1), torch.ones_like(chosen.flatten(1),
+                                                                                                dtype=scores.dtype))
+    f = counts / (chosen.shape[1] * k)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return n_experts * (f.detach() * p).sum()
+
+
+def moe_layers(parts: Iterable[nn.Module]) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+def set_aux_grad_scale(parts: Iterable[nn.Module], scale: float) -> None:
+    """The factor the trainer gives its main loss's backward, per sequence (see MoE.aux_grad_scale)."""
+    for moe in moe_layers(parts):
+        moe.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def end_of_step(parts: Iterable[nn.Module], rate: float, group=None) -> torch.Tensor | None:
+    """After an optimizer step: move each expert's bias towards the mean load (rate > 0) from the step's routing
+    counts, summed over `group` (the ranks that see other tokens), and clear the step's statistics.
+
+    Returns this rank's per-layer sums [aux loss, dropped pairs, routed pairs] (None without MoE layers).
+    """
+    layers = moe_layers(parts)
+    if not layers:
+        return None
+    counts = torch.stack([m.tokens_per_expert for m in layers])
+    stats = torch.stack([torch.stack([m.aux_loss, m.dropped, m.tokens_per_expert.sum()]) for m in layers]).sum(0)
+    if rate > 0:
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        for moe, load in zip(layers, counts):
+            moe.expert_bias += rate * torch.sign(load.mean() - load)
+    for moe in layers:
+        moe.tokens_per_expert.zero_()
+        moe.dropped.zero_()
+        moe.aux_loss.zero_()
+    return stats
