@@ -68,7 +68,8 @@ META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _REPLACED_DIR = re.compile(r"step_(\d+)\.old")
 # fields of ModelArgs that change a parameter's shape, or what the weights mean
-_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
+_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings",
+                 "n_experts", "top_k", "moe_ffn_hidden", "n_shared_experts", "n_dense_layers", "score_func")
 
 log = logging.getLogger("shardwise.checkpoint")
 

@@ -365,6 +365,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _validate_lora(cfg.lora)
+    _validate_moe(cfg)
     validate_parallel(cfg)
     _validate_qlora(cfg)
     for key in ("every", "keep"):
@@ -510,6 +511,49 @@ def _validate_qlora(cfg: JobConfig) -> None:
                               "lora.targets, or use zero_stage 0/1 (the frozen base is then not sharded)")
 
 
+def _validate_moe(cfg: JobConfig) -> None:
+    m = cfg.model
+    if m.n_experts == 0:
+        return
+    if m.n_experts < 0:
+        raise ConfigError("model.n_experts", f"{m.n_experts} is negative", "set the routed experts, or 0 for dense")
+    if not 1 <= m.top_k <= m.n_experts:
+        raise ConfigError("model.top_k", f"{m.top_k} experts per token out of n_experts = {m.n_experts}",
+                          f"pick top_k between 1 and {m.n_experts}")
+    if not 0 <= m.n_dense_layers <= m.n_layers:
+        raise ConfigError("model.n_dense_layers", f"{m.n_dense_layers} is outside 0..n_layers = {m.n_layers}",
+                          f"pick 0 to {m.n_layers}")
+    for key in ("moe_ffn_hidden", "n_shared_experts", "capacity_factor", "aux_loss_coeff", "bias_update_rate"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", f"{getattr(m, key)} is negative", f"set model.{key} >= 0")
+    if m.route_scale <= 0:
+        raise ConfigError("model.route_scale", f"{m.route_scale} must be positive", "set model.route_scale > 0")
+    if cfg.lora.rank:
+        raise ConfigError("lora.rank", "LoRA adapts dense linears and a mixture of experts' experts are 3-D weights "
+                          "with no adapters here", "set lora.rank = 0 (full fine-tuning) for an MoE model")
+
+
+def _validate_ep(cfg: JobConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    _positive("parallel.ep", p.ep)
+    if m.n_experts and m.aux_loss_coeff and p.cp > 1:
+        raise ConfigError("model.aux_loss_coeff", "the balancing loss is computed per sequence and context "
+                          "parallelism splits sequences", "set model.aux_loss_coeff = 0 with cp > 1 (use "
+                          "model.bias_update_rate), or cp = 1")
+    if p.ep == 1:
+        return
+    if m.n_experts == 0:
+        raise ConfigError("parallel.ep", f"ep={p.ep} splits experts and model {m.name} has none",
+                          "set parallel.ep = 1, or model.n_experts > 0")
+    if m.n_experts % p.ep:
+        raise ConfigError("parallel.ep", f"ep={p.ep} does not divide model.n_experts={m.n_experts}",
+                          "pick ep among the divisors of n_experts")
+    if p.zero_stage < 2 or (p.dp_shard * p.cp) % p.ep or p.ep % p.cp:
+        raise ConfigError("parallel.ep", f"expert parallelism is drawn from the dp_shard x cp = {p.dp_shard * p.cp} "
+                          f"ranks (ZeRO-{p.zero_stage}) and ep={p.ep} does not fit them",
+                          "use zero_stage 2 or 3 with ep dividing dp_shard x cp and a multiple of cp")
+
+
 def _validate_train(t: TrainConfig) -> None:
     for key in ("steps", "micro_batch", "grad_accum", "val_batches"):
         _positive(f"train.{key}", getattr(t, key))
@@ -594,6 +638,7 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     _validate_tp(cfg)
     _validate_pp(cfg)
+    _validate_ep(cfg)
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise ConfigError(
             "data.seq_len", f"{cfg.data.seq_len} is not divisible by 2 x cp = {2 * p.cp} (load-balanced chunks)",

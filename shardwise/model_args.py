@@ -196,7 +196,7 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None 
 
 
 def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
-    """ModelArgs from a Llama-family config.json (as a dict); ValueError if it describes another network."""
+    """ModelArgs from a Llama-family or Mixtral config.json (as a dict); ValueError if it describes another network."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if k not in cfg]
     if missing:
@@ -207,6 +207,15 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     if head_dim * n_heads != cfg["hidden_size"]:
         raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+    mixtral = cfg.get("model_type") == "mixtral"
+    # transformers 5 writes the base inside rope_parameters; a missing one is the model type's default
+    rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")
+    max_seq_len = cfg.get("max_position_embeddings", 2048)
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        # over a sequence no longer than the window, sliding-window attention is plain causal attention
+        max_seq_len = min(max_seq_len, cfg["sliding_window"])
+    moe = dict(n_experts=cfg.get("num_local_experts", 8), top_k=cfg.get("num_experts_per_tok", 2),
+               aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.001)) if mixtral else {}
     return ModelArgs(
         name=name,
         dim=cfg["hidden_size"],
@@ -216,7 +225,8 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta or (1e6 if mixtral else 10000.0)),
+        max_seq_len=max_seq_len,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **moe,
     )

@@ -32,6 +32,7 @@ from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_s
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
 from shardwise.model_args import adapter_params, flops_per_token, num_params
+from shardwise.moe import end_of_step, set_aux_grad_scale
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter, uncounted
@@ -153,11 +154,30 @@ def pipeline_train_step(
 def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[data.Batch], cfg: JobConfig,
                   runtime: Runtime, global_tokens: int) -> StepResult:
     """One optimizer step of whatever the model is: one module, or this rank's pipeline stages."""
+    if cfg.model.aux_loss_coeff:
+        # the balancing loss's gradient on the main loss's scale: per sequence of the global batch, x the data-rank
+        # count (scale_for_gradient_sum) and the fp16 loss scale, as the token loss's backward gets them
+        loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        set_aux_grad_scale(model_parts(model), cfg.data.seq_len / global_tokens * runtime.grad_reduce_size * loss_scale)
     if isinstance(model, Pipeline):
         return pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
                                    global_tokens=global_tokens, runtime=runtime)
     return train_step(model, optimizer, scaler, batches, device=runtime.device, precision=cfg.train.precision,
                       grad_clip=cfg.optim.grad_clip, global_tokens=global_tokens, runtime=runtime)
+
+
+def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, global_tokens: int) -> dict[str, float]:
+    """Move the experts' balancing biases (model.bias_update_rate) and return the step's routing metrics: the mean
+    balancing loss per MoE layer and sequence, and the share of (token, expert) pairs capacity dropped.
+    Collective over every rank (each pipeline stage holds other layers)."""
+    group = runtime.mesh.grad_reduce.get_group() if runtime.mesh and runtime.grad_reduce_size > 1 else None
+    stats = end_of_step(parts, cfg.model.bias_update_rate, group)
+    stats = torch.zeros(3, device=runtime.device) if stats is None else stats
+    if runtime.world_size > 1:
+        dist.all_reduce(stats)
+    aux, dropped, routed = (stats / cfg.parallel.tp).tolist()  # tp ranks route the same tokens
+    sequences = global_tokens / cfg.data.seq_len
+    return {"moe/aux_loss": aux / sequences / max(cfg.model.n_moe_layers, 1), "moe/dropped": dropped / max(routed, 1)}
 
 
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:
@@ -304,7 +324,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len
     writer.print(
-        f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params | "
+        f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params"
+        + (f" ({num_params(cfg.model, active=True) / 1e6:.2f}M active)" if cfg.model.n_experts else "") + " | "
         f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of "
         f"{cfg.data.seq_len} tokens | "
         f"{tokens_per_step} tokens/step on {runtime.describe()}"
@@ -327,6 +348,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             result = training_step(model, optimizer, scaler, batches, cfg, runtime, tokens_per_step)
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
+        routing = moe_after_step(parts, cfg, runtime, tokens_per_step) if cfg.model.n_experts else {}
         schedule.step()
         meter.add(time.perf_counter() - start)
         samples.log(step, batches)
@@ -340,7 +362,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                 f"{cfg.train.max_nonfinite_steps} allows skipping some)"
             )
         if step % cfg.metrics.log_every == 0 or step == cfg.train.steps:
-            writer.log(step, meter.values(result, schedule, scaler) | summary["comm"])
+            writer.log(step, meter.values(result, schedule, scaler) | summary["comm"] | routing)
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
             summary["val_loss"] = evaluate(model, val, device, cfg.train.precision, runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})

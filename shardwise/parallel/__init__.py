@@ -1,8 +1,8 @@
 """The parallel engine: one `parallelize()` that applies each parallelism in a fixed order.
 
-Order (as torchtitan): tensor + sequence parallel -> context parallel -> activation checkpointing ->
-compile -> data parallel (ZeRO-0..3 / HSDP). Tensor parallelism must come first because it changes what the
-parameters are (DTensors); data parallelism comes last because it groups and shards whatever parameters
+Order (as torchtitan): tensor + sequence parallel -> expert parallel -> context parallel -> activation
+checkpointing -> compile -> data parallel (ZeRO-0..3 / HSDP). Tensor and expert parallelism come first because they
+change what the parameters are (DTensors); data parallelism comes last because it groups and shards whatever parameters
 the model then has. Pipeline parallelism happens before all of this: the model is cut into stages and
 each stage is parallelised on its own (see pipeline.py).
 """
@@ -36,6 +36,10 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
     p, t = cfg.parallel, cfg.train
     if mesh is not None:
         apply_tensor_parallel(model, mesh.tp, p.sequence_parallel)
+        if p.ep > 1:
+            from shardwise.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(model, mesh.ep)
         if p.cp > 1:
             from shardwise.parallel.context_parallel import apply_context_parallel
 

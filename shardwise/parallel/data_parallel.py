@@ -77,6 +77,10 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
     elif fsdp_applies(p):
         shard_mesh, offload = mesh.fsdp, offload_policy(p, mesh.fsdp.device_type)
         for block in blocks:
+            if p.ep > 1 and hasattr(block, "moe"):
+                # experts, split over ep, are sharded over the data-parallel ranks that ep leaves (their own unit)
+                fully_shard(block.moe.experts, mesh=mesh.expert_fsdp, reshard_after_forward=p.zero_stage == 3,
+                            offload_policy=offload)
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload)

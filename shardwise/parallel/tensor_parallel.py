@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -64,9 +65,9 @@ class RowwiseLoRA(RowwiseParallel):
                           self.src_data_rank)
 
 
-def block_plan(sequence_parallel: bool, adapted: Collection[str] = ()) -> dict[str, ParallelStyle]:
+def block_plan(sequence_parallel: bool, adapted: Collection[str] = (), moe: bool = False) -> dict[str, ParallelStyle]:
     """Module path inside a TransformerBlock -> how it is split across the tp group. `adapted`: the paths that
-    are LoRALinear, whose adapters are placed after their base."""
+    are LoRALinear, whose adapters are placed after their base; `moe`: the block has a mixture of experts."""
     residual = Shard(1) if sequence_parallel else Replicate()
 
     def colwise(path: str) -> ParallelStyle:
@@ -81,18 +82,25 @@ def block_plan(sequence_parallel: bool, adapted: Collection[str] = ()) -> dict[s
         "attention.wk": colwise("attention.wk"),
         "attention.wv": colwise("attention.wv"),
         "attention.wo": rowwise("attention.wo"),
-        "feed_forward.w1": colwise("feed_forward.w1"),
-        "feed_forward.w3": colwise("feed_forward.w3"),
-        "feed_forward.w2": rowwise("feed_forward.w2"),
     }
+    if not moe:
+        plan |= {
+            "feed_forward.w1": colwise("feed_forward.w1"),
+            "feed_forward.w3": colwise("feed_forward.w3"),
+            "feed_forward.w2": rowwise("feed_forward.w2"),
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        }
+    else:
+        # The mixture of experts is not split (no expert tensor parallelism): every tp rank runs all of it on the
+        # whole sequence, gathered, with plain-tensor weights, and keeps its slice of the output
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=True)
     # The input of attention and MLP enters as one (replicated) DTensor, so the input gradients of the three
     # (two) column-parallel projections add up as partial sums and are reduced once, not once per projection
     # (Megatron fuses wq/wk/wv into one matmul for the same reason). With sequence parallelism that entry is
     # also where the sequence slices are all-gathered (and, in backward, reduce-scattered).
-    plan |= {
-        "attention": PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)),
-        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-    }
+    plan["attention"] = PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None))
     if sequence_parallel:
         plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
     return plan
@@ -164,7 +172,7 @@ def split_model(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) 
     parallelize_module(model, tp_mesh, top_plan(sequence_parallel, has_embedding, has_head))
     for block in model.layers.values():
         adapted = [path for path, module in block.named_modules() if isinstance(module, LoRALinear)]
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, adapted))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, adapted, moe=hasattr(block, "moe")))
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # both are Shard(0) over the vocabulary: re-share the one DTensor
     # torch's SequenceParallel makes the norms' new DTensor parameters trainable: a LoRA run's stay frozen
