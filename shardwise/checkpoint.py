@@ -459,8 +459,10 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
         raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
                               f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
     saved = meta.get("model", {})
-    diffs = [f"{f} {saved.get(f)} vs {getattr(model_args, f)}" for f in _SHAPE_FIELDS
-             if saved.get(f) != getattr(model_args, f)]
+    # a field newer than the checkpoint has its default there (a dense model's n_experts = 0)
+    written = {f: saved.get(f, ModelArgs.__dataclass_fields__[f].default) for f in _SHAPE_FIELDS}
+    diffs = [f"{f} {written[f]} vs {getattr(model_args, f)}" for f in _SHAPE_FIELDS
+             if written[f] != getattr(model_args, f)]
     if diffs:
         raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
                               "set the [model] config to the checkpoint's shape, or start a new run folder")

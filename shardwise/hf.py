@@ -1,10 +1,15 @@
-"""Hugging Face Llama interchange: config and parameter names, both ways.
+"""Hugging Face Llama and Mixtral interchange: config and parameter names, both ways.
 
 Our rotary embedding uses the same "rotate half" layout as `transformers`' Llama, so weights map one to one
 with no permutation of the query/key rows. `export_hf` writes a folder `LlamaForCausalLM.from_pretrained` loads
 (for a LoRA model: the merged weights W + (alpha / r) B A, or the base alone); `export_peft` writes a LoRA model's
 adapters as the folder `peft.PeftModel.from_pretrained` loads; `import_hf` reads a Hugging Face folder
 (safetensors only: no pickles) into a model under any parallel layout.
+
+A mixture of experts is written as `MixtralForCausalLM` (Jiang et al. 2024), with the tensor names of the published
+Mixtral checkpoints: one w1/w3/w2 per expert, where we hold each as one (n_experts, out, in) tensor. transformers 5
+fuses them on load (gate_up_proj, down_proj) and splits them again in `save_pretrained`; `import_hf` also reads the
+fused form (`save_pretrained(save_original_format=False)`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,20 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "moe.router.weight": "block_sparse_moe.gate.weight",
+}
+# our 3-D expert weights -> one 2-D tensor per expert ({j}) in the published Mixtral checkpoints
+_EXPERT_NAMES = {
+    "moe.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
+    "moe.experts.w3": "block_sparse_moe.experts.{j}.w3.weight",
+    "moe.experts.w2": "block_sparse_moe.experts.{j}.w2.weight",
+}
+# transformers 5's own Mixtral tensors: (name, which half of dim 1), gate and up concatenated as [gate; up]
+_FUSED_NAMES = {
+    "moe.router.weight": ("mlp.gate.weight", None),
+    "moe.experts.w1": ("mlp.experts.gate_up_proj", 0),
+    "moe.experts.w3": ("mlp.experts.gate_up_proj", 1),
+    "moe.experts.w2": ("mlp.experts.down_proj", None),
 }
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -49,6 +68,22 @@ def to_hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def _in_layer(name: str, table: dict) -> tuple[str, object] | None:
+    """table's entry for the per-layer part of `name`, as (layer index, entry); None if it has none."""
+    m = _LAYER.fullmatch(name)
+    return (m.group(1), table[m.group(2)]) if m and m.group(2) in table else None
+
+
+def expert_hf_names(name: str, n_experts: int) -> list[str] | None:
+    """The Mixtral names of the experts of our 3-D expert weight `name`, in expert order (None for others):
+    layers.0.moe.experts.w1 -> [model.layers.0.block_sparse_moe.experts.0.w1.weight, ...]."""
+    found = _in_layer(name, _EXPERT_NAMES)
+    if found is None:
+        return None
+    layer, pattern = found
+    return [f"model.layers.{layer}.{pattern.format(j=j)}" for j in range(n_experts)]
 
 
 def hf_module_name(target: str) -> str:
@@ -79,16 +114,57 @@ def from_hf_name(name: str) -> str:
         for ours, theirs in _LAYER_NAMES.items():
             if m.group(2) == theirs:
                 return f"layers.{m.group(1)}.{ours}"
-    raise KeyError(f"unknown Hugging Face Llama parameter {name!r}")
+    raise KeyError(f"unknown Hugging Face Llama or Mixtral parameter {name!r}")
 
 
 def hf_config(args: ModelArgs) -> dict:
-    """A `LlamaConfig` dict describing the same network."""
+    """A `LlamaConfig` dict describing the same network, or for a mixture of experts a `MixtralConfig` one
+    (ValueError if the mixture is one Mixtral cannot express)."""
+    if args.n_experts:
+        return _mixtral_config(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": args.dim,
+        **_decoder_config(args),
         "intermediate_size": args.ffn_hidden,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _mixtral_config(args: ModelArgs) -> dict:
+    """A `MixtralConfig` dict: Mixtral is softmax top-k routing, renormalised, in every block, nothing shared."""
+    unsupported = [why for fails, why in (
+        (args.score_func != "softmax", f"score_func {args.score_func!r} (Mixtral's router is a softmax)"),
+        (not args.route_norm, "route_norm False (Mixtral renormalises a token's top-k weights)"),
+        (args.route_scale != 1.0, f"route_scale {args.route_scale} (Mixtral does not scale the weights)"),
+        (args.n_shared_experts > 0, f"n_shared_experts {args.n_shared_experts} (Mixtral has no shared experts)"),
+        (args.n_dense_layers > 0, f"n_dense_layers {args.n_dense_layers} (every Mixtral block is a mixture)"),
+        # a trained bias changes which experts a token picks, and Mixtral's router has none
+        (args.bias_update_rate > 0, f"bias_update_rate {args.bias_update_rate} (Mixtral's router has no bias)"),
+    ) if fails]
+    if unsupported:
+        raise ValueError(f"model {args.name!r} is a mixture of experts MixtralForCausalLM cannot express: "
+                         f"{'; '.join(unsupported)}; fix: export a softmax-routed, renormalised, unscaled mixture "
+                         "without shared experts, dense blocks or a balancing bias")
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **_decoder_config(args),
+        "intermediate_size": args.expert_hidden,
+        "num_local_experts": args.n_experts,
+        "num_experts_per_tok": args.top_k,
+        "router_aux_loss_coef": args.aux_loss_coeff,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+
+
+def _decoder_config(args: ModelArgs) -> dict:
+    """The config fields Llama and Mixtral share."""
+    return {
+        "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -98,15 +174,13 @@ def hf_config(args: ModelArgs) -> dict:
         "rope_theta": args.rope_theta,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
 
 
 # ---------------------------------------------------------------------------------------------------
-# Folders of safetensors + config.json, as `LlamaForCausalLM.save_pretrained` writes and `from_pretrained` reads
+# Folders of safetensors + config.json, as `save_pretrained` writes and `from_pretrained` reads
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
@@ -133,12 +207,17 @@ def _hf_tensors(parts, merge_lora: bool) -> dict[str, torch.Tensor]:
             if merge_lora and name in adapted:
                 layer = adapted[name]
                 param = layer.merged_weight().to(layer.lora_a.dtype)
-            tensors[to_hf_name(name)] = _cpu(param)
+            full = _cpu(param)
+            experts = expert_hf_names(name, full.shape[0])
+            if experts:  # cloned: safetensors refuses tensors that share storage
+                tensors.update(zip(experts, (w.clone() for w in full.unbind(0))))
+            else:
+                tensors[to_hf_name(name)] = full
     return tensors
 
 
 def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *, merge_lora: bool = True) -> None:
-    """Write the model as a Hugging Face Llama folder (collective: every rank calls it).
+    """Write the model as a Hugging Face Llama or Mixtral folder (collective: every rank calls it).
 
     Sharded parameters are gathered (DTensor.full_tensor); one rank per pipeline stage writes that stage's
     safetensors file (model.safetensors with one stage, else model-0000k-of-0000n.safetensors and an index).
@@ -149,6 +228,7 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
     from safetensors.torch import save_file
 
     folder = Path(folder)
+    config = hf_config(args)  # before any file is written: it refuses mixtures Mixtral cannot express
     pp_rank, pp_size = (runtime.pp_rank, runtime.pp_size) if runtime is not None else (0, 1)
     writes = runtime.writes_stage_files if runtime is not None else True
     main = runtime.is_main if runtime is not None else True
@@ -169,7 +249,7 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
             weight_map = {k: v for names, _ in everyone for k, v in names.items()}
             index = {"metadata": {"total_size": sum(size for _, size in everyone)}, "weight_map": weight_map}
             (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-        (folder / "config.json").write_text(json.dumps(hf_config(args), indent=2))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -233,7 +313,7 @@ def _hf_files(folder: Path) -> list[Path]:
 
 
 def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
-    """Load a Hugging Face Llama folder (local safetensors, no pickles) into a built model of any layout.
+    """Load a Hugging Face Llama or Mixtral folder (local safetensors, no pickles) into a built model of any layout.
 
     Every rank reads the full tensors it needs and keeps its local piece (DTensor parameters get the slice of
     the full value their placement says, as `materialize` does); no communication. Returns the folder's shape;
@@ -245,9 +325,8 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
     folder = Path(folder)
     theirs = args_from_hf_config(json.loads((folder / "config.json").read_text()))
     ours = parts[0].args
-    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings")
     diffs = [f"{f} {getattr(theirs, f)} vs {getattr(ours, f)}"
-             for f in fields if getattr(theirs, f) != getattr(ours, f)]
+             for f in _network_fields(ours) if getattr(theirs, f) != getattr(ours, f)]
     if diffs:
         raise ValueError(f"{folder} holds another model shape (folder vs this model: {', '.join(diffs)}); "
                          "fix: build the model from the folder's config (args_from_hf_config)")
@@ -257,19 +336,50 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
     return theirs
 
 
+def _network_fields(args: ModelArgs) -> list[str]:
+    """The ModelArgs fields that must agree for a folder's weights to be this network's."""
+    fields = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings", "n_experts",
+              "n_shared_experts", "n_dense_layers"]
+    if args.n_moe_layers < args.n_layers:  # some block has the dense MLP
+        fields.append("ffn_hidden")
+    if args.n_experts:
+        fields += ["expert_hidden", "top_k", "score_func", "route_norm", "route_scale"]
+    return fields
+
+
 @torch.no_grad()
 def _copy_into(parts, where: dict, folder: Path) -> None:
-    """Each parameter's local piece of the full tensor of the same (Hugging Face) name."""
+    """Each parameter's local piece of the full value its Hugging Face tensor(s) hold."""
     from shardwise.model import canonical_name, set_full_value
 
     for part in parts:
         for name, param in list(part.named_parameters()):
             if is_adapter(name):
                 continue
-            key = to_hf_name(canonical_name(name))
-            if key not in where:
-                raise ValueError(f"{folder} has no tensor {key!r} (our {canonical_name(name)})")
-            full = where[key].get_tensor(key)
+            full = _full_tensor(canonical_name(name), param.shape[0], where, folder)
             if tuple(full.shape) != tuple(param.shape):
-                raise ValueError(f"{folder}: {key} has shape {tuple(full.shape)}, the model {tuple(param.shape)}")
+                raise ValueError(f"{folder}: the tensor for our {canonical_name(name)} has shape "
+                                 f"{tuple(full.shape)}, the model {tuple(param.shape)}")
             set_full_value(part, name, param, full)
+
+
+def _full_tensor(name: str, rows: int, where: dict, folder: Path) -> torch.Tensor:
+    """Our full parameter `name` (`rows` long in dim 0) from the folder's tensors: renamed, stacked from one tensor
+    per expert (Mixtral's checkpoints), or cut from transformers 5's fused experts."""
+    fused = _in_layer(name, _FUSED_NAMES)
+    if fused is not None:
+        layer, (suffix, half) = fused
+        key = f"model.layers.{layer}.{suffix}"
+        if key in where:
+            full = where[key].get_tensor(key)
+            return full if half is None else full.chunk(2, dim=1)[half]
+    experts = expert_hf_names(name, rows)
+    if experts:
+        return torch.stack([_read(where, key, name, folder) for key in experts])
+    return _read(where, to_hf_name(name), name, folder)
+
+
+def _read(where: dict, key: str, ours: str, folder: Path) -> torch.Tensor:
+    if key not in where:
+        raise ValueError(f"{folder} has no tensor {key!r} (our {ours})")
+    return where[key].get_tensor(key)

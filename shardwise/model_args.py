@@ -57,7 +57,7 @@ class ModelArgs:
     """Multiplies the combine weights (DeepSeek-V3's routed scaling factor, 2.5)."""
     capacity_factor: float = 0.0
     """0: dropless. Else an expert takes at most ceil(capacity_factor x tokens x top_k / n_experts) of a rank's
-    micro-batch tokens (GShard, Switch); the rest skip it and are counted as dropped."""
+    micro-batch tokens in training (GShard, Switch); the rest skip it and are counted as dropped."""
     aux_loss_coeff: float = 0.0
     """Load-balancing loss alpha x n_experts x sum_i f_i P_i (Switch Transformer), per sequence; 0: off."""
     bias_update_rate: float = 0.0

@@ -189,9 +189,10 @@ class MoE(nn.Module):
         return out
 
     def _capacity(self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int):
-        """The (token, choice) pairs each expert computes, by expert, and how many each: all of them (dropless),
-        or each expert's first ceil(capacity_factor x tokens x top_k / n_experts)."""
-        if self.capacity_factor <= 0:
+        """The (token, choice) pairs each expert computes, by expert, and how many each: all of them (dropless, and
+        outside training: evaluation and generation see every choice), or each expert's first
+        ceil(capacity_factor x tokens x top_k / n_experts)."""
+        if self.capacity_factor <= 0 or not self.training:
             return order, counts
         capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
         starts = torch.cumsum(counts, 0) - counts

@@ -4,7 +4,8 @@
 all-gathers and reduce-scatters, DTensor's redistributions, pipelining's sends, our own all-gathers), also
 inside backward. For each it records the payload (the logical buffer: the tensor all-reduced, the gathered
 output, the scattered input, the tensor sent) and the bytes one rank puts on the wire with ring algorithms:
-all-reduce 2X(N-1)/N, all-gather and reduce-scatter Y(N-1)/N, all-to-all X(N-1)/N, point-to-point X.
+all-reduce 2X(N-1)/N, all-gather and reduce-scatter Y(N-1)/N, all-to-all X(N-1)/N (exactly: X less the rows a
+rank keeps, when the split sizes are uneven, as expert parallelism's are), point-to-point X.
 
 It costs a Python call per op while active, so the trainer turns it on only for the steps it logs (the
 collectives of a step do not change from step to step).
@@ -81,12 +82,12 @@ class CommStats:
     payload: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wire: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def add(self, kind: str, payload: int, group_size: int) -> None:
+    def add(self, kind: str, payload: int, group_size: int, wire: float | None = None) -> None:
         if group_size <= 1:
             return  # a group of one moves nothing
         self.calls[kind] += 1
         self.payload[kind] += payload
-        self.wire[kind] += wire_bytes(kind, payload, group_size)
+        self.wire[kind] += wire_bytes(kind, payload, group_size) if wire is None else wire
 
     def as_metrics(self) -> dict[str, float]:
         """Flat metrics: comm/<type>_bytes (wire bytes per rank) and comm/<type>_calls, types with traffic."""
@@ -113,7 +114,9 @@ class CommCounter(TorchDispatchMode):
             group = args[group_at]
             if isinstance(group, torch.ScriptObject):  # the dispatcher passes the group boxed
                 group = ProcessGroup.unbox(group)
-            self.stats.add(kind, _nbytes(args[payload_at]), group.size())
+            payload = _nbytes(args[payload_at])
+            wire = _all_to_all_wire(args[1], args[4], group.rank()) if name == "alltoall_base_" else None
+            self.stats.add(kind, payload, group.size(), wire)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]
             group = _group_size_from_name(args[-1])
@@ -122,6 +125,14 @@ class CommCounter(TorchDispatchMode):
                 payload *= group  # the input is one rank's piece; the payload is the gathered whole
             self.stats.add(kind, payload, group)
         return func(*args, **kwargs)
+
+
+def _all_to_all_wire(x: torch.Tensor, splits: list[int], rank: int) -> float | None:
+    """The bytes an all-to-all with these input split sizes sends to other ranks (None: even splits)."""
+    if not splits:
+        return None
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    return float((sum(splits) - splits[rank]) * row)
 
 
 @contextlib.contextmanager
