@@ -22,6 +22,7 @@ all-to-all exchange; the rest of this file does not know about it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 
@@ -80,8 +81,10 @@ class GroupedExperts(nn.Module):
         """False: always the loop (the grouped GEMM's reference)."""
         self.grad_scale = 1.0
         """Multiplies the weights' gradients (expert parallelism's correction, see expert_parallel.py)."""
+        self.stated_load = False
+        """True when the counts are the simulator's stated load, the same on every rank (MoE.stated_load)."""
         # expert parallelism replaces this with an all-to-all exchange around `compute`
-        self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] = GroupedExperts.compute
+        self.dispatch: Callable[[GroupedExperts, torch.Tensor, list[int]], torch.Tensor] = GroupedExperts.compute
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's experts' weights as plain tensors (expert parallelism makes them DTensors)."""
@@ -90,22 +93,23 @@ class GroupedExperts(nn.Module):
             return local
         return tuple(_ScaleGradient.apply(w, self.grad_scale) for w in local)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (tokens, dim) sorted by expert, `counts[i]` of them for expert i (of all n); same shape out."""
-        return self.dispatch(self, x, counts)
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (tokens, dim) sorted by expert, `counts[i]` of them for expert i (of all n); same shape out, in the
+        compute dtype (cast before expert parallelism's dispatch: half the bytes under bf16 autocast)."""
+        return self.dispatch(self, x.to(_compute_dtype(x)), counts)
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The local experts over x sorted by local expert, counts (n_local,)."""
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts over x sorted by local expert, `counts[i]` rows for local expert i."""
         w1, w3, w2 = self.weights()
         dtype = _compute_dtype(x)
         x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
         if self.use_grouped_mm and x.shape[0] > 0 and grouped_mm_supported(x, w1):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
         outs = []
-        for i, chunk in enumerate(torch.split(x, counts.tolist())):
+        for i, chunk in enumerate(torch.split(x, counts)):
             outs.append(F.linear(F.silu(F.linear(chunk, w1[i])) * F.linear(chunk, w3[i]), w2[i]))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
@@ -158,6 +162,8 @@ class MoE(nn.Module):
         self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
         self.aux_grad_scale = 0.0
         """d(objective)/d(sum of this micro-batch's per-sequence aux losses), set by the trainer each step."""
+        self.stated_load: Callable[[int], list[int]] | None = None
+        """The simulator's: (token, expert) pairs -> pairs per expert, in place of the router's choices."""
 
     def reset_buffers(self) -> None:
         for buffer in (self.expert_bias, self.tokens_per_expert, self.dropped, self.aux_loss):
@@ -169,7 +175,7 @@ class MoE(nn.Module):
         scores, weights, chosen = self.router(tokens, self.expert_bias)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = self._load(flat)
         kept, kept_counts = self._capacity(order, counts, tokens.shape[0])
         routed = self.experts(tokens[kept // self.top_k], kept_counts)
         out = torch.zeros(flat.shape[0], dim, dtype=routed.dtype, device=x.device)
@@ -179,7 +185,7 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         counting = self.training and torch.is_grad_enabled() and not _in_backward()
         if counting:
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            self.tokens_per_expert += torch.tensor(counts, dtype=self.tokens_per_expert.dtype, device=x.device)
             self.dropped += flat.shape[0] - kept.shape[0]
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1), chosen.view(bsz, seq, -1))
@@ -188,16 +194,23 @@ class MoE(nn.Module):
             out = _AuxLossGradient.apply(out, aux, self.aux_grad_scale)
         return out
 
-    def _capacity(self, order: torch.Tensor, counts: torch.Tensor, n_tokens: int):
+    def _load(self, flat: torch.Tensor) -> list[int]:
+        """(token, expert) pairs per expert: the router's, or the simulator's stated load (fake tensors hold no
+        routing). A list: the experts' shapes and the all-to-all's splits are sizes, known on the host."""
+        if self.stated_load is not None:
+            return self.stated_load(flat.shape[0])
+        return torch.bincount(flat, minlength=self.n_experts).tolist()
+
+    def _capacity(self, order: torch.Tensor, counts: list[int], n_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """The (token, choice) pairs each expert computes, by expert, and how many each: all of them (dropless, and
         outside training: evaluation and generation see every choice), or each expert's first
         ceil(capacity_factor x tokens x top_k / n_experts)."""
         if self.capacity_factor <= 0 or not self.training:
             return order, counts
         capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        rank_in_expert = torch.arange(order.shape[0], device=order.device) - torch.repeat_interleave(starts, counts)
-        return order[rank_in_expert < capacity], counts.clamp(max=capacity)
+        starts = itertools.accumulate(counts, initial=0)
+        kept = [min(c, capacity) for c in counts]
+        return torch.cat([order[start:start + k] for start, k in zip(starts, kept)]), kept
 
 
 def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import multiprocessing
@@ -36,9 +37,10 @@ from shardwise.data import Batch
 from shardwise.distributed import DistEnv
 from shardwise.layout import Layout, complete_layout, parse_layout
 from shardwise.model import materialize
+from shardwise.moe import moe_layers
 from shardwise.parallel.comm import TYPES, CommCounter
 from shardwise.parallel.context_parallel import load_balanced_positions
-from shardwise.parallel.mesh import MeshView, build_mesh
+from shardwise.parallel.mesh import MESH_DIMS, MeshView, build_mesh
 from shardwise.parallel.pipeline import Pipeline, model_parts
 from shardwise.parallel.runtime import Runtime
 from shardwise.parallel.torch_private import (
@@ -233,7 +235,7 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
                 second = measure_step(model, optimizer, scaler, batches, cfg, runtime)
                 if _differs(steps[0], second):
                     steps.append(second)
-        coordinates = {d: runtime.mesh.coordinate(d) for d in runtime.mesh.mesh.mesh_dim_names}
+        coordinates = {d: runtime.mesh.coordinate(d) for d in MESH_DIMS}
         return RankReport(rank, coordinates, steps)
     finally:
         gc.enable()
@@ -283,12 +285,30 @@ def fake_materializer(fakes) -> Callable:
 def build_step_inputs(cfg: JobConfig, runtime: Runtime, fakes=None):
     """Model (or pipeline), optimizer, grad scaler and one step's micro-batches, as the trainer builds them."""
     model = build_training_model(cfg, runtime, materialize if fakes is None else fake_materializer(fakes))
+    if fakes is not None:
+        state_balanced_routing(model_parts(model), grouped_mm=cfg.train.precision == "bf16")
     optimizer, _ = build_optimizer_for(model, cfg, runtime, cfg.optim.lr)
     scaler = build_grad_scaler(cfg.train, runtime.device)
     shape = (cfg.train.micro_batch, cfg.data.seq_len)
     batches = [Batch(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long), None)
                for _ in range(cfg.train.grad_accum)]
     return model, optimizer, scaler, batches
+
+
+def balanced_load(pairs: int, n_experts: int) -> list[int]:
+    """(token, expert) pairs spread as evenly as whole numbers allow: the first pairs % n_experts get one more."""
+    base, extra = divmod(pairs, n_experts)
+    return [base + (i < extra) for i in range(n_experts)]
+
+
+def state_balanced_routing(parts, grouped_mm: bool) -> None:
+    """Fake tensors hold no router scores to route by: every MoE layer, on every rank, is given the balanced
+    load (what the balancing losses aim at; the planner prices a stated imbalance on top). The experts run as
+    on a GPU: one grouped GEMM in bf16 (torch's fake kernel takes no other dtype), else the loop."""
+    for moe in moe_layers(parts):
+        moe.stated_load = functools.partial(balanced_load, n_experts=moe.n_experts)
+        moe.experts.stated_load = True
+        moe.experts.use_grouped_mm = grouped_mm
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -76,6 +76,12 @@ def _group_size_from_name(name: str) -> int:
     return _resolve_process_group(name).size()
 
 
+def _resolve_rank(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).rank()
+
+
 @dataclass
 class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -123,7 +129,10 @@ class CommCounter(TorchDispatchMode):
             payload = _nbytes(args[0])
             if kind == "all_gather":
                 payload *= group  # the input is one rank's piece; the payload is the gathered whole
-            self.stats.add(kind, payload, group)
+            wire = None
+            if name == "all_to_all_single":
+                wire = _all_to_all_wire(args[0], args[2], _resolve_rank(args[-1]))
+            self.stats.add(kind, payload, group, wire)
         return func(*args, **kwargs)
 
 

@@ -3,12 +3,15 @@
 Each has no public equivalent in torch 2.13:
 - DeviceMesh._flatten: one process group over several mesh dims (e.g. dp_shard x cp for FSDP), as torchtitan;
 - replicate (FSDP2-based DDP): bucketed gradient all-reduce overlapped with backward that composes with
-  DTensor tensor parallelism and FSDP's grouping; nn.parallel.DistributedDataParallel does not take DTensors.
+  DTensor tensor parallelism and FSDP's grouping; nn.parallel.DistributedDataParallel does not take DTensors;
+- all_to_all_single_autograd: an all-to-all with uneven splits that autograd runs backwards (expert parallelism);
+  the public torch.distributed.nn.functional.all_to_all_single is deprecated in its favour.
 """
 
 from __future__ import annotations
 
 from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401
+from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh
 
 

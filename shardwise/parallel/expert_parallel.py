@@ -18,15 +18,16 @@ the expert weights enter the computation through a 1/ep gradient scale.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.moe import GroupedExperts
+from shardwise.parallel.compat import all_to_all_single_autograd
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -42,28 +43,33 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             module.dispatch = functools.partial(exchange, group=ep_mesh.get_group())
 
 
-def exchange(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The experts' outputs for x (this rank's routed tokens, sorted by expert; counts (n_experts,)), computed on
-    the ranks that hold the experts."""
-    ep = dist.get_world_size(group)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    by_source = received.view(ep, -1)  # [source rank, local expert]: tokens each rank sends each of my experts
-    send = counts.view(ep, -1).sum(1).tolist()
-    recv = by_source.sum(1).tolist()
-    tokens = dist_fn.all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=group)
-    order = _expert_major(by_source)
-    out = experts.compute(tokens[order], by_source.sum(0))
+def exchange(experts: GroupedExperts, x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """The experts' outputs for x (this rank's routed tokens, sorted by expert; counts[i] for expert i of all),
+    computed on the ranks that hold the experts. Sizes travel as host lists: they are the all-to-all's splits."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_local = len(counts) // ep
+    mine = torch.tensor(counts, device=x.device)
+    received = torch.empty_like(mine)
+    dist.all_to_all_single(received, mine, group=group)
+    # received[s * n_local + j]: tokens rank s sends my local expert j. A simulated run (fake tensors, no values)
+    # states one load for every rank, so each receives what its own routing gives its experts, from each rank
+    received = counts[rank * n_local:(rank + 1) * n_local] * ep if experts.stated_load else received.tolist()
+    send = [sum(counts[s * n_local:(s + 1) * n_local]) for s in range(ep)]
+    recv = [sum(received[s * n_local:(s + 1) * n_local]) for s in range(ep)]
+    tokens = all_to_all_single_autograd(x, recv, send, group)
+    order = _expert_major(received, ep, x.device)
+    out = experts.compute(tokens[order], [sum(received[j::n_local]) for j in range(n_local)])
     back = torch.empty_like(out).index_copy(0, order, out)
-    return dist_fn.all_to_all_single(back.new_empty(sum(send), back.shape[1]), back, send, recv, group=group)
+    return all_to_all_single_autograd(back, send, recv, group)
 
 
-def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
+def _expert_major(received: list[int], ep: int, device: torch.device) -> torch.Tensor:
     """The permutation taking received tokens from (source rank, local expert) order to (local expert, source)."""
-    lengths = by_source.flatten()
-    starts = torch.cumsum(lengths, 0) - lengths  # where each (source, expert) block starts as received
-    blocks = torch.arange(lengths.numel(), device=lengths.device).view(by_source.shape).t().flatten()
-    lengths, starts = lengths[blocks], starts[blocks]
-    out_starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum()), device=lengths.device) + torch.repeat_interleave(starts - out_starts,
-                                                                                             lengths)
+    n_local = len(received) // ep
+    starts = list(itertools.accumulate(received, initial=0))  # where each (source, expert) block starts
+    blocks = [s * n_local + j for j in range(n_local) for s in range(ep)]
+    lengths = [received[b] for b in blocks]
+    shifts = [starts[b] - out for b, out in zip(blocks, itertools.accumulate(lengths, initial=0))]
+    total = sum(lengths)
+    return torch.arange(total, device=device) + torch.repeat_interleave(
+        torch.tensor(shifts, device=device), torch.tensor(lengths, device=device), output_size=total)
