@@ -183,6 +183,10 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
     error = _offload_error(layout) or _optimizer_error(layout, optimizer)
     if error is not None:
         return error
+    if layout.ep > 1 and layout.activation_checkpoint == "selective":
+        return ConfigError("parallel.activation_checkpoint", "selective checkpointing cannot replay expert "
+                           "parallelism's all-to-all in torch 2.13 (its recompute does not find the functional "
+                           "collective's records)", "use 'full' or 'none' with ep > 1")
     if layout.pp > 1 and precision == "fp16":
         return ConfigError("train.precision", "fp16 loss scaling with pp > 1: each stage would find inf/nan and "
                            "skip on its own", "use bf16 or fp32 with pipeline parallelism")

@@ -372,7 +372,8 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False,
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
-                        ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
+                        ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
+                        expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer
     piped = p.pp > 1
     n_micro = p.n_microbatches if piped else 1
     plan = Plan(**dataclasses.asdict(p), micro_batch=max(1, t.micro_batch // n_micro),

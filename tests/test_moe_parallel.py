@@ -24,6 +24,7 @@ def test_every_expert_parallel_layout_matches_one_device():
     """ep 2, ep 4, ep x FSDP, ep x tp (with SP), ep x pp and ep x HSDP, with the balancing loss and the expert
     bias on (both strong enough to change the routing within the steps), against one device: fp32, 1e-5."""
     layouts = ["dp_shard=2,ep=2", "dp_shard=4,ep=4", "dp_shard=4,ep=2,activation_checkpoint=full",
+               "dp_shard=2,activation_checkpoint=selective",
                "dp_shard=2,ep=2,tp=2,sequence_parallel=true", "dp_shard=2,ep=2,pp=2",
                "dp_replicate=2,dp_shard=2,ep=2,zero_stage=2"]
     flags = [a for layout in layouts for a in ("--layout", layout)]
@@ -114,6 +115,8 @@ def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
     (["model.n_experts=0", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep"),
     (["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3"], "model.aux_loss_coeff"),
     (["lora.rank=8"], "lora.rank"),
+    (["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint='selective'"],
+     "parallel.activation_checkpoint"),
 ])
 def test_bad_moe_input_names_the_field(sets, field):
     with pytest.raises(ConfigError) as err:

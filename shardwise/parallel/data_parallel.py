@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.layout import Layout, fsdp_applies
 from shardwise.model import canonical_name
@@ -80,10 +80,18 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
             if p.ep > 1 and hasattr(block, "moe"):
                 # experts, split over ep, are sharded over the data-parallel ranks that ep leaves (their own unit)
                 fully_shard(block.moe.experts, mesh=mesh.expert_fsdp, reshard_after_forward=p.zero_stage == 3,
-                            offload_policy=offload)
+                            offload_policy=offload, shard_placement_fn=_expert_placement(block.moe, p))
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload)
+
+
+def _expert_placement(moe: nn.Module, p: Layout) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP's split of this rank's experts: by expert (dim 0, FSDP's default) when they divide evenly among the
+    ranks that shard them, else along dim 1 (as torchtitan), which dim-0 padding would leave whole on some ranks."""
+    local = moe.n_experts // p.ep
+    split_by_expert = local % p.expert_shard_group == 0
+    return lambda param: None if split_by_expert else Shard(1)
 
 
 def offload_policy(p: Layout, device_type: str) -> OffloadPolicy:

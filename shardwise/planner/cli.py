@@ -15,6 +15,7 @@ import typing
 from shardwise.config import ConfigError
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import complete_layout, parse_layout
+from shardwise.model_args import num_params
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -43,6 +44,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dropout", action="store_true", help="Megatron's hidden and attention dropout (its masks are kept)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
+    a("--expert-imbalance", type=float, default=0.0,
+      help="mixture of experts: routed tokens on the busiest expert-parallel rank over the mean (default: derived "
+           "for a randomly initialised router, see docs/planner.md)")
     a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
     a("--intra-node-gbs", type=float, default=None, help="override intra-node bandwidth, GB/s per direction")
     a("--inter-node-gbs", type=float, default=None, help="override inter-node bandwidth, GB/s per direction")
@@ -74,7 +78,7 @@ def build_inputs(ns: argparse.Namespace):
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
                         layout=ns.layout, lora_rank=ns.lora_rank, qlora=ns.qlora,
                         fused_rmsnorm=not acc.name.startswith("cpu"), fused_attention=ns.attention == "fused",
-                        dropout=ns.dropout)
+                        dropout=ns.dropout, expert_imbalance=ns.expert_imbalance)
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
     if ns.intra_node_gbs is not None:
@@ -89,7 +93,8 @@ def build_inputs(ns: argparse.Namespace):
 def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
     """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
-    layout = complete_layout({"activation_checkpoint": "full", **fixed}, world, source="--plan")
+    least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
+    layout = complete_layout({**least, **fixed}, world, source="--plan")
     mb = fixed.get("micro_batch", 1)
     if training.global_batch % (layout.dp * mb):
         raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
@@ -137,6 +142,7 @@ def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], 
           seconds: float) -> dict:
     return {
         "model": dataclasses.asdict(model),
+        "parameters": {"total": num_params(model), "active": num_params(model, active=True)},
         "training": dataclasses.asdict(training),
         "cluster": {"gpu": cluster.accelerator.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                     "memory_gib": cluster.accelerator.memory_bytes / GiB},
@@ -148,13 +154,16 @@ def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], 
 
 COLUMNS = ("#", "dp(rep x shard)", "tp", "pp", "cp", "zero", "mb", "accum", "recompute", "schedule", "sp",
            "offload", "mem GiB", "step s", "tok/s", "MFU", "bubble", "exp.comm s")
+MOE_COLUMNS = COLUMNS[:5] + ("ep",) + COLUMNS[5:]
+"""A mixture of experts' table also shows the expert-parallel degree."""
 
 
-def _row(i: int, ev: Evaluation) -> list[str]:
+def _row(i: int, ev: Evaluation, moe: bool = False) -> list[str]:
     p, t = ev.plan, ev.time
     sched = "-" if p.pp == 1 else p.pp_schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
     mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.fits else " OOM")
-    return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", str(p.tp), str(p.pp), str(p.cp), str(p.zero_stage),
+    degrees = [str(p.tp), str(p.pp), str(p.cp)] + ([str(p.ep)] if moe else [])
+    return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", *degrees, str(p.zero_stage),
             str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",
             p.offload, mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.1f}%",
             f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
@@ -162,14 +171,19 @@ def _row(i: int, ev: Evaluation) -> list[str]:
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
            evaluated: int) -> str:
-    head = (f"{model.name} on {cluster.gpus} x {cluster.accelerator.name} "
+    moe = bool(model.n_experts)
+    # a mixture of experts stores every expert and runs top_k of them per token (what its FLOPs and MFU count)
+    size = (f" ({num_params(model) / 1e9:.2f}B parameters, {num_params(model, active=True) / 1e9:.2f}B active per "
+            f"token: top {model.top_k} of {model.n_experts} experts)" if moe else "")
+    head = (f"{model.name}{size} on {cluster.gpus} x {cluster.accelerator.name} "
             f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "
             f"{training.global_batch} seqs ({training.global_batch * training.seq_len:,} tokens), "
             f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s")
     if not plans:
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
-    rows = [list(COLUMNS)] + [_row(i + 1, ev) for i, ev in enumerate(plans)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    columns = MOE_COLUMNS if moe else COLUMNS
+    rows = [list(columns)] + [_row(i + 1, ev, moe) for i, ev in enumerate(plans)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     best = plans[0]
     items = ", ".join(f"{k} {v / GiB:.1f}" for k, v in best.memory.items() if k != "total" and v > 0)

@@ -112,6 +112,14 @@ def _ring_half(nbytes: float, n: int, link: Link, op: str, after_compute: bool) 
     return (n - 1) * (link.latency + nbytes / (n * link.bandwidth)) + sync
 
 
+def all_to_all(nbytes: float, n: int, link: Link, after_compute: bool = True) -> float:
+    """Each of N ranks hands X bytes to the exchange, X/N for every rank ((N-1)/N of them leave it): a pairwise
+    exchange of N-1 steps of X/N bytes, (N-1)(alpha + X/(N B)), the all-gather's steps (nccl-tests' alltoall bus
+    factor is all-gather's, (N-1)/N). `shardwise bench` measures no all-to-all: a profile's all-gather curve prices
+    it. With uneven exchanges X is the busiest rank's."""
+    return _ring_half(nbytes, n, link, "all_gather", after_compute)
+
+
 def p2p(nbytes: float, link: Link) -> float:
     """A send to the next rank: the receiver waits for the sender to come from its compute (`sync`)."""
     return link.latency + nbytes / link.bandwidth + link.sync
@@ -139,7 +147,11 @@ def _span(degrees: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, int]:
 def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None = None) -> Link:
     """The link a group of `size` ranks spaced `stride` apart uses: intra-node if the whole group sits in one
     node, otherwise the network (a ring that leaves the node is limited by the per-GPU NIC)."""
-    acc = acc or cluster.accelerator
+    return _group_link(size, stride, cluster, acc or cluster.accelerator)
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator) -> Link:
     if size <= 1:
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
@@ -157,3 +169,11 @@ def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:
     size, stride = axis_span(plan, axes)
     return size, group_link(size, stride, cluster)
+
+
+def expert_links(plan: Plan, cluster: Cluster) -> tuple[tuple[int, Link], tuple[int, Link]]:
+    """((size, link) of the expert-parallel group, (size, link) of the experts' FSDP group). As the engine's mesh
+    (torchtitan's) splits dp_shard x cp: ep = dp_shard_in_ep x cp, its innermost ranks (stride tp), and the experts
+    are sharded over the dp_shard_mod_ep = dp_shard x cp / ep ranks outside it (stride ep x tp)."""
+    ep, shard = plan.ep, plan.dp_shard * plan.cp // plan.ep
+    return (ep, group_link(ep, plan.tp, cluster)), (shard, group_link(shard, ep * plan.tp, cluster))

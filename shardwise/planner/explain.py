@@ -21,8 +21,9 @@ from shardwise.planner.memory import layer_params, lora_params, model_state_byte
 from shardwise.planner.search import Evaluation, SearchResult, budget, search
 from shardwise.planner.workload import Training
 
-EXPLAINED = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
-             "pp_schedule", "virtual_stages", "offload")
+EXPLAINED = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch",
+             "activation_checkpoint", "pp_schedule", "virtual_stages", "offload")
+"""The knobs explained; `ep` (expert parallelism, GShard: Lepikhin et al. 2020) only for a mixture of experts."""
 
 
 def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict:
@@ -82,12 +83,12 @@ def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     return used
 
 
-def knob_reasons(ev: Evaluation, result: SearchResult) -> dict[str, str]:
+def knob_reasons(ev: Evaluation, result: SearchResult, knobs: tuple[str, ...] = EXPLAINED) -> dict[str, str]:
     """For each degree and knob: the chosen value and what every alternative the search tried came to."""
     best_t = ev.time.step_time_s
     limit = ev.budget
     out = {}
-    for knob in EXPLAINED:
+    for knob in knobs:
         chosen = getattr(ev.plan, knob)
         alts = sorted({v for (k, v) in result.min_memory_by_knob if k == knob and v != chosen},
                       key=lambda v: (str(type(v)), v))
@@ -111,7 +112,7 @@ def explain(args: ModelArgs, training: Training, cluster: Cluster, result: Searc
     return {
         "single_device": single_device(args, training, cluster),
         "decision_sequence": decision_sequence(best, training),
-        "knobs": knob_reasons(best, result),
+        "knobs": knob_reasons(best, result, EXPLAINED if args.n_experts else tuple(k for k in EXPLAINED if k != "ep")),
     }
 
 

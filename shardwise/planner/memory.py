@@ -15,6 +15,7 @@ from typing import NamedTuple
 from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, projection_shapes
+from shardwise.planner.experts import kept_share, routed_per_token
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import FULL_PRECISION_STATE_BYTES, OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
 
@@ -35,8 +36,27 @@ def kv_split(args: ModelArgs, tp: int) -> int:
 
 
 def layer_params(args: ModelArgs, tp: int = 1) -> float:
-    """Parameters of one block held by one tp rank (norm weights are replicated)."""
+    """Parameters of one dense block held by one tp rank (norm weights are replicated)."""
     return _layer_params(args, tp)
+
+
+def block_params(args: ModelArgs, tp: int = 1, moe: bool = False, ep: int = 1) -> float:
+    """Parameters of one block on one rank: a dense block (layer_params), or a mixture of experts' block: its
+    attention split by tp and its norms, and the MoE whole on every tp rank (the engine does not split it): the
+    router and shared experts (moe_shared_params) and the routed experts of its ep rank (expert_params)."""
+    return _moe_block_params(args, tp, ep) if moe else _layer_params(args, tp)
+
+
+def moe_shared_params(args: ModelArgs) -> float:
+    """An MoE block's router (n_experts x d) and shared experts (a SwiGLU of n_shared_experts x expert_hidden):
+    FSDP shards them with the rest of the block."""
+    return args.n_experts * args.dim + 3 * args.dim * args.n_shared_experts * args.expert_hidden
+
+
+def expert_params(args: ModelArgs, ep: int = 1) -> float:
+    """The routed experts one ep rank holds in one MoE block: n_experts / ep of them, w1 and w3 (hidden x d) and w2
+    (d x hidden) each. With ep > 1 FSDP shards them over Layout.expert_shard_group, apart from the block."""
+    return args.n_experts // ep * 3 * args.dim * args.expert_hidden
 
 
 # The memoised functions below are keyed on ModelArgs and Training themselves (frozen, hashed once), and on the
@@ -51,10 +71,35 @@ def _layer_params(args: ModelArgs, tp: int) -> float:
     return total
 
 
-def block_tensor_params(args: ModelArgs, tp: int = 1) -> list[float]:
-    """Parameters of each of one block's parameter tensors on one tp rank (its linears, then its two norms)."""
-    return [n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
-            for _, n_in, n_out, split in linear_shapes(args)] + [args.dim, args.dim]
+ATTENTION = ("wq", "wk", "wv", "wo")
+
+
+def attention_params(args: ModelArgs, tp: int = 1) -> float:
+    """The attention's matmul weights of one block on one tp rank (an MoE block's only split ones)."""
+    return sum(block_tensor_params(args, tp, moe=True)[:len(ATTENTION)])
+
+
+@functools.lru_cache(maxsize=4096)
+def _moe_block_params(args: ModelArgs, tp: int, ep: int) -> float:
+    return sum(block_tensor_params(args, tp, moe=True, ep=ep))
+
+
+def block_tensor_params(args: ModelArgs, tp: int = 1, moe: bool = False, ep: int = 1) -> list[float]:
+    """Parameters of each of one block's parameter tensors on one rank: its linears (an MoE block: the attention's,
+    the router, the routed experts' w1, w3, w2 and the shared experts' w1, w3, w2), then its two norms."""
+    split = [n_in * n_out / (kv_split(args, tp) if how == "kv" else tp)
+             for name, n_in, n_out, how in linear_shapes(args) if not moe or name in ATTENTION]
+    if moe:
+        d, h, shared = args.dim, args.expert_hidden, args.n_shared_experts * args.expert_hidden
+        split += [args.n_experts * d] + 3 * [args.n_experts // ep * d * h] + (3 * [d * shared] if shared else [])
+    return split + [args.dim, args.dim]
+
+
+def blocks_params(args: ModelArgs, tp: int, ep: int, layers: int, moe_layers: int) -> float:
+    """Parameters of `layers` blocks on one rank, `moe_layers` of them MoE blocks."""
+    if not moe_layers:
+        return layers * _layer_params(args, tp)
+    return (layers - moe_layers) * _layer_params(args, tp) + moe_layers * _moe_block_params(args, tp, ep)
 
 
 class StageShape(NamedTuple):
@@ -72,24 +117,37 @@ class StageShape(NamedTuple):
     boundaries: int
     """Receive buffers per micro-batch: one for each held stage's incoming activation (all but the first stage)
     and one for its incoming gradient (all but the last)."""
+    moe_layers: int = 0
+    """Of `layers`, the mixture-of-experts blocks."""
+    experts: float = 0.0
+    """Of `params`, the routed experts (n_experts / ep per MoE block): FSDP shards them over expert_shard_group."""
+    last_moe: bool = False
+    """The rank's last block, the first whose backward runs, is an MoE block."""
+
+    @property
+    def blocks(self) -> float:
+        """Parameters of the blocks alone."""
+        return self.params - self.root
 
 
 def stage_shape(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> StageShape:
     """StageShape of pipeline rank `stage`; memoised, since a search asks for it under every batch split, ZeRO
     stage and recompute policy of the same degrees."""
-    return _stage_shape(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage)
+    return _stage_shape(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage, plan.ep)
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_shape(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
-                 stage: int) -> StageShape:
-    layers = _pipeline_layers(args, seq_len, pp, per_rank, schedule)[stage]
+                 stage: int, ep: int = 1) -> StageShape:
+    ids = _rank_layers(args, seq_len, pp, per_rank, schedule)[stage]
+    layers, moe_layers = len(ids), sum(map(args.is_moe_layer, ids))
     last = stage == _head_rank(pp, per_rank, schedule)
     emb = args.vocab_size * args.dim / tp  # vocab-parallel embedding and head
     root = (emb if stage == 0 else 0.0) + (args.dim + (0 if args.tie_embeddings and pp == 1 else emb) if last else 0.0)
     n = pp * per_rank
     boundaries = sum((s > 0) + (s < n - 1) for s in stages_of_rank(schedule, pp, stage, per_rank))
-    return StageShape(layers, layers * _layer_params(args, tp) + root, root, last, boundaries)
+    return StageShape(layers, blocks_params(args, tp, ep, layers, moe_layers) + root, root, last, boundaries,
+                      moe_layers, moe_layers * expert_params(args, ep), args.is_moe_layer(max(ids)))
 
 
 class Placement(NamedTuple):
@@ -101,22 +159,32 @@ class Placement(NamedTuple):
     """The most blocks any rank holds."""
     max_params: float
     """The most parameters any rank holds (it paces gradient reduction and the optimizer)."""
+    max_blocks: float = 0.0
+    """The most block parameters any rank holds."""
+    max_moe_layers: int = 0
+    """The most MoE blocks any rank holds."""
+    max_experts: float = 0.0
+    """The most routed-expert parameters any rank holds."""
 
 
 def placement(args: ModelArgs, plan: Plan, seq_len: int) -> Placement:
-    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule)
+    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, plan.ep)
 
 
 @functools.lru_cache(maxsize=4096)
-def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str) -> Placement:
+def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
+               ep: int = 1) -> Placement:
     ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule)
+    shapes = [_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r, ep) for r in ranks]
     return Placement(ranks, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule)),
-                     max(_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r).params for r in ranks))
+                     max(s.params for s in shapes),
+                     max(blocks_params(args, tp, ep, s.layers, s.moe_layers) for s in shapes),
+                     max(s.moe_layers for s in shapes), max(s.experts for s in shapes))
 
 
 def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
-    """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the
-    rank holding the last stage)."""
+    """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the rank
+    holding the last stage)."""
     return stage_shape(args, plan, stage, seq_len).params
 
 
@@ -129,8 +197,14 @@ def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...
 
 @functools.lru_cache(maxsize=4096)
 def _pipeline_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
+    return tuple(map(len, _rank_layers(args, seq_len, pp, per_rank, schedule)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[tuple[int, ...], ...]:
+    """The blocks (layer indices) each pipeline rank holds."""
     split = _split(args, seq_len, pp * per_rank)
-    return tuple(sum(len(split[s]) for s in stages_of_rank(schedule, pp, rank, per_rank)) for rank in range(pp))
+    return tuple(tuple(i for s in stages_of_rank(schedule, pp, rank, per_rank) for i in split[s]) for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -162,15 +236,28 @@ def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
 def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight), the one with the head, and the first rank with each block count (among ranks with equal
-    blocks the earlier one holds at least as many micro-batches in flight)."""
+    blocks the earlier one holds at least as many micro-batches in flight); of a mixture of experts, each count of
+    blocks and MoE blocks."""
     return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
 @functools.lru_cache(maxsize=4096)
 def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
-    layers = _pipeline_layers(args, seq_len, pp, per_rank, schedule)
-    first_with = {n: layers.index(n) for n in set(layers)}
-    return tuple(sorted({0, _head_rank(pp, per_rank, schedule), *first_with.values()}))
+    ranks = _rank_layers(args, seq_len, pp, per_rank, schedule)
+    kinds = [(len(ids), sum(map(args.is_moe_layer, ids))) for ids in ranks]
+    first_with = {n: kinds.index(n) for n in set(kinds)}
+    ends = {0, _head_rank(pp, per_rank, schedule)}
+    if args.n_moe_layers:
+        # a rank between the ends holds as many receive buffers as any other such rank and no more micro-batches in
+        # flight than an earlier one: one with no more dense and no more MoE blocks than an earlier such rank, and
+        # the same kind of last block (its first backward), can be neither the fullest nor the slowest
+        def dominated(j: int) -> bool:
+            dense_j, moe_j = kinds[j][0] - kinds[j][1], kinds[j][1]
+            return any(kinds[i][0] - kinds[i][1] >= dense_j and kinds[i][1] >= moe_j
+                       and args.is_moe_layer(max(ranks[i])) == args.is_moe_layer(max(ranks[j]))
+                       for i in first_with.values() if i < j and i not in ends)
+        first_with = {n: r for n, r in first_with.items() if r in ends or not dominated(r)}
+    return tuple(sorted({*ends, *first_with.values()}))
 
 
 def lora_params(args: ModelArgs, rank: int, tp: int = 1) -> float:
@@ -257,7 +344,8 @@ def model_state_bytes(n_params: float, training: Training, zero_stage: int, shar
 class Term:
     """One tensor a block saves for backward: elements per token, its dtype class, how parallelism splits it.
 
-    kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics).
+    kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics), 'index'
+    (int64 indices).
     split: 'seq' (sequence-parallel tensors: / tp with SP), 'full' (the whole hidden vector on every tp rank),
     'tp' (heads or MLP columns: / tp), 'kv' (KV heads: / min(tp, n_kv)).
     """
@@ -269,30 +357,87 @@ class Term:
     copies: int = 1
 
 
-def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int) -> list[Term]:
-    """What one block keeps for backward under a recompute policy (per token of the micro-batch)."""
+def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int, moe: bool = False,
+                routed: float = 0.0, ep: int = 1) -> list[Term]:
+    """What one block keeps for backward under a recompute policy (per token of the micro-batch). An MoE block
+    (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank."""
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "seq")]
     if recompute == "selective":
         # the policy keeps every matmul / SDPA output; the checkpoint keeps the block input
-        return [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
-                Term("wk_out", kv, "act", "kv"), Term("wv_out", kv, "act", "kv"),
-                Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
-                Term("wo_out", d, "act", "full"), Term("w1_out", f, "act", "tp"),
-                Term("w3_out", f, "act", "tp"), Term("w2_out", d, "act", "full")]
+        attention = [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
+                     Term("wk_out", kv, "act", "kv"), Term("wv_out", kv, "act", "kv"),
+                     Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
+                     Term("wo_out", d, "act", "full")]
+        if moe:
+            return attention + moe_terms(args, training, "selective", routed, ep)
+        return attention + [Term("w1_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
+                            Term("w2_out", d, "act", "full")]
     # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
     autocast = training.act_bytes != training.stream_bytes
     terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
     terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
+    if moe:
+        return terms + moe_terms(args, training, "none", routed, ep)
     terms += _norm_terms("ffn_norm", d, training, autocast_copies=2 if autocast else 1)
     terms += [Term("w1_out", f, "act", "tp"), Term("silu_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
               Term("swiglu_out", f, "act", "tp")]
     return terms
 
 
-def _norm_terms(name: str, d: int, training: Training, autocast_copies: int) -> list[Term]:
+def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float, ep: int) -> list[Term]:
+    """What a mixture of experts (shardwise.moe.MoE) keeps for backward, per token, after the attention; every tp
+    rank runs it whole on the whole sequence (split 'full'). `routed`: (token, expert) pairs this rank's experts
+    compute per token of its micro-batch (experts.routed_per_token: top_k, times the imbalance under ep).
+
+    none: the FFN norm (its output cast once for the router's linear and once for each of the shared experts' w1
+    and w3 under autocast); the router's fp32 scores (softmax / sigmoid output), the top-k expert indices, the
+    gathered weights and their normaliser (route_norm); the combine weights; the int64 indices of the gather of
+    the routed copies and of their scatter back; the experts' input and their SwiGLU (w1, SiLU and w3 outputs and
+    the gate product, as a dense MLP's); the experts' outputs as scattered back (index_copy keeps its source for
+    its shape); under ep > 1 the permutation of the received copies into expert order and the experts' outputs it
+    puts back (the engine's index_copy); the combined copies the weights multiply; the shared experts' SwiGLU; the
+    balancing loss's score sum.
+    selective (the engine's policy keeps the outputs of the matmuls and the experts' grouped GEMMs; the engine
+    refuses it with ep > 1, see layout.engine_cannot_run): the router's logits, the experts' w1, w3 and w2 outputs,
+    the shared experts' w1, w3 and w2 outputs."""
+    d, k, h = args.dim, args.top_k, args.expert_hidden
+    shared, kept = args.n_shared_experts * h, args.top_k * kept_share(args)
+    if recompute == "selective":
+        terms = [Term("router_logits", args.n_experts, "act", "full"), Term("expert_w1_out", routed * h, "act", "full"),
+                 Term("expert_w3_out", routed * h, "act", "full"), Term("expert_w2_out", routed * d, "act", "full")]
+        if shared:
+            terms += [Term("shared_w1_out", shared, "act", "full"), Term("shared_w3_out", shared, "act", "full"),
+                      Term("shared_w2_out", d, "act", "full")]
+        return terms
+    autocast = training.act_bytes != training.stream_bytes
+    casts = 1 + (2 if shared else 0)
+    terms = _norm_terms("ffn_norm", d, training, autocast_copies=casts if autocast else 1, output_split="full")
+    terms += [Term("router_scores", args.n_experts, "stat", "full"), Term("topk_experts", k, "index", "full")]
+    if args.route_norm:
+        terms += [Term("route_weights", k, "stat", "full"), Term("route_normaliser", 1, "stat", "full")]
+    terms += [Term("combine_weights", k, "act", "full"), Term("gather_index", kept, "index", "full"),
+              Term("scatter_index", kept, "index", "full"), Term("expert_input", routed * d, "act", "full")]
+    terms += [Term(f"expert_{name}", routed * h, "act", "full") for name in ("w1_out", "silu_out", "w3_out",
+                                                                            "swiglu_out")]
+    # the scatter of the experts' outputs back to token order (index_copy) keeps its source for its shape: the
+    # combined copies, and under ep > 1 also the experts' own outputs that the engine puts back in source order
+    terms.append(Term("scatter_source", kept * d, "act", "full"))
+    if ep > 1:
+        terms += [Term("expert_order", routed, "index", "full"), Term("expert_output", routed * d, "act", "full")]
+    terms.append(Term("combine_out", kept * d, "act", "full"))
+    if shared:
+        terms += [Term(f"shared_{name}", shared, "act", "full") for name in ("w1_out", "silu_out", "w3_out",
+                                                                            "swiglu_out")]
+    if args.aux_loss_coeff > 0:
+        terms.append(Term("aux_score_sum", 1, "stat", "full"))
+    return terms
+
+
+def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
+                output_split: str | None = None) -> list[Term]:
     # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad,
     # which a frozen weight (LoRA) does not have
     terms = [Term(f"{name}_input", d, "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
@@ -300,22 +445,26 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int) -> 
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
     # the output feeds column-parallel linears: torch (DTensor) saves their all-gathered, full-sequence input;
     # Megatron saves the sequence-parallel shard and gathers it again in backward (Korthikanti et al., 4.2.2)
-    split = "seq" if training.layout == "megatron" else "full"
+    split = output_split or ("seq" if training.layout == "megatron" else "full")
     terms.append(Term(f"{name}_output", d, "act", split, copies=autocast_copies))
     return terms
 
 
+TERM_BYTES = {"stat": 4, "index": 8}
+
+
 def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:
     """Bytes per token of one term on one rank."""
-    size = {"stream": training.stream_bytes, "act": training.act_bytes, "stat": 4}[term.kind]
+    size = {"stream": training.stream_bytes, "act": training.act_bytes, **TERM_BYTES}[term.kind]
     div = {"seq": plan.tp if plan.sequence_parallel else 1, "full": 1, "tp": plan.tp,
            "kv": kv_split(args, plan.tp)}[term.split]
     return term.elems * size * term.copies / div
 
 
 def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, recompute: str | None = None,
-                           seq_len: int | None = None, attention_scores: bool = True) -> float:
-    """Bytes one block keeps for backward for one micro-batch on one rank (tokens = micro_batch x seq / cp).
+                           seq_len: int | None = None, attention_scores: bool = True, moe: bool = False) -> float:
+    """Bytes one block (an MoE block with `moe`) keeps for backward for one micro-batch on one rank (tokens =
+    micro_batch x seq / cp).
 
     With unfused attention (`Training.fused_attention` False) also the s x s tensors Korthikanti et al. count,
     5 a s^2 b bytes in 16-bit with dropout (softmax output and dropout output in the activation dtype, the
@@ -336,7 +485,7 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
         total += 2 * tokens * args.dim / (plan.tp if plan.sequence_parallel else 1)
     if unfused and recompute == "selective":  # the attention core's recompute keeps every other tensor
         recompute = "none"
-    total += tokens * _per_token(args, training, plan, recompute)
+    total += tokens * _per_token(args, training, plan, recompute, moe)
     if recompute == "none" and training.act_bytes != 4:
         # apply_rotary casts the fp32 cos/sin table to the activation dtype for q and for k: 4 (seq, head_dim)
         # copies per block, independent of the batch
@@ -344,11 +493,12 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     return total
 
 
-def _per_token(args: ModelArgs, training: Training, plan: Plan, recompute: str) -> float:
-    key = (args, training, recompute, plan.tp, plan.sequence_parallel, plan.zero_stage >= 3)
+def _per_token(args: ModelArgs, training: Training, plan: Plan, recompute: str, moe: bool = False) -> float:
+    routed = routed_per_token(args, training, plan) if moe else 0.0
+    key = (args, training, recompute, plan.tp, plan.sequence_parallel, plan.zero_stage >= 3, moe, routed, plan.ep)
     cached = _PER_TOKEN.get(key)
     if cached is None:
-        terms = block_terms(args, training, recompute, plan.zero_stage)
+        terms = block_terms(args, training, recompute, plan.zero_stage, moe, routed, plan.ep)
         cached = _remember(_PER_TOKEN, key, sum(term_bytes(t, args, training, plan) for t in terms))
     return cached
 
@@ -408,21 +558,29 @@ def in_flight(plan: Plan, stage: int) -> float:
 # Transient buffers (docs/planner.md, "Transient buffers")
 
 
-def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dict[str, float]:
+def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> dict[str, float]:
     """The first block's backward at its largest, inside the MLP's SiLU backward: the gate product's backward has
     freed its saved SiLU and w3 outputs (2 f/t per token, 'freed') and written the gradients of both, and SiLU's
     backward writes the gradient of the w1 output (3 f/t, 'working', with the residual-stream gradient, d);
     w2's weight gradient already exists in fp32 ('weight_grad': under autocast the matmul's low-precision
     gradient is cast up and accumulated into the fp32 parameter's gradient). With recompute the block's
-    activations are first rebuilt ('recomputed': its none set minus what was kept)."""
+    activations are first rebuilt ('recomputed': its none set minus what was kept). An MoE block (`moe`): the same
+    inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair, and w2's gradient of
+    every expert the rank holds."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    e, f = training.act_bytes, args.ffn_hidden / plan.tp
+    e = training.act_bytes
+    if moe:
+        f = routed_per_token(args, training, plan) * args.expert_hidden
+        weight_grad = expert_params(args, plan.ep) / 3
+    else:
+        f = args.ffn_hidden / plan.tp
+        weight_grad = args.dim * f
     out = {"freed": tokens * 2 * f * e, "working": tokens * (3 * f * e + args.dim * training.stream_bytes),
-           "weight_grad": 0.0 if training.lora_rank else args.dim * f * state_bytes_per_param(training).grads,
+           "weight_grad": 0.0 if training.lora_rank else weight_grad * state_bytes_per_param(training).grads,
            "recomputed": 0.0}
     if plan.activation_checkpoint != "none":
-        out["recomputed"] = layer_activation_bytes(args, training, plan, "none") - layer_activation_bytes(
-            args, training, plan)
+        out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
+            args, training, plan, moe=moe)
     return out
 
 
@@ -440,12 +598,17 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     matmul weight at its first use in a forward and the matmul saves that copy for its input gradient, so every
     copy lives from the forward to its layer's backward, once per micro-batch in flight: the blocks' linears
     (except under recompute, where a block saves only what its checkpoint keeps and casts again in backward)
-    and the output head (never checkpointed). The embedding lookup and the norms use the fp32 weights."""
+    and the output head (never checkpointed). The embedding lookup and the norms use the fp32 weights. An MoE
+    block's router and shared experts are cast by autocast, its routed experts by GroupedExperts.compute's own
+    casts (each forward), all saved by their matmuls: every weight of the rank's experts.
+    """
     if not training.mixed or training.layout != "torch" or training.lora_rank:
         return 0.0
     n = 0.0
     if plan.activation_checkpoint == "none":
-        n += stage_layers(args, plan, stage, training.seq_len) * (layer_params(args, plan.tp) - 2 * args.dim)
+        shape = stage_shape(args, plan, stage, training.seq_len)
+        n += shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers else \
+            shape.layers * (layer_params(args, plan.tp) - 2 * args.dim)
     if stage == head_rank(plan):
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
@@ -477,13 +640,24 @@ MOMENTS = ("loss_backward", "first_block_backward", "end_of_backward", "optimize
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
     """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory`."""
-    moments = moment_memory(args, training, plan, stage)
-    items = max(moments.values(), key=lambda m: sum(m.values()))
+    # a search asks this ~10^5 times: each moment is summed from the items it shares and those it changes, and only
+    # the largest is built
+    base, changes = _moment_parts(args, training, plan, stage)
+    shared = sum(base.values())
+    peak = max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
+    items = _moment(base, changes, peak)
     dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
     items["fragmentation"] = training.fragmentation * dynamic
     items["fixed_overhead"] = training.fixed_overhead_gib * GiB
     items["total"] = sum(items.values())
     return items
+
+
+def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0) -> float:
+    """A lower bound on stage_memory(...)["total"] from memoised parts: the optimizer step's moment (model state and
+    the rotary table) and the fixed overhead."""
+    return (sum(_model_state(args, training, plan, stage).values()) + rotary_table_bytes(args)
+            + training.fixed_overhead_gib * GiB)
 
 
 def peak_moment(args: ModelArgs, training: Training, plan: Plan, stage: int) -> str:
@@ -501,6 +675,22 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     step holds model state only. Under gradient accumulation (and in a pipeline, whose micro-batches share the
     gradients) the last micro-batch's backward starts with every gradient already there.
     """
+    base, changes = _moment_parts(args, training, plan, stage)
+    return {name: _moment(base, changes, name) for name in changes}
+
+
+def _moment(base: dict[str, float], changes: dict[str, dict[str, float]], name: str) -> dict[str, float]:
+    if name == "optimizer_step":  # model state only, in the order the breakdown has always listed it
+        return {**{k: base[k] for k in (*STATE_ITEMS, "buffers")}, **changes[name]}
+    return {**base, **changes[name]}
+
+
+STATE_ITEMS = ("params", "grads", "master_weights", "optimizer_state")
+
+
+def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
+                  stage: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(the items every moment of `moment_memory` starts from, what each moment changes or adds)."""
     state = _model_state(args, training, plan, stage)
     acts = _activation_items(args, training, plan, stage)
     m = in_flight(plan, stage)
@@ -512,6 +702,12 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     last, accum, accum_early = shape.last, plan.grad_accum > 1, plan.grad_accum > m
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
     stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
+    if shape.moe_layers:
+        # experts FSDP does not shard (expert_shard_group 1) are whole on the rank: model state, not gathered
+        whole = plan.ep > 1 and plan.expert_shard_group == 1
+        moe_block = block_params(args, plan.tp, True, plan.ep) - (expert_params(args, plan.ep) if whole else 0.0)
+        block_p = max(moe_block, block_p if shape.layers > shape.moe_layers else 0.0)
+        stage_p -= shape.experts if whole else 0.0
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = state_bytes_per_param(training).grads
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
@@ -533,7 +729,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     out = {}
     if last:
-        out["loss_backward"] = {**base, "grads": early_grads, "activations": acts["activations"] * m,
+        out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m,
                                 "compute_copies": acts["copies"] * m, "backward_and_logits": acts["logits"],
                                 "fsdp_buffers": held_early}
     # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
@@ -544,7 +740,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     fresh_grads = head_p * grad_bytes + bwd["weight_grad"]
     rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
     out["first_block_backward"] = {
-        **base, "grads": early_grads or (0.0 if fsdp else fresh_grads),
+        "grads": early_grads or (0.0 if fsdp else fresh_grads),
         "activations": acts["activations"] * m - acts["head"]
         - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
         "compute_copies": acts["copies"] * m - acts["head_copy"],
@@ -552,17 +748,16 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     out["end_of_backward"] = {
-        **base, "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
+        "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
         "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not accum else 0.0)}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
-    out["optimizer_step"] = {**state, "buffers": base["buffers"],
-                             **dict.fromkeys(("replica_params", "ddp_buckets", "activations",
-                                                        "compute_copies", "backward_and_logits", "fsdp_buffers"), 0.0)}
+    out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
+                                           "backward_and_logits", "fsdp_buffers"), 0.0)
     if plan.pp > 1:
         out["optimizer_step"]["p2p_buffers"] = 0.0
-    return out
+    return base, out
 
 
 def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
@@ -585,20 +780,23 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     backward's working sets; memoised (they do not depend on the dp split, ZeRO stage or offload, which a search
     varies most)."""
     key = (args, training, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
-           plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage)
+           plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage, plan.ep)
     cached = _ACTIVATIONS.get(key)
     if cached is None:
         last = stage == head_rank(plan)
-        per_mb = stage_layers(args, plan, stage, training.seq_len) * layer_activation_bytes(args, training, plan)
+        shape = stage_shape(args, plan, stage, training.seq_len)
+        per_mb = (shape.layers - shape.moe_layers) * layer_activation_bytes(args, training, plan)
+        if shape.moe_layers:
+            per_mb += shape.moe_layers * layer_activation_bytes(args, training, plan, moe=True)
         head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
             per_mb += embedding_activation_bytes(training, plan)
-        head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes if last and \
-            weight_copy_bytes(args, training, plan, stage) else 0.0
+        copies = weight_copy_bytes(args, training, plan, stage)
+        head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes if last and copies else 0.0
         cached = _remember(_ACTIVATIONS, key, {
-            "activations": per_mb + head, "head": head, "copies": weight_copy_bytes(args, training, plan, stage),
+            "activations": per_mb + head, "head": head, "copies": copies,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
-            "block_backward": block_backward_bytes(args, training, plan)})
+            "block_backward": block_backward_bytes(args, training, plan, shape.last_moe)})
     return cached
 
 
@@ -608,17 +806,25 @@ _ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys
 def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
     """model_state_bytes for a stage; memoised, since a search asks for it under many micro-batches and schedules."""
     key = (args, training, plan.tp, plan.pp, plan.virtual_stages, plan.pp_schedule, plan.zero_stage,
-           plan.shard_group, plan.offload, stage)
+           plan.shard_group, plan.offload, stage, plan.ep)
     cached = _MODEL_STATE.get(key)
     if cached is None:
-        layers = stage_layers(args, plan, stage, training.seq_len)
+        shape = stage_shape(args, plan, stage, training.seq_len)
+        layers = shape.layers
         trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
         head = args.vocab_size * args.dim / plan.tp if stage == head_rank(plan) and not args.tie_embeddings else 0.0
-        items = model_state_bytes(stage_params(args, plan, stage, training.seq_len), training, plan.zero_stage,
-                                  plan.shard_group, plan.offload, trainable, linears, linears + head)
+        # the routed experts are sharded over expert_shard_group (the dp_shard x cp / ep ranks holding the same
+        # experts; all of shard_group without expert parallelism), everything else over shard_group
+        items = model_state_bytes(shape.params - shape.experts, training, plan.zero_stage, plan.shard_group,
+                                  plan.offload, trainable, linears, linears + head)
+        experts = model_state_bytes(shape.experts, training, plan.zero_stage, plan.expert_shard_group, plan.offload)
         if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
-            items["params"] /= plan.shard_group  # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
+            # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
+            items["params"] /= plan.shard_group
+            experts["params"] /= plan.expert_shard_group
+        if shape.experts:
+            items = {k: v + experts[k] for k, v in items.items()}
         items["optimizer_state"] += _full_precision_embedding_state(args, training, plan, stage)
         cached = _remember(_MODEL_STATE, key, items)
     return cached

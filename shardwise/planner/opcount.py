@@ -12,7 +12,9 @@ one launch of a multi-tensor kernel on a GPU but a loop of one operator per tens
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
@@ -20,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # no public equivale
 from shardwise.loss import token_loss_sum
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
-from shardwise.planner.operators import OpCounts
+from shardwise.planner.operators import OpCounts, moe_structure
 
 
 class OpCounter(TorchDispatchMode):
@@ -62,12 +64,21 @@ def _tensor_bytes(tree) -> int:
 
 
 TINY = dict(dim=16, n_heads=2, ffn_hidden=32, vocab_size=32, max_seq_len=8)
+TINY_MOE = dict(n_experts=4, top_k=2, moe_ffn_hidden=32)
+"""Rows of 16 and 32 fp32 values: 16-byte aligned, so the experts run as torch._grouped_mm (moe.grouped_mm_supported),
+as they do on a GPU in bf16."""
 
 
 def tiny_args(args: ModelArgs, n_layers: int = 1) -> ModelArgs:
-    """`args` at a size where the arithmetic is negligible, with the same code paths (GQA, tied embeddings)."""
+    """`args` at a size where the arithmetic is negligible, with the same code paths (GQA, tied embeddings; of a
+    mixture of experts the MoE structure, operators.moe_structure, with every block an MoE block)."""
+    moe = {}
+    if args.n_experts:
+        moe = dict(TINY_MOE, n_shared_experts=min(1, args.n_shared_experts), score_func=args.score_func,
+                   route_norm=args.route_norm, route_scale=args.route_scale, capacity_factor=args.capacity_factor,
+                   aux_loss_coeff=args.aux_loss_coeff)
     return ModelArgs(name="opcount", n_layers=n_layers, n_kv_heads=1 if args.n_kv_heads < args.n_heads else 2,
-                     tie_embeddings=args.tie_embeddings, **TINY)
+                     tie_embeddings=args.tie_embeddings, **TINY, **moe)
 
 
 def micro_batch(model: Transformer, args: ModelArgs) -> None:
@@ -95,6 +106,24 @@ def _count(fn) -> OpCounter:
     with OpCounter() as c:
         fn()
     return c
+
+
+@functools.cache
+def _moe_counts(base: ModelArgs) -> tuple[int, float, int]:
+    """(operators, operators per routed expert, parameter tensors) of one MoE block of `base`'s structure beyond a
+    dense block's: a block counted as the difference between a 2-block and a 1-block model, as _counts does, with
+    4 and with 8 experts (the capacity's cut runs once per expert)."""
+    blocks = []
+    for n_experts in (4, 8):
+        torch.manual_seed(0)
+        one, two = (Transformer(dataclasses.replace(tiny_args(base, n), n_experts=n_experts)) for n in (1, 2))
+        micro_batch(one, one.args)  # warm-up
+        calls = [_count(lambda: micro_batch(model, model.args)).calls for model in (two, one)]
+        blocks.append(calls[0] - calls[1])
+    dense = _counts(base.n_kv_heads < base.n_heads, base.tie_embeddings)
+    per_expert = (blocks[1] - blocks[0]) / 4
+    return (round(blocks[0] - 4 * per_expert) - dense.block, per_expert,
+            len(list(one.layers["0"].parameters())) - dense.tensors_per_block)
 
 
 @functools.cache
@@ -173,5 +202,24 @@ def qlora_dequant_counts(precision: str, dim: int = 256) -> tuple[float, float, 
 
 def live_op_counts(args: ModelArgs) -> OpCounts:
     """Operator counts of `args`'s structure, counted now on this torch (once per structure, a fraction of a
-    second); the planner reads the same numbers from operators.OP_COUNTS without torch."""
-    return _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings)
+    second); the planner reads the same numbers from operators.OP_COUNTS (and MOE_OP_COUNTS) without torch."""
+    dense = _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings)
+    if not args.n_experts:
+        return dense
+    ops, per_expert, tensors = _moe_counts(_moe_base(args, moe_structure(args)))
+    return dataclasses.replace(dense, moe_block=round(dense.block + ops + per_expert * args.n_experts),
+                               tensors_per_moe_block=dense.tensors_per_block + tensors)
+
+
+def _moe_base(args: ModelArgs, structure: tuple[bool, bool, bool, bool]) -> ModelArgs:
+    route_norm, shared, capacity, aux_loss = structure
+    return ModelArgs(n_heads=2, n_kv_heads=1 if args.n_kv_heads < args.n_heads else 2,
+                     tie_embeddings=args.tie_embeddings, n_experts=TINY_MOE["n_experts"], score_func=args.score_func,
+                     route_norm=route_norm, n_shared_experts=int(shared), capacity_factor=1.0 if capacity else 0.0,
+                     aux_loss_coeff=0.01 if aux_loss else 0.0)
+
+
+def moe_op_table() -> dict[tuple[bool, bool, bool, bool], tuple[int, float, int]]:
+    """operators.MOE_OP_COUNTS as counted on this torch and this shardwise.moe (print it to pin it again)."""
+    structures = itertools.product((True, False), repeat=4)
+    return {s: _moe_counts(_moe_base(ModelArgs(n_heads=2, n_kv_heads=1), s)) for s in structures}

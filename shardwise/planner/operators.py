@@ -5,6 +5,8 @@ planner needs no torch; `tests/test_planner.py` counts them again and checks thi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from shardwise.model_args import ModelArgs
@@ -32,6 +34,10 @@ class OpCounts:
     """Bytes the optimizer step's operators read and write per parameter (fp32 state), summed over its passes:
     a foreach AdamW runs a pass per operation (lerp, mul, addcmul, sqrt, div, ...), each reading and writing
     parameter-sized tensors, where a fused kernel would touch each tensor once."""
+    moe_block: int = 0
+    """Of a mixture of experts, operators of one MoE block's forward + backward (0 for a dense model)."""
+    tensors_per_moe_block: int = 0
+    """Of a mixture of experts, parameter tensors of one MoE block (0 for a dense model)."""
 
 
 # (grouped-query attention, tied embeddings) -> counts
@@ -64,9 +70,50 @@ QLORA_DEQUANT: dict[str, Dequant] = {
 }
 
 
+def moe_structure(args: ModelArgs) -> tuple[bool, bool, bool, bool]:
+    """What sets an MoE block's operators: (route_norm, shared experts, capacity, balancing loss). Softmax and
+    sigmoid scores dispatch as many."""
+    return args.route_norm, args.n_shared_experts > 0, args.capacity_factor > 0, args.aux_loss_coeff > 0
+
+
+# moe_structure -> (operators, operators per routed expert, parameter tensors) an MoE block has beyond a dense block
+# with the same attention: the router, top-k and the combine weights, the sort by expert, the grouped GEMMs
+# (torch._grouped_mm: what a GPU in bf16 and a CPU run; the engine's exact loop over experts is not priced), the scatter
+# back and the combine, the routing counters, the shared experts, the capacity's cut (one slice per expert) and the
+# balancing loss. Counted by opcount.moe_op_table (print it to pin it again after shardwise.moe changes).
+MOE_OP_COUNTS: dict[tuple[bool, bool, bool, bool], tuple[int, float, int]] = {
+    (True, True, True, True): (136, 1.0, 4),
+    (True, True, True, False): (98, 1.0, 4),
+    (True, True, False, True): (135, 0.0, 4),
+    (True, True, False, False): (97, 0.0, 4),
+    (True, False, True, True): (89, 1.0, 1),
+    (True, False, True, False): (51, 1.0, 1),
+    (True, False, False, True): (88, 0.0, 1),
+    (True, False, False, False): (50, 0.0, 1),
+    (False, True, True, True): (125, 1.0, 4),
+    (False, True, True, False): (87, 1.0, 4),
+    (False, True, False, True): (124, 0.0, 4),
+    (False, True, False, False): (86, 0.0, 4),
+    (False, False, True, True): (78, 1.0, 1),
+    (False, False, True, False): (40, 1.0, 1),
+    (False, False, False, True): (77, 0.0, 1),
+    (False, False, False, False): (39, 0.0, 1),
+}
+
+
 def op_counts(args: ModelArgs) -> OpCounts:
     """Operator counts of `args`'s structure."""
-    return OP_COUNTS[args.n_kv_heads < args.n_heads, args.tie_embeddings]
+    dense = OP_COUNTS[args.n_kv_heads < args.n_heads, args.tie_embeddings]
+    if not args.n_experts:
+        return dense
+    return _with_moe(dense, MOE_OP_COUNTS[moe_structure(args)], args.n_experts)
+
+
+@functools.cache
+def _with_moe(dense: OpCounts, extra: tuple[int, float, int], n_experts: int) -> OpCounts:
+    ops, per_expert, tensors = extra
+    return dataclasses.replace(dense, moe_block=round(dense.block + ops + per_expert * n_experts),
+                               tensors_per_moe_block=dense.tensors_per_block + tensors)
 
 
 def optimizer_ops(counts: OpCounts, tensors: int, looped: bool) -> float:

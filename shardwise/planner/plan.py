@@ -31,8 +31,10 @@ def engine_runs(plan: Plan, training) -> bool:
     return engine_cannot_run(plan, training.precision, optimizer=training.optimizer) is None
 
 
-def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int) -> None:
-    """Raise PlannerError (naming the --plan key) for a plan that cannot run."""
+def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0,
+                  aux_loss: bool = False) -> None:
+    """Raise PlannerError (naming the --plan key) for a plan that cannot run; `n_experts` and `aux_loss` describe a
+    mixture of experts (routed experts, a balancing loss)."""
     if plan.world != world:
         raise PlannerError("--plan", f"dp*tp*pp*cp = {plan.world} but --gpus is {world}",
                            "choose degrees whose product is the number of GPUs")
@@ -68,3 +70,26 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
                            f"use one of {', '.join(RECOMPUTE)}")
     if plan.offload not in OFFLOADS:
         raise PlannerError("--plan offload", f"{plan.offload!r}", f"use one of {', '.join(OFFLOADS)}")
+    error = expert_parallel_error(plan, n_experts, aux_loss)
+    if error is not None:
+        raise PlannerError(f"--plan {error[0]}", error[1], error[2])
+
+
+def expert_parallel_error(plan: Plan, n_experts: int, aux_loss: bool = False) -> tuple[str, str, str] | None:
+    """(key, problem, fix) if the engine cannot run a mixture of experts in this layout, else None. Expert
+    parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides dp_shard x cp and n_experts, is a
+    multiple of cp, and needs FSDP (ZeRO-2/3). The per-sequence balancing loss needs whole sequences (no cp)."""
+    if aux_loss and plan.cp > 1:
+        return ("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
+                "use cp=1, or a model without aux_loss_coeff")
+    if plan.ep == 1:
+        return None
+    if not n_experts:
+        return "ep", f"ep={plan.ep} splits experts and the model has none", "use ep=1 for a dense model"
+    if n_experts % plan.ep:
+        return "ep", f"ep={plan.ep} does not divide {n_experts} experts", "pick a divisor of n_experts"
+    if plan.zero_stage < 2 or (plan.dp_shard * plan.cp) % plan.ep or plan.ep % plan.cp:
+        return ("ep", f"ep={plan.ep} is drawn from the dp_shard x cp = {plan.dp_shard * plan.cp} ranks and needs "
+                f"ZeRO-2/3 (zero_stage={plan.zero_stage})",
+                "use zero_stage 2 or 3 with ep dividing dp_shard x cp and a multiple of cp")
+    return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs
-from shardwise.planner.memory import peak_memory, stage_memory
+from shardwise.planner.memory import peak_memory, stage_memory, state_bound
 from shardwise.planner.plan import Plan, engine_runs, validate_plan
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training
@@ -48,9 +48,9 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan
-        out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "micro_batch",
-                                          "grad_accum", "activation_checkpoint", "pp_schedule", "virtual_stages",
-                                          "sequence_parallel", "offload")}
+        out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero_stage",
+                                          "micro_batch", "grad_accum", "activation_checkpoint", "pp_schedule",
+                                          "virtual_stages", "sequence_parallel", "offload")}
         out["dp"] = p.dp
         out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
         out["memory_stage"] = self.memory_stage
@@ -66,7 +66,9 @@ class Evaluation:
 
 def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> Evaluation:
     """Memory and time of one plan (validated first)."""
-    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads)
+    check_recipe(args, training)
+    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts,
+                  args.aux_loss_coeff > 0)
     stage, mem = peak_memory(args, training, plan)
     return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster))
 
@@ -91,7 +93,7 @@ class SearchResult:
     """(knob, value) -> smallest peak memory seen (or lower bound) with that value."""
 
 
-KNOBS = ("tp", "pp", "cp", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
+KNOBS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
          "pp_schedule", "virtual_stages", "offload")
 
 
@@ -118,8 +120,16 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     return result
 
 
+def check_recipe(args: ModelArgs, training: Training) -> None:
+    """Reject a recipe the planner does not model for this model, naming the flag."""
+    if args.n_experts and training.lora_rank:
+        raise PlannerError("--lora-rank", "LoRA adapts dense linears and a mixture of experts' experts are 3-D "
+                           "weights without adapters (the engine refuses it too)", "train all weights of an MoE model")
+
+
 def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict) -> None:
     """Reject --plan values no plan can have, naming the key."""
+    check_recipe(args, training)
     world = cluster.gpus
 
     def bad(key: str, problem: str, fix: str) -> None:
@@ -145,6 +155,14 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
     if fixed.get("offload") == "optimizer":
         bad("offload", "the engine has no optimizer-only offload", "use offload=full or offload=none")
+    ep = fixed.get("ep", 1)
+    if ep > 1 and not args.n_experts:
+        bad("ep", f"ep={ep} splits experts and {args.name} has none", "use ep=1 (or leave it out) for a dense model")
+    if args.n_experts % ep or ep > 1 and world % ep:
+        bad("ep", f"ep={ep} must divide the {args.n_experts} experts and --gpus", "pick a common divisor")
+    if cp > 1 and args.aux_loss_coeff > 0:
+        bad("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
+            "use cp=1, or a model without aux_loss_coeff")
 
 
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
@@ -156,8 +174,9 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
         if world % tp:
             continue
         # ring attention is a fused kernel per block: unfused attention (Training.fused_attention) has no cp
+        # nor a per-sequence balancing loss (the engine computes it on whole sequences)
         cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp and training.fused_attention
-                                     and training.seq_len % (2 * c) == 0 or c == 1])
+                                     and training.seq_len % (2 * c) == 0 and not args.aux_loss_coeff or c == 1])
         for cp in cps:
             if (world // tp) % cp:
                 continue
@@ -168,10 +187,10 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                yield from _dp_splits(dp, tp, cp, pp, fixed, offload)
+                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts)
 
 
-def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none"):
+def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0):
     shards = _choices(fixed, "dp_shard", divisors(dp))
     for dp_shard in shards:
         if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
@@ -184,8 +203,21 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
         if offload == "full":  # FSDP2's CPUOffloadPolicy: ZeRO-2/3, over a mesh of one where nothing else shards
             stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
         for zero in _choices(fixed, "zero_stage", stages):
-            yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, zero_stage=zero,
-                       sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=offload)
+            degrees = expert_degrees(n_experts, dp_shard, cp, zero)
+            for ep in _choices(fixed, "ep", degrees):
+                if ep not in degrees:
+                    continue
+                yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                           sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=offload)
+
+
+def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int) -> list[int]:
+    """The ep a layout can have: 1, and for a mixture of experts under ZeRO-2/3 every divisor of dp_shard x cp that
+    divides n_experts and is a multiple of cp (the engine's expert parallelism borrows the dp_shard x cp ranks).
+    A dense model has only 1."""
+    if not n_experts or zero_stage < 2:
+        return [1]
+    return [1] + [e for e in divisors(dp_shard * cp) if e > 1 and n_experts % e == 0 and e % cp == 0]
 
 
 def _choices(fixed: dict, key: str, options: list) -> list:
@@ -234,21 +266,34 @@ def _floors_that_fit(args: ModelArgs, training: Training, floors: list[Plan], li
                      result: SearchResult) -> list[bool]:
     """Which of `floors` fit within `limit`; when none does, the least of their peaks is noted for the explanation.
 
-    A plan's first rank is a lower bound on its peak (peak_memory checks more ranks), so a floor whose first rank
-    is over the limit is out without the others, and the least peak is found by visiting floors from the lowest
-    bound up, stopping once the next bound exceeds the least peak found (ties go to the earlier floor, as min())."""
-    firsts = [stage_memory(args, training, f, 0) for f in floors]
-    fits = [False] * len(floors)
-    for i, (f, first) in enumerate(zip(floors, firsts)):
-        if first["total"] <= limit:
-            fits[i] = peak_memory(args, training, f, first)[1]["total"] <= limit
-    if any(fits):
-        return fits
+    A plan's model state (state_bound) is below its first rank's peak, which is below the plan's peak
+    (peak_memory checks more ranks): a floor over the limit by a bound is out without the rest, and the least peak
+    is found by visiting floors from the lowest bound up, stopping once the next bound exceeds the least peak found
+    (ties go to the earlier floor, as min())."""
+    bounds = [state_bound(args, training, f) for f in floors]
+    firsts: dict[int, dict[str, float]] = {}
+    peaks: dict[int, float] = {}
+
+    def first(i: int) -> float:
+        if i not in firsts:
+            firsts[i] = stage_memory(args, training, floors[i], 0)
+        return firsts[i]["total"]
+
+    def peak(i: int) -> float:
+        if i not in peaks:
+            peaks[i] = peak_memory(args, training, floors[i], firsts[i])[1]["total"]
+        return peaks[i]
+
+    fits = [bounds[i] <= limit and first(i) <= limit and peak(i) <= limit for i in range(len(floors))]
+    if any(fits) or all(_cannot_lower(result, f, firsts[i]["total"] if i in firsts else bounds[i])
+                        for i, f in enumerate(floors)):
+        return fits  # (when no floor's bound is below the least memory noted for its knobs, noting changes nothing)
     least = (math.inf, 0)
-    for i in sorted(range(len(floors)), key=lambda i: firsts[i]["total"]):
-        if firsts[i]["total"] > least[0]:
+    for i in sorted(range(len(floors)), key=lambda i: bounds[i]):
+        if bounds[i] > least[0]:
             break
-        least = min(least, (peak_memory(args, training, floors[i], firsts[i])[1]["total"], i))
+        if first(i) <= least[0]:
+            least = min(least, (peak(i), i))
     _note_memory(result, floors[least[1]], least[0])
     return fits
 
@@ -298,8 +343,12 @@ def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> li
 
 
 def _with(plan: Plan, **changes) -> Plan:
-    """dataclasses.replace without its per-call field introspection (the search makes ~10^5 of these)."""
-    return Plan(**{**plan.__dict__, **changes})
+    """dataclasses.replace without its per-call field introspection or __init__ (the search makes ~10^5 of these):
+    the plan's defaults are already resolved (Layout.__post_init__) and the search never sets a field to its
+    unresolved sentinel."""
+    new = object.__new__(Plan)
+    new.__dict__.update(plan.__dict__, **changes)
+    return new
 
 
 _KNOB_VALUES = operator.attrgetter(*KNOBS)
@@ -312,6 +361,12 @@ def _note(result: SearchResult, ev: Evaluation) -> None:
         if t < best.get(key, math.inf):
             best[key] = t
     _note_memory(result, ev.plan, ev.memory["total"])
+
+
+def _cannot_lower(result: SearchResult, plan: Plan, bound: float) -> bool:
+    """Whether a plan whose peak is at least `bound` would lower none of min_memory_by_knob's entries."""
+    least = result.min_memory_by_knob
+    return all(least.get(key, math.inf) <= bound for key in zip(KNOBS, _KNOB_VALUES(plan)))
 
 
 def _note_memory(result: SearchResult, plan: Plan, total: float) -> None:

@@ -7,19 +7,33 @@ copies (the step's scalar all-reduces count as communication). Derivations in do
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from shardwise.hardware import Accelerator, Cluster
 from shardwise.model_args import ModelArgs, adapter_params, flops_per_token
-from shardwise.planner.comm import all_gather, all_reduce, axis_link, p2p, reduce_scatter
+from shardwise.planner.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    axis_link,
+    expert_links,
+    p2p,
+    reduce_scatter,
+)
+from shardwise.planner.experts import counts_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
+    attention_params,
+    block_params,
     block_tensor_params,
+    expert_params,
     gathered_weight_bytes,
     kv_split,
     layer_activation_bytes,
     layer_params,
     lora_params,
+    moe_shared_params,
     placement,
     replicates,
     stage_shape,
@@ -53,22 +67,32 @@ class StageCost:
     """Activation and gradient sends across the rank's stage boundaries."""
     op_overhead: float = 0.0
     """Fixed per-operator cost (dispatch, launch) not hidden behind the arithmetic (see `op_overhead`)."""
+    ep_comm: float = 0.0
+    """Expert parallelism's all-to-alls (on the critical path: each is a barrier between routing and experts)."""
 
     @property
     def total(self) -> float:
         return (self.forward + self.backward_input + self.backward_weight + self.recompute + self.tp_comm
-                + self.cp_exposed + self.pp_p2p + self.op_overhead)
+                + self.cp_exposed + self.pp_p2p + self.op_overhead + self.ep_comm)
 
     @property
     def compute(self) -> float:
         return self.forward + self.backward_input + self.backward_weight
 
 
-def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> dict[str, float]:
-    """Seconds of one block's forward on one rank for one micro-batch: matmuls, attention, elementwise."""
+def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                moe: bool = False) -> dict[str, float]:
+    """Seconds of one block's forward on one rank for one micro-batch: matmuls, attention, elementwise. An MoE
+    block (`moe`): its attention's matmuls, and per token the router's (n_experts x d), the routed experts' (3 d
+    expert_hidden per pair the busiest rank computes: experts.routed_per_token) and the shared experts', none
+    split by tp (every tp rank runs the whole MoE)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
-    matmul_params = layer_params(args, plan.tp) - 2 * args.dim
+    if moe:
+        matmul_params = (attention_params(args, plan.tp) + moe_shared_params(args)
+                         + routed_per_token(args, training, plan) * 3 * args.dim * args.expert_hidden)
+    else:
+        matmul_params = layer_params(args, plan.tp) - 2 * args.dim
     mm = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     if training.fused_attention:
@@ -92,7 +116,8 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         attn = mm_attn + elements * (4 * a + extra) / bandwidth
         attn_bwd = 2 * mm_attn + elements * (7 * a + extra) / bandwidth
     # elementwise kernels write each saved tensor once and read it once
-    elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False) / bandwidth
+    elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
+                                             moe=moe) / bandwidth
     return {"matmul": mm, "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise}
 
 
@@ -102,11 +127,12 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds the model, recipe and cluster
     # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
     key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
-           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel)
+           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel, plan.ep)
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = placement(args, plan, training.seq_len).ranks
-        cost = max((_stage_cost(args, training, plan, cluster, s) for s in ranks), key=lambda c: c.total)
+        times = _block_times(args, training, plan, cluster.accelerator)
+        cost = max((_stage_cost(args, training, plan, cluster, s, times) for s in ranks), key=lambda c: c.total)
         if len(_STAGE_COSTS) >= 100_000:
             _STAGE_COSTS.clear()
         _STAGE_COSTS[key] = cost
@@ -121,34 +147,47 @@ def _max_stage_params(args: ModelArgs, training: Training, plan: Plan) -> float:
     return placement(args, plan, training.seq_len).max_params
 
 
-def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int) -> StageCost:
+def _block_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> tuple[dict, dict | None]:
+    """layer_times of a dense block and, of a mixture of experts, of an MoE block."""
+    moe = layer_times(args, training, plan, acc, moe=True) if args.n_moe_layers else None
+    return layer_times(args, training, plan, acc), moe
+
+
+def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int,
+                times: tuple[dict, dict | None] | None = None) -> StageCost:
     acc = cluster.accelerator
-    t = layer_times(args, training, plan, acc)
+    t, t_moe = times or _block_times(args, training, plan, acc)
     shape = stage_shape(args, plan, stage, training.seq_len)
-    layers = shape.layers
+    layers, moe = shape.layers, shape.moe_layers
+    # (blocks, their times): the dense blocks, and a mixture of experts' MoE blocks
+    kinds = [(layers - moe, t)] + ([(moe, t_moe)] if moe else [])
+
+    def blocks(term) -> float:
+        return sum(n * term(times) for n, times in kinds)
+
     head = _head_forward(args, training, plan, acc) if shape.last else 0.0
     # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
-    fwd = layers * (t["matmul"] + t["attention"] + t["elementwise"]) + head
-    bwd_in = layers * (t["matmul"] + t["attention_bwd"] + 2 * t["elementwise"]) + head
-    bwd_w = (layers * t["matmul"] + head) * w_factor
+    fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head
+    bwd_in = blocks(lambda t: t["matmul"] + t["attention_bwd"] + 2 * t["elementwise"]) + head
+    bwd_w = (blocks(lambda t: t["matmul"]) + head) * w_factor
     if plan.activation_checkpoint == "full":
-        recompute = layers * (t["matmul"] + t["attention"] + t["elementwise"])
+        recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"])
     elif plan.activation_checkpoint == "selective":
         # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
         # kernel recomputes that anyway, and selective then means the cheap elementwise tensors
-        recompute = layers * (t["elementwise"] if training.fused_attention else t["attention"])
+        recompute = blocks(lambda t: t["elementwise"] if training.fused_attention else t["attention"])
     else:
         recompute = 0.0
     dequant_fwd, dequant_bwd, dequant_ops = qlora_dequant(args, training, plan, acc, layers)
     if dequant_fwd:  # QLoRA: the NF4 base is dequantised in forward, in a recompute, and for input gradients
         recomputes = plan.activation_checkpoint != "none"
         fwd, bwd_in, recompute = fwd + dequant_fwd, bwd_in + dequant_bwd, recompute + recomputes * dequant_fwd
-    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops)
-    tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last)
+    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops, moe)
+    tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last, moe)
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
-                     _pp_p2p(args, training, plan, cluster), overhead)
+                     _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
 
 
 def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
@@ -168,18 +207,20 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
 
 
 def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head: bool, compute: float,
-                extra_ops: float = 0.0) -> float:
+                extra_ops: float = 0.0, moe_layers: int = 0) -> float:
     """Seconds of fixed per-operator cost in one micro-batch's forward + backward on a rank, beyond `compute`.
 
-    Operators: the blocks' (and, on the head's rank, embedding, head and loss) counted in our model (opcount);
-    under tp the 7 projections of each block run on DTensors and pay `dtensor_op_overhead_s` more per operator.
+    Operators: the blocks' (`moe_layers` of them MoE blocks; and, on the head's rank, embedding, head and loss)
+    counted in our model (opcount); under tp the 7 projections of each dense block (the 4 of an MoE block's
+    attention: the MoE is plain tensors) run on DTensors and pay `dtensor_op_overhead_s` more per operator.
     On a CPU the cost adds to the arithmetic (the same cores do both); where launches are asynchronous (a GPU)
     it hides behind the kernels: only max(0, overhead - compute) is exposed. Recomputed forwards are not counted.
     """
     c = op_counts(args)
-    t = (layers * c.block + (c.rest if head else 0) + extra_ops) * acc.op_overhead_s
+    blocks = (layers - moe_layers) * c.block + moe_layers * c.moe_block
+    t = (blocks + (c.rest if head else 0) + extra_ops) * acc.op_overhead_s
     if plan.tp > 1:
-        t += layers * 7 * c.linear * acc.dtensor_op_overhead_s
+        t += (layers * 7 - moe_layers * 3) * c.linear * acc.dtensor_op_overhead_s
     return max(0.0, t - compute) if acc.launch_async else t
 
 
@@ -192,24 +233,46 @@ def _head_forward(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
 
 
 def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int, embedding: bool,
-             head: bool) -> float:
+             head: bool, moe_layers: int = 0) -> float:
     """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
     column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
     Full recompute replays the forward's two. The embedding's rank reduces the partial lookups once; the head's
     rank reduces the head's input gradient once and, unless the loss runs on vocabulary-parallel logits
-    (`loss_parallel`), all-gathers the logits to every tp rank in forward (shardwise's engine does)."""
+    (`loss_parallel`), all-gathers the logits to every tp rank in forward (shardwise's engine does).
+    An MoE block (`moe_layers` of the `layers`) has only its attention's pair: every tp rank runs the whole MoE on
+    replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
+    the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced)."""
     if plan.tp == 1:
         return 0.0
     n, link = axis_link(plan, ("tp",), cluster)
     tokens = plan.micro_batch * training.seq_len / plan.cp
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    total = layers * (6 if plan.activation_checkpoint == "full" else 4) * one + (one if embedding else 0.0)
+    total = (layers - moe_layers) * (6 if plan.activation_checkpoint == "full" else 4) * one \
+        + (one if embedding else 0.0)
+    if moe_layers:
+        passes = 3 if plan.activation_checkpoint == "full" else 2
+        total += moe_layers * passes * (one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0))
     if head:
         total += one
         if not training.loss_parallel:
             total += all_gather(tokens * args.vocab_size * training.act_bytes, n, link)
     return total
+
+
+def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, moe_layers: int) -> float:
+    """Expert parallelism, per MoE block and micro-batch: forward exchanges the per-expert counts, then dispatches
+    the routed copies to their experts' ranks and combines the results back (two all-to-alls of the copies);
+    backward runs the two again for their gradients; full recompute replays the forward's three. Each waits for
+    the busiest rank, which receives (dispatch) and sends back (combine) the imbalance times the mean:
+    tokens x routed_per_token x d in the compute dtype. Over the ep group's link (comm.expert_links)."""
+    if plan.ep == 1 or not moe_layers:
+        return 0.0
+    (n, link), _ = expert_links(plan, cluster)
+    busiest = tokens_per_rank(training, plan) * routed_per_token(args, training, plan) * args.dim * training.act_bytes
+    copies = all_to_all(busiest, n, link)
+    forward = all_to_all(counts_bytes(args), n, link) + 2 * copies
+    return moe_layers * (forward * (2 if plan.activation_checkpoint == "full" else 1) + 2 * copies)
 
 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
@@ -275,8 +338,9 @@ def pipeline_time(cost: StageCost, plan: Plan) -> float:
     if plan.pp_schedule == "interleaved-1f1b":
         return (m + (p - 1) / v) * t
     if plan.pp_schedule == "zero-bubble":
-        fwd = cost.forward + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
-        bwd_in = cost.backward_input + cost.recompute + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
+        fwd = cost.forward + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2 + cost.ep_comm / 2
+        bwd_in = (cost.backward_input + cost.recompute + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
+                  + cost.ep_comm / 2)
         return m * t + (p - 1) * max(0.0, fwd + bwd_in - cost.backward_weight)
     return (m + p - 1) * t
 
@@ -296,15 +360,20 @@ def bubble_fraction(plan: Plan, cost: StageCost | None = None) -> float:
 
 def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, cost: StageCost
             ) -> tuple[float, float]:
-    """(total, exposed) seconds per step of gradient reduction and ZeRO parameter gathering."""
+    """(total, exposed) seconds per step of gradient reduction and ZeRO parameter gathering. Under expert
+    parallelism each MoE block's routed experts are an FSDP unit of their own over the expert shard group
+    (comm.expert_links), their gradients all-reduced across dp_replicate (HSDP) as the rest."""
     red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster)
     sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster)
     rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster) if plan.zero_stage >= 2 else (1, None)
     if red_n == 1:
         return 0.0, 0.0
     b = state_bytes_per_param(training)
-    n_params = _max_stage_params(args, training, plan)
-    layers = placement(args, plan, training.seq_len).max_layers
+    where = placement(args, plan, training.seq_len)
+    # without expert parallelism the experts travel with their block (one unit)
+    experts, moe_layers = (where.max_experts, where.max_moe_layers) if plan.ep > 1 else (0.0, 0)
+    n_params = _max_stage_params(args, training, plan) - experts
+    layers = where.max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
@@ -318,7 +387,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # ddp_bucket_mb) and one for the root. Small messages reach less bandwidth (the measured curves), and each
     # pays the latency. The other layouts' buckets are taken as one message.
     # (n_params is the rank with the most parameters, layers the one with the most blocks: clamp)
-    in_blocks = min(1.0, layers * layer_params(args, plan.tp) / n_params) if not training.lora_rank else 1.0
+    block_params_ = where.max_blocks - experts
+    in_blocks = min(1.0, block_params_ / n_params) if not training.lora_rank else 1.0
 
     def by_unit(op, nbytes: float, n: int, link, per_bucket: int = 1) -> float:
         if training.layout != "torch" or n == 1:
@@ -327,6 +397,12 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         full, rest = divmod(layers, per_bucket)
         return (full * op(per_bucket * block, n, link) + (op(rest * block, n, link) if rest else 0.0)
                 + (op(root, n, link) if root > 0 else 0.0))
+
+    (_, _), (ex_n, ex_link) = expert_links(plan, cluster)
+
+    def expert_units(op, bytes_per_param: float, n: int, link) -> float:
+        # one collective per MoE block's experts (their FSDP unit)
+        return moe_layers * op(experts / moe_layers * bytes_per_param, n, link) if experts else 0.0
 
     def behind_backward(comm: float) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
@@ -341,18 +417,24 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         ag = 0.0
         if z == 1:
             # back to back after the optimizer step: only the first comes from compute (pays the link's sync)
-            block = [all_gather(n * 4.0, sh_n, sh_link, after_compute=False)
-                     for n in block_tensor_params(args, plan.tp)]
+            def gathers(moe: bool) -> float:
+                return sum(all_gather(n * 4.0, sh_n, sh_link, after_compute=False)
+                           for n in block_tensor_params(args, plan.tp, moe, plan.ep))
+
             if training.lora_rank:
                 # an A and a B adapter on each of the 7 linears (taken as equal)
-                block = 14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0, sh_n, sh_link,
-                                         after_compute=False)]
-            rest = trainable - (0.0 if training.lora_rank else layers * layer_params(args, plan.tp))
-            ag = layers * sum(block) + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
-                                        else 0.0) + sh_link.sync
+                blocks = layers * sum(14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0,
+                                                       sh_n, sh_link, after_compute=False)])
+            else:
+                moe = where.max_moe_layers
+                blocks = (layers - moe) * gathers(False) + (moe * gathers(True) if moe else 0.0)
+            rest = trainable - (0.0 if training.lora_rank else block_params_)
+            ag = blocks + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
+                           else 0.0) + sh_link.sync
         return comm + ag, behind_backward(comm) + ag
-    hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link)
-    rs = by_unit(reduce_scatter, grads, sh_n, sh_link)
+    hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, b.grads / ex_n, rep_n,
+                                                                              rep_link)
+    rs = by_unit(reduce_scatter, grads, sh_n, sh_link) + expert_units(reduce_scatter, b.grads, ex_n, ex_link)
     # How often gradients are reduced: shardwise's engine (layout torch) once per step, in the last micro-batch's
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
@@ -360,19 +442,28 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     n_rs = m if training.layout == "zero" and z >= 2 else 1
     if z == 1 or z == 2 and training.layout != "torch":
         # the updated weights are all-gathered after the step, before the next forward (exposed)
-        ag = all_gather(trainable * b.params, sh_n, sh_link)
+        ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
         return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
     # Weights gathered for every micro-batch: FSDP2 reshards after every backward, so ZeRO-2 gathers them again
     # for each forward (kept through backward); ZeRO-3 for forward and again for backward. Each block's gather is
     # prefetched behind the previous block's compute (the first block's has nothing before it).
-    ag = by_unit(all_gather, gathered, sh_n, sh_link)
+    experts_ag = expert_units(all_gather, gathered_weight_bytes(training), ex_n, ex_link)
+    ag = by_unit(all_gather, gathered, sh_n, sh_link) + experts_ag
     first = ag / layers
     fwd_exposed = ag - w * min(ag - first, cost.forward)
     if z == 2:
         return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
     # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
-    ag_bwd = ag if training.layout != "torch" else layers * all_gather(
-        layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
+    if training.layout != "torch":
+        ag_bwd = ag
+    elif where.max_moe_layers:
+        moe, per_param = where.max_moe_layers, gathered / n_params
+        dense_block = layer_params(args, plan.tp)
+        moe_block = block_params(args, plan.tp, True, plan.ep) - (expert_params(args, plan.ep) if experts else 0.0)
+        ag_bwd = ((layers - moe) * all_gather(dense_block * per_param, sh_n, sh_link)
+                  + moe * all_gather(moe_block * per_param, sh_n, sh_link) + experts_ag)
+    else:
+        ag_bwd = layers * all_gather(layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
 
     def bwd_exposed(comm: float) -> float:
         return comm - w * min(comm - first, bwd)
@@ -382,17 +473,22 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     return comm, exposed
 
 
-def step_scalars(plan: Plan, cluster: Cluster) -> float:
+def step_scalars(plan: Plan, cluster: Cluster, args: ModelArgs | None = None, moe_layers: int = 0) -> float:
     """Seconds per step of the scalar all-reduces the training step waits on besides the model's traffic: the
     loss summed over the ranks that see different tokens (dp x cp) and, in a pipeline, over its stages; the
     gradient norm's partial sums over the ranks its gradients are split across (tensor parallel, the ZeRO-2/3
-    shard group: a DTensor `full_tensor`) and over the pipeline stages. A few bytes each: latency and the
-    link's sync."""
+    shard group: a DTensor `full_tensor`; under expert parallelism the experts' own mesh, once more) and over the
+    pipeline stages. A few bytes each: latency and the link's sync. A mixture of experts with auxiliary-loss-free
+    balancing (`args.bias_update_rate`) also sums its per-expert counts over the dp x cp ranks (moe.end_of_step:
+    fp32, n_experts for each of the rank's `moe_layers`)."""
     t = 0.0
     for axes, count in ((("dp_replicate", "dp_shard", "cp"), 1), (("pp",), 2), (("tp",), 1),
-                        (plan.shard_axes, 1 if plan.zero_stage >= 2 else 0)):
+                        (plan.shard_axes, (1 + (plan.ep > 1)) if plan.zero_stage >= 2 else 0)):
         n, link = axis_link(plan, axes, cluster)
         t += count * all_reduce(4.0, n, link)
+    if args is not None and args.bias_update_rate > 0 and moe_layers:
+        n, link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster)
+        t += all_reduce(4.0 * args.n_experts * moe_layers, n, link)
     return t
 
 
@@ -409,15 +505,20 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
         return 0.0
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
-    layers = placement(args, plan, training.seq_len).max_layers
+    where = placement(args, plan, training.seq_len)
+    layers = where.max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
     gathered = 0.0
     if plan.zero_stage >= 2:
         weights = n_params * gathered_weight_bytes(training)
-        blocks = layers * layer_params(args, plan.tp) * weights / n_params
+        blocks = where.max_blocks * weights / n_params
         gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
-    hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
+    if plan.ep > 1 and where.max_experts:  # the experts' shards are 1 / expert_shard_group of them
+        share = where.max_experts / n_params
+        hidden_side = reduced + gathered * ((1 - share) / plan.shard_group + share / plan.expert_shard_group)
+    else:
+        hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
     exposed = gathered + (1 - acc.comm_overlap) * hidden_side
     return 2 * exposed / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
@@ -428,12 +529,12 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     gradient norm, clipping and torch's foreach AdamW, one pass per operation: the bytes its operators read and
     write per parameter are counted on the real step (opcount.optimizer_bytes_per_param, 96 against 28)."""
     b = state_bytes_per_param(training)
-    n_params = _max_stage_params(args, training, plan)
+    n_params = local_params(args, training, plan)
     if training.lora_rank:
         n_params = placement(args, plan, training.seq_len).max_layers * lora_params(
             args, training.lora_rank, plan.tp)
-    if plan.zero_stage >= 1:
-        n_params /= plan.shard_group
+        if plan.zero_stage >= 1:
+            n_params /= plan.shard_group
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
     if plan.offload != "none":
         return n_params * touched / HOST_DRAM_BW_PER_GPU
@@ -442,7 +543,9 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
         touched = max(touched, c.optimizer_bytes_per_param)
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
-    tensors = placement(args, plan, training.seq_len).max_layers * c.tensors_per_block + c.tensors_rest
+    where = placement(args, plan, training.seq_len)
+    tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
+        c.tensors_per_moe_block - c.tensors_per_block)
     per_op = acc.optimizer_op_overhead_s
     if training.layout == "torch" and plan.tp * plan.dp * plan.cp > 1:
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
@@ -457,9 +560,7 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     if plan.offload == "none":
         return 0.0
     b = state_bytes_per_param(training)
-    n_params = _max_stage_params(args, training, plan)
-    if plan.zero_stage >= 1:
-        n_params /= plan.shard_group
+    n_params = local_params(args, training, plan)
     compute_bytes = 2.0 if training.mixed else 4.0
     step = n_params * (b.grads + compute_bytes) / acc.host_bw
     if plan.offload == "optimizer":
@@ -480,7 +581,9 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
         if plan.shard_group == 1:
             return 0.0
         per_unit = acc.zero3_unit_overhead_s if plan.zero_stage == 3 else acc.zero2_unit_overhead_s
-        return (layers + 1) * per_unit
+        # under expert parallelism each MoE block's experts are a unit of their own
+        experts = placement(args, plan, training.seq_len).max_moe_layers if plan.ep > 1 else 0
+        return (layers + 1 + experts) * per_unit
     if plan.dp * plan.cp == 1:
         return 0.0
     return (math.ceil(layers / blocks_per_bucket(args, training)) + 1) * acc.replicate_unit_overhead_s
@@ -489,12 +592,34 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
 def blocks_per_bucket(args: ModelArgs, training: Training) -> int:
     """Blocks in one of replicate's buckets, as `data_parallel._buckets` groups them: until the group's parameter
     bytes reach ddp_bucket_mb, counting every parameter (frozen ones too) at its global size (a DTensor's numel)
-    in fp32, as the engine holds them."""
-    return max(1, math.ceil(training.ddp_bucket_mb * 2**20 / (4 * layer_params(args, 1))))
+    in fp32, as the engine holds them. A mixture of experts' blocks differ: their mean size is taken."""
+    block = layer_params(args, 1)
+    if args.n_moe_layers:
+        block = (args.n_moe_layers * block_params(args, 1, True) + (args.n_layers - args.n_moe_layers) * block) / (
+            args.n_layers)
+    return max(1, math.ceil(training.ddp_bucket_mb * 2**20 / (4 * block)))
+
+
+def local_params(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Parameters whose state the rank holding the most keeps after sharding: from ZeRO-1 on, 1 / shard_group of
+    them, and of the routed experts 1 / expert_shard_group."""
+    n_params = _max_stage_params(args, training, plan)
+    if plan.zero_stage < 1:
+        return n_params
+    experts = placement(args, plan, training.seq_len).max_experts
+    if not experts:
+        return n_params / plan.shard_group
+    return (n_params - experts) / plan.shard_group + experts / plan.expert_shard_group
 
 
 # ---------------------------------------------------------------------------------------------------
 # Summary
+
+
+@functools.lru_cache(maxsize=1024)
+def _flops_per_token(args: ModelArgs, training: Training) -> float:
+    adapters = adapter_params(args, training.lora_rank) if training.lora_rank else None
+    return flops_per_token(args, training.seq_len, adapters)
 
 
 @dataclass(frozen=True)
@@ -523,20 +648,21 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     opt = optimizer_time(args, training, plan, acc)
     off = offload_time(args, training, plan, acc, cost)
     copies = sharding_copies(args, training, plan, acc)
-    scalars = step_scalars(plan, cluster)
+    scalars = step_scalars(plan, cluster, args, placement(args, plan, training.seq_len).max_moe_layers)
     hooks = m * dp_unit_overhead(args, training, plan, acc)
     total = pipe + dp_exposed + copies + opt + off + scalars + hooks
     tokens = training.global_batch * training.seq_len
     tps = tokens / total
-    adapters = adapter_params(args, training.lora_rank) if training.lora_rank else None
-    mfu = flops_per_token(args, training.seq_len, adapters) * tps / (plan.world * acc.peak(training.compute_dtype))
-    exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p) + dp_exposed + off + scalars
+    mfu = _flops_per_token(args, training) * tps / (plan.world * acc.peak(training.compute_dtype))
+    exposed = m * (cost.tp_comm + cost.cp_exposed + cost.pp_p2p + cost.ep_comm) + dp_exposed + off + scalars
     return StepTime(
         step_time_s=total, compute_s=m * cost.compute, recompute_s=m * cost.recompute, bubble_s=bubble,
         bubble_fraction=bubble / pipe if pipe else 0.0, exposed_comm_s=exposed,
-        comm_total_s=m * (cost.tp_comm + cost.pp_p2p) + dp_total + scalars, optimizer_s=opt, offload_s=off,
+        comm_total_s=m * (cost.tp_comm + cost.pp_p2p + cost.ep_comm) + dp_total + scalars, optimizer_s=opt,
+        offload_s=off,
         tokens_per_s=tps, mfu=mfu,
         detail={"tp_comm_s": m * cost.tp_comm, "cp_exposed_s": m * cost.cp_exposed, "pp_p2p_s": m * cost.pp_p2p,
+                "ep_comm_s": m * cost.ep_comm,
                 "dp_comm_s": dp_total, "dp_exposed_s": dp_exposed,
                 "per_microbatch_s": cost.total, "op_overhead_s": m * cost.op_overhead,
                 "sharding_copies_s": copies, "step_scalars_s": scalars, "dp_unit_overhead_s": hooks},

@@ -86,6 +86,10 @@ class Training:
     """Allocator allowance: this share of activation and transient bytes is lost to fragmentation."""
     fixed_overhead_gib: float = 1.0
     """Per-device memory not available to tensors: CUDA context, cuBLAS workspace, NCCL buffers."""
+    expert_imbalance: float = 0.0
+    """Mixture of experts under expert parallelism: routed tokens on the busiest ep rank over the mean, per MoE
+    layer and micro-batch (>= 1; e.g. read from the engine's per-expert counts); 0: derived for a randomly
+    initialised router over random tokens (planner.experts.init_imbalance)."""
 
     def __post_init__(self):
         for key in ("seq_len", "global_batch"):
@@ -98,6 +102,9 @@ class Training:
             raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
         if self.layout not in ("torch", "zero", "megatron"):
             raise PlannerError("--layout", f"unknown layout {self.layout!r}", "use torch, zero or megatron")
+        if self.expert_imbalance and self.expert_imbalance < 1:
+            raise PlannerError("--expert-imbalance", f"{self.expert_imbalance} < 1: the busiest rank takes at least "
+                               "the mean", "pass a ratio >= 1, or 0 to derive it")
         if self.qlora and self.lora_rank < 1:
             raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
 
@@ -142,8 +149,8 @@ def resolve_model(spec: str | ModelArgs) -> ModelArgs:
 
 
 def from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
-    """Map a Llama-family Hugging Face config (LlamaConfig keys) onto ModelArgs."""
+    """Map a Llama-family (LlamaConfig keys) or Mixtral Hugging Face config onto ModelArgs."""
     try:
         return args_from_hf_config(cfg, name)
     except ValueError as e:
-        raise PlannerError("--model", str(e), "pass a Llama-family (decoder, SwiGLU) config.json")
+        raise PlannerError("--model", str(e), "pass a Llama-family or Mixtral (decoder, SwiGLU) config.json")
