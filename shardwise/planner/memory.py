@@ -581,7 +581,36 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     if plan.activation_checkpoint != "none":
         out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
             args, training, plan, moe=moe)
+        if moe:
+            out["recomputed"] += tokens * moe_dispatch_bytes(args, training, plan) + routed_copy_bytes(args, training,
+                                                                                                       plan)
     return out
+
+
+def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Per token, what an MoE block's forward holds beyond its saved tensors at its largest, the return of the
+    experts' outputs (shardwise.moe.MoE.forward, expert_parallel.exchange), less the saved tensors made after it
+    (the combined copies, the shared experts' SwiGLU). Held by the caller while the experts run: the gathered
+    routed copies in the stream dtype and their cast to the compute dtype (the same tensor when the dtypes
+    agree); under ep > 1 also the copies received from the ep ranks, the outputs put back in source order and
+    the copies the combine all-to-all returns. A full recompute rebuilds it inside backward."""
+    d, kept, routed = args.dim, args.top_k * kept_share(args), routed_per_token(args, training, plan)
+    held = kept * d * training.stream_bytes
+    if training.act_bytes != training.stream_bytes:
+        held += kept * d * training.act_bytes
+    if plan.ep > 1:
+        held += 2 * routed * d * training.act_bytes + kept * d * training.act_bytes
+    later = kept * d * training.act_bytes + 4 * args.n_shared_experts * args.expert_hidden * training.act_bytes
+    return max(0.0, held - later)
+
+
+def routed_copy_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """The compute-dtype copies of the rank's routed experts that GroupedExperts.compute casts at each forward and
+    its grouped GEMMs save: made again when a checkpointed MoE block is recomputed (the layout 'torch' under
+    mixed precision; the other layouts hold low-precision weights)."""
+    if not training.mixed or training.layout != "torch" or training.lora_rank:
+        return 0.0
+    return expert_params(args, plan.ep) * training.act_bytes
 
 
 def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -635,7 +664,7 @@ def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The breakdown at the peak (docs/planner.md, "The moment of the peak")
 
-MOMENTS = ("loss_backward", "first_block_backward", "end_of_backward", "optimizer_step")
+MOMENTS = ("loss_backward", "first_block_backward", "next_block_backward", "end_of_backward", "optimizer_step")
 
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
@@ -673,7 +702,9 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     linear in the blocks done and its largest value is at an end: the start (the loss's backward on the last
     stage, the first block's backward elsewhere) or the end (after the first block's backward). The optimizer
     step holds model state only. Under gradient accumulation (and in a pipeline, whose micro-batches share the
-    gradients) the last micro-batch's backward starts with every gradient already there.
+    gradients) the last micro-batch's backward starts with every gradient already there. When no forward is left
+    once the first backward starts, the next micro-batch's first block backward holds one micro-batch fewer but
+    every gradient the first made.
     """
     base, changes = _moment_parts(args, training, plan, stage)
     return {name: _moment(base, changes, name) for name in changes}
@@ -746,6 +777,14 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "compute_copies": acts["copies"] * m - acts["head_copy"],
         "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+    if accum and not accum_early and m >= 2:
+        # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
+        # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
+        out["next_block_backward"] = {
+            **out["first_block_backward"], "grads": 0.0 if fsdp else state["grads"],
+            "activations": out["first_block_backward"]["activations"] - acts["activations"],
+            "compute_copies": out["first_block_backward"]["compute_copies"] - acts["copies"],
+            "fsdp_buffers": held + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     out["end_of_backward"] = {
         "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
