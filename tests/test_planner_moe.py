@@ -9,7 +9,6 @@ import functools
 import json
 import math
 import re
-import time
 from functools import partial
 
 import pytest
@@ -457,14 +456,12 @@ def test_search_finds_expert_parallel_plans_for_mixtral_on_64_h100s():
     assert {v for (k, v) in result.best_by_knob if k == "ep"} >= {2, 4, 8}
 
 
-def test_deepseek_v3_like_on_2048_gpus_plans_quickly():
+def test_deepseek_v3_like_on_2048_gpus_plans():
+    """(Its search time, about 11 s of CPU here, is recorded in docs/planner.md, not asserted.)"""
     args = preset("deepseek-v3-like")
-    start = time.process_time()
     result = search(args, Training(seq_len=4096, global_batch=1024), Cluster(H100, 2048), top_k=5)
-    seconds = time.process_time() - start
     assert result.ranked and all(ev.fits and ev.plan.world == 2048 for ev in result.ranked)
     assert all(ev.plan.ep > 1 for ev in result.ranked)  # 666B parameters: the experts must be split
-    assert seconds < 20.0
 
 
 @pytest.mark.parametrize("plan", ["dp_shard=8,ep=4,zero_stage=3", "dp_shard=4,cp=2,ep=2,zero_stage=2"])
