@@ -1,9 +1,12 @@
 """Independent measurements of what autograd keeps for backward, for tests."""
 
+from functools import partial
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 def _storage_ids(module: torch.nn.Module) -> set[int]:
@@ -54,3 +57,65 @@ class LiveBytes(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(n for key, (ref, n) in self.refs.items() if not ref.expired() and key not in self.skip)
+
+
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten._grouped_mm.default}
+"""The engine's selective policy (shardwise.activation_checkpoint), written out again: the matmuls, the attention
+kernels and the experts' grouped GEMMs, which the planner assumes the engine keeps."""
+
+
+def measure_saved(model, run, mode: str, exclude=()) -> int:
+    """Bytes held for backward after `run()`: every saved tensor (deduplicated by storage) that is not a parameter,
+    a buffer or in `exclude`; with selective checkpointing, also the outputs the policy keeps."""
+    constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *exclude]}
+    kept: dict[int, int] = {}
+
+    def note(t: torch.Tensor) -> None:
+        if hasattr(t, "wait"):  # the expert exchange's functional collectives return tensors to wait on
+            t = t.wait()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in constant:
+            kept[storage.data_ptr()] = storage.nbytes()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in SAVED_OPS:
+            outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+            for t in outs:
+                if isinstance(t, torch.Tensor):
+                    note(t)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    for layer in model.layers.values():
+        if mode == "full":
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        elif mode == "selective":
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
+                                    context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+    def pack(t):
+        note(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(kept.values())
+
+
+def block_op_calls(block: torch.nn.Module, args, seq: int = 32) -> int:
+    """Operators one forward and backward of a TransformerBlock dispatches (after a warm-up), less those of the
+    input's own backward: what the planner's operator count says a block costs."""
+    from shardwise.model import rotary_table
+    from shardwise.planner.opcount import OpCounter
+
+    x = torch.randn(2, seq, args.dim, requires_grad=True)
+    rope = rotary_table(args.head_dim, seq, args.rope_theta)
+    block(x, rope).sum().backward()  # warm-up
+    with OpCounter() as with_block:
+        block(x, rope).sum().backward()
+    with OpCounter() as without:
+        x.sum().backward()
+    return with_block.calls - without.calls

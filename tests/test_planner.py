@@ -9,14 +9,12 @@ import math
 import re
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
@@ -38,6 +36,8 @@ from shardwise.planner.cli import add_plan_arguments, run_plan
 from shardwise.planner.comm import Link, all_reduce, ring_all_reduce
 from shardwise.planner.memory import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
 from shardwise.planner.timing import bubble_fraction
+
+from probes import block_op_calls, measure_saved
 
 GB = 1e9
 
@@ -119,46 +119,6 @@ def test_hugging_face_config_maps_to_the_same_parameter_count(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Activations: predicted vs the bytes our model really saves for backward
 
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default}
-
-
-def _measure_saved(model: nn.Module, run, mode: str) -> int:
-    """Bytes held for backward after `run()`: every saved tensor (deduplicated by storage) that is not a
-    parameter or buffer; with selective checkpointing, also the outputs the policy chooses to keep."""
-    constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    kept: dict[int, int] = {}
-
-    def note(t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in constant:
-            kept[storage.data_ptr()] = storage.nbytes()
-
-    def policy(ctx, op, *args, **kwargs):
-        if op in SAVED_OPS:
-            outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            for t in outs:
-                if isinstance(t, torch.Tensor):
-                    note(t)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    for layer in model.layers.values():
-        if mode == "full":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
-        elif mode == "selective":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
-                                    context_fn=partial(create_selective_checkpoint_contexts, policy))
-
-    def pack(t):
-        note(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(kept.values())
 
 
 def _small():
@@ -177,7 +137,7 @@ def test_activation_memory_matches_saved_tensors(mode):
     def run():
         F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
-    measured = _measure_saved(model, run, mode)
+    measured = measure_saved(model, run, mode)
     # CPU RMSNorm is the composite kernel (saves x * rstd too)
     training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False)
     plan = Plan(micro_batch=b, activation_checkpoint=mode)
@@ -198,7 +158,7 @@ def test_activation_memory_under_autocast_matches_saved_tensors():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten() + 0)
 
-    measured = _measure_saved(model, run, "none")
+    measured = measure_saved(model, run, "none")
     training = Training(seq_len=s, global_batch=b, precision="bf16", layout="torch", fused_rmsnorm=False)
     plan = Plan(micro_batch=b)
     mem = stage_memory(args, training, plan, 0)
@@ -232,7 +192,7 @@ def test_tensor_parallel_rank_activations(tp):
             x = layer(x, model.rope[:, :s])
         x.sum()
 
-    measured = _measure_saved(model, run, "none")
+    measured = measure_saved(model, run, "none")
     training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False)
     predicted = args.n_layers * layer_activation_bytes(args, training, Plan(tp=tp, micro_batch=b))
     assert predicted == pytest.approx(measured, rel=0.10)
@@ -741,21 +701,13 @@ def test_pipeline_time_follows_the_rank_with_the_most_blocks():
 def test_block_operator_count_is_the_blocks_own_forward_and_backward():
     # opcount takes a block's operators as the difference between a 2-block and a 1-block model; counted here on
     # a lone block instead (its input needs a gradient, as inside the model), at another size
-    from shardwise.model import TransformerBlock, rotary_table
+    from shardwise.model import TransformerBlock
     from shardwise.model_args import ModelArgs
-    from shardwise.planner.opcount import OpCounter
     from shardwise.planner.operators import op_counts
 
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
     block = TransformerBlock(args)
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    rope = rotary_table(args.head_dim, 32, args.rope_theta)
-    block(x, rope).sum().backward()  # warm-up
-    with OpCounter() as with_block:
-        block(x, rope).sum().backward()
-    with OpCounter() as without:
-        x.sum().backward()
-    assert with_block.calls - without.calls == op_counts(args).block
+    assert block_op_calls(block, args) == op_counts(args).block
 
 
 def test_optimizer_traffic_per_parameter_holds_at_another_size():

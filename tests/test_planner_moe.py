@@ -9,18 +9,16 @@ import functools
 import json
 import math
 import re
-from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardwise.hardware import GiB
 from shardwise.layout import LAYOUT_KEYS, Layout, parse_layout
-from shardwise.model import TransformerBlock, build_model, init_value, materialize, rotary_table
+from shardwise.model import TransformerBlock, build_model, init_value, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.moe import GroupedExperts, Router
 from shardwise.planner import Accelerator, Cluster, Plan, PlannerError, Training, accelerator, evaluate, search
@@ -34,6 +32,8 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.search import expert_degrees
 from shardwise.planner.timing import stage_cost
+
+from probes import block_op_calls, measure_saved
 
 H100 = accelerator("h100")
 IDEAL = Accelerator("ideal", 1e12, {"fp32": 1e12, "bf16": 1e12}, mem_bandwidth=math.inf, intra_node_bw=1e9,
@@ -147,48 +147,6 @@ def test_plan_output_shows_total_and_active_parameters(capsys):
 # Activations: what the real MoE block saves for backward
 
 
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, torch.ops.aten._grouped_mm.default}
-"""The engine's selective policy (shardwise.activation_checkpoint) with the experts' grouped GEMMs, which the
-planner assumes the engine keeps too."""
-
-
-def _measure_saved(model, run, mode: str, exclude=()) -> int:
-    """Bytes held for backward after `run()`: every saved tensor (deduplicated by storage) that is not a parameter,
-    a buffer or in `exclude`; with selective checkpointing, also the outputs the policy keeps."""
-    constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *exclude]}
-    kept: dict[int, int] = {}
-
-    def note(t: torch.Tensor) -> None:
-        if hasattr(t, "wait"):  # the expert exchange's functional collectives return tensors to wait on
-            t = t.wait()
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in constant:
-            kept[storage.data_ptr()] = storage.nbytes()
-
-    def policy(ctx, op, *args, **kwargs):
-        if op in SAVED_OPS:
-            outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            for t in outs:
-                if isinstance(t, torch.Tensor):
-                    note(t)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    for layer in model.layers.values():
-        if mode == "full":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
-        elif mode == "selective":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
-                                    context_fn=partial(create_selective_checkpoint_contexts, policy))
-
-    def pack(t):
-        note(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(kept.values())
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -207,7 +165,7 @@ def test_moe_activation_memory_matches_saved_tensors(mode, precision, moe):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten() + 0)
 
-    measured = _measure_saved(model, run, mode)
+    measured = measure_saved(model, run, mode)
     training = Training(seq_len=s, global_batch=b, precision=precision, fused_rmsnorm=False)
     plan = Plan(micro_batch=b, activation_checkpoint=mode)
     blocks = layer_activation_bytes(args, training, plan) + 2 * layer_activation_bytes(args, training, plan, moe=True)
@@ -243,7 +201,7 @@ def test_expert_exchange_saves_what_the_planner_counts_under_expert_parallelism(
         for layer in model.layers.values():
             x = layer(x, model.rope[:, :s])
 
-    measured = _measure_saved(model, run, "none", exclude=[h])
+    measured = measure_saved(model, run, "none", exclude=[h])
     training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False, expert_imbalance=1.0)
     plan = Plan(micro_batch=b, dp_shard=2, zero_stage=3, ep=2)
     block_input = b * s * args.dim * 4  # the first block's input is `h`, left out of the measurement
@@ -392,7 +350,6 @@ def test_pinned_moe_operator_counts_are_what_the_model_dispatches(moe, gqa):
 def test_moe_block_operator_count_is_the_blocks_own_forward_and_backward():
     """opcount takes an MoE block's operators as the difference between a 2-block and a 1-block tiny model; counted
     here on a lone MoE block of another size (its input needs a gradient, as inside the model)."""
-    from shardwise.planner.opcount import OpCounter
     from shardwise.planner.operators import op_counts
 
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32, n_experts=16, top_k=4,
@@ -401,14 +358,7 @@ def test_moe_block_operator_count_is_the_blocks_own_forward_and_backward():
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     block.moe.reset_buffers()
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    rope = rotary_table(args.head_dim, 32, args.rope_theta)
-    block(x, rope).sum().backward()  # warm-up
-    with OpCounter() as with_block:
-        block(x, rope).sum().backward()
-    with OpCounter() as without:
-        x.sum().backward()
-    assert with_block.calls - without.calls == op_counts(args).moe_block
+    assert block_op_calls(block, args) == op_counts(args).moe_block
 
 
 # ---------------------------------------------------------------------------------------------------
