@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from shardwise.errors import CheckpointError
 from shardwise.lora import adapter_spec, is_adapter
 from shardwise.model import canonical_name
-from shardwise.model_args import ModelArgs
+from shardwise.model_args import ModelArgs, network_fields
 from shardwise.parallel.data_parallel import (
     optimizer_load_targets,
     optimizer_name,
@@ -67,9 +67,6 @@ VERSION = 1
 META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _REPLACED_DIR = re.compile(r"step_(\d+)\.old")
-# fields of ModelArgs that change a parameter's shape, or what the weights mean
-_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "tie_embeddings",
-                 "n_experts", "top_k", "moe_ffn_hidden", "n_shared_experts", "n_dense_layers", "score_func")
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -459,10 +456,10 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
         raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
                               f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
     saved = meta.get("model", {})
-    # a field newer than the checkpoint has its default there (a dense model's n_experts = 0)
-    written = {f: saved.get(f, ModelArgs.__dataclass_fields__[f].default) for f in _SHAPE_FIELDS}
-    diffs = [f"{f} {written[f]} vs {getattr(model_args, f)}" for f in _SHAPE_FIELDS
-             if written[f] != getattr(model_args, f)]
+    # a field newer than the checkpoint takes its default there (a dense model's n_experts = 0)
+    written = ModelArgs(**{k: v for k, v in saved.items() if k in ModelArgs.__dataclass_fields__})
+    diffs = [f"{f} {getattr(written, f)} vs {getattr(model_args, f)}" for f in network_fields(model_args)
+             if getattr(written, f) != getattr(model_args, f)]
     if diffs:
         raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
                               "set the [model] config to the checkpoint's shape, or start a new run folder")

@@ -24,7 +24,7 @@ import torch
 
 from shardwise.config import LoraConfig
 from shardwise.lora import LoRALinear, full_value, is_adapter
-from shardwise.model_args import ModelArgs, args_from_hf_config
+from shardwise.model_args import ModelArgs, args_from_hf_config, network_fields
 
 # ours -> transformers, for the per-layer parameters ({i} is the layer index)
 _LAYER_NAMES = {
@@ -326,7 +326,7 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
     theirs = args_from_hf_config(json.loads((folder / "config.json").read_text()))
     ours = parts[0].args
     diffs = [f"{f} {getattr(theirs, f)} vs {getattr(ours, f)}"
-             for f in _network_fields(ours) if getattr(theirs, f) != getattr(ours, f)]
+             for f in network_fields(ours) if getattr(theirs, f) != getattr(ours, f)]
     if diffs:
         raise ValueError(f"{folder} holds another model shape (folder vs this model: {', '.join(diffs)}); "
                          "fix: build the model from the folder's config (args_from_hf_config)")
@@ -334,17 +334,6 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
         files = [stack.enter_context(safe_open(str(f), framework="pt")) for f in _hf_files(folder)]
         _copy_into(parts, {key: f for f in files for key in f.keys()}, folder)
     return theirs
-
-
-def _network_fields(args: ModelArgs) -> list[str]:
-    """The ModelArgs fields that must agree for a folder's weights to be this network's."""
-    fields = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings", "n_experts",
-              "n_shared_experts", "n_dense_layers"]
-    if args.n_moe_layers < args.n_layers:  # some block has the dense MLP
-        fields.append("ffn_hidden")
-    if args.n_experts:
-        fields += ["expert_hidden", "top_k", "score_func", "route_norm", "route_scale"]
-    return fields
 
 
 @torch.no_grad()

@@ -162,6 +162,18 @@ def num_params(args: ModelArgs, *, embedding: bool = True, active: bool = False)
     return total
 
 
+def network_fields(args: ModelArgs) -> list[str]:
+    """The fields (or properties) of `args` that weights for it must agree on: what a checkpoint or a Hugging Face
+    folder is checked against (the names, norm epsilon and rotary base may differ)."""
+    fields = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings", "n_experts",
+              "n_shared_experts", "n_dense_layers"]
+    if args.n_moe_layers < args.n_layers:  # some block has the dense MLP
+        fields.append("ffn_hidden")
+    if args.n_experts:
+        fields += ["expert_hidden", "top_k", "score_func", "route_norm", "route_scale"]
+    return fields
+
+
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 """A block's linears: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
 

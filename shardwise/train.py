@@ -166,12 +166,15 @@ def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[
                       grad_clip=cfg.optim.grad_clip, global_tokens=global_tokens, runtime=runtime)
 
 
-def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, global_tokens: int) -> dict[str, float]:
-    """Move the experts' balancing biases (model.bias_update_rate) and return the step's routing metrics: the mean
-    balancing loss per MoE layer and sequence, and the share of (token, expert) pairs capacity dropped.
-    Collective over every rank (each pipeline stage holds other layers)."""
+def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, global_tokens: int,
+                   logged: bool) -> dict[str, float]:
+    """Move the experts' balancing biases (model.bias_update_rate); on a `logged` step also return its routing
+    metrics: the mean balancing loss per MoE layer and sequence, and the share of (token, expert) pairs capacity
+    dropped (a collective over every rank: each pipeline stage holds other layers)."""
     group = runtime.mesh.grad_reduce.get_group() if runtime.mesh and runtime.grad_reduce_size > 1 else None
     stats = end_of_step(parts, cfg.model.bias_update_rate, group)
+    if not logged:
+        return {}
     stats = torch.zeros(3, device=runtime.device) if stats is None else stats
     if runtime.world_size > 1:
         dist.all_reduce(stats)
@@ -348,7 +351,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             result = training_step(model, optimizer, scaler, batches, cfg, runtime, tokens_per_step)
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
-        routing = moe_after_step(parts, cfg, runtime, tokens_per_step) if cfg.model.n_experts else {}
+        logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
+        routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
         schedule.step()
         meter.add(time.perf_counter() - start)
         samples.log(step, batches)
@@ -361,7 +365,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                 f"{runtime.env.rank}; stopped with the last good checkpoint kept (train.max_nonfinite_steps = "
                 f"{cfg.train.max_nonfinite_steps} allows skipping some)"
             )
-        if step % cfg.metrics.log_every == 0 or step == cfg.train.steps:
+        if logged:
             writer.log(step, meter.values(result, schedule, scaler) | summary["comm"] | routing)
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
             summary["val_loss"] = evaluate(model, val, device, cfg.train.precision, runtime)

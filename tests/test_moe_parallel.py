@@ -85,15 +85,16 @@ def _train(out, steps, *extra, nproc):
                 "--set=train.global_batch=16", *[f"--set={e}" for e in extra])
 
 
-def _losses(out):
+def _logged(out, key="loss"):
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if key in r}
 
 
 @pytest.mark.multiprocess
 def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
-    """4 steps on dp_shard 2 x ep 2, then on with 4 ranks at ep 4 (the same global batch): the same losses as 6
-    steps at ep 4 throughout (the expert bias, moved every step, is restored with the weights)."""
+    """4 steps on dp_shard 2 x ep 2, then on with 4 ranks at ep 4 (the same global batch): the same losses and
+    balancing-loss metric as 6 steps at ep 4 throughout (the expert bias, moved every step, is restored with the
+    weights; the metric is summed over ranks whichever layout routes)."""
     split, whole = tmp_path / "split", tmp_path / "whole"
     first = _train(split, 6, "parallel.dp_shard=2", "parallel.ep=2", "train.stop_after=4", nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -102,9 +103,10 @@ def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
     assert "resumed after step 4" in second.stdout
     reference = _train(whole, 6, "parallel.dp_shard=4", "parallel.ep=4", nproc=4)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    got, want = _losses(split), _losses(whole)
-    assert sorted(got) == sorted(want) == list(range(1, 7))
-    assert [got[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
+    for key in ("loss", "moe/aux_loss"):
+        got, want = _logged(split, key), _logged(whole, key)
+        assert sorted(got) == sorted(want) == list(range(1, 7))
+        assert [got[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
 
 
 @pytest.mark.parametrize("sets, field", [

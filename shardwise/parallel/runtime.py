@@ -104,7 +104,8 @@ class Runtime:
         if not self.mesh:
             return str(self.device)
         p = self.cfg.parallel
-        dims = [f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if getattr(p, d) > 1]
+        degrees = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+        dims = [f"{d}={getattr(p, d)}" for d in degrees if getattr(p, d) > 1]
         offload = [f"{p.offload} offload"] if p.offload != "none" else []
         return f"{self.world_size} x {self.device.type} ({', '.join([*dims, f'ZeRO-{p.zero_stage}', *offload])})"
 
