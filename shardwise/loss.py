@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.model_args import head_rows
+
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype autocast runs matmuls in, so the dtype of the logits: fp32, or the low precision of bf16/fp16."""
@@ -44,6 +46,66 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Summed so that micro-batches and ranks add up: the caller divides by the global batch's token count.
     """
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sum(hidden @ weight.T, targets)` without the logits: the output head and the cross-entropy
+    fused, a block of tokens at a time (Liger-Kernel's fused linear cross-entropy, in PyTorch operators).
+
+    The logits of the whole micro-batch (tokens x vocabulary, fp32) are the step's largest tensors, and the plain
+    path writes four of them (logits, log-probabilities, and in backward the gradients of both). Here each block
+    of rows is made, turned into its gradient (softmax minus the one-hot target) and multiplied out into the
+    gradients of `hidden` and `weight` while it is in cache, in the forward; the backward only scales them. One
+    log-softmax pass instead of three, and no vocabulary-wide tensor outlives its block. Under autocast the
+    matmuls run in its dtype and the softmax in fp32, as on the plain path; the weight gradient is accumulated
+    in fp32 over the blocks. `hidden` (..., dim), `targets` (...); `weight` (vocab, dim) a plain tensor.
+    """
+    device = hidden.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    with torch.autocast(device.type, enabled=False):
+        return _HeadLoss.apply(hidden.flatten(0, -2), weight, targets.flatten(), dtype, torch.is_grad_enabled())
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype, with_grad):
+        h, w = hidden.to(dtype), weight.to(dtype)
+        grad_h = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad and weight.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = head_rows(h.shape[0], h.shape[1], w.shape[0])
+        for start in range(0, h.shape[0], rows):
+            h_c, t_c = h[start:start + rows], targets[start:start + rows, None]
+            log_p = torch.log_softmax(torch.mm(h_c, w.t()).float(), dim=1)
+            total -= log_p.gather(1, t_c).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            grad = log_p.exp_()  # d(-log p_t)/d logits = softmax - one_hot(t)
+            grad.scatter_add_(1, t_c, torch.full(t_c.shape, -1.0, device=grad.device))
+            grad = grad.to(dtype)
+            if grad_h is not None:
+                if grad.dtype == grad_h.dtype:
+                    torch.mm(grad, w, out=grad_h[start:start + rows])
+                else:
+                    grad_h[start:start + rows] = torch.mm(grad, w)
+            if grad_w is not None:
+                if grad.dtype == grad_w.dtype:
+                    grad_w.addmm_(grad.t(), h_c)
+                else:
+                    grad_w += torch.mm(grad.t(), h_c)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        # scaled in place, as Liger-Kernel does, so no second copy of the weight gradient is made: a second
+        # backward through a retained graph would scale them twice (nothing in shardwise retains it)
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = grad_h.mul_(grad_total) if grad_h is not None else None
+        grad_w = grad_w.mul_(grad_total).to(ctx.weight_dtype) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None
 
 
 def scale_for_gradient_sum(loss: torch.Tensor, grad_reduce_size: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise import nf4
+from shardwise.loss import head_loss_sum
 from shardwise.model_args import ModelArgs
 from shardwise.moe import MoE
 
@@ -39,11 +40,43 @@ def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> 
 
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the table rows of its positions (rope: (2, seq, head_dim))."""
-    cos, sin = rope[0].to(x.dtype), rope[1].to(x.dtype)
+    """Rotate (batch, seq, heads, head_dim) by the table rows of its positions (rope: (2, seq, head_dim)).
+
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) for the halves x1, x2 of the head: written
+    as one autograd function on the halves, since the table's two halves are equal. The composite (a
+    concatenation, a negation and three full-width products and sums, and their backward) makes five
+    temporaries of x's size per call; this makes none, and its backward is the inverse rotation.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    table = rope[:, :, None, :half].to(x.dtype)  # (2, seq, 1, half): broadcast over the heads
+    if torch.compiler.is_compiling():  # inductor fuses the plain form into one kernel (and cannot trace out=)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * table[0] - x2 * table[1], x2 * table[0] + x1 * table[1]], dim=-1)
+    return _Rotate.apply(x, table[0], table[1])
+
+
+class _Rotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, torch.empty_like(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin, torch.empty_like(grad)), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """(x1 cos - x2 sin, x2 cos + x1 sin) for the halves x1, x2 of the last dimension, written to `out`."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=out1)
+    out1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2)
+    out2.addcmul_(x1, sin)
+    return out
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -65,14 +98,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         # the table may be longer than this sequence (the whole rotary table, when the caller cannot know the
         # sequence length: under sequence parallelism the block's input holds 1/tp of it)
         rope = rope[:, :seq]
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.attention_fn(q, k, v)
+        # (batch, heads, seq, head_dim) views of sequence-major storage: attention's output comes back in that
+        # layout, so the transpose below is a view and the output projection saves attention's output itself
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -118,6 +153,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # recomputed, never saved: it is a function of the shape, so checkpoints carry only weights
         self.register_buffer("rope", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        # forward(targets=...) returns the loss with the head fused into it (shardwise.loss.head_loss_sum); the
+        # trainer sets it where the head stays a plain linear (fuse_head_loss)
+        self.fused_loss = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -125,8 +163,11 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for (batch, seq) token ids; `positions` (seq,) selects rotary rows when the sequence is a slice.
+        Given `targets` (batch, seq) (only with `fused_loss`): their summed token cross-entropy instead, computed
+        with the output head (`shardwise.loss.head_loss_sum`), so that the logits are never made whole.
 
         A pipeline stage may have no embedding (it then takes hidden states) or no output head (it then
         returns hidden states); on one device both are present.
@@ -137,8 +178,22 @@ class Transformer(nn.Module):
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
+        if targets is not None:
+            return head_loss_sum(h, self.output.weight, targets)
         return self.output(h) if self.output is not None else h
 
+
+def fuse_head_loss(model: Transformer) -> None:
+    """Let `model` compute the loss with its head fused (Transformer.fused_loss) if the head is a plain linear:
+    an nn.Linear without bias on a plain weight, not a tensor-parallel DTensor, an NF4 tensor or a LoRA adapter,
+    whose own forward must run. Call after those transforms and before data parallelism: FSDP shards the weight
+    between forwards, and gathers it back as a plain tensor for the root module's forward, where the loss runs.
+
+    The fused loss runs inside the model's forward, the unfused one after it on the logits: a forward whose output
+    is the loss starts FSDP's backward (and its prefetch of the last block) before the loss's backward, which is
+    negligible when fused and the step's largest working set when not."""
+    head = model.output
+    model.fused_loss = type(head) is nn.Linear and head.bias is None and type(head.weight.data) is torch.Tensor
 
 def build_model(args: ModelArgs) -> Transformer:
     """The model on the meta device: shapes only, no memory. Materialise with `materialize`."""

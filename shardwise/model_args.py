@@ -242,3 +242,9 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **moe,
     )
+
+
+def head_rows(tokens: int, dim: int, vocab: int) -> int:
+    """Rows per block of shardwise.loss.head_loss_sum: its logits no larger than the hidden states (Liger-Kernel's
+    rule), and at least 128 rows (a narrower matmul wastes the accelerator)."""
+    return min(tokens, max(128, -(-tokens * dim // vocab)))

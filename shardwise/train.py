@@ -71,12 +71,14 @@ def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradS
 def loss_sum(
     model: nn.Module, batch: data.Batch, device: torch.device, precision: str, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """One micro-batch through `model` under the precision's autocast: its summed fp32 token cross-entropy."""
-    with autocast_context(precision, device):
-        tokens = batch.inputs.to(device, non_blocking=True)
-        logits = model(tokens) if positions is None else model(tokens, positions)
+    """One micro-batch through `model` under the precision's autocast: its summed fp32 token cross-entropy, the
+    head fused with the loss when the model allows it (Transformer.fused_loss)."""
+    tokens = batch.inputs.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
-    return token_loss_sum(logits, targets)
+    fused = getattr(model, "fused_loss", False)
+    with autocast_context(precision, device):
+        out = model(tokens, positions, targets=targets if fused else None)
+    return out if fused else token_loss_sum(out, targets)
 
 
 def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

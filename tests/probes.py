@@ -119,3 +119,34 @@ def block_op_calls(block: torch.nn.Module, args, seq: int = 32) -> int:
     with OpCounter() as without:
         x.sum().backward()
     return with_block.calls - without.calls
+
+
+class MatmulFlops(TorchDispatchMode):
+    """2 x (rows x contracted x columns) of every mm, addmm and grouped GEMM dispatched, forward and backward,
+    the out= and in-place forms included (the fused head writes its input gradient with mm(out=) and accumulates
+    its weight gradient with addmm_, which torch's FlopCounterMode does not count)."""
+
+    MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten._grouped_mm.default}
+    ACCUMULATING = {torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.MATMULS or func in self.ACCUMULATING:
+            a = args[0] if func in self.MATMULS else args[1]  # (rows, contracted); rows split into groups
+            self.flops += 2 * a.shape[0] * a.shape[1] * out.shape[-1]
+        return out
+
+
+def engine_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's summed loss as the trainer computes it (shardwise.train.loss_sum), the head fused with
+    the loss where the engine fuses it (a single-device model: shardwise.model.fuse_head_loss)."""
+    from shardwise.data import Batch
+    from shardwise.model import fuse_head_loss
+    from shardwise.train import loss_sum
+
+    fuse_head_loss(model)
+    return loss_sum(model, Batch(tokens, targets, []), tokens.device, "fp32")

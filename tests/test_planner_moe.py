@@ -13,8 +13,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.hardware import GiB
 from shardwise.layout import LAYOUT_KEYS, Layout, parse_layout
@@ -33,7 +31,7 @@ from shardwise.planner.memory import (
 from shardwise.planner.search import expert_degrees
 from shardwise.planner.timing import stage_cost
 
-from probes import block_op_calls, measure_saved
+from probes import MatmulFlops, block_op_calls, engine_loss, measure_saved
 
 H100 = accelerator("h100")
 IDEAL = Accelerator("ideal", 1e12, {"fp32": 1e12, "bf16": 1e12}, mem_bandwidth=math.inf, intra_node_bw=1e9,
@@ -163,7 +161,7 @@ def test_moe_activation_memory_matches_saved_tensors(mode, precision, moe):
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten() + 0)
+            engine_loss(model, tokens, tokens + 0)
 
     measured = measure_saved(model, run, mode)
     training = Training(seq_len=s, global_batch=b, precision=precision, fused_rmsnorm=False)
@@ -213,21 +211,6 @@ def test_expert_exchange_saves_what_the_planner_counts_under_expert_parallelism(
 # Time: the FLOPs the real model dispatches, the all-to-all volume, tensor parallelism
 
 
-class MatmulFlops(TorchDispatchMode):
-    """2 x (rows x contracted x columns) of every mm and grouped GEMM dispatched, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default):
-            a = args[0]  # (rows, contracted), rows split into groups where the output is per group
-            self.flops += 2 * a.shape[0] * a.shape[1] * out.shape[-1]
-        return out
-
-
 def test_moe_matmul_time_counts_the_flops_the_model_runs():
     """With attention and elementwise work free, compute time x peak is the mm and grouped-GEMM FLOPs of a real
     forward + backward: the router, top_k experts per token, the shared expert, the dense block, attention's
@@ -237,7 +220,7 @@ def test_moe_matmul_time_counts_the_flops_the_model_runs():
     materialize(model, args, "cpu", 0)
     tokens = torch.randint(0, args.vocab_size, (b, s))
     with MatmulFlops() as counter:
-        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        engine_loss(model, tokens, tokens).backward()
     t = evaluate(args, Training(seq_len=s, global_batch=b, precision="fp32"), Plan(micro_batch=b),
                  Cluster(IDEAL, 1)).time
     assert t.compute_s * 1e12 == pytest.approx(counter.flops, rel=1e-9)

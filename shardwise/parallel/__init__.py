@@ -16,6 +16,7 @@ from torch import nn
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.config import JobConfig
 from shardwise.distributed import before_shutdown
+from shardwise.model import fuse_head_loss
 from shardwise.parallel.data_parallel import apply_data_parallel
 from shardwise.parallel.mesh import MeshView
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel
@@ -48,5 +49,7 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
     if t.compile:
         for block in model.layers.values():
             block.compile()
+    if p.pp == 1:  # a pipeline's last stage computes the loss in the schedule (pipeline_loss)
+        fuse_head_loss(model)
     if mesh is not None:
         apply_data_parallel(model, mesh, p)

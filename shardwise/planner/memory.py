@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from shardwise.hardware import GiB
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
-from shardwise.model_args import ModelArgs, projection_shapes
+from shardwise.model_args import ModelArgs, head_rows, projection_shapes
 from shardwise.planner.experts import kept_share, routed_per_token
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import FULL_PRECISION_STATE_BYTES, OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
@@ -487,9 +487,9 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
         recompute = "none"
     total += tokens * _per_token(args, training, plan, recompute, moe)
     if recompute == "none" and training.act_bytes != 4:
-        # apply_rotary casts the fp32 cos/sin table to the activation dtype for q and for k: 4 (seq, head_dim)
-        # copies per block, independent of the batch
-        total += 4 * seq / plan.cp * args.head_dim * training.act_bytes
+        # apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q and for
+        # k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch
+        total += 2 * seq / plan.cp * args.head_dim * training.act_bytes
     return total
 
 
@@ -515,13 +515,30 @@ def _remember(memo: dict, key: tuple, value):
 
 
 def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_len: int | None = None) -> float:
-    """Last stage: final norm + output head input + the loss's saved fp32 log-probabilities + targets."""
+    """Last stage: the final norm, and the output head with the loss. Unfused: the head's input, the loss's
+    saved fp32 log-probabilities and the int64 targets. Fused (fused_head): the gradients the fused head and loss
+    make in forward and keep for backward, that of the norm output (in the stream's dtype) and, when the head
+    trains, that of its weight (fp32: head_weight_grad_bytes)."""
     tokens = plan.micro_batch * (seq_len or training.seq_len) / plan.cp
     terms = _norm_terms("final_norm", args.dim, training, autocast_copies=1)
+    if fused_head(training, plan):
+        per_token = sum(term_bytes(t, args, training, plan) for t in terms[:-1])  # the output is not saved
+        return (per_token + args.dim * training.stream_bytes) * tokens + head_weight_grad_bytes(args, training, plan)
     per_token = sum(term_bytes(t, args, training, plan) for t in terms)
     per_token += 4 * loss_vocab(args, training, plan)  # log_softmax output, fp32
     per_token += 8  # int64 targets
     return per_token * tokens
+
+
+def fused_head(training: Training, plan: Plan) -> bool:
+    """shardwise's engine fuses the output head with the loss (shardwise.loss.head_loss_sum) wherever the head is
+    a plain linear (shardwise.model.fuse_head_loss): without tensor parallelism, outside a pipeline."""
+    return training.layout == "torch" and plan.tp == 1 and plan.pp == 1
+
+
+def head_weight_grad_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """The fused head's weight gradient (fp32), made in the loss's forward; none when the head is frozen (LoRA)."""
+    return 0.0 if training.lora_rank or not fused_head(training, plan) else args.vocab_size * args.dim * 4.0
 
 
 def loss_vocab(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -614,11 +631,21 @@ def routed_copy_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
 
 
 def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """Last stage, inside the loss's backward: the fp32 gradient of the log-probabilities and the fp32 gradient of
-    the logits that log_softmax's backward writes, both `loss_vocab` wide (the log-probabilities themselves are
-    saved activations; the low-precision logits and their fp32 upcast are saved by nothing and freed when the
-    forward returns)."""
+    """Last stage, the loss's largest working set. Unfused: inside its backward, the fp32 gradient of the
+    log-probabilities and the fp32 gradient of the logits that log_softmax's backward writes, both `loss_vocab`
+    wide (the log-probabilities themselves are saved activations; the low-precision logits and their fp32 upcast
+    are saved by nothing and freed when the forward returns). Fused (fused_head): inside its forward, a block of
+    rows (shardwise.loss.head_rows) at its largest: its fp32 logits and log-probabilities; under mixed precision,
+    if larger, its fp32 gradient, that gradient in the compute dtype and the block's weight-gradient product in
+    the compute dtype before it is added to the fp32 sum; and under mixed precision the compute-dtype copies of
+    the head's input and weight throughout."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
+    if fused_head(training, plan):
+        v, d, e = args.vocab_size, args.dim, training.act_bytes
+        block = head_rows(int(tokens), d, v) * v
+        if not training.mixed:
+            return block * (4 + 4)
+        return max(block * (4 + 4), block * (4 + e) + v * d * e) + (tokens + v) * d * e
     return tokens * loss_vocab(args, training, plan) * (4 + 4)
 
 
@@ -638,7 +665,7 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
         shape = stage_shape(args, plan, stage, training.seq_len)
         n += shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers else \
             shape.layers * (layer_params(args, plan.tp) - 2 * args.dim)
-    if stage == head_rank(plan):
+    if stage == head_rank(plan) and not fused_head(training, plan):  # the fused head's copy is not saved
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
 
@@ -760,19 +787,25 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     out = {}
     if last:
-        out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m,
-                                "compute_copies": acts["copies"] * m, "backward_and_logits": acts["logits"],
+        # the fused head's working set is made inside the forward, among its activations (fused_head)
+        work = acts["logits"], 0.0
+        if fused_head(training, plan):
+            work = 0.0, acts["logits"]
+        out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m + work[1],
+                                "compute_copies": acts["copies"] * m, "backward_and_logits": work[0],
                                 "fsdp_buffers": held_early}
     # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
     # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
     # reduce-scattered are autograd's, not its buffers
     # (recomputed tensors are made in backward: the tracker sees them as temporaries)
     bwd = acts["block_backward"]
-    fresh_grads = head_p * grad_bytes + bwd["weight_grad"]
+    # the fused head's weight gradient was made in forward (an activation until its backward hands it over)
+    head_grad = acts["head_weight_grad"]
+    fresh_grads = head_p * grad_bytes - head_grad + bwd["weight_grad"]
     rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
     out["first_block_backward"] = {
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
-        "activations": acts["activations"] * m - acts["head"]
+        "activations": acts["activations"] * m - acts["head"] + head_grad
         - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
         "compute_copies": acts["copies"] * m - acts["head_copy"],
         "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
@@ -831,9 +864,11 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
         if stage == 0:
             per_mb += embedding_activation_bytes(training, plan)
         copies = weight_copy_bytes(args, training, plan, stage)
-        head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes if last and copies else 0.0
+        head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes \
+            if last and copies and not fused_head(training, plan) else 0.0
         cached = _remember(_ACTIVATIONS, key, {
             "activations": per_mb + head, "head": head, "copies": copies,
+            "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
             "block_backward": block_backward_bytes(args, training, plan, shape.last_moe)})
     return cached

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
 from shardwise.loss import token_loss_sum
-from shardwise.model import Transformer
+from shardwise.model import Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
 from shardwise.planner.operators import OpCounts, moe_structure
 
@@ -82,10 +82,14 @@ def tiny_args(args: ModelArgs, n_layers: int = 1) -> ModelArgs:
 
 
 def micro_batch(model: Transformer, args: ModelArgs) -> None:
-    """One forward + backward as the engine runs it (fp32 logits, summed token cross-entropy)."""
+    """One forward + backward as the engine runs it (summed token cross-entropy; the head fused with it, as the
+    engine runs a plain head: shardwise.model.fuse_head_loss)."""
     tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
-    logits = model(tokens)
-    token_loss_sum(logits, tokens).backward()
+    fuse_head_loss(model)
+    if model.fused_loss:
+        model(tokens, targets=tokens).backward()
+    else:
+        token_loss_sum(model(tokens), tokens).backward()
 
 
 def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
