@@ -2,12 +2,14 @@
 
 What it measures. torchtitan's llama3 debug model (6,163,712 parameters: dim 256, 6 layers, 16 heads, vocab
 2048) and the shardwise job written to match it (peer_torchtitan/sw_debug.toml), both trained for --steps
-steps on 8 sequences x 1024 tokens per step, fp32 (bf16 for the bf16 layout), no compile, no activation
-checkpointing, in the layouts:
+steps on 8 sequences x 1024 tokens per step, fp32 (bf16 for the bf16 layout), no compile (except in the
+compile layouts), no activation checkpointing, in the layouts:
 
     single   one process                      fsdp  FSDP 2 (ZeRO-3)        tp   TP 2 + sequence parallel
     ddp      data parallel 2 (replicated)     pp    PP 2, 1F1B, 4 x 2 seq  bf16 one process, bf16
     tp_nosp  TP 2 without sequence parallel (not run unless named in --layouts)
+    compile  one process, each block compiled with torch.compile (inductor; both systems compile the blocks only)
+    fsdp_compile  FSDP 2 with the blocks compiled (compile layouts: not run unless named in --layouts)
 
 Each repetition runs the two systems back to back, torchtitan first on odd repetitions and shardwise first on
 even ones, each after the machine's 1-minute load average fell below 1.0. The runs share --cores cores
@@ -96,6 +98,12 @@ LAYOUTS = {
                           "--parallelism.no-enable-sequence-parallel"),
                       ("parallel.tp=2", "parallel.sequence_parallel=false", "train.micro_batch=8")),
 }
+# torch.compile of each block: torchtitan's "model" component compiles the blocks one by one, as train.compile does
+TITAN_COMPILE = ("--compile.enable", "--compile.components", "model")
+LAYOUTS["compile"] = Layout(1, (*LAYOUTS["single"].titan, *TITAN_COMPILE), (*LAYOUTS["single"].shardwise,
+                                                                           "train.compile=true"))
+LAYOUTS["fsdp_compile"] = Layout(2, (*LAYOUTS["fsdp"].titan, *TITAN_COMPILE), (*LAYOUTS["fsdp"].shardwise,
+                                                                               "train.compile=true"))
 DEFAULT_LAYOUTS = ["single", "fsdp", "tp", "ddp", "pp", "bf16"]
 
 
