@@ -195,6 +195,7 @@ def fuse_head_loss(model: Transformer) -> None:
     head = model.output
     model.fused_loss = type(head) is nn.Linear and head.bias is None and type(head.weight.data) is torch.Tensor
 
+
 def build_model(args: ModelArgs) -> Transformer:
     """The model on the meta device: shapes only, no memory. Materialise with `materialize`."""
     with torch.device("meta"):
