@@ -67,9 +67,11 @@ SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
 kernels and the experts' grouped GEMMs, which the planner assumes the engine keeps."""
 
 
-def measure_saved(model, run, mode: str, exclude=()) -> int:
+def measure_saved(model, run, mode: str, exclude=(), alternate: bool = False) -> int:
     """Bytes held for backward after `run()`: every saved tensor (deduplicated by storage) that is not a parameter,
-    a buffer or in `exclude`; with selective checkpointing, also the outputs the policy keeps."""
+    a buffer or in `exclude`; with selective checkpointing, also the outputs the policy keeps. `alternate`: the
+    selective policy is torchtitan's op-level one, which recomputes every second mm of a block instead of saving it
+    (torchtitan/distributed/activation_checkpoint.py: "Saves output of all compute ops, except every second mm")."""
     constant = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *exclude]}
     kept: dict[int, int] = {}
 
@@ -80,21 +82,32 @@ def measure_saved(model, run, mode: str, exclude=()) -> int:
         if storage.data_ptr() not in constant:
             kept[storage.data_ptr()] = storage.nbytes()
 
-    def policy(ctx, op, *args, **kwargs):
-        if op in SAVED_OPS:
-            outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-            for t in outs:
-                if isinstance(t, torch.Tensor):
-                    note(t)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    def make_policy():
+        mm_calls = [0]
+
+        def policy(ctx, op, *args, **kwargs):
+            if alternate and op == torch.ops.aten.mm.default:
+                mm_calls[0] += 1
+                if mm_calls[0] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            if op in SAVED_OPS:
+                outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+                for t in outs:
+                    if isinstance(t, torch.Tensor):
+                        note(t)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    def contexts():
+        return create_selective_checkpoint_contexts(make_policy())
 
     for layer in model.layers.values():
         if mode == "full":
             layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
         elif mode == "selective":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
-                                    context_fn=partial(create_selective_checkpoint_contexts, policy))
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=contexts)
 
     def pack(t):
         note(t)

@@ -19,7 +19,8 @@ from shardwise.model_args import num_params
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan
 from shardwise.planner.search import Evaluation, evaluate, search
-from shardwise.planner.workload import Optimizer, Training, resolve_model
+from shardwise.planner.system import SYSTEMS, System, resolve_system
+from shardwise.planner.workload import LAYOUTS, Optimizer, Training, resolve_model
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # Llama 2/3 pretraining batches are 4M tokens (Touvron et al. 2023)
 
@@ -36,12 +37,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
     a("--optimizer", default="adamw", choices=list(typing.get_args(Optimizer)))
-    a("--layout", default="torch", choices=["torch", "zero", "megatron"],
-      help="how mixed precision stores model state (see docs/planner.md)")
-    a("--attention", default="fused", choices=["fused", "unfused"],
+    a("--system", default="shardwise",
+      help=f"the engine the plan is for: {', '.join(SYSTEMS)}, or a TOML file describing one (docs/planner.md, "
+           "'Systems'); its choices are the defaults of --layout, --attention and --dropout")
+    a("--layout", default=None, choices=list(LAYOUTS),
+      help="how mixed precision stores model state (see docs/planner.md; default: the system's)")
+    a("--attention", default=None, choices=["fused", "unfused"],
       help="fused: one kernel, no s x s tensors (FlashAttention, SDPA); unfused: Megatron-LM before "
-           "FlashAttention (batched GEMMs, softmax over the stored s x s scores), to evaluate runs of 2021-22")
-    a("--dropout", action="store_true", help="Megatron's hidden and attention dropout (its masks are kept)")
+           "FlashAttention (batched GEMMs, softmax over the stored s x s scores), to evaluate runs of 2021-22 "
+           "(default: the system's)")
+    a("--dropout", action="store_true", default=None,
+      help="Megatron's hidden and attention dropout (its masks are kept; default: the system's)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     a("--expert-imbalance", type=float, default=0.0,
@@ -74,11 +80,11 @@ def build_inputs(ns: argparse.Namespace):
                                "use a multiple of --seq-len, or give --global-batch in sequences")
         batch = tokens // seq
     acc = resolve_accelerator(ns.gpu)
+    system = system_of(ns)
     # torch's CPU RMSNorm is the composite kernel (it also saves x * rstd); GPUs get the fused one
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
-                        layout=ns.layout, lora_rank=ns.lora_rank, qlora=ns.qlora,
-                        fused_rmsnorm=not acc.name.startswith("cpu"), fused_attention=ns.attention == "fused",
-                        dropout=ns.dropout, expert_imbalance=ns.expert_imbalance)
+                        lora_rank=ns.lora_rank, qlora=ns.qlora, fused_rmsnorm=not acc.name.startswith("cpu"),
+                        expert_imbalance=ns.expert_imbalance, **system.training_fields())
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
     if ns.intra_node_gbs is not None:
@@ -88,6 +94,18 @@ def build_inputs(ns: argparse.Namespace):
     training.precision in acc.peak_flops or acc.peak(training.precision)  # raises, naming --precision
     cluster = Cluster(acc, gpus=ns.gpus, gpus_per_node=min(ns.gpus_per_node, ns.gpus))
     return model, training, cluster
+
+
+def system_of(ns: argparse.Namespace) -> System:
+    """--system, with what --layout, --attention and --dropout change in it (the system's name then says so)."""
+    system = resolve_system(ns.system)
+    given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout))
+             if v is not None and v != getattr(system, k)}
+    if not given:
+        return system
+    changes = ", ".join(f"{k} {v}" for k, v in given.items())
+    return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
+                               f"{changes}", **given)
 
 
 def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
@@ -169,6 +187,16 @@ def _row(i: int, ev: Evaluation, moe: bool = False) -> list[str]:
             f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
 
 
+def system_summary(training: Training) -> str:
+    known = SYSTEMS.get(training.system)
+    if known is not None and known.training_fields() == {k: getattr(training, k) for k in known.training_fields()}:
+        return known.summary
+    return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
+            f"{'loss parallel' if training.loss_parallel else 'logits gathered'} under TP, "
+            f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
+            f", selective keeps {training.selective}")
+
+
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
            evaluated: int) -> str:
     moe = bool(model.n_experts)
@@ -178,7 +206,8 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     head = (f"{model.name}{size} on {cluster.gpus} x {cluster.accelerator.name} "
             f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "
             f"{training.global_batch} seqs ({training.global_batch * training.seq_len:,} tokens), "
-            f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s")
+            f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s\n"
+            f"system: {training.system} - {system_summary(training)}")
     if not plans:
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
     columns = MOE_COLUMNS if moe else COLUMNS

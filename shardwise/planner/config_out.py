@@ -32,7 +32,9 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
 
 def _engine_runs(training: Training) -> None:
     """Refuse a recipe the engine would not run as planned: a config never drops a knob the plan was priced with."""
-    refusals = [
+    refusals = [  # another system first; then what a flag changed in shardwise's (its name says "shardwise (...)")
+        (training.system.split(" (")[0] != "shardwise", "--system", f"the plan is sized for {training.system}, "
+         "and shardwise's engine runs differently", "plan with --system shardwise"),
         (training.precision not in ("fp32", "bf16", "fp16"), "--precision",
          f"the engine trains in fp32, bf16 or fp16, not {training.precision}", "plan with --precision bf16"),
         (training.layout != "torch", "--layout", f"the engine stores state as torch does, not as {training.layout}",
@@ -42,6 +44,9 @@ def _engine_runs(training: Training) -> None:
         (training.dropout, "--dropout", "the engine's model has no dropout", "plan without --dropout"),
         (training.loss_parallel, "loss_parallel", "the engine gathers logits before the loss",
          "plan without loss_parallel"),
+        (not training.fuses_head or training.selective != "matmuls", "--system",
+         "the engine fuses its head with the loss and its selective checkpointing keeps every matmul output",
+         "plan with --system shardwise"),
     ]
     for refused, flag, problem, fix in refusals:
         if refused:

@@ -364,6 +364,12 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "seq")]
+    if recompute == "selective" and training.selective == "alternate-matmuls" and not moe:
+        # torchtitan's op-level policy: the checkpoint keeps the block input, the policy the attention's output
+        # and every second matmul output in forward order (wq, wv, w1, w2 kept; wk, wo, w3 recomputed)
+        return [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
+                Term("wv_out", kv, "act", "kv"), Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
+                Term("w1_out", f, "act", "tp"), Term("w2_out", d, "act", "full")]
     if recompute == "selective":
         # the policy keeps every matmul / SDPA output; the checkpoint keeps the block input
         attention = [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
@@ -483,8 +489,8 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
         total = 0.0
     if training.dropout and recompute != "full":
         total += 2 * tokens * args.dim / (plan.tp if plan.sequence_parallel else 1)
-    if unfused and recompute == "selective":  # the attention core's recompute keeps every other tensor
-        recompute = "none"
+    if recompute == "selective" and (unfused or training.selective == "attention-core"):
+        recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
     if recompute == "none" and training.act_bytes != 4:
         # apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q and for
@@ -532,8 +538,9 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
 
 def fused_head(training: Training, plan: Plan) -> bool:
     """shardwise's engine fuses the output head with the loss (shardwise.loss.head_loss_sum) wherever the head is
-    a plain linear (shardwise.model.fuse_head_loss): without tensor parallelism, outside a pipeline."""
-    return training.layout == "torch" and plan.tp == 1 and plan.pp == 1
+    a plain linear (shardwise.model.fuse_head_loss): without tensor parallelism, outside a pipeline. Other
+    systems (Training.fuse_head) materialise the logits."""
+    return training.fuses_head and plan.tp == 1 and plan.pp == 1
 
 
 def head_weight_grad_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -593,7 +600,7 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
         f = args.ffn_hidden / plan.tp
         weight_grad = args.dim * f
     out = {"freed": tokens * 2 * f * e, "working": tokens * (3 * f * e + args.dim * training.stream_bytes),
-           "weight_grad": 0.0 if training.lora_rank else weight_grad * state_bytes_per_param(training).grads,
+           "weight_grad": 0.0 if training.lora_rank else weight_grad * unsharded_grad_bytes(training),
            "recomputed": 0.0}
     if plan.activation_checkpoint != "none":
         out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
@@ -672,13 +679,20 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
 
 def gathered_weight_bytes(training: Training) -> float:
     """Bytes per parameter of a weight FSDP gathers: fp32 under 'torch' (the engine gives FSDP2 no mixed-precision
-    policy; autocast casts after the gather), the compute dtype under 'zero'/'megatron'."""
+    policy; autocast casts after the gather), the compute dtype under 'fsdp-mp'/'zero'/'megatron'."""
     return 4.0 if training.layout == "torch" or not training.mixed else 2.0
 
 
+def unsharded_grad_bytes(training: Training) -> float:
+    """Bytes per parameter of a gradient as backward makes it, before FSDP reduces it: under 'fsdp-mp' the
+    gathered weight is in the compute dtype and so is its gradient (FSDP2 casts it to reduce_dtype, fp32, for
+    the reduce-scatter); otherwise the stored gradient's dtype."""
+    return 2.0 if training.layout == "fsdp-mp" and training.mixed else state_bytes_per_param(training).grads
+
+
 def replicates(training: Training, plan: Plan) -> bool:
-    """ZeRO-0/1 in shardwise's engine: FSDP2's `replicate` over more than one rank."""
-    return training.layout == "torch" and plan.zero_stage <= 1 and plan.dp * plan.cp > 1
+    """ZeRO-0/1 in shardwise's engine (and DDP in torchtitan's): FSDP2's `replicate` over more than one rank."""
+    return training.fsdp2 and plan.zero_stage <= 1 and plan.dp * plan.cp > 1
 
 
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
@@ -767,7 +781,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         block_p = max(moe_block, block_p if shape.layers > shape.moe_layers else 0.0)
         stage_p -= shape.experts if whole else 0.0
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
-    grad_bytes = state_bytes_per_param(training).grads
+    grad_bytes = unsharded_grad_bytes(training) if fsdp else state_bytes_per_param(training).grads
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch.
@@ -842,7 +856,7 @@ def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int
     x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.stream_bytes
     if plan.sequence_parallel:
         x /= plan.tp
-    if training.layout != "torch":
+    if not training.fsdp2:
         return 4 * x
     return stage_shape(args, plan, stage, training.seq_len).boundaries * plan.grad_accum * x
 
@@ -893,7 +907,7 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         items = model_state_bytes(shape.params - shape.experts, training, plan.zero_stage, plan.shard_group,
                                   plan.offload, trainable, linears, linears + head)
         experts = model_state_bytes(shape.experts, training, plan.zero_stage, plan.expert_shard_group, plan.offload)
-        if training.layout == "torch" and plan.zero_stage == 2 and plan.offload != "full":
+        if training.fsdp2 and plan.zero_stage == 2 and plan.offload != "full":
             # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
             items["params"] /= plan.shard_group
             experts["params"] /= plan.expert_shard_group

@@ -32,6 +32,7 @@ from shardwise.planner.memory import (
     kv_split,
     layer_activation_bytes,
     layer_params,
+    linear_shapes,
     lora_params,
     moe_shared_params,
     placement,
@@ -175,8 +176,11 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"])
     elif plan.activation_checkpoint == "selective":
         # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
-        # kernel recomputes that anyway, and selective then means the cheap elementwise tensors
+        # kernel's backward recomputes that anyway, and selective then means the cheap elementwise tensors;
+        # torchtitan's op-level policy also recomputes every second matmul (memory.block_terms)
         recompute = blocks(lambda t: t["elementwise"] if training.fused_attention else t["attention"])
+        if training.selective == "alternate-matmuls" and training.fused_attention:
+            recompute += (layers - moe) * t["matmul"] * recomputed_matmul_share(args, plan.tp)
     else:
         recompute = 0.0
     dequant_fwd, dequant_bwd, dequant_ops = qlora_dequant(args, training, plan, acc, layers)
@@ -188,6 +192,14 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
+
+
+def recomputed_matmul_share(args: ModelArgs, tp: int) -> float:
+    """Of a dense block's matmul FLOPs, the share torchtitan's op-level selective checkpointing recomputes: wk, wo
+    and w3 (every second matmul in forward order)."""
+    sizes = {name: n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
+             for name, n_in, n_out, split in linear_shapes(args)}
+    return sum(sizes[n] for n in ("wk", "wo", "w3")) / sum(sizes.values())
 
 
 def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
@@ -391,7 +403,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     in_blocks = min(1.0, block_params_ / n_params) if not training.lora_rank else 1.0
 
     def by_unit(op, nbytes: float, n: int, link, per_bucket: int = 1) -> float:
-        if training.layout != "torch" or n == 1:
+        if not training.fsdp2 or n == 1:
             return op(nbytes, n, link)
         block, root = nbytes * in_blocks / layers, nbytes * (1 - in_blocks)
         full, rest = divmod(layers, per_bucket)
@@ -440,7 +452,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
     # backward at ZeRO-2 and 3, which keep only the shard.
     n_rs = m if training.layout == "zero" and z >= 2 else 1
-    if z == 1 or z == 2 and training.layout != "torch":
+    if z == 1 or z == 2 and not training.fsdp2:
         # the updated weights are all-gathered after the step, before the next forward (exposed)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
         return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
@@ -454,7 +466,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     if z == 2:
         return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
     # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
-    if training.layout != "torch":
+    if not training.fsdp2:
         ag_bwd = ag
     elif where.max_moe_layers:
         moe, per_param = where.max_moe_layers, gathered / n_params
@@ -501,7 +513,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     compute as far as communication does (`comm_overlap`; on a CPU, not at all). Counts as in `dp_comm`: one
     reduction per step; ZeRO-2 gathers every weight once per micro-batch, ZeRO-3 the blocks again in backward.
     Megatron's layout keeps gradients in one contiguous buffer: no copies."""
-    if training.layout != "torch" or plan.dp * plan.cp == 1:
+    if not training.fsdp2 or plan.dp * plan.cp == 1:
         return 0.0
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
@@ -547,7 +559,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
         c.tensors_per_moe_block - c.tensors_per_block)
     per_op = acc.optimizer_op_overhead_s
-    if training.layout == "torch" and plan.tp * plan.dp * plan.cp > 1:
+    if training.fsdp2 and plan.tp * plan.dp * plan.cp > 1:
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
     fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * per_op
     return max(memory, fixed) if acc.launch_async else memory + fixed
@@ -574,7 +586,7 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     block and the root under fully_shard (ZeRO-2/3), per bucket of blocks (as `data_parallel._buckets` groups
     them, by fp32 parameter bytes) and the root under replicate (ZeRO-0/1), each at the profile's measured cost.
     Where launches are asynchronous the host runs ahead of the device: 0."""
-    if training.layout != "torch" or acc.launch_async:
+    if not training.fsdp2 or acc.launch_async:
         return 0.0
     layers = placement(args, plan, training.seq_len).max_layers
     if plan.zero_stage >= 2:

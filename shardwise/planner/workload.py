@@ -20,7 +20,10 @@ from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit", "adamw4bit", "adafactor"]
-Layout = Literal["torch", "zero", "megatron"]
+Layout = Literal["torch", "fsdp-mp", "zero", "megatron"]
+LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
+Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
+SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 
 # Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
@@ -58,8 +61,22 @@ class Training:
     """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit / adamw4bit (2 block-quantised states, torchao),
     adafactor (factored second moment only)."""
     layout: Layout = "torch"
-    """How mixed precision stores model state: 'torch' fp32 weights+grads cast per use (autocast / FSDP2),
-    'zero' bf16 weights+grads with an fp32 master in the optimizer (ZeRO paper), 'megatron' bf16 weights, fp32 grads."""
+    """How mixed precision stores model state: 'torch' fp32 weights+grads cast per use (autocast; shardwise's
+    engine), 'fsdp-mp' fp32 weights+grads sharded by FSDP2 and gathered in the compute dtype (FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default: the whole forward, residual
+    stream included, runs in bf16), 'zero' bf16 weights+grads with an fp32 master in the optimizer (ZeRO paper),
+    'megatron' bf16 weights, fp32 grads."""
+    system: str = "shardwise"
+    """The name of the system this recipe describes (planner.system): shown with every plan."""
+    fuse_head: bool | None = None
+    """The output head and the cross-entropy run fused, a block of rows at a time, where the head is a plain
+    linear (shardwise's engine: no TP, no pipeline); False: the logits are materialised and the loss saves fp32
+    log-probabilities. None: fused exactly under the layout 'torch' (shardwise's engine)."""
+    selective: Selective = "matmuls"
+    """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
+    policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
+    policy), 'attention-core' everything but the attention core, which is recomputed (Korthikanti et al.;
+    Megatron's selective recompute; always so with unfused attention)."""
     lora_rank: int = 0
     """LoRA rank on every linear of every block (0 = full training)."""
     qlora: bool = False
@@ -100,8 +117,11 @@ class Training:
                                f"use one of {', '.join(OPTIMIZER_STATE_BYTES)}")
         if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
             raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
-        if self.layout not in ("torch", "zero", "megatron"):
-            raise PlannerError("--layout", f"unknown layout {self.layout!r}", "use torch, zero or megatron")
+        if self.layout not in LAYOUTS:
+            raise PlannerError("--layout", f"unknown layout {self.layout!r}", f"use one of {', '.join(LAYOUTS)}")
+        if self.selective not in SELECTIVE:
+            raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
+                               f"use one of {', '.join(SELECTIVE)}")
         if self.expert_imbalance and self.expert_imbalance < 1:
             raise PlannerError("--expert-imbalance", f"{self.expert_imbalance} < 1: the busiest rank takes at least "
                                "the mean", "pass a ratio >= 1, or 0 to derive it")
@@ -117,6 +137,15 @@ class Training:
         return self.precision
 
     @property
+    def fsdp2(self) -> bool:
+        """The state lives in FSDP2 / replicate units, one per block and one for the root (shardwise, torchtitan)."""
+        return self.layout in ("torch", "fsdp-mp")
+
+    @property
+    def fuses_head(self) -> bool:
+        return self.layout == "torch" if self.fuse_head is None else self.fuse_head
+
+    @property
     def act_bytes(self) -> int:
         """Bytes of a matmul input/output saved for backward (fp8 recipes keep bf16 copies for the backward)."""
         return 4 if self.precision == "fp32" else 2
@@ -125,7 +154,7 @@ class Training:
     def stream_bytes(self) -> int:
         """Bytes of the residual stream. Under 'torch' the weights (and so the embedding output) are fp32 at every
         ZeRO stage (the engine gives FSDP2 no mixed-precision policy: it gathers fp32 weights and autocast casts
-        them per use), and autocast leaves additions and norms in fp32. 'zero'/'megatron' run in bf16."""
+        them per use), and autocast leaves additions and norms in fp32. 'fsdp-mp'/'zero'/'megatron' run in bf16."""
         if self.precision == "fp32" or self.layout == "torch":
             return 4
         return 2

@@ -1,0 +1,122 @@
+"""The system a plan is for: what the planner assumes about the engine that would run it.
+
+The same layout costs different memory and time in different engines: where the weights are kept and in which
+dtype they are gathered, the residual stream's dtype, whether the logits are ever materialised, what selective
+checkpointing keeps, how attention runs. A `System` names those choices; `shardwise plan --system NAME` (or a TOML
+file describing one) sizes plans as that system would run them, and `shardwise` itself is one of them. Each
+preset states where its choices are read from (the system's own code or paper).
+
+A system TOML holds the fields of `System` at top level; `base = "NAME"` starts from a preset:
+
+    base = "torchtitan"
+    name = "torchtitan-no-sac"
+    selective = "matmuls"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.hardware import PlannerError
+from shardwise.planner.workload import LAYOUTS, SELECTIVE, Layout, Selective
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    summary: str
+    """One line: what the planner assumes, as the plan output prints it."""
+    layout: Layout = "torch"
+    """How state is stored and gathered (workload.Training.layout)."""
+    fuse_head: bool = True
+    """Output head and cross-entropy fused where the head is a plain linear (Training.fuse_head)."""
+    loss_parallel: bool = False
+    """Cross-entropy on vocab-parallel logit shards under TP instead of all-gathered logits."""
+    attention: str = "fused"
+    """'fused' (FlashAttention, SDPA) or 'unfused' (Megatron-LM's 2021-22 batched GEMMs + softmax)."""
+    dropout: bool = False
+    """Megatron's hidden and attention dropout (p = 0.1): its masks are kept for backward."""
+    selective: Selective = "matmuls"
+    """What activation_checkpoint=selective keeps (Training.selective)."""
+    source: str = ""
+    """Where the choices are read from."""
+
+    def __post_init__(self):
+        checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
+                  ("selective", self.selective, SELECTIVE))
+        for key, value, allowed in checks:
+            if value not in allowed:
+                raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
+                                   f"set {key} to one of them")
+
+    def training_fields(self) -> dict:
+        """The Training fields this system fixes."""
+        return {"system": self.name, "layout": self.layout, "fuse_head": self.fuse_head,
+                "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
+                "dropout": self.dropout, "selective": self.selective}
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
+           "fused with the loss where it is a plain linear, logits all-gathered under TP, selective checkpointing "
+           "keeps every matmul output",
+           source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
+                  "shardwise.activation_checkpoint"),
+    System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
+           "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
+           "op-level selective checkpointing (every second matmul recomputed)",
+           layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
+           source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
+                  "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
+                  "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default"),
+    System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
+           "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention, selective "
+           "recompute of the attention core",
+           layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
+           source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
+                  "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy"),
+    System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
+           "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
+           layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
+           selective="attention-core",
+           source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
+                  "section 4"),
+    System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
+           "optimizer, materialised logits and an fp32 loss, fused attention",
+           layout="zero", fuse_head=False, selective="attention-core",
+           source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
+)}
+
+
+def resolve_system(spec: str | System) -> System:
+    """A preset name, a System, or a TOML file describing one."""
+    if isinstance(spec, System):
+        return spec
+    if spec in SYSTEMS:
+        return SYSTEMS[spec]
+    path = Path(spec)
+    if path.suffix != ".toml" or not path.is_file():
+        raise PlannerError("--system", f"{spec!r} is neither a system nor a TOML file",
+                           f"use one of {', '.join(SYSTEMS)}, or a TOML file (docs/planner.md, 'Systems')")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise PlannerError("--system", f"{path}: {e}", "fix the TOML syntax") from None
+    base_name = table.pop("base", "shardwise")
+    if base_name not in SYSTEMS:
+        raise PlannerError(f"--system {path} base", f"unknown system {base_name!r}", f"use one of {', '.join(SYSTEMS)}")
+    fields = {f.name: f.type for f in dataclasses.fields(System)}
+    for key, value in table.items():
+        if key not in fields:
+            raise PlannerError(f"--system {path}", f"unknown key {key!r}", f"use base or {', '.join(fields)}")
+        expected = bool if key in ("fuse_head", "loss_parallel", "dropout") else str
+        if type(value) is not expected:
+            raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
+                               f"give {key} a {expected.__name__}")
+    return dataclasses.replace(SYSTEMS[base_name], **{"name": path.stem, "summary": f"{base_name}, changed: "
+                                                      + ", ".join(f"{k} = {v}" for k, v in table.items()
+                                                                  if k not in ("name", "summary")),
+                                                      "source": str(path), **table})
