@@ -43,6 +43,7 @@ from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, search
+from shardwise.planner.system import SYSTEMS
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
              "https://arxiv.org/abs/2104.04473")
@@ -101,6 +102,15 @@ class Run:
     """Per-GPU network bandwidth, GB/s per direction, where the cluster differs from the catalogue's."""
     search: bool = True
     """Also run the free search for this job (once per distinct job)."""
+    system: str | None = None
+    """The system that ran it (shardwise.planner.system), where it is one of the planner's presets; None: the
+    layout and attention fields below describe it (the 2021-22 rows and Llama 3, whose stacks are Megatron-LM of
+    its time, DeepSpeed and Meta's own)."""
+    mem_gib: float | None = None
+    """Published peak memory per GPU, GiB, where the source gives one."""
+    gpu_memory_gib: float | None = None
+    mem_bandwidth_tbs: float | None = None
+    """Device memory and its bandwidth, where the source's GPU differs from the catalogue's."""
     fused_attention: bool = False
     """Megatron-LM (2021-22) and BLOOM ran attention unfused (batched GEMMs, a fused scale + mask + softmax kernel:
     Training.fused_attention) with Megatron's default dropout of 0.1 (BLOOM's README: "The default Megatron-LM
@@ -264,7 +274,30 @@ def bloom_runs() -> list[Run]:
                 step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8)]
 
 
-RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs()
+# --------------------------------------------------------------------------------------------------
+# torchtitan's own benchmark of Llama 3.1 8B (end of 2024): FSDP2 with bf16 parameters for compute and fp32
+# reduction (its default MixedPrecisionPolicy), op-level selective checkpointing, sequence 8192 (the llama3_8b
+# recipe), local batch 2, eager (the rows with torch.compile or Float8 are left out: the planner models neither).
+# "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 500 W; 400 Gb/s RDMA per GPU.
+# Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"), TPS/GPU read at step 90.
+TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
+              "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
+
+
+def torchtitan_runs() -> list[Run]:
+    runs = []
+    model = preset("llama3-8b")
+    for table, n, tps, mem in ((1, 8, 5762, 82.4), (3, 128, 5605, 67.0)):
+        runs.append(Run(f"torchtitan 8B FSDP n={n}", model, n, 8192, 2 * n,
+                        f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch=2,activation_checkpoint=selective",
+                        TORCHTITAN, f"table {table}, FSDP row: {tps:,} TPS/GPU, {mem} GiB (local batch 2, global "
+                        f"{2 * n}, selective AC)", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem,
+                        gpu="h100", system="torchtitan", gpu_memory_gib=96, mem_bandwidth_tbs=2.4,
+                        search=n == 8))
+    return runs
+
+
+RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,10 +307,16 @@ def cluster_of(run: Run) -> Cluster:
     acc = accelerator(run.gpu)
     if run.inter_node_gbs is not None:
         acc = dataclasses.replace(acc, inter_node_bw=run.inter_node_gbs * 1e9)
+    if run.gpu_memory_gib is not None:
+        acc = dataclasses.replace(acc, memory_bytes=run.gpu_memory_gib * GiB)
+    if run.mem_bandwidth_tbs is not None:
+        acc = dataclasses.replace(acc, mem_bandwidth=run.mem_bandwidth_tbs * 1e12)
     return Cluster(acc, run.gpus)
 
 
 def training_of(run: Run) -> Training:
+    if run.system is not None:
+        return Training(seq_len=run.seq, global_batch=run.batch, **SYSTEMS[run.system].training_fields())
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
                     fused_attention=run.fused_attention, dropout=not run.fused_attention)
@@ -330,7 +369,7 @@ def main() -> None:
             f"{'MFU pred':>8s} {'pub':>6s} {'GiB':>6s} fit/pub  given plan (completed)")
     print(head)
     print("-" * len(head))
-    ratios, searches, search_lines = [], {}, []
+    ratios, searches, search_lines, memories, mem_lines = [], {}, [], [], []
     for run in RUNS:
         try:
             ev, fits = given_plan(run)
@@ -340,6 +379,10 @@ def main() -> None:
         t = ev.time
         pub_s = run.published_step() if (run.tflops or run.step_s) else None
         mem = ev.memory["total"] / GiB
+        if run.mem_gib is not None:
+            memories.append((run.name, mem / run.mem_gib))
+            mem_lines.append(f"  {run.name:34s} predicted {mem:5.1f} GiB, published {run.mem_gib:5.1f} GiB: "
+                             f"{mem / run.mem_gib:.3f}")
         fit_col = f"{'yes' if fits else 'NO':>3s}/{'yes' if run.fitted else 'NO':3s}"
         flag = "" if fits == run.fitted else "  <- disagrees"
         if pub_s is None:
@@ -358,7 +401,8 @@ def main() -> None:
                   f"{run.tflops:5.0f} {ratio:5.2f} "
                   f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
         if run.search:
-            key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, run.layout, run.inter_node_gbs)
+            key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, run.layout, run.system,
+                   run.inter_node_gbs)
             if key not in searches:
                 t0 = time.perf_counter()
                 best = search(run.model, training_of(run), cluster_of(run), top_k=1)
@@ -373,7 +417,8 @@ def main() -> None:
     print("ratio = predicted / published throughput = published / predicted step time (> 1: planner optimistic)\n")
     groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
-                         ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM")):
+                         ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"),
+                         ("torchtitan", "torchtitan")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
     print("timed runs whose given plan fits (ratio = predicted/published throughput):")
     for name, rs in groups.items():
@@ -382,6 +427,9 @@ def main() -> None:
             print(f"  {name:17s} n={len(rs):2d}  geometric mean {math.exp(sum(logs) / len(logs)):.3f}  "
                   f"mean |ratio - 1| {sum(abs(r - 1) for _, r in rs) / len(rs):5.1%}  "
                   f"range {min(r for _, r in rs):.2f}..{max(r for _, r in rs):.2f}")
+    print("\npeak memory per GPU where published (predicted / published):")
+    for line in mem_lines:
+        print(line)
     print()
     print("search, same job, any layout (fastest plan that fits):")
     for line in search_lines:
