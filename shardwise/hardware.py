@@ -219,6 +219,10 @@ class Cluster:
     """Devices that share the fast intra-node link (NVLink domain)."""
     reserved_bytes: float = 0.0
     """Memory per device not available to training (CUDA context, NCCL buffers); see memory.FIXED_OVERHEAD."""
+    rail_collectives: bool = True
+    """A collective over groups with several members per node spreads its inter-node bytes over those members'
+    NICs (NCCL's channels on nodes with a NIC per GPU: planner.comm.group_link); False: every rank's ring is bound
+    to one NIC, as DeepSpeed's ZeRO-3 of 2021 measured (benchmarks/planner_published.py)."""
 
     def __post_init__(self):
         if self.gpus < 1:

@@ -11,7 +11,7 @@ import torch
 
 from shardwise.hardware import GiB
 from shardwise.model import build_model, materialize
-from shardwise.model_args import preset
+from shardwise.model_args import num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate
 from shardwise.planner.cli import add_plan_arguments, run_plan
 from shardwise.planner.memory import (
@@ -20,6 +20,8 @@ from shardwise.planner.memory import (
     gathered_weight_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    logits_bytes,
+    moment_memory,
     term_bytes,
     weight_copy_bytes,
 )
@@ -146,3 +148,66 @@ def test_bad_system_toml_names_the_field(tmp_path, text, field):
 def test_unknown_system_is_refused(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--system", "jax")) == 2
     assert "--system" in capsys.readouterr().err
+
+
+def test_collectives_over_nodes_use_every_nic_of_the_node():
+    # a group with 8 members in each of 2 nodes (stride 1) moves its inter-node bytes over 8 NICs, up to NVLink's
+    # rate; a group with one member per node (stride 8, data parallelism outside tp 8) over one
+    from shardwise.planner.comm import group_link
+
+    h100 = accelerator("h100")
+    cluster = Cluster(h100, 16)
+    eff = h100.comm_efficiency
+    assert group_link(16, 1, cluster).bandwidth == pytest.approx(min(8 * h100.inter_node_bw, h100.intra_node_bw) * eff)
+    assert group_link(2, 8, cluster).bandwidth == pytest.approx(h100.inter_node_bw * eff)
+    assert group_link(4, 4, cluster).bandwidth == pytest.approx(2 * h100.inter_node_bw * eff)
+    one_nic = Cluster(h100, 16, rail_collectives=False)
+    assert group_link(16, 1, one_nic).bandwidth == pytest.approx(h100.inter_node_bw * eff)
+
+
+def test_gradient_sync_every_micro_batch_keeps_only_the_shard():
+    # under accumulation, reducing once per step keeps every gradient unsharded (fp32 under layout torch) until the
+    # last micro-batch; reducing in every backward does not
+    args = preset("llama3-8b")
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4, activation_checkpoint="full")
+    per_step = Training(seq_len=4096, global_batch=32)
+    per_micro = dataclasses.replace(per_step, grad_sync="micro-batch")
+    cluster = Cluster(accelerator("h100"), 8)
+    # in the first block's backward of a micro-batch with more to come
+    held_step = moment_memory(args, per_step, plan, 0)["first_block_backward"]["fsdp_buffers"]
+    held_micro = moment_memory(args, per_micro, plan, 0)["first_block_backward"]["fsdp_buffers"]
+    assert held_step - held_micro == pytest.approx(4 * num_params(args) / plan.tp)
+    # and the reduce-scatter runs in each of the 4 micro-batches
+    comm_step = evaluate(args, per_step, plan, cluster).time.detail["dp_comm_s"]
+    comm_micro = evaluate(args, per_micro, plan, cluster).time.detail["dp_comm_s"]
+    assert comm_micro > comm_step
+
+
+def test_cross_entropy_kernel_keeps_the_logits_in_the_compute_dtype():
+    args = preset("llama3-8b")
+    plan = Plan(micro_batch=1)
+    torch_ce = Training(seq_len=2048, global_batch=8, layout="fsdp-mp", fuse_head=False)
+    kernel = dataclasses.replace(torch_ce, ce_kernel=True)
+    v, tokens = args.vocab_size, 2048
+    # kept: fp32 log-probabilities (4 V) against bf16 logits and a log-sum-exp (2 V + 4) per token
+    assert (head_activation_bytes(args, torch_ce, plan) - head_activation_bytes(args, kernel, plan)
+            == pytest.approx(tokens * (4 * v - 2 * v - 4)))
+    assert logits_bytes(args, kernel, plan) == tokens * v * 2
+    assert logits_bytes(args, torch_ce, plan) == tokens * v * 8
+
+
+def test_llm_foundry_70b_with_accumulation_fits_as_it_ran():
+    # llm-foundry's MPT-70B on 64 H100s, micro-batch 8, 4 accumulation steps, FULL_SHARD, activation checkpointing
+    # (scripts/train/benchmarking/README.md, "H100 80GB BF16"): it ran. Composer reduce-scatters in every
+    # micro-batch; sized as if FSDP kept 70B unsharded gradients across micro-batches it would not fit
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import planner_published as published
+
+    run = next(r for r in published.foundry_runs() if r.name == "foundry h100 70b s=2048 n=64 mb=8")
+    ev, fits = published.given_plan(run)
+    assert fits and ev.memory["total"] < 80 * GiB
+    step_sync = dataclasses.replace(published.training_of(run), grad_sync="step")
+    assert not evaluate(run.model, step_sync, ev.plan, published.cluster_of(run)).fits

@@ -146,8 +146,18 @@ def _span(degrees: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, int]:
 
 def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None = None) -> Link:
     """The link a group of `size` ranks spaced `stride` apart uses: intra-node if the whole group sits in one
-    node, otherwise the network (a ring that leaves the node is limited by the per-GPU NIC)."""
+    node, otherwise the network. On the network, NCCL runs one ring per channel and spreads the channels over the
+    node's NICs (one per GPU), and each ring leaves a node once: a group with g members in every node moves its
+    inter-node bytes over g NICs at once, g x the per-GPU NIC rate per rank, up to the intra-node rate that the
+    same bytes also cross (nccl-tests' multi-node bus bandwidth on 8-GPU nodes with a NIC per GPU approaches the
+    node's aggregate NIC rate). A group with one member per node (stride >= gpus_per_node: data parallelism
+    outside tensor parallelism of 8) is limited by one NIC."""
     return _group_link(size, stride, cluster, acc or cluster.accelerator)
+
+
+def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """Members of a group of `size` ranks spaced `stride` apart that share a node."""
+    return max(1, min(size, gpus_per_node // stride))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -155,7 +165,12 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator) -> L
     if size <= 1:
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
-    bw = (acc.intra_node_bw if intra else acc.inter_node_bw) * acc.comm_efficiency
+    if intra:
+        bw = acc.intra_node_bw * acc.comm_efficiency
+    else:
+        rails = members_per_node(size, stride, cluster.gpus_per_node) if cluster.rail_collectives else 1
+        bw = min(rails * acc.inter_node_bw, acc.intra_node_bw if rails > 1 else acc.inter_node_bw) * (
+            acc.comm_efficiency)
     curves = ()
     if acc.busbw_curves:  # measured inside a node; the network tier keeps their shape at its own bandwidth
         scale = bw / acc.intra_node_bw

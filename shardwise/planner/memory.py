@@ -531,7 +531,10 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
         per_token = sum(term_bytes(t, args, training, plan) for t in terms[:-1])  # the output is not saved
         return (per_token + args.dim * training.stream_bytes) * tokens + head_weight_grad_bytes(args, training, plan)
     per_token = sum(term_bytes(t, args, training, plan) for t in terms)
-    per_token += 4 * loss_vocab(args, training, plan)  # log_softmax output, fp32
+    if training.ce_kernel:  # the kernel keeps the logits (compute dtype) and each row's fp32 log-sum-exp
+        per_token += training.act_bytes * loss_vocab(args, training, plan) + 4
+    else:
+        per_token += 4 * loss_vocab(args, training, plan)  # log_softmax output, fp32
     per_token += 8  # int64 targets
     return per_token * tokens
 
@@ -645,8 +648,11 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     rows (shardwise.loss.head_rows) at its largest: its fp32 logits and log-probabilities; under mixed precision,
     if larger, its fp32 gradient, that gradient in the compute dtype and the block's weight-gradient product in
     the compute dtype before it is added to the fp32 sum; and under mixed precision the compute-dtype copies of
-    the head's input and weight throughout."""
+    the head's input and weight throughout. A cross-entropy kernel (Training.ce_kernel): the gradient of the
+    logits its backward writes, in the compute dtype."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
+    if training.ce_kernel and not fused_head(training, plan):
+        return tokens * loss_vocab(args, training, plan) * training.act_bytes
     if fused_head(training, plan):
         v, d, e = args.vocab_size, args.dim, training.act_bytes
         block = head_rows(int(tokens), d, v) * v
@@ -772,6 +778,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # with M <= its warm-up (GPipe; 1F1B's first stages at small M) holds its gradients only as activations go
     shape = stage_shape(args, plan, stage, training.seq_len)
     last, accum, accum_early = shape.last, plan.grad_accum > 1, plan.grad_accum > m
+    # gradients FSDP keeps unsharded across micro-batches: only where it reduces once per step
+    keep_unsharded = accum and not training.syncs_every_micro_batch
+    keep_unsharded_early = accum_early and not training.syncs_every_micro_batch
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
     stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
     if shape.moe_layers:
@@ -784,12 +793,13 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     grad_bytes = unsharded_grad_bytes(training) if fsdp else state_bytes_per_param(training).grads
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
-    # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch.
+    # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch (shardwise's
+    # engine); a system that reduce-scatters in every micro-batch's backward keeps only the shard.
     held = held_early = 0.0
     if fsdp:
         held = held_early = (stage_p if plan.zero_stage == 2 else root_p) * gathered
-        held += stage_p * grad_bytes if accum and not training.lora_rank else 0.0
-        held_early += stage_p * grad_bytes if accum_early and not training.lora_rank else 0.0
+        held += stage_p * grad_bytes if keep_unsharded and not training.lora_rank else 0.0
+        held_early += stage_p * grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
             "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
             "ddp_buckets": 0.0}
@@ -837,7 +847,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
         "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
-        "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not accum else 0.0)}
+        "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
     out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)

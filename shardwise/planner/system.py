@@ -39,6 +39,10 @@ class System:
     """'fused' (FlashAttention, SDPA) or 'unfused' (Megatron-LM's 2021-22 batched GEMMs + softmax)."""
     dropout: bool = False
     """Megatron's hidden and attention dropout (p = 0.1): its masks are kept for backward."""
+    ce_kernel: bool = False
+    """The cross-entropy is one kernel over compute-dtype logits (Training.ce_kernel)."""
+    grad_sync: str = "step"
+    """Under accumulation, sharded gradients reduced once per step or every micro-batch (Training.grad_sync)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps (Training.selective)."""
     source: str = ""
@@ -46,7 +50,7 @@ class System:
 
     def __post_init__(self):
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
-                  ("selective", self.selective, SELECTIVE))
+                  ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -56,7 +60,8 @@ class System:
         """The Training fields this system fixes."""
         return {"system": self.name, "layout": self.layout, "fuse_head": self.fuse_head,
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
-                "dropout": self.dropout, "selective": self.selective}
+                "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
+                "selective": self.selective}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -69,6 +74,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
+           grad_sync="micro-batch",
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default"),
@@ -84,9 +90,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            selective="attention-core",
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4"),
+    System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT or PURE: fp32 shards, bf16 gathers and "
+           "compute; bf16 residual stream; logits materialised in bf16 and flash-attn's cross-entropy kernel; "
+           "fused attention (FlashAttention-2)",
+           layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
+           source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
+                  "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, materialised logits and an fp32 loss, fused attention",
-           layout="zero", fuse_head=False, selective="attention-core",
+           layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
 )}
 
@@ -112,7 +124,7 @@ def resolve_system(spec: str | System) -> System:
     for key, value in table.items():
         if key not in fields:
             raise PlannerError(f"--system {path}", f"unknown key {key!r}", f"use base or {', '.join(fields)}")
-        expected = bool if key in ("fuse_head", "loss_parallel", "dropout") else str
+        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

@@ -451,7 +451,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
     # backward at ZeRO-2 and 3, which keep only the shard.
-    n_rs = m if training.layout == "zero" and z >= 2 else 1
+    n_rs = m if training.syncs_every_micro_batch and z >= 2 else 1
     if z == 1 or z == 2 and not training.fsdp2:
         # the updated weights are all-gathered after the step, before the next forward (exposed)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)

@@ -72,6 +72,16 @@ class Training:
     """The output head and the cross-entropy run fused, a block of rows at a time, where the head is a plain
     linear (shardwise's engine: no TP, no pipeline); False: the logits are materialised and the loss saves fp32
     log-probabilities. None: fused exactly under the layout 'torch' (shardwise's engine)."""
+    ce_kernel: bool = False
+    """Where the logits are materialised (no fused head), the cross-entropy is one kernel over the compute-dtype
+    logits (flash-attn's xentropy, as llm-foundry uses it): it keeps them and a log-sum-exp per row, and its
+    backward writes one gradient in the compute dtype. False: torch's fp32 log_softmax + nll_loss (4 V bytes
+    kept per token, two fp32 gradients in backward)."""
+    grad_sync: Literal["step", "micro-batch"] = "step"
+    """When sharded data parallelism (ZeRO-2/3) reduces gradients under accumulation: once per step, keeping them
+    unsharded until the last micro-batch (shardwise's engine: FSDP2's set_requires_gradient_sync; Megatron's
+    buffer), or in every micro-batch's backward, keeping only the shard (torchtitan, Composer's FSDP, DeepSpeed:
+    layout 'zero' always does)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
@@ -119,6 +129,9 @@ class Training:
             raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
         if self.layout not in LAYOUTS:
             raise PlannerError("--layout", f"unknown layout {self.layout!r}", f"use one of {', '.join(LAYOUTS)}")
+        if self.grad_sync not in ("step", "micro-batch"):
+            raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
+                               "use step or micro-batch")
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
@@ -135,6 +148,10 @@ class Training:
     @property
     def compute_dtype(self) -> str:
         return self.precision
+
+    @property
+    def syncs_every_micro_batch(self) -> bool:
+        return self.grad_sync == "micro-batch" or self.layout == "zero"
 
     @property
     def fsdp2(self) -> bool:
