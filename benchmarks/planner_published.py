@@ -297,7 +297,174 @@ def torchtitan_runs() -> list[Run]:
     return runs
 
 
-RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs()
+# --------------------------------------------------------------------------------------------------
+# llm-foundry's MPT throughput tables (scripts/train/benchmarking/README.md): MPT models (GPT-style: GELU MLP of 4h,
+# multi-head attention, tied embedding, vocabulary 50,368; d_model / n_heads / n_layers from
+# scripts/train/yamls/pretrain/mpt-*.yaml, d_head 128 everywhere but 125m and 350m) trained with Composer's FSDP
+# (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, one unit per block), mixed precision DEFAULT (bf16 compute, fp32
+# reduction) or PURE, attn_impl flash, activation checkpointing of whole blocks or none, a few steps each. The
+# columns kept, in the source's order: Model, SeqLen, # GPUs, GPU, MFU, MicroBatchSize, GradAccum,
+# GlobalBatchSize, Throughput (T/s/GPU), MP Mode, Sharding Strategy, Activation Checkpointing; tables "H100 80GB
+# BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+# (= the catalogue's 25 GB/s per GPU); the FP8 and A100 40GB tables are left out.
+FOUNDRY = ("llm-foundry, scripts/train/benchmarking/README.md, "
+           "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md")
+MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+       "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+       "70b": (8192, 64, 80)}
+FOUNDRY_ROWS = """
+70b 2048 512 h100_80gb 41.25 8 1 4096 1007 DEFAULT FULL_SHARD True
+70b 2048 256 h100_80gb 42.42 8 1 2048 1035 DEFAULT FULL_SHARD True
+70b 2048 128 h100_80gb 43.36 8 1 1024 1058 DEFAULT FULL_SHARD True
+30b 2048 512 h100_80gb 40.27 8 1 4096 2115 DEFAULT FULL_SHARD True
+30b 2048 256 h100_80gb 40.89 8 1 2048 2148 DEFAULT FULL_SHARD True
+30b 2048 128 h100_80gb 41.85 8 1 1024 2199 DEFAULT FULL_SHARD True
+13b 2048 512 h100_80gb 41.12 16 1 8192 4952 DEFAULT FULL_SHARD True
+13b 2048 256 h100_80gb 41.42 16 1 4096 4989 DEFAULT FULL_SHARD True
+13b 2048 128 h100_80gb 42.18 16 1 2048 5080 DEFAULT FULL_SHARD True
+7b 2048 512 h100_80gb 42.2 6 1 3072 9670 DEFAULT FULL_SHARD False
+7b 2048 256 h100_80gb 44.15 6 1 1536 10119 DEFAULT FULL_SHARD False
+7b 2048 128 h100_80gb 45.71 6 1 768 10475 DEFAULT FULL_SHARD False
+3b 2048 512 h100_80gb 39.24 8 1 4096 21664 DEFAULT SHARD_GRAD_OP False
+3b 2048 256 h100_80gb 41.25 8 1 2048 22772 DEFAULT SHARD_GRAD_OP False
+3b 2048 128 h100_80gb 42.43 8 1 1024 23422 DEFAULT SHARD_GRAD_OP False
+1b 2048 512 h100_80gb 36.65 12 1 6144 39837 DEFAULT SHARD_GRAD_OP False
+1b 2048 256 h100_80gb 39.15 12 1 3072 42555 DEFAULT SHARD_GRAD_OP False
+1b 2048 128 h100_80gb 40.6 12 1 1536 44123 DEFAULT SHARD_GRAD_OP False
+70b 2048 64 h100_80gb 42.57 8 4 2048 1039 DEFAULT FULL_SHARD True
+70b 2048 32 h100_80gb 36.15 2 16 1024 882 DEFAULT FULL_SHARD True
+30b 8192 8 h100_80gb 29.92 1 21 168 1384 DEFAULT FULL_SHARD True
+30b 4096 8 h100_80gb 35.86 1 21 168 1802 DEFAULT FULL_SHARD True
+30b 2048 32 h100_80gb 43.92 14 3 1344 2308 DEFAULT FULL_SHARD True
+30b 2048 16 h100_80gb 43.07 10 3 480 2263 DEFAULT FULL_SHARD True
+30b 2048 8 h100_80gb 38.11 3 21 504 2002 DEFAULT FULL_SHARD True
+30b 1024 8 h100_80gb 38.76 6 21 1008 2084 DEFAULT FULL_SHARD True
+13b 32768 8 h100_80gb 31.68 1 3 24 1976 DEFAULT FULL_SHARD True
+13b 16384 8 h100_80gb 35.55 3 3 72 2985 DEFAULT FULL_SHARD True
+13b 4096 8 h100_80gb 41.6 10 3 240 4717 DEFAULT FULL_SHARD True
+13b 2048 64 h100_80gb 39.86 2 1 128 4800 DEFAULT FULL_SHARD False
+13b 2048 32 h100_80gb 39.95 2 1 64 4811 DEFAULT FULL_SHARD False
+13b 2048 16 h100_80gb 39.58 2 1 32 4767 DEFAULT FULL_SHARD False
+13b 2048 8 h100_80gb 39.79 2 1 16 4792 DEFAULT FULL_SHARD False
+13b 1024 8 h100_80gb 44.27 40 3 960 5502 DEFAULT FULL_SHARD True
+7b 65536 8 h100_80gb 28.59 1 2 16 1956 DEFAULT FULL_SHARD True
+7b 32768 8 h100_80gb 30.94 2 2 32 3318 DEFAULT FULL_SHARD True
+7b 8192 8 h100_80gb 37.14 8 2 128 6935 DEFAULT FULL_SHARD True
+7b 4096 8 h100_80gb 40.42 16 2 256 8611 DEFAULT FULL_SHARD True
+7b 2048 8 h100_80gb 46.44 6 1 48 10643 DEFAULT FULL_SHARD False
+7b 1024 8 h100_80gb 42.83 64 2 1024 10203 DEFAULT FULL_SHARD True
+3b 65536 8 h100_80gb 26.81 1 2 16 3262 DEFAULT FULL_SHARD True
+3b 32768 8 h100_80gb 28.84 3 6 144 5873 DEFAULT FULL_SHARD True
+3b 16384 8 h100_80gb 36.34 1 6 48 11152 DEFAULT FULL_SHARD False
+3b 8192 8 h100_80gb 40.31 3 6 144 16578 DEFAULT FULL_SHARD False
+3b 4096 8 h100_80gb 42.31 5 6 240 20964 DEFAULT FULL_SHARD False
+3b 2048 64 h100_80gb 40.8 6 3 1152 22525 DEFAULT FULL_SHARD False
+3b 2048 32 h100_80gb 41.7 6 3 576 23021 DEFAULT FULL_SHARD False
+3b 2048 16 h100_80gb 43.73 10 3 480 24142 DEFAULT FULL_SHARD False
+3b 1024 8 h100_80gb 46.2 20 6 960 27046 DEFAULT FULL_SHARD False
+3b 512 8 h100_80gb 46.32 40 6 1920 27965 DEFAULT FULL_SHARD False
+1b 65536 8 h100_80gb 26.34 1 2 16 5506 DEFAULT FULL_SHARD True
+1b 32768 8 h100_80gb 33.54 1 4 32 12025 DEFAULT FULL_SHARD False
+1b 16384 8 h100_80gb 35.22 2 4 64 19649 DEFAULT FULL_SHARD False
+1b 8192 8 h100_80gb 37.73 3 4 96 29157 DEFAULT FULL_SHARD False
+1b 4096 8 h100_80gb 40.26 7 4 224 38535 DEFAULT FULL_SHARD False
+1b 2048 64 h100_80gb 40.85 20 1 1280 44402 DEFAULT FULL_SHARD False
+1b 2048 32 h100_80gb 41.52 20 1 640 45130 DEFAULT FULL_SHARD False
+1b 2048 16 h100_80gb 42.36 20 1 320 46037 DEFAULT FULL_SHARD False
+1b 2048 8 h100_80gb 41.82 14 1 112 45455 DEFAULT FULL_SHARD False
+1b 1024 8 h100_80gb 41.95 18 4 576 48910 DEFAULT FULL_SHARD False
+1b 512 8 h100_80gb 43.21 56 4 1792 52275 DEFAULT FULL_SHARD False
+760m 32768 8 h100_80gb 31.84 1 2 16 16291 DEFAULT FULL_SHARD False
+760m 16384 8 h100_80gb 33.57 3 2 48 27815 DEFAULT FULL_SHARD False
+760m 8192 8 h100_80gb 34.84 6 2 96 41825 DEFAULT FULL_SHARD False
+760m 4096 8 h100_80gb 35.83 12 2 192 55459 DEFAULT FULL_SHARD False
+760m 2048 32 h100_80gb 37.57 24 1 768 67971 DEFAULT FULL_SHARD False
+760m 2048 16 h100_80gb 37.89 24 1 384 68551 DEFAULT FULL_SHARD False
+760m 2048 8 h100_80gb 34.9 24 2 384 63147 DEFAULT FULL_SHARD False
+760m 1024 8 h100_80gb 39.76 48 2 768 78581 DEFAULT FULL_SHARD False
+760m 512 8 h100_80gb 40.42 96 2 1536 83749 DEFAULT FULL_SHARD False
+70b 2048 64 a100_80gb 53.33 8 4 2048 410 PURE FULL_SHARD True
+70b 2048 32 a100_80gb 48.56 2 16 1024 373 PURE FULL_SHARD True
+30b 8192 8 a100_80gb 39.38 1 21 168 574 DEFAULT FULL_SHARD True
+30b 4096 8 a100_80gb 51.37 1 21 168 814 DEFAULT FULL_SHARD True
+30b 2048 8 a100_80gb 55.3 3 21 504 916 DEFAULT FULL_SHARD True
+30b 1024 8 a100_80gb 55.82 6 21 1008 946 DEFAULT FULL_SHARD True
+30b 512 8 a100_80gb 56.4 12 21 2016 967 DEFAULT FULL_SHARD True
+13b 32768 8 a100_80gb 51.69 1 3 24 1016 DEFAULT FULL_SHARD True
+13b 16384 8 a100_80gb 54.07 3 3 72 1431 DEFAULT FULL_SHARD True
+13b 8192 8 a100_80gb 56.07 5 3 120 1795 DEFAULT FULL_SHARD True
+13b 4096 8 a100_80gb 57.62 10 3 240 2060 DEFAULT FULL_SHARD True
+13b 2048 8 a100_80gb 59.57 2 3 48 2262 DEFAULT FULL_SHARD False
+13b 1024 8 a100_80gb 59.48 40 3 960 2330 DEFAULT FULL_SHARD True
+7b 65536 8 a100_80gb 46.97 1 2 16 1013 DEFAULT FULL_SHARD True
+7b 32768 8 a100_80gb 49.46 2 2 32 1672 DEFAULT FULL_SHARD True
+7b 16384 8 a100_80gb 51.96 4 2 64 2453 DEFAULT FULL_SHARD True
+7b 8192 8 a100_80gb 54.47 8 2 128 3206 DEFAULT FULL_SHARD True
+7b 4096 8 a100_80gb 54.84 16 2 256 3684 DEFAULT FULL_SHARD True
+7b 2048 8 a100_80gb 64.23 6 2 96 4641 DEFAULT FULL_SHARD False
+7b 1024 8 a100_80gb 58.01 64 2 1024 4357 DEFAULT FULL_SHARD True
+3b 65536 8 a100_80gb 46.05 1 2 16 1767 DEFAULT FULL_SHARD True
+3b 32768 8 a100_80gb 47.18 3 6 144 3029 DEFAULT FULL_SHARD True
+3b 16384 8 a100_80gb 57.13 1 6 48 5529 DEFAULT FULL_SHARD False
+3b 8192 8 a100_80gb 59.34 3 6 144 7695 DEFAULT FULL_SHARD False
+3b 4096 8 a100_80gb 60.53 5 6 240 9457 DEFAULT FULL_SHARD False
+3b 2048 8 a100_80gb 62.11 10 2 160 10811 DEFAULT FULL_SHARD False
+3b 1024 8 a100_80gb 62.73 20 6 960 11580 DEFAULT FULL_SHARD False
+3b 512 8 a100_80gb 63.71 40 6 1920 12127 DEFAULT FULL_SHARD False
+1b 65536 8 a100_80gb 46.18 1 2 16 3044 DEFAULT FULL_SHARD True
+1b 32768 8 a100_80gb 55.52 1 4 32 6275 DEFAULT FULL_SHARD False
+1b 16384 8 a100_80gb 56.6 2 4 64 9956 DEFAULT FULL_SHARD False
+1b 8192 8 a100_80gb 56.69 3 4 96 13814 DEFAULT FULL_SHARD False
+1b 4096 8 a100_80gb 59.0 7 4 224 17807 DEFAULT FULL_SHARD False
+1b 2048 8 a100_80gb 59.86 14 4 448 20513 DEFAULT FULL_SHARD False
+1b 1024 8 a100_80gb 60.15 18 4 576 22112 DEFAULT FULL_SHARD False
+1b 512 8 a100_80gb 60.68 56 4 1792 23148 DEFAULT FULL_SHARD False
+760m 65536 8 a100_80gb 45.34 1 2 16 4143 DEFAULT FULL_SHARD True
+760m 32768 8 a100_80gb 54.57 1 2 16 8802 DEFAULT FULL_SHARD False
+760m 16384 8 a100_80gb 54.64 3 2 48 14274 DEFAULT FULL_SHARD False
+760m 8192 8 a100_80gb 55.31 6 2 96 20933 DEFAULT FULL_SHARD False
+760m 4096 8 a100_80gb 56.05 12 2 192 27351 DEFAULT FULL_SHARD False
+760m 2048 8 a100_80gb 56.85 24 2 384 32434 DEFAULT FULL_SHARD False
+760m 1024 8 a100_80gb 47.76 48 2 768 29765 DEFAULT FULL_SHARD False
+760m 512 8 a100_80gb 45.07 96 2 1536 29446 DEFAULT FULL_SHARD False
+350m 65536 8 a100_80gb 52.7 1 2 16 7524 DEFAULT FULL_SHARD False
+350m 32768 8 a100_80gb 52.46 2 2 32 13652 DEFAULT FULL_SHARD False
+350m 16384 8 a100_80gb 53.28 4 2 64 23559 DEFAULT FULL_SHARD False
+350m 8192 8 a100_80gb 53.8 8 2 128 36569 DEFAULT FULL_SHARD False
+350m 4096 8 a100_80gb 53.31 16 2 256 49555 DEFAULT FULL_SHARD False
+350m 2048 8 a100_80gb 51.62 32 2 512 58782 DEFAULT FULL_SHARD False
+350m 1024 8 a100_80gb 50.51 64 2 1024 64813 DEFAULT FULL_SHARD False
+350m 512 8 a100_80gb 50.61 128 2 2048 69330 DEFAULT FULL_SHARD False
+125m 65536 8 a100_80gb 54.13 1 2 16 20368 DEFAULT FULL_SHARD False
+125m 32768 8 a100_80gb 52.71 2 2 32 36407 DEFAULT FULL_SHARD False
+125m 16384 8 a100_80gb 50.61 4 2 64 60040 DEFAULT FULL_SHARD False
+125m 8192 8 a100_80gb 48.85 8 2 128 90392 DEFAULT FULL_SHARD False
+125m 4096 8 a100_80gb 46.08 16 2 256 118396 DEFAULT FULL_SHARD False
+125m 2048 8 a100_80gb 44.79 40 2 640 142830 DEFAULT FULL_SHARD False
+125m 2048 8 a100_80gb 44.45 32 2 512 141737 DEFAULT FULL_SHARD False
+125m 1024 8 a100_80gb 43.15 64 2 1024 156468 DEFAULT FULL_SHARD False
+125m 512 8 a100_80gb 42.56 128 2 2048 165681 DEFAULT FULL_SHARD False
+"""
+
+
+def foundry_runs() -> list[Run]:
+    runs = []
+    for line in FOUNDRY_ROWS.strip().splitlines():
+        size, seq, n, gpu, mfu, mb, accum, batch, tps, mode, sharding, ac = line.split()
+        seq, n, mb, accum, batch, tps = int(seq), int(n), int(mb), int(accum), int(batch), int(tps)
+        h, a, l = MPT[size]
+        model = gpt(f"mpt-{size}", h, a, l, vocab=50368, seq=seq)
+        zero = 3 if sharding == "FULL_SHARD" else 2
+        recompute = "full" if ac == "True" else "none"
+        runs.append(Run(f"foundry {gpu[:4]} {size} s={seq} n={n} mb={mb}", model, n, seq, batch,
+                        f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage={zero},micro_batch={mb},grad_accum={accum},"
+                        f"activation_checkpoint={recompute}", FOUNDRY,
+                        f"{line.strip()} (MFU %, T/s/GPU)", tflops=tps * flops_per_token(model, seq) / 1e12,
+                        gpu="h100" if gpu.startswith("h100") else "a100-80gb", system="llm-foundry", search=False))
+    return runs
+
+
+RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs() + foundry_runs()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,13 +472,18 @@ RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + to
 
 def cluster_of(run: Run) -> Cluster:
     acc = accelerator(run.gpu)
+    rails = run.layout != "zero" or run.system is not None
     if run.inter_node_gbs is not None:
         acc = dataclasses.replace(acc, inter_node_bw=run.inter_node_gbs * 1e9)
     if run.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=run.gpu_memory_gib * GiB)
     if run.mem_bandwidth_tbs is not None:
         acc = dataclasses.replace(acc, mem_bandwidth=run.mem_bandwidth_tbs * 1e12)
-    return Cluster(acc, run.gpus)
+    # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter, synchronously, with a copy after each gather
+    # (DeepSpeed issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, both June 2021), and
+    # Narayanan et al.'s ZeRO-3 times do not fall from 768 to 1,536 GPUs: its rings are taken as bound to one NIC
+    # per rank, where FSDP's flat-buffer collectives (llm-foundry's rows) use every NIC of the node
+    return Cluster(acc, run.gpus, rail_collectives=rails)
 
 
 def training_of(run: Run) -> Training:
@@ -418,7 +590,8 @@ def main() -> None:
     groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"),
-                         ("torchtitan", "torchtitan")):
+                         ("torchtitan", "torchtitan"), ("llm-foundry H100", "foundry h100"),
+                         ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
     print("timed runs whose given plan fits (ratio = predicted/published throughput):")
     for name, rs in groups.items():
