@@ -533,6 +533,37 @@ def check_mapping() -> None:
               f"FLOPs/eq.7 = {ratio:.5f}")
 
 
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's on the ranks."""
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+
+
+def sweep_of(run: Run) -> str | None:
+    """The sweep a run belongs to, for rank order: one model on one kind of GPU from one source, its layouts,
+    batches, sequence lengths and GPU counts varied (llm-foundry's tables); None: not part of a sweep."""
+    if run.name.startswith("foundry"):
+        return f"llm-foundry {run.gpu} {run.model.name}"
+    return None
+
+
 def main() -> None:
     start_all = time.perf_counter()
     check_mapping()
@@ -541,7 +572,7 @@ def main() -> None:
             f"{'MFU pred':>8s} {'pub':>6s} {'GiB':>6s} fit/pub  given plan (completed)")
     print(head)
     print("-" * len(head))
-    ratios, searches, search_lines, memories, mem_lines = [], {}, [], [], []
+    ratios, searches, search_lines, memories, mem_lines, sweeps = [], {}, [], [], [], {}
     for run in RUNS:
         try:
             ev, fits = given_plan(run)
@@ -569,6 +600,9 @@ def main() -> None:
             mark = "" if run.mfu is not None else "*"
             if fits and run.fitted:
                 ratios.append((run.name, ratio))
+            if sweep_of(run):  # tokens/s per GPU, predicted and published
+                tokens = run.batch * run.seq / run.gpus
+                sweeps.setdefault(sweep_of(run), []).append((tokens / t.step_time_s, tokens / pub_s))
             print(f"{run.name:34s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} "
                   f"{run.tflops:5.0f} {ratio:5.2f} "
                   f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
@@ -600,6 +634,11 @@ def main() -> None:
             print(f"  {name:17s} n={len(rs):2d}  geometric mean {math.exp(sum(logs) / len(logs)):.3f}  "
                   f"mean |ratio - 1| {sum(abs(r - 1) for _, r in rs) / len(rs):5.1%}  "
                   f"range {min(r for _, r in rs):.2f}..{max(r for _, r in rs):.2f}")
+    print("\nrank order of tokens/s per GPU within each sweep (Spearman, predicted against published):")
+    for name, pairs in sweeps.items():
+        if len(pairs) >= 4:
+            rho = spearman([a for a, _ in pairs], [b for _, b in pairs])
+            print(f"  {name:32s} n={len(pairs):2d}  {rho:5.2f}")
     print("\npeak memory per GPU where published (predicted / published):")
     for line in mem_lines:
         print(line)
