@@ -11,17 +11,13 @@ whether that fits, next to whether the run fitted; then the fastest plan the sea
 Every figure below was read in a stored copy of the source named next to it (URL given). Nothing is fitted:
 the planner runs with its catalogue hardware (datasheet peaks, stated efficiencies).
 
-Model mapping. The GPT-style models (Megatron-LM's, BLOOM) have a GELU MLP of inner size 4h and multi-head
-attention; ours is Llama's block (SwiGLU, RMSNorm, rotary, GQA). They are mapped with n_kv_heads = n_heads and a
-SwiGLU of inner size f = 8h/3 (rounded to a multiple of 8): three h x f matrices, 3 h (8h/3) = 8 h^2 parameters and
-2 x 8 h^2 forward FLOPs per token, exactly those of the GELU MLP's two h x 4h matrices. The attention is then the
-same 4 h^2 parameters, and the planner's training FLOPs per token, 6 N + 12 l h s with N = 12 l h^2 + V h (tied
-head counted once), equal Korthikanti et al.'s eq. 7, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per B s tokens, to
-within the rounding of f (checked and printed below: within 0.02%). Not mapped: biases, learned position
-embeddings (BLOOM: ALiBi), LayerNorm vs RMSNorm, dropout (Megatron/BLOOM used 0.1: its masks are activation
-memory we do not count), and the activation set differs (SwiGLU saves 4f = 10.7h elements per token in the MLP,
-GELU 8h; no s^2 attention scores: our attention is a fused kernel). So memory is compared only as fits / does
-not fit, and the FLOP count, not the parameter memory, is what the mapping preserves.
+Model mapping. The GPT-style models (Megatron-LM's, BLOOM, MPT) have a GELU MLP of inner size 4h and multi-head
+attention: they are described as such (ModelArgs(mlp="gelu", ffn_hidden=4h, n_kv_heads=n_heads), tied embedding),
+so that their parameters, FLOPs and saved activations are the GPT block's: the planner's training FLOPs per token,
+6 N + 12 l h s with N = 12 l h^2 + V h (tied head counted once), equal Korthikanti et al.'s eq. 7, 72 B s l h^2 (1 +
+s/(6h) + V/(12 l h)) per B s tokens (checked and printed below), and its activations per layer their table 2
+(tests/test_planner_system.py). Not mapped: biases, learned position embeddings (BLOOM and MPT: ALiBi or learned),
+LayerNorm vs RMSNorm (the same tensors kept, one more statistic).
 
 FLOP definitions. Narayanan et al. (2021) report "achieved teraFLOP/s" from their eq. 3, 96 B s l h^2 (1 + s/(6h)
 + V/(16 l h)), which counts the recomputation forward (4 passes over the blocks, 3 over the logit layer): that is
@@ -55,9 +51,9 @@ BLOOM = ("BigScience tr11-176B-ml training README, "
 
 
 def gpt(name: str, h: int, a: int, l: int, vocab: int = 51200, seq: int = 2048) -> ModelArgs:
-    """A GPT-3-style model (GELU MLP 4h, multi-head attention, tied embedding) as our block (see the docstring)."""
+    """A GPT-3-style model: GELU MLP of 4h, multi-head attention, tied embedding (see the docstring)."""
     return ModelArgs(name=name, dim=h, n_heads=a, n_kv_heads=a, n_layers=l, vocab_size=vocab,
-                     ffn_hidden=8 * round(h / 3), max_seq_len=seq, tie_embeddings=True)
+                     ffn_hidden=4 * h, mlp="gelu", max_seq_len=seq, tie_embeddings=True)
 
 
 def eq3_flops(args: ModelArgs, batch: int, seq: int) -> float:

@@ -397,6 +397,9 @@ def _positive(name: str, value: float) -> None:
 
 
 def _validate_model(m: ModelArgs, data: DataConfig) -> None:
+    if m.mlp != "swiglu":
+        raise ConfigError("model.mlp", f"the engine's block has a SwiGLU MLP, not {m.mlp!r} (that is for "
+                          "`shardwise plan` only)", 'remove model.mlp, or set it to "swiglu"')
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
     if m.dim % m.n_heads:

@@ -30,6 +30,10 @@ class ModelArgs:
     """Rows of the embedding and output head; at least the tokenizer's vocabulary."""
     ffn_hidden: int = 384
     """Inner size of the SwiGLU MLP."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """The dense MLP: SwiGLU (w1 gate, w3 up, w2 down: Llama), or 'gelu', two matrices d -> ffn_hidden -> d with a
+    GELU between (GPT-3, OPT, BLOOM, MPT). 'gelu' is for the planner, to size published runs of those models; the
+    engine builds SwiGLU only and refuses it (config.model.mlp)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
@@ -142,7 +146,7 @@ def mlp_params(args: ModelArgs, layer: int, *, active: bool = False) -> int:
     (active=True: only the top_k experts a token goes through)."""
     d = args.dim
     if not args.is_moe_layer(layer):
-        return 3 * d * args.ffn_hidden
+        return (2 if args.mlp == "gelu" else 3) * d * args.ffn_hidden
     experts = args.top_k if active else args.n_experts
     return d * args.n_experts + (experts + args.n_shared_experts) * 3 * d * args.expert_hidden
 
@@ -179,15 +183,19 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each of a block's seven linears, by their name in the model."""
+    """(in, out) features of each of a block's linears, by their name in the model, in forward order: seven, or
+    six for a GELU MLP (no w3)."""
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    return {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+    shapes = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+    if args.mlp == "gelu":
+        del shapes["w3"]
+    return shapes
 
 
 def adapter_params(args: ModelArgs, rank: int, targets=PROJECTIONS) -> int:
     """LoRA's trainable parameters over the whole model: r (in + out) per adapted linear of every block."""
     shapes = projection_shapes(args)
-    return args.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+    return args.n_layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None = None) -> float:

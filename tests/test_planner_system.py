@@ -11,7 +11,7 @@ import torch
 
 from shardwise.hardware import GiB
 from shardwise.model import build_model, materialize
-from shardwise.model_args import num_params, preset
+from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate
 from shardwise.planner.cli import add_plan_arguments, run_plan
 from shardwise.planner.memory import (
@@ -211,3 +211,27 @@ def test_llm_foundry_70b_with_accumulation_fits_as_it_ran():
     assert fits and ev.memory["total"] < 80 * GiB
     step_sync = dataclasses.replace(published.training_of(run), grad_sync="step")
     assert not evaluate(run.model, step_sync, ev.plan, published.cluster_of(run)).fits
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (8, False), (8, True)])
+def test_gelu_block_reproduces_korthikantis_activation_formula(t, sp):
+    # Korthikanti et al. 2022, table 2 (GPT block: GELU MLP of 4h, Megatron's unfused attention and dropout, 16-bit
+    # activations), bytes per layer: s b h (10 + 24/t + 5 a s / (h t)) with tensor parallelism, s b h (34/t +
+    # 5 a s / (h t)) with sequence parallelism too; our terms add only fp32 statistics (norm rstd, attention lse)
+    gpt3 = ModelArgs(name="gpt3-175b", dim=12288, n_heads=96, n_kv_heads=96, n_layers=96, vocab_size=51200,
+                     ffn_hidden=4 * 12288, mlp="gelu", max_seq_len=2048, tie_embeddings=True)
+    s, b, h, a = 2048, 1, 12288, 96
+    training = _training("megatron-lm-2021", seq_len=s)
+    plan = Plan(tp=t, micro_batch=b, sequence_parallel=sp)
+    expected = s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+    assert layer_activation_bytes(gpt3, training, plan) == pytest.approx(expected, rel=2e-3)
+
+
+def test_the_engine_refuses_a_gelu_model(tmp_path):
+    from shardwise.config import ConfigError, load_config
+
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nmlp = "gelu"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "model.mlp" in str(e.value)

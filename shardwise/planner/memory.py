@@ -364,22 +364,23 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "seq")]
+    # the matmul outputs in forward order (a GELU MLP has no w3)
+    outputs = {"wq": Term("wq_out", d, "act", "tp"), "wk": Term("wk_out", kv, "act", "kv"),
+               "wv": Term("wv_out", kv, "act", "kv"), "wo": Term("wo_out", d, "act", "full"),
+               "w1": Term("w1_out", f, "act", "tp"), "w3": Term("w3_out", f, "act", "tp"),
+               "w2": Term("w2_out", d, "act", "full")}
+    matmuls = [outputs[name] for name in projection_shapes(args)]
+    sdpa = [Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if recompute == "selective" and training.selective == "alternate-matmuls" and not moe:
         # torchtitan's op-level policy: the checkpoint keeps the block input, the policy the attention's output
-        # and every second matmul output in forward order (wq, wv, w1, w2 kept; wk, wo, w3 recomputed)
-        return [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
-                Term("wv_out", kv, "act", "kv"), Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
-                Term("w1_out", f, "act", "tp"), Term("w2_out", d, "act", "full")]
+        # and every second matmul output in forward order (SwiGLU: wq, wv, w1, w2 kept; wk, wo, w3 recomputed)
+        return [Term("block_input", d, "stream", "seq"), *matmuls[0::2], *sdpa]
     if recompute == "selective":
         # the policy keeps every matmul / SDPA output; the checkpoint keeps the block input
-        attention = [Term("block_input", d, "stream", "seq"), Term("wq_out", d, "act", "tp"),
-                     Term("wk_out", kv, "act", "kv"), Term("wv_out", kv, "act", "kv"),
-                     Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp"),
-                     Term("wo_out", d, "act", "full")]
+        attention = [Term("block_input", d, "stream", "seq"), *matmuls[:4], *sdpa]
         if moe:
             return attention + moe_terms(args, training, "selective", routed, ep)
-        return attention + [Term("w1_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
-                            Term("w2_out", d, "act", "full")]
+        return attention + matmuls[4:]
     # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
     autocast = training.act_bytes != training.stream_bytes
     terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
@@ -387,6 +388,9 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if moe:
         return terms + moe_terms(args, training, "none", routed, ep)
+    if args.mlp == "gelu":  # GELU's input (w1's output) and its output (w2's input)
+        terms += _norm_terms("ffn_norm", d, training, autocast_copies=1)
+        return terms + [Term("w1_out", f, "act", "tp"), Term("gelu_out", f, "act", "tp")]
     terms += _norm_terms("ffn_norm", d, training, autocast_copies=2 if autocast else 1)
     terms += [Term("w1_out", f, "act", "tp"), Term("silu_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
               Term("swiglu_out", f, "act", "tp")]
@@ -492,9 +496,9 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     if recompute == "selective" and (unfused or training.selective == "attention-core"):
         recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
-    if recompute == "none" and training.act_bytes != 4:
-        # apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q and for
-        # k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch
+    if recompute == "none" and training.act_bytes != 4 and training.layout == "torch":
+        # shardwise's apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q
+        # and for k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch
         total += 2 * seq / plan.cp * args.head_dim * training.act_bytes
     return total
 
@@ -593,7 +597,8 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     gradient is cast up and accumulated into the fp32 parameter's gradient). With recompute the block's
     activations are first rebuilt ('recomputed': its none set minus what was kept). An MoE block (`moe`): the same
     inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair, and w2's gradient of
-    every expert the rank holds."""
+    every expert the rank holds. A GELU MLP: inside GELU's backward, w2's backward has freed the GELU output it
+    kept (f/t) and written its gradient, and GELU's backward writes the gradient of w1's output (2 f/t working)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     e = training.act_bytes
     if moe:
@@ -602,7 +607,8 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     else:
         f = args.ffn_hidden / plan.tp
         weight_grad = args.dim * f
-    out = {"freed": tokens * 2 * f * e, "working": tokens * (3 * f * e + args.dim * training.stream_bytes),
+    freed, working = (1, 2) if args.mlp == "gelu" and not moe else (2, 3)
+    out = {"freed": tokens * freed * f * e, "working": tokens * (working * f * e + args.dim * training.stream_bytes),
            "weight_grad": 0.0 if training.lora_rank else weight_grad * unsharded_grad_bytes(training),
            "recomputed": 0.0}
     if plan.activation_checkpoint != "none":

@@ -195,11 +195,11 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
 
 
 def recomputed_matmul_share(args: ModelArgs, tp: int) -> float:
-    """Of a dense block's matmul FLOPs, the share torchtitan's op-level selective checkpointing recomputes: wk, wo
-    and w3 (every second matmul in forward order)."""
-    sizes = {name: n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
-             for name, n_in, n_out, split in linear_shapes(args)}
-    return sum(sizes[n] for n in ("wk", "wo", "w3")) / sum(sizes.values())
+    """Of a dense block's matmul FLOPs, the share torchtitan's op-level selective checkpointing recomputes: every
+    second matmul in forward order (SwiGLU: wk, wo and w3)."""
+    sizes = [n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
+             for _, n_in, n_out, split in linear_shapes(args)]
+    return sum(sizes[1::2]) / sum(sizes)
 
 
 def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
