@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -629,6 +630,7 @@ def main() -> None:
             logs = [math.log(r) for _, r in rs]
             print(f"  {name:17s} n={len(rs):2d}  geometric mean {math.exp(sum(logs) / len(logs)):.3f}  "
                   f"mean |ratio - 1| {sum(abs(r - 1) for _, r in rs) / len(rs):5.1%}  "
+                  f"median {statistics.median(abs(r - 1) for _, r in rs):5.1%}  "
                   f"range {min(r for _, r in rs):.2f}..{max(r for _, r in rs):.2f}")
     print("\nrank order of tokens/s per GPU within each sweep (Spearman, predicted against published):")
     for name, pairs in sweeps.items():
