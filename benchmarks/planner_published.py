@@ -263,8 +263,7 @@ def llama3_runs() -> list[Run]:
 # Hardware: 48 nodes of 8 A100 80GB, "4 OmniPath links" per node; 100 Gb/s each (BLOOM paper, 2211.05100 p. 18,
 # as quoted in stored summaries): 400 Gb/s per 8 GPUs = 6.25 GB/s per GPU, a quarter of Selene's.
 def bloom_runs() -> list[Run]:
-    model = ModelArgs(name="bloom-176b", dim=14336, n_heads=112, n_kv_heads=112, n_layers=70, vocab_size=250880,
-                      ffn_hidden=8 * round(14336 / 3), max_seq_len=2048, tie_embeddings=True)
+    model = gpt("bloom-176b", 14336, 112, 70, vocab=250880)
     return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
                 "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,activation_checkpoint=full,sequence_parallel=false,"
                 "pp_schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
@@ -618,7 +617,9 @@ def main() -> None:
     print("\nm: measured step time (otherwise implied by the published throughput and the source's FLOP formula)")
     print("* published MFU derived from the published time and the planner's model FLOPs (not printed by the source)")
     print("ratio = predicted / published throughput = published / predicted step time (> 1: planner optimistic)\n")
-    groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]]}
+    era = [x for x in ratios if x[0].startswith(("N21", "K22", "Llama3", "BLOOM"))]
+    groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]],
+              "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"),
                          ("torchtitan", "torchtitan"), ("llm-foundry H100", "foundry h100"),

@@ -151,18 +151,25 @@ def test_unknown_system_is_refused(capsys):
 
 
 def test_collectives_over_nodes_use_every_nic_of_the_node():
-    # a group with 8 members in each of 2 nodes (stride 1) moves its inter-node bytes over 8 NICs, up to NVLink's
-    # rate; a group with one member per node (stride 8, data parallelism outside tp 8) over one
-    from shardwise.planner.comm import group_link
+    # a ring collective over a group with 8 members in each of 2 nodes (stride 1) moves its inter-node bytes over
+    # 8 NICs, up to NVLink's rate; with one member per node (stride 8: data parallelism outside tp 8) over one;
+    # point-to-point sends (pipeline, ring attention) and all-to-alls leave through each rank's own NIC
+    from shardwise.planner.comm import axis_link, group_link
 
     h100 = accelerator("h100")
     cluster = Cluster(h100, 16)
-    eff = h100.comm_efficiency
-    assert group_link(16, 1, cluster).bandwidth == pytest.approx(min(8 * h100.inter_node_bw, h100.intra_node_bw) * eff)
-    assert group_link(2, 8, cluster).bandwidth == pytest.approx(h100.inter_node_bw * eff)
-    assert group_link(4, 4, cluster).bandwidth == pytest.approx(2 * h100.inter_node_bw * eff)
-    one_nic = Cluster(h100, 16, rail_collectives=False)
-    assert group_link(16, 1, one_nic).bandwidth == pytest.approx(h100.inter_node_bw * eff)
+    nic, nvlink, eff = h100.inter_node_bw, h100.intra_node_bw, h100.comm_efficiency
+    assert group_link(16, 1, cluster, spread=True).bandwidth == pytest.approx(min(8 * nic, nvlink) * eff)
+    assert group_link(4, 4, cluster, spread=True).bandwidth == pytest.approx(2 * nic * eff)
+    assert group_link(2, 8, cluster, spread=True).bandwidth == pytest.approx(nic * eff)
+    assert group_link(16, 1, cluster).bandwidth == pytest.approx(nic * eff)
+    assert group_link(16, 1, Cluster(h100, 16, rail_collectives=False), spread=True).bandwidth == pytest.approx(
+        nic * eff)
+    pipeline = Plan(pp=8, tp=2, micro_batch=1)  # pp groups of stride 2: four members per node, but sends
+    assert axis_link(pipeline, ("pp",), cluster)[1].bandwidth == pytest.approx(nic * eff)
+    fsdp = Plan(dp_shard=16, zero_stage=3, micro_batch=1)
+    assert axis_link(fsdp, fsdp.shard_axes, cluster, spread=True)[1].bandwidth == pytest.approx(
+        min(8 * nic, nvlink) * eff)
 
 
 def test_gradient_sync_every_micro_batch_keeps_only_the_shard():
@@ -235,3 +242,45 @@ def test_the_engine_refuses_a_gelu_model(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert "model.mlp" in str(e.value)
+
+
+def test_fsdp_mixed_precision_needs_fsdp():
+    # torchtitan applies FSDP2's mixed-precision policy only where FSDP shards; its DDP runs under autocast:
+    # a ZeRO-1 plan of the torchtitan system is sized as the layout 'torch' (fp32 stream, autocast copies)
+    args = preset("llama3-8b")
+    titan = _training("torchtitan")
+    autocast = dataclasses.replace(titan, layout="torch")
+    cluster = Cluster(accelerator("h100"), 8)
+    ddp = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, activation_checkpoint="full")
+    assert evaluate(args, titan, ddp, cluster).memory == evaluate(args, autocast, ddp, cluster).memory
+    fsdp = Plan(dp_shard=8, zero_stage=3, micro_batch=1, activation_checkpoint="full")
+    assert evaluate(args, titan, fsdp, cluster).memory != evaluate(args, autocast, fsdp, cluster).memory
+
+
+@pytest.mark.parametrize("name, text", [("titan.toml", 'name = "shardwise"\n'),
+                                        ("shardwise.toml", 'grad_sync = "micro-batch"\n')])
+def test_a_system_toml_cannot_pass_for_shardwise(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(PlannerError, match="--system"):
+        resolve_system(str(path))
+
+
+def test_write_config_refuses_any_field_shardwise_does_not_run(tmp_path, capsys):
+    path = tmp_path / "sync-every-micro-batch.toml"
+    path.write_text('grad_sync = "micro-batch"\n')
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top-k", "1",
+            "--system", str(path), "--write-config", str(tmp_path / "job.toml")]
+    assert run_plan(_ns(*argv)) == 2
+    assert "--system" in capsys.readouterr().err
+    assert not (tmp_path / "job.toml").exists()
+
+
+def test_layout_flag_alone_does_not_fuse_the_head_of_another_layout():
+    ns = _ns("--model", "llama3-8b", "--gpus", "8", "--layout", "zero")
+    from shardwise.planner.cli import build_inputs
+
+    training = build_inputs(ns)[1]
+    assert training.layout == "zero" and not training.fuses_head
+    assert not build_inputs(_ns("--model", "llama3-8b", "--gpus", "8", "--system", "megatron-lm-2021",
+                                "--no-dropout"))[1].dropout

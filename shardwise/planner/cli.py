@@ -46,7 +46,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
       help="fused: one kernel, no s x s tensors (FlashAttention, SDPA); unfused: Megatron-LM before "
            "FlashAttention (batched GEMMs, softmax over the stored s x s scores), to evaluate runs of 2021-22 "
            "(default: the system's)")
-    a("--dropout", action="store_true", default=None,
+    a("--dropout", action=argparse.BooleanOptionalAction, default=None,
       help="Megatron's hidden and attention dropout (its masks are kept; default: the system's)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
@@ -194,7 +194,7 @@ def system_summary(training: Training) -> str:
     return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
-            f", selective keeps {training.selective}")
+            f", selective keeps {training.selective if training.fused_attention else 'attention-core'}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,

@@ -144,15 +144,18 @@ def _span(degrees: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, int]:
     return math.prod(by_axis[a] for a in axes), math.prod(by_axis[a] for a in inner)
 
 
-def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None = None) -> Link:
+def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None = None,
+               spread: bool = False) -> Link:
     """The link a group of `size` ranks spaced `stride` apart uses: intra-node if the whole group sits in one
-    node, otherwise the network. On the network, NCCL runs one ring per channel and spreads the channels over the
-    node's NICs (one per GPU), and each ring leaves a node once: a group with g members in every node moves its
-    inter-node bytes over g NICs at once, g x the per-GPU NIC rate per rank, up to the intra-node rate that the
-    same bytes also cross (nccl-tests' multi-node bus bandwidth on 8-GPU nodes with a NIC per GPU approaches the
-    node's aggregate NIC rate). A group with one member per node (stride >= gpus_per_node: data parallelism
-    outside tensor parallelism of 8) is limited by one NIC."""
-    return _group_link(size, stride, cluster, acc or cluster.accelerator)
+    node, otherwise the network, where each rank's off-node bytes go through its own NIC. A ring collective
+    (`spread`: all-gather, reduce-scatter, all-reduce) does better: NCCL runs one ring per channel and spreads the
+    channels over the node's NICs (one per GPU), and each ring leaves a node once, so a group with g members in
+    every node moves its inter-node bytes over g NICs at once, g x the per-GPU NIC rate per rank, up to the
+    intra-node rate that the same bytes also cross (nccl-tests' multi-node bus bandwidth on 8-GPU nodes with a
+    NIC per GPU approaches the node's aggregate NIC rate). Point-to-point sends (pipeline, ring attention) and
+    all-to-alls are not spread; nor is a group with one member per node (stride >= gpus_per_node: data
+    parallelism outside tensor parallelism of 8)."""
+    return _group_link(size, stride, cluster, acc or cluster.accelerator, spread)
 
 
 def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
@@ -161,14 +164,14 @@ def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
-def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator) -> Link:
+def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spread: bool) -> Link:
     if size <= 1:
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
     if intra:
         bw = acc.intra_node_bw * acc.comm_efficiency
     else:
-        rails = members_per_node(size, stride, cluster.gpus_per_node) if cluster.rail_collectives else 1
+        rails = members_per_node(size, stride, cluster.gpus_per_node) if spread and cluster.rail_collectives else 1
         bw = min(rails * acc.inter_node_bw, acc.intra_node_bw if rails > 1 else acc.inter_node_bw) * (
             acc.comm_efficiency)
     curves = ()
@@ -181,9 +184,10 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator) -> L
     return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s)
 
 
-def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster) -> tuple[int, Link]:
+def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster, spread: bool = False) -> tuple[int, Link]:
+    """(group size, link) of the group over `axes`; `spread` for ring collectives (group_link)."""
     size, stride = axis_span(plan, axes)
-    return size, group_link(size, stride, cluster)
+    return size, group_link(size, stride, cluster, spread=spread)
 
 
 def expert_links(plan: Plan, cluster: Cluster) -> tuple[tuple[int, Link], tuple[int, Link]]:
@@ -191,4 +195,4 @@ def expert_links(plan: Plan, cluster: Cluster) -> tuple[tuple[int, Link], tuple[
     (torchtitan's) splits dp_shard x cp: ep = dp_shard_in_ep x cp, its innermost ranks (stride tp), and the experts
     are sharded over the dp_shard_mod_ep = dp_shard x cp / ep ranks outside it (stride ep x tp)."""
     ep, shard = plan.ep, plan.dp_shard * plan.cp // plan.ep
-    return (ep, group_link(ep, plan.tp, cluster)), (shard, group_link(shard, ep * plan.tp, cluster))
+    return (ep, group_link(ep, plan.tp, cluster)), (shard, group_link(shard, ep * plan.tp, cluster, spread=True))

@@ -32,6 +32,11 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
 
 def _engine_runs(training: Training) -> None:
     """Refuse a recipe the engine would not run as planned: a config never drops a knob the plan was priced with."""
+    from shardwise.planner.system import SYSTEMS
+
+    engine = SYSTEMS["shardwise"].training_fields()
+    differs = [k for k, v in engine.items() if k != "system" and getattr(training, k) != v
+               and not (k == "fuse_head" and training.fuses_head == (training.layout == "torch"))]
     refusals = [  # another system first; then what a flag changed in shardwise's (its name says "shardwise (...)")
         (training.system.split(" (")[0] != "shardwise", "--system", f"the plan is sized for {training.system}, "
          "and shardwise's engine runs differently", "plan with --system shardwise"),
@@ -44,9 +49,8 @@ def _engine_runs(training: Training) -> None:
         (training.dropout, "--dropout", "the engine's model has no dropout", "plan without --dropout"),
         (training.loss_parallel, "loss_parallel", "the engine gathers logits before the loss",
          "plan without loss_parallel"),
-        (not training.fuses_head or training.selective != "matmuls", "--system",
-         "the engine fuses its head with the loss and its selective checkpointing keeps every matmul output",
-         "plan with --system shardwise"),
+        (bool(differs), "--system", f"the engine runs {', '.join(f'{k} = {engine[k]}' for k in differs)}, not "
+         f"{', '.join(f'{k} = {getattr(training, k)}' for k in differs)}", "plan with --system shardwise"),
     ]
     for refused, flag, problem, fix in refusals:
         if refused:

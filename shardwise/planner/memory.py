@@ -17,14 +17,21 @@ from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
 from shardwise.planner.experts import kept_share, routed_per_token
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import FULL_PRECISION_STATE_BYTES, OPTIMIZER_STATE_BYTES, QLORA_BITS, Training
+from shardwise.planner.workload import (
+    FULL_PRECISION_STATE_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    QLORA_BITS,
+    Training,
+    recipe_for,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Parameters (docs/planner.md, "Parameters per rank")
 
 
 def linear_shapes(args: ModelArgs) -> list[tuple[str, int, int, str]]:
-    """(name, in, out, how tp splits it) for the seven linears of a block: 'col' splits outputs, 'row' inputs,
+    """(name, in, out, how tp splits it) for the linears of a block (seven; six with a GELU MLP), in forward order:
+    'col' splits outputs, 'row' inputs,
     'kv' is a column split that cannot go below one KV head per rank."""
     splits = {"wq": "col", "wk": "kv", "wv": "kv", "wo": "row", "w1": "col", "w3": "col", "w2": "row"}
     return [(name, n_in, n_out, splits[name]) for name, (n_in, n_out) in projection_shapes(args).items()]
@@ -493,9 +500,14 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
         total = 0.0
     if training.dropout and recompute != "full":
         total += 2 * tokens * args.dim / (plan.tp if plan.sequence_parallel else 1)
-    if recompute == "selective" and (unfused or training.selective == "attention-core"):
+    core = recompute == "selective" and (unfused or training.selective == "attention-core")
+    if core:
         recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
+    if core and not unfused:
+        # a fused kernel's output and log-sum-exp are what its checkpoint drops (Megatron-Core's selective
+        # recompute of core_attn): the forward kernel runs again in backward from the kept q, k, v
+        total -= tokens * (args.dim * training.act_bytes + args.n_heads * TERM_BYTES["stat"]) / plan.tp
     if recompute == "none" and training.act_bytes != 4 and training.layout == "torch":
         # shardwise's apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q
         # and for k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch
@@ -724,6 +736,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
     """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory`."""
     # a search asks this ~10^5 times: each moment is summed from the items it shares and those it changes, and only
     # the largest is built
+    training = recipe_for(training, plan.zero_stage, plan.shard_group)
     base, changes = _moment_parts(args, training, plan, stage)
     shared = sum(base.values())
     peak = max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
@@ -738,6 +751,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
 def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0) -> float:
     """A lower bound on stage_memory(...)["total"] from memoised parts: the optimizer step's moment (model state and
     the rotary table) and the fixed overhead."""
+    training = recipe_for(training, plan.zero_stage, plan.shard_group)
     return (sum(_model_state(args, training, plan, stage).values()) + rotary_table_bytes(args)
             + training.fixed_overhead_gib * GiB)
 
@@ -759,6 +773,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     once the first backward starts, the next micro-batch's first block backward holds one micro-batch fewer but
     every gradient the first made.
     """
+    training = recipe_for(training, plan.zero_stage, plan.shard_group)
     base, changes = _moment_parts(args, training, plan, stage)
     return {name: _moment(base, changes, name) for name in changes}
 
@@ -797,6 +812,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         stage_p -= shape.experts if whole else 0.0
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = unsharded_grad_bytes(training) if fsdp else state_bytes_per_param(training).grads
+    # gradients kept unsharded across micro-batches are accumulated in the reduce dtype (FSDP2 upcasts them)
+    kept_grad_bytes = state_bytes_per_param(training).grads
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch (shardwise's
@@ -804,8 +821,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     held = held_early = 0.0
     if fsdp:
         held = held_early = (stage_p if plan.zero_stage == 2 else root_p) * gathered
-        held += stage_p * grad_bytes if keep_unsharded and not training.lora_rank else 0.0
-        held_early += stage_p * grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
+        held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
+        held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
             "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
             "ddp_buckets": 0.0}

@@ -31,8 +31,9 @@ class System:
     """One line: what the planner assumes, as the plan output prints it."""
     layout: Layout = "torch"
     """How state is stored and gathered (workload.Training.layout)."""
-    fuse_head: bool = True
-    """Output head and cross-entropy fused where the head is a plain linear (Training.fuse_head)."""
+    fuse_head: bool | None = None
+    """Output head and cross-entropy fused where the head is a plain linear (Training.fuse_head); None: exactly
+    under the layout 'torch' (shardwise's engine)."""
     loss_parallel: bool = False
     """Cross-entropy on vocab-parallel logit shards under TP instead of all-gathered logits."""
     attention: str = "fused"
@@ -118,17 +119,20 @@ def resolve_system(spec: str | System) -> System:
     except tomllib.TOMLDecodeError as e:
         raise PlannerError("--system", f"{path}: {e}", "fix the TOML syntax") from None
     base_name = table.pop("base", "shardwise")
-    if base_name not in SYSTEMS:
+    if not isinstance(base_name, str) or base_name not in SYSTEMS:
         raise PlannerError(f"--system {path} base", f"unknown system {base_name!r}", f"use one of {', '.join(SYSTEMS)}")
-    fields = {f.name: f.type for f in dataclasses.fields(System)}
+    fields = [f.name for f in dataclasses.fields(System) if f.name not in ("name", "summary", "source")]
     for key, value in table.items():
         if key not in fields:
-            raise PlannerError(f"--system {path}", f"unknown key {key!r}", f"use base or {', '.join(fields)}")
+            raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
+                               f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
-    return dataclasses.replace(SYSTEMS[base_name], **{"name": path.stem, "summary": f"{base_name}, changed: "
-                                                      + ", ".join(f"{k} = {v}" for k, v in table.items()
-                                                                  if k not in ("name", "summary")),
-                                                      "source": str(path), **table})
+    if path.stem in SYSTEMS:
+        raise PlannerError(f"--system {path}", f"the file is named like the preset {path.stem!r}",
+                           "rename the file: a plan says which system it was sized for by this name")
+    changed = ", ".join(f"{k} = {v}" for k, v in table.items()) or "nothing changed"
+    return dataclasses.replace(SYSTEMS[base_name], name=path.stem, summary=f"{base_name}, {changed}",
+                               source=str(path), **table)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.hardware import Accelerator, Cluster
-from shardwise.model_args import ModelArgs, adapter_params, flops_per_token
+from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, projection_shapes
 from shardwise.planner.comm import (
     all_gather,
     all_reduce,
@@ -42,7 +42,7 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.operators import QLORA_DEQUANT, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import Training
+from shardwise.planner.workload import Training, recipe_for
 
 HOST_DRAM_BW_PER_GPU = 25e9
 """Host-memory bandwidth one GPU's share of a CPU optimizer step gets (about 200 GB/s per socket pair / 8)."""
@@ -179,6 +179,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         # kernel's backward recomputes that anyway, and selective then means the cheap elementwise tensors;
         # torchtitan's op-level policy also recomputes every second matmul (memory.block_terms)
         recompute = blocks(lambda t: t["elementwise"] if training.fused_attention else t["attention"])
+        if training.selective == "attention-core" and training.fused_attention:
+            recompute = blocks(lambda t: t["attention"])  # the fused kernel's forward, again in backward
         if training.selective == "alternate-matmuls" and training.fused_attention:
             recompute += (layers - moe) * t["matmul"] * recomputed_matmul_share(args, plan.tp)
     else:
@@ -214,7 +216,7 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
     weights = layers * (layer_params(args, plan.tp) - 2 * args.dim)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
-    ops = layers * 7 * (cost.forward_ops + cost.backward_ops)
+    ops = layers * len(projection_shapes(args)) * (cost.forward_ops + cost.backward_ops)
     return weights * cost.forward_bytes / bandwidth, weights * cost.backward_bytes / bandwidth, ops
 
 
@@ -232,7 +234,7 @@ def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head
     blocks = (layers - moe_layers) * c.block + moe_layers * c.moe_block
     t = (blocks + (c.rest if head else 0) + extra_ops) * acc.op_overhead_s
     if plan.tp > 1:
-        t += (layers * 7 - moe_layers * 3) * c.linear * acc.dtensor_op_overhead_s
+        t += (layers * len(projection_shapes(args)) - moe_layers * 3) * c.linear * acc.dtensor_op_overhead_s
     return max(0.0, t - compute) if acc.launch_async else t
 
 
@@ -256,7 +258,7 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced)."""
     if plan.tp == 1:
         return 0.0
-    n, link = axis_link(plan, ("tp",), cluster)
+    n, link = axis_link(plan, ("tp",), cluster, spread=True)
     tokens = plan.micro_batch * training.seq_len / plan.cp
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
@@ -375,9 +377,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     """(total, exposed) seconds per step of gradient reduction and ZeRO parameter gathering. Under expert
     parallelism each MoE block's routed experts are an FSDP unit of their own over the expert shard group
     (comm.expert_links), their gradients all-reduced across dp_replicate (HSDP) as the rest."""
-    red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster)
-    sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster)
-    rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster) if plan.zero_stage >= 2 else (1, None)
+    red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster, spread=True)
+    sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster, spread=True)
+    rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster, spread=True) if plan.zero_stage >= 2 else (1, None)
     if red_n == 1:
         return 0.0, 0.0
     b = state_bytes_per_param(training)
@@ -434,9 +436,10 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
                            for n in block_tensor_params(args, plan.tp, moe, plan.ep))
 
             if training.lora_rank:
-                # an A and a B adapter on each of the 7 linears (taken as equal)
-                blocks = layers * sum(14 * [all_gather(lora_params(args, training.lora_rank, plan.tp) / 14 * 4.0,
-                                                       sh_n, sh_link, after_compute=False)])
+                # an A and a B adapter on each of the block's linears (taken as equal)
+                adapters = 2 * len(projection_shapes(args))
+                blocks = layers * adapters * all_gather(lora_params(args, training.lora_rank, plan.tp) / adapters * 4.0,
+                                                        sh_n, sh_link, after_compute=False)
             else:
                 moe = where.max_moe_layers
                 blocks = (layers - moe) * gathers(False) + (moe * gathers(True) if moe else 0.0)
@@ -521,6 +524,8 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     layers = where.max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
+    if training.syncs_every_micro_batch and plan.zero_stage >= 2:
+        reduced *= plan.grad_accum
     gathered = 0.0
     if plan.zero_stage >= 2:
         weights = n_params * gathered_weight_bytes(training)
@@ -651,6 +656,7 @@ class StepTime:
 
 
 def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StepTime:
+    training = recipe_for(training, plan.zero_stage, plan.shard_group)
     acc = cluster.accelerator
     cost = stage_cost(args, training, plan, cluster)
     pipe = pipeline_time(cost, plan)

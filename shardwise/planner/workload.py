@@ -177,6 +177,16 @@ class Training:
         return 2
 
 
+def recipe_for(training: Training, zero_stage: int, shard_group: int) -> Training:
+    """The recipe as a plan runs it. FSDP2's mixed-precision policy ('fsdp-mp') exists only where FSDP shards the
+    weights (ZeRO-2/3 over more than one rank); elsewhere torchtitan trains under autocast (its DDP and single
+    device), which is the layout 'torch'. (torchtitan's tensor or pipeline parallelism without FSDP runs with no
+    mixed precision at all; the planner prices it under autocast too.)"""
+    if training.layout == "fsdp-mp" and not (zero_stage >= 2 and shard_group > 1):
+        return dataclasses.replace(training, layout="torch")
+    return training
+
+
 def resolve_model(spec: str | ModelArgs) -> ModelArgs:
     """A preset name, a ModelArgs, a Hugging Face config.json, or a shardwise TOML config."""
     if isinstance(spec, ModelArgs):
