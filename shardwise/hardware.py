@@ -53,7 +53,11 @@ class Accelerator:
     matmul_efficiency: float = 0.70
     """Share of peak that large GEMMs reach; assumption (cuBLAS on big bf16 GEMMs), replaced by `shardwise bench`."""
     attention_efficiency: float = 0.45
-    """Share of peak that fused attention (forward + backward) reaches; FlashAttention-2 reports 35-50% on A100/H100."""
+    """Share of peak that fused attention (forward + backward) reaches, for a kernel attention_by_kernel does not
+    name (a stated assumption between the published figures below)."""
+    attention_by_kernel: dict[str, float] | None = None
+    """Share of peak a named attention kernel reaches on this GPU (Training.attention_kernel), from the kernels' own
+    papers (KERNEL_EFFICIENCY); None or a kernel not named: attention_efficiency."""
     bandwidth_efficiency: float = 0.75
     """Share of mem_bandwidth that elementwise kernels (norms, SwiGLU, rotary, residuals) reach."""
     comm_efficiency: float = 0.80
@@ -108,11 +112,12 @@ class Accelerator:
     source: str = ""
     """Where the datasheet numbers come from."""
 
-    def attention_eff(self, seq: int, head_dim: int) -> float:
+    def attention_eff(self, seq: int, head_dim: int, kernel: str = "flash2") -> float:
         """Share of peak fused attention reaches at this shape: bilinear in log2(sequence) and log2(head
-        dimension) between the measured shapes, clamped to their range; attention_efficiency without a table."""
+        dimension) between the measured shapes, clamped to their range; without a measured table, the kernel's
+        published share on this GPU (attention_by_kernel), else attention_efficiency."""
         if not self.attention_by_shape:
-            return self.attention_efficiency
+            return (self.attention_by_kernel or {}).get(kernel, self.attention_efficiency)
         table = {tuple(int(x) for x in key.split(",")): eff for key, eff in self.attention_by_shape.items()}
         seqs, hds = sorted({s for s, _ in table}), sorted({h for _, h in table})
 
@@ -194,6 +199,17 @@ CATALOGUE: dict[str, Accelerator] = {
         _gpu("v100", 32, None, 125.0, None, 15.7, 0.9, 150, 12.5, 16, "NVIDIA V100 datasheet, SXM2 32GB"),
     ]
 }
+# Fused attention, forward + backward, as a share of the 16-bit peak, by kernel and GPU generation, from the kernels'
+# papers (midpoints of the ranges they state): FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract):
+# FlashAttention "reaching only 25-40% of the theoretical maximum FLOPs/s" on A100, FlashAttention-2 "50-73%";
+# FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, abstract): FlashAttention-2 "achieving only 35%
+# utilization on the H100 GPU". torch's SDPA flash backend is FlashAttention-2. Not stated for a kernel or GPU (
+# FlashAttention-1 on Hopper, FlashAttention-3's forward + backward, cuDNN's): attention_efficiency.
+KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615}, "hopper": {"flash2": 0.35}}
+for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h100", "hopper"),
+                           ("h100-pcie", "hopper"), ("h200", "hopper")):
+    CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])
+
 ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x"}
 
 
@@ -262,6 +278,8 @@ def load_profile(path: str | Path) -> Accelerator:
         raw["busbw_curves"] = {op: {int(size): bw for size, bw in curve.items()}
                                for op, curve in raw["busbw_curves"].items()}
     if base is not None:
+        if "attention_efficiency" in raw:  # a measured or stated share replaces the catalogue's per-kernel ones
+            raw.setdefault("attention_by_kernel", None)
         return dataclasses.replace(accelerator(base), **raw)
     missing = {f.name for f in dataclasses.fields(Accelerator) if f.default is dataclasses.MISSING} - set(raw)
     if missing:

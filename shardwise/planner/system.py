@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.hardware import PlannerError
-from shardwise.planner.workload import LAYOUTS, SELECTIVE, Layout, Selective
+from shardwise.planner.workload import ATTENTION_KERNELS, LAYOUTS, SELECTIVE, Layout, Selective
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class System:
     """Cross-entropy on vocab-parallel logit shards under TP instead of all-gathered logits."""
     attention: str = "fused"
     """'fused' (FlashAttention, SDPA) or 'unfused' (Megatron-LM's 2021-22 batched GEMMs + softmax)."""
+    attention_kernel: str = "flash2"
+    """The fused kernel (Training.attention_kernel): flash1, flash2, flash3 or cudnn."""
     dropout: bool = False
     """Megatron's hidden and attention dropout (p = 0.1): its masks are kept for backward."""
     ce_kernel: bool = False
@@ -51,7 +53,8 @@ class System:
 
     def __post_init__(self):
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
-                  ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")))
+                  ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
+                  ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -61,6 +64,7 @@ class System:
         """The Training fields this system fixes."""
         return {"system": self.name, "layout": self.layout, "fuse_head": self.fuse_head,
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
+                "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective}
 
@@ -83,6 +87,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention, selective "
            "recompute of the attention core",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
+           attention_kernel="cudnn",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
@@ -93,10 +98,13 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "section 4"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT or PURE: fp32 shards, bf16 gathers and "
            "compute; bf16 residual stream; logits materialised in bf16 and flash-attn's cross-entropy kernel; "
-           "fused attention (FlashAttention-2)",
+           "FlashAttention-1 (flash-attn 1.0.9, its [gpu] extra at v0.3.0, which its benchmarks installed)",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
+           attention_kernel="flash1",
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
-                  "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash"),
+                  "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; setup.py at "
+                  "v0.3.0: flash-attn==1.0.9; scripts/train/benchmarking/submit_benchmarks.py (#543): "
+                  "pip_install -e .[gpu]"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, materialised logits and an fp32 loss, fused attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",

@@ -101,7 +101,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         # cp each rank's queries see on average half the sequence either way (load-balanced ring attention).
         # FlashAttention's backward does 5 matmuls to the forward's 2 (2.5x), all of them input-side.
         attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (
-            peak * acc.attention_eff(training.seq_len, args.head_dim))
+            peak * acc.attention_eff(training.seq_len, args.head_dim, training.attention_kernel))
         attn_bwd = 2.5 * attn
     else:
         # batched GEMMs over the whole s x s (the mask does not skip work), at the matmul rate; backward's four

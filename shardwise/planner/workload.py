@@ -24,6 +24,7 @@ Layout = Literal["torch", "fsdp-mp", "zero", "megatron"]
 LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
 Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
 SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
+ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
 
 # Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
@@ -99,6 +100,9 @@ class Training:
     batched GEMMs over the whole s x s, the scores through a fused scale + mask + softmax kernel and dropout,
     each s x s tensor written to and read from memory, and the softmax output, dropout mask and dropout output
     kept for backward (Korthikanti et al.'s 5 a s^2 b bytes per layer, with dropout)."""
+    attention_kernel: str = "flash2"
+    """The fused attention kernel, whose share of peak the accelerator's catalogue entry gives where its paper
+    states one (hardware.KERNEL_EFFICIENCY): flash1, flash2 (torch's SDPA), flash3, cudnn."""
     dropout: bool = False
     """Megatron-LM's default hidden and attention dropout (p = 0.1; GPT-3-style runs and BLOOM kept it): a 1-byte
     mask per element after the attention's output projection and after the MLP, kept for backward (2 s b h bytes
@@ -129,6 +133,9 @@ class Training:
             raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
         if self.layout not in LAYOUTS:
             raise PlannerError("--layout", f"unknown layout {self.layout!r}", f"use one of {', '.join(LAYOUTS)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise PlannerError("--system attention_kernel", f"unknown kernel {self.attention_kernel!r}",
+                               f"use one of {', '.join(ATTENTION_KERNELS)}")
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
