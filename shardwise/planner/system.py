@@ -6,10 +6,10 @@ checkpointing keeps, how attention runs. A `System` names those choices; `shardw
 file describing one) sizes plans as that system would run them, and `shardwise` itself is one of them. Each
 preset states where its choices are read from (the system's own code or paper).
 
-A system TOML holds the fields of `System` at top level; `base = "NAME"` starts from a preset:
+A system TOML holds the fields of `System` at top level; `base = "NAME"` starts from a preset, and the file's
+name names the system (torchtitan-no-sac.toml):
 
     base = "torchtitan"
-    name = "torchtitan-no-sac"
     selective = "matmuls"
 """
 
