@@ -51,10 +51,10 @@ BLOOM = ("BigScience tr11-176B-ml training README, "
          "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/README.md")
 
 
-def gpt(name: str, h: int, a: int, l: int, vocab: int = 51200, seq: int = 2048) -> ModelArgs:
+def gpt(name: str, h: int, a: int, l: int, vocab: int = 51200, seq: int = 2048, tied: bool = True) -> ModelArgs:
     """A GPT-3-style model: GELU MLP of 4h, multi-head attention, tied embedding (see the docstring)."""
     return ModelArgs(name=name, dim=h, n_heads=a, n_kv_heads=a, n_layers=l, vocab_size=vocab,
-                     ffn_hidden=4 * h, mlp="gelu", max_seq_len=seq, tie_embeddings=True)
+                     ffn_hidden=4 * h, mlp="gelu", max_seq_len=seq, tie_embeddings=tied)
 
 
 def eq3_flops(args: ModelArgs, batch: int, seq: int) -> float:
@@ -460,7 +460,37 @@ def foundry_runs() -> list[Run]:
     return runs
 
 
-RUNS = narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs() + foundry_runs()
+# --------------------------------------------------------------------------------------------------
+# Megatron-Core's scaling table (Megatron-LM README, images/model_table.png, July 2024): GPT models of 1.7B to 462B
+# on 48 to 6,144 H100s, vocabulary 131,072, sequence 4,096, "Fine-grained overlapping with DP
+# (--overlap-grad-reduce, --overlap-param-gather), TP (--tp-comm-overlap), and PP"; data parallelism 48 in every
+# row. The parameter counts the table names are those of a GELU MLP of 4h with an untied output layer (1.7B: 12 x
+# 24 x 2048^2 + 2 x 131072 x 2048 = 1.745B; 462B: 461.4B). --overlap-param-gather needs the distributed optimizer:
+# ZeRO-1. Not stated: micro-batch, recompute, sequence parallelism, the pipeline schedule (completed by the search).
+# Per-GPU teraFLOP/s are model FLOPs (the MFU column is them over the H100's 989 TF/s).
+MCORE = ("Megatron-LM README, Performance Benchmarking (images/model_table.png), "
+         "https://github.com/NVIDIA/Megatron-LM/blob/main/README.md")
+MCORE_ROWS = [("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 0.41), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9, 0.47),
+              ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1, 0.49), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6, 0.46),
+              ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7, 0.42), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5, 0.43),
+              ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 0.44),
+              ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 0.48),
+              ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 0.47)]
+
+
+def mcore_runs() -> list[Run]:
+    runs = []
+    for size, a, h, l, tp, pp, n, batch, tf, mfu in MCORE_ROWS:
+        model = gpt(f"mcore-{size.lower()}", h, a, l, vocab=131072, seq=4096, tied=False)
+        runs.append(Run(f"MCore {size} n={n}", model, n, 4096, batch,
+                        f"tp={tp},pp={pp},cp=1,dp_replicate=48,zero_stage=1", MCORE,
+                        f"{size}: {a} heads, hidden {h}, {l} layers, TP {tp}, PP {pp}, DP 48, {n} GPUs, batch {batch}, "
+                        f"{tf} TF/s per GPU, MFU {mfu:.0%}", tflops=tf, mfu=mfu, gpu="h100", system="megatron-core"))
+    return runs
+
+
+RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs() + foundry_runs()
+        + mcore_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,7 +553,7 @@ def check_mapping() -> None:
             continue
         seen.add(a.name)
         h, l, v, s = a.dim, a.n_layers, a.vocab_size, 2048
-        p_eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+        p_eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + (0 if a.tie_embeddings else v * h)
         ratio = flops_per_token(a, s) * s / eq7_flops(a, 1, s)
         print(f"  {a.name:11s} f={a.ffn_hidden:6d} params {num_params(a) / 1e9:8.2f}B vs {p_eq2 / 1e9:8.2f}B, "
               f"FLOPs/eq.7 = {ratio:.5f}")
@@ -622,7 +652,7 @@ def main() -> None:
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"),
-                         ("torchtitan", "torchtitan"), ("llm-foundry H100", "foundry h100"),
+                         ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
     print("timed runs whose given plan fits (ratio = predicted/published throughput):")
