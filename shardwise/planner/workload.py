@@ -8,6 +8,7 @@ per activation but is not a parallel degree: precision, optimizer, state layout,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,8 +191,14 @@ def recipe_for(training: Training, zero_stage: int, shard_group: int) -> Trainin
     device), which is the layout 'torch'. (torchtitan's tensor or pipeline parallelism without FSDP runs with no
     mixed precision at all; the planner prices it under autocast too.)"""
     if training.layout == "fsdp-mp" and not (zero_stage >= 2 and shard_group > 1):
-        return dataclasses.replace(training, layout="torch")
+        return _under_autocast(training)
     return training
+
+
+@functools.lru_cache(maxsize=256)
+def _under_autocast(training: Training) -> Training:
+    # one object per recipe: the planner's memos are keyed on it, and a search asks ~10^5 times
+    return dataclasses.replace(training, layout="torch")
 
 
 def resolve_model(spec: str | ModelArgs) -> ModelArgs:
