@@ -37,7 +37,7 @@ from pathlib import Path
 from shardwise.hardware import Accelerator
 from shardwise.model_args import ModelArgs
 from shardwise.planner import Cluster, Plan, Training, evaluate, load_profile
-from shardwise.planner.bench import ATTENTION_SHAPES, OVERHEADS, compute_rates
+from shardwise.planner.bench import ATTENTION_SHAPES, OVERHEADS, compute_rates, matmul_table
 from shardwise.planner.config_out import write_config
 
 # Big enough that the matmuls dominate the step (per-op Python overhead is ~1% of it), small enough that a run
@@ -133,6 +133,7 @@ def with_rates(acc: Accelerator, rates: dict) -> Accelerator:
                                                                       / rates["matmul_fp32"])
                                                    for seq, hd in ATTENTION_SHAPES},
                                mem_bandwidth=rates["mem_bandwidth"],
+                               matmul_by_shape=matmul_table(rates, rates["matmul_fp32"]),
                                **{k: rates[k] for k in OVERHEADS if k in rates})
 
 
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": median(t.step_time_s / m["median"] for t, m in pairs),
             "ratios": [round(t.step_time_s / m["median"], 3) for t, m in pairs],
             "ratio_to_fastest": median(t.step_time_s / m["min"] for t, m in pairs),
+            # the same prediction with one matmul rate (the large cube's) for every GEMM shape
+            "ratio_one_rate": median(predict(plan, dataclasses.replace(r["profiles"][name], matmul_by_shape=None))
+                                     .step_time_s / r["runs"][name]["median"] for r in reps),
             "ratio_calibrated": None if calibrated is None else median(
                 predict(plan, c[name]).step_time_s / r["runs"][name]["median"] for c, r in zip(calibrated, reps)),
             "load": median(m["load"] for _, m in pairs)})
@@ -234,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{ns.repeats} repetitions (calibration + {ns.steps - ns.warmup} timed steps per layout){note}; "
           f"medians over the repetitions; results in {out}")
     head = ("layout", "ranks", "predicted s", "(compute", "exp. comm", "bubble", "overheads)", "measured s",
-            "(fastest step)", "pred/meas", "per repetition", "pred/fastest", "calibrated", "load")
+            "(fastest step)", "pred/meas", "per repetition", "one GEMM rate", "pred/fastest", "calibrated", "load")
     rows = [head] + [(r["layout"], str(r["ranks"]), f"{r['predicted_s']:.3f}", f"{r['compute_s']:.3f}",
                       f"{r['exposed_comm_s']:.3f}", f"{r['bubble_s']:.3f}", f"{r['overhead_s']:.3f}",
                       f"{r['measured_median_s']:.3f}", f"{r['measured_min_s']:.3f}", f"{r['ratio']:.2f}",
-                      " ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['ratio_to_fastest']:.2f}",
+                      " ".join(f"{x:.2f}" for x in r["ratios"]), f"{r['ratio_one_rate']:.2f}",
+                      f"{r['ratio_to_fastest']:.2f}",
                       "-" if r["ratio_calibrated"] is None else f"{r['ratio_calibrated']:.2f}",
                       f"{r['load']:.1f}") for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

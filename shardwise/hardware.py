@@ -51,7 +51,17 @@ class Accelerator:
     inter_node_latency: float = 8e-6
     """Per-hop latency alpha between nodes, seconds (InfiniBand round trips plus NCCL proxy overhead)."""
     matmul_efficiency: float = 0.70
-    """Share of peak that large GEMMs reach; assumption (cuBLAS on big bf16 GEMMs), replaced by `shardwise bench`."""
+    """Share of peak that large GEMMs reach; assumption (cuBLAS on big bf16 GEMMs), replaced by `shardwise bench`.
+    A GEMM's own shape can take more off (matmul_eff)."""
+    matmul_by_shape: dict[str, float] | None = None
+    """Measured rate by GEMM shape, keyed "m,n,k", relative to the large GEMM's that matmul_efficiency describes
+    (`shardwise bench` measures a grid: on a CPU, small and thin GEMMs reach far less than the large cube);
+    None (the catalogue): the roofline, and tile and wave quantisation where `sms` is given (matmul_eff)."""
+    sms: int = 0
+    """Streaming multiprocessors (compute units on AMD) a GEMM's output tiles are spread over, for tile and wave
+    quantisation (gemm_tile_share); 0 (the catalogue's default): left out. NVIDIA's architecture whitepapers give
+    132 for the H100 and H200 SXM, 114 for the H100 PCIe, 108 for the A100, 80 for the V100. Why the catalogue
+    leaves it out: docs/planner.md, "Compute by shape"."""
     attention_efficiency: float = 0.45
     """Share of peak that fused attention (forward + backward) reaches, for a kernel attention_by_kernel does not
     name (a stated assumption between the published figures below)."""
@@ -118,25 +128,22 @@ class Accelerator:
         published share on this GPU (attention_by_kernel), else attention_efficiency."""
         if not self.attention_by_shape:
             return (self.attention_by_kernel or {}).get(kernel, self.attention_efficiency)
-        table = {tuple(int(x) for x in key.split(",")): eff for key, eff in self.attention_by_shape.items()}
-        seqs, hds = sorted({s for s, _ in table}), sorted({h for _, h in table})
+        return _interpolated(self.attention_by_shape, (seq, head_dim))
 
-        def bracket(values: list[int], x: float) -> tuple[int, int, float]:
-            x = min(max(x, values[0]), values[-1])
-            hi = next(i for i, v in enumerate(values) if v >= x)
-            lo = max(0, hi - 1)
-            if values[hi] == values[lo]:
-                return lo, hi, 0.0
-            return lo, hi, (math.log2(x) - math.log2(values[lo])) / (math.log2(values[hi]) - math.log2(values[lo]))
-
-        s0, s1, ws = bracket(seqs, seq)
-        h0, h1, wh = bracket(hds, head_dim)
-
-        def at(i: int, j: int) -> float:
-            return table[seqs[i], hds[j]]
-
-        return ((1 - ws) * ((1 - wh) * at(s0, h0) + wh * at(s0, h1))
-                + ws * ((1 - wh) * at(s1, h0) + wh * at(s1, h1)))
+    def matmul_eff(self, m: float, n: float, k: float, dtype: str = "bf16", batch: float = 1.0) -> float:
+        """Share of peak a GEMM of (m x k) @ (k x n), `batch` of them at once, reaches. With a measured table
+        (matmul_by_shape): matmul_efficiency times the table, interpolated in log2 of each dimension between its
+        shapes and clamped to their range. Else matmul_efficiency, times the share of the GPU's tile slots the
+        output tiles fill where `sms` is known (gemm_tile_share: tile and wave quantisation), and never faster than
+        reading A and B and writing C once at the elementwise bandwidth (the roofline: thin GEMMs, e.g. the key and
+        value projections of grouped-query attention split by tp, or a LoRA adapter's, are bound by memory)."""
+        if self.matmul_by_shape:
+            return self.matmul_efficiency * _interpolated(self.matmul_by_shape, (m, n, k))
+        eff = self.matmul_efficiency * (gemm_tile_share(m, n, k, self.sms, batch) if self.sms else 1.0)
+        compute_s = 2 * m * n * k * batch / (self.peak(dtype) * eff)
+        bandwidth = self.mem_bandwidth * self.bandwidth_efficiency
+        memory_s = batch * (m * k + k * n + m * n) * DTYPE_BYTES[dtype] / bandwidth
+        return eff * compute_s / max(compute_s, memory_s)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -145,6 +152,51 @@ class Accelerator:
                 f"use one of {', '.join(sorted(self.peak_flops))}",
             )
         return self.peak_flops[dtype]
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+GEMM_TILES = ((256, 128), (128, 256), (160, 128), (128, 160), (128, 128))
+"""Output tiles (rows x columns) cuBLAS's large-GEMM kernels compute per thread block: the larger ones NVIDIA's "Matrix
+Multiplication Background User's Guide" (Deep Learning Performance documentation, "Dimension Quantization
+Effects") lists as the most efficient. Smaller tiles exist for small problems; we let split-K fill the GPU there."""
+
+SPLIT_K_MIN = 512
+"""Fewest k elements each part of a split-K GEMM keeps (a part must amortise its own prologue and the reduction of
+the partial sums): an assumption."""
+
+
+def gemm_tile_share(m: float, n: float, k: float, sms: int, batch: float = 1.0) -> float:
+    """Share of the GPU's tile slots a GEMM's work fills, for the best of GEMM_TILES: tile quantisation (the last
+    row and column of tiles are computed whole: m n / (ceil(m / tm) tm ceil(n / tn) tn)) times wave quantisation
+    (tiles run `sms` at a time, and the last wave's empty slots are lost: tiles / (ceil(tiles / sms) sms)). A grid
+    with fewer tiles than SMs is split along k (cuBLAS's split-K) into as many parts as fill the SMs, each at
+    least SPLIT_K_MIN deep."""
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = rows * cols * batch
+        splits = max(1, min(sms // tiles, int(k // SPLIT_K_MIN))) if tiles < sms else 1
+        work = tiles * splits
+        best = max(best, m * n / (rows * tm * cols * tn) * work / (math.ceil(work / sms) * sms))
+    return best
+
+
+def _interpolated(table: dict[str, float], point: tuple[float, ...]) -> float:
+    """Multilinear interpolation in log2 of each coordinate over a full grid keyed "x,y,...", clamped to its range."""
+    grid = {tuple(int(x) for x in key.split(",")): value for key, value in table.items()}
+    axes = [sorted({key[i] for key in grid}) for i in range(len(point))]
+    corners = [()]
+    weights = [1.0]
+    for values, x in zip(axes, point):
+        x = min(max(x, values[0]), values[-1])
+        hi = next(i for i, v in enumerate(values) if v >= x)
+        lo = max(0, hi - 1)
+        w = 0.0 if values[hi] == values[lo] else (
+            (math.log2(x) - math.log2(values[lo])) / (math.log2(values[hi]) - math.log2(values[lo])))
+        corners = [c + (values[j],) for c in corners for j in (lo, hi)]
+        weights = [wt * f for wt in weights for f in (1 - w, w)]
+    return sum(wt * grid[c] for c, wt in zip(corners, weights))
 
 
 def _gpu(name: str, mem_gib: float, bf16: float | None, fp16: float, fp8: float | None, fp32: float,

@@ -477,7 +477,7 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     add_bench_arguments(parser)
     out = tmp_path / "profile.json"
     ns = parser.parse_args(["--out", str(out), "--world", "2", "--matmul-size", "256", "--comm-mb", "1",
-                            "--iters", "2", "--device", "cpu"])
+                            "--iters", "2", "--device", "cpu", "--matmul-grid", "64,256"])
     assert run_bench(ns) == 0
     profile = json.loads(out.read_text())
     m = profile["measurements"]
@@ -504,6 +504,10 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
         for size, seconds in m["collective_times_s"][name].items():
             assert op(int(size), 2, link, after_compute=False) == pytest.approx(seconds), (name, size)
             assert op(int(size), 2, link) == pytest.approx(seconds + sync["sync_s"]), (name, size)
+    # each measured GEMM shape is priced at its measured rate
+    assert len(m["matmul_flops_by_shape"]) == 8
+    for key, rate in m["matmul_flops_by_shape"].items():
+        assert acc.matmul_eff(*map(int, key.split(",")), "fp32") * acc.peak("fp32") == pytest.approx(rate), key
     ev = evaluate(preset("tiny"), Training(seq_len=128, global_batch=4, precision="fp32"),
                   Plan(dp_shard=2, zero_stage=3, micro_batch=2), Cluster(acc, 2, gpus_per_node=2))
     assert ev.fits and ev.time.step_time_s > 0

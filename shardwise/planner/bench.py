@@ -58,6 +58,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
            "collectives across max(2, world))")
     a("--threads", type=int, default=0, help="CPU threads per rank; 0: cores // world, as `train --nproc` sets")
     a("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul")
+    a("--matmul-grid", default=None,
+      help="comma-separated sizes that m, n and k of the measured GEMM shapes take (default: "
+           + "; ".join(f"{d} {','.join(map(str, g))}" for d, g in MATMUL_GRID.items()) + ")")
     a("--comm-mb", type=float, default=64.0, help="largest collective message, MB")
     a("--iters", type=int, default=5, help="timed repetitions per measurement")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -130,6 +133,20 @@ def matmul_flops(n: int, dtype: torch.dtype, device: str, iters: int, min_second
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     return 2 * n**3 / _timed(lambda: a @ b, iters, device, min_seconds)
+
+
+MATMUL_GRID = {"cpu": (128, 512, 2048), "cuda": (256, 1024, 4096, 16384)}
+"""Sizes each of m, n and k takes in the grid of GEMM shapes measured (every combination): what a transformer's
+linears are (tokens x features x features, and features x features x tokens for weight gradients) spans them, and
+small or thin GEMMs reach a far lower rate than the large cube (Accelerator.matmul_by_shape)."""
+
+
+def matmul_shape_flops(m: int, n: int, k: int, dtype: torch.dtype, device: str, iters: int,
+                       min_seconds: float = 0.0) -> float:
+    """FLOP/s of (m x k) @ (k x n), the layout of a linear's forward (activations @ weight^T)."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype).t()
+    return 2 * m * n * k / _timed(lambda: a @ b, iters, device, min_seconds)
 
 
 ATTENTION_SHAPES = [(seq, hd) for seq in (128, 512, 2048) for hd in (32, 64, 128)]
@@ -316,7 +333,7 @@ def _init(rank: int, world: int, init: str, device: str, threads: int, backend: 
 
 
 def _compute_worker(rank: int, world: int, init: str, device: str, threads: int, matmul_size: int,
-                    dtypes: list[str], iters: int, out: str):
+                    dtypes: list[str], iters: int, grid: tuple[int, ...], out: str):
     """Every rank measures at once (a barrier before each measurement); the slowest rank's time is kept."""
     dev = _init(rank, world, init, device, threads, "gloo")
     attn_dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -324,7 +341,9 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
     jobs = {**{f"matmul_{k}": partial(matmul_flops, matmul_size, DTYPES[k], dev) for k in dtypes},
             "attention": partial(attention_flops, dev, attn_dtype), "mem_bandwidth": partial(mem_bandwidth, dev),
             **{f"attention_{seq}_{hd}": partial(attention_flops, dev, attn_dtype, seq=seq, hd=hd)
-               for seq, hd in ATTENTION_SHAPES}}
+               for seq, hd in ATTENTION_SHAPES},
+            **{f"matmul_shape_{m}_{n}_{k}": partial(matmul_shape_flops, m, n, k, attn_dtype, dev)
+               for m in grid for n in grid for k in grid}}
     overheads = {"op_overhead_s": op_overhead, "optimizer_op_overhead_s": optimizer_op_overhead,
                  "dtensor_op_overhead_s": dtensor_op_overhead,
                  "dtensor_optimizer_op_overhead_s": dtensor_optimizer_op_overhead,
@@ -475,12 +494,22 @@ def _spawn(worker, world: int, *args) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def compute_rates(world: int, device: str, threads: int, matmul_size: int, dtypes: list[str], iters: int) -> dict:
-    """{'matmul_<dtype>', 'attention': FLOP/s, 'mem_bandwidth': bytes/s} of the slowest of `world` ranks
-    measuring at once."""
+def compute_rates(world: int, device: str, threads: int, matmul_size: int, dtypes: list[str], iters: int,
+                  grid: tuple[int, ...] | None = None) -> dict:
+    """{'matmul_<dtype>', 'attention', 'matmul_shape_<m>_<n>_<k>' (the grid's GEMMs, default MATMUL_GRID):
+    FLOP/s, 'mem_bandwidth': bytes/s} of the slowest of `world` ranks measuring at once."""
     if device == "cuda" and torch.cuda.device_count() < world:
         raise PlannerError("--world", f"{world} ranks but {torch.cuda.device_count()} GPUs", "lower --world")
-    return _spawn(_compute_worker, world, device, threads, matmul_size, dtypes, iters)
+    grid = MATMUL_GRID[device] if grid is None else tuple(grid)
+    return _spawn(_compute_worker, world, device, threads, matmul_size, dtypes, iters, grid)
+
+
+def matmul_table(rates: dict, large: float) -> dict[str, float]:
+    """The grid's GEMM rates in `rates` (compute_rates) relative to the large GEMM's rate: the profile's
+    matmul_by_shape."""
+    prefix = "matmul_shape_"
+    return {",".join(name[len(prefix):].split("_")): rate / large
+            for name, rate in rates.items() if name.startswith(prefix)}
 
 
 def collectives(world: int, device: str, max_bytes: int, iters: int, threads: int = 1) -> dict:
@@ -511,7 +540,7 @@ def measure(ns: argparse.Namespace) -> dict:
     comm_world = max(2, ns.world)  # the link exists whatever the job's size; a one-rank job never uses it
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     dtypes = ["fp32", "bf16"] if device == "cpu" else ["fp32", "bf16", "fp16"]
-    rates = compute_rates(ns.world, device, threads, ns.matmul_size, dtypes, ns.iters)
+    rates = compute_rates(ns.world, device, threads, ns.matmul_size, dtypes, ns.iters, _grid(ns.matmul_grid))
     mm = {k: rates[f"matmul_{k}"] for k in dtypes}
     attn, bw = rates["attention"], rates["mem_bandwidth"]
     attn_shapes = {f"{seq},{hd}": rates[f"attention_{seq}_{hd}"] for seq, hd in ATTENTION_SHAPES}
@@ -535,6 +564,9 @@ def measure(ns: argparse.Namespace) -> dict:
                     "load_average": [load, os.getloadavg() if load else None],
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     attn_dtype = "fp32" if device == "cpu" else "bf16"
+    by_shape = matmul_table(rates, mm[attn_dtype])  # measured in the dtype the attention is
+    measurements["matmul_flops_by_shape"] = {key: r * mm[attn_dtype] for key, r in by_shape.items()}
+    measured["matmul_by_shape"] = by_shape
     comm_overlap = min(1.0, max(0.0, overlap["overlap"]))
     if ns.base:
         acc = accelerator(ns.base)
@@ -559,6 +591,18 @@ def measure(ns: argparse.Namespace) -> dict:
     if device == "cpu":  # the ranks share the host's memory
         acc = dataclasses.replace(acc, memory_bytes=acc.memory_bytes / ns.world)
     return {**dataclasses.asdict(acc), "measurements": measurements}
+
+
+def _grid(spec: str | None) -> tuple[int, ...] | None:
+    if spec is None:
+        return None
+    try:
+        grid = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        grid = ()
+    if not grid or min(grid) < 1:
+        raise PlannerError("--matmul-grid", f"{spec!r} is not a list of positive sizes", "pass e.g. 128,512,2048")
+    return grid
 
 
 def _device_memory(device: str) -> float:

@@ -89,12 +89,12 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     split by tp (every tp rank runs the whole MoE)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
-    if moe:
+    if moe:  # the experts' grouped GEMMs at the large-GEMM rate (their shapes per expert are not modelled)
         matmul_params = (attention_params(args, plan.tp) + moe_shared_params(args)
                          + routed_per_token(args, training, plan) * 3 * args.dim * args.expert_hidden)
+        mm = mm_in = mm_w = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
     else:
-        matmul_params = layer_params(args, plan.tp) - 2 * args.dim
-    mm = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
+        mm, mm_in, mm_w = linear_times(args, training, plan, acc, q_tokens)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     if training.fused_attention:
         # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with
@@ -119,7 +119,32 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     # elementwise kernels write each saved tensor once and read it once
     elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
                                              moe=moe) / bandwidth
-    return {"matmul": mm, "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise}
+    return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "attention": attn,
+            "attention_bwd": attn_bwd, "elementwise": elementwise}
+
+
+def gemm_seconds(m: float, n: float, k: float, training: Training, acc: Accelerator) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM in the recipe's compute dtype, at the rate its shape reaches."""
+    dtype = training.compute_dtype
+    return 2 * m * n * k / (acc.peak(dtype) * acc.matmul_eff(m, n, k, dtype))
+
+
+def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                 tokens: float) -> tuple[float, float, float]:
+    """Seconds of a dense block's linears on one tp rank over `tokens` rows: (forward, input gradients, weight
+    gradients). Each linear of (in, out) features, split by tp as linear_shapes says, is three GEMMs: forward
+    (tokens x in) @ (in x out), input gradient (tokens x out) @ (out x in), weight gradient (out x tokens) @
+    (tokens x in), each at the efficiency of its own shape (Accelerator.matmul_eff)."""
+    fwd = bwd_in = bwd_w = 0.0
+    for _, n_in, n_out, split in linear_shapes(args):
+        if split == "row":
+            n_in /= plan.tp
+        else:
+            n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
+        fwd += gemm_seconds(tokens, n_out, n_in, training, acc)
+        bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc)
+        bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc)
+    return fwd, bwd_in, bwd_w
 
 
 def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StageCost:
@@ -166,12 +191,13 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     def blocks(term) -> float:
         return sum(n * term(times) for n, times in kinds)
 
-    head = _head_forward(args, training, plan, acc) if shape.last else 0.0
-    # weight gradients (W) cost one forward's matmuls, input gradients (B) another; frozen LoRA weights have no W
+    head_fwd, head_in, head_w = _head_times(args, training, plan, acc) if shape.last else (0.0, 0.0, 0.0)
+    # weight gradients (W) and input gradients (B) each cost about one forward's matmuls, at their own shapes;
+    # frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
-    fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head
-    bwd_in = blocks(lambda t: t["matmul"] + t["attention_bwd"] + 2 * t["elementwise"]) + head
-    bwd_w = (blocks(lambda t: t["matmul"]) + head) * w_factor
+    fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head_fwd
+    bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + 2 * t["elementwise"]) + head_in
+    bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor
     if plan.activation_checkpoint == "full":
         recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"])
     elif plan.activation_checkpoint == "selective":
@@ -238,12 +264,15 @@ def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head
     return max(0.0, t - compute) if acc.launch_async else t
 
 
-def _head_forward(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
-    """Output head matmul and the loss's softmax (elementwise over the vocabulary) on the last stage."""
+def _head_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> tuple[float, float, float]:
+    """Output head on the last stage, (forward, input gradient, weight gradient): each its GEMM at its shape (the
+    vocabulary split by tp) and the loss's softmax (elementwise over the vocabulary)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    mm = 2 * tokens * args.dim * args.vocab_size / plan.tp / (acc.peak(training.compute_dtype) * acc.matmul_efficiency)
-    loss_bytes = tokens * args.vocab_size / plan.tp * (training.act_bytes + 4 + 4)
-    return mm + loss_bytes / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+    vocab = args.vocab_size / plan.tp
+    loss = tokens * vocab * (training.act_bytes + 4 + 4) / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+    return (gemm_seconds(tokens, vocab, args.dim, training, acc) + loss,
+            gemm_seconds(tokens, args.dim, vocab, training, acc) + loss,
+            gemm_seconds(vocab, args.dim, tokens, training, acc) + loss)
 
 
 def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int, embedding: bool,
