@@ -46,6 +46,11 @@ class Accelerator:
     """Network bandwidth between nodes, bytes/s per direction per GPU (one NIC per GPU in the usual build)."""
     host_bw: float
     """Host-to-device bandwidth for offload, bytes/s per direction (the GPU's PCIe link)."""
+    intra_node_fabric: str = ""
+    """The link between GPUs in a node as NCCL's cost model tells them apart: 'nvlink' (NVLink or NVSwitch; AMD's
+    Infinity Fabric is taken as such for RCCL) or 'pcie'; collectives are then priced as NCCL prices its
+    algorithms and protocols (planner.comm.nccl_time). '' (a CPU's gloo, or a profile that leaves it out): the
+    alpha-beta model from the two latencies below."""
     intra_node_latency: float = 3e-6
     """Per-hop latency alpha inside a node, seconds (NCCL small-message latency is a few microseconds)."""
     inter_node_latency: float = 8e-6
@@ -208,7 +213,11 @@ def _gpu(name: str, mem_gib: float, bf16: float | None, fp16: float, fp8: float 
         peaks["fp8"] = fp8 * TFLOPS
     return Accelerator(name=name, memory_bytes=mem_gib * GiB, peak_flops=peaks, mem_bandwidth=bw_tbs * 1e12,
                        intra_node_bw=intra_gbs * GB, inter_node_bw=inter_gbs * GB, host_bw=host_gbs * GB,
-                       source=source)
+                       intra_node_fabric="pcie" if name in PCIE_ONLY else "nvlink", source=source)
+
+
+PCIE_ONLY = {"h100-pcie", "l4", "a10g"}
+"""Catalogue GPUs whose nodes link them over PCIe only (no NVLink bridge or switch in the usual build)."""
 
 
 # Memory: HBM is sold in binary units ("80 GB" is 80 GiB; nvidia-smi shows 81559 MiB on an H100 SXM, 81920 MiB

@@ -863,7 +863,8 @@ def test_engine_collectives_are_one_per_fsdp_unit_or_bucket():
     25 MB bucket) and the root, each a tree of 2 log2 N steps (cheaper than the ring's 2(N-1) at this size). Then
     the loss's all-reduce, and the gradient norm's where the gradients are sharded."""
     args = preset("llama3-8b")
-    alpha = dataclasses.replace(accelerator("h100"), intra_node_bw=math.inf, intra_node_latency=1.0)
+    alpha = dataclasses.replace(accelerator("h100"), intra_node_bw=math.inf, intra_node_latency=1.0,
+                                intra_node_fabric="")  # the alpha-beta model, not NCCL's latencies
     training, blocks = Training(seq_len=4096, global_batch=8), args.n_layers
     zero3 = evaluate(args, training, Plan(dp_shard=8, zero_stage=3, micro_batch=1), Cluster(alpha, 8)).time
     # and the step's scalar all-reduces, trees of 2 log2 N steps: the loss, and under ZeRO-3 the gradient norm

@@ -6,6 +6,12 @@ Balso 2018); each step also pays the link latency alpha. A tree all-reduce (NCCL
 2 log2(N) latencies and moves about 2X, which wins for small messages. We take the cheaper of the two, as NCCL's
 tuner does. A profile measured by `shardwise bench` replaces the model with the measured bus bandwidth at each
 message size (`measured_time`).
+
+On the catalogue's GPUs (NCCL) a collective is priced by NCCL's own cost model instead (`nccl_time`): per
+algorithm (ring; tree for all-reduce) and protocol (LL, LL128, Simple) a latency of a base plus one hardware
+latency per step, the steps that cross nodes at the network's, and a bandwidth, the ring's bus bandwidth times
+the protocol's share of it; NCCL runs each call with the fastest (`ncclTopoGetAlgoTime`). Small messages then
+cost what LL's few-microsecond steps cost, and large ones the Simple protocol's bandwidth.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ class Link:
     empty: the alpha-beta model."""
     sync: float = 0.0
     """Seconds each collective adds when the ranks arrive at it from compute (Accelerator.collective_sync_s)."""
+    fabric: str = ""
+    """The intra-node link NCCL sees ('nvlink' or 'pcie': Accelerator.intra_node_fabric), for NCCL's cost model
+    (nccl_time); '' (gloo, or a synthetic link): the alpha-beta model."""
+    per_node: int = 0
+    """Members of the group in each node it spans; 0: the whole group in one node."""
 
     def curve(self, op: str) -> tuple[tuple[int, float], ...] | None:
         return next((c for name, c in self.curves if name == op), None)
@@ -64,6 +75,73 @@ def _half_factor(n: int) -> float:
     return (n - 1) / n
 
 
+# NCCL's cost model, from its source (src/graph/tuning.cc, ncclTopoTuneModel, NCCL 2.19-2.21), in seconds: the base
+# latency of a call per algorithm and protocol, and the latency of one step on NVLink, PCIe or the network.
+NCCL_BASE_LATENCY = {("ring", "ll"): 6.6e-6, ("ring", "ll128"): 14.0e-6, ("ring", "simple"): 8.4e-6,
+                     ("tree", "ll"): 6.8e-6, ("tree", "ll128"): 14.0e-6, ("tree", "simple"): 0.0}
+NCCL_STEP_LATENCY = {
+    "nvlink": {("ring", "ll"): 0.6e-6, ("ring", "ll128"): 1.9e-6, ("ring", "simple"): 3.4e-6,
+               ("tree", "ll"): 0.6e-6, ("tree", "ll128"): 1.25e-6, ("tree", "simple"): 28e-6},
+    "pcie": {("ring", "ll"): 1.0e-6, ("ring", "ll128"): 2.5e-6, ("ring", "simple"): 5.7e-6,
+             ("tree", "ll"): 1.0e-6, ("tree", "ll128"): 1.9e-6, ("tree", "simple"): 28e-6},
+    "net": {("ring", "ll"): 2.7e-6, ("ring", "ll128"): 4.0e-6, ("ring", "simple"): 14.0e-6,
+            ("tree", "ll"): 5.0e-6, ("tree", "ll128"): 8.5e-6, ("tree", "simple"): 28e-6},
+}
+NCCL_LL_MAX_BUS_BANDWIDTH = {1: 87.7e9, 2: 39.0e9, 4: 20.4e9}
+"""LL's bus bandwidth cap by nodes (1, 2, 4 or more: llMaxBws; one node: Ampere's and Hopper's, more: an x86 Intel
+host's): LL's 8-byte stores with flags do not scale with the channels."""
+NCCL_NET_OVERHEAD = 1e-6
+"""A network post on an x86 host (getNetOverhead; 3 x for Simple): the floor of every step of a ring across nodes."""
+
+
+def nccl_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds of `op` ('all_reduce', 'all_gather', 'reduce_scatter') of `nbytes` (the full buffer, as the other
+    functions here take it) over `n` ranks, as NCCL's cost model prices its fastest algorithm and protocol.
+
+    Ring: 2(N-1) steps for all-reduce, N-1 for the others; the steps that cross nodes (2 x nodes for all-reduce,
+    nodes - 1 for the others) at the network's latency. Tree (all-reduce only): 2((N/nodes - 1) intra + log2(nodes)
+    network) steps. Bandwidth: `link.bandwidth` (the ring's bus bandwidth) for Simple; LL sends a flag with every
+    8 bytes, 1/4 of it (1/3 for a ring gather or scatter inside a node); LL128 120 of every 128 bytes, 0.92 of it
+    (0.7 with one rank per node), and only on NVLink; LL at most NCCL_LL_MAX_BUS_BANDWIDTH. A tree moves 2X at
+    0.92 of it (LL: / 3.8; LL128: x 7/9 in one node, 120/128 across). NCCL also caps LL128 and the tree per
+    channel; we do not model channels, and at a channel count of 16 or more those caps are above the links."""
+    nodes = max(1, math.ceil(n / link.per_node)) if link.per_node else 1
+    per_node = n / nodes
+    all_reduce_op = op == "all_reduce"
+    steps = 2 * (n - 1) if all_reduce_op else n - 1
+    inter_steps = (2 * nodes if nodes > 1 else 0) if all_reduce_op else nodes - 1
+    intra_hw = "nvlink" if link.fabric == "nvlink" else "pcie"
+    ll_cap = NCCL_LL_MAX_BUS_BANDWIDTH[1 if nodes == 1 else 2 if nodes == 2 else 4]
+    best = math.inf
+    for algorithm in ("ring", "tree") if all_reduce_op else ("ring",):
+        for protocol in ("ll", "ll128", "simple"):
+            if protocol == "ll128" and link.fabric != "nvlink":
+                continue
+            key = (algorithm, protocol)
+            intra = NCCL_STEP_LATENCY[intra_hw][key] if nodes == 1 else NCCL_STEP_LATENCY["net"][key]
+            inter = NCCL_STEP_LATENCY["net"][key]
+            if algorithm == "ring":
+                if nodes > 1:  # inside a ring that crosses nodes every step waits for a network post
+                    intra = max(NCCL_STEP_LATENCY[intra_hw][key],
+                                NCCL_NET_OVERHEAD * (3 if protocol == "simple" else 1))
+                latency = NCCL_BASE_LATENCY[key] + (steps - inter_steps) * intra + inter_steps * inter
+                bus = link.bandwidth * {"ll": 1 / 4 if nodes > 1 or all_reduce_op else 1 / 3,
+                                        "ll128": 0.92 if per_node >= 2 else 0.7, "simple": 1.0}[protocol]
+                if protocol == "ll":
+                    bus = min(bus, ll_cap)
+                seconds = latency + nbytes * steps / (n * bus)
+            else:
+                intra = NCCL_STEP_LATENCY[intra_hw][key]
+                latency = NCCL_BASE_LATENCY[key] + 2 * ((per_node - 1) * intra + math.floor(math.log2(nodes)) * inter)
+                bus = link.bandwidth * 0.92 * {"ll": 1 / 3.8, "ll128": 7 / 9 if nodes == 1 else 120 / 128,
+                                               "simple": 1.0}[protocol]
+                if protocol == "ll":
+                    bus = min(bus, ll_cap)
+                seconds = latency + 2 * nbytes / bus
+            best = min(best, seconds)
+    return best
+
+
 def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
     """2(N-1) steps of X/N bytes: 2(N-1)(alpha + X/(N B))."""
     if n <= 1:
@@ -88,6 +166,8 @@ def all_reduce(nbytes: float, n: int, link: Link, after_compute: bool = True) ->
     sync = link.sync if after_compute else 0.0
     if curve:
         return measured_time(nbytes, n, curve, _all_reduce_factor) + sync
+    if link.fabric:
+        return nccl_time("all_reduce", nbytes, n, link) + sync
     return min(ring_all_reduce(nbytes, n, link), tree_all_reduce(nbytes, n, link)) + sync
 
 
@@ -105,10 +185,12 @@ def reduce_scatter(nbytes: float, n: int, link: Link, after_compute: bool = True
 def _ring_half(nbytes: float, n: int, link: Link, op: str, after_compute: bool) -> float:
     if n <= 1:
         return 0.0
-    curve = link.curve(op)
+    curve = link.curve("all_gather" if op == "all_to_all" else op)
     sync = link.sync if after_compute else 0.0
     if curve:
         return measured_time(nbytes, n, curve, _half_factor) + sync
+    if link.fabric and op != "all_to_all":
+        return nccl_time(op, nbytes, n, link) + sync
     return (n - 1) * (link.latency + nbytes / (n * link.bandwidth)) + sync
 
 
@@ -116,8 +198,9 @@ def all_to_all(nbytes: float, n: int, link: Link, after_compute: bool = True) ->
     """Each of N ranks hands X bytes to the exchange, X/N for every rank ((N-1)/N of them leave it): a pairwise
     exchange of N-1 steps of X/N bytes, (N-1)(alpha + X/(N B)), the all-gather's steps (nccl-tests' alltoall bus
     factor is all-gather's, (N-1)/N). `shardwise bench` measures no all-to-all: a profile's all-gather curve prices
-    it. With uneven exchanges X is the busiest rank's."""
-    return _ring_half(nbytes, n, link, "all_gather", after_compute)
+    it. With uneven exchanges X is the busiest rank's. (NCCL runs it as grouped sends, which its cost model for
+    collectives does not describe: the alpha-beta steps.)"""
+    return _ring_half(nbytes, n, link, "all_to_all", after_compute)
 
 
 def p2p(nbytes: float, link: Link) -> float:
@@ -168,10 +251,11 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
     if size <= 1:
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
+    per_node = 0 if intra else members_per_node(size, stride, cluster.gpus_per_node)
     if intra:
         bw = acc.intra_node_bw * acc.comm_efficiency
     else:
-        rails = members_per_node(size, stride, cluster.gpus_per_node) if spread and cluster.rail_collectives else 1
+        rails = per_node if spread and cluster.rail_collectives else 1
         bw = min(rails * acc.inter_node_bw, acc.intra_node_bw if rails > 1 else acc.inter_node_bw) * (
             acc.comm_efficiency)
     curves = ()
@@ -180,8 +264,8 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
         curves = tuple((op, tuple((size, busbw * scale) for size, busbw in sorted(c.items())))
                        for op, c in sorted(acc.busbw_curves.items()))
     if intra:
-        return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s)
-    return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s)
+        return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s, acc.intra_node_fabric)
+    return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s, acc.intra_node_fabric, per_node)
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster, spread: bool = False) -> tuple[int, Link]:
