@@ -264,9 +264,13 @@ CATALOGUE: dict[str, Accelerator] = {
 # papers (midpoints of the ranges they state): FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract):
 # FlashAttention "reaching only 25-40% of the theoretical maximum FLOPs/s" on A100, FlashAttention-2 "50-73%";
 # FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, abstract): FlashAttention-2 "achieving only 35%
-# utilization on the H100 GPU". torch's SDPA flash backend is FlashAttention-2. Not stated for a kernel or GPU (
-# FlashAttention-1 on Hopper, FlashAttention-3's forward + backward, cuDNN's): attention_efficiency.
-KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615}, "hopper": {"flash2": 0.35}}
+# utilization on the H100 GPU". torch's SDPA flash backend is FlashAttention-2. FlashAttention-1 on Hopper is
+# published nowhere we found; it is derived: both kernels are written for Ampere (mma.sync tensor-core
+# instructions, no Hopper wgmma or TMA), so Hopper's peak is out of both kernels' reach alike, and FlashAttention-1
+# keeps on Hopper the share of its Ampere figure that FlashAttention-2 keeps of its own: 0.325 x 0.35 / 0.615.
+# Not stated for a kernel or GPU (FlashAttention-3's forward + backward, cuDNN's): attention_efficiency.
+KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615},
+                     "hopper": {"flash1": 0.325 * 0.35 / 0.615, "flash2": 0.35}}
 for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h100", "hopper"),
                            ("h100-pcie", "hopper"), ("h200", "hopper")):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])

@@ -319,3 +319,18 @@ def test_llm_foundry_a100_runs_median_error():
             assert fits, run.name
             errors.append(abs(run.published_step() / ev.time.step_time_s - 1))
     assert len(errors) == 61 and statistics.median(errors) <= 0.06
+
+
+def test_flash_attention_1_on_hopper_reproduces_llm_foundrys_long_sequence_runs():
+    # llm-foundry's H100 runs at 16K-65K tokens, where attention is most of the work: with FlashAttention-1's share
+    # derived from FlashAttention-2's own A100 -> H100 loss (hardware.KERNEL_EFFICIENCY) every one is within 10% of
+    # its published throughput (at the 0.45 assumed before, 1.7 to 2.1 times optimistic)
+    published = _published_module()
+    ratios = {}
+    for run in published.foundry_runs():
+        if run.gpu == "h100" and run.seq >= 16384:
+            ev, fits = published.given_plan(run)
+            assert fits, run.name
+            ratios[run.name] = run.published_step() / ev.time.step_time_s
+    assert len(ratios) == 12
+    assert all(abs(r - 1) <= 0.10 for r in ratios.values()), ratios
