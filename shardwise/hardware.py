@@ -342,6 +342,9 @@ def load_profile(path: str | Path) -> Accelerator:
     if raw.get("busbw_curves"):  # JSON keys are strings
         raw["busbw_curves"] = {op: {int(size): bw for size, bw in curve.items()}
                                for op, curve in raw["busbw_curves"].items()}
+    for field_name, dims in (("matmul_by_shape", 3), ("attention_by_shape", 2)):
+        if raw.get(field_name):
+            _check_grid(path, field_name, raw[field_name], dims)
     if base is not None:
         if "attention_efficiency" in raw:  # a measured or stated share replaces the catalogue's per-kernel ones
             raw.setdefault("attention_by_kernel", None)
@@ -350,6 +353,18 @@ def load_profile(path: str | Path) -> Accelerator:
     if missing:
         raise PlannerError("--gpu", f"profile {path} lacks {sorted(missing)}", 'add them or give "base": "<gpu>"')
     return Accelerator(**raw)
+
+
+def _check_grid(path, field_name: str, table: dict, dims: int) -> None:
+    """A by-shape table is a full grid of positive sizes (what `_interpolated` reads), keyed "x,y[,z]"."""
+    try:
+        keys = {tuple(int(x) for x in key.split(",")) for key in table}
+    except ValueError:
+        keys = set()
+    shaped = bool(keys) and all(len(key) == dims and min(key) >= 1 for key in keys)
+    if not shaped or len(keys) != math.prod(len({key[i] for key in keys}) for i in range(dims)):
+        raise PlannerError("--gpu", f"profile {path}: {field_name} is not a full grid of {dims} positive sizes "
+                                    f'per key ("{",".join("n" * dims)}")', "regenerate it with `shardwise bench`")
 
 
 def resolve_accelerator(spec: str) -> Accelerator:

@@ -95,3 +95,18 @@ def test_bad_matmul_grid_is_refused_before_measuring(grid, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardwise bench: --matmul-grid") and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("table", [{"128,128": 1.0}, {"128,128,128": 1.0, "128,128,512": 1.0, "512,128,128": 1.0},
+                                   {"a,b,c": 1.0}])
+def test_profile_with_a_broken_gemm_table_is_refused(table, tmp_path):
+    import json
+
+    from shardwise.planner import PlannerError, load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"base": "h100", "matmul_by_shape": table}))
+    with pytest.raises(PlannerError, match="matmul_by_shape is not a full grid"):
+        load_profile(path)
+    path.write_text(json.dumps({"base": "h100", "matmul_by_shape": {"128,128,128": 0.5}}))
+    assert load_profile(path).matmul_eff(4096, 4096, 4096, "bf16") == pytest.approx(0.5 * 0.70)
