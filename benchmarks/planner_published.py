@@ -262,6 +262,27 @@ def llama3_runs() -> list[Run]:
 # iteration (s): 104.70 | ... global batch size: 2048 | ... TFLOPs: 149.77" (hardware FLOPs, "4*2 co-efficient").
 # Hardware: 48 nodes of 8 A100 80GB, "4 OmniPath links" per node; 100 Gb/s each (BLOOM paper, 2211.05100 p. 18,
 # as quoted in stored summaries): 400 Gb/s per 8 GPUs = 6.25 GB/s per GPU, a quarter of Selene's.
+# Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4), trained with DeepSpeed's pipeline
+# and data parallelism and Megatron's tensor slicing on Selene (DGX A100 80GB, 8 HDR per node, as Narayanan's):
+# "8-way tensor-slicing ... 35-way pipeline parallelism ... global batch size 1920 on 280, 350, and 420 DGX A100
+# servers, the latency per iteration observed is 60.1, 50.2, and 44.4 seconds respectively. These correspond to
+# 126, 121, and 113 TFLOP/s per GPU" (as quoted by llm-analysis's MT-NLG example, which reproduces the FLOPs:
+# Narayanan's eq. 3, which assumes full recomputation). The model is Narayanan's 530B (h 20480, 128 heads, 105
+# layers: 3 per stage). Not stated, left to the search: micro-batch, ZeRO stage. DeepSpeed's pipeline engine runs
+# 1F1B, not interleaved; no sequence parallelism (2021).
+MTNLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, "
+         "https://arxiv.org/abs/2201.11990, sec. 2.4, as quoted in "
+         "https://github.com/cli99/llm-analysis/blob/main/examples/megatron-turing-nlg/README.md")
+
+
+def mtnlg_runs() -> list[Run]:
+    return [Run(f"MT-NLG 530B n={n}", MT530, n, 2048, 1920,
+                f"tp=8,pp=35,cp=1,dp_replicate={n // 280},activation_checkpoint=full,sequence_parallel=false,"
+                "pp_schedule=1f1b", MTNLG, f"sec. 2.4: {n // 8} DGX A100 servers, batch 1920: {step} s/iteration, "
+                f"{x} TFLOP/s per GPU", step_s=step, tflops=x, flops="eq3", search=False)
+            for n, step, x in ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))]
+
+
 def bloom_runs() -> list[Run]:
     model = gpt("bloom-176b", 14336, 112, 70, vocab=250880)
     return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
@@ -489,8 +510,8 @@ def mcore_runs() -> list[Run]:
     return runs
 
 
-RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + torchtitan_runs() + foundry_runs()
-        + mcore_runs())
+RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + mtnlg_runs() + torchtitan_runs()
+        + foundry_runs() + mcore_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -651,7 +672,7 @@ def main() -> None:
     groups = {"all": ratios, "all but ZeRO-3": [x for x in ratios if "ZeRO-3" not in x[0]],
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
-                         ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"),
+                         ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
                          ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
