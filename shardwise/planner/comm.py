@@ -118,12 +118,10 @@ def nccl_time(op: str, nbytes: float, n: int, link: Link) -> float:
             if protocol == "ll128" and link.fabric != "nvlink":
                 continue
             key = (algorithm, protocol)
-            intra = NCCL_STEP_LATENCY[intra_hw][key] if nodes == 1 else NCCL_STEP_LATENCY["net"][key]
-            inter = NCCL_STEP_LATENCY["net"][key]
+            intra, inter = NCCL_STEP_LATENCY[intra_hw][key], NCCL_STEP_LATENCY["net"][key]
             if algorithm == "ring":
                 if nodes > 1:  # inside a ring that crosses nodes every step waits for a network post
-                    intra = max(NCCL_STEP_LATENCY[intra_hw][key],
-                                NCCL_NET_OVERHEAD * (3 if protocol == "simple" else 1))
+                    intra = max(intra, NCCL_NET_OVERHEAD * (3 if protocol == "simple" else 1))
                 latency = NCCL_BASE_LATENCY[key] + (steps - inter_steps) * intra + inter_steps * inter
                 bus = link.bandwidth * {"ll": 1 / 4 if nodes > 1 or all_reduce_op else 1 / 3,
                                         "ll128": 0.92 if per_node >= 2 else 0.7, "simple": 1.0}[protocol]
@@ -131,7 +129,6 @@ def nccl_time(op: str, nbytes: float, n: int, link: Link) -> float:
                     bus = min(bus, ll_cap)
                 seconds = latency + nbytes * steps / (n * bus)
             else:
-                intra = NCCL_STEP_LATENCY[intra_hw][key]
                 latency = NCCL_BASE_LATENCY[key] + 2 * ((per_node - 1) * intra + math.floor(math.log2(nodes)) * inter)
                 bus = link.bandwidth * 0.92 * {"ll": 1 / 3.8, "ll128": 7 / 9 if nodes == 1 else 120 / 128,
                                                "simple": 1.0}[protocol]
