@@ -9,6 +9,7 @@ replaces with measured values (see `load_profile`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -142,13 +143,7 @@ class Accelerator:
         output tiles fill where `sms` is known (gemm_tile_share: tile and wave quantisation), and never faster than
         reading A and B and writing C once at the elementwise bandwidth (the roofline: thin GEMMs, e.g. the key and
         value projections of grouped-query attention split by tp, or a LoRA adapter's, are bound by memory)."""
-        if self.matmul_by_shape:
-            return self.matmul_efficiency * _interpolated(self.matmul_by_shape, (m, n, k))
-        eff = self.matmul_efficiency * (gemm_tile_share(m, n, k, self.sms, batch) if self.sms else 1.0)
-        compute_s = 2 * m * n * k * batch / (self.peak(dtype) * eff)
-        bandwidth = self.mem_bandwidth * self.bandwidth_efficiency
-        memory_s = batch * (m * k + k * n + m * n) * DTYPE_BYTES[dtype] / bandwidth
-        return eff * compute_s / max(compute_s, memory_s)
+        return _matmul_eff(self, m, n, k, dtype, batch)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -185,6 +180,19 @@ def gemm_tile_share(m: float, n: float, k: float, sms: int, batch: float = 1.0) 
         work = tiles * splits
         best = max(best, m * n / (rows * tm * cols * tn) * work / (math.ceil(work / sms) * sms))
     return best
+
+
+@functools.lru_cache(maxsize=65536)
+def _matmul_eff(acc: Accelerator, m: float, n: float, k: float, dtype: str, batch: float) -> float:
+    """Accelerator.matmul_eff, memoised: a search prices the same few shapes ~10^5 times, and a measured table's
+    keys are parsed on every interpolation."""
+    if acc.matmul_by_shape:
+        return acc.matmul_efficiency * _interpolated(acc.matmul_by_shape, (m, n, k))
+    eff = acc.matmul_efficiency * (gemm_tile_share(m, n, k, acc.sms, batch) if acc.sms else 1.0)
+    compute_s = 2 * m * n * k * batch / (acc.peak(dtype) * eff)
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    memory_s = batch * (m * k + k * n + m * n) * DTYPE_BYTES[dtype] / bandwidth
+    return eff * compute_s / max(compute_s, memory_s)
 
 
 def _interpolated(table: dict[str, float], point: tuple[float, ...]) -> float:
