@@ -173,6 +173,9 @@ class MetricsConfig:
     log_samples: bool = False
     """Append each step's sample ids to out_dir/samples/dp<rank>.jsonl, one file per data-parallel rank: an audit
     that a run (with restarts) trained on every sample exactly once. A replayed step's later line supersedes."""
+    profile_step: int = 0
+    """Run this step under torch.profiler (0: none). Every rank writes out_dir/profile/rank<r>.txt (operators by
+    self time) and a Chrome trace rank<r>.json (open it in Perfetto or chrome://tracing)."""
 
 
 @dataclass
@@ -387,6 +390,9 @@ def validate(cfg: JobConfig) -> None:
         if ALIASES.get(cfg.metrics.accelerator, cfg.metrics.accelerator) not in CATALOGUE:
             raise ConfigError("metrics.accelerator", f"unknown accelerator {cfg.metrics.accelerator!r}",
                               f"use 'auto' or one of {', '.join(CATALOGUE)}")
+    if not 0 <= cfg.metrics.profile_step <= cfg.train.steps:
+        raise ConfigError("metrics.profile_step", f"{cfg.metrics.profile_step} is not a step of this run "
+                          f"(1 to train.steps = {cfg.train.steps})", "set a step in that range, or 0 for none")
     if cfg.metrics.peak_flops < 0:
         raise ConfigError("metrics.peak_flops", "negative", "set a positive FLOP/s figure, or 0 for the catalogue")
 

@@ -349,10 +349,13 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         runtime.step = step
         batches = loader.next_step()
         counter = CommCounter() if step == comm_step else None
-        with counter or contextlib.nullcontext():
+        profiler = step_profiler(device) if step == cfg.metrics.profile_step else None
+        with counter or contextlib.nullcontext(), profiler or contextlib.nullcontext():
             result = training_step(model, optimizer, scaler, batches, cfg, runtime, tokens_per_step)
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
+        if profiler is not None:
+            write_profile(profiler, Path(cfg.metrics.out_dir) / "profile", runtime.env.rank)
         logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
         routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
         schedule.step()
@@ -383,6 +386,23 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     if save_final:
         save_full_parameters(parts, save_final, runtime)
     return summary  # not the model: it holds the process groups, which runtime.close() destroys
+
+
+def step_profiler(device: torch.device) -> torch.profiler.profile:
+    """torch.profiler over one training step: host operators, and the accelerator's kernels where there is one."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
+
+
+def write_profile(profiler: torch.profiler.profile, folder: Path, rank: int) -> None:
+    """rank<r>.txt: operators by self time (host, then accelerator where profiled); rank<r>.json: Chrome trace."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = profiler.key_averages()
+    sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if torch.cuda.is_available() else [])
+    (folder / f"rank{rank}.txt").write_text("\n\n".join(table.table(sort_by=key, row_limit=40) for key in sorts))
+    profiler.export_chrome_trace(str(folder / f"rank{rank}.json"))
 
 
 class Throughput:

@@ -50,6 +50,7 @@ def test_every_field_has_a_docstring():
         (["model.n_kv_heads=3"], "model.n_kv_heads"),
         (["data.seq_len=4096"], "data.seq_len"),
         (["optim.lr_scaling=linear"], "optim.base_global_batch"),
+        (["train.steps=10", "metrics.profile_step=11"], "metrics.profile_step"),
     ],
 )
 def test_validation_names_the_field(overrides, field):

@@ -183,7 +183,7 @@ def test_short_run_on_text_learns(tmp_path):
         "model.name='tiny'", f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'",
         "data.seq_len=64", "data.val_fraction=0.1", "train.micro_batch=4", "train.steps=30", "train.val_every=30",
         "optim.lr=1e-2", "optim.warmup_steps=5", f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.log_every=5",
-        "metrics.progress=false", "metrics.peak_flops=1e11",
+        "metrics.progress=false", "metrics.peak_flops=1e11", "metrics.profile_step=2",
     ])
     summary = train(cfg)
     losses = summary["losses"]
@@ -195,6 +195,10 @@ def test_short_run_on_text_learns(tmp_path):
     for key in ("grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_gib"):
         assert logged[-1][key] > 0
     assert list((tmp_path / "run" / "tb").iterdir())
+    # step 2 ran under the profiler: its operators by self time (the model's matmuls among them) and its trace
+    table = (tmp_path / "run" / "profile" / "rank0.txt").read_text()
+    assert "Self CPU" in table and "aten::mm" in table
+    assert json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())["traceEvents"]
 
 
 def test_bf16_autocast_close_to_fp32_and_keeps_fp32_master_weights():
