@@ -10,10 +10,13 @@ definition keeps so.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardwise.model_args import head_rows
 
@@ -58,17 +61,65 @@ def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     gradients of `hidden` and `weight` while it is in cache, in the forward; the backward only scales them. One
     log-softmax pass instead of three, and no vocabulary-wide tensor outlives its block. Under autocast the
     matmuls run in its dtype and the softmax in fp32, as on the plain path; the weight gradient is accumulated
-    in fp32 over the blocks. `hidden` (..., dim), `targets` (...); `weight` (vocab, dim) a plain tensor.
+    in fp32 over the blocks. `hidden` (..., dim), `targets` (...); `weight` (vocab, dim).
+
+    Under tensor parallelism `weight` is a DTensor split by vocabulary rows (the column-parallel head), and the
+    loss is vocabulary-parallel as well (Megatron's vocab-parallel cross-entropy): each rank makes the logits of
+    its own rows only, the ranks exchange one log-sum-exp per token and block, and each adds the loss of the
+    tokens whose target it holds; the loss is then summed over the ranks, so every rank returns the whole of it.
+    The input is gathered whole to every rank (from its sequence slices under sequence parallelism), and its
+    gradient, a partial sum over each rank's rows, is reduced back by DTensor on the way.
     """
     device = hidden.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    vocab = None
+    if isinstance(weight, DTensor):
+        hidden, weight, vocab = _vocab_parallel(hidden, weight)
     with torch.autocast(device.type, enabled=False):
-        return _HeadLoss.apply(hidden.flatten(0, -2), weight, targets.flatten(), dtype, torch.is_grad_enabled())
+        return _HeadLoss.apply(hidden.flatten(0, -2), weight, targets.flatten(), dtype, torch.is_grad_enabled(),
+                               vocab)
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """This rank's rows of a vocabulary split over `group`: ids first .. first + len(weight) - 1."""
+
+    group: dist.ProcessGroup
+    size: int
+    first: int
+
+
+def _vocab_parallel(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor, torch.Tensor, _VocabShard]:
+    """The local operands of a vocabulary-parallel head: the whole input (its gradient marked a partial sum, which
+    DTensor reduces: an all-reduce, or a reduce-scatter to the sequence slices), this rank's weight rows."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(f"a vocabulary-parallel head needs its weight split by rows over one mesh dimension, "
+                         f"not {weight.placements} over {mesh.ndim}")
+    if isinstance(hidden, DTensor):
+        whole = hidden.redistribute(mesh, [Replicate()])
+    else:
+        whole = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    first = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # DTensor's Shard(0): ceil-sized pieces
+    return (whole.to_local(grad_placements=[Partial()]), weight.to_local(),
+            _VocabShard(mesh.get_group(), mesh.size(), first))
+
+
+def _log_softmax(logits: torch.Tensor, vocab: _VocabShard | None) -> torch.Tensor:
+    """Log-probabilities of each row (a new tensor, as log_softmax makes: planner.memory.logits_bytes); where the
+    vocabulary is split, with the rows' log-sum-exp over every rank's columns (each rank's own, gathered,
+    combined)."""
+    if vocab is None:
+        return torch.log_softmax(logits, dim=1)
+    local = torch.logsumexp(logits, dim=1)
+    every = local.new_empty(vocab.size * local.shape[0])  # gloo gathers into a flat tensor only
+    dist.all_gather_single(every, local, group=vocab.group)
+    return logits - torch.logsumexp(every.view(vocab.size, -1), dim=0)[:, None]
 
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, dtype, with_grad):
+    def forward(ctx, hidden, weight, targets, dtype, with_grad, vocab):
         h, w = hidden.to(dtype), weight.to(dtype)
         grad_h = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad and weight.requires_grad else None
@@ -76,12 +127,23 @@ class _HeadLoss(torch.autograd.Function):
         rows = head_rows(h.shape[0], h.shape[1], w.shape[0])
         for start in range(0, h.shape[0], rows):
             h_c, t_c = h[start:start + rows], targets[start:start + rows, None]
-            log_p = torch.log_softmax(torch.mm(h_c, w.t()).float(), dim=1)
-            total -= log_p.gather(1, t_c).sum()
+            log_p = _log_softmax(torch.mm(h_c, w.t()).float(), vocab)
+            one_hot = -1.0
+            if vocab is not None:  # the targets among this rank's rows; the others' loss is another rank's
+                t_c = t_c - vocab.first
+                held = (t_c >= 0) & (t_c < w.shape[0])
+                t_c = t_c.masked_fill(~held, 0)
+                one_hot = -held.float()
+                total -= log_p.gather(1, t_c).masked_fill(~held, 0.0).sum()
+            else:
+                total -= log_p.gather(1, t_c).sum()
             if grad_h is None and grad_w is None:
                 continue
             grad = log_p.exp_()  # d(-log p_t)/d logits = softmax - one_hot(t)
-            grad.scatter_add_(1, t_c, torch.full(t_c.shape, -1.0, device=grad.device))
+            if vocab is None:
+                grad.scatter_add_(1, t_c, torch.full(t_c.shape, one_hot, device=grad.device))
+            else:
+                grad.scatter_add_(1, t_c, one_hot)
             grad = grad.to(dtype)
             if grad_h is not None:
                 if grad.dtype == grad_h.dtype:
@@ -93,6 +155,8 @@ class _HeadLoss(torch.autograd.Function):
                     grad_w.addmm_(grad.t(), h_c)
                 else:
                     grad_w += torch.mm(grad.t(), h_c)
+        if vocab is not None:
+            dist.all_reduce(total, group=vocab.group)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -105,7 +169,7 @@ class _HeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         grad_h = grad_h.mul_(grad_total) if grad_h is not None else None
         grad_w = grad_w.mul_(grad_total).to(ctx.weight_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def scale_for_gradient_sum(loss: torch.Tensor, grad_reduce_size: int) -> torch.Tensor:

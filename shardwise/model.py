@@ -21,6 +21,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import nf4
 from shardwise.loss import head_loss_sum
@@ -185,15 +186,19 @@ class Transformer(nn.Module):
 
 def fuse_head_loss(model: Transformer) -> None:
     """Let `model` compute the loss with its head fused (Transformer.fused_loss) if the head is a plain linear:
-    an nn.Linear without bias on a plain weight, not a tensor-parallel DTensor, an NF4 tensor or a LoRA adapter,
-    whose own forward must run. Call after those transforms and before data parallelism: FSDP shards the weight
-    between forwards, and gathers it back as a plain tensor for the root module's forward, where the loss runs.
+    an nn.Linear without bias on a plain weight, or on a tensor-parallel weight split by vocabulary rows (the loss
+    is then vocabulary-parallel), not an NF4 tensor or a LoRA adapter, whose own forward must run. Call after
+    those transforms and before data parallelism: FSDP shards the weight between forwards, and gathers it back
+    (as a plain tensor, or the tensor-parallel DTensor) for the root module's forward, where the loss runs.
 
     The fused loss runs inside the model's forward, the unfused one after it on the logits: a forward whose output
     is the loss starts FSDP's backward (and its prefetch of the last block) before the loss's backward, which is
     negligible when fused and the step's largest working set when not."""
     head = model.output
-    model.fused_loss = type(head) is nn.Linear and head.bias is None and type(head.weight.data) is torch.Tensor
+    weight = head.weight.data if type(head) is nn.Linear and head.bias is None else None
+    model.fused_loss = type(weight) is torch.Tensor or (
+        isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),)
+        and type(weight.to_local()) is torch.Tensor)
 
 
 def build_model(args: ModelArgs) -> Transformer:

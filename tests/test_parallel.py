@@ -138,6 +138,55 @@ def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
             assert placement_r == (Replicate(),) and shape_r == (1001, 16)
 
 
+def _vocab_parallel_heads():
+    """The fused head and loss (shardwise.loss.head_loss_sum) on one device and split by vocabulary rows over the
+    ranks (1001 rows, not divisible by 2; 96 tokens, so the loss runs in blocks), with the input replicated and
+    as sequence slices (sequence parallelism): loss, input gradient and weight gradient, gathered whole."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from shardwise.loss import head_loss_sum
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    hidden, weight, targets = torch.randn(2, 48, 16), torch.randn(1001, 16) * 0.3, torch.randint(0, 1001, (2, 48))
+    targets[0, :3] = torch.tensor([0, 500, 1000])  # the first and last rows of each rank's piece
+    results = []
+    for layout in (None, Replicate(), Shard(1)):
+        if layout is None:
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        else:
+            w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+            # sequence parallelism's norm hands the head a DTensor of sequence slices, otherwise a plain tensor
+            h = distribute_tensor(hidden, mesh, [layout]).requires_grad_() if layout == Shard(1) else \
+                hidden.clone().requires_grad_()
+        loss = head_loss_sum(h, w, targets)
+        (loss * 0.5).backward()
+        whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in (h.grad, w.grad)]
+        results.append((loss.detach(), *whole, getattr(w.grad, "placements", None)))
+    return results
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_fused_head_matches_one_device():
+    """Under tp the fused head and loss run on each rank's vocabulary rows: the loss (whole on every rank), the
+    input's gradient (reduced over the ranks) and the weight's (each rank its rows) equal the one-device ones."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from distributed import run_distributed
+
+    for results in run_distributed(_vocab_parallel_heads, 2):
+        (loss, grad_h, grad_w, _), *split = results
+        for loss_t, grad_h_t, grad_w_t, placements in split:
+            torch.testing.assert_close(loss_t, loss, rtol=1e-6, atol=0)
+            torch.testing.assert_close(grad_h_t, grad_h, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(grad_w_t, grad_w, rtol=1e-5, atol=1e-7)
+            assert placements == (Shard(0),)
+
+
 def _gloo_threads_after_training(out: str) -> list[str]:
     """Train 2 steps with tensor parallelism on this rank, then name the gloo threads still running."""
     from shardwise.config import load_config

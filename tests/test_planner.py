@@ -568,8 +568,9 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
 # Memory vs the simulator: the real engine's step, one rank of a large world, on fake tensors
 
 # (model, world, plan): Llama 3 70B's and Llama 2 7B's shapes cut to 4 blocks (the simulator's cost grows with
-# the blocks, the per-rank shapes do not depend on them), at 1,024 ranks. The 70B layouts peak in the loss's
-# backward (128K-vocabulary logits gathered to every tp rank), the 7B one inside the first block's backward.
+# the blocks, the per-rank shapes do not depend on them), at 1,024 ranks. The 70B layouts peak inside the fused
+# head's forward (a block of its vocabulary-parallel logits, autocast's cached weight copies under recompute,
+# FSDP's last all-gather buffer), the 7B one inside the first block's backward.
 SIMULATED = [
     ("llama3-70b", "tp=8,dp=128,zero_stage=3"),
     ("llama3-70b", "tp=8,dp=128,zero_stage=1,activation_checkpoint=full"),
@@ -890,20 +891,22 @@ def test_megatron_pipeline_sends_scatter_over_tensor_parallel_ranks():
     assert sent["megatron"] == pytest.approx(2 * (2 * x / 8 + 2 * x * 7 / 8))
 
 
-@pytest.mark.parametrize("loss_parallel", [False, True])
-def test_tensor_parallel_traffic_per_micro_batch(loss_parallel):
+@pytest.mark.parametrize("fuse_head, loss_parallel, gathers", [(None, False, False), (False, False, True),
+                                                                 (False, True, False)])
+def test_tensor_parallel_traffic_per_micro_batch(fuse_head, loss_parallel, gathers):
     """tp 8 on a link of 1 byte/s without latency (seconds = bytes a rank sends): 4 all-reduces of the hidden
     activations per block, one for the embedding's partial lookups, one for the head's input gradient, and,
-    unless the loss runs on vocabulary-parallel logits, the logits all-gathered to every rank (the engine's
-    output head does: `ColwiseParallel(output_layouts=Replicate())`)."""
+    unless the loss runs on vocabulary-parallel logits (loss_parallel, or the engine's fused head), the logits
+    all-gathered to every rank (the engine's output head does where it runs its own forward:
+    `ColwiseParallel(output_layouts=Replicate())`)."""
     from shardwise.planner.timing import stage_cost
 
     args = preset("llama3-8b")
     unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, comm_efficiency=1.0, intra_node_latency=0.0)
-    training = Training(seq_len=4096, global_batch=1, loss_parallel=loss_parallel)
+    training = Training(seq_len=4096, global_batch=1, fuse_head=fuse_head, loss_parallel=loss_parallel)
     cost = stage_cost(args, training, Plan(tp=8, micro_batch=1), Cluster(unit, 8))
     x = 4096 * args.dim * 2  # bf16 activations of one micro-batch
-    logits = 0.0 if loss_parallel else 4096 * args.vocab_size * 2 * 7 / 8
+    logits = 4096 * args.vocab_size * 2 * 7 / 8 if gathers else 0.0
     assert cost.tp_comm == pytest.approx((4 * args.n_layers + 2) * 2 * x * 7 / 8 + logits)
 
 

@@ -152,7 +152,9 @@ def top_plan(sequence_parallel: bool, has_embedding: bool, has_head: bool) -> di
     if has_head:
         if sequence_parallel:
             plan["norm"] = SequenceParallel()
-        # logits gathered to every tp rank: the loss then runs as on one device
+        # the head's weight split by vocabulary rows: the fused loss runs vocabulary-parallel on it
+        # (shardwise.loss.head_loss_sum); where the head's own forward runs (LoRA or NF4 on the head, a pipeline's
+        # last stage), the logits are gathered to every tp rank and the loss runs as on one device
         plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate(), use_local_output=True)
     return plan
 

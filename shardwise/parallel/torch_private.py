@@ -199,14 +199,32 @@ class _StagesMixin:
 
 
 class _Tracker(_StagesMixin, _MomentMixin, MemTracker):
-    def __init__(self, stages: list[nn.Module]):
+    def __init__(self, stages: list[nn.Module], roots: list[nn.Module]):
         super().__init__()
         self._init_moment()
         self._init_stages(stages)
+        self._roots, self._root_hooks = roots, []
 
     def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
         self._forget_stage(module)
         super()._pre_fw_hook(module, inputs)
+
+    def __enter__(self):
+        # The tracker's own pre-forward hook is global, so it runs before replicate's, which makes the working
+        # copies of the weights: each module's copies are counted as parameters when that module's forward
+        # starts. A root's weight that no module's forward uses (the fused head's: shardwise.loss.head_loss_sum)
+        # would first be seen as an operator's output, an activation; this hook, the root's own and registered
+        # after replicate's, counts the root's working copies as parameters once they exist.
+        self._root_hooks = [root.register_forward_pre_hook(self._track_root) for root in self._roots]
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        for hook in self._root_hooks:
+            hook.remove()
+        return super().__exit__(*args)
+
+    def _track_root(self, module: nn.Module, inputs) -> None:
+        self._track_module_params_and_buffers(module, install_grad_hooks=False)
 
 
 class _FSDPTracker(_StagesMixin, _MomentMixin, FSDPMemTracker):
@@ -241,7 +259,7 @@ def build_tracker(modules: list[nn.Module], optimizer: torch.optim.Optimizer, sc
         for t in buffers:
             tracker._update_and_maybe_create_winfos(t, _FSDPRefType.INP)
         return tracker
-    tracker = _Tracker(stages)
+    tracker = _Tracker(stages, modules)
     tracker.track_external(*modules, optimizer, *buffers)
     return tracker
 

@@ -192,7 +192,7 @@ def system_summary(training: Training) -> str:
     if known is not None and known.training_fields() == {k: getattr(training, k) for k in known.training_fields()}:
         return known.summary
     return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
-            f"{'loss parallel' if training.loss_parallel else 'logits gathered'} under TP, "
+            f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
             f", selective keeps {training.selective if training.fused_attention else 'attention-core'}")
 

@@ -557,14 +557,17 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
 
 def fused_head(training: Training, plan: Plan) -> bool:
     """shardwise's engine fuses the output head with the loss (shardwise.loss.head_loss_sum) wherever the head is
-    a plain linear (shardwise.model.fuse_head_loss): without tensor parallelism, outside a pipeline. Other
-    systems (Training.fuse_head) materialise the logits."""
-    return training.fuses_head and plan.tp == 1 and plan.pp == 1
+    a plain linear (shardwise.model.fuse_head_loss): outside a pipeline, with or without tensor parallelism (the
+    fused loss is then vocabulary-parallel). Other systems (Training.fuse_head) materialise the logits."""
+    return training.fuses_head and plan.pp == 1
 
 
 def head_weight_grad_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """The fused head's weight gradient (fp32), made in the loss's forward; none when the head is frozen (LoRA)."""
-    return 0.0 if training.lora_rank or not fused_head(training, plan) else args.vocab_size * args.dim * 4.0
+    """The fused head's weight gradient (fp32; this rank's vocabulary rows under tp), made in the loss's forward;
+    none when the head is frozen (LoRA)."""
+    if training.lora_rank or not fused_head(training, plan):
+        return 0.0
+    return args.vocab_size / plan.tp * args.dim * 4.0
 
 
 def loss_vocab(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -672,11 +675,13 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     if training.ce_kernel and not fused_head(training, plan):
         return tokens * loss_vocab(args, training, plan) * training.act_bytes
     if fused_head(training, plan):
-        v, d, e = args.vocab_size, args.dim, training.act_bytes
-        block = head_rows(int(tokens), d, v) * v
+        v, d, e = args.vocab_size / plan.tp, args.dim, training.act_bytes
+        block = head_rows(int(tokens), d, int(v)) * v
+        # under tp, the head's input gathered whole to every rank (from its sequence slices with sequence parallelism)
+        gathered = tokens * d * training.stream_bytes if plan.tp > 1 else 0.0
         if not training.mixed:
-            return block * (4 + 4)
-        return max(block * (4 + 4), block * (4 + e) + v * d * e) + (tokens + v) * d * e
+            return block * (4 + 4) + gathered
+        return max(block * (4 + 4), block * (4 + e) + v * d * e) + (tokens + v) * d * e + gathered
     return tokens * loss_vocab(args, training, plan) * (4 + 4)
 
 
@@ -699,6 +704,21 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     if stage == head_rank(plan) and not fused_head(training, plan):  # the fused head's copy is not saved
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
+
+
+def autocast_cache_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """The low-precision weight copies autocast's cache holds until its context exits, beyond those the matmuls
+    save (weight_copy_bytes): under recompute, every block's linear weights cast in this forward. The fused head
+    (fused_head) runs inside the forward, so inside that context, with all of them alive. Autocast casts an MoE
+    block's attention and router; its routed experts cast themselves (GroupedExperts.compute) and are not
+    cached. None without recompute (the matmuls keep them anyway) or where autocast does not cast (fp32,
+    other layouts, LoRA's frozen weights)."""
+    if not training.mixed or training.layout != "torch" or training.lora_rank or plan.activation_checkpoint == "none":
+        return 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    dense = shape.layers - shape.moe_layers
+    return (dense * (layer_params(args, plan.tp) - 2 * args.dim)
+            + shape.moe_layers * attention_params(args, plan.tp)) * training.act_bytes
 
 
 def gathered_weight_bytes(training: Training) -> float:
@@ -835,12 +855,15 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     out = {}
     if last:
         # the fused head's working set is made inside the forward, among its activations (fused_head)
-        work = acts["logits"], 0.0
+        work, cached, last_gather = (acts["logits"], 0.0), 0.0, 0.0
         if fused_head(training, plan):
-            work = 0.0, acts["logits"]
+            # ... with autocast's cached weight copies, and the last block's all-gather buffer, which FSDP2 keeps
+            # until its next all-gather (the first of the backward) so the host cannot run ahead of it
+            work, cached = (0.0, acts["logits"]), acts["autocast_cache"]
+            last_gather = block_p * gathered if fsdp else 0.0
         out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m + work[1],
-                                "compute_copies": acts["copies"] * m, "backward_and_logits": work[0],
-                                "fsdp_buffers": held_early}
+                                "compute_copies": acts["copies"] * m + cached, "backward_and_logits": work[0],
+                                "fsdp_buffers": held_early + last_gather}
     # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
     # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
     # reduce-scattered are autograd's, not its buffers
@@ -917,6 +940,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             "activations": per_mb + head, "head": head, "copies": copies,
             "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
+            "autocast_cache": autocast_cache_bytes(args, training, plan, stage) if last else 0.0,
             "block_backward": block_backward_bytes(args, training, plan, shape.last_moe)})
     return cached
 

@@ -71,7 +71,7 @@ class System:
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
-           "fused with the loss where it is a plain linear, logits all-gathered under TP, selective checkpointing "
+           "fused with the loss where it is a plain linear (vocabulary-parallel under TP), selective checkpointing "
            "keeps every matmul output",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
                   "shardwise.activation_checkpoint"),

@@ -28,6 +28,7 @@ from shardwise.planner.memory import (
     block_params,
     block_tensor_params,
     expert_params,
+    fused_head,
     gathered_weight_bytes,
     kv_split,
     layer_activation_bytes,
@@ -281,7 +282,8 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
     Full recompute replays the forward's two. The embedding's rank reduces the partial lookups once; the head's
     rank reduces the head's input gradient once and, unless the loss runs on vocabulary-parallel logits
-    (`loss_parallel`), all-gathers the logits to every tp rank in forward (shardwise's engine does).
+    (`loss_parallel`, or shardwise's fused head: memory.fused_head), all-gathers the logits to every tp rank in
+    forward (shardwise's engine does where its head is not fused: LoRA or NF4 on the head).
     An MoE block (`moe_layers` of the `layers`) has only its attention's pair: every tp rank runs the whole MoE on
     replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
     the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced)."""
@@ -298,7 +300,7 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
         total += moe_layers * passes * (one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0))
     if head:
         total += one
-        if not training.loss_parallel:
+        if not (training.loss_parallel or fused_head(training, plan)):  # the fused loss is vocabulary-parallel
             total += all_gather(tokens * args.vocab_size * training.act_bytes, n, link)
     return total
 
