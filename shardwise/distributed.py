@@ -38,6 +38,32 @@ class DistEnv:
         return self.rank == 0
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit: blocks above it are always mapped afresh
+
+
+def keep_host_memory() -> bool:
+    """Let glibc's allocator keep freed blocks of up to 32 MB for reuse instead of returning them to the kernel.
+
+    A training step on the CPU frees and allocates the same activation-sized blocks (tens of MB) every step. By
+    default glibc maps each one afresh and unmaps it when freed, so every page of it faults again on its first
+    write: ~45,000 faults and ~0.07 s of kernel time per step of benchmarks/peer_torchtitan.py's debug model.
+    This is what the allocators PyTorch's CPU guides recommend instead (jemalloc, tcmalloc; the
+    `torch.backends.xeon.run_cpu` launcher preloads them) do; glibc's own settings do it without a new library.
+    Memory freed stays with the process, as it does in CUDA's caching allocator. Returns False where the C
+    library is not glibc (the settings are then left alone)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, group_of_one: bool = False) -> DistEnv:
     """Join the job torchrun started (NCCL on GPU, gloo on CPU); a plain run is a world of one, with a process
     group of its own only when `group_of_one` (FSDP2 on one device, for its CPU offload, needs a mesh)."""

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from shardwise import data
 from shardwise.checkpoint import Checkpointer, StopSignal, TrainState
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
-from shardwise.distributed import explain_failure
+from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
 from shardwise.lora import apply_lora, full_value
@@ -309,6 +309,8 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
 
 def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     device = runtime.device
+    if device.type == "cpu":
+        keep_host_memory()  # activations live in host memory: reuse their blocks instead of faulting them in again
     dataset, loader, val = build_data(cfg, runtime)
     model = build_training_model(cfg, runtime)
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size
