@@ -175,7 +175,8 @@ class MetricsConfig:
     that a run (with restarts) trained on every sample exactly once. A replayed step's later line supersedes."""
     profile_step: int = 0
     """Run this step under torch.profiler (0: none). Every rank writes out_dir/profile/rank<r>.txt (operators by
-    self time) and a Chrome trace rank<r>.json (open it in Perfetto or chrome://tracing)."""
+    self time) and a Chrome trace rank<r>.json (open it in Perfetto or chrome://tracing). The profiler's own
+    overhead is in that step's logged time."""
 
 
 @dataclass

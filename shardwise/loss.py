@@ -100,9 +100,14 @@ def _vocab_parallel(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor
         whole = hidden.redistribute(mesh, [Replicate()])
     else:
         whole = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-    first = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # DTensor's Shard(0): ceil-sized pieces
     return (whole.to_local(grad_placements=[Partial()]), weight.to_local(),
-            _VocabShard(mesh.get_group(), mesh.size(), first))
+            _VocabShard(mesh.get_group(), mesh.size(), first_row(weight.shape[0], mesh)))
+
+
+def first_row(rows: int, mesh) -> int:
+    """The first of `rows` that this rank holds when they are split as DTensor's Shard(0) over a 1-D `mesh`:
+    ceil-sized pieces, the last ones shorter or empty."""
+    return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows)
 
 
 def _log_softmax(logits: torch.Tensor, vocab: _VocabShard | None) -> torch.Tensor:
@@ -128,22 +133,19 @@ class _HeadLoss(torch.autograd.Function):
         for start in range(0, h.shape[0], rows):
             h_c, t_c = h[start:start + rows], targets[start:start + rows, None]
             log_p = _log_softmax(torch.mm(h_c, w.t()).float(), vocab)
-            one_hot = -1.0
-            if vocab is not None:  # the targets among this rank's rows; the others' loss is another rank's
+            if vocab is None:
+                total -= log_p.gather(1, t_c).sum()
+                one_hot = torch.full(t_c.shape, -1.0, device=t_c.device)
+            else:  # the targets among this rank's rows; the others' loss is another rank's
                 t_c = t_c - vocab.first
                 held = (t_c >= 0) & (t_c < w.shape[0])
                 t_c = t_c.masked_fill(~held, 0)
-                one_hot = -held.float()
                 total -= log_p.gather(1, t_c).masked_fill(~held, 0.0).sum()
-            else:
-                total -= log_p.gather(1, t_c).sum()
+                one_hot = -held.float()
             if grad_h is None and grad_w is None:
                 continue
             grad = log_p.exp_()  # d(-log p_t)/d logits = softmax - one_hot(t)
-            if vocab is None:
-                grad.scatter_add_(1, t_c, torch.full(t_c.shape, one_hot, device=grad.device))
-            else:
-                grad.scatter_add_(1, t_c, one_hot)
+            grad.scatter_add_(1, t_c, one_hot)
             grad = grad.to(dtype)
             if grad_h is not None:
                 if grad.dtype == grad_h.dtype:

@@ -357,7 +357,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         if counter is not None:
             summary["comm"] = counter.stats.as_metrics()
         if profiler is not None:
-            write_profile(profiler, Path(cfg.metrics.out_dir) / "profile", runtime.env.rank)
+            write_profile(profiler, Path(cfg.metrics.out_dir) / "profile", runtime.env.rank, device)
         logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
         routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
         schedule.step()
@@ -398,11 +398,11 @@ def step_profiler(device: torch.device) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities, record_shapes=True)
 
 
-def write_profile(profiler: torch.profiler.profile, folder: Path, rank: int) -> None:
+def write_profile(profiler: torch.profiler.profile, folder: Path, rank: int, device: torch.device) -> None:
     """rank<r>.txt: operators by self time (host, then accelerator where profiled); rank<r>.json: Chrome trace."""
     folder.mkdir(parents=True, exist_ok=True)
     table = profiler.key_averages()
-    sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if torch.cuda.is_available() else [])
+    sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if device.type == "cuda" else [])
     (folder / f"rank{rank}.txt").write_text("\n\n".join(table.table(sort_by=key, row_limit=40) for key in sorts))
     profiler.export_chrome_trace(str(folder / f"rank{rank}.json"))
 

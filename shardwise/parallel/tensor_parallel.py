@@ -18,7 +18,6 @@ base's partial sum before the one reduction the row-parallel linear does anyway 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 from functools import partial
 
@@ -38,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.lora import LoRALinear
+from shardwise.loss import first_row
 
 
 def _place_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
@@ -135,7 +135,7 @@ class VocabParallelEmbedding(ParallelStyle):
 def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, output_layout: Placement,
                            ids: torch.Tensor) -> torch.Tensor:
     weight = module.weight.to_local()  # its gradient comes back as this rank's Shard(0) rows
-    first = min(mesh.get_local_rank() * math.ceil(module.num_embeddings / mesh.size()), module.num_embeddings)
+    first = first_row(module.num_embeddings, mesh)
     local = ids - first
     elsewhere = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(elsewhere, 0), weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
