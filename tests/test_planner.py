@@ -570,9 +570,12 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
 # (model, world, plan): Llama 3 70B's and Llama 2 7B's shapes cut to 4 blocks (the simulator's cost grows with
 # the blocks, the per-rank shapes do not depend on them), at 1,024 ranks. The 70B layouts peak inside the fused
 # head's forward (a block of its vocabulary-parallel logits, autocast's cached weight copies under recompute,
-# FSDP's last all-gather buffer), the 7B one inside the first block's backward.
+# FSDP's last all-gather buffer), the 7B one inside the first block's backward; ZeRO-3 with full recompute in the
+# second block's FFN norm backward (the first block's reduce-scatter buffer, every MLP weight's gradient).
 SIMULATED = [
     ("llama3-70b", "tp=8,dp=128,zero_stage=3"),
+    ("llama3-70b", "tp=8,dp=128,zero_stage=3,activation_checkpoint=full"),
+    ("llama2-7b", "tp=2,dp=512,zero_stage=3,activation_checkpoint=full"),
     ("llama3-70b", "tp=8,dp=128,zero_stage=1,activation_checkpoint=full"),
     ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective"),
     ("llama3-70b", "tp=8,dp=64,cp=2,zero_stage=3"),

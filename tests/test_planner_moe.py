@@ -445,8 +445,8 @@ def test_expert_parallelism_shrinks_the_experts_buffers_not_their_sharded_state(
 
 @pytest.mark.parametrize("model, plan, world, changes, categories", [
     ("qwen3-30b-a3b-like", "dp_shard=64,cp=2,ep=32,zero_stage=3", 128, {}, True),
-    # full recompute: the peak falls in a later block's backward, which the planner's ends-only moments place in
-    # other categories (docs/planner.md, "Checked against the simulator"): the total is compared
+    # full recompute: the tracker files the replayed forward's tensors as activations, the planner as temporaries
+    # (docs/planner.md, "Recomputing an MoE block"): the total is compared
     ("deepseek-v3-like", "dp_shard=256,ep=64,zero_stage=3,activation_checkpoint=full", 256,
      dict(n_dense_layers=1), False),
 ])

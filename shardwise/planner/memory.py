@@ -605,15 +605,25 @@ def in_flight(plan: Plan, stage: int) -> float:
 
 
 def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> dict[str, float]:
-    """The first block's backward at its largest, inside the MLP's SiLU backward: the gate product's backward has
-    freed its saved SiLU and w3 outputs (2 f/t per token, 'freed') and written the gradients of both, and SiLU's
-    backward writes the gradient of the w1 output (3 f/t, 'working', with the residual-stream gradient, d);
-    w2's weight gradient already exists in fp32 ('weight_grad': under autocast the matmul's low-precision
-    gradient is cast up and accumulated into the fp32 parameter's gradient). With recompute the block's
-    activations are first rebuilt ('recomputed': its none set minus what was kept). An MoE block (`moe`): the same
-    inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair, and w2's gradient of
-    every expert the rank holds. A GELU MLP: inside GELU's backward, w2's backward has freed the GELU output it
-    kept (f/t) and written its gradient, and GELU's backward writes the gradient of w1's output (2 f/t working)."""
+    """The first block's backward at its largest, the larger of two moments (by what each adds to the saved
+    activations: working + weight_grad + recomputed - freed - copies_freed).
+
+    Inside the MLP's SiLU backward: the gate product's backward has freed its saved SiLU and w3 outputs (2 f/t
+    per token, 'freed') and written the gradients of both, and SiLU's backward writes the gradient of the w1
+    output (3 f/t, 'working', with the residual-stream gradient, d); w2's weight gradient already exists in fp32
+    ('weight_grad': under autocast the matmul's low-precision gradient is cast up and accumulated into the fp32
+    parameter's gradient). A GELU MLP: inside GELU's backward, w2's backward has freed the GELU output it kept
+    (f/t) and written its gradient, and GELU's backward writes the gradient of w1's output (2 f/t working).
+
+    Inside the FFN norm's backward, once the MLP's is done (ffn_norm_backward_bytes): every MLP weight's gradient
+    exists, the MLP's saved tensors, the norm output's copies and (without recompute) the MLP's compute-dtype
+    weight copies are freed, and the norm's backward works on the stream. It is the larger under recompute,
+    where the MLP's saved tensors were rebuilt and are not the stage's to lose.
+
+    With recompute the block's activations are first rebuilt ('recomputed': its none set minus what was kept).
+    An MoE block (`moe`): inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair,
+    and w2's gradient of every expert the rank holds; under recompute, or inside the replayed forward at the
+    return of the experts' outputs (moe_dispatch_bytes), whichever is larger."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     e = training.act_bytes
     if moe:
@@ -623,16 +633,57 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
         f = args.ffn_hidden / plan.tp
         weight_grad = args.dim * f
     freed, working = (1, 2) if args.mlp == "gelu" and not moe else (2, 3)
+    grad_bytes = 0.0 if training.lora_rank else unsharded_grad_bytes(training)
     out = {"freed": tokens * freed * f * e, "working": tokens * (working * f * e + args.dim * training.stream_bytes),
-           "weight_grad": 0.0 if training.lora_rank else weight_grad * unsharded_grad_bytes(training),
-           "recomputed": 0.0}
+           "weight_grad": weight_grad * grad_bytes, "copies_freed": 0.0, "recomputed": 0.0}
+    if not moe:
+        out = max(out, ffn_norm_backward_bytes(args, training, plan), key=_block_backward_net)
     if plan.activation_checkpoint != "none":
         out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
             args, training, plan, moe=moe)
         if moe:
-            out["recomputed"] += tokens * moe_dispatch_bytes(args, training, plan) + routed_copy_bytes(args, training,
-                                                                                                       plan)
+            # the replayed forward also casts the experts again; at the return of their outputs it holds the
+            # dispatch's buffers, before any gradient of the block exists: the larger of that and the SiLU's
+            out["recomputed"] += routed_copy_bytes(args, training, plan)
+            replay = {"freed": 0.0, "working": tokens * moe_dispatch_bytes(args, training, plan), "weight_grad": 0.0,
+                      "copies_freed": 0.0, "recomputed": out["recomputed"]}
+            out = max(out, replay, key=_block_backward_net)
     return out
+
+
+def _block_backward_net(parts: dict[str, float]) -> float:
+    # 'recomputed' is the same at both moments and is set after the choice
+    return parts["working"] + parts["weight_grad"] - parts["freed"] - parts["copies_freed"]
+
+
+# the fp32 token x d temporaries of the FFN norm's backward at its largest, besides the residual-stream gradient:
+# the composite RMSNorm's autograd graph (grad * weight, its product with rstd, the mean's and the square's
+# backward; counted on the simulator's tracker, tests/test_planner.py), a fused kernel's output and input gradients
+NORM_BACKWARD_TEMPS = {False: 4, True: 2}
+
+
+def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dict[str, float]:
+    """A dense block's backward inside its FFN norm's backward (see block_backward_bytes): freed, the MLP's
+    saved tensors (SwiGLU: w1, SiLU, w3 outputs and the gate product; GELU: w1 and GELU outputs) and the norm
+    output's compute-dtype copies; working, the residual-stream gradient and the norm backward's fp32
+    temporaries (NORM_BACKWARD_TEMPS) on the rank's tokens (a sequence slice under sequence parallelism);
+    weight_grad, every MLP weight's gradient (FSDP reduce-scatters them only once the block's backward ends);
+    copies_freed, the MLP weights' compute-dtype copies their matmuls kept (weight_copy_bytes)."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    d, f, e = args.dim, args.ffn_hidden / plan.tp, training.act_bytes
+    saved, weights = (2, 2) if args.mlp == "gelu" else (4, 3)
+    autocast = training.act_bytes != training.stream_bytes
+    copies = 1 if args.mlp == "gelu" or not autocast else 2
+    output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
+    seq = plan.tp if plan.sequence_parallel else 1
+    temps = NORM_BACKWARD_TEMPS[training.fused_rmsnorm]
+    # weight_copy_bytes's condition for a block's copies
+    kept_copies = training.mixed and training.layout == "torch" and not training.lora_rank \
+        and plan.activation_checkpoint == "none"
+    return {"freed": tokens * (saved * f * e + term_bytes(output, args, training, plan)),
+            "working": tokens * d * (training.stream_bytes + temps * 4) / seq,
+            "weight_grad": 0.0 if training.lora_rank else weights * d * f * unsharded_grad_bytes(training),
+            "copies_freed": weights * d * f * e if kept_copies else 0.0, "recomputed": 0.0}
 
 
 def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -749,7 +800,8 @@ def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The breakdown at the peak (docs/planner.md, "The moment of the peak")
 
-MOMENTS = ("loss_backward", "first_block_backward", "next_block_backward", "end_of_backward", "optimizer_step")
+MOMENTS = ("loss_backward", "first_block_backward", "second_block_backward", "next_block_backward", "end_of_backward",
+           "optimizer_step")
 
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
@@ -877,9 +929,24 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
         "activations": acts["activations"] * m - acts["head"] + head_grad
         - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
-        "compute_copies": acts["copies"] * m - acts["head_copy"],
+        "compute_copies": acts["copies"] * m - acts["head_copy"] - bwd["copies_freed"],
         "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+    if fsdp and training.fsdp2 and shape.layers >= 2 and not keep_unsharded:
+        # FSDP2 keeps a unit's reduce-scatter input (its gradients in the reduce dtype) until the next unit's
+        # reduce-scatter: the second block's backward holds the first block's (the last unit of an MoE block
+        # under ep, whose experts are their own unit, is the block without them), and the first block's saved
+        # tensors and weight copies are gone. Under recompute (a checkpoint input per block) this moment is the
+        # larger. (DeepSpeed's ZeRO-3, layout 'zero', reduces through its own gradient buckets instead.)
+        first = out["first_block_backward"]
+        done = layer_activation_bytes(args, training, plan, moe=shape.last_moe)
+        scattered = block_params(args, plan.tp, shape.last_moe, plan.ep)
+        if shape.last_moe and plan.ep > 1:
+            scattered -= expert_params(args, plan.ep)
+        out["second_block_backward"] = {
+            **first, "activations": first["activations"] - done,
+            "compute_copies": first["compute_copies"] - (acts["copies"] - acts["head_copy"]) / shape.layers,
+            "fsdp_buffers": first["fsdp_buffers"] + scattered * kept_grad_bytes}
     if accum and not accum_early and m >= 2:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
