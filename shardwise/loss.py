@@ -160,18 +160,25 @@ class _HeadLoss(torch.autograd.Function):
         if vocab is not None:
             dist.all_reduce(total, group=vocab.group)
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.scaled_by = weight.dtype, None
         return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        # scaled in place, as Liger-Kernel does, so no second copy of the weight gradient is made: a second
-        # backward through a retained graph would scale them twice (nothing in shardwise retains it)
+        # scaled in place, as Liger-Kernel does, so no second copy of the weight gradient is made. The zero-bubble
+        # schedule runs this backward twice (its input-gradient pass, then its weight-gradient pass, on the graph
+        # the first retains) with the same grad_total: the second returns what the first scaled
         grad_h, grad_w = ctx.saved_tensors
-        grad_h = grad_h.mul_(grad_total) if grad_h is not None else None
-        grad_w = grad_w.mul_(grad_total).to(ctx.weight_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        if ctx.scaled_by is None:
+            ctx.scaled_by = grad_total
+            for grad in (grad_h, grad_w):
+                if grad is not None:  # through .data, whose version counter is its own: the saved tensors stay valid
+                    grad.data.mul_(grad_total)
+        else:  # checked on the device, without waiting for it
+            torch._assert_async(ctx.scaled_by == grad_total, "the fused head's backward ran twice with different "
+                                "output gradients")
+        return grad_h, grad_w.to(ctx.weight_dtype) if grad_w is not None else None, None, None, None, None
 
 
 def scale_for_gradient_sum(loss: torch.Tensor, grad_reduce_size: int) -> torch.Tensor:

@@ -157,6 +157,9 @@ class Transformer(nn.Module):
         # forward(targets=...) returns the loss with the head fused into it (shardwise.loss.head_loss_sum); the
         # trainer sets it where the head stays a plain linear (fuse_head_loss)
         self.fused_loss = False
+        # a pipeline's last stage with a fused head: forward returns the normalised hidden states (this rank's
+        # local part), and the schedule's loss_fn runs the head fused with the loss (shardwise.parallel.pipeline)
+        self.head_in_loss = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -171,7 +174,8 @@ class Transformer(nn.Module):
         with the output head (`shardwise.loss.head_loss_sum`), so that the logits are never made whole.
 
         A pipeline stage may have no embedding (it then takes hidden states) or no output head (it then
-        returns hidden states); on one device both are present.
+        returns hidden states); a last stage whose head runs in the schedule's loss (`head_in_loss`) returns its
+        normalised hidden states. On one device both are present.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[:, positions]
@@ -181,6 +185,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if targets is not None:
             return head_loss_sum(h, self.output.weight, targets)
+        if self.head_in_loss:
+            return h.to_local() if isinstance(h, DTensor) else h
         return self.output(h) if self.output is not None else h
 
 
@@ -191,11 +197,12 @@ def fuse_head_loss(model: Transformer) -> None:
     those transforms and before data parallelism: FSDP shards the weight between forwards, and gathers it back
     (as a plain tensor, or the tensor-parallel DTensor) for the root module's forward, where the loss runs.
 
-    The fused loss runs inside the model's forward, the unfused one after it on the logits: a forward whose output
+    The fused loss runs inside the model's forward (in a pipeline, in the schedule's loss on the last stage's
+    output: shardwise.parallel.pipeline.pipeline_loss), the unfused one after it on the logits: a forward whose output
     is the loss starts FSDP's backward (and its prefetch of the last block) before the loss's backward, which is
     negligible when fused and the step's largest working set when not."""
     head = model.output
-    weight = head.weight.data if type(head) is nn.Linear and head.bias is None else None
+    weight = head.weight.data if type(head) is nn.Linear and head.bias is None else None  # None: no head (a stage)
     model.fused_loss = type(weight) is torch.Tensor or (
         isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 and weight.placements == (Shard(0),)
         and type(weight.to_local()) is torch.Tensor)

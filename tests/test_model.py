@@ -91,3 +91,27 @@ def test_flops_per_token_matches_torch_flop_counter(tied):
         model(tokens).sum().backward()
     # the embedding's backward is a scatter-add, not a matmul: the counter (like 6N) leaves it out
     assert counter.get_total_flops() == pytest.approx(flops_per_token(args, seq) * batch * seq, rel=1e-9)
+
+
+def test_fused_head_loss_survives_the_zero_bubble_split_backward():
+    """The fused head and loss (shardwise.loss.head_loss_sum) against torch's cross-entropy on the logits, when its
+    backward runs twice on a retained graph, as the zero-bubble schedule runs it (the input gradients, then the
+    weight gradients): the same gradients, and an error, not a silent wrong scale, if the two passes differ."""
+    import torch.nn.functional as F
+
+    from shardwise.loss import head_loss_sum
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 16, generator=gen, requires_grad=True)  # several blocks of rows (model_args.head_rows)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (300,), generator=gen)
+    ref = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    ref_h, ref_w = torch.autograd.grad(ref * 0.25, [hidden, weight])
+    loss = head_loss_sum(hidden, weight, targets)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    (grad_h,) = torch.autograd.grad(loss * 0.25, [hidden], retain_graph=True)
+    (grad_w,) = torch.autograd.grad(loss * 0.25, [weight], retain_graph=True)
+    torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="ran twice with different"):
+        torch.autograd.grad(loss * 0.5, [weight])

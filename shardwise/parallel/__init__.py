@@ -49,7 +49,6 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
     if t.compile:
         for block in model.layers.values():
             block.compile()
-    if p.pp == 1:  # a pipeline's last stage computes the loss in the schedule (pipeline_loss)
-        fuse_head_loss(model)
+    fuse_head_loss(model)  # a pipeline's last stage runs it in the schedule's loss (pipeline_loss)
     if mesh is not None:
         apply_data_parallel(model, mesh, p)

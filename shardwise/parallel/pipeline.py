@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,20 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config import JobConfig
 from shardwise.data import Batch
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.lora import apply_lora
-from shardwise.loss import autocast_forward, compute_dtype, scale_for_gradient_sum, token_loss_sum
+from shardwise.loss import (
+    autocast_context,
+    autocast_forward,
+    compute_dtype,
+    head_loss_sum,
+    scale_for_gradient_sum,
+    token_loss_sum,
+)
 from shardwise.model import Transformer, build_model, materialize
 from shardwise.parallel import parallelize
 from shardwise.parallel.runtime import Runtime
@@ -74,13 +83,36 @@ def build_stage_module(meta: Transformer, layers: range, first: bool, last: bool
     return stage
 
 
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, global_tokens: int, grad_scale: int) -> torch.Tensor:
+def pipeline_loss(output: torch.Tensor, targets: torch.Tensor, global_tokens: int, grad_scale: int,
+                  head: FusedHead | None = None) -> torch.Tensor:
     """The schedule's loss_fn, per pipeline micro-batch: summed fp32 token cross-entropy / global token count.
 
     x grad_scale (the data-parallel rank count: data-parallel wrappers average gradients, and we want their
     sum); the schedule is built with scale_grads=False since the division by the global count is done here.
+    `output` is the last stage's logits, or with `head` (its output head, fused with the loss here:
+    Transformer.head_in_loss) its normalised hidden states.
     """
-    return scale_for_gradient_sum(token_loss_sum(logits, targets) / global_tokens, grad_scale)
+    loss = token_loss_sum(output, targets) if head is None else head(output, targets)
+    return scale_for_gradient_sum(loss / global_tokens, grad_scale)
+
+
+@dataclass
+class FusedHead:
+    """The last stage's output head fused with the loss (shardwise.loss.head_loss_sum), run as the stage's forward
+    runs it on one device: under its autocast, and under sequence parallelism on the hidden states as the
+    sequence-split DTensor the final norm made (the stage returns its local slice, which the schedule carries)."""
+
+    module: nn.Linear
+    precision: str
+    device: torch.device
+    sequence_parallel: bool
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        weight = self.module.weight  # read at each call: FSDP puts the gathered weight there for the forward
+        if self.sequence_parallel and isinstance(weight, DTensor):
+            hidden = DTensor.from_local(hidden, weight.device_mesh, [Shard(1)], run_check=False)
+        with autocast_context(self.precision, self.device):
+            return head_loss_sum(hidden, weight, targets)
 
 
 @dataclass
@@ -112,7 +144,8 @@ def model_parts(model: nn.Module | Pipeline) -> list[nn.Module]:
     return list(model.stages) if isinstance(model, Pipeline) else [model]
 
 
-def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_io(cfg: JobConfig, stage: int, n_stages: int,
+             head_in_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """What stage `stage` takes and returns for one pipeline micro-batch, as meta tensors (shapes, no data).
 
     Given to `PipelineStage` up front, so the schedule's first step infers no shapes (a forward and backward
@@ -120,7 +153,9 @@ def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, t
     first stage takes token ids (batch, seq / cp); the others take the residual stream, which is fp32 (the
     embedding is, and autocast's bf16 block outputs are added to it) and, under sequence parallelism, a 1/tp
     slice of the sequence (the blocks' row-parallel outputs are reduce-scattered to it). The last stage
-    returns the logits (batch, seq / cp, vocab), gathered over tp, in the autocast dtype.
+    returns the logits (batch, seq / cp, vocab), gathered over tp, in the autocast dtype, or where its head runs
+    in the loss (`head_in_loss`) its normalised hidden states, shaped as the residual stream (fp32: RMSNorm
+    keeps its input's dtype under autocast).
     """
     p, t = cfg.parallel, cfg.train
     batch, seq = t.micro_batch // p.n_microbatches, cfg.data.seq_len // p.cp
@@ -130,7 +165,7 @@ def stage_io(cfg: JobConfig, stage: int, n_stages: int) -> tuple[torch.Tensor, t
         inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")
     else:
         inputs = hidden
-    if stage == n_stages - 1:
+    if stage == n_stages - 1 and not head_in_loss:
         return inputs, torch.empty(batch, seq, cfg.model.vocab_size, dtype=compute_dtype(t.precision), device="meta",
                                    requires_grad=True)
     return inputs, hidden
@@ -152,18 +187,24 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
     for s in ids:
         module = build_stage_module(meta, split[s], s == 0, s == n_stages - 1)
         parallelize(module, runtime.mesh, cfg)
+        module.head_in_loss = module.fused_loss  # only the last stage has a head to fuse
         materialize(module, cfg.model, runtime.device, cfg.train.seed)
         if runtime.positions is not None:
             # context parallel: this rank always holds these positions; Attention takes rope[:, :local_len]
             module.rope = module.rope[:, runtime.positions]
         autocast_forward(module, cfg.train.precision, runtime.device)
         modules.append(module)
-        inputs, outputs = stage_io(cfg, s, n_stages)
+        inputs, outputs = stage_io(cfg, s, n_stages, module.head_in_loss)
         stages.append(PipelineStage(module, s, n_stages, runtime.device, input_args=inputs, output_args=outputs,
                                     group=runtime.pp_group))
+    last = next((module for module, s in zip(modules, ids) if s == n_stages - 1), None)
+    head = None
+    if last is not None and last.head_in_loss:
+        head = FusedHead(last.output, cfg.train.precision, runtime.device, p.sequence_parallel and p.tp > 1)
     n_micro = p.n_microbatches * cfg.train.grad_accum
     cls = SCHEDULES[p.pp_schedule]
-    schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro, loss_fn=pipeline_loss, scale_grads=False)
+    schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro, loss_fn=partial(pipeline_loss, head=head),
+                   scale_grads=False)
     return Pipeline(nn.ModuleList(modules), schedule, ids, 0 in ids, n_stages - 1 in ids, n_micro,
                     cfg.train.grad_accum)
 

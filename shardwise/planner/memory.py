@@ -557,9 +557,10 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
 
 def fused_head(training: Training, plan: Plan) -> bool:
     """shardwise's engine fuses the output head with the loss (shardwise.loss.head_loss_sum) wherever the head is
-    a plain linear (shardwise.model.fuse_head_loss): outside a pipeline, with or without tensor parallelism (the
-    fused loss is then vocabulary-parallel). Other systems (Training.fuse_head) materialise the logits."""
-    return training.fuses_head and plan.pp == 1
+    a plain linear (shardwise.model.fuse_head_loss): with or without tensor parallelism (the fused loss is then
+    vocabulary-parallel), and on a pipeline's last stage (in the schedule's loss). Other systems
+    (Training.fuse_head) materialise the logits."""
+    return training.fuses_head
 
 
 def head_weight_grad_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -762,9 +763,12 @@ def autocast_cache_bytes(args: ModelArgs, training: Training, plan: Plan, stage:
     save (weight_copy_bytes): under recompute, every block's linear weights cast in this forward. The fused head
     (fused_head) runs inside the forward, so inside that context, with all of them alive. Autocast casts an MoE
     block's attention and router; its routed experts cast themselves (GroupedExperts.compute) and are not
-    cached. None without recompute (the matmuls keep them anyway) or where autocast does not cast (fp32,
-    other layouts, LoRA's frozen weights)."""
+    cached. None without recompute (the matmuls keep them anyway), where autocast does not cast (fp32,
+    other layouts, LoRA's frozen weights), or in a pipeline (the schedule's loss runs the fused head after the
+    stage's forward has left its autocast context)."""
     if not training.mixed or training.layout != "torch" or training.lora_rank or plan.activation_checkpoint == "none":
+        return 0.0
+    if plan.pp > 1:  # a pipeline runs the fused head in the schedule's loss, after the stage's autocast exits
         return 0.0
     shape = stage_shape(args, plan, stage, training.seq_len)
     dense = shape.layers - shape.moe_layers
@@ -910,9 +914,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         work, cached, last_gather = (acts["logits"], 0.0), 0.0, 0.0
         if fused_head(training, plan):
             # ... with autocast's cached weight copies, and the last block's all-gather buffer, which FSDP2 keeps
-            # until its next all-gather (the first of the backward) so the host cannot run ahead of it
+            # until the root's post-forward frees it (the fused head runs inside the root's forward; a pipeline's
+            # runs in the schedule's loss, after the stage's forward has returned)
             work, cached = (0.0, acts["logits"]), acts["autocast_cache"]
-            last_gather = block_p * gathered if fsdp else 0.0
+            last_gather = block_p * gathered if fsdp and plan.pp == 1 else 0.0
         out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m + work[1],
                                 "compute_copies": acts["copies"] * m + cached, "backward_and_logits": work[0],
                                 "fsdp_buffers": held_early + last_gather}
