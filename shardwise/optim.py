@@ -23,8 +23,8 @@ def named_params(model: nn.Module) -> NamedParams:
 def param_groups(params: NamedParams, weight_decay: float) -> list[dict]:
     """Decay matrices only: norms (1-D) and embeddings keep their scale (as in GPT-2, Llama, nanoGPT).
 
-    Parameters are also grouped by the mesh they are DTensors on (or none): the foreach kernels of torch's
-    optimizers cannot mix plain tensors and DTensors of different meshes in one group.
+    Parameters are also grouped by the mesh they are DTensors on (or none): the fused and foreach kernels of
+    torch's optimizers cannot mix plain tensors and DTensors of different meshes in one group.
     """
     groups: dict[tuple, dict] = {}
     for name, p, ndim in params:
@@ -47,8 +47,9 @@ def build_optimizer(params: nn.Module | NamedParams, cfg: OptimConfig, lr: float
         params = named_params(params)
     groups = param_groups(params, cfg.weight_decay)
     if cfg.name == "adamw":
-        # foreach is torch's fast path on CPU and GPU and works on DTensor parameters; fused is CUDA-first
-        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+        # torch's fused kernel (torchtitan's default): one pass over each parameter's weight, gradient and two
+        # moments, on CPU and GPU and on DTensor parameters, where foreach makes a pass per operation
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     if cfg.name in ("adamw8bit", "adamw4bit"):
         # by name component: a pipeline's optimizer sees "<stage>.tok_embeddings.weight"
         full = {id(p) for name, p, _ in params if set(name.split(".")) & set(FULL_PRECISION_STATE)}

@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.config import OptimConfig
 from shardwise.distributed import shutdown
 from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
 from shardwise.model import Transformer
 from shardwise.model_args import ModelArgs
+from shardwise.optim import build_optimizer
 from shardwise.parallel.tensor_parallel import split_model  # (and shardwise.parallel's hook for shutdown)
 from shardwise.planner import opcount
 
@@ -186,11 +188,12 @@ def op_overhead(iters: int, min_seconds: float = 0.0) -> float:
 
 
 def optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
-    """Seconds per operator of an optimizer step (gradient norm and foreach AdamW, as the engine runs them) on a
-    tiny model of 8 blocks, a foreach call counted once per tensor it loops over (as on a CPU). The gradients are
-    kept between repetitions (zero_grad, which drops them, costs no operator)."""
+    """Seconds per operator of an optimizer step (gradient norm and AdamW, as the engine runs them: foreach and
+    fused kernels) on a tiny model of 8 blocks, a foreach call counted once per tensor it loops over (as on a
+    CPU), a fused one once. The gradients are kept between repetitions (zero_grad, which drops them, costs no
+    operator)."""
     model = Transformer(opcount.tiny_args(ModelArgs(), n_layers=8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opt = build_optimizer(model, OptimConfig(), lr=1e-3)
     opcount.micro_batch(model, model.args)
     grads = [p.grad for p in model.parameters()]
 
@@ -219,7 +222,7 @@ def dtensor_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
 
 
 def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float:
-    """Extra seconds per operator of an optimizer step (gradient norm and foreach AdamW, as
+    """Extra seconds per operator of an optimizer step (gradient norm and AdamW, as
     `optimizer_op_overhead` times them) when the parameters are DTensors, as every parallel layout of the engine
     but a pure pipeline makes them: the tiny 8-block model's parameters and gradients replicated over a pair of
     ranks (as FSDP2's replicate leaves them) against the plain ones, this thread's CPU time times the plain
@@ -235,7 +238,7 @@ def dtensor_optimizer_op_overhead(iters: int, min_seconds: float = 0.0) -> float
             distribute_module(model, mesh)  # every parameter replicated (a DTensor)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        opt = build_optimizer(model, OptimConfig(), lr=1e-3)
         grads = [p.grad for p in model.parameters()]
 
         def step():

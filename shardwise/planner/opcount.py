@@ -5,9 +5,10 @@ parsing, autograd bookkeeping, allocation), on a GPU the kernel launch. We count
 (`shardwise.model`) by running it under a counting TorchDispatchMode at a tiny size; the count depends on the
 code path, not on the tensor sizes, so it holds for every size with the same structure (grouped-query attention
 or not, tied embeddings or not). Counts are per micro-batch (forward + backward) for one block and for the rest
-(embedding, final norm, head, loss), and per optimizer step (the engine's own: gradient norm, clipping, AdamW with
-foreach=True as shardwise.optim builds it, zero_grad), split into calls and per-tensor work: a foreach operator is
-one launch of a multi-tensor kernel on a GPU but a loop of one operator per tensor on a CPU.
+(embedding, final norm, head, loss), and per optimizer step (the engine's own: gradient norm, clipping, AdamW
+as shardwise.optim builds it, torch's fused kernel, zero_grad), split into calls and per-tensor work: a foreach
+operator is one launch of a multi-tensor kernel on a GPU but a loop of one operator per tensor on a CPU; a fused
+operator is one call on both.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import itertools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
+from shardwise.config import OptimConfig
 from shardwise.loss import token_loss_sum
 from shardwise.model import Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
+from shardwise.optim import build_optimizer
 from shardwise.planner.operators import OpCounts, moe_structure
 
 
@@ -146,7 +149,7 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
     tensors_rest = len(list(one.parameters())) - tensors_block
     opt_counts = []
     for model in (one, two):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        opt = build_optimizer(model, OptimConfig(), lr=1e-3)
         micro_batch(model, model.args)
         optimizer_step(model, opt)  # the first step creates the states
         micro_batch(model, model.args)

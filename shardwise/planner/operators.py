@@ -21,7 +21,7 @@ class OpCounts:
     linear: int
     """Operators of one nn.Linear's forward + backward (tensor parallelism runs these on DTensors: 7 per block)."""
     optimizer_calls: int
-    """Operator calls of one optimizer step (gradient norm, AdamW foreach, zero_grad), foreach calls counted once."""
+    """Operator calls of one optimizer step (gradient norm, fused AdamW, zero_grad), foreach calls counted once."""
     optimizer_per_tensor: float
     """Operators per parameter tensor of one optimizer step when each foreach call loops over its tensors."""
     optimizer_fixed: float
@@ -32,8 +32,8 @@ class OpCounts:
     """Parameter tensors outside the blocks."""
     optimizer_bytes_per_param: float
     """Bytes the optimizer step's operators read and write per parameter (fp32 state), summed over its passes:
-    a foreach AdamW runs a pass per operation (lerp, mul, addcmul, sqrt, div, ...), each reading and writing
-    parameter-sized tensors, where a fused kernel would touch each tensor once."""
+    the gradient norm and clipping (foreach, a pass per operation) and the fused AdamW kernel, which touches the
+    weight, gradient and both moments once (a foreach AdamW ran a pass per operation: 96 bytes in all)."""
     moe_block: int = 0
     """Of a mixture of experts, operators of one MoE block's forward + backward (0 for a dense model)."""
     tensors_per_moe_block: int = 0
@@ -42,10 +42,10 @@ class OpCounts:
 
 # (grouped-query attention, tied embeddings) -> counts
 OP_COUNTS: dict[tuple[bool, bool], OpCounts] = {
-    (False, False): OpCounts(*(220, 57, 13, 52, 13.0, 17.0, 9, 3, 96.11111111111111)),
-    (False, True): OpCounts(*(220, 57, 13, 50, 13.0, 17.0, 9, 2, 96.11111111111111)),
-    (True, False): OpCounts(*(220, 57, 13, 52, 13.0, 17.0, 9, 3, 96.12328767123287)),
-    (True, True): OpCounts(*(220, 57, 13, 50, 13.0, 17.0, 9, 2, 96.12328767123287)),
+    (False, False): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
+    (False, True): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
+    (True, False): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
+    (True, True): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
 }
 
 

@@ -574,8 +574,8 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """The optimizer step is memory-bound: at least read weights, grads, master and states and write weights, master
     and states once (a fused kernel; the offloaded step). Shardwise's engine (layout torch, fp32 state) runs the
-    gradient norm, clipping and torch's foreach AdamW, one pass per operation: the bytes its operators read and
-    write per parameter are counted on the real step (opcount.optimizer_bytes_per_param, 96 against 28)."""
+    gradient norm and clipping (foreach: a pass per operation) and torch's fused AdamW: the bytes its operators
+    read and write per parameter are counted on the real step (opcount.optimizer_bytes_per_param)."""
     b = state_bytes_per_param(training)
     n_params = local_params(args, training, plan)
     if training.lora_rank:
@@ -590,7 +590,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     if training.layout == "torch" and training.optimizer == "adamw":
         touched = max(touched, c.optimizer_bytes_per_param)
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
-    # fixed cost per operator of the step (gradient norm, foreach AdamW, zero_grad) over the rank's tensors
+    # fixed cost per operator of the step (gradient norm, AdamW, zero_grad) over the rank's tensors
     where = placement(args, plan, training.seq_len)
     tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
         c.tensors_per_moe_block - c.tensors_per_block)
