@@ -618,8 +618,9 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
 
     Inside the FFN norm's backward, once the MLP's is done (ffn_norm_backward_bytes): every MLP weight's gradient
     exists, the MLP's saved tensors, the norm output's copies and (without recompute) the MLP's compute-dtype
-    weight copies are freed, and the norm's backward works on the stream. It is the larger under recompute,
-    where the MLP's saved tensors were rebuilt and are not the stage's to lose.
+    weight copies are freed, and the norm's backward works on the stream. On the simulator the SiLU's moment is
+    the larger without recompute (Llama 2 7B: what the norm's has freed outweighs its three weight gradients)
+    and the norm's with full recompute (Llama 3 70B and Llama 2 7B under tp).
 
     With recompute the block's activations are first rebuilt ('recomputed': its none set minus what was kept).
     An MoE block (`moe`): inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair,
