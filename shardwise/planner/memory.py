@@ -679,9 +679,7 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
     seq = plan.tp if plan.sequence_parallel else 1
     temps = NORM_BACKWARD_TEMPS[training.fused_rmsnorm]
-    # weight_copy_bytes's condition for a block's copies
-    kept_copies = training.mixed and training.layout == "torch" and not training.lora_rank \
-        and plan.activation_checkpoint == "none"
+    kept_copies = casts_weights(training) and plan.activation_checkpoint == "none"  # as weight_copy_bytes
     return {"freed": tokens * (saved * f * e + term_bytes(output, args, training, plan)),
             "working": tokens * d * (training.stream_bytes + temps * 4) / seq,
             "weight_grad": 0.0 if training.lora_rank else weights * d * f * unsharded_grad_bytes(training),
@@ -709,7 +707,7 @@ def routed_copy_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     """The compute-dtype copies of the rank's routed experts that GroupedExperts.compute casts at each forward and
     its grouped GEMMs save: made again when a checkpointed MoE block is recomputed (the layout 'torch' under
     mixed precision; the other layouts hold low-precision weights)."""
-    if not training.mixed or training.layout != "torch" or training.lora_rank:
+    if not casts_weights(training):
         return 0.0
     return expert_params(args, plan.ep) * training.act_bytes
 
@@ -738,6 +736,13 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     return tokens * loss_vocab(args, training, plan) * (4 + 4)
 
 
+def casts_weights(training: Training) -> bool:
+    """The engine casts its fp32 weights to low-precision copies for the matmuls (autocast; an MoE's routed experts
+    cast themselves): shardwise's layout 'torch' under mixed precision, unless the weights are LoRA's frozen base
+    (the adapters' copies are negligible)."""
+    return training.mixed and training.layout == "torch" and not training.lora_rank
+
+
 def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
     """One micro-batch's low-precision weight copies (layout 'torch', mixed precision). Autocast casts each fp32
     matmul weight at its first use in a forward and the matmul saves that copy for its input gradient, so every
@@ -747,7 +752,7 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     block's router and shared experts are cast by autocast, its routed experts by GroupedExperts.compute's own
     casts (each forward), all saved by their matmuls: every weight of the rank's experts.
     """
-    if not training.mixed or training.layout != "torch" or training.lora_rank:
+    if not casts_weights(training):
         return 0.0
     n = 0.0
     if plan.activation_checkpoint == "none":
@@ -767,7 +772,7 @@ def autocast_cache_bytes(args: ModelArgs, training: Training, plan: Plan, stage:
     cached. None without recompute (the matmuls keep them anyway), where autocast does not cast (fp32,
     other layouts, LoRA's frozen weights), or in a pipeline (the schedule's loss runs the fused head after the
     stage's forward has left its autocast context)."""
-    if not training.mixed or training.layout != "torch" or training.lora_rank or plan.activation_checkpoint == "none":
+    if not casts_weights(training) or plan.activation_checkpoint == "none":
         return 0.0
     if plan.pp > 1:  # a pipeline runs the fused head in the schedule's loss, after the stage's autocast exits
         return 0.0
