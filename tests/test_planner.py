@@ -8,7 +8,6 @@ import json
 import math
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from shardwise.planner import (
     evaluate,
     from_hf_config,
     model_state_bytes,
+    plan_space,
     search,
     stage_memory,
     state_bytes_per_param,
@@ -339,20 +339,46 @@ def test_evaluate_reports_consistent_itemised_memory_and_time():
     assert 0 < t.mfu < 1
 
 
-def test_search_405b_on_16384_gpus_is_fast_and_valid():
+def test_search_405b_on_16384_gpus_prunes_and_is_valid():
+    # how long the search takes is benchmarks/planner_search.py's (timing in a unit test fails on a loaded
+    # machine); here: its plans are valid and its pruning skips most of the space (30% of it is evaluated)
     args = preset("llama3-405b")
     tr = Training(seq_len=8192, global_batch=2048)
     cluster = Cluster(accelerator("h100"), 16384)
-    # CPU time, so that other jobs sharing this 2-core machine do not make the test flaky (wall is ~1.5 s idle)
-    start = time.process_time()
     result = search(args, tr, cluster, top_k=5)
-    assert time.process_time() - start < 5.0
     assert result.ranked
+    assert result.evaluated < sum(1 for _ in plan_space(args, tr, cluster)) / 2
     times = [ev.time.step_time_s for ev in result.ranked]
     assert times == sorted(times)
     for ev in result.ranked:
         assert ev.plan.world == 16384 and ev.fits
         assert ev.plan.micro_batch * ev.plan.grad_accum * ev.plan.dp == 2048
+
+
+def _exhaustive_best(args, tr, cluster):
+    """The best plan by evaluating every plan of the space (offload only when nothing fits without it, as search)."""
+    for offload in ("none", "full"):
+        fitting = [ev for plan in plan_space(args, tr, cluster, offload=offload)
+                   if (ev := evaluate(args, tr, plan, cluster)).fits]
+        if fitting:
+            return min(fitting, key=lambda e: (e.time.step_time_s, e.memory["total"]))
+    return None
+
+
+@pytest.mark.parametrize("model,gpus,gpu,seq_len,batch", [
+    ("llama3-8b", 16, "h100", 4096, 64),
+    # FSDP that accumulates without synchronising keeps every gradient unsharded, so one micro-batch of the whole
+    # local batch can need less memory than one sequence per micro-batch: the best plans here (cp x FSDP, one
+    # micro-batch) were pruned while the search took one sequence as every layout's memory floor
+    ("llama3-8b", 16, "l4", 8192, 16),
+    ("mixtral-8x7b", 2, "h100", 2048, 8),
+])
+def test_pruned_search_finds_the_exhaustive_best(model, gpus, gpu, seq_len, batch):
+    args, tr, cluster = preset(model), Training(seq_len=seq_len, global_batch=batch), Cluster(accelerator(gpu), gpus)
+    best = _exhaustive_best(args, tr, cluster)
+    ranked = search(args, tr, cluster, top_k=1).ranked
+    assert best is not None and ranked
+    assert ranked[0].time.step_time_s == pytest.approx(best.time.step_time_s, rel=1e-12)
 
 
 def test_search_prefers_no_parallel_model_split_when_the_model_fits():

@@ -27,13 +27,13 @@ from shardwise.planner.memory import (
     state_bytes_per_param,
 )
 from shardwise.planner.plan import Plan, validate_plan
-from shardwise.planner.search import Evaluation, SearchResult, evaluate, search
+from shardwise.planner.search import Evaluation, SearchResult, evaluate, plan_space, search
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training, from_hf_config, resolve_model
 
 __all__ = [
     "CATALOGUE", "Accelerator", "Cluster", "Evaluation", "Plan", "PlannerError", "SearchResult", "StepTime",
     "Training", "accelerator", "evaluate", "explain", "from_hf_config", "layer_activation_bytes", "load_profile",
-    "model_state_bytes", "peak_memory", "resolve_accelerator", "resolve_model", "search",
+    "model_state_bytes", "peak_memory", "plan_space", "resolve_accelerator", "resolve_model", "search",
     "stage_memory", "state_bytes_per_param", "step_time", "validate_plan",
 ]

@@ -4,9 +4,10 @@ The objective is the usual one for hybrid parallelism: minimise T_step subject t
 space is walked degrees first (tp, cp, pp, dp split, ZeRO stage, offload), then micro-batch, schedule and
 recompute. Three kinds of pruning keep it fast, none of which drops a plan that could win under this model:
 
-* memory lower bounds: a degree combination whose model state plus the smallest possible activation set (one
-  sequence, full recompute, 1F1B) does not fit is skipped whole; micro-batches are tried in increasing size and
-  the walk stops at the first that cannot fit even with full recompute;
+* memory lower bounds: a degree combination and schedule that fit neither with one sequence per micro-batch nor
+  with the whole local batch as one (full recompute; the second is the smaller when accumulation holds gradients
+  unsharded) are skipped whole; micro-batches are tried in increasing size and, while a step has more than two
+  micro-batches per stage, the walk stops at the first that cannot fit even with full recompute;
 * dominance in the model: for fixed other knobs, recompute none < selective < full in time and the reverse in
   memory, so the first policy that fits is the only one kept; GPipe has 1F1B's time and more memory, and
   zero-bubble (ZB-H1) 1F1B's memory and a smaller bubble, so neither GPipe nor 1F1B can win a search (both
@@ -118,6 +119,27 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     fits.sort(key=lambda e: (e.time.step_time_s, e.memory["total"]))
     result.ranked = fits[:top_k]
     return result
+
+
+def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, offload: str = "none",
+               max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8):
+    """Every plan the search walks for one offload setting, before any pruning: what an exhaustive search would
+    evaluate (tests check that the pruned walk finds the same best plan; benchmarks/planner_search.py times both)."""
+    fixed = dict(fixed or {})
+    recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
+    for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
+        local = training.global_batch // base.dp
+        for schedule, v in _schedules(args, base, fixed, max_virtual):
+            for mb in _choices(fixed, "micro_batch", divisors(local)):
+                if local % mb or "grad_accum" in fixed and fixed["grad_accum"] != local // mb:
+                    continue
+                if schedule == "interleaved-1f1b" and (local // mb) % base.pp:
+                    continue
+                for recompute in recomputes:
+                    plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule,
+                                 virtual_stages=v, activation_checkpoint=recompute)
+                    if engine_runs(plan, training):
+                        yield plan
 
 
 def check_recipe(args: ModelArgs, training: Training) -> None:
@@ -232,12 +254,22 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     if not schedules:
         return
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
-    # lower bound per schedule: one sequence under the most recompute allowed (schedules hold different
-    # micro-batches in flight and place the head differently: zero-bubble's V puts it on the first rank)
-    floors = [_with(base, micro_batch=1, grad_accum=local, activation_checkpoint=recomputes[-1], pp_schedule=name,
-                    virtual_stages=v) for name, v in schedules]
+    # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight
+    # and place the head differently: zero-bubble's V puts it on the first rank): the least of one sequence per
+    # micro-batch and, where the schedule can run it, the whole local batch as one micro-batch. The second is not
+    # larger whenever accumulation costs memory of its own: FSDP without per-micro-batch synchronisation keeps
+    # every gradient unsharded from the first micro-batch to the last, and one micro-batch keeps none.
+    floors, owners = [], []
+    for schedule in schedules:
+        name, v = schedule
+        for mb in {1, local}:
+            if name == "interleaved-1f1b" and (local // mb) % base.pp:
+                continue
+            floors.append(_with(base, micro_batch=mb, grad_accum=local // mb, activation_checkpoint=recomputes[-1],
+                                pp_schedule=name, virtual_stages=v))
+            owners.append(schedule)
     fitting = _floors_that_fit(args, training, floors, limit, result)
-    alive = [s for s, fits in zip(schedules, fitting) if fits]
+    alive = [s for s in schedules if any(fits for owner, fits in zip(owners, fitting) if owner == s)]
     # Memory grows with the micro-batch and falls with recompute (none, selective, full). So, per schedule, the
     # first policy that may still fit, and a schedule none of whose policies fit a micro-batch is not tried at
     # larger ones. That holds while a step has more than 2 pp micro-batches: then every rank holds its most in
