@@ -73,6 +73,22 @@ def test_7b_on_8_gpus(stage, expected_gb):
     assert sum(items.values()) / GB == pytest.approx(expected_gb, rel=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["zero", "megatron"])
+def test_zero2_outside_fsdp_holds_whole_weights_once(layout):
+    # DeepSpeed's ZeRO-2 (and Megatron's, whose distributed optimizer shards no weights) keeps the whole 16-bit
+    # weights on every rank and gathers nothing: the peak holds them once (they used to be counted again as a
+    # gathered FSDP copy); FSDP's ZeRO-2 (layouts torch, fsdp-mp) shards them and gathers a copy
+    args = preset("llama2-7b")
+    psi = num_params(args)
+    plan = Plan(dp_shard=8, zero_stage=2, micro_batch=1, grad_accum=1, activation_checkpoint="full")
+    cluster = Cluster(accelerator("a100-80gb"), 8)
+    mem = evaluate(args, Training(seq_len=2048, global_batch=8, layout=layout), plan, cluster).memory
+    assert mem["params"] == pytest.approx(2 * psi)
+    assert mem["fsdp_buffers"] < 0.1 * 2 * psi
+    fsdp = evaluate(args, Training(seq_len=2048, global_batch=8, layout="fsdp-mp"), plan, cluster).memory
+    assert fsdp["params"] == pytest.approx(4 * psi / 8) and fsdp["fsdp_buffers"] > 2 * psi
+
+
 def test_optimizers_and_offload_change_the_state_bill():
     # torch.optim's state: SGD keeps none, momentum one tensor (momentum_buffer), Adam two (exp_avg, exp_avg_sq)
     per = {o: state_bytes_per_param(Training(optimizer=o, precision="fp32")).optimizer

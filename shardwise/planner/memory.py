@@ -902,7 +902,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # engine); a system that reduce-scatters in every micro-batch's backward keeps only the shard.
     held = held_early = 0.0
     if fsdp:
-        held = held_early = (stage_p if plan.zero_stage == 2 else root_p) * gathered
+        # (DeepSpeed's and Megatron's ZeRO-2 keep whole weights as model state: nothing is gathered)
+        held = held_early = (root_p if plan.zero_stage >= 3 else stage_p if training.fsdp2 else 0.0) * gathered
         held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
