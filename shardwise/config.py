@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout, engine_cannot_run
+from shardwise.layout import Layout, engine_cannot_run, pipeline_batch_error, qlora_layout_error
 from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, projection_shapes
 
 
@@ -499,10 +499,9 @@ def _validate_qlora(cfg: JobConfig) -> None:
     lora, p = cfg.lora, cfg.parallel
     if not lora.qlora:
         return
-    if p.tp > 1:
-        raise ConfigError("lora.qlora", f"tensor parallelism (tp={p.tp}) would split NF4 weights along dim 1 "
-                          "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
-                          "set parallel.tp = 1 (shard the 4-bit base with FSDP: dp_shard > 1), or lora.qlora = false")
+    error = qlora_layout_error(p)
+    if error is not None:
+        raise error
     # torchao quantises blocks of NF4_BLOCK_SIZE weights and double-quantises blocks of NF4_SCALER_BLOCK_SIZE
     # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
@@ -712,11 +711,9 @@ def _validate_pp(cfg: JobConfig) -> None:
             "train.micro_batch", f"{cfg.train.micro_batch} sequences cannot be cut into {n} pipeline micro-batches",
             f"make train.micro_batch a multiple of {n}, or set parallel.pp_microbatches",
         )
-    if p.pp_schedule != "gpipe" and n < p.pp:
-        raise ConfigError(
-            "parallel.pp_microbatches", f"{n} micro-batches < pp={p.pp} stages",
-            f"use at least {p.pp} (more shrinks the bubble (P-1)/(M+P-1))",
-        )
+    error = pipeline_batch_error(p, n)
+    if error is not None:
+        raise error
     # one schedule step runs all grad_accum x n micro-batches of an optimizer step (see parallel/pipeline.py)
     steps = n * cfg.train.grad_accum
     rounds = max(1, steps // p.pp)

@@ -207,6 +207,25 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
     return None
 
 
+def pipeline_batch_error(layout: Layout, n_microbatches: int) -> ConfigError | None:
+    """What the pipeline schedules refuse of a step's `n_microbatches` pipeline micro-batches (None: they run it):
+    every schedule but GPipe needs at least one per stage. The config refuses these jobs and the planner's search
+    leaves these plans out."""
+    if layout.pp > 1 and layout.pp_schedule != "gpipe" and n_microbatches < layout.pp:
+        return ConfigError("parallel.pp_microbatches", f"{n_microbatches} micro-batches < pp={layout.pp} stages",
+                           f"use at least {layout.pp} (more shrinks the bubble (P-1)/(M+P-1))")
+    return None
+
+
+def qlora_layout_error(layout: Layout) -> ConfigError | None:
+    """What QLoRA cannot run in this layout, whatever the model's shape (None: it can)."""
+    if layout.tp > 1:
+        return ConfigError("lora.qlora", f"tensor parallelism (tp={layout.tp}) would split NF4 weights along dim 1 "
+                           "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
+                           "set parallel.tp = 1 (shard the 4-bit base with FSDP: dp_shard > 1), or lora.qlora = false")
+    return None
+
+
 def fsdp_applies(layout: Layout) -> bool:
     """Whether the engine wraps the model in FSDP2's fully_shard: ZeRO-2/3 over more than one rank, or with full
     offload (FSDP2 is what moves the state to the host; on one data-parallel rank it shards over a mesh of one)."""

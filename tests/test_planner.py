@@ -497,6 +497,13 @@ def test_plan_output_and_package_text_cite_public_sources(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "v100", "--precision", "bf16"], "--precision"),
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "offload=optimizer", "--write-config", "x.toml"],
      "--plan offload"),  # the engine has no optimizer-only offload: the search does not offer it
+    # layouts the engine refuses are neither searched nor reported as the given plan (they were, as fitting)
+    (["--model", "llama3-70b", "--gpus", "32", "--seq-len", "8192", "--global-batch", "8", "--plan", "pp=16,tp=2"],
+     "--plan pp"),
+    (["--model", "llama3-70b", "--gpus", "32", "--seq-len", "8192", "--global-batch", "8", "--plan",
+      "pp=2,tp=2,dp_shard=8,pp_schedule=zero-bubble,zero_stage=3"], "--plan (parallel.zero_stage)"),
+    (["--model", "llama3-8b", "--gpus", "8", "--lora-rank", "16", "--qlora", "--plan", "tp=2"],
+     "--plan (lora.qlora)"),
 ])
 def test_cli_bad_inputs_name_the_flag(argv, flag, capsys):
     assert run_plan(_ns(*argv)) == 2
@@ -579,6 +586,27 @@ def test_without_overlap_step_time_is_compute_plus_communication(plan):
         assert scalars > 0
         assert overlapped.exposed_comm_s == pytest.approx((t.comm_total_s - scalars) / args.n_layers + scalars,
                                                           rel=1e-12)
+
+
+@pytest.mark.parametrize("model,gpus,seq_len,batch,recipe", [
+    ("llama3-70b", 32, 8192, 32, {}),  # pipelines with fewer micro-batches than stages were offered
+    ("deepseek-v3-like", 64, 4096, 64, {}),
+    ("llama3-8b", 8, 2048, 16, {"lora_rank": 16, "qlora": True}),  # QLoRA under tp was offered
+    ("llama3-8b", 8, 2048, 16, {"optimizer": "adamw8bit"}),
+])
+def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_path, model, gpus, seq_len, batch,
+                                                                          recipe):
+    """The search walks plan_space: a sample of it, with and without offload, written as configs that the
+    engine's own validation accepts (write_config loads what it wrote)."""
+    import random
+
+    from shardwise.planner.config_out import write_config
+
+    args, tr = preset(model), Training(seq_len=seq_len, global_batch=batch, **recipe)
+    cluster = Cluster(accelerator("h100"), gpus)
+    plans = [p for offload in ("none", "full") for p in plan_space(args, tr, cluster, offload=offload)]
+    for plan in random.Random(0).sample(plans, min(300, len(plans))):
+        write_config(tmp_path / "plan.toml", args, tr, plan)
 
 
 def test_plan_validation_names_the_key():

@@ -17,7 +17,7 @@ from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerat
 from shardwise.layout import complete_layout, parse_layout
 from shardwise.model_args import num_params
 from shardwise.planner.explain import explain, render
-from shardwise.planner.plan import Plan
+from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.workload import LAYOUTS, Optimizer, Training, resolve_model
@@ -117,8 +117,17 @@ def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
     if training.global_batch % (layout.dp * mb):
         raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
                            f"dp*micro_batch = {layout.dp * mb}", "change micro_batch, dp or the global batch")
-    return Plan(**dataclasses.asdict(layout), micro_batch=mb,
+    plan = Plan(**dataclasses.asdict(layout), micro_batch=mb,
                 grad_accum=fixed.get("grad_accum", training.global_batch // (layout.dp * mb)))
+    error = engine_error(plan, training)
+    if error is not None and error.field == "parallel.pp_microbatches":
+        raise PlannerError("--plan pp", f"{plan.grad_accum} micro-batches per step (global batch / (dp x "
+                           f"micro_batch)) < pp={plan.pp} stages, which {plan.pp_schedule} needs",
+                           f"use a global batch of at least {plan.pp * plan.dp * mb} sequences, fewer stages, or "
+                           "pp_schedule=gpipe")
+    if error is not None:
+        raise PlannerError(f"--plan ({error.field})", error.problem, error.fix)
+    return plan
 
 
 def run_plan(ns: argparse.Namespace) -> int:

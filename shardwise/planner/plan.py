@@ -6,8 +6,17 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
+from shardwise.errors import ConfigError
 from shardwise.hardware import PlannerError
-from shardwise.layout import Layout, Offload, Recompute, Schedule, engine_cannot_run
+from shardwise.layout import (
+    Layout,
+    Offload,
+    Recompute,
+    Schedule,
+    engine_cannot_run,
+    pipeline_batch_error,
+    qlora_layout_error,
+)
 
 RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(Schedule)
@@ -27,8 +36,20 @@ class Plan(Layout):
 
 
 def engine_runs(plan: Plan, training) -> bool:
-    """Whether shardwise's engine can run the plan: what its config would refuse (layout.engine_cannot_run)."""
-    return engine_cannot_run(plan, training.precision, optimizer=training.optimizer) is None
+    """Whether shardwise's engine can run the plan (engine_error)."""
+    return engine_error(plan, training) is None
+
+
+def engine_error(plan: Plan, training) -> ConfigError | None:
+    """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
+    (layout.engine_cannot_run), of a pipeline's micro-batches (a plan's grad_accum: config.layout_tables) and of
+    QLoRA's layout. (QLoRA's shape checks, NF4 blocks per FSDP shard, are the config's alone.)"""
+    error = engine_cannot_run(plan, training.precision, optimizer=training.optimizer)
+    if error is None and plan.pp > 1:
+        error = pipeline_batch_error(plan, plan.grad_accum)
+    if error is None and training.qlora:
+        error = qlora_layout_error(plan)
+    return error
 
 
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0,
