@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout, engine_cannot_run, pipeline_batch_error, qlora_layout_error
+from shardwise.layout import Layout, engine_cannot_run, pipeline_batch_error
 from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, projection_shapes
 
 
@@ -495,29 +495,37 @@ def _validate_lora(lora: LoraConfig) -> None:
 
 
 def _validate_qlora(cfg: JobConfig) -> None:
-    """The NF4 base must be quantisable whole and, under FSDP, split into whole blocks of scalers per rank."""
-    lora, p = cfg.lora, cfg.parallel
-    if not lora.qlora:
-        return
-    error = qlora_layout_error(p)
-    if error is not None:
-        raise error
+    if cfg.lora.qlora:
+        error = qlora_error(cfg.model, cfg.lora.targets, cfg.parallel)
+        if error is not None:
+            raise error
+
+
+def qlora_error(model: ModelArgs, targets: list[str], layout: Layout) -> ConfigError | None:
+    """What QLoRA of `targets` cannot run in this layout (None: it can): the NF4 base must be quantisable whole
+    and, under FSDP, split into whole blocks of scalers per rank. The config refuses these jobs and the planner's
+    search leaves these plans out."""
+    if layout.tp > 1:
+        return ConfigError("lora.qlora", f"tensor parallelism (tp={layout.tp}) would split NF4 weights along dim 1 "
+                           "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
+                           "set parallel.tp = 1 (shard the 4-bit base with FSDP: dp_shard > 1), or lora.qlora = false")
     # torchao quantises blocks of NF4_BLOCK_SIZE weights and double-quantises blocks of NF4_SCALER_BLOCK_SIZE
     # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
-    shards = p.dp_shard * p.cp if p.zero_stage >= 2 else 1
-    shapes = projection_shapes(cfg.model)
-    for target in lora.targets:
+    shards = layout.dp_shard * layout.cp if layout.zero_stage >= 2 else 1
+    shapes = projection_shapes(model)
+    for target in targets:
         inp, out = shapes[target]
         if out * inp % unit:
-            raise ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
-                              f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "
-                              "which NF4 needs", f"drop {target} from lora.targets or change the model's shape")
+            return ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
+                               f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "
+                               "which NF4 needs", f"drop {target} from lora.targets or change the model's shape")
         if shards > 1 and (out % shards or out * inp % (unit * shards)):
-            raise ConfigError("lora.qlora", f"FSDP cuts {target}'s NF4 weight ({out} x {inp}) into {shards} dim-0 "
-                              f"chunks (dp_shard x cp), which must each hold a multiple of {unit} weights",
-                              f"pick dp_shard x cp dividing {out} and {out * inp // unit}, drop {target} from "
-                              "lora.targets, or use zero_stage 0/1 (the frozen base is then not sharded)")
+            return ConfigError("lora.qlora", f"FSDP cuts {target}'s NF4 weight ({out} x {inp}) into {shards} dim-0 "
+                               f"chunks (dp_shard x cp), which must each hold a multiple of {unit} weights",
+                               f"pick dp_shard x cp dividing {out} and {out * inp // unit}, drop {target} from "
+                               "lora.targets, or use zero_stage 0/1 (the frozen base is then not sharded)")
+    return None
 
 
 def _validate_moe(cfg: JobConfig) -> None:

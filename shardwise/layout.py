@@ -217,15 +217,6 @@ def pipeline_batch_error(layout: Layout, n_microbatches: int) -> ConfigError | N
     return None
 
 
-def qlora_layout_error(layout: Layout) -> ConfigError | None:
-    """What QLoRA cannot run in this layout, whatever the model's shape (None: it can)."""
-    if layout.tp > 1:
-        return ConfigError("lora.qlora", f"tensor parallelism (tp={layout.tp}) would split NF4 weights along dim 1 "
-                           "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
-                           "set parallel.tp = 1 (shard the 4-bit base with FSDP: dp_shard > 1), or lora.qlora = false")
-    return None
-
-
 def fsdp_applies(layout: Layout) -> bool:
     """Whether the engine wraps the model in FSDP2's fully_shard: ZeRO-2/3 over more than one rank, or with full
     offload (FSDP2 is what moves the state to the host; on one data-parallel rank it shards over a mesh of one)."""

@@ -59,8 +59,9 @@ def test_verify_plan_and_simulate_resolve_one_zero_stage(text, tmp_path):
     verified = load_config(CONFIG, layout_overrides(text)).parallel
     simulated = config_from_plan("tiny", text, world, seq_len=64, micro_batch=2, precision="fp32").parallel
     training = Training(seq_len=64, global_batch=4 * expected.dp)
-    write_config(tmp_path / "plan.toml", load_config(CONFIG).model, training, complete_plan(
-        parse_layout(text, "--plan"), training, world))
+    model = load_config(CONFIG).model
+    write_config(tmp_path / "plan.toml", model, training, complete_plan(
+        parse_layout(text, "--plan"), training, world, model))
     planned = load_config(tmp_path / "plan.toml").parallel
     for got in (verified, simulated, planned):
         assert (got.zero_stage, got.dp_replicate, got.dp_shard) == (

@@ -592,6 +592,7 @@ def test_without_overlap_step_time_is_compute_plus_communication(plan):
     ("llama3-70b", 32, 8192, 32, {}),  # pipelines with fewer micro-batches than stages were offered
     ("deepseek-v3-like", 64, 4096, 64, {}),
     ("llama3-8b", 8, 2048, 16, {"lora_rank": 16, "qlora": True}),  # QLoRA under tp was offered
+    ("llama3-8b", 1024, 2048, 1024, {"lora_rank": 16, "qlora": True}),  # NF4 blocks split over 512 ranks
     ("llama3-8b", 8, 2048, 16, {"optimizer": "adamw8bit"}),
 ])
 def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_path, model, gpus, seq_len, batch,

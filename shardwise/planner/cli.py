@@ -15,7 +15,7 @@ import typing
 from shardwise.config import ConfigError
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import complete_layout, parse_layout
-from shardwise.model_args import num_params
+from shardwise.model_args import ModelArgs, num_params
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -108,7 +108,7 @@ def system_of(ns: argparse.Namespace) -> System:
                                f"{changes}", **given)
 
 
-def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
+def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:
     """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
     least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
@@ -119,7 +119,7 @@ def complete_plan(fixed: dict, training: Training, world: int) -> Plan:
                            f"dp*micro_batch = {layout.dp * mb}", "change micro_batch, dp or the global batch")
     plan = Plan(**dataclasses.asdict(layout), micro_batch=mb,
                 grad_accum=fixed.get("grad_accum", training.global_batch // (layout.dp * mb)))
-    error = engine_error(plan, training)
+    error = engine_error(plan, training, args)
     if error is not None and error.field == "parallel.pp_microbatches":
         raise PlannerError("--plan pp", f"{plan.grad_accum} micro-batches per step (global batch / (dp x "
                            f"micro_batch)) < pp={plan.pp} stages, which {plan.pp_schedule} needs",
@@ -146,7 +146,7 @@ def _run(ns: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     plans: list[Evaluation] = result.ranked
     if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
-        plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus), cluster)]
+        plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus, model), cluster)]
     expl = explain(model, training, cluster, result)
     if ns.write_config and plans:
         from shardwise.planner.config_out import write_config

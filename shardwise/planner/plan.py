@@ -6,6 +6,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
+from shardwise.config import qlora_error
 from shardwise.errors import ConfigError
 from shardwise.hardware import PlannerError
 from shardwise.layout import (
@@ -15,8 +16,8 @@ from shardwise.layout import (
     Schedule,
     engine_cannot_run,
     pipeline_batch_error,
-    qlora_layout_error,
 )
+from shardwise.model_args import ModelArgs, projection_shapes
 
 RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(Schedule)
@@ -35,20 +36,20 @@ class Plan(Layout):
         return self.world_size
 
 
-def engine_runs(plan: Plan, training) -> bool:
+def engine_runs(plan: Plan, training, args: ModelArgs) -> bool:
     """Whether shardwise's engine can run the plan (engine_error)."""
-    return engine_error(plan, training) is None
+    return engine_error(plan, training, args) is None
 
 
-def engine_error(plan: Plan, training) -> ConfigError | None:
+def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
     (layout.engine_cannot_run), of a pipeline's micro-batches (a plan's grad_accum: config.layout_tables) and of
-    QLoRA's layout. (QLoRA's shape checks, NF4 blocks per FSDP shard, are the config's alone.)"""
+    QLoRA on every linear of the model `args` (config.qlora_error; the planner prices adapters on all of them)."""
     error = engine_cannot_run(plan, training.precision, optimizer=training.optimizer)
     if error is None and plan.pp > 1:
         error = pipeline_batch_error(plan, plan.grad_accum)
     if error is None and training.qlora:
-        error = qlora_layout_error(plan)
+        error = qlora_error(args, list(projection_shapes(args)), plan)
     return error
 
 

@@ -138,7 +138,7 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
                 for recompute in recomputes:
                     plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule,
                                  virtual_stages=v, activation_checkpoint=recompute)
-                    if engine_runs(plan, training):
+                    if engine_runs(plan, training, args):
                         yield plan
 
 
@@ -337,7 +337,7 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     found = None
     for index, recompute in enumerate(recomputes):
         candidate = _with(plan, activation_checkpoint=recompute)  # valid by construction
-        if not engine_runs(candidate, training):
+        if not engine_runs(candidate, training, args):
             continue
         result.evaluated += 1
         # the first rank alone often settles it; its total is a lower bound on the plan's peak
