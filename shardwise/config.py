@@ -667,24 +667,35 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
 
 
 def _validate_tp(cfg: JobConfig) -> None:
-    p, m = cfg.parallel, cfg.model
-    if p.tp == 1:
-        if p.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", "needs tp > 1", "set parallel.tp > 1 or turn it off")
-        return
+    p = cfg.parallel
+    if p.tp == 1 and p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "needs tp > 1", "set parallel.tp > 1 or turn it off")
+    error = tp_error(cfg.model, p, cfg.data.seq_len)
+    if error is not None:
+        raise error
+
+
+def tp_error(model: ModelArgs, layout: Layout, seq_len: int) -> ConfigError | None:
+    """What tensor parallelism cannot split in this model (None: it can): tp must divide the heads, the KV heads,
+    the MLP's width and the vocabulary, and under sequence parallelism each cp rank's tokens. The config refuses
+    these jobs and the planner's search leaves these plans out."""
+    tp = layout.tp
+    if tp == 1:
+        return None
     for key, what in (("n_heads", "attention heads"), ("n_kv_heads", "KV heads"), ("ffn_hidden", "MLP width"),
                       ("vocab_size", "vocabulary rows")):
-        if getattr(m, key) % p.tp:
-            raise ConfigError(
-                "parallel.tp", f"tp={p.tp} does not divide model.{key}={getattr(m, key)} ({what})",
+        if getattr(model, key) % tp:
+            return ConfigError(
+                "parallel.tp", f"tp={tp} does not divide model.{key}={getattr(model, key)} ({what})",
                 "pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size",
             )
-    local_seq = cfg.data.seq_len // p.cp
-    if p.sequence_parallel and local_seq % p.tp:
-        raise ConfigError(
-            "data.seq_len", f"sequence parallel splits {local_seq} tokens per cp rank over tp={p.tp}",
+    local_seq = seq_len // layout.cp
+    if layout.sequence_parallel and local_seq % tp:
+        return ConfigError(
+            "data.seq_len", f"sequence parallel splits {local_seq} tokens per cp rank over tp={tp}",
             "make data.seq_len / cp divisible by tp",
         )
+    return None
 
 
 def _validate_pp(cfg: JobConfig) -> None:

@@ -590,6 +590,7 @@ def test_without_overlap_step_time_is_compute_plus_communication(plan):
 
 @pytest.mark.parametrize("model,gpus,seq_len,batch,recipe", [
     ("llama3-70b", 32, 8192, 32, {}),  # pipelines with fewer micro-batches than stages were offered
+    ("tiny", 8, 64, 16, {}),  # tp=4 and 8 with 2 KV heads were offered
     ("deepseek-v3-like", 64, 4096, 64, {}),
     ("llama3-8b", 8, 2048, 16, {"lora_rank": 16, "qlora": True}),  # QLoRA under tp was offered
     ("llama3-8b", 1024, 2048, 1024, {"lora_rank": 16, "qlora": True}),  # NF4 blocks split over 512 ranks

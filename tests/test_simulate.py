@@ -50,7 +50,10 @@ FAITHFUL = {
                                   "parallel.activation_checkpoint='full'"],
         # pipelines: ranks 0 and 3 are the first and last stage; p2p sends are counted too
         "pp2-zero3": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
-        "pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]},
+        "pp2-tp2-sp": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        # accumulation: the model is called once per micro-batch, and FSDP keeps unsharded gradients between them
+        # (the trackers used to refuse a root called twice)
+        "zero3-accum": ["parallel.dp_shard=4", "parallel.zero_stage=3", "train.grad_accum=2"]},
 }
 
 

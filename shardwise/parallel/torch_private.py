@@ -251,8 +251,9 @@ def build_tracker(modules: list[nn.Module], optimizer: torch.optim.Optimizer, sc
     otherwise (FSDP's raises on ZeRO-0/1's `replicate`, whose bucketed groups of blocks it reads as a module
     called twice). Enter it only once the model and optimizer exist: what exists then is counted from the
     start, and so are a pipeline's receive buffers (received activations and gradients, kept between steps),
-    as "Inputs" (FSDP's) or "Other" (the generic tracker's)."""
-    stages = [] if schedule is None else modules
+    as "Inputs" (FSDP's) or "Other" (the generic tracker's). The roots are called once per micro-batch, as a
+    pipeline's stages are (see _StagesMixin), under gradient accumulation too."""
+    stages = modules
     buffers = [] if schedule is None else pipeline_buffers(schedule)
     if all(isinstance(m, FSDPModule) and not isinstance(m, ReplicateModule) for m in modules):
         tracker = _FSDPTracker(modules, optimizer, stages)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from shardwise.config import qlora_error
+from shardwise.config import qlora_error, tp_error
 from shardwise.errors import ConfigError
 from shardwise.hardware import PlannerError
 from shardwise.layout import (
@@ -43,9 +43,12 @@ def engine_runs(plan: Plan, training, args: ModelArgs) -> bool:
 
 def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
-    (layout.engine_cannot_run), of a pipeline's micro-batches (a plan's grad_accum: config.layout_tables) and of
-    QLoRA on every linear of the model `args` (config.qlora_error; the planner prices adapters on all of them)."""
+    (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
+    micro-batches (a plan's grad_accum: config.layout_tables) and of QLoRA on every linear of the model
+    (config.qlora_error; the planner prices adapters on all of them)."""
     error = engine_cannot_run(plan, training.precision, optimizer=training.optimizer)
+    if error is None:
+        error = tp_error(args, plan, training.seq_len)
     if error is None and plan.pp > 1:
         error = pipeline_batch_error(plan, plan.grad_accum)
     if error is None and training.qlora:
