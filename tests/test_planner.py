@@ -357,7 +357,7 @@ def test_evaluate_reports_consistent_itemised_memory_and_time():
 
 def test_search_405b_on_16384_gpus_prunes_and_is_valid():
     # how long the search takes is benchmarks/planner_search.py's (timing in a unit test fails on a loaded
-    # machine); here: its plans are valid and its pruning skips most of the space (30% of it is evaluated)
+    # machine); here: its plans are valid and its pruning skips most of the space (23% of it is sized)
     args = preset("llama3-405b")
     tr = Training(seq_len=8192, global_batch=2048)
     cluster = Cluster(accelerator("h100"), 16384)
