@@ -302,6 +302,19 @@ def test_1f1b_timeline_gives_the_bubble_and_the_micro_batches_in_flight(p, m):
         assert in_flight(Plan(pp=p, grad_accum=m, pp_schedule="gpipe"), rank) == peak
 
 
+@pytest.mark.parametrize("p, m", [(4, 8), (2, 16), (8, 8)])
+def test_zero_bubble_v_holds_the_first_ranks_micro_batches_on_every_rank(p, m):
+    """The engine's zero-bubble is the V schedule (ZBV), which balances activation memory: every rank holds what
+    1F1B's first rank holds (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"), not 1F1B's P - i.
+    (The engine's middle ranks hold more still: docs/planner.md, "Known gaps".)"""
+    from shardwise.planner.memory import in_flight
+
+    first = in_flight(Plan(pp=p, grad_accum=m, pp_schedule="1f1b"), 0)
+    assert first == min(p, m)
+    for rank in range(p):
+        assert in_flight(Plan(pp=p, grad_accum=m, pp_schedule="zero-bubble"), rank) == first
+
+
 def test_interleaving_divides_the_bubble_by_v_and_zero_bubble_shrinks_it():
     p, m = 4, 8
     one = bubble_fraction(Plan(pp=p, grad_accum=m, pp_schedule="1f1b"))

@@ -588,7 +588,9 @@ def in_flight(plan: Plan, stage: int) -> float:
     GPipe runs all M forwards first: M. 1F1B: rank i warms up with P - i forwards, then alternates: min(P - i, M).
     Interleaved (Narayanan et al. 2021): rank i runs 2(P - i - 1) + (v - 1)P + 1 chunk forwards before its first
     backward, each chunk 1/v of its layers; for rank 0 that is P + (P - 1)/v stage-equivalents.
-    Zero-bubble (ZB-H1) keeps 1F1B's count (Qi et al. 2024, table 2).
+    Zero-bubble, as the engine runs it (ZBV: two stages per rank in a V, Qi et al. 2024, "Pipeline Parallelism
+    with Controllable Memory"), balances memory over the ranks: each holds what 1F1B's first rank holds, P
+    micro-batches of its layers, min(P, M).
     """
     p, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
     if p == 1:
@@ -598,6 +600,8 @@ def in_flight(plan: Plan, stage: int) -> float:
     if plan.pp_schedule == "interleaved-1f1b":
         chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
         return chunks / v
+    if plan.pp_schedule == "zero-bubble":
+        return float(min(p, m))
     return float(min(p - stage, m))
 
 

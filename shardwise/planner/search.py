@@ -9,10 +9,10 @@ recompute. Three kinds of pruning keep it fast, none of which drops a plan that 
   unsharded) are skipped whole; micro-batches are tried in increasing size and, while a step has more than two
   micro-batches per stage, the walk stops at the first that cannot fit even with full recompute;
 * dominance in the model: for fixed other knobs, recompute none < selective < full in time and the reverse in
-  memory, so the first policy that fits is the only one kept; GPipe has 1F1B's time and more memory, and
-  zero-bubble (ZB-H1) 1F1B's memory and a smaller bubble, so neither GPipe nor 1F1B can win a search (both
-  stay available through --plan); sequence parallelism costs the same communication as plain tp and saves
-  memory;
+  memory, so the first policy that fits is the only one kept; GPipe has 1F1B's time and more memory, so it
+  cannot win a search (it stays available through --plan; zero-bubble, with a smaller bubble but more memory off
+  the first rank, and 1F1B are both searched); sequence parallelism costs the same communication as plain tp and
+  saves memory;
 * offload is slower than not offloading, so it is searched only when nothing fits without it.
 """
 
