@@ -5,7 +5,7 @@ walk (`evaluate` on every plan of `plan_space`, offload the same way) run in thi
 The table gives the plans each evaluated, CPU seconds (one thread; wall time would also count whatever else the
 machine runs), the exhaustive walk's CPU time over the search's, and whether both found a plan of the same
 predicted step time: the pruning must never change the answer. Target: the largest job (Llama 3 405B on 16,384
-GPUs) under 5 CPU seconds here.
+GPUs) under 5 CPU seconds here. Exits 1 when a job's best differs or the target is missed.
 
     python benchmarks/planner_search.py [--quick]
 """
@@ -45,11 +45,16 @@ def exhaustive(args, training, cluster):
     return None, count
 
 
-def main() -> None:
+TARGET_CPU_S = 5.0
+"""CPU seconds the largest job's search may take."""
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two jobs only")
     jobs = JOBS[:2] if parser.parse_args().quick else JOBS
     print(f"{'job':<40}{'searched':>10}{'CPU s':>8}{'every plan':>12}{'CPU s':>8}{'ratio':>8}  same best")
+    failed = []
     for model, gpus, gpu, seq_len, batch in jobs:
         args, training = preset(model), Training(seq_len=seq_len, global_batch=batch)
         cluster = Cluster(accelerator(gpu), gpus)
@@ -65,7 +70,14 @@ def main() -> None:
         job = f"{model} x {gpus} {gpu} s{seq_len} b{batch}"
         print(f"{job:<40}{result.evaluated:>10}{search_s:>8.2f}{count:>12}{every_s:>8.2f}"
               f"{every_s / search_s:>8.1f}  {'yes' if same else 'NO'}", flush=True)
+        if not same:
+            failed.append(f"{job}: the search's best differs from the exhaustive best")
+        if gpus == max(j[1] for j in JOBS) and search_s > TARGET_CPU_S:
+            failed.append(f"{job}: {search_s:.2f} CPU s > the {TARGET_CPU_S} s target")
+    for line in failed:
+        print("FAILED", line)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -130,10 +130,8 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
     for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
         local = training.global_batch // base.dp
         for schedule, v in _schedules(args, base, fixed, max_virtual):
-            for mb in _choices(fixed, "micro_batch", divisors(local)):
-                if local % mb or "grad_accum" in fixed and fixed["grad_accum"] != local // mb:
-                    continue
-                if schedule == "interleaved-1f1b" and (local // mb) % base.pp:
+            for mb in _micro_batches(local, fixed):
+                if not _schedule_takes(schedule, base.pp, local // mb):
                     continue
                 for recompute in recomputes:
                     plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule,
@@ -263,7 +261,7 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     for schedule in schedules:
         name, v = schedule
         for mb in {1, local}:
-            if name == "interleaved-1f1b" and (local // mb) % base.pp:
+            if not _schedule_takes(name, base.pp, local // mb):
                 continue
             floors.append(_with(base, micro_batch=mb, grad_accum=local // mb, activation_checkpoint=recomputes[-1],
                                 pp_schedule=name, virtual_stages=v))
@@ -276,14 +274,12 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     # flight and accumulates gradients from its first backward. With fewer, fewer are in flight and the
     # accumulated gradients go (at one), so memory can fall as the micro-batch grows: every schedule is tried.
     start = dict.fromkeys(alive, 0)
-    for mb in _choices(fixed, "micro_batch", divisors(local)):
-        if local % mb or "grad_accum" in fixed and fixed["grad_accum"] != local // mb:
-            continue
+    for mb in _micro_batches(local, fixed):
         steady = local // mb > 2 * base.pp
         for schedule, v in list(start) if steady else alive:
-            plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule, virtual_stages=v)
-            if schedule == "interleaved-1f1b" and plan.grad_accum % plan.pp:
+            if not _schedule_takes(schedule, base.pp, local // mb):
                 continue
+            plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule, virtual_stages=v)
             first = start[schedule, v] if steady else 0
             found = _cheapest_recompute(args, training, cluster, plan, recomputes[first:], limit, result)
             if found is not None:
@@ -292,6 +288,18 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
                 del start[schedule, v]
             elif steady:
                 start[schedule, v] = first + found[0]
+
+
+def _micro_batches(local: int, fixed: dict) -> list[int]:
+    """Micro-batch sizes that split a rank's `local` sequences as --plan allows (accumulation is the rest)."""
+    return [mb for mb in _choices(fixed, "micro_batch", divisors(local))
+            if local % mb == 0 and ("grad_accum" not in fixed or fixed["grad_accum"] == local // mb)]
+
+
+def _schedule_takes(schedule: str, pp: int, grad_accum: int) -> bool:
+    """Whether the schedule runs a step of `grad_accum` micro-batches as the search prices it (interleaving: in
+    rounds of pp)."""
+    return schedule != "interleaved-1f1b" or grad_accum % pp == 0
 
 
 def _floors_that_fit(args: ModelArgs, training: Training, floors: list[Plan], limit: float,
