@@ -9,7 +9,8 @@ None has a public equivalent in torch 2.13:
   `_curr_mem_snap`, `_mod_tracker`, `_in_opt`, `_in_ac`; `memory_tracking`, `_pre_fw_hook`,
   `_fsdp_state_pre_forward`, `_root_mod` and `_update_and_maybe_create_winfos`, to track a pipeline's stages,
   each run once per micro-batch, and its receive buffers); their `ModTracker`'s `_fw_pre_hook` (leaf inputs
-  under autograd.grad, see `_ModTracker`); `ReplicateModule`, to tell ZeRO-0/1 apart;
+  under autograd.grad, see `_ModTracker`) and the `register_multi_grad_hook` its module calls (swapped for one
+  whose hooks go once fired, see `_ModTracker`); `ReplicateModule`, to tell ZeRO-0/1 apart;
 - DTensor's `ShardingPropagator._propagate_tensor_meta_non_cached`, wrapped so the tracker skips its
   global-shape tensors (`untracked_sharding_propagation`);
 - DTensor's sharding caches, cleared between simulated ranks and before a job's process groups are destroyed
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
@@ -173,14 +176,45 @@ class _MomentMixin:
 
 
 class _ModTracker(ModTracker):
-    """torch's module tracker watches a module's inputs with a multi-grad hook to see its backward end, which
-    raises under autograd.grad when an input is a leaf: a pipeline stage's received activation under
-    zero-bubble (its input gradients are an autograd.grad). Such an input is shown to it as a detached alias
-    (same storage, same bytes): that module's backward then counts as ending with the step's backward."""
+    """torch's module tracker, for a pipeline's stages.
+
+    It watches a module's inputs with a multi-grad hook to see its backward end, which raises under
+    autograd.grad when an input is a leaf: a pipeline stage's received activation under zero-bubble (its input
+    gradients are an autograd.grad). Such an input is shown to it as a detached alias (same storage, same
+    bytes): that module's backward then counts as ending with the step's backward.
+
+    Its hooks must also not keep the graph alive. A multi-grad hook in "all" mode holds the grad_fn of every
+    tensor it watches and sits on those grad_fns: a cycle through C++ that Python's collector cannot see, so
+    the nodes live as long as the hook. After an ordinary backward that costs nothing (each node released its
+    saved tensors when it ran), but zero-bubble's input pass retains the graph and its weight pass never runs
+    the input-only nodes (attention, norms): their saved tensors stayed until the step ended, and the
+    simulator reported zero-bubble's middle ranks up to 1.7x what the engine holds. Each hook is therefore
+    removed once it has fired, at the end of that backward call (autograd's queue_callback: removing a hook
+    while the engine iterates a node's hooks is not safe)."""
 
     def _fw_pre_hook(self, mod, input):
         return super()._fw_pre_hook(mod, tree_map_only(
             torch.Tensor, lambda a: a.detach() if a.requires_grad and a.is_leaf else a, input))
+
+    def __enter__(self):
+        mod_tracker.register_multi_grad_hook = _removed_once_fired
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        mod_tracker.register_multi_grad_hook = register_multi_grad_hook
+        return super().__exit__(*args)
+
+
+def _removed_once_fired(tensors, fn, *, mode: str = "all"):
+    """register_multi_grad_hook whose hooks are removed at the end of the backward call in which `fn` ran."""
+    handle = None
+
+    def once(*args):
+        fn(*args)
+        torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
+
+    handle = register_multi_grad_hook(tensors, once, mode=mode)
+    return handle
 
 
 class _StagesMixin:
