@@ -17,6 +17,7 @@ from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
 from shardwise.planner.experts import kept_share, routed_per_token
 from shardwise.planner.plan import Plan
+from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
     FULL_PRECISION_STATE_BYTES,
     OPTIMIZER_STATE_BYTES,
@@ -223,6 +224,12 @@ def _split(args: ModelArgs, seq_len: int, n_stages: int) -> list[range]:
     return split_layers(layer_costs(args, seq_len), n_stages)
 
 
+def zero_bubble_chunks(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> tuple[range, range]:
+    """The blocks of a zero-bubble rank's two stages: chunk 0 (stage `stage`) and chunk 1 (stage 2P - 1 - stage)."""
+    split = _split(args, seq_len, 2 * plan.pp)
+    return split[stage], split[2 * plan.pp - 1 - stage]
+
+
 def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
     """Blocks on pipeline rank `stage` (see pipeline_layers)."""
     return stage_shape(args, plan, stage, seq_len).layers
@@ -243,8 +250,8 @@ def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
 def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight), the one with the head, and the first rank with each block count (among ranks with equal
-    blocks the earlier one holds at least as many micro-batches in flight); of a mixture of experts, each count of
-    blocks and MoE blocks."""
+    blocks the earlier one holds at least as many micro-batches in flight; under zero-bubble the last one too);
+    of a mixture of experts, each count of blocks and MoE blocks."""
     return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
 
 
@@ -264,6 +271,11 @@ def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, sched
                        and args.is_moe_layer(max(ranks[i])) == args.is_moe_layer(max(ranks[j]))
                        for i in first_with.values() if i < j and i not in ends)
         first_with = {n: r for n, r in first_with.items() if r in ends or not dominated(r)}
+    if schedule == "zero-bubble":
+        # the V's later ranks defer more weight passes to the cool-down, each keeping its micro-batch's graph
+        # (_zero_bubble_held): among ranks with equal blocks the last can hold the most
+        last_with = {n: len(kinds) - 1 - kinds[::-1].index(n) for n in set(kinds)}
+        return tuple(sorted({*ends, *first_with.values(), *last_with.values()}))
     return tuple(sorted({*ends, *first_with.values()}))
 
 
@@ -371,12 +383,7 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "seq")]
-    # the matmul outputs in forward order (a GELU MLP has no w3)
-    outputs = {"wq": Term("wq_out", d, "act", "tp"), "wk": Term("wk_out", kv, "act", "kv"),
-               "wv": Term("wv_out", kv, "act", "kv"), "wo": Term("wo_out", d, "act", "full"),
-               "w1": Term("w1_out", f, "act", "tp"), "w3": Term("w3_out", f, "act", "tp"),
-               "w2": Term("w2_out", d, "act", "full")}
-    matmuls = [outputs[name] for name in projection_shapes(args)]
+    matmuls = matmul_output_terms(args)
     sdpa = [Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if recompute == "selective" and training.selective == "alternate-matmuls" and not moe:
         # torchtitan's op-level policy: the checkpoint keeps the block input, the policy the attention's output
@@ -402,6 +409,53 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     terms += [Term("w1_out", f, "act", "tp"), Term("silu_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
               Term("swiglu_out", f, "act", "tp")]
     return terms
+
+
+def matmul_output_terms(args: ModelArgs) -> list[Term]:
+    """A dense block's matmul outputs, per token, in forward order (a GELU MLP has no w3)."""
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    outputs = {"wq": Term("wq_out", d, "act", "tp"), "wk": Term("wk_out", kv, "act", "kv"),
+               "wv": Term("wv_out", kv, "act", "kv"), "wo": Term("wo_out", d, "act", "full"),
+               "w1": Term("w1_out", f, "act", "tp"), "w3": Term("w3_out", f, "act", "tp"),
+               "w2": Term("w2_out", d, "act", "full")}
+    return [outputs[name] for name in projection_shapes(args)]
+
+
+def weight_pass_grad_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
+    """What one block keeps, per micro-batch, between zero-bubble's input pass and its deferred weight pass
+    beyond its saved activations: the gradient arriving at each node where a weight's branch leaves the input
+    gradient's path (torch.distributed.pipelining's stage_backward_input keeps them for stage_backward_weight),
+    the shape of that node's output: each matmul's output and each trained norm's output. An MoE block's
+    experts and router: their matmul outputs (moe_terms' selective set, which is exactly those)."""
+    terms = matmul_output_terms(args)
+    if moe:
+        terms = terms[:4] + moe_terms(args, training, "selective", routed_per_token(args, training, plan), plan.ep)
+    if not training.lora_rank:
+        terms += [Term("norm_output_grad", args.dim, "stream", "seq")] * 2
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    return tokens * sum(term_bytes(t, args, training, plan) for t in terms)
+
+
+# the saved tensors only the nodes a weight pass runs keep (each matmul saves its input and weight, the norms'
+# weight products their normalised input): the norms' outputs (the attention's and MLP's matmul inputs), the
+# normalised inputs, the MLP's gate product or GELU output (w2's input), the experts' input. (The attention's
+# output is also saved by the attention, which the weight pass does not run.)
+WEIGHT_PASS_INPUTS = frozenset({"attention_norm_output", "attention_norm_normalized", "ffn_norm_output",
+                                "ffn_norm_normalized", "swiglu_out", "gelu_out", "expert_input"})
+
+
+def weight_pass_leftover_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
+    """Full recompute under zero-bubble: what the weight pass's rebuild of one block keeps until the pass ends.
+    The rebuild remakes every tensor the block saves (its 'none' set) at once. The weight pass runs only the
+    nodes on a weight's branch (the matmuls, the norms' weight products), each unpacking what it saved; what
+    only the input pass's nodes saved (the norms' inputs and statistics, the rotated queries and keys, the
+    values, the attention's output and statistics, the MLP's w1 and w3 outputs and SiLU) stays until the graph
+    is freed at the pass's end."""
+    routed = routed_per_token(args, training, plan) if moe else 0.0
+    terms = block_terms(args, training, "none", plan.zero_stage, moe, routed, plan.ep)
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    read = tokens * sum(term_bytes(t, args, training, plan) for t in terms if t.name in WEIGHT_PASS_INPUTS)
+    return layer_activation_bytes(args, training, plan, recompute="none", moe=moe) - read
 
 
 def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float, ep: int) -> list[Term]:
@@ -590,7 +644,8 @@ def in_flight(plan: Plan, stage: int) -> float:
     backward, each chunk 1/v of its layers; for rank 0 that is P + (P - 1)/v stage-equivalents.
     Zero-bubble, as the engine runs it (ZBV: two stages per rank in a V, Qi et al. 2024, "Pipeline Parallelism
     with Controllable Memory"), balances memory over the ranks: each holds what 1F1B's first rank holds, P
-    micro-batches of its layers, min(P, M).
+    micro-batches of its layers, min(P, M). (That count decides only when gradients exist; the bytes held are
+    _zero_bubble_held's walk of the rank's order, chunk by chunk.)
     """
     p, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
     if p == 1:
@@ -919,6 +974,12 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # model is wrapped (its grad buffer): resident from the first backward on, whatever the accumulation
     resident = training.layout == "megatron"
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
+    # what the micro-batches in flight hold: m of the rank's set, or zero-bubble's walk (_zero_bubble_held),
+    # whose input passes keep every micro-batch's graph and the gradients its weight pass starts from
+    zero_bubble = _zero_bubble_held(plan, stage, acts["zero_bubble_chunks"]) if "zero_bubble_chunks" in acts \
+        else None
+    held_acts, held_copies, held_grads = zero_bubble["input_pass"] if zero_bubble else \
+        (acts["activations"] * m, acts["copies"] * m, 0.0)
     out = {}
     if last:
         # the fused head's working set is made inside the forward, among its activations (fused_head)
@@ -929,8 +990,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
             # runs in the schedule's loss, after the stage's forward has returned)
             work, cached = (0.0, acts["logits"]), acts["autocast_cache"]
             last_gather = block_p * gathered if fsdp and plan.pp == 1 else 0.0
-        out["loss_backward"] = {"grads": early_grads, "activations": acts["activations"] * m + work[1],
-                                "compute_copies": acts["copies"] * m + cached, "backward_and_logits": work[0],
+        out["loss_backward"] = {"grads": early_grads, "activations": held_acts + work[1],
+                                "compute_copies": held_copies + cached, "backward_and_logits": work[0],
                                 "fsdp_buffers": held_early + last_gather}
     # the first block's backward (block_backward_bytes): the head's saved tensors are gone and its gradient
     # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
@@ -943,11 +1004,16 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
     out["first_block_backward"] = {
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
-        "activations": acts["activations"] * m - acts["head"] + head_grad
+        "activations": held_acts if zero_bubble else held_acts - acts["head"] + head_grad
         - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
-        "compute_copies": acts["copies"] * m - acts["head_copy"] - bwd["copies_freed"],
-        "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0),
+        "compute_copies": held_copies if zero_bubble else held_copies - acts["head_copy"] - bwd["copies_freed"],
+        "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0) + held_grads,
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+    if zero_bubble and plan.activation_checkpoint == "full":
+        # the end of a weight pass that rebuilt its chunk's blocks (_zero_bubble_held)
+        w_acts, w_copies, w_other = zero_bubble["weight_pass"]
+        out["weight_pass"] = {**out["first_block_backward"], "activations": w_acts, "compute_copies": w_copies,
+                              "backward_and_logits": w_other + (fresh_grads if fsdp else 0.0)}
     if fsdp and training.fsdp2 and shape.layers >= 2 and not keep_unsharded:
         # FSDP2 keeps a unit's reduce-scatter input (its gradients in the reduce dtype) until the next unit's
         # reduce-scatter: the second block's backward holds the first block's (the last unit of an MoE block
@@ -963,7 +1029,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
             **first, "activations": first["activations"] - done,
             "compute_copies": first["compute_copies"] - (acts["copies"] - acts["head_copy"]) / shape.layers,
             "fsdp_buffers": first["fsdp_buffers"] + scattered * kept_grad_bytes}
-    if accum and not accum_early and m >= 2:
+    if accum and not accum_early and m >= 2 and not zero_bubble:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
         out["next_block_backward"] = {
@@ -974,7 +1040,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     out["end_of_backward"] = {
         "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
-        "activations": acts["activations"] * (m - 1), "compute_copies": acts["copies"] * (m - 1),
+        "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
@@ -1025,7 +1091,102 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
             "autocast_cache": autocast_cache_bytes(args, training, plan, stage) if last else 0.0,
             "block_backward": block_backward_bytes(args, training, plan, shape.last_moe)})
+        if plan.pp > 1 and plan.pp_schedule == "zero-bubble":
+            cached["zero_bubble_chunks"] = _zero_bubble_chunk_bytes(args, training, plan, stage, cached)
     return cached
+
+
+def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int,
+                             acts: dict[str, float]) -> tuple[tuple[float, float, float, float], ...]:
+    """Per chunk of a zero-bubble rank (chunk 0: stage `stage`, chunk 1: stage 2P - 1 - stage), per micro-batch:
+    (saved activations, weight copies, the gradients its weight pass starts from, what a weight pass's rebuild
+    keeps to its end); see _zero_bubble_held."""
+    chunks = []
+    for s, ids in zip((stage, 2 * plan.pp - 1 - stage), zero_bubble_chunks(args, plan, stage, training.seq_len)):
+        moe = sum(map(args.is_moe_layer, ids))
+        kinds = ((len(ids) - moe, False), (moe, True))
+        a = sum(n * layer_activation_bytes(args, training, plan, moe=k) for n, k in kinds if n)
+        a += embedding_activation_bytes(training, plan) if s == 0 else 0.0
+        last = s == 2 * plan.pp - 1
+        a += acts["head"] if last else 0.0
+        layers = stage_shape(args, plan, stage, training.seq_len).layers
+        copies = (acts["copies"] - acts["head_copy"]) * len(ids) / layers + (acts["head_copy"] if last else 0.0)
+        grads = rebuilt = 0.0
+        if s != 0:
+            grads = sum(n * weight_pass_grad_bytes(args, training, plan, k) for n, k in kinds if n)
+            if plan.activation_checkpoint == "full":
+                # the pass rebuilds one block at a time, whole, beside what the blocks before it left
+                left = {k: weight_pass_leftover_bytes(args, training, plan, k) for n, k in kinds if n}
+                whole = {k: layer_activation_bytes(args, training, plan, recompute="none", moe=k) for k in left}
+                top = max(left, key=lambda k: whole[k] - left[k])
+                rebuilt = sum(n * left[k] for n, k in kinds if n) + whole[top] - left[top]
+        chunks.append((a, copies, grads, rebuilt))
+    return tuple(chunks)
+
+
+def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple) -> dict[str, tuple[float, float, float]]:
+    """What a zero-bubble rank's micro-batches in flight hold at its fullest moments, as (saved activations,
+    weight copies, other backward tensors): 'input_pass' at the end of an input pass (of the first stage: of its
+    backward), 'weight_pass' at the end of a weight pass.
+
+    The rank runs two stages, a V (zbv_order): chunk 0 is stage `stage`, chunk 1 stage 2P - 1 - stage. A
+    micro-batch of a chunk holds that chunk's activations and weight copies from its forward to its weight pass,
+    and from its input pass on also the gradients the weight pass starts from (weight_pass_grad_bytes): the
+    input pass keeps the graph (retain_graph) and frees nothing. The first stage has no input pass: its weight
+    pass is one full backward. Under full recompute a weight pass rebuilds its chunk's blocks again, one at a
+    time, and keeps part of what each rebuilt to its end (weight_pass_leftover_bytes). Each fullest moment is
+    found by walking the rank's order with each chunk's bytes (`chunks`, _zero_bubble_chunk_bytes): on the
+    first rank the last stage's micro-batch runs its forward, input and weight pass back to back, so only one
+    is ever in flight there."""
+    out = {}
+    for moment, counts in zip(("input_pass", "weight_pass"), _zero_bubble_peaks(
+            plan.pp, plan.grad_accum, stage, *(c[0] + c[1] for c in chunks), *(c[2] for c in chunks),
+            *(c[3] for c in chunks))):
+        alive, inputs, running = counts
+        out[moment] = (sum(n * c[0] for n, c in zip(alive, chunks)), sum(n * c[1] for n, c in zip(alive, chunks)),
+                       sum(n * c[2] for n, c in zip(inputs, chunks)) + (chunks[running][3] if running >= 0 else 0.0))
+    return out
+
+
+def _zero_bubble_peaks(p: int, m: int, rank: int, a0: float, a1: float, g0: float, g1: float, r0: float,
+                       r1: float) -> tuple[tuple, tuple]:
+    """The fullest end of an input pass and of a weight pass of `rank`, each as (micro-batches in flight per
+    chunk, of them past their input pass, the chunk whose weight pass it is or -1): a0, a1 bytes per micro-batch
+    in flight, g0, g1 per micro-batch past its input pass, r0, r1 the rebuild a weight pass keeps to its end."""
+    def held(state: tuple) -> float:
+        (n0, n1), (i0, i1), running = state
+        return n0 * a0 + n1 * a1 + i0 * g0 + i1 * g1 + ((r0, r1)[running] if running >= 0 else 0.0)
+
+    moments = _zero_bubble_moments(p, m, rank)
+    none = ((0, 0), (0, 0), -1)
+    return max(moments["I"], key=held, default=none), \
+        max(moments["W"], key=held, default=none) if r0 or r1 else none
+
+
+@functools.lru_cache(maxsize=4096)
+def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
+    """Every distinct state of `rank` at the end of an input pass (of the first stage: of its backward, 'I') and
+    of a weight pass ('W'), as in _zero_bubble_peaks; the steady state repeats a few, so a search's many byte
+    counts are weighed against a handful of states."""
+    split = (rank != 0, True)  # the first stage's backward is its weight pass, whole
+    state: dict[tuple[int, int], bool] = {}
+    seen: dict[str, set] = {"I": set(), "W": set()}
+    for kind, chunk, i in zbv_order(p, m, rank):
+        if kind == "F":
+            state[(chunk, i)] = False
+            continue
+        if kind == "I" and split[chunk]:
+            state[(chunk, i)] = True
+        moment = "I" if (kind == "I") == split[chunk] else "W" if kind == "W" else None
+        if moment:
+            alive, inputs = [0, 0], [0, 0]
+            for (c, _), done in state.items():
+                alive[c] += 1
+                inputs[c] += done
+            seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk if moment == "W" else -1))
+        if kind == "W":
+            del state[(chunk, i)]
+    return {k: tuple(sorted(v)) for k, v in seen.items()}
 
 
 _ACTIVATIONS: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads

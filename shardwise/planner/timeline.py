@@ -72,3 +72,54 @@ def simulate(schedule: str, p: int, m: int, t_fwd: float, t_bwd: float) -> list[
 
 def makespan(ops: list[Op]) -> float:
     return max(op.end for op in ops)
+
+
+def zbv_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The passes a rank runs under zero-bubble's V (ZB-V, Qi et al. 2024, section 6), in the order the engine
+    (torch's ScheduleZBVZeroBubble) runs them: (kind, chunk, micro-batch), kind 'F' (forward), 'I' (input
+    gradients) or 'W' (the deferred weight gradients), chunk 0 for the rank's stage `rank` and 1 for its stage
+    2p - 1 - rank. Written here so the planner needs no torch; a test holds it to torch's own order.
+
+    Warm-up: 2(p - rank) - 1 forwards of chunk 0, then `rank` pairs of chunk-1 and chunk-0 forwards, then
+    p - rank chunk-1 forward, input and weight passes. Steady state: a chunk-0 forward (while any is left), its
+    input and weight pass, then the same for chunk 1. Cool-down: `rank` pairs of input passes (weights
+    deferred), p - rank chunk-0 input and weight passes, then the deferred weight passes of chunk 1 and of
+    chunk 0. The order is laid out for max(2p - 1, m) micro-batches and those past m dropped."""
+    n = max(2 * p - 1, m)
+    ops: list[tuple[str, int, int]] = []
+    f = [0, 0]
+    b = [0, 0]
+
+    def run(kind: str, chunk: int) -> None:
+        counter = f if kind == "F" else b
+        ops.append((kind, chunk, counter[chunk]))
+        if kind != "W":
+            counter[chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        run("F", 0)
+    for _ in range(rank):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(p - rank):
+        run("F", 1)
+        ops += [("I", 1, b[1]), ("W", 1, b[1])]
+        b[1] += 1
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            run("F", 0)
+        ops += [("I", 0, b[0]), ("W", 0, b[0])]
+        b[0] += 1
+        run("F", 1)
+        ops += [("I", 1, b[1]), ("W", 1, b[1])]
+        b[1] += 1
+    w = list(b)
+    for _ in range(rank):
+        run("I", 0)
+        run("I", 1)
+    for _ in range(p - rank):
+        run("I", 0)
+        ops.append(("W", 0, w[0]))
+        w[0] += 1
+    ops += [("W", 1, i) for i in range(w[1], b[1])] + [("W", 0, i) for i in range(w[0], b[0])]
+    return [op for op in ops if op[2] < m]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardwise.hardware import Accelerator, Cluster
 from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, projection_shapes
@@ -40,6 +40,7 @@ from shardwise.planner.memory import (
     replicates,
     stage_shape,
     state_bytes_per_param,
+    zero_bubble_chunks,
 )
 from shardwise.planner.operators import QLORA_DEQUANT, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
@@ -216,11 +217,30 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     if dequant_fwd:  # QLoRA: the NF4 base is dequantised in forward, in a recompute, and for input gradients
         recomputes = plan.activation_checkpoint != "none"
         fwd, bwd_in, recompute = fwd + dequant_fwd, bwd_in + dequant_bwd, recompute + recomputes * dequant_fwd
+    replayed = _weight_pass_replay(args, training, plan, stage)
+    bwd_w += replayed * recompute  # in the deferred weight pass, with its own time slot
     overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops, moe)
     tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last, moe)
+    if replayed:  # the replayed forward's collectives
+        bare = _tp_comm(args, training, replace(plan, activation_checkpoint="none"), cluster, layers, stage == 0,
+                        shape.last, moe)
+        tp_comm += replayed * (tp_comm - bare)
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
+
+
+def _weight_pass_replay(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """Of a rank's recompute, the share the engine runs twice: under zero-bubble the input pass and the deferred
+    weight pass are separate backward calls, and torch's checkpoint rebuilds a block at each call that reaches
+    it (shardwise.parallel.pipeline.Stage makes the weight pass's calls share one). The first stage has no input
+    pass: its blocks are rebuilt once."""
+    if plan.pp == 1 or plan.pp_schedule != "zero-bubble" or plan.activation_checkpoint != "full":
+        return 0.0
+    if stage != 0:
+        return 1.0
+    first, last = zero_bubble_chunks(args, plan, stage, training.seq_len)
+    return len(last) / (len(first) + len(last))
 
 
 def recomputed_matmul_share(args: ModelArgs, tp: int) -> float:
