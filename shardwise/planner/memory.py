@@ -976,9 +976,16 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     # what the micro-batches in flight hold: m of the rank's set, or zero-bubble's walk (_zero_bubble_held),
     # whose input passes keep every micro-batch's graph and the gradients its weight pass starts from
-    zero_bubble = _zero_bubble_held(plan, stage, acts["zero_bubble_chunks"]) if "zero_bubble_chunks" in acts \
-        else None
-    held_acts, held_copies, held_grads = zero_bubble["input_pass"] if zero_bubble else \
+    zero_bubble = None
+    if "zero_bubble_chunks" in acts:
+        # a chunk's gradients exist from its first weight pass on (kept unsharded by FSDP between micro-batches)
+        kept = stage_p * kept_grad_bytes if fsdp and keep_unsharded and not training.lora_rank else 0.0
+        grads_made = kept + (state["grads"] if accum and not fsdp else 0.0)
+        zero_bubble = _zero_bubble_held(plan, stage, acts["zero_bubble_chunks"], grads_made)
+        done = zero_bubble["input_pass"][3]
+        held_early = held - kept + kept * done
+        early_grads = state["grads"] * done if accum and not fsdp else early_grads
+    held_acts, held_copies, held_grads = zero_bubble["input_pass"][:3] if zero_bubble else \
         (acts["activations"] * m, acts["copies"] * m, 0.0)
     out = {}
     if last:
@@ -1011,9 +1018,11 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     if zero_bubble and plan.activation_checkpoint == "full":
         # the end of a weight pass that rebuilt its chunk's blocks (_zero_bubble_held)
-        w_acts, w_copies, w_other = zero_bubble["weight_pass"]
+        w_acts, w_copies, w_other, w_done = zero_bubble["weight_pass"]
         out["weight_pass"] = {**out["first_block_backward"], "activations": w_acts, "compute_copies": w_copies,
-                              "backward_and_logits": w_other + (fresh_grads if fsdp else 0.0)}
+                              "backward_and_logits": w_other + (fresh_grads if fsdp else 0.0),
+                              "fsdp_buffers": held - kept + kept * w_done,
+                              "grads": state["grads"] * w_done if accum and not fsdp else early_grads}
     if fsdp and training.fsdp2 and shape.layers >= 2 and not keep_unsharded:
         # FSDP2 keeps a unit's reduce-scatter input (its gradients in the reduce dtype) until the next unit's
         # reduce-scatter: the second block's backward holds the first block's (the last unit of an MoE block
@@ -1100,7 +1109,7 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
                              acts: dict[str, float]) -> tuple[tuple[float, float, float, float], ...]:
     """Per chunk of a zero-bubble rank (chunk 0: stage `stage`, chunk 1: stage 2P - 1 - stage), per micro-batch:
     (saved activations, weight copies, the gradients its weight pass starts from, what a weight pass's rebuild
-    keeps to its end); see _zero_bubble_held."""
+    keeps to its end), and its share of the rank's parameters; see _zero_bubble_held."""
     chunks = []
     for s, ids in zip((stage, 2 * plan.pp - 1 - stage), zero_bubble_chunks(args, plan, stage, training.seq_len)):
         moe = sum(map(args.is_moe_layer, ids))
@@ -1120,14 +1129,19 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
                 whole = {k: layer_activation_bytes(args, training, plan, recompute="none", moe=k) for k in left}
                 top = max(left, key=lambda k: whole[k] - left[k])
                 rebuilt = sum(n * left[k] for n, k in kinds if n) + whole[top] - left[top]
-        chunks.append((a, copies, grads, rebuilt))
-    return tuple(chunks)
+        params = len(ids) * layer_params(args, plan.tp) + (args.vocab_size * args.dim / plan.tp if s == 0 else 0.0) \
+            + (args.vocab_size * args.dim / plan.tp if last else 0.0)
+        chunks.append((a, copies, grads, rebuilt, params))
+    total = sum(c[4] for c in chunks)
+    return tuple((*c[:4], c[4] / total) for c in chunks)
 
 
-def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple) -> dict[str, tuple[float, float, float]]:
+def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple,
+                      grads: float) -> dict[str, tuple[float, float, float, float]]:
     """What a zero-bubble rank's micro-batches in flight hold at its fullest moments, as (saved activations,
-    weight copies, other backward tensors): 'input_pass' at the end of an input pass (of the first stage: of its
-    backward), 'weight_pass' at the end of a weight pass.
+    weight copies, other backward tensors, the share of the rank's gradients made so far): 'input_pass' at the
+    end of an input pass (of the first stage: of its backward), 'weight_pass' at the end of a weight pass.
+    `grads`: the bytes of all the rank's gradients once made (a chunk's exist from its first weight pass on).
 
     The rank runs two stages, a V (zbv_order): chunk 0 is stage `stage`, chunk 1 stage 2P - 1 - stage. A
     micro-batch of a chunk holds that chunk's activations and weight copies from its forward to its weight pass,
@@ -1141,24 +1155,27 @@ def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple) -> dict[str, tuple[
     out = {}
     for moment, counts in zip(("input_pass", "weight_pass"), _zero_bubble_peaks(
             plan.pp, plan.grad_accum, stage, *(c[0] + c[1] for c in chunks), *(c[2] for c in chunks),
-            *(c[3] for c in chunks))):
-        alive, inputs, running = counts
+            *(c[3] for c in chunks), *(c[4] * grads for c in chunks))):
+        alive, inputs, running, done = counts
         out[moment] = (sum(n * c[0] for n, c in zip(alive, chunks)), sum(n * c[1] for n, c in zip(alive, chunks)),
-                       sum(n * c[2] for n, c in zip(inputs, chunks)) + (chunks[running][3] if running >= 0 else 0.0))
+                       sum(n * c[2] for n, c in zip(inputs, chunks)) + (chunks[running][3] if running >= 0 else 0.0),
+                       sum(c[4] for d, c in zip(done, chunks) if d))
     return out
 
 
 def _zero_bubble_peaks(p: int, m: int, rank: int, a0: float, a1: float, g0: float, g1: float, r0: float,
-                       r1: float) -> tuple[tuple, tuple]:
+                       r1: float, k0: float, k1: float) -> tuple[tuple, tuple]:
     """The fullest end of an input pass and of a weight pass of `rank`, each as (micro-batches in flight per
-    chunk, of them past their input pass, the chunk whose weight pass it is or -1): a0, a1 bytes per micro-batch
-    in flight, g0, g1 per micro-batch past its input pass, r0, r1 the rebuild a weight pass keeps to its end."""
+    chunk, of them past their input pass, the chunk whose weight pass it is or -1, whether each chunk has run a
+    weight pass): a0, a1 bytes per micro-batch in flight, g0, g1 per micro-batch past its input pass, r0, r1
+    the rebuild a weight pass keeps to its end, k0, k1 a chunk's gradients once made."""
     def held(state: tuple) -> float:
-        (n0, n1), (i0, i1), running = state
-        return n0 * a0 + n1 * a1 + i0 * g0 + i1 * g1 + ((r0, r1)[running] if running >= 0 else 0.0)
+        (n0, n1), (i0, i1), running, (w0, w1) = state
+        return n0 * a0 + n1 * a1 + i0 * g0 + i1 * g1 + ((r0, r1)[running] if running >= 0 else 0.0) \
+            + w0 * k0 + w1 * k1
 
     moments = _zero_bubble_moments(p, m, rank)
-    none = ((0, 0), (0, 0), -1)
+    none = ((0, 0), (0, 0), -1, (False, False))
     return max(moments["I"], key=held, default=none), \
         max(moments["W"], key=held, default=none) if r0 or r1 else none
 
@@ -1171,6 +1188,7 @@ def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
     split = (rank != 0, True)  # the first stage's backward is its weight pass, whole
     state: dict[tuple[int, int], bool] = {}
     seen: dict[str, set] = {"I": set(), "W": set()}
+    weighted = [False, False]
     for kind, chunk, i in zbv_order(p, m, rank):
         if kind == "F":
             state[(chunk, i)] = False
@@ -1183,9 +1201,13 @@ def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
             for (c, _), done in state.items():
                 alive[c] += 1
                 inputs[c] += done
-            seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk if moment == "W" else -1))
+            if kind == "W":  # its gradients are being made
+                weighted[chunk] = True
+            seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk if moment == "W" else -1,
+                              tuple(weighted)))
         if kind == "W":
             del state[(chunk, i)]
+            weighted[chunk] = True
     return {k: tuple(sorted(v)) for k, v in seen.items()}
 
 
