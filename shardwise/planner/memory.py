@@ -869,8 +869,8 @@ def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The breakdown at the peak (docs/planner.md, "The moment of the peak")
 
-MOMENTS = ("loss_backward", "first_block_backward", "second_block_backward", "next_block_backward", "end_of_backward",
-           "optimizer_step")
+MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block_backward", "next_block_backward",
+           "end_of_backward", "embedding_backward", "optimizer_step")
 
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
@@ -1047,11 +1047,20 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
             "compute_copies": out["first_block_backward"]["compute_copies"] - acts["copies"],
             "fsdp_buffers": held + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
+    # the embedding's backward, the last of the first stage's: torch's dense embedding backward makes a whole
+    # gradient of the (vocabulary-parallel) table, which is added to the one earlier micro-batches made
+    lookup = 0.0
+    if stage == 0 and accum and training.layout == "torch" and not training.lora_rank \
+            and (keep_unsharded or not fsdp):
+        lookup = args.vocab_size / plan.tp * args.dim * kept_grad_bytes
     out["end_of_backward"] = {
         "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
+    if lookup:  # (a micro-batch's: replicate's working copies are still there for the next)
+        out["embedding_backward"] = {**out["end_of_backward"], "replica_params": base["replica_params"],
+                                     "backward_and_logits": lookup}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
     out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)
