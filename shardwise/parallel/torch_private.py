@@ -188,7 +188,7 @@ class _ModTracker(ModTracker):
     the nodes live as long as the hook. After an ordinary backward that costs nothing (each node released its
     saved tensors when it ran), but zero-bubble's input pass retains the graph and its weight pass never runs
     the input-only nodes (attention, norms): their saved tensors stayed until the step ended, and the
-    simulator reported zero-bubble's middle ranks up to 1.7x what the engine holds. Each hook is therefore
+    simulator reported zero-bubble's middle ranks up to 1.75x what the engine holds. Each hook is therefore
     removed once it has fired, at the end of that backward call (autograd's queue_callback: removing a hook
     while the engine iterates a node's hooks is not safe)."""
 

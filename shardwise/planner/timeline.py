@@ -87,14 +87,12 @@ def zbv_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     chunk 0. The order is laid out for max(2p - 1, m) micro-batches and those past m dropped."""
     n = max(2 * p - 1, m)
     ops: list[tuple[str, int, int]] = []
-    f = [0, 0]
-    b = [0, 0]
+    f, b, w = [0, 0], [0, 0], [0, 0]  # the next micro-batch of each chunk to run F, I, W
 
     def run(kind: str, chunk: int) -> None:
-        counter = f if kind == "F" else b
+        counter = {"F": f, "I": b, "W": w}[kind]
         ops.append((kind, chunk, counter[chunk]))
-        if kind != "W":
-            counter[chunk] += 1
+        counter[chunk] += 1
 
     for _ in range(2 * (p - rank) - 1):
         run("F", 0)
@@ -102,24 +100,22 @@ def zbv_order(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
         run("F", 1)
         run("F", 0)
     for _ in range(p - rank):
-        run("F", 1)
-        ops += [("I", 1, b[1]), ("W", 1, b[1])]
-        b[1] += 1
+        for kind in "FIW":
+            run(kind, 1)
     while f[1] < f[0] or f[0] < n:
         if f[0] < n:
             run("F", 0)
-        ops += [("I", 0, b[0]), ("W", 0, b[0])]
-        b[0] += 1
-        run("F", 1)
-        ops += [("I", 1, b[1]), ("W", 1, b[1])]
-        b[1] += 1
-    w = list(b)
+        for chunk, kinds in ((0, "IW"), (1, "FIW")):
+            for kind in kinds:
+                run(kind, chunk)
     for _ in range(rank):
         run("I", 0)
         run("I", 1)
     for _ in range(p - rank):
         run("I", 0)
-        ops.append(("W", 0, w[0]))
-        w[0] += 1
-    ops += [("W", 1, i) for i in range(w[1], b[1])] + [("W", 0, i) for i in range(w[0], b[0])]
+        run("W", 0)
+    while w[1] < b[1]:
+        run("W", 1)
+    while w[0] < b[0]:
+        run("W", 0)
     return [op for op in ops if op[2] < m]
