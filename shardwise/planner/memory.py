@@ -1120,6 +1120,8 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
     (saved activations, weight copies, the gradients its weight pass starts from, what a weight pass's rebuild
     keeps to its end), and its share of the rank's parameters; see _zero_bubble_held."""
     chunks = []
+    layers = stage_shape(args, plan, stage, training.seq_len).layers
+    emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head (as _stage_shape)
     for s, ids in zip((stage, 2 * plan.pp - 1 - stage), zero_bubble_chunks(args, plan, stage, training.seq_len)):
         moe = sum(map(args.is_moe_layer, ids))
         kinds = ((len(ids) - moe, False), (moe, True))
@@ -1127,7 +1129,6 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
         a += embedding_activation_bytes(training, plan) if s == 0 else 0.0
         last = s == 2 * plan.pp - 1
         a += acts["head"] if last else 0.0
-        layers = stage_shape(args, plan, stage, training.seq_len).layers
         copies = (acts["copies"] - acts["head_copy"]) * len(ids) / layers + (acts["head_copy"] if last else 0.0)
         grads = rebuilt = 0.0
         if s != 0:
@@ -1138,8 +1139,7 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
                 whole = {k: layer_activation_bytes(args, training, plan, recompute="none", moe=k) for k in left}
                 top = max(left, key=lambda k: whole[k] - left[k])
                 rebuilt = sum(n * left[k] for n, k in kinds if n) + whole[top] - left[top]
-        params = len(ids) * layer_params(args, plan.tp) + (args.vocab_size * args.dim / plan.tp if s == 0 else 0.0) \
-            + (args.vocab_size * args.dim / plan.tp if last else 0.0)
+        params = blocks_params(args, plan.tp, plan.ep, len(ids), moe) + emb * ((s == 0) + last)
         chunks.append((a, copies, grads, rebuilt, params))
     total = sum(c[4] for c in chunks)
     return tuple((*c[:4], c[4] / total) for c in chunks)
@@ -1205,18 +1205,17 @@ def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
         if kind == "I" and split[chunk]:
             state[(chunk, i)] = True
         moment = "I" if (kind == "I") == split[chunk] else "W" if kind == "W" else None
+        if kind == "W":  # its gradients are being made (every weight pass ends at a moment)
+            weighted[chunk] = True
         if moment:
             alive, inputs = [0, 0], [0, 0]
             for (c, _), done in state.items():
                 alive[c] += 1
                 inputs[c] += done
-            if kind == "W":  # its gradients are being made
-                weighted[chunk] = True
             seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk if moment == "W" else -1,
                               tuple(weighted)))
         if kind == "W":
             del state[(chunk, i)]
-            weighted[chunk] = True
     return {k: tuple(sorted(v)) for k, v in seen.items()}
 
 
