@@ -664,9 +664,17 @@ def in_flight(plan: Plan, stage: int) -> float:
 # Transient buffers (docs/planner.md, "Transient buffers")
 
 
-def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> dict[str, float]:
-    """The first block's backward at its largest, the larger of two moments (by what each adds to the saved
-    activations: working + weight_grad + recomputed - freed - copies_freed).
+def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False,
+                         accumulating: bool = False, weight_grads: bool = True) -> dict[str, float]:
+    """The first block's backward at its largest, the largest of three moments (by what each adds to the saved
+    activations, _block_backward_net).
+
+    Inside the down projection's backward (w2, the block's first matmul backward; `weight_grads`: a backward
+    that makes weight gradients, not zero-bubble's input pass), at the cast of w2's weight gradient: the block's
+    output gradient (in the stream dtype and, under autocast, cast for the matmul), w2's input gradient and its
+    weight gradient, in the compute dtype where the weight was cast ('working') and in the parameter's
+    ('weight_grad'); the gate product w2 kept is freed ('freed'). Without a cast the moment is the weight gradient's
+    making, the gate product still held. Counted on the simulator's tracker, op by op.
 
     Inside the MLP's SiLU backward: the gate product's backward has freed its saved SiLU and w3 outputs (2 f/t
     per token, 'freed') and written the gradients of both, and SiLU's backward writes the gradient of the w1
@@ -681,7 +689,11 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     the larger without recompute (Llama 2 7B: what the norm's has freed outweighs its three weight gradients)
     and the norm's with full recompute (Llama 3 70B and Llama 2 7B under tp).
 
-    With recompute the block's activations are first rebuilt ('recomputed': its none set minus what was kept).
+    With recompute the block's activations are first rebuilt ('recomputed': its none set minus what was kept),
+    and under autocast the replayed forward casts the block's weights again: the copies its matmuls have not
+    yet released ('copies_rebuilt'). Under gradient accumulation (`accumulating`: the rank's gradients exist
+    from an earlier micro-batch) a weight's new gradient is a temporary until it is added to them ('pending':
+    w2's at its own moment; the other moments come after their weights' gradients were added).
     An MoE block (`moe`): inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair,
     and w2's gradient of every expert the rank holds; under recompute, or inside the replayed forward at the
     return of the experts' outputs (moe_dispatch_bytes), whichever is larger."""
@@ -695,10 +707,18 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
         weight_grad = args.dim * f
     freed, working = (1, 2) if args.mlp == "gelu" and not moe else (2, 3)
     grad_bytes = 0.0 if training.lora_rank else unsharded_grad_bytes(training)
+    # the weight copies a replayed forward casts again (casts_weights), of the block's matmuls
+    rebuilt = casts_weights(training) and plan.activation_checkpoint != "none" and not moe
+    block_copies = (layer_params(args, plan.tp) - 2 * args.dim) * e if rebuilt else 0.0
+    w2_copy = args.dim * f * e if rebuilt else 0.0
     out = {"freed": tokens * freed * f * e, "working": tokens * (working * f * e + args.dim * training.stream_bytes),
-           "weight_grad": weight_grad * grad_bytes, "copies_freed": 0.0, "recomputed": 0.0}
+           "weight_grad": weight_grad * grad_bytes, "copies_freed": 0.0, "recomputed": 0.0, "pending": 0.0,
+           "copies_rebuilt": block_copies - w2_copy}
     if not moe:
-        out = max(out, ffn_norm_backward_bytes(args, training, plan), key=_block_backward_net)
+        moments = [out, ffn_norm_backward_bytes(args, training, plan)]
+        if weight_grads:
+            moments.append(down_projection_backward_bytes(args, training, plan))
+        out = max(moments, key=functools.partial(_block_backward_net, accumulating=accumulating))
     if plan.activation_checkpoint != "none":
         out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
             args, training, plan, moe=moe)
@@ -707,14 +727,38 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
             # dispatch's buffers, before any gradient of the block exists: the larger of that and the SiLU's
             out["recomputed"] += routed_copy_bytes(args, training, plan)
             replay = {"freed": 0.0, "working": tokens * moe_dispatch_bytes(args, training, plan), "weight_grad": 0.0,
-                      "copies_freed": 0.0, "recomputed": out["recomputed"]}
-            out = max(out, replay, key=_block_backward_net)
+                      "copies_freed": 0.0, "recomputed": out["recomputed"], "pending": 0.0, "copies_rebuilt": 0.0}
+            out = max(out, replay, key=functools.partial(_block_backward_net, accumulating=accumulating))
     return out
 
 
-def _block_backward_net(parts: dict[str, float]) -> float:
-    # 'recomputed' is the same at both moments and is set after the choice
-    return parts["working"] + parts["weight_grad"] - parts["freed"] - parts["copies_freed"]
+def _block_backward_net(parts: dict[str, float], accumulating: bool = False) -> float:
+    # 'recomputed' is the same at every moment and is set after the choice; under accumulation a moment's weight
+    # gradients are added to the rank's (counted once, as its gradients) but for the one being added ('pending')
+    made = parts["pending"] if accumulating else parts["weight_grad"]
+    return parts["working"] + made + parts["copies_rebuilt"] - parts["freed"] - parts["copies_freed"]
+
+
+def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dict[str, float]:
+    """A dense block's backward inside w2's, at the cast of its weight gradient (see block_backward_bytes)."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    d, f, e = args.dim, args.ffn_hidden / plan.tp, training.act_bytes
+    autocast = training.act_bytes != training.stream_bytes
+    grad = 0.0 if training.lora_rank else d * f * unsharded_grad_bytes(training)
+    # autograd adds a new gradient to the one there (torch's engines: layouts torch and fsdp-mp); Megatron's
+    # gradient-accumulation fusion makes the weight gradient's GEMM add into main_grad, and DeepSpeed's layout
+    # reduces in every micro-batch: no second gradient there
+    pending = grad if training.layout in ("torch", "fsdp-mp") else 0.0
+    copies = casts_weights(training)
+    kept = copies and plan.activation_checkpoint == "none"  # as weight_copy_bytes
+    rebuilt = copies and plan.activation_checkpoint != "none"
+    # at the cast the matmul's node is done and has released the gate product it kept; without a cast the
+    # moment is the making of the weight gradient, the gate product still held
+    return {"freed": tokens * f * e if copies else 0.0,
+            "working": tokens * (f * e + d * training.stream_bytes + (d * e if autocast else 0.0))
+            + (d * f * e if copies else 0.0),
+            "weight_grad": grad, "pending": pending, "copies_freed": d * f * e if kept else 0.0, "recomputed": 0.0,
+            "copies_rebuilt": (layer_params(args, plan.tp) - 2 * args.dim - d * f) * e if rebuilt else 0.0}
 
 
 # the fp32 token x d temporaries of the FFN norm's backward at its largest, besides the residual-stream gradient:
@@ -742,7 +786,10 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     return {"freed": tokens * (saved * f * e + term_bytes(output, args, training, plan)),
             "working": tokens * d * (training.stream_bytes + temps * 4) / seq,
             "weight_grad": 0.0 if training.lora_rank else weights * d * f * unsharded_grad_bytes(training),
-            "copies_freed": weights * d * f * e if kept_copies else 0.0, "recomputed": 0.0}
+            "copies_freed": weights * d * f * e if kept_copies else 0.0, "recomputed": 0.0, "pending": 0.0,
+            # the attention's copies a replayed forward cast again (its MLP's are released by now)
+            "copies_rebuilt": attention_params(args, plan.tp) * e
+            if casts_weights(training) and plan.activation_checkpoint != "none" else 0.0}
 
 
 def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -1004,18 +1051,31 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # exists. FSDP gathers the running block and prefetches the next (ZeRO-3); the gradients FSDP has not yet
     # reduce-scattered are autograd's, not its buffers
     # (recomputed tensors are made in backward: the tracker sees them as temporaries)
-    bwd = acts["block_backward"]
+    # (with the rank's gradients already there, a new one is a temporary until added: block_backward_bytes)
+    bwd = acts["block_backward_accumulating" if early_grads and not fsdp else "block_backward"]
     # the fused head's weight gradient was made in forward (an activation until its backward hands it over)
     head_grad = acts["head_weight_grad"]
     fresh_grads = head_p * grad_bytes - head_grad + bwd["weight_grad"]
-    rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
+
+    def working(bwd: dict[str, float], accumulating: bool) -> float:
+        rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
+        return (bwd["working"] + rebuilt + bwd["copies_rebuilt"] + (bwd["pending"] if accumulating else 0.0)
+                + held_grads)
+
+    # ZeRO-3 gathers the running block and prefetches the next: a stage of one block has none to prefetch
+    gathering = min(2, shape.layers) * block_p * gathered
+
+    def saved(bwd: dict[str, float]) -> tuple[float, float]:  # (activations, compute copies) still held
+        if zero_bubble:
+            return held_acts, held_copies
+        return (held_acts - acts["head"] + head_grad - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
+                held_copies - acts["head_copy"] - bwd["copies_freed"])
+
     out["first_block_backward"] = {
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
-        "activations": held_acts if zero_bubble else held_acts - acts["head"] + head_grad
-        - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
-        "compute_copies": held_copies if zero_bubble else held_copies - acts["head_copy"] - bwd["copies_freed"],
-        "backward_and_logits": bwd["working"] + rebuilt + (fresh_grads if fsdp else 0.0) + held_grads,
-        "fsdp_buffers": held_early + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+        "activations": saved(bwd)[0], "compute_copies": saved(bwd)[1],
+        "backward_and_logits": working(bwd, bool(early_grads) and not fsdp) + (fresh_grads if fsdp else 0.0),
+        "fsdp_buffers": held_early + (gathering if plan.zero_stage >= 3 and fsdp else 0.0)}
     if zero_bubble and plan.activation_checkpoint == "full":
         # the end of a weight pass that rebuilt its chunk's blocks (_zero_bubble_held)
         w_acts, w_copies, w_other, w_done = zero_bubble["weight_pass"]
@@ -1041,11 +1101,13 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     if accum and not accum_early and m >= 2 and not zero_bubble:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
+        after = acts["block_backward" if fsdp else "block_backward_accumulating"]
         out["next_block_backward"] = {
             **out["first_block_backward"], "grads": 0.0 if fsdp else state["grads"],
-            "activations": out["first_block_backward"]["activations"] - acts["activations"],
-            "compute_copies": out["first_block_backward"]["compute_copies"] - acts["copies"],
-            "fsdp_buffers": held + (2 * block_p * gathered if plan.zero_stage >= 3 and fsdp else 0.0)}
+            "backward_and_logits": working(after, not fsdp) + (head_p * grad_bytes - head_grad + after["weight_grad"]
+                                                               if fsdp else 0.0),
+            "activations": saved(after)[0] - acts["activations"], "compute_copies": saved(after)[1] - acts["copies"],
+            "fsdp_buffers": held + (gathering if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     # the embedding's backward, the last of the first stage's: torch's dense embedding backward makes a whole
     # gradient of the (vocabulary-parallel) table, which is added to the one earlier micro-batches made
@@ -1058,6 +1120,11 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
+    if plan.pp > 1 and fsdp and plan.zero_stage >= 3 and training.fsdp2 and keep_unsharded:
+        # torch.distributed.pipelining keeps an FSDP stage gathered after every backward but the step's last
+        # (PipelineStage sets reshard_after_backward False, and True for the last): at the end of the others all
+        # the stage's blocks are there beside the root, and no sharded gradient exists yet
+        out["end_of_backward"].update(grads=0.0, fsdp_buffers=held + (stage_p - root_p) * gathered)
     if lookup:  # (a micro-batch's: replicate's working copies are still there for the next)
         out["embedding_backward"] = {**out["end_of_backward"], "replica_params": base["replica_params"],
                                      "backward_and_logits": lookup}
@@ -1108,7 +1175,10 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
             "autocast_cache": autocast_cache_bytes(args, training, plan, stage) if last else 0.0,
-            "block_backward": block_backward_bytes(args, training, plan, shape.last_moe)})
+            # zero-bubble's input pass makes no weight gradient (its weight pass is priced in _zero_bubble_held)
+            **{name: block_backward_bytes(args, training, plan, shape.last_moe, accumulating=accumulating,
+                                          weight_grads=not (plan.pp > 1 and plan.pp_schedule == "zero-bubble"))
+               for name, accumulating in (("block_backward", False), ("block_backward_accumulating", True))}})
         if plan.pp > 1 and plan.pp_schedule == "zero-bubble":
             cached["zero_bubble_chunks"] = _zero_bubble_chunk_bytes(args, training, plan, stage, cached)
     return cached
