@@ -707,13 +707,9 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
         weight_grad = args.dim * f
     freed, working = (1, 2) if args.mlp == "gelu" and not moe else (2, 3)
     grad_bytes = 0.0 if training.lora_rank else unsharded_grad_bytes(training)
-    # the weight copies a replayed forward casts again (casts_weights), of the block's matmuls
-    rebuilt = casts_weights(training) and plan.activation_checkpoint != "none" and not moe
-    block_copies = (layer_params(args, plan.tp) - 2 * args.dim) * e if rebuilt else 0.0
-    w2_copy = args.dim * f * e if rebuilt else 0.0
     out = {"freed": tokens * freed * f * e, "working": tokens * (working * f * e + args.dim * training.stream_bytes),
            "weight_grad": weight_grad * grad_bytes, "copies_freed": 0.0, "recomputed": 0.0, "pending": 0.0,
-           "copies_rebuilt": block_copies - w2_copy}
+           "copies_rebuilt": 0.0 if moe else _recast_copies(args, training, plan, but_w2=True)}
     if not moe:
         moments = [out, ffn_norm_backward_bytes(args, training, plan)]
         if weight_grads:
@@ -739,6 +735,19 @@ def _block_backward_net(parts: dict[str, float], accumulating: bool = False) -> 
     return parts["working"] + made + parts["copies_rebuilt"] - parts["freed"] - parts["copies_freed"]
 
 
+def _recast_copies(args: ModelArgs, training: Training, plan: Plan, but_w2: bool = False,
+                   attention_only: bool = False) -> float:
+    """The compute-dtype copies of a dense block's matmul weights that a replayed forward casts again (recompute
+    under casts_weights; weight_copy_bytes counts none for a recomputed block), all of them or those a moment of
+    its backward still holds: all but w2's, or the attention's."""
+    if not casts_weights(training) or plan.activation_checkpoint == "none":
+        return 0.0
+    if attention_only:
+        return attention_params(args, plan.tp) * training.act_bytes
+    n = layer_params(args, plan.tp) - 2 * args.dim - (args.dim * args.ffn_hidden / plan.tp if but_w2 else 0.0)
+    return n * training.act_bytes
+
+
 def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> dict[str, float]:
     """A dense block's backward inside w2's, at the cast of its weight gradient (see block_backward_bytes)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
@@ -751,14 +760,13 @@ def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Pl
     pending = grad if training.layout in ("torch", "fsdp-mp") else 0.0
     copies = casts_weights(training)
     kept = copies and plan.activation_checkpoint == "none"  # as weight_copy_bytes
-    rebuilt = copies and plan.activation_checkpoint != "none"
     # at the cast the matmul's node is done and has released the gate product it kept; without a cast the
     # moment is the making of the weight gradient, the gate product still held
     return {"freed": tokens * f * e if copies else 0.0,
             "working": tokens * (f * e + d * training.stream_bytes + (d * e if autocast else 0.0))
             + (d * f * e if copies else 0.0),
             "weight_grad": grad, "pending": pending, "copies_freed": d * f * e if kept else 0.0, "recomputed": 0.0,
-            "copies_rebuilt": (layer_params(args, plan.tp) - 2 * args.dim - d * f) * e if rebuilt else 0.0}
+            "copies_rebuilt": _recast_copies(args, training, plan, but_w2=True)}
 
 
 # the fp32 token x d temporaries of the FFN norm's backward at its largest, besides the residual-stream gradient:
@@ -787,9 +795,8 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
             "working": tokens * d * (training.stream_bytes + temps * 4) / seq,
             "weight_grad": 0.0 if training.lora_rank else weights * d * f * unsharded_grad_bytes(training),
             "copies_freed": weights * d * f * e if kept_copies else 0.0, "recomputed": 0.0, "pending": 0.0,
-            # the attention's copies a replayed forward cast again (its MLP's are released by now)
-            "copies_rebuilt": attention_params(args, plan.tp) * e
-            if casts_weights(training) and plan.activation_checkpoint != "none" else 0.0}
+            # (the MLP's recast copies are released by now)
+            "copies_rebuilt": _recast_copies(args, training, plan, attention_only=True)}
 
 
 def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -1104,8 +1111,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         after = acts["block_backward" if fsdp else "block_backward_accumulating"]
         out["next_block_backward"] = {
             **out["first_block_backward"], "grads": 0.0 if fsdp else state["grads"],
-            "backward_and_logits": working(after, not fsdp) + (head_p * grad_bytes - head_grad + after["weight_grad"]
-                                                               if fsdp else 0.0),
+            # (under FSDP `after` is `bwd`: the same fresh gradients)
+            "backward_and_logits": working(after, not fsdp) + (fresh_grads if fsdp else 0.0),
             "activations": saved(after)[0] - acts["activations"], "compute_copies": saved(after)[1] - acts["copies"],
             "fsdp_buffers": held + (gathering if plan.zero_stage >= 3 and fsdp else 0.0)}
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
