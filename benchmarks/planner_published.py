@@ -112,6 +112,9 @@ class Run:
     """Megatron-LM (2021-22) and BLOOM ran attention unfused (batched GEMMs, a fused scale + mask + softmax kernel:
     Training.fused_attention) with Megatron's default dropout of 0.1 (BLOOM's README: "The default Megatron-LM
     dropout settings are inherited"; Korthikanti et al. count its masks); Llama 3 a fused kernel, no dropout."""
+    fused_rmsnorm: bool = True
+    """Whether torch.nn.RMSNorm ran as torch's fused kernel (Training.fused_rmsnorm): on a GPU since torch 2.8
+    (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -297,6 +300,8 @@ def bloom_runs() -> list[Run]:
 # recipe), local batch 2, eager (the rows with torch.compile or Float8 are left out: the planner models neither).
 # "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 500 W; 400 Gb/s RDMA per GPU.
 # Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"), TPS/GPU read at step 90.
+# Its norm was torch.nn.RMSNorm (torchtitan's build_norm, "rmsnorm"), composite on a GPU until torch 2.8: torchtitan
+# issue 374 (2024) waits for "the CUDA kernel when it is ready in core", which came with pytorch PR 153666 (2025).
 TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
               "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
 
@@ -310,7 +315,7 @@ def torchtitan_runs() -> list[Run]:
                         TORCHTITAN, f"table {table}, FSDP row: {tps:,} TPS/GPU, {mem} GiB (local batch 2, global "
                         f"{2 * n}, selective AC)", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem,
                         gpu="h100", system="torchtitan", gpu_memory_gib=96, mem_bandwidth_tbs=2.4,
-                        search=n == 8))
+                        search=n == 8, fused_rmsnorm=False))
     return runs
 
 
@@ -535,10 +540,13 @@ def cluster_of(run: Run) -> Cluster:
 
 def training_of(run: Run) -> Training:
     if run.system is not None:
-        return Training(seq_len=run.seq, global_batch=run.batch, **SYSTEMS[run.system].training_fields())
+        return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
+                        **SYSTEMS[run.system].training_fields())
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
+    # (layout 'torch' is shardwise's engine, eager elementwise operators included)
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
-                    fused_attention=run.fused_attention, dropout=not run.fused_attention)
+                    fused_attention=run.fused_attention, dropout=not run.fused_attention,
+                    elementwise="eager" if run.layout == "torch" else "fused")
 
 
 def given_plan(run: Run):

@@ -1317,6 +1317,48 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(precision):
+    """The eager elementwise traffic is read from a table; counted again on the engine's block it is the table's;
+    the table's coefficients give the traffic of blocks of other shapes exactly (counted on each); its ffn
+    coefficients are a hand count of SiLU and the gate's product; and the time model charges those bytes at the
+    elementwise bandwidth, with torch's fused RMSNorm in place of the composite one."""
+    from shardwise.planner.opcount import block_elementwise_bytes, elementwise_traffic
+    from shardwise.planner.operators import ELEMENTWISE
+    from shardwise.planner.timing import eager_elementwise_bytes, layer_times
+
+    table = ELEMENTWISE[precision]
+    assert elementwise_traffic(precision) == table
+    for dim, heads, kv_heads, ffn in ((96, 6, 3, 224), (256, 16, 4, 768), (64, 2, 1, 96)):
+        widths = (dim, kv_heads * dim // heads, ffn, dim // heads, 1)
+        predicted = [sum(c * w for c, w in zip(coefficients, widths)) for coefficients in (table.forward,
+                                                                                           table.backward)]
+        assert list(block_elementwise_bytes(precision, dim, heads, kv_heads, ffn)) == pytest.approx(predicted,
+                                                                                                   rel=1e-9)
+    # forward: silu reads h1 and writes its output, the product reads both operands and writes one (5 passes);
+    # backward: the product's two gradients (read g and an operand, write one: 6), silu_backward (read g and h1,
+    # write one: 3); every one of these tensors in the matmuls' output dtype
+    size = 4 if precision == "fp32" else 2
+    assert table.forward[2] == 5 * size and table.backward[2] == 9 * size
+
+    args = preset("llama3-8b")
+    acc = accelerator("h100")
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    plan = Plan(micro_batch=1, grad_accum=1)
+    for fused_norm in (False, True):
+        training = Training(seq_len=2048, global_batch=1, precision=precision, elementwise="eager",
+                            fused_rmsnorm=fused_norm)
+        t = layer_times(args, training, plan, acc)
+        forward = sum(c * w for c, w in zip(table.forward, (4096, 1024, 14336, 128, 1)))
+        backward = sum(c * w for c, w in zip(table.backward, (4096, 1024, 14336, 128, 1)))
+        if fused_norm:  # fp32 residual stream: 2 norms x (read + write), and x (read 2, write 1) in backward
+            forward += 4096 * (2 * 2 * 4 - table.norm_forward)
+            backward += 4096 * (2 * 3 * 4 - table.norm_backward)
+        assert eager_elementwise_bytes(args, training, plan) == pytest.approx((forward, backward), rel=1e-12)
+        assert (t["elementwise"], t["elementwise_bwd"]) == pytest.approx((2048 * forward / bandwidth,
+                                                                          2048 * backward / bandwidth), rel=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_pinned_qlora_dequantisation_is_what_the_engines_block_dispatches(precision):
     """QLoRA's dequantisation cost is read from a table; counted again on the engine's QLoRA block against its LoRA
     block under this torch and torchao, it is the table's; and it is priced: QLoRA's step is the LoRA step plus

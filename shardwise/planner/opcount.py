@@ -25,7 +25,7 @@ from shardwise.loss import token_loss_sum
 from shardwise.model import Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
-from shardwise.planner.operators import OpCounts, moe_structure
+from shardwise.planner.operators import Elementwise, OpCounts, moe_structure
 
 
 class OpCounter(TorchDispatchMode):
@@ -230,3 +230,88 @@ def moe_op_table() -> dict[tuple[bool, bool, bool, bool], tuple[int, float, int]
     """operators.MOE_OP_COUNTS as counted on this torch and this shardwise.moe (print it to pin it again)."""
     structures = itertools.product((True, False), repeat=4)
     return {s: _moe_counts(_moe_base(ModelArgs(n_heads=2, n_kv_heads=1), s)) for s in structures}
+
+
+NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+                   "_scaled_dot_product_cudnn_attention_backward"}
+"""Operators the time model prices on their own: the matmuls (by shape) and the attention kernel."""
+NO_TRAFFIC = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+"""Operators that move no data and whose schema does not say so: a view without an alias annotation, and
+allocations (their output is written by the next operator, which is counted)."""
+
+
+class ElementwiseCounter(OpCounter):
+    """Bytes read and written by the operators that are neither matmuls nor attention nor views (an operator that
+    returns an alias of an input without writing it moves nothing; an in-place or out= one is counted): what eager
+    PyTorch spends memory bandwidth on besides the GEMMs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if (name in NOT_ELEMENTWISE or name in NO_TRAFFIC
+                or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def block_elementwise_bytes(precision: str, dim: int, n_heads: int, n_kv_heads: int, ffn: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token of one dense block's elementwise operators on the engine's model, under
+    the precision's autocast: a 2-block model less a 1-block one (one block), at 2 x 64 tokens less at 2 x 32 (per
+    token: what does not scale with tokens, weight casts and weight gradients, drops out)."""
+    from shardwise.loss import autocast_context
+
+    counts = {}
+    for n_layers, seq in itertools.product((1, 2), (32, 64)):
+        args = ModelArgs(name="opcount", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                         ffn_hidden=ffn, vocab_size=32, max_seq_len=seq)
+        torch.manual_seed(0)
+        model = Transformer(args)
+        fuse_head_loss(model)
+        tokens = torch.randint(0, args.vocab_size, (2, seq))
+
+        def forward():
+            with autocast_context(precision, torch.device("cpu")):
+                return model(tokens, targets=tokens) if model.fused_loss else token_loss_sum(model(tokens), tokens)
+
+        forward().backward()  # warm-up
+        model.zero_grad(set_to_none=True)
+        with ElementwiseCounter() as fwd:
+            loss = forward()
+        with ElementwiseCounter() as bwd:
+            loss.backward()
+        counts[n_layers, seq] = (fwd.bytes, bwd.bytes)
+    return tuple((counts[2, 64][i] - counts[1, 64][i] - counts[2, 32][i] + counts[1, 32][i]) / (2 * 32)
+                 for i in (0, 1))
+
+
+@functools.cache
+def elementwise_traffic(precision: str) -> Elementwise:
+    """operators.ELEMENTWISE[precision] as counted now: bytes per token of one dense block's eager elementwise
+    operators (RMSNorms, RoPE, SwiGLU, residual adds, autocast's casts), forward and backward, as coefficients of
+    (dim, kv dim, ffn hidden), and of them the two RMSNorms' composite form per dim element.
+
+    Counted by block_elementwise_bytes at shapes that move dim (with the heads: head_dim 16), KV heads, ffn hidden
+    and head_dim one at a time from a base. Every operator's tensors are one of these widths per token (RoPE's cos
+    and sin tables: a head_dim) or a scalar per token (the norms' statistics), so the five solve it."""
+    base, wide, kv, ffn, heads = (block_elementwise_bytes(precision, *shape) for shape in (
+        (64, 4, 2, 96), (128, 8, 4, 96), (64, 4, 4, 96), (64, 4, 2, 160), (64, 2, 1, 96)))
+    coefficients = []
+    for i in (0, 1):
+        per_kv = (kv[i] - base[i]) / 32
+        per_ffn = (ffn[i] - base[i]) / 64
+        per_dim = (wide[i] - base[i] - 32 * per_kv) / 64  # dim 64 -> 128 moves the kv dim 32 -> 64 too
+        per_head_dim = (heads[i] - base[i]) / 16  # half the heads of twice the size: only head_dim moves
+        per_token = base[i] - 64 * per_dim - 32 * per_kv - 96 * per_ffn - 16 * per_head_dim  # statistics (rstd)
+        coefficients.append((per_dim, per_kv, per_ffn, per_head_dim, per_token))
+    norm = []  # one RMSNorm's (forward, backward) bytes per token at width 64 and 128
+    for width in (64, 128):
+        x = torch.randn(2, 32, width, requires_grad=True)
+        with ElementwiseCounter() as norm_fwd:
+            y = torch.nn.RMSNorm(width)(x)
+        with ElementwiseCounter() as norm_bwd:
+            y.sum().backward()
+        norm.append((norm_fwd.bytes / 64, norm_bwd.bytes / 64))
+    # the block's two norms, per dim element
+    return Elementwise(*coefficients, *(2 * (norm[1][i] - norm[0][i]) / 64 for i in (0, 1)))

@@ -70,6 +70,31 @@ QLORA_DEQUANT: dict[str, Dequant] = {
 }
 
 
+@dataclass(frozen=True)
+class Elementwise:
+    """Bytes one dense block's eager elementwise operators read and write per token (opcount.elementwise_traffic):
+    every operator of the engine's block that is neither a matmul nor the attention kernel nor a view, each its
+    own pass over memory, as eager PyTorch runs them (RMSNorm's composite form, RoPE, SiLU and the gate's product,
+    the residual adds, autocast's casts of each matmul's input and their backwards)."""
+
+    forward: tuple[float, float, float, float, float]
+    """Forward bytes per token per element of (dim, kv dim, ffn hidden, head_dim: RoPE's cos and sin, and 1: the
+    norms' statistics)."""
+    backward: tuple[float, float, float, float, float]
+    """Backward bytes per token, the same way."""
+    norm_forward: float
+    """Of the forward's dim coefficient, the two RMSNorms' composite form (a GPU runs torch's fused kernel)."""
+    norm_backward: float
+    """The same of the backward's."""
+
+
+# precision -> the engine's block's elementwise traffic (fp16 and fp8 run bf16's: the same casts, 2-byte activations)
+ELEMENTWISE: dict[str, Elementwise] = {
+    "fp32": Elementwise((104.0, 24.0, 20.0, 8.0, 48.0), (276.0, 24.0, 36.0, 12.0, 72.0), 56.375, 200.25),
+    "bf16": Elementwise((118.0, 12.0, 10.0, 10.0, 48.0), (306.0, 12.0, 18.0, 6.0, 72.0), 56.375, 200.25),
+}
+
+
 def moe_structure(args: ModelArgs) -> tuple[bool, bool, bool, bool]:
     """What sets an MoE block's operators: (route_norm, shared experts, capacity, balancing loss). Softmax and
     sigmoid scores dispatch as many."""

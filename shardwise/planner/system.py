@@ -48,13 +48,16 @@ class System:
     """Under accumulation, sharded gradients reduced once per step or every micro-batch (Training.grad_sync)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps (Training.selective)."""
+    elementwise: str = "fused"
+    """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
     source: str = ""
     """Where the choices are read from."""
 
     def __post_init__(self):
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
-                  ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS))
+                  ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
+                  ("elementwise", self.elementwise, ("fused", "eager")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -66,19 +69,21 @@ class System:
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
-                "selective": self.selective}
+                "selective": self.selective, "elementwise": self.elementwise}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
            "fused with the loss where it is a plain linear (vocabulary-parallel under TP), selective checkpointing "
-           "keeps every matmul output",
+           "keeps every matmul output, eager elementwise operators",
+           elementwise="eager",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
                   "shardwise.activation_checkpoint"),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
-           "op-level selective checkpointing (every second matmul recomputed)",
-           layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
+           "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
+           "torch.compile)",
+           layout="fsdp-mp", elementwise="eager", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
            grad_sync="micro-batch",
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "

@@ -42,7 +42,7 @@ from shardwise.planner.memory import (
     state_bytes_per_param,
     zero_bubble_chunks,
 )
-from shardwise.planner.operators import QLORA_DEQUANT, op_counts, optimizer_ops
+from shardwise.planner.operators import ELEMENTWISE, QLORA_DEQUANT, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training, recipe_for
 
@@ -118,11 +118,37 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         a, extra = training.act_bytes, (2 * training.act_bytes + 1 if training.dropout else 0)
         attn = mm_attn + elements * (4 * a + extra) / bandwidth
         attn_bwd = 2 * mm_attn + elements * (7 * a + extra) / bandwidth
-    # elementwise kernels write each saved tensor once and read it once
-    elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
-                                             moe=moe) / bandwidth
+    if training.elementwise == "eager" and not moe:
+        elementwise, elementwise_bwd = (q_tokens * b / bandwidth for b in eager_elementwise_bytes(args, training, plan))
+    else:
+        # fused kernels write each saved tensor once and read it once; backward reads and writes twice as much
+        elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
+                                                 moe=moe) / bandwidth
+        elementwise_bwd = 2 * elementwise
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "attention": attn,
-            "attention_bwd": attn_bwd, "elementwise": elementwise}
+            "attention_bwd": attn_bwd, "elementwise": elementwise, "elementwise_bwd": elementwise_bwd}
+
+
+def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan) -> tuple[float, float]:
+    """Bytes per token one dense block's eager elementwise operators read and write on one rank, (forward,
+    backward): the traffic counted on the engine's block (operators.ELEMENTWISE), per element of the dim, the KV
+    and the ffn widths, of head_dim (RoPE's tables) and per token. Under tp the KV and ffn widths are split; the
+    dim-wide traffic (norms, residual adds, casts, RoPE on q) only with sequence parallelism: without it that
+    overcounts RoPE on q, with it it undercounts the casts of an all-gathered norm output. Where the RMSNorm is
+    torch's fused kernel (a GPU), the two norms' composite passes are replaced by its own: forward reads the input
+    and writes the output, backward reads the gradient and the input and writes the input's gradient, in the
+    residual stream's dtype."""
+    counted = ELEMENTWISE["fp32" if training.precision == "fp32" else "bf16"]
+    dim = args.dim / (plan.tp if plan.sequence_parallel else 1)
+    widths = (dim, args.n_kv_heads * args.head_dim / kv_split(args, plan.tp), args.ffn_hidden / plan.tp,
+              args.head_dim, 1)
+    forward, backward = (sum(c * w for c, w in zip(coefficients, widths))
+                         for coefficients in (counted.forward, counted.backward))
+    if training.fused_rmsnorm:
+        stream = training.stream_bytes
+        forward += dim * (2 * 2 * stream - counted.norm_forward)
+        backward += dim * (2 * 3 * stream - counted.norm_backward)
+    return forward, backward
 
 
 def gemm_seconds(m: float, n: float, k: float, training: Training, acc: Accelerator) -> float:
@@ -198,7 +224,7 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     # frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
     fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head_fwd
-    bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + 2 * t["elementwise"]) + head_in
+    bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + t["elementwise_bwd"]) + head_in
     bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor
     if plan.activation_checkpoint == "full":
         recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"])

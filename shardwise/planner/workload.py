@@ -101,6 +101,12 @@ class Training:
     batched GEMMs over the whole s x s, the scores through a fused scale + mask + softmax kernel and dropout,
     each s x s tensor written to and read from memory, and the softmax output, dropout mask and dropout output
     kept for backward (Korthikanti et al.'s 5 a s^2 b bytes per layer, with dropout)."""
+    elementwise: Literal["fused", "eager"] = "eager"
+    """How the block's elementwise work runs: 'eager', one PyTorch operator at a time, each its own pass over memory
+    (shardwise's engine, torchtitan without torch.compile), priced by the traffic counted on the engine's block
+    (operators.ELEMENTWISE); or 'fused' kernels that write each tensor backward keeps once and read it once
+    (Megatron's fused norms, bias-GeLU, bias-dropout-add; a compiled block; llm-foundry's one-kernel LayerNorm
+    and GELU)."""
     attention_kernel: str = "flash2"
     """The fused attention kernel, whose share of peak the accelerator's catalogue entry gives where its paper
     states one (hardware.KERNEL_EFFICIENCY): flash1, flash2 (torch's SDPA), flash3, cudnn."""
@@ -137,6 +143,9 @@ class Training:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise PlannerError("--system attention_kernel", f"unknown kernel {self.attention_kernel!r}",
                                f"use one of {', '.join(ATTENTION_KERNELS)}")
+        if self.elementwise not in ("fused", "eager"):
+            raise PlannerError("--system elementwise", f"unknown elementwise mode {self.elementwise!r}",
+                               "use fused or eager")
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
