@@ -1320,7 +1320,7 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
 def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(precision):
     """The eager elementwise traffic is read from a table; counted again on the engine's block it is the table's;
     the table's coefficients give the traffic of blocks of other shapes exactly (counted on each); its ffn
-    coefficients are a hand count of SiLU and the gate's product; and the time model charges those bytes at the
+    coefficients and the composite norms' forward are hand counts; and the time model charges those bytes at the
     elementwise bandwidth, with torch's fused RMSNorm in place of the composite one."""
     from shardwise.planner.opcount import block_elementwise_bytes, elementwise_traffic
     from shardwise.planner.operators import ELEMENTWISE
@@ -1339,6 +1339,9 @@ def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(pr
     # write one: 3); every one of these tensors in the matmuls' output dtype
     size = 4 if precision == "fp32" else 2
     assert table.forward[2] == 5 * size and table.backward[2] == 9 * size
+    # each composite RMSNorm's forward on the fp32 residual: pow (read, write), mean (read), x * rstd (read,
+    # write), * weight (read, write): 7 fp32 passes per element, two norms
+    assert table.norm_forward == 2 * 7 * 4
 
     args = preset("llama3-8b")
     acc = accelerator("h100")

@@ -305,13 +305,14 @@ def elementwise_traffic(precision: str) -> Elementwise:
         per_head_dim = (heads[i] - base[i]) / 16  # half the heads of twice the size: only head_dim moves
         per_token = base[i] - 64 * per_dim - 32 * per_kv - 96 * per_ffn - 16 * per_head_dim  # statistics (rstd)
         coefficients.append((per_dim, per_kv, per_ffn, per_head_dim, per_token))
-    norm = []  # one RMSNorm's (forward, backward) bytes per token at width 64 and 128
-    for width in (64, 128):
-        x = torch.randn(2, 32, width, requires_grad=True)
+    norm = {}  # one RMSNorm's (forward, backward) bytes at width 64 and 128, over 64 and 128 tokens
+    for width, tokens in itertools.product((64, 128), (64, 128)):
+        x = torch.randn(2, tokens // 2, width, requires_grad=True)
         with ElementwiseCounter() as norm_fwd:
             y = torch.nn.RMSNorm(width)(x)
         with ElementwiseCounter() as norm_bwd:
             y.sum().backward()
-        norm.append((norm_fwd.bytes / 64, norm_bwd.bytes / 64))
-    # the block's two norms, per dim element
-    return Elementwise(*coefficients, *(2 * (norm[1][i] - norm[0][i]) / 64 for i in (0, 1)))
+        norm[width, tokens] = (norm_fwd.bytes, norm_bwd.bytes)
+    # the block's two norms, per token (the weight's reads drop out) and dim element (the statistics drop out)
+    return Elementwise(*coefficients, *(2 * (norm[128, 128][i] - norm[64, 128][i] - norm[128, 64][i]
+                                             + norm[64, 64][i]) / (64 * 64) for i in (0, 1)))

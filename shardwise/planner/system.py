@@ -48,7 +48,7 @@ class System:
     """Under accumulation, sharded gradients reduced once per step or every micro-batch (Training.grad_sync)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps (Training.selective)."""
-    elementwise: str = "fused"
+    elementwise: str = "eager"
     """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
     source: str = ""
     """Where the choices are read from."""
@@ -76,14 +76,13 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
            "fused with the loss where it is a plain linear (vocabulary-parallel under TP), selective checkpointing "
            "keeps every matmul output, eager elementwise operators",
-           elementwise="eager",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
                   "shardwise.activation_checkpoint"),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
            "torch.compile)",
-           layout="fsdp-mp", elementwise="eager", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
+           layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
            grad_sync="micro-batch",
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
@@ -93,11 +92,13 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "recompute of the attention core",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
+           elementwise="fused",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
+           elementwise="fused",
            selective="attention-core",
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4"),
@@ -105,6 +106,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "compute; bf16 residual stream; logits materialised in bf16 and flash-attn's cross-entropy kernel; "
            "FlashAttention-1 (flash-attn 1.0.9, its [gpu] extra at v0.3.0, which its benchmarks installed)",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
+           elementwise="fused",
            attention_kernel="flash1",
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; setup.py at "
@@ -113,6 +115,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, materialised logits and an fp32 loss, fused attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
+           elementwise="fused",
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
 )}
 
