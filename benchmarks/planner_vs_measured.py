@@ -69,9 +69,7 @@ def threads_of(plan: Plan, threads: int | None) -> int:
 
 
 def training() -> Training:
-    # CPU: the composite RMSNorm (what `shardwise plan` assumes for a CPU profile)
-    return Training(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32", optimizer="adamw",
-                    fused_rmsnorm=False)
+    return Training(seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32", optimizer="adamw")
 
 
 def calibrate_profiles(kinds: set[tuple[int, int]], out_dir: Path, iters: int) -> dict[tuple[int, int], Path]:

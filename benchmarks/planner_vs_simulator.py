@@ -46,7 +46,7 @@ def main() -> None:
 
     random.seed(args.seed)
     model = dataclasses.replace(preset(args.model), n_layers=args.layers)
-    training = Training(seq_len=2048, global_batch=2 * args.gpus, precision="bf16", fused_rmsnorm=False,
+    training = Training(seq_len=2048, global_batch=2 * args.gpus, precision="bf16",
                         fragmentation=0.0, fixed_overhead_gib=0.0)
     plans = random.sample(list(plan_space(model, training, Cluster(accelerator("h100"), args.gpus))), args.plans)
     ratios = []

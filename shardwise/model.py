@@ -21,7 +21,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardwise import nf4
 from shardwise.loss import head_loss_sum
@@ -80,6 +80,61 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Te
     return out
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm, with its forward and backward written out for fp32 on a CPU (`_RMSNorm`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight is None or weight.dtype != torch.float32
+                or self.eps is None or torch.compiler.is_compiling()):  # inductor fuses the plain form
+            return super().forward(x)
+        if not isinstance(x, DTensor) and not isinstance(weight, DTensor):  # fake tensors too (the simulator)
+            return _RMSNorm.apply(x, weight, self.eps)
+        # sequence parallelism: tokens sharded, the weight replicated. Each rank normalises its own tokens; its
+        # weight gradient is its tokens' share of the sum (Partial over the mesh dims that shard the tokens),
+        # which DTensor reduces as it does torch's form's.
+        if (isinstance(x, DTensor) and isinstance(weight, DTensor) and x.device_mesh == weight.device_mesh
+                and all(isinstance(p, Replicate) for p in weight.placements)
+                and all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % x.ndim != x.ndim - 1)
+                        for p in x.placements)):
+            grad_w = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
+            local = _RMSNorm.apply(x.to_local(), weight.to_local(grad_placements=grad_w), self.eps)
+            return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+        return super().forward(x)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, fp32, on a CPU.
+
+    Why our own: torch 2.13's `rms_norm` is one fused kernel on a GPU but the composite form on a CPU (a square,
+    a mean, a product with rstd and one with the weight, each a pass over x, and autograd's backward of each:
+    28 bytes per element forward, 100 backward, counted by planner.opcount). This reads x once for its norm
+    (`vector_norm`, no x^2 written) and saves only (x, rstd), as the GPU kernel does: 20 bytes forward. The
+    backward is the closed form, its two reductions (over a row, over a column) of g * x matrix-vector products:
+    52 bytes, counted the same way. Values agree with the composite's to fp32 rounding. Under sequence
+    parallelism each rank runs it on its own tokens (RMSNorm.forward).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        dim = x.shape[-1]
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(dim).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(x, rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        dim = x.shape[-1]
+        gx = torch.mul(grad, x).view(-1, dim)
+        # the weight's gradient: sum over tokens of rstd g x (a frozen weight, LoRA's, has none)
+        grad_w = torch.mv(gx.t(), rstd.view(-1)) if ctx.needs_input_grad[1] else None
+        # dx = rstd g w - x rstd^3 mean(g w x)
+        coef = torch.mv(gx, weight).view(rstd.shape).mul_(rstd.pow(3)).div_(-dim)
+        grad_x = torch.mul(grad, weight).mul_(rstd).addcmul_(x, coef)
+        return grad_x, grad_w, None
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim); k and v may have fewer (grouped) heads."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -129,9 +184,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_moe_layer(layer):
             shared = FeedForward(args, args.n_shared_experts * args.expert_hidden) if args.n_shared_experts else None
             self.moe = MoE(args, shared)
@@ -150,7 +205,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # recomputed, never saved: it is a function of the shape, so checkpoints carry only weights
         self.register_buffer("rope", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)

@@ -115,3 +115,41 @@ def test_fused_head_loss_survives_the_zero_bubble_split_backward():
     torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="ran twice with different"):
         torch.autograd.grad(loss * 0.5, [weight])
+
+
+def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivative():
+    """The engine's fp32 CPU RMSNorm (model._RMSNorm) against torch's rms_norm: the same output and gradients to
+    fp32 rounding; its hand-written backward against finite differences (float64); a frozen weight gets no
+    gradient; other dtypes take torch's own form."""
+    from shardwise.model import RMSNorm, _RMSNorm
+
+    x64 = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNorm.apply(x, w, 1e-5), (x64, w64))
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 32, 64) * 3
+    grad = torch.randn(4, 32, 64)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = norm(ours)
+    assert out.grad_fn.name() == "_RMSNormBackward"
+    out.backward(grad)
+    ours_w, norm.weight.grad = norm.weight.grad, None
+    ref = torch.nn.functional.rms_norm(theirs, (64,), norm.weight, 1e-5)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_w, norm.weight.grad, rtol=1e-5, atol=1e-5)
+
+    norm.weight.grad = None
+    norm.weight.requires_grad_(False)  # LoRA's frozen norms
+    frozen = x.clone().requires_grad_()
+    norm(frozen).backward(grad)
+    torch.testing.assert_close(frozen.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    assert norm.weight.grad is None
+
+    half = norm.to(torch.bfloat16)(x.to(torch.bfloat16).requires_grad_())
+    assert half.grad_fn.name() != "_RMSNormBackward"

@@ -158,8 +158,8 @@ def test_activation_memory_matches_saved_tensors(mode):
         engine_loss(model, tokens, targets)
 
     measured = measure_saved(model, run, mode)
-    # CPU RMSNorm is the composite kernel (saves x * rstd too)
-    training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False)
+    # the engine's RMSNorm saves (input, rstd), on a CPU as torch's fused kernel does on a GPU
+    training = Training(seq_len=s, global_batch=b, precision="fp32")
     plan = Plan(micro_batch=b, activation_checkpoint=mode)
     predicted = (args.n_layers * layer_activation_bytes(args, training, plan)
                  + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan))
@@ -179,7 +179,7 @@ def test_activation_memory_under_autocast_matches_saved_tensors():
             engine_loss(model, tokens, tokens + 0)
 
     measured = measure_saved(model, run, "none")
-    training = Training(seq_len=s, global_batch=b, precision="bf16", layout="torch", fused_rmsnorm=False)
+    training = Training(seq_len=s, global_batch=b, precision="bf16", layout="torch")
     plan = Plan(micro_batch=b)
     predicted = (args.n_layers * layer_activation_bytes(args, training, plan)
                  + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan)
@@ -214,7 +214,7 @@ def test_tensor_parallel_rank_activations(tp):
         x.sum()
 
     measured = measure_saved(model, run, "none")
-    training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False)
+    training = Training(seq_len=s, global_batch=b, precision="fp32")
     predicted = args.n_layers * layer_activation_bytes(args, training, Plan(tp=tp, micro_batch=b))
     assert predicted == pytest.approx(measured, rel=0.10)
 
@@ -701,8 +701,8 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
     cfg.model = dataclasses.replace(cfg.model, n_layers=4)
     measured = simulate_rank(cfg, world, 0).peak_step
     p = cfg.parallel
-    # the tracker counts tensors: no fragmentation or CUDA-context allowance; CPU kernels: composite RMSNorm
-    training = Training(seq_len=4096, global_batch=p.dp, precision="bf16", fused_rmsnorm=False,
+    # the tracker counts tensors: no fragmentation or CUDA-context allowance
+    training = Training(seq_len=4096, global_batch=p.dp, precision="bf16",
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0)
     layout = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, cp=p.cp, zero_stage=p.zero_stage,
                   activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel)
@@ -729,7 +729,7 @@ def test_accumulated_gradients_match_the_simulator_at_1024_ranks():
     cfg.model = dataclasses.replace(cfg.model, n_layers=4)
     assert cfg.train.grad_accum == 2
     measured = simulate_rank(cfg, world, 0).peak_step
-    training = Training(seq_len=4096, global_batch=2 * world, precision="bf16", fused_rmsnorm=False,
+    training = Training(seq_len=4096, global_batch=2 * world, precision="bf16",
                         fragmentation=0.0, fixed_overhead_gib=0.0)
     plan = Plan(dp_shard=world, zero_stage=3, grad_accum=2)
     predicted = simulator_categories(stage_memory(cfg.model, training, plan, 0))
@@ -771,7 +771,7 @@ def test_zero_bubble_memory_matches_the_simulator(pp, cp, m, mb, recompute):
                            seq_len=2048, micro_batch=mb, precision="bf16")
     cfg.model = dataclasses.replace(cfg.model, n_layers=4 * pp)
     assert cfg.parallel.n_microbatches == m
-    training = Training(seq_len=2048, global_batch=mb * m * dp, precision="bf16", fused_rmsnorm=False,
+    training = Training(seq_len=2048, global_batch=mb * m * dp, precision="bf16",
                         fragmentation=0.0, fixed_overhead_gib=0.0)
     peaks = []
     for rank in range(pp):
@@ -799,7 +799,7 @@ def test_first_stage_adds_a_whole_embedding_gradient_under_accumulation():
     cfg.model = dataclasses.replace(cfg.model, n_layers=4)
     plan = Plan(pp=4, cp=4, dp_replicate=4, zero_stage=1, micro_batch=1, grad_accum=32,
                 activation_checkpoint="selective")
-    training = Training(seq_len=2048, global_batch=128, precision="bf16", fused_rmsnorm=False, fragmentation=0.0,
+    training = Training(seq_len=2048, global_batch=128, precision="bf16", fragmentation=0.0,
                         fixed_overhead_gib=0.0)
     measured = simulate_rank(cfg, world, 0).peak_step
     assert measured.modules == ["ReplicateTransformer.tok_embeddings"]
@@ -827,7 +827,7 @@ def test_a_middle_stage_peaks_in_the_down_projections_backward_under_accumulatio
                            world, seq_len=2048, micro_batch=1, precision=precision)
     cfg.model = dataclasses.replace(cfg.model, n_layers=3)
     plan = Plan(pp=3, micro_batch=1, grad_accum=8, activation_checkpoint=recompute, pp_schedule="1f1b")
-    training = Training(seq_len=2048, global_batch=8, precision=precision, fused_rmsnorm=False, fragmentation=0.0,
+    training = Training(seq_len=2048, global_batch=8, precision=precision, fragmentation=0.0,
                         fixed_overhead_gib=0.0)
     measured = simulate_rank(cfg, world, 1).peak_step
     assert measured.modules == ["Transformer.layers.1.feed_forward.w2"] and measured.phase == "backward"
@@ -853,7 +853,7 @@ def test_an_fsdp_pipeline_keeps_its_stage_gathered_between_backwards():
     cfg.model = dataclasses.replace(cfg.model, n_layers=3)
     plan = Plan(pp=3, dp_shard=2, zero_stage=3, micro_batch=1, grad_accum=8, activation_checkpoint="full",
                 pp_schedule="1f1b")
-    training = Training(seq_len=2048, global_batch=16, precision="bf16", fused_rmsnorm=False, fragmentation=0.0,
+    training = Training(seq_len=2048, global_batch=16, precision="bf16", fragmentation=0.0,
                         fixed_overhead_gib=0.0)
     for stage in range(3):
         measured = simulate_rank(cfg, world, stage * 2).peak_step.peak_bytes
@@ -900,7 +900,7 @@ def test_adapter_model_state_matches_the_simulator_under_fsdp(config, overrides)
     measured = simulate_rank(cfg, 2, 0).peak_step.model_state
     t = cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * 2, precision=t.precision,
-                        optimizer=cfg.optim.name, layout="torch", fused_rmsnorm=False, lora_rank=cfg.lora.rank,
+                        optimizer=cfg.optim.name, layout="torch", lora_rank=cfg.lora.rank,
                         qlora=cfg.lora.qlora, fragmentation=0.0, fixed_overhead_gib=0.0)
     layout = Plan(**dataclasses.asdict(cfg.parallel), micro_batch=t.micro_batch, grad_accum=t.grad_accum)
     state = moment_memory(cfg.model, training, layout, 0)["optimizer_step"]  # model state and nothing else
@@ -1049,8 +1049,9 @@ def test_op_overhead_adds_on_a_cpu_and_hides_behind_kernels_on_a_gpu():
     per_op = 1e-5
     ops = model.n_layers * c.block + c.rest
     assert step(op_overhead_s=per_op) - step() == pytest.approx(ops * per_op)
-    # asynchronous launches: only the part beyond the micro-batch's compute shows
-    compute = evaluate(model, train, plan, Cluster(base, 1)).time.compute_s
+    # asynchronous launches: only the part beyond the micro-batch's compute shows (a GPU's compute: its norms are
+    # torch's fused kernel, a CPU's the engine's own)
+    compute = evaluate(model, train, plan, Cluster(dataclasses.replace(base, launch_async=True), 1)).time.compute_s
     assert step(op_overhead_s=per_op, launch_async=True) - step(launch_async=True) == pytest.approx(
         max(0.0, ops * per_op - compute))
     assert step(op_overhead_s=2 * compute / ops, launch_async=True) - step(launch_async=True) == pytest.approx(
@@ -1320,8 +1321,9 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
 def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(precision):
     """The eager elementwise traffic is read from a table; counted again on the engine's block it is the table's;
     the table's coefficients give the traffic of blocks of other shapes exactly (counted on each); its ffn
-    coefficients and the composite norms' forward are hand counts; and the time model charges those bytes at the
-    elementwise bandwidth, with torch's fused RMSNorm in place of the composite one."""
+    coefficients and the forward of both norm forms are hand counts; and the time model charges those bytes at
+    the elementwise bandwidth: the engine's norms on a CPU, torch's fused kernel in their place on a GPU, or
+    torch's composite form."""
     from shardwise.planner.opcount import block_elementwise_bytes, elementwise_traffic
     from shardwise.planner.operators import ELEMENTWISE
     from shardwise.planner.timing import eager_elementwise_bytes, layer_times
@@ -1339,24 +1341,30 @@ def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(pr
     # write one: 3); every one of these tensors in the matmuls' output dtype
     size = 4 if precision == "fp32" else 2
     assert table.forward[2] == 5 * size and table.backward[2] == 9 * size
-    # each composite RMSNorm's forward on the fp32 residual: pow (read, write), mean (read), x * rstd (read,
-    # write), * weight (read, write): 7 fp32 passes per element, two norms
-    assert table.norm_forward == 2 * 7 * 4
+    # each RMSNorm's forward on the fp32 residual, two norms a block. The engine's: the norm reads x, x * rstd
+    # reads x and writes, * weight reads and writes in place: 5 fp32 passes per element. torch's composite: pow
+    # (read, write), mean (read), x * rstd (read, write), * weight (read, write): 7
+    assert table.norm_forward == 2 * 5 * 4 and table.composite_forward == 2 * 7 * 4
 
     args = preset("llama3-8b")
-    acc = accelerator("h100")
-    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    gpu = accelerator("h100")
+    cpu = dataclasses.replace(gpu, name="cpu-bench", launch_async=False)  # what shardwise bench writes on a CPU
+    bandwidth = gpu.mem_bandwidth * gpu.bandwidth_efficiency
     plan = Plan(micro_batch=1, grad_accum=1)
-    for fused_norm in (False, True):
+    for acc, fused_norm in ((gpu, False), (gpu, True), (cpu, True)):
         training = Training(seq_len=2048, global_batch=1, precision=precision, elementwise="eager",
                             fused_rmsnorm=fused_norm)
         t = layer_times(args, training, plan, acc)
         forward = sum(c * w for c, w in zip(table.forward, (4096, 1024, 14336, 128, 1)))
         backward = sum(c * w for c, w in zip(table.backward, (4096, 1024, 14336, 128, 1)))
-        if fused_norm:  # fp32 residual stream: 2 norms x (read + write), and x (read 2, write 1) in backward
+        if not fused_norm:  # torch's composite norms in place of the engine's
+            forward += 4096 * (table.composite_forward - table.norm_forward)
+            backward += 4096 * (table.composite_backward - table.norm_backward)
+        elif acc is gpu:  # fp32 residual stream: 2 norms x (read + write), and x (read 2, write 1) in backward
             forward += 4096 * (2 * 2 * 4 - table.norm_forward)
             backward += 4096 * (2 * 3 * 4 - table.norm_backward)
-        assert eager_elementwise_bytes(args, training, plan) == pytest.approx((forward, backward), rel=1e-12)
+        assert eager_elementwise_bytes(args, training, plan, cpu=acc is cpu) == pytest.approx(
+            (forward, backward), rel=1e-12)
         assert (t["elementwise"], t["elementwise_bwd"]) == pytest.approx((2048 * forward / bandwidth,
                                                                           2048 * backward / bandwidth), rel=1e-12)
 

@@ -164,7 +164,7 @@ def test_moe_activation_memory_matches_saved_tensors(mode, precision, moe):
             engine_loss(model, tokens, tokens + 0)
 
     measured = measure_saved(model, run, mode)
-    training = Training(seq_len=s, global_batch=b, precision=precision, fused_rmsnorm=False)
+    training = Training(seq_len=s, global_batch=b, precision=precision)
     plan = Plan(micro_batch=b, activation_checkpoint=mode)
     blocks = layer_activation_bytes(args, training, plan) + 2 * layer_activation_bytes(args, training, plan, moe=True)
     predicted = (blocks + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan)
@@ -200,7 +200,7 @@ def test_expert_exchange_saves_what_the_planner_counts_under_expert_parallelism(
             x = layer(x, model.rope[:, :s])
 
     measured = measure_saved(model, run, "none", exclude=[h])
-    training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False, expert_imbalance=1.0)
+    training = Training(seq_len=s, global_batch=b, precision="fp32", expert_imbalance=1.0)
     plan = Plan(micro_batch=b, dp_shard=2, zero_stage=3, ep=2)
     block_input = b * s * args.dim * 4  # the first block's input is `h`, left out of the measurement
     predicted = args.n_layers * layer_activation_bytes(args, training, plan, moe=True) - block_input
@@ -459,7 +459,7 @@ def test_moe_memory_matches_the_simulator(model, plan, world, changes, categorie
     cfg.model = dataclasses.replace(cfg.model, n_layers=4, **changes)
     measured = simulate_rank(cfg, world, 0).peak_step
     p = cfg.parallel
-    training = Training(seq_len=4096, global_batch=p.dp, precision="bf16", fused_rmsnorm=False,
+    training = Training(seq_len=4096, global_batch=p.dp, precision="bf16",
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0, expert_imbalance=1.0)
     layout = Plan(**dataclasses.asdict(p), micro_batch=1, grad_accum=1)
     predicted = simulator_categories(planner_stage_memory(cfg.model, training, layout, 0))

@@ -70,7 +70,7 @@ def test_alternate_matmul_policy_matches_saved_tensors():
     materialize(model, args, "cpu", 0)
     tokens = torch.randint(0, args.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     measured = measure_saved(model, lambda: engine_loss(model, tokens, tokens + 0), "selective", alternate=True)
-    training = Training(seq_len=s, global_batch=b, precision="fp32", fused_rmsnorm=False,
+    training = Training(seq_len=s, global_batch=b, precision="fp32",
                         selective="alternate-matmuls")
     plan = Plan(micro_batch=b, activation_checkpoint="selective")
     predicted = (args.n_layers * layer_activation_bytes(args, training, plan)

@@ -81,9 +81,8 @@ def build_inputs(ns: argparse.Namespace):
         batch = tokens // seq
     acc = resolve_accelerator(ns.gpu)
     system = system_of(ns)
-    # torch's CPU RMSNorm is the composite kernel (it also saves x * rstd); GPUs get the fused one
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
-                        lora_rank=ns.lora_rank, qlora=ns.qlora, fused_rmsnorm=not acc.name.startswith("cpu"),
+                        lora_rank=ns.lora_rank, qlora=ns.qlora,
                         expert_imbalance=ns.expert_imbalance, **system.training_fields())
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)

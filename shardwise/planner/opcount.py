@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # no public equivale
 
 from shardwise.config import OptimConfig
 from shardwise.loss import token_loss_sum
-from shardwise.model import Transformer, fuse_head_loss
+from shardwise.model import RMSNorm, Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
 from shardwise.planner.operators import Elementwise, OpCounts, moe_structure
@@ -290,7 +290,8 @@ def block_elementwise_bytes(precision: str, dim: int, n_heads: int, n_kv_heads: 
 def elementwise_traffic(precision: str) -> Elementwise:
     """operators.ELEMENTWISE[precision] as counted now: bytes per token of one dense block's eager elementwise
     operators (RMSNorms, RoPE, SwiGLU, residual adds, autocast's casts), forward and backward, as coefficients of
-    (dim, kv dim, ffn hidden), and of them the two RMSNorms' composite form per dim element.
+    (dim, kv dim, ffn hidden), and per dim element the two RMSNorms as the engine runs them on a CPU and in
+    torch's composite form (both counted apart on one norm).
 
     Counted by block_elementwise_bytes at shapes that move dim (with the heads: head_dim 16), KV heads, ffn hidden
     and head_dim one at a time from a base. Every operator's tensors are one of these widths per token (RoPE's cos
@@ -305,14 +306,17 @@ def elementwise_traffic(precision: str) -> Elementwise:
         per_head_dim = (heads[i] - base[i]) / 16  # half the heads of twice the size: only head_dim moves
         per_token = base[i] - 64 * per_dim - 32 * per_kv - 96 * per_ffn - 16 * per_head_dim  # statistics (rstd)
         coefficients.append((per_dim, per_kv, per_ffn, per_head_dim, per_token))
-    norm = {}  # one RMSNorm's (forward, backward) bytes at width 64 and 128, over 64 and 128 tokens
-    for width, tokens in itertools.product((64, 128), (64, 128)):
-        x = torch.randn(2, tokens // 2, width, requires_grad=True)
-        with ElementwiseCounter() as norm_fwd:
-            y = torch.nn.RMSNorm(width)(x)
-        with ElementwiseCounter() as norm_bwd:
-            y.sum().backward()
-        norm[width, tokens] = (norm_fwd.bytes, norm_bwd.bytes)
-    # the block's two norms, per token (the weight's reads drop out) and dim element (the statistics drop out)
-    return Elementwise(*coefficients, *(2 * (norm[128, 128][i] - norm[64, 128][i] - norm[128, 64][i]
-                                             + norm[64, 64][i]) / (64 * 64) for i in (0, 1)))
+    norms = []
+    for kind in (RMSNorm, torch.nn.RMSNorm):  # the engine's, and torch's composite form
+        norm = {}  # one RMSNorm's (forward, backward) bytes at width 64 and 128, over 64 and 128 tokens
+        for width, tokens in itertools.product((64, 128), (64, 128)):
+            x = torch.randn(2, tokens // 2, width, requires_grad=True)
+            with ElementwiseCounter() as norm_fwd:
+                y = kind(width, eps=1e-5)(x)
+            with ElementwiseCounter() as norm_bwd:
+                y.sum().backward()
+            norm[width, tokens] = (norm_fwd.bytes, norm_bwd.bytes)
+        # the block's two norms, per token (the weight's reads drop out) and dim element (the statistics drop out)
+        norms += [2 * (norm[128, 128][i] - norm[64, 128][i] - norm[128, 64][i] + norm[64, 64][i]) / (64 * 64)
+                  for i in (0, 1)]
+    return Elementwise(*coefficients, *norms)

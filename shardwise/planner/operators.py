@@ -42,10 +42,10 @@ class OpCounts:
 
 # (grouped-query attention, tied embeddings) -> counts
 OP_COUNTS: dict[tuple[bool, bool], OpCounts] = {
-    (False, False): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
-    (False, True): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
-    (True, False): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
-    (True, True): OpCounts(*(220, 57, 13, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
+    (False, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
+    (False, True): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
+    (True, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
+    (True, True): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
 }
 
 
@@ -83,15 +83,21 @@ class Elementwise:
     backward: tuple[float, float, float, float, float]
     """Backward bytes per token, the same way."""
     norm_forward: float
-    """Of the forward's dim coefficient, the two RMSNorms' composite form (a GPU runs torch's fused kernel)."""
+    """Of the forward's dim coefficient, the two RMSNorms as the engine runs them on a CPU (fp32:
+    shardwise.model._RMSNorm; a GPU runs torch's fused kernel)."""
     norm_backward: float
+    """The same of the backward's."""
+    composite_forward: float
+    """The two RMSNorms' forward in torch's composite form (torch.nn.RMSNorm on a CPU, and on a GPU before
+    torch 2.8), per dim element."""
+    composite_backward: float
     """The same of the backward's."""
 
 
 # precision -> the engine's block's elementwise traffic (fp16 and fp8 run bf16's: the same casts, 2-byte activations)
 ELEMENTWISE: dict[str, Elementwise] = {
-    "fp32": Elementwise((104.0, 24.0, 20.0, 8.0, 48.0), (276.0, 24.0, 36.0, 12.0, 72.0), 56.0, 200.0),
-    "bf16": Elementwise((118.0, 12.0, 10.0, 10.0, 48.0), (306.0, 12.0, 18.0, 6.0, 72.0), 56.0, 200.0),
+    "fp32": Elementwise((88.0, 24.0, 20.0, 8.0, 80.0), (180.0, 24.0, 36.0, 12.0, 88.0), 40.0, 104.0, 56.0, 200.0),
+    "bf16": Elementwise((102.0, 12.0, 10.0, 10.0, 80.0), (210.0, 12.0, 18.0, 6.0, 88.0), 40.0, 104.0, 56.0, 200.0),
 }
 
 

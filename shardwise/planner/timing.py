@@ -119,7 +119,8 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         attn = mm_attn + elements * (4 * a + extra) / bandwidth
         attn_bwd = 2 * mm_attn + elements * (7 * a + extra) / bandwidth
     if training.elementwise == "eager" and not moe:
-        elementwise, elementwise_bwd = (q_tokens * b / bandwidth for b in eager_elementwise_bytes(args, training, plan))
+        elementwise, elementwise_bwd = (q_tokens * b / bandwidth for b in eager_elementwise_bytes(
+            args, training, plan, cpu=not acc.launch_async))  # a CPU: launches are not asynchronous
     else:
         # fused kernels write each saved tensor once and read it once; backward reads and writes twice as much
         elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
@@ -129,22 +130,27 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
             "attention_bwd": attn_bwd, "elementwise": elementwise, "elementwise_bwd": elementwise_bwd}
 
 
-def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan) -> tuple[float, float]:
+def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan,
+                            cpu: bool = False) -> tuple[float, float]:
     """Bytes per token one dense block's eager elementwise operators read and write on one rank, (forward,
     backward): the traffic counted on the engine's block (operators.ELEMENTWISE), per element of the dim, the KV
     and the ffn widths, of head_dim (RoPE's tables) and per token. Under tp the KV and ffn widths are split; the
     dim-wide traffic (norms, residual adds, casts, RoPE on q) only with sequence parallelism: without it that
-    overcounts RoPE on q, with it it undercounts the casts of an all-gathered norm output. Where the RMSNorm is
-    torch's fused kernel (a GPU), the two norms' composite passes are replaced by its own: forward reads the input
-    and writes the output, backward reads the gradient and the input and writes the input's gradient, in the
-    residual stream's dtype."""
+    overcounts RoPE on q, with it it undercounts the casts of an all-gathered norm output. The table counts the
+    engine's RMSNorm on a CPU (`cpu`, shardwise.model._RMSNorm); torch's fused kernel (`fused_rmsnorm`, on a
+    GPU) replaces those two norms' passes with its own: forward reads the input and writes the output, backward
+    reads the gradient and the input and writes the input's gradient, in the residual stream's dtype; torch's
+    composite form (not `fused_rmsnorm`: a GPU before torch 2.8) with its counted passes."""
     counted = ELEMENTWISE["fp32" if training.precision == "fp32" else "bf16"]
     dim = args.dim / (plan.tp if plan.sequence_parallel else 1)
     widths = (dim, args.n_kv_heads * args.head_dim / kv_split(args, plan.tp), args.ffn_hidden / plan.tp,
               args.head_dim, 1)
     forward, backward = (sum(c * w for c, w in zip(coefficients, widths))
                          for coefficients in (counted.forward, counted.backward))
-    if training.fused_rmsnorm:
+    if not training.fused_rmsnorm:
+        forward += dim * (counted.composite_forward - counted.norm_forward)
+        backward += dim * (counted.composite_backward - counted.norm_backward)
+    elif not cpu:
         stream = training.stream_bytes
         forward += dim * (2 * 2 * stream - counted.norm_forward)
         backward += dim * (2 * 3 * stream - counted.norm_backward)

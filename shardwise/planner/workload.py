@@ -94,7 +94,8 @@ class Training:
     qlora: bool = False
     """Store the frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
     fused_rmsnorm: bool = True
-    """RMSNorm is one kernel saving (input, rstd); False for the composite form (CPU) that also saves x*rstd."""
+    """RMSNorm saves (input, rstd): torch's fused kernel on a GPU, the engine's own on a CPU (shardwise.model.RMSNorm);
+    False for torch's composite form (a GPU before torch 2.8, as torchtitan's 2024 runs), which also saves x*rstd."""
     fused_attention: bool = True
     """Attention is one fused kernel (FlashAttention, torch's SDPA): no s x s tensor in memory, causal tiles
     skipped. False: Megatron-LM's attention before FlashAttention (the 2021-22 runs, BLOOM): QK^T and AV as
