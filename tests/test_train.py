@@ -137,10 +137,11 @@ def test_activation_checkpointing_same_grads_fewer_saved_bytes():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
     # One block without recompute saves, in fp32 (counted from the ops, not from this code):
-    # 8 bsd: its input x, x*rstd and the norm's output, q after rotary, the attention output, h = x + attn,
-    #        and h*rstd and the norm's output; 2 bs: the two rstd; 2 bs kv: k after rotary, v;
+    # 6 bsd: its input x and the norm's output, q after rotary, the attention output, h = x + attn and the
+    #        norm's output (the engine's CPU RMSNorm saves its input and rstd, as torch's GPU kernel does; torch's
+    #        composite form also saved x*rstd and h*rstd); 2 bs: the two rstd; 2 bs kv: k after rotary, v;
     # b h s: attention's log-sum-exp; 4 bsf: gate, up, silu(gate), silu(gate) * up.
-    per_block = 4 * (8 * bsd + 2 * b * s + 2 * bskv + b * h * s + 4 * bsf)
+    per_block = 4 * (6 * bsd + 2 * b * s + 2 * bskv + b * h * s + 4 * bsf)
     # full: of each block's saves only its input remains (the checkpoint saves it to re-run the block), both
     # as autograd's hooks see it and in memory
     assert saved_none - saved_full == L * (per_block - 4 * bsd)
@@ -150,7 +151,7 @@ def test_activation_checkpointing_same_grads_fewer_saved_bytes():
     # output and log-sum-exp, wo, gate, up and w2 outputs (5 bsd + 2 bs kv + b h s + 2 bsf)
     kept = 4 * (5 * bsd + 2 * bskv + b * h * s + 2 * bsf)
     assert live_none - live_sel == L * (per_block - kept)
-    assert live_sel < 0.65 * live_none and live_full < 0.15 * live_none
+    assert live_sel < 0.7 * live_none and live_full < 0.15 * live_none
 
 
 def test_fp16_inf_gradient_skips_step_and_halves_scale():
