@@ -126,7 +126,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         dim = x.shape[-1]
-        gx = torch.mul(grad, x).view(-1, dim)
+        gx = torch.mul(grad, x).reshape(-1, dim)
         # the weight's gradient: sum over tokens of rstd g x (a frozen weight, LoRA's, has none)
         grad_w = torch.mv(gx.t(), rstd.view(-1)) if ctx.needs_input_grad[1] else None
         # dx = rstd g w - x rstd^3 mean(g w x)

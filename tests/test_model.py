@@ -144,6 +144,13 @@ def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivati
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours_w, norm.weight.grad, rtol=1e-5, atol=1e-5)
 
+    # a non-contiguous input, (32, 4, 64) seen as (4, 32, 64), under a broadcast gradient (a sum's)
+    strided, plain = x.transpose(0, 1).contiguous().requires_grad_(), x.clone().requires_grad_()
+    assert not strided.transpose(0, 1).is_contiguous()
+    norm(strided.transpose(0, 1)).sum().backward()
+    torch.nn.functional.rms_norm(plain, (64,), norm.weight, 1e-5).sum().backward()
+    torch.testing.assert_close(strided.grad.transpose(0, 1), plain.grad, rtol=1e-5, atol=1e-6)
+
     norm.weight.grad = None
     norm.weight.requires_grad_(False)  # LoRA's frozen norms
     frozen = x.clone().requires_grad_()
