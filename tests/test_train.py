@@ -151,7 +151,7 @@ def test_activation_checkpointing_same_grads_fewer_saved_bytes():
     # output and log-sum-exp, wo, gate, up and w2 outputs (5 bsd + 2 bs kv + b h s + 2 bsf)
     kept = 4 * (5 * bsd + 2 * bskv + b * h * s + 2 * bsf)
     assert live_none - live_sel == L * (per_block - kept)
-    assert live_sel < 0.7 * live_none and live_full < 0.15 * live_none
+    assert live_sel < 0.67 * live_none and live_full < 0.15 * live_none  # 0.663: the norms save (x, rstd)
 
 
 def test_fp16_inf_gradient_skips_step_and_halves_scale():
