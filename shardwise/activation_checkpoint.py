@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from shardwise.model import cpu_causal_attention
+
 # Ops whose outputs selective checkpointing keeps: the matmuls and the attention kernels of every backend.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -26,6 +28,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    cpu_causal_attention._opoverload,  # the engine's own on a CPU (shardwise.model)
 }
 
 

@@ -137,7 +137,109 @@ class _RMSNorm(torch.autograd.Function):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim); k and v may have fewer (grouped) heads."""
+    if _blockwise_on_cpu(q, k):
+        if torch.is_autocast_enabled("cpu"):  # as autocast does for SDPA: compute in its lower precision
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        with torch.autocast("cpu", enabled=False):
+            return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+CPU_ATTENTION_BLOCK = 128
+"""Query rows per diagonal piece of `cpu_causal_attention` (the masked work is at most half a block per row)."""
+
+
+def _blockwise_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `cpu_causal_attention` runs: self-attention longer than a block, on a CPU, in a process with one
+    intra-op thread (each rank of a multi-process CPU run). Measured on a 2-core machine (docs/foundation.md):
+    with one thread a step of the torchtitan debug model is 8-10% faster; with two, torch's single call
+    parallelises better than the pieces do and the gain is gone (0.98-1.05 of SDPA's step), so SDPA runs there.
+    """
+    return (q.device.type == "cpu" and q.shape[-2] == k.shape[-2] > CPU_ATTENTION_BLOCK  # the kernel takes GQA
+            and torch.get_num_threads() == 1 and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+            and not isinstance(q, DTensor) and not torch.compiler.is_compiling())  # inductor has its own
+
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@torch.library.custom_op("shardwise::cpu_causal_attention", mutates_args=())
+def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention on a CPU, in pieces that skip the masked keys; returns (output, logsumexp).
+
+    Why our own: torch 2.13's CPU flash kernel skips only whole 512-key tiles above the diagonal: at 1,024
+    tokens it computes 75% of the score square where causal attention needs half. Here the rows go in blocks;
+    block i attends to its own keys under the causal mask (one small square) and to all keys before it without
+    one (a rectangle), each a call of that same kernel, and the two partial results are merged by their
+    log-sum-exp, as ring attention merges its steps (Liu et al. 2023). At 1,024 tokens and 128-row blocks that
+    is 56% of the square. The backward (below) calls the kernel's backward on the same pieces with the merged
+    output and log-sum-exp, which is what each piece's softmax is normalised by. One op to autograd and to
+    selective activation checkpointing, which keeps its output as it keeps SDPA's.
+    """
+    out, lse = _attention_outputs(q)
+    for start in range(0, q.shape[-2], block):
+        rows = slice(start, start + block)
+        o, o_lse = _cpu_flash(q[..., rows, :], k[..., rows, :], v[..., rows, :], 0.0, True)
+        if start:
+            prefix, prefix_lse = _cpu_flash(q[..., rows, :], k[..., :start, :], v[..., :start, :], 0.0, False)
+            merged = torch.logaddexp(o_lse, prefix_lse)
+            o = (o * (o_lse - merged).exp_().unsqueeze(-1)).addcmul_(prefix, (prefix_lse - merged).exp_().unsqueeze(-1))
+            o_lse = merged
+        out[..., rows, :] = o
+        lse[..., rows] = o_lse
+    return out, lse
+
+
+def _attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output in the query's memory layout (as SDPA's), and the log-sum-exp in the kernel's accumulation type."""
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@cpu_causal_attention.register_fake
+def _(q, k, v, block):
+    return _attention_outputs(q)
+
+
+@torch.library.custom_op("shardwise::cpu_causal_attention_backward", mutates_args=())
+def cpu_causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, block: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start in range(0, q.shape[-2], block):
+        rows = slice(start, start + block)
+        g, qr, o, o_lse = grad[..., rows, :], q[..., rows, :], out[..., rows, :], lse[..., rows]
+        gq, gk, gv = _cpu_flash_backward(g, qr, k[..., rows, :], v[..., rows, :], o, o_lse, 0.0, True)
+        dk[..., rows, :] += gk
+        dv[..., rows, :] += gv
+        if start:
+            gq_prefix, gk, gv = _cpu_flash_backward(g, qr, k[..., :start, :], v[..., :start, :], o, o_lse, 0.0,
+                                                    False)
+            gq += gq_prefix
+            dk[..., :start, :] += gk
+            dv[..., :start, :] += gv
+        dq[..., rows, :] = gq
+    return dq, dk, dv
+
+
+@cpu_causal_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, block):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _cpu_causal_attention_context(ctx, inputs, output):
+    q, k, v, ctx.block = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _cpu_causal_attention_grad(ctx, grad, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*torch.ops.shardwise.cpu_causal_attention_backward(grad, q, k, v, out, lse, ctx.block), None)
+
+
+cpu_causal_attention.register_autograd(_cpu_causal_attention_grad, setup_context=_cpu_causal_attention_context)
 
 
 class Attention(nn.Module):

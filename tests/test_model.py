@@ -23,6 +23,15 @@ def _pair(args, seed=0):
     return ours.eval(), theirs
 
 
+@pytest.fixture
+def one_thread():
+    """The engine's CPU attention runs in processes with one intra-op thread (model._blockwise_on_cpu)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     "kv_heads, tied", [(4, False), (2, False), (1, True), (2, True)], ids=["mha", "gqa", "mqa-tied", "gqa-tied"]
 )
@@ -30,6 +39,20 @@ def test_logits_match_transformers_llama(kv_heads, tied):
     args = preset("tiny", n_kv_heads=kv_heads, tie_embeddings=tied, rope_theta=500000.0)
     ours, theirs = _pair(args)
     tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_logits_match_transformers_llama_past_one_cpu_attention_block(one_thread):
+    """256 tokens in one thread: the engine's CPU attention in two blocks (model.cpu_causal_attention)."""
+    from shardwise.model import CPU_ATTENTION_BLOCK
+
+    args = preset("tiny", rope_theta=500000.0)
+    assert args.max_seq_len > CPU_ATTENTION_BLOCK
+    ours, theirs = _pair(args)
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(tokens).logits
         got = ours(tokens)
@@ -160,3 +183,80 @@ def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivati
 
     half = norm.to(torch.bfloat16)(x.to(torch.bfloat16).requires_grad_())
     assert half.grad_fn.name() != "_RMSNormBackward"
+
+
+def _attention_and_grads(fn, q, k, v, grad):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, one_thread):
+    """The engine's CPU attention (model.cpu_causal_attention: the rows in blocks, each over its own keys under the
+    mask and over the keys before it without one, merged by log-sum-exp) against torch's SDPA: output and gradients
+    to float64 rounding at 300 tokens (two whole blocks and a partial one), to fp32 rounding in fp32; its backward
+    against finite differences; a bf16 autocast computes it in bf16, as autocast does SDPA."""
+    from shardwise.model import CPU_ATTENTION_BLOCK, causal_attention
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    gen = torch.Generator().manual_seed(0)
+    seq = 2 * CPU_ATTENTION_BLOCK + 44
+    # (batch, heads, seq, head_dim) views of sequence-major storage, as the model passes them
+    q, k, v, grad = (torch.randn(2, seq, h, 8, generator=gen, dtype=torch.float64).transpose(1, 2)
+                     for h in (4, kv_heads, kv_heads, 4))
+    ours, theirs = _attention_and_grads(causal_attention, q, k, v, grad), _attention_and_grads(sdpa, q, k, v, grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert ours[0].stride() == theirs[0].stride()
+    ours, theirs = (_attention_and_grads(fn, q.float(), k.float(), v.float(), grad.float()) for fn in (causal_attention,
+                                                                                                         sdpa))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    assert causal_attention(*inputs).grad_fn.name() != sdpa(*inputs).grad_fn.name()
+    torch.set_num_threads(2)  # several threads: SDPA itself
+    assert causal_attention(*inputs).grad_fn.name() == sdpa(*inputs).grad_fn.name()
+    torch.set_num_threads(1)
+
+    # the backward against finite differences, with 4-row blocks over 10 rows
+    small = [torch.randn(1, h, 10, 4, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, kv_heads,
+                                                                                                      kv_heads)]
+    assert torch.autograd.gradcheck(lambda q, k, v: torch.ops.shardwise.cpu_causal_attention(q, k, v, 4)[0], small)
+    torch.library.opcheck(torch.ops.shardwise.cpu_causal_attention.default, (*small, 4))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = causal_attention(q.float(), k.float(), v.float()), sdpa(q.float(), k.float(), v.float())
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+
+
+def test_selective_checkpointing_keeps_the_cpu_attention_and_full_recomputes_it(monkeypatch, one_thread):
+    """Selective activation checkpointing saves the engine's CPU attention's output, as it saves SDPA's: its
+    backward runs no attention forward piece; full checkpointing recomputes them."""
+    from shardwise import model as model_module
+    from shardwise.activation_checkpoint import apply_activation_checkpointing
+
+    calls = {"forward": 0}
+    flash = model_module._cpu_flash
+
+    def counted(*args, **kwargs):
+        calls["forward"] += 1
+        return flash(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "_cpu_flash", counted)
+    args = preset("tiny", n_layers=1)
+    tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len), generator=torch.Generator().manual_seed(0))
+    for policy, recomputed in (("selective", False), ("full", True)):
+        model = build_model(args)
+        materialize(model, args, "cpu", 0)
+        apply_activation_checkpointing(model, policy)
+        calls["forward"] = 0
+        loss = model(tokens).sum()
+        in_forward = calls["forward"]
+        assert in_forward == 2 * (args.max_seq_len // model_module.CPU_ATTENTION_BLOCK) - 1
+        loss.backward()
+        assert (calls["forward"] > in_forward) == recomputed, policy

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from shardwise.config import OptimConfig
 from shardwise.distributed import shutdown
 from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
-from shardwise.model import Transformer
+from shardwise.model import Transformer, causal_attention
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
 from shardwise.parallel.tensor_parallel import split_model  # (and shardwise.parallel's hook for shutdown)
@@ -158,14 +158,17 @@ sequences and narrow heads leave the kernel's tiles part empty), and the planner
 
 def attention_flops(device: str, dtype: torch.dtype, iters: int, min_seconds: float = 0.0, seq: int = 1024,
                     hd: int = 64) -> float:
-    """Causal SDPA forward + backward: (2 + 5) matmuls of 2 s d FLOPs per query, halved by the mask. As many
-    (batch x head) rows as make about 1 GFLOP per call on a CPU (100 on a GPU)."""
+    """The engine's causal attention (model.causal_attention: SDPA, or on a CPU in one thread its blockwise form),
+    forward + backward, on the engine's layout (heads of sequence-major storage): (2 + 5) matmuls of 2 s d FLOPs
+    per query, halved by the mask. As many (batch x head) rows as make about 1 GFLOP per call on a CPU (100 on a
+    GPU)."""
     flops_per_row = 0.5 * 7 * 2 * seq * seq * hd
     rows = max(1, round((1e11 if device.startswith("cuda") else 1e9) / flops_per_row))
-    q, k, v = (torch.randn(1, rows, seq, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, seq, rows, hd, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
 
     def step():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(q, k, v)
         out.sum().backward()
 
     return rows * flops_per_row / _timed(step, iters, device, min_seconds)

@@ -236,7 +236,8 @@ NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_a
                    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
                    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
                    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
-                   "_scaled_dot_product_cudnn_attention_backward"}
+                   "_scaled_dot_product_cudnn_attention_backward", "cpu_causal_attention",
+                   "cpu_causal_attention_backward"}
 """Operators the time model prices on their own: the matmuls (by shape) and the attention kernel."""
 NO_TRAFFIC = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 """Operators that move no data and whose schema does not say so: a view without an alias annotation, and
