@@ -154,7 +154,8 @@ def _blockwise_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `cpu_causal_attention` runs: self-attention longer than a block, on a CPU, in a process with one
     intra-op thread (each rank of a multi-process CPU run). Measured on a 2-core machine (docs/foundation.md):
     with one thread a step of the torchtitan debug model is 8-10% faster; with two, torch's single call
-    parallelises better than the pieces do and the gain is gone (1.00 to 1.06 of SDPA's step), so SDPA runs there.
+    parallelises better than the pieces do and the gain is gone (1.00 to 1.10 of SDPA's step,
+    benchmarks/cpu_attention.py), so SDPA runs there.
     """
     return (q.device.type == "cpu" and q.shape[-2] == k.shape[-2] > CPU_ATTENTION_BLOCK  # the kernel takes GQA
             and torch.get_num_threads() == 1 and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
