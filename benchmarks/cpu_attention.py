@@ -1,4 +1,4 @@
-"""The engine's blockwise CPU attention (model.cpu_causal_attention) against torch's SDPA, side by side.
+"""The engine's CPU attention forms (model.cpu_causal_attention) against torch's SDPA, side by side.
 
 Two measurements, each at 1 thread (4 sequences: one rank of FSDP 2 or DDP 2 in the torchtitan comparison)
 and at 2 threads (8 sequences: the single layout), on torchtitan's llama3 debug model shape (dim 256, 16 heads of
@@ -6,8 +6,10 @@ and at 2 threads (8 sequences: the single layout), on torchtitan's llama3 debug 
   - attention alone: forward + backward of one layer's attention;
   - the whole model: forward + backward (no optimizer), every layer's attention swapped through its
     `attention_fn` (the hook context parallelism uses).
-The two sides alternate in one process; each row is the median over --reps. The engine itself runs the blockwise
-form only with one thread (model._blockwise_on_cpu); this script forces each side at both thread counts.
+Then bf16 attention alone, SDPA against its backward computed in fp32 (one call, and blockwise).
+The sides alternate in one process; each row is the median over --reps. The last column is the form the engine
+itself chooses for that shape on this machine (model.cpu_attention_form, by timing: "sdpa", "blocks" for the
+blockwise form, "+fp32 bwd"); this script forces each side.
 
     python benchmarks/cpu_attention.py [--reps 6] [--seq-len 1024]
 """
@@ -21,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardwise.model import CPU_ATTENTION_BLOCK, build_model, fuse_head_loss, materialize
+from shardwise.distributed import keep_host_memory
+from shardwise.model import CPU_ATTENTION_BLOCK, build_model, cpu_attention_form, fuse_head_loss, materialize
 from shardwise.model_args import ModelArgs
 
 
@@ -30,17 +33,36 @@ def sdpa(q, k, v):
 
 
 def blockwise(q, k, v):
-    return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK)[0]
+    return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, False)[0]
 
 
-SIDES = {"sdpa": sdpa, "blockwise": blockwise}
+def fp32_backward(q, k, v):
+    return torch.ops.shardwise.cpu_causal_attention(q, k, v, q.shape[-2], True)[0]
 
 
-def attention_step(args: ModelArgs, batch: int, seq: int):
+def blockwise_fp32_backward(q, k, v):
+    return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, True)[0]
+
+
+FP32 = {"sdpa": sdpa, "blockwise": blockwise}
+BF16 = {"sdpa": sdpa, "fp32 bwd": fp32_backward, "blocks + fp32 bwd": blockwise_fp32_backward}
+
+
+def operands(args: ModelArgs, batch: int, seq: int, dtype=torch.float32):
     # (batch, heads, seq, head_dim) views of sequence-major storage, as the model passes them
-    q, k, v = (torch.randn(batch, seq, args.n_heads, args.head_dim).transpose(1, 2).requires_grad_()
-               for _ in range(3))
-    grad = torch.randn(batch, seq, args.n_heads, args.head_dim).transpose(1, 2)
+    return [torch.randn(batch, seq, args.n_heads, args.head_dim, dtype=dtype).transpose(1, 2) for _ in range(4)]
+
+
+def chosen(q, k, v) -> str:
+    form = cpu_attention_form(q, k, v)
+    if form is None:
+        return "sdpa"
+    return ("blocks" if form.block < q.shape[-2] else "one call") + (" + fp32 bwd" if form.fp32_backward else "")
+
+
+def attention_step(args: ModelArgs, batch: int, seq: int, dtype=torch.float32):
+    q, k, v, grad = operands(args, batch, seq, dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     return lambda fn: fn(q, k, v).backward(grad)
 
 
@@ -58,12 +80,12 @@ def model_step(args: ModelArgs, batch: int, seq: int):
     return step
 
 
-def timed(step, reps: int) -> dict[str, float]:
-    times = {name: [] for name in SIDES}
-    for fn in SIDES.values():  # warm-up
+def timed(step, reps: int, sides=FP32) -> dict[str, float]:
+    times = {name: [] for name in sides}
+    for fn in sides.values():  # warm-up
         step(fn)
     for _ in range(reps):
-        for name, fn in SIDES.items():
+        for name, fn in sides.items():
             start = time.perf_counter()
             step(fn)
             times[name].append(time.perf_counter() - start)
@@ -77,15 +99,26 @@ def main() -> None:
     ns = parser.parse_args()
     args = ModelArgs(name="debug", dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
                      ffn_hidden=768, rope_theta=500000.0, max_seq_len=ns.seq_len, tie_embeddings=False)
+    keep_host_memory()  # as training on a CPU does
     print(f"blockwise ({CPU_ATTENTION_BLOCK}-row blocks) vs SDPA, {ns.seq_len} tokens, fp32, median of {ns.reps}")
-    print("| what | threads | sequences | SDPA s | blockwise s | blockwise / SDPA |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| what | threads | sequences | SDPA s | blockwise s | blockwise / SDPA | engine's choice |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for threads, batch in ((1, 4), (2, 8)):
         torch.set_num_threads(threads)
+        choice = chosen(*operands(args, batch, ns.seq_len)[:3])
         for what, build in (("attention, one layer", attention_step), ("whole model", model_step)):
             t = timed(build(args, batch, ns.seq_len), ns.reps)
             print(f"| {what} | {threads} | {batch} | {t['sdpa']:.3f} | {t['blockwise']:.3f} | "
-                  f"**{t['blockwise'] / t['sdpa']:.3f}** |", flush=True)
+                  f"**{t['blockwise'] / t['sdpa']:.3f}** | {choice} |", flush=True)
+    print(f"\nbf16 attention, one layer, its backward in fp32 vs SDPA's bf16, median of {ns.reps}")
+    print("| threads | sequences | SDPA s | fp32 bwd s | / SDPA | blocks + fp32 bwd s | / SDPA | engine's choice |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for threads, batch in ((1, 4), (2, 8)):
+        torch.set_num_threads(threads)
+        choice = chosen(*operands(args, batch, ns.seq_len, torch.bfloat16)[:3])
+        t = timed(attention_step(args, batch, ns.seq_len, torch.bfloat16), ns.reps, BF16)
+        print(f"| {threads} | {batch} | {t['sdpa']:.3f} | {t['fp32 bwd']:.3f} | **{t['fp32 bwd'] / t['sdpa']:.3f}** | "
+              f"{t['blocks + fp32 bwd']:.3f} | **{t['blocks + fp32 bwd'] / t['sdpa']:.3f}** | {choice} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,16 @@ layers keeps the others' parameter names.
 from __future__ import annotations
 
 import math
+import time
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardwise import nf4
 from shardwise.loss import head_loss_sum
@@ -137,29 +141,90 @@ class _RMSNorm(torch.autograd.Function):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over (batch, heads, seq, head_dim); k and v may have fewer (grouped) heads."""
-    if _blockwise_on_cpu(q, k):
+    if _cpu_attention_eligible(q, k):
         if torch.is_autocast_enabled("cpu"):  # as autocast does for SDPA: compute in its lower precision
             dtype = torch.get_autocast_dtype("cpu")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         with torch.autocast("cpu", enabled=False):
-            return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK)[0]
+            form = cpu_attention_form(q, k, v)
+            if form is not None:
+                return torch.ops.shardwise.cpu_causal_attention(q, k, v, form.block, form.fp32_backward)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 CPU_ATTENTION_BLOCK = 128
 """Query rows per diagonal piece of `cpu_causal_attention` (the masked work is at most half a block per row)."""
 
+CPU_ATTENTION_MARGIN = 0.03
+"""How much faster than SDPA another CPU attention form must time to be chosen (`cpu_attention_form`)."""
 
-def _blockwise_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `cpu_causal_attention` runs: self-attention longer than a block, on a CPU, in a process with one
-    intra-op thread (each rank of a multi-process CPU run). Measured on a 2-core machine (docs/foundation.md):
-    with one thread a step of the torchtitan debug model is 8-10% faster; with two, torch's single call
-    parallelises better than the pieces do and the gain is gone (1.00 to 1.10 of SDPA's step,
-    benchmarks/cpu_attention.py), so SDPA runs there.
-    """
+
+@dataclass(frozen=True)
+class CpuAttention:
+    """A form of `cpu_causal_attention`: query rows per piece (>= the sequence: one causal call, SDPA's kernel
+    call), and whether a bf16 attention's backward runs in fp32."""
+
+    block: int
+    fp32_backward: bool = False
+
+
+_cpu_attention_forms: dict[tuple, CpuAttention | None] = {}
+
+
+def _cpu_attention_eligible(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `causal_attention` may take another form than SDPA: self-attention longer than a block, on a CPU,
+    on plain tensors, outside `torch.compile` (inductor has its own) and outside deterministic mode (the form is
+    chosen by timing, `cpu_attention_form`)."""
     return (q.device.type == "cpu" and q.shape[-2] == k.shape[-2] > CPU_ATTENTION_BLOCK  # the kernel takes GQA
-            and torch.get_num_threads() == 1 and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
-            and not isinstance(q, DTensor) and not torch.compiler.is_compiling())  # inductor has its own
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float64)
+            and not isinstance(q, DTensor) and not is_fake(q) and not torch.compiler.is_compiling()
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+def cpu_attention_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CpuAttention | None:
+    """The form `causal_attention` computes these operands' shape in on this machine (None: SDPA), chosen the
+    first time the shape comes, by timing each form's forward + backward on the operands, and kept for the
+    process (so a recomputation under activation checkpointing runs the same operators).
+
+    Why time it: which form is faster depends on the CPU, not only on the shape. The blockwise form skips the
+    masked keys but makes smaller kernel calls; measured (docs/foundation.md, benchmarks/cpu_attention.py) it
+    was 0.78 of SDPA's time on one machine of this project's kind and 1.06 on another with the same two cores.
+    torch 2.13's bf16 CPU flash backward took 1.7 times its fp32 backward on that second machine, so a bf16
+    attention also tries its backward in fp32 (on inputs upcast from bf16, so at least as accurate). A form is
+    chosen over SDPA only when it times `CPU_ATTENTION_MARGIN` faster; cuDNN's `benchmark` mode chooses its
+    convolution algorithms the same way, and like it this is off under `torch.use_deterministic_algorithms`.
+    """
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, torch.get_num_threads())
+    if key not in _cpu_attention_forms:
+        _cpu_attention_forms[key] = _fastest_cpu_attention(q, k, v)
+    return _cpu_attention_forms[key]
+
+
+def _fastest_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CpuAttention | None:
+    forms: list[CpuAttention | None] = [None, CpuAttention(CPU_ATTENTION_BLOCK)]
+    if q.dtype == torch.bfloat16:
+        forms += [CpuAttention(q.shape[-2], fp32_backward=True), CpuAttention(CPU_ATTENTION_BLOCK, fp32_backward=True)]
+    best = dict.fromkeys(forms, math.inf)
+    # outside any dispatch mode (selective checkpointing's cache, a FLOP counter) and autograd: only the kernels
+    with _disable_current_modes(), torch.no_grad():
+        q, k, v = q.detach(), k.detach(), v.detach()
+        for _ in range(3):  # alternated, the best of three (the first warms up)
+            for form in forms:
+                best[form] = min(best[form], _time_cpu_attention(form, q, k, v))
+    fastest = min(forms, key=best.__getitem__)
+    return fastest if best[fastest] < (1 - CPU_ATTENTION_MARGIN) * best[None] else None
+
+
+def _time_cpu_attention(form: CpuAttention | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """Seconds for one forward + backward of `form` (None: SDPA's kernel) on these operands."""
+    start = time.perf_counter()
+    if form is None:
+        out, lse = _cpu_flash(q, k, v, 0.0, True)
+        _cpu_flash_backward(out, q, k, v, out, lse, 0.0, True)
+    else:
+        out, lse = _blockwise_attention(q, k, v, form.block)
+        _blockwise_attention_backward(out, q, k, v, out, lse, form.block, form.fp32_backward)
+    return time.perf_counter() - start
 
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -167,7 +232,7 @@ _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @torch.library.custom_op("shardwise::cpu_causal_attention", mutates_args=())
-def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, fp32_backward: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention on a CPU, in pieces that skip the masked keys; returns (output, logsumexp).
 
@@ -177,9 +242,15 @@ def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     one (a rectangle), each a call of that same kernel, and the two partial results are merged by their
     log-sum-exp, as ring attention merges its steps (Liu et al. 2023). At 1,024 tokens and 128-row blocks that
     is 56% of the square. The backward (below) calls the kernel's backward on the same pieces with the merged
-    output and log-sum-exp, which is what each piece's softmax is normalised by. One op to autograd and to
-    selective activation checkpointing, which keeps its output as it keeps SDPA's.
+    output and log-sum-exp, which is what each piece's softmax is normalised by; with `fp32_backward` a bf16
+    attention's backward runs on fp32 copies (torch's bf16 CPU backward can be slower than its fp32 one). One op
+    to autograd and to selective activation checkpointing, which keeps its output as it keeps SDPA's.
     """
+    return _blockwise_attention(q, k, v, block)
+
+
+def _blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _attention_outputs(q)
     for start in range(0, q.shape[-2], block):
         rows = slice(start, start + block)
@@ -200,14 +271,23 @@ def _attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @cpu_causal_attention.register_fake
-def _(q, k, v, block):
+def _(q, k, v, block, fp32_backward):
     return _attention_outputs(q)
 
 
 @torch.library.custom_op("shardwise::cpu_causal_attention_backward", mutates_args=())
 def cpu_causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, block: int
+                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _blockwise_attention_backward(grad, q, k, v, out, lse, block, fp32_backward)
+
+
+def _blockwise_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = q.dtype
+    if fp32_backward and dtype in (torch.bfloat16, torch.float16):
+        grad, q, k, v, out = (t.float() for t in (grad, q, k, v, out))  # strides kept: sequence-major stays so
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for start in range(0, q.shape[-2], block):
         rows = slice(start, start + block)
@@ -222,22 +302,23 @@ def cpu_causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.
             dk[..., :start, :] += gk
             dv[..., :start, :] += gv
         dq[..., rows, :] = gq
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 @cpu_causal_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, block):
+def _(grad, q, k, v, out, lse, block, fp32_backward):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _cpu_causal_attention_context(ctx, inputs, output):
-    q, k, v, ctx.block = inputs
+    q, k, v, ctx.block, ctx.fp32_backward = inputs
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _cpu_causal_attention_grad(ctx, grad, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    return (*torch.ops.shardwise.cpu_causal_attention_backward(grad, q, k, v, out, lse, ctx.block), None)
+    return (*torch.ops.shardwise.cpu_causal_attention_backward(grad, q, k, v, out, lse, ctx.block,
+                                                               ctx.fp32_backward), None, None)
 
 
 cpu_causal_attention.register_autograd(_cpu_causal_attention_grad, setup_context=_cpu_causal_attention_context)

@@ -1,5 +1,7 @@
 """The model against an independent implementation (Hugging Face transformers) and published sizes."""
 
+from functools import partial
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,12 +26,14 @@ def _pair(args, seed=0):
 
 
 @pytest.fixture
-def one_thread():
-    """The engine's CPU attention runs in processes with one intra-op thread (model._blockwise_on_cpu)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def blockwise(monkeypatch):
+    """The engine's CPU attention in its blockwise form, whatever the timing on this machine would choose
+    (model.cpu_attention_form)."""
+    from shardwise import model as model_module
+
+    monkeypatch.setattr(model_module, "_cpu_attention_forms", {})
+    monkeypatch.setattr(model_module, "_fastest_cpu_attention",
+                        lambda q, k, v: model_module.CpuAttention(model_module.CPU_ATTENTION_BLOCK))
 
 
 @pytest.mark.parametrize(
@@ -45,8 +49,8 @@ def test_logits_match_transformers_llama(kv_heads, tied):
     assert (got - expected).abs().max().item() <= 1e-5
 
 
-def test_logits_match_transformers_llama_past_one_cpu_attention_block(one_thread):
-    """256 tokens in one thread: the engine's CPU attention in two blocks (model.cpu_causal_attention)."""
+def test_logits_match_transformers_llama_past_one_cpu_attention_block(blockwise):
+    """256 tokens: the engine's CPU attention in two blocks (model.cpu_causal_attention)."""
     from shardwise.model import CPU_ATTENTION_BLOCK
 
     args = preset("tiny", rope_theta=500000.0)
@@ -193,7 +197,7 @@ def _attention_and_grads(fn, q, k, v, grad):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, one_thread):
+def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, blockwise):
     """The engine's CPU attention (model.cpu_causal_attention: the rows in blocks, each over its own keys under the
     mask and over the keys before it without one, merged by log-sum-exp) against torch's SDPA: output and gradients
     to float64 rounding at 300 tokens (two whole blocks and a partial one), to fp32 rounding in fp32; its backward
@@ -218,15 +222,13 @@ def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, one_thread):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
     inputs = [t.float().requires_grad_() for t in (q, k, v)]
     assert causal_attention(*inputs).grad_fn.name() != sdpa(*inputs).grad_fn.name()
-    torch.set_num_threads(2)  # several threads: SDPA itself
-    assert causal_attention(*inputs).grad_fn.name() == sdpa(*inputs).grad_fn.name()
-    torch.set_num_threads(1)
 
     # the backward against finite differences, with 4-row blocks over 10 rows
     small = [torch.randn(1, h, 10, 4, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, kv_heads,
                                                                                                       kv_heads)]
-    assert torch.autograd.gradcheck(lambda q, k, v: torch.ops.shardwise.cpu_causal_attention(q, k, v, 4)[0], small)
-    torch.library.opcheck(torch.ops.shardwise.cpu_causal_attention.default, (*small, 4))
+    blocks_of_4 = partial(torch.ops.shardwise.cpu_causal_attention, block=4, fp32_backward=False)
+    assert torch.autograd.gradcheck(lambda q, k, v: blocks_of_4(q, k, v)[0], small)
+    torch.library.opcheck(torch.ops.shardwise.cpu_causal_attention.default, (*small, 4, False))
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, theirs = causal_attention(q.float(), k.float(), v.float()), sdpa(q.float(), k.float(), v.float())
@@ -234,7 +236,72 @@ def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, one_thread):
     torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
 
 
-def test_selective_checkpointing_keeps_the_cpu_attention_and_full_recomputes_it(monkeypatch, one_thread):
+def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
+    """The CPU attention's form is chosen by timing each candidate on the shape (alternated, best of three): SDPA
+    unless another is CPU_ATTENTION_MARGIN faster; bf16 also tries its backward in fp32; once per shape; never for
+    a sequence of one block or under torch's deterministic mode."""
+    from shardwise import model as m
+
+    monkeypatch.setattr(m, "_cpu_attention_forms", {})
+    times, timed = {}, []
+
+    def clock(form, q, k, v):
+        timed.append((form, q.dtype))
+        return times[form]
+
+    monkeypatch.setattr(m, "_time_cpu_attention", clock)
+    blocks, one_call_fp32 = m.CpuAttention(m.CPU_ATTENTION_BLOCK), m.CpuAttention(200, fp32_backward=True)
+    times.update({None: 1.0, blocks: 0.96, one_call_fp32: 0.5, m.CpuAttention(m.CPU_ATTENTION_BLOCK, True): 0.6})
+    q = torch.randn(1, 2, 200, 8)
+    assert m.cpu_attention_form(q, q, q) == blocks
+    assert sorted(timed, key=str) == sorted([(None, torch.float32), (blocks, torch.float32)] * 3, key=str)
+    assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6  # kept, not timed again
+    assert m.cpu_attention_form(q.bfloat16(), q.bfloat16(), q.bfloat16()) == one_call_fp32
+    times[blocks] = 0.98  # not by the margin: SDPA
+    q = torch.randn(2, 2, 200, 8)
+    assert m.cpu_attention_form(q, q, q) is None
+
+    timed.clear()
+    with torch.no_grad():
+        m.causal_attention(*(torch.randn(1, 2, m.CPU_ATTENTION_BLOCK, 8) for _ in range(3)))  # one block
+        torch.use_deterministic_algorithms(True)
+        try:
+            q = torch.randn(3, 2, 200, 8)  # a shape not chosen for yet
+            m.causal_attention(q, q, q)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert not timed
+
+
+def test_cpu_attention_as_timed_is_sdpa_and_bf16_backward_in_fp32_is_accurate(monkeypatch):
+    """Whatever the timing chooses on this machine, the attention and its gradients are SDPA's to fp32 rounding;
+    the bf16 attention's backward computed in fp32 is within bf16 rounding of the float64 gradients."""
+    from shardwise import model as m
+
+    monkeypatch.setattr(m, "_cpu_attention_forms", {})
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 2 * m.CPU_ATTENTION_BLOCK + 8, 4, 8, generator=gen).transpose(1, 2)
+                     for _ in range(4))
+    ours, theirs = _attention_and_grads(m.causal_attention, q, k, v, grad), _attention_and_grads(sdpa, q, k, v, grad)
+    assert m.cpu_attention_form(q, k, v) in (None, *(m.CpuAttention(m.CPU_ATTENTION_BLOCK, fp32) for fp32 in (0, 1)))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+    exact = _attention_and_grads(sdpa, *(t.double() for t in (q, k, v, grad)))
+    for block in (m.CPU_ATTENTION_BLOCK, q.shape[-2]):
+        got = _attention_and_grads(
+            lambda q, k, v: torch.ops.shardwise.cpu_causal_attention(q, k, v, block, True)[0],
+            *(t.bfloat16() for t in (q, k, v, grad)))
+        assert all(t.dtype == torch.bfloat16 for t in got)
+        for a, b in zip(got, exact):
+            torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2)
+
+
+def test_selective_checkpointing_keeps_the_cpu_attention_and_full_recomputes_it(monkeypatch, blockwise):
     """Selective activation checkpointing saves the engine's CPU attention's output, as it saves SDPA's: its
     backward runs no attention forward piece; full checkpointing recomputes them."""
     from shardwise import model as model_module

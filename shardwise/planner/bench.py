@@ -158,7 +158,7 @@ sequences and narrow heads leave the kernel's tiles part empty), and the planner
 
 def attention_flops(device: str, dtype: torch.dtype, iters: int, min_seconds: float = 0.0, seq: int = 1024,
                     hd: int = 64) -> float:
-    """The engine's causal attention (model.causal_attention: SDPA, or on a CPU in one thread its blockwise form),
+    """The engine's causal attention (model.causal_attention: SDPA, or on a CPU the form timed fastest there),
     forward + backward, on the engine's layout (heads of sequence-major storage): (2 + 5) matmuls of 2 s d FLOPs
     per query, halved by the mask. As many (batch x head) rows as make about 1 GFLOP per call on a CPU (100 on a
     GPU)."""
