@@ -283,6 +283,18 @@ for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h
                            ("h100-pcie", "hopper"), ("h200", "hopper")):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])
 
+# Large-GEMM efficiency by GPU. The default, 0.70, is the A100's: the assumption the 2021-22 tables are evaluated
+# with. A GPU whose best achievable bf16 matmul rate is published keeps the same share of it as the A100 does, so
+# its efficiency is 0.70 times its achievable share of peak over the A100's. Source: Bekman, "Machine Learning
+# Engineering", Maximum Achievable Matmul FLOPS table (compute/accelerator/README.md; mamf-finder.py, the best of a
+# brute-force search over shapes, torch 2.6-2.7 with CUDA 12.6): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM
+# 794.5 of 989 (80.3%, "H200 is the same"), B200 SXM 1745.0 of 2250 (77.6%). Not scaled: GPUs the table lacks
+# (H100 PCIe, L4, A10G, V100), and the MI300X, whose two published rows disagree (60.1% with ROCm 6.2, 51.4% later).
+MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776}
+for _name in ("h100", "h200", "b200"):
+    CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
+        Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))
+
 ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x"}
 
 
