@@ -183,8 +183,10 @@ def _cpu_attention_eligible(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def cpu_attention_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CpuAttention | None:
     """The form `causal_attention` computes these operands' shape in on this machine (None: SDPA), chosen the
-    first time the shape comes, by timing each form's forward + backward on the operands, and kept for the
-    process (so a recomputation under activation checkpointing runs the same operators).
+    first time the shape comes with gradients on, by timing each form's forward + backward on the operands, and
+    kept for the process (so a recomputation under activation checkpointing runs the same operators, and
+    validation the form training chose). Without gradients a shape not chosen for runs SDPA: the forms are timed
+    with their backward, and a prompt's length changes from one `shardwise generate` to the next.
 
     Why time it: which form is faster depends on the CPU, not only on the shape. The blockwise form skips the
     masked keys but makes smaller kernel calls; measured (docs/foundation.md, benchmarks/cpu_attention.py) it
@@ -196,6 +198,8 @@ def cpu_attention_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Cpu
     """
     key = (tuple(q.shape), tuple(k.shape), q.dtype, torch.get_num_threads())
     if key not in _cpu_attention_forms:
+        if not torch.is_grad_enabled():  # inference (a prompt, validation before any step): SDPA, nothing timed
+            return None
         _cpu_attention_forms[key] = _fastest_cpu_attention(q, k, v)
     return _cpu_attention_forms[key]
 

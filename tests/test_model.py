@@ -239,7 +239,7 @@ def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, blockwise):
 def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
     """The CPU attention's form is chosen by timing each candidate on the shape (alternated, best of three): SDPA
     unless another is CPU_ATTENTION_MARGIN faster; bf16 also tries its backward in fp32; once per shape; never for
-    a sequence of one block or under torch's deterministic mode."""
+    a sequence of one block, under torch's deterministic mode, or without gradients (inference)."""
     from shardwise import model as m
 
     monkeypatch.setattr(m, "_cpu_attention_forms", {})
@@ -262,15 +262,18 @@ def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
     assert m.cpu_attention_form(q, q, q) is None
 
     timed.clear()
-    with torch.no_grad():
-        m.causal_attention(*(torch.randn(1, 2, m.CPU_ATTENTION_BLOCK, 8) for _ in range(3)))  # one block
-        torch.use_deterministic_algorithms(True)
-        try:
-            q = torch.randn(3, 2, 200, 8)  # a shape not chosen for yet
-            m.causal_attention(q, q, q)
-        finally:
-            torch.use_deterministic_algorithms(False)
+    m.causal_attention(*(torch.randn(1, 2, m.CPU_ATTENTION_BLOCK, 8) for _ in range(3)))  # one block
+    q = torch.randn(3, 2, 200, 8)  # a shape not chosen for yet
+    torch.use_deterministic_algorithms(True)
+    try:
+        m.causal_attention(q, q, q)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with torch.no_grad():  # inference: SDPA, and nothing kept for training to find
+        assert m.cpu_attention_form(q, q, q) is None
     assert not timed
+    times[blocks] = 0.9
+    assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6
 
 
 def test_cpu_attention_as_timed_is_sdpa_and_bf16_backward_in_fp32_is_accurate(monkeypatch):
