@@ -257,9 +257,13 @@ def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
     assert sorted(timed, key=str) == sorted([(None, torch.float32), (blocks, torch.float32)] * 3, key=str)
     assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6  # kept, not timed again
     assert m.cpu_attention_form(q.bfloat16(), q.bfloat16(), q.bfloat16()) == one_call_fp32
-    times[blocks] = 0.98  # not by the margin: SDPA
+    times[blocks] = 0.98  # not by the margin: SDPA, torch's own op
     q = torch.randn(2, 2, 200, 8)
     assert m.cpu_attention_form(q, q, q) is None
+    q = q.requires_grad_()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert m.causal_attention(q, q, q).grad_fn.name() == sdpa.grad_fn.name()
+    q = q.detach()
 
     timed.clear()
     m.causal_attention(*(torch.randn(1, 2, m.CPU_ATTENTION_BLOCK, 8) for _ in range(3)))  # one block
