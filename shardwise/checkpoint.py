@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from shardwise.errors import CheckpointError
 from shardwise.lora import adapter_spec, is_adapter
-from shardwise.model import canonical_name
+from shardwise.model import canonical_name, cpu_attention_forms, restore_cpu_attention_forms
 from shardwise.model_args import ModelArgs, network_fields
 from shardwise.parallel.data_parallel import (
     optimizer_load_targets,
@@ -260,14 +260,19 @@ def _plain_json(value: Any) -> Any:
 
 def _gather_plain(plain: dict) -> dict:
     """Union of every rank's plain values on rank 0 (pipeline ranks hold different parameters)."""
-    if _world() == 1:
-        return plain
-    everyone = [None] * _world() if _rank() == 0 else None
-    dist.gather_object(plain, everyone, dst=0)
     merged = {}
-    for d in everyone or []:
+    for d in _gather_by_rank(plain) or []:
         merged.update(d)
     return merged
+
+
+def _gather_by_rank(value: Any) -> list | None:
+    """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
+    if _world() == 1:
+        return [value]
+    everyone = [None] * _world() if _rank() == 0 else None
+    dist.gather_object(value, everyone, dst=0)
+    return everyone
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -328,7 +333,7 @@ class Checkpointer:
         plain_optim = _gather_plain(plain_optim)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
                 "layout": self.layout, "world_size": _world(), "optimizer": optimizer_name(state.optimizer),
-                "lora": adapter_spec(state.parts)}
+                "lora": adapter_spec(state.parts), "cpu_attention_forms": _gather_by_rank(cpu_attention_forms())}
         if _rank() == 0:
             train_state = {
                 "step": step,
@@ -583,6 +588,9 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     with _quiet_single_process():
         dcp.load(targets, storage_reader=_SafeReader(str(path)), no_dist=not dist.is_initialized())
     _restore(state, targets, model_live, optim_live, train_state)
+    forms = meta.get("cpu_attention_forms") or []  # rank r continues rank r % saved world's, as its RNG streams
+    if forms:
+        restore_cpu_attention_forms(forms[_rank() % len(forms)])
     return int(train_state["step"])
 
 

@@ -204,6 +204,23 @@ def cpu_attention_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Cpu
     return _cpu_attention_forms[key]
 
 
+def cpu_attention_forms() -> list[list]:
+    """The forms chosen in this process, as JSON: [q shape, k shape, dtype, threads, None or [block,
+    fp32_backward]] each. A checkpoint keeps every rank's (checkpoint.Checkpointer.save), so that a resumed run
+    computes attention as the run it continues did: the forms agree only to rounding, and timing could choose
+    another one."""
+    return [[list(q), list(k), str(dtype).removeprefix("torch."), threads,
+             None if form is None else [form.block, form.fp32_backward]]
+            for (q, k, dtype, threads), form in _cpu_attention_forms.items()]
+
+
+def restore_cpu_attention_forms(entries: list[list]) -> None:
+    """Take the forms `cpu_attention_forms` wrote as this process's choice for those shapes."""
+    for q, k, dtype, threads, form in entries:
+        _cpu_attention_forms[(tuple(q), tuple(k), getattr(torch, dtype), threads)] = (
+            None if form is None else CpuAttention(*form))
+
+
 def _fastest_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CpuAttention | None:
     forms: list[CpuAttention | None] = [None, CpuAttention(CPU_ATTENTION_BLOCK)]
     if q.dtype == torch.bfloat16:

@@ -202,6 +202,36 @@ def test_exact_resume_one_device(tmp_path):
     assert out["equal"]
 
 
+def test_resume_computes_attention_in_the_forms_the_run_chose(tmp_path, monkeypatch):
+    """The CPU attention's form is chosen by timing (model.cpu_attention_form) and the forms agree only to
+    rounding: a checkpoint keeps each rank's choice, so a resumed run whose timing would choose another form
+    continues bit for bit."""
+    from shardwise import model as model_module
+
+    monkeypatch.setattr(model_module, "_cpu_attention_forms", {})
+    chosen = {"form": model_module.CpuAttention(model_module.CPU_ATTENTION_BLOCK)}
+    monkeypatch.setattr(model_module, "_fastest_cpu_attention", lambda q, k, v: chosen["form"])
+    cfg = _cfg(["data.seq_len=256", "model.n_layers=2", "train.micro_batch=2"])  # two blocks of 128 tokens
+    runtime = Runtime.create(cfg)
+    ckpt = Checkpointer(tmp_path, cfg.model, layout=vars(cfg.parallel))
+    state = _build(cfg, runtime)
+    _steps(state, cfg, runtime, 2)
+    ckpt.save(2, state)
+    losses = _steps(state, cfg, runtime, 2)
+    reference = _full_params(state.parts)
+    assert set(model_module._cpu_attention_forms.values()) == {chosen["form"]}
+
+    model_module._cpu_attention_forms.clear()  # as a new process
+    chosen["form"] = None  # whose timing would choose SDPA
+    fresh = _build(cfg, runtime)
+    assert ckpt.resume(fresh) == 2
+    assert _steps(fresh, cfg, runtime, 2) == losses  # identical floats
+    params = _full_params(fresh.parts)
+    assert all(torch.equal(params[n], reference[n]) for n in reference)
+    assert set(model_module._cpu_attention_forms.values()) == {model_module.CpuAttention(
+        model_module.CPU_ATTENTION_BLOCK)}
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the background save, one process
 def test_async_save_and_keep_last(tmp_path):
     cfg = _cfg()
