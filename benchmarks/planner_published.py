@@ -108,6 +108,9 @@ class Run:
     gpu_memory_gib: float | None = None
     mem_bandwidth_tbs: float | None = None
     """Device memory and its bandwidth, where the source's GPU differs from the catalogue's."""
+    peak_tflops: float | None = None
+    """Dense bf16 peak, TFLOP/s, where the source's GPU runs below the catalogue's (a lower power limit); every
+    dtype's peak is scaled by the same share."""
     fused_attention: bool = False
     """Megatron-LM (2021-22) and BLOOM ran attention unfused (batched GEMMs, a fused scale + mask + softmax kernel:
     Training.fused_attention) with Megatron's default dropout of 0.1 (BLOOM's README: "The default Megatron-LM
@@ -298,12 +301,19 @@ def bloom_runs() -> list[Run]:
 # torchtitan's own benchmark of Llama 3.1 8B (end of 2024): FSDP2 with bf16 parameters for compute and fp32
 # reduction (its default MixedPrecisionPolicy), op-level selective checkpointing, sequence 8192 (the llama3_8b
 # recipe), local batch 2, eager (the rows with torch.compile or Float8 are left out: the planner models neither).
-# "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 500 W; 400 Gb/s RDMA per GPU.
+# "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 400 Gb/s RDMA per GPU, "the
+# default 500W power limit" (the H100 SXM's is 700 W). Its peak, in the source's own footnote: "HBM2e-based SXM H100
+# with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". The
+# datasheets give 989.4 (SXM5) and 835.5 (H100 NVL: 1,671 TFLOP/s bf16 with sparsity) dense bf16 TFLOP/s; the rows
+# are evaluated at the middle of those bounds, 912.5 (either bound moves them by 8%).
 # Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"), TPS/GPU read at step 90.
 # Its norm was torch.nn.RMSNorm (torchtitan's build_norm, "rmsnorm"), composite on a GPU until torch 2.8: torchtitan
 # issue 374 (2024) waits for "the CUDA kernel when it is ready in core", which came with pytorch PR 153666 (2025).
 TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
               "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
+
+
+TORCHTITAN_H100_PEAK = (989.4 + 835.5) / 2
 
 
 def torchtitan_runs() -> list[Run]:
@@ -315,6 +325,7 @@ def torchtitan_runs() -> list[Run]:
                         TORCHTITAN, f"table {table}, FSDP row: {tps:,} TPS/GPU, {mem} GiB (local batch 2, global "
                         f"{2 * n}, selective AC)", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem,
                         gpu="h100", system="torchtitan", gpu_memory_gib=96, mem_bandwidth_tbs=2.4,
+                        peak_tflops=TORCHTITAN_H100_PEAK,
                         search=n == 8, fused_rmsnorm=False))
     return runs
 
@@ -531,6 +542,9 @@ def cluster_of(run: Run) -> Cluster:
         acc = dataclasses.replace(acc, memory_bytes=run.gpu_memory_gib * GiB)
     if run.mem_bandwidth_tbs is not None:
         acc = dataclasses.replace(acc, mem_bandwidth=run.mem_bandwidth_tbs * 1e12)
+    if run.peak_tflops is not None:
+        share = run.peak_tflops * 1e12 / acc.peak_flops["bf16"]
+        acc = dataclasses.replace(acc, peak_flops={k: v * share for k, v in acc.peak_flops.items()})
     # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter, synchronously, with a copy after each gather
     # (DeepSpeed issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, both June 2021), and
     # Narayanan et al.'s ZeRO-3 times do not fall from 768 to 1,536 GPUs: its rings are taken as bound to one NIC
@@ -651,7 +665,7 @@ def main() -> None:
             ratio = pub_s / t.step_time_s
             pub_mfu = run.mfu if run.mfu is not None else \
                 flops_per_token(run.model, run.seq) * run.batch * run.seq / (
-                    pub_s * run.gpus * accelerator(run.gpu).peak("bf16"))
+                    pub_s * run.gpus * cluster_of(run).accelerator.peak("bf16"))
             mark = "" if run.mfu is not None else "*"
             if fits and run.fitted:
                 ratios.append((run.name, ratio))
