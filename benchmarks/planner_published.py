@@ -305,7 +305,8 @@ def bloom_runs() -> list[Run]:
 # default 500W power limit" (the H100 SXM's is 700 W). Its peak, in the source's own footnote: "HBM2e-based SXM H100
 # with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". The
 # datasheets give 989.4 (SXM5) and 835.5 (H100 NVL: 1,671 TFLOP/s bf16 with sparsity) dense bf16 TFLOP/s; the rows
-# are evaluated at the middle of those bounds, 912.5 (either bound moves them by 8%).
+# are evaluated at the middle of those bounds, 912.5 (at the NVL's they would be at 1.00 and 1.03, at the SXM's
+# 1.12 and 1.16).
 # Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"), TPS/GPU read at step 90.
 # Its norm was torch.nn.RMSNorm (torchtitan's build_norm, "rmsnorm"), composite on a GPU until torch 2.8: torchtitan
 # issue 374 (2024) waits for "the CUDA kernel when it is ready in core", which came with pytorch PR 153666 (2025).
