@@ -20,10 +20,8 @@ import functools
 import gc
 import json
 import multiprocessing
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -512,26 +510,38 @@ def _format_rank(r: RankReport, p: Layout) -> list[str]:
     return lines
 
 
+# Starts the command in a child of its own, forked from this small interpreter, and reports that child's rusage on
+# stderr's last line. A process started from a large one (a test suite) carries the large one's resident size into
+# its own peak: exec records the replaced memory's high-water mark in the process's maxrss. A fork starts a new
+# maxrss; forked from this interpreter, the command's counts only what it and its ranks held.
+_MEASURE = """
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+_, status, usage = os.wait4(pid, 0)
+print(json.dumps([usage.ru_utime + usage.ru_stime, usage.ru_maxrss]), file=sys.stderr)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measured_run(model: str, world: int, plan: str, seq_len: int = 8192) -> dict:
     """`shardwise simulate --json` for one plan (every simulated rank at once, as a user runs it), with what the
     command cost: CPU seconds over it and its rank processes, wall seconds, and max_rss_gib, a bound on the RAM
     they held at once (each of them counted at the largest one's peak). For benchmarks and tests."""
-    cmd = [sys.executable, "-m", "shardwise.simulate", "--model", model, "--world", str(world), "--plan", plan,
-           "--seq-len", str(seq_len), "--micro-batch", "1", "--precision", "bf16", "--json"]
+    cmd = [sys.executable, "-c", _MEASURE, "-m", "shardwise.simulate", "--model", model, "--world", str(world),
+           "--plan", plan, "--seq-len", str(seq_len), "--micro-batch", "1", "--precision", "bf16", "--json"]
     wall = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        # wait4: the rusage of this command and the processes it waited for, not of everything this one ran
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - wall
-        out.seek(0), err.seek(0)
-        if proc.returncode:
-            raise RuntimeError(f"simulating {model} x {world} failed:\n{err.read()[-3000:]}")
-        result = json.loads(out.read())
-    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - wall
+    if proc.returncode:
+        raise RuntimeError(f"simulating {model} x {world} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout)
+    # wait4 in the child: the rusage of the command and the processes it waited for (its ranks)
+    cpu_s, max_rss_kib = json.loads(proc.stderr.strip().splitlines()[-1])
+    result["cpu_s"] = cpu_s
     result["wall_s"] = wall
-    result["max_rss_gib"] = (1 + len(result["ranks"])) * usage.ru_maxrss / 2**20  # the command and its ranks
+    result["max_rss_gib"] = (1 + len(result["ranks"])) * max_rss_kib / 2**20  # the command and its ranks
     return result
 
 

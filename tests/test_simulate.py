@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardwise.config import load_config
 from shardwise.model import build_model
@@ -185,6 +186,16 @@ def test_bad_rank_is_a_config_error():
 # tp 8 x FSDP 128 without a pipeline, and 405B on 16,384 ranks, are measured by benchmarks/simulate_scale.py
 # (the suite's time is spent once on the largest case; 405B takes most of a minute).
 BIG = [("llama3-70b", 1024, "tp=8,pp=4,dp=32,zero_stage=3")]
+
+
+@pytest.mark.multiprocess
+def test_measured_memory_is_the_commands_not_the_callers():
+    # a process started from a large one (this suite, late in a run, holds over a GiB) used to carry the caller's
+    # resident size into its peak: the big job's test failed for a caller of 1.1 GiB, not for its simulation
+    small = measured_run("debug", 8, "tp=2,pp=1,dp=4,zero_stage=3", seq_len=256)["max_rss_gib"]
+    ballast = torch.ones(2**30 // 4)  # 1 GiB, every page written, held while the command runs
+    large = measured_run("debug", 8, "tp=2,pp=1,dp=4,zero_stage=3", seq_len=256)["max_rss_gib"]
+    assert ballast.sum() == 2**30 // 4 and small < 1.0 and large < small + 0.1
 
 
 @pytest.mark.parametrize("model, world, plan", BIG, ids=[plan for _, _, plan in BIG])
