@@ -168,11 +168,12 @@ def narayanan_runs() -> list[Run]:
                             f"sequence_parallel=false,pp_schedule=interleaved-1f1b", NARAYANAN,
                             f"table 2 PTD row: model-parallel {mp}, batch {batch}, {n} GPUs, microbatch 1, {x} TF/s",
                             tflops=x, flops="eq3", search=False))
-    # Table 2, "ZeRO-3 without Model Parallelism" (DeepSpeed: fp16 weights+grads, fp32 master+Adam: layout
-    # 'zero', whose ZeRO-3 gathers the weights for every micro-batch's forward and backward and reduce-scatters
-    # in every backward); recompute assumed (the teraFLOP/s are eq. 3's, which assumes it). Caption: "The 530-billion-
-    # parameter GPT model did not fit on 560 GPUs when using a microbatch size of 4 with ZeRO-3, so we increased
-    # the number of GPUs used to 640 and global batch size to 2560".
+    # Table 2, "ZeRO-3 without Model Parallelism" (DeepSpeed of March 2021, the system 'deepspeed-2021': fp16
+    # weights+grads, fp32 master+Adam, layout 'zero', whose ZeRO-3 gathers the weights module by module for every
+    # micro-batch's forward, recomputed forward and backward and reduce-scatters in every backward); recompute
+    # assumed (the teraFLOP/s are eq. 3's, which assumes it). Caption: "The 530-billion-parameter GPT model did not
+    # fit on 560 GPUs when using a microbatch size of 4 with ZeRO-3, so we increased the number of GPUs used to 640
+    # and global batch size to 2560".
     for model, rows in ((GPT3, ((384, 1536, 4, 144), (768, 1536, 2, 88), (1536, 1536, 1, 44))),
                         (MT530, ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48)))):
         for n, batch, mb, x in rows:
@@ -180,11 +181,11 @@ def narayanan_runs() -> list[Run]:
                             f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch={mb},activation_checkpoint=full",
                             NARAYANAN,
                             f"table 2 ZeRO-3 row: batch {batch}, {n} GPUs, microbatch {mb}, {x} TF/s",
-                            tflops=x, flops="eq3", layout="zero", search=False))
+                            tflops=x, flops="eq3", system="deepspeed-2021", search=False))
     runs.append(Run(f"N21 T2 ZeRO-3 {MT530.name} n=560 OOM", MT530, 560, 2048, 2240,
                     "tp=1,pp=1,cp=1,dp_shard=560,zero_stage=3,micro_batch=4,activation_checkpoint=full", NARAYANAN,
                     "table 2 caption: did not fit on 560 GPUs with microbatch 4 (batch 2240)", fitted=False,
-                    layout="zero", search=False))
+                    system="deepspeed-2021", search=False))
     return runs
 
 
@@ -536,7 +537,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + m
 
 def cluster_of(run: Run) -> Cluster:
     acc = accelerator(run.gpu)
-    rails = run.layout != "zero" or run.system is not None
+    rails = run.system != "deepspeed-2021"
     if run.inter_node_gbs is not None:
         acc = dataclasses.replace(acc, inter_node_bw=run.inter_node_gbs * 1e9)
     if run.gpu_memory_gib is not None:

@@ -1136,6 +1136,31 @@ def test_zero3_traffic_per_step_follows_each_stack(layout):
     assert t.comm_total_s == pytest.approx((gathers + reductions) * ring, rel=1e-9)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_deepspeed_2021_zero3_traffic_module_by_module(recompute):
+    """DeepSpeed's first ZeRO-3 (v0.3.13: Training.zero3_fetch 'module-sync') on a GPT-3 175B block, 8 ranks, 2
+    micro-batches, a link of 1 byte/s without latency (seconds = bytes a rank sends): every micro-batch gathers
+    the four linears' weights for forward; with full recompute again for the recomputed forward, and again in
+    backward all but the last one (QKV, out and fc1 are used again more than stage3_max_reuse_distance = 1e9
+    elements later: 2 x (4 + 4) h^2 = 1.2e9 for fc1; fc2's backward follows its recomputed forward at once);
+    without recompute all four again in backward. Gradients are reduce-scattered in every backward, and the
+    embedding is gathered for forward and backward. The blocks' norms stay whole (DeepSpeed's
+    param_persistence_threshold, 1e5 elements)."""
+    h, layers, vocab = 12288, 4, 51200
+    args = ModelArgs(dim=h, n_heads=96, n_kv_heads=96, n_layers=layers, vocab_size=vocab, ffn_hidden=4 * h,
+                     mlp="gelu", tie_embeddings=True)
+    unit = dataclasses.replace(accelerator("a100-80gb"), intra_node_bw=1.0, comm_efficiency=1.0,
+                               intra_node_latency=0.0, intra_node_fabric="")
+    training = Training(seq_len=2048, global_batch=16, layout="zero", zero3_fetch="module-sync")
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2, activation_checkpoint=recompute)
+    t = evaluate(args, training, plan, Cluster(unit, 8)).time
+    linears = 12 * h * h
+    gathered = linears * (3 - 4 / 12 if recompute == "full" else 2)
+    rest = num_params(args) - layers * (linears + 2 * h)  # the embedding (tied) and the final norm
+    per_micro_batch = 2 * (layers * (gathered + linears) + 3 * rest)  # bf16 weights and gradients
+    assert t.comm_total_s == pytest.approx(2 * per_micro_batch * 7 / 8, rel=1e-9)
+
+
 def test_engine_collectives_are_one_per_fsdp_unit_or_bucket():
     """On a link with latency only (seconds = collectives x steps x 1 s): FSDP2's ZeRO-3 gathers each block and the
     root in forward, each block again in backward, and reduce-scatters each block and the root, (N-1) ring steps

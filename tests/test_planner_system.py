@@ -154,6 +154,7 @@ def test_system_toml(tmp_path):
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),
                                          ('colour = "blue"\n', "--system"),
                                          ('dropout = "yes"\n', "dropout"),
+                                         ('zero3_fetch = "eager"\n', "--system zero3_fetch"),
                                          ('base = "jax"\n', "base")])
 def test_bad_system_toml_names_the_field(tmp_path, text, field):
     path = tmp_path / "bad.toml"
@@ -322,6 +323,23 @@ def test_megatron_core_scaling_table_from_70b_up():
         if run.model.dim >= 8192:
             ev, fits = published.given_plan(run)
             assert fits and ev.time.step_time_s == pytest.approx(run.published_step(), rel=0.10), run.name
+
+
+def test_narayanan_gpt3_zero3_runs_as_deepspeed_2021_fetched_them():
+    # Narayanan et al. 2021, table 2: GPT-3 175B under DeepSpeed's ZeRO-3 on 384, 768 and 1,536 A100s (144, 88
+    # and 44 TFLOP/s per GPU). Described as DeepSpeed v0.3.13 fetched weights (module by module, synchronised,
+    # gathered again for the recomputed forward and for backward beyond the reuse distance) the predicted over the
+    # published throughput is 0.85 to 1.02 (the more GPUs, the more pessimistic: NCCL's ring latency over 1,536
+    # ranks); as FSDP prefetches, all three are more than 25% optimistic.
+    published = _published_module()
+    runs = [run for run in published.RUNS if run.name.startswith("N21 T2 ZeRO-3 gpt3-175b")]
+    assert len(runs) == 3 and all(run.system == "deepspeed-2021" for run in runs)
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        assert fits and 0.84 <= run.published_step() / ev.time.step_time_s <= 1.05, run.name
+        prefetched = evaluate(run.model, dataclasses.replace(published.training_of(run), zero3_fetch="prefetch"),
+                              ev.plan, published.cluster_of(run))
+        assert run.published_step() / prefetched.time.step_time_s > 1.25, run.name
 
 
 def test_llm_foundry_a100_runs_median_error():

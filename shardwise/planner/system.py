@@ -50,6 +50,9 @@ class System:
     """What activation_checkpoint=selective keeps (Training.selective)."""
     elementwise: str = "eager"
     """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
+    zero3_fetch: str = "prefetch"
+    """How ZeRO-3 fetches weights under the layout 'zero': 'prefetch' or DeepSpeed 2021's 'module-sync'
+    (Training.zero3_fetch)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -57,7 +60,8 @@ class System:
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
-                  ("elementwise", self.elementwise, ("fused", "eager")))
+                  ("elementwise", self.elementwise, ("fused", "eager")),
+                  ("zero3_fetch", self.zero3_fetch, ("prefetch", "module-sync")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -69,7 +73,7 @@ class System:
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
-                "selective": self.selective, "elementwise": self.elementwise}
+                "selective": self.selective, "elementwise": self.elementwise, "zero3_fetch": self.zero3_fetch}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -117,6 +121,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused",
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
+    System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
+           "with weights fetched module by module with a device synchronisation before each, gathered again for "
+           "a recomputed forward, unfused attention and dropout 0.1",
+           layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
+           grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync",
+           source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
+                  "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
+                  "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2"),
 )}
 
 

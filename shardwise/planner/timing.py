@@ -542,6 +542,13 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # the updated weights are all-gathered after the step, before the next forward (exposed)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
         return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
+    if z == 3 and training.zero3_fetch == "module-sync" and not training.fsdp2 and not moe_layers \
+            and not where.max_moe_layers and not training.lora_rank:
+        block_total, block_exposed = module_sync_zero3(args, training, plan, cost, layers, sh_n, sh_link)
+        rest = max(0.0, n_params - block_params_)  # the embedding and head: gathered in forward and backward, exposed
+        rest_comm = (2 * all_gather(rest * gathered_weight_bytes(training), sh_n, sh_link)
+                     + reduce_scatter(rest * b.grads, sh_n, sh_link))
+        return m * (block_total + rest_comm) + hsdp, m * (block_exposed + rest_comm) + hsdp
     # Weights gathered for every micro-batch: FSDP2 reshards after every backward, so ZeRO-2 gathers them again
     # for each forward (kept through backward); ZeRO-3 for forward and again for backward. Each block's gather is
     # prefetched behind the previous block's compute (the first block's has nothing before it).
@@ -569,6 +576,57 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     comm = m * (ag + ag_bwd) + n_rs * rs + hsdp
     exposed = m * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
     return comm, exposed
+
+
+DS_MAX_REUSE_DISTANCE = 1e9
+"""DeepSpeed's stage3_max_reuse_distance default, elements (deepspeed/runtime/zero/constants.py, v0.3.13): a
+module's weights stay gathered when the parameters used before their next use number fewer."""
+
+
+def block_modules(args: ModelArgs, tp: int) -> list[float]:
+    """Parameters (per tp rank) of each of a block's linear modules in forward order, as Megatron's GPT has them:
+    Q, K and V one module, the MLP's gate and up projections one."""
+    n = {k: i * o / tp for k, (i, o) in projection_shapes(args).items()}
+    return [n["wq"] + n["wk"] + n["wv"], n["wo"], n["w1"] + n.get("w3", 0.0), n["w2"]]
+
+
+def module_sync_zero3(args: ModelArgs, training: Training, plan: Plan, cost: StageCost, layers: int, n: int,
+                      link) -> tuple[float, float]:
+    """(total, exposed) seconds of one micro-batch's weight gathers and gradient reduce-scatters over the blocks
+    under DeepSpeed's first ZeRO-3 (Training.zero3_fetch 'module-sync'), read from v0.3.13's stage3.py:
+
+    * `fetch_sub_module` waits for the module's weights and then `torch.cuda.synchronize()`s, and
+      `prefetch_next_sub_modules` gathers the weights used next up to `stage3_prefetch_bucket_size` (5e7
+      elements; every linear here is larger, so one module ahead) while the module computes: each module
+      takes max(its compute, the next module's gather);
+    * with full recompute the checkpointed forward runs the modules' hooks again and gathers again; in backward
+      a weight is gathered a third time unless its reuse distance (2 x the parameters of the block's later
+      modules: their recomputed forward and backward) is under `stage3_max_reuse_distance`;
+    * in backward each module's gradient is reduce-scattered on the reduction stream while the next module
+      computes, beside that module's prefetch, on the same link.
+
+    Compute is shared among a block's modules by their parameters. Not modelled: `stage3_max_live_parameters`
+    (1e9 elements by default), under which a larger module's prefetch waits (a 530B block's 1.3e9 and 1.7e9
+    element linears), and the host's work in the hooks."""
+    mods = block_modules(args, plan.tp)
+    k, total = len(mods), sum(mods)
+    share = [p / total for p in mods]
+    g = [all_gather(p * gathered_weight_bytes(training), n, link) for p in mods]
+    rs = [reduce_scatter(p * state_bytes_per_param(training).grads, n, link) for p in mods]
+    fwd, rec, bwd = (x / layers for x in (cost.forward, cost.recompute,
+                                          cost.backward_input + cost.backward_weight))
+    full = plan.activation_checkpoint == "full"
+    kept = [full and 2 * sum(mods[j + 1:]) < DS_MAX_REUSE_DISTANCE for j in range(k)]
+    t = sum(max(fwd * share[j], g[(j + 1) % k]) for j in range(k))
+    t += sum(max(rec * share[j], g[(j + 1) % k]) for j in range(k)) if full else rec
+    for j in reversed(range(k)):
+        # next: this block's previous module, or (j = 0) the block below's recomputed first module / last module
+        nxt = j - 1 if j else (0 if full else k - 1)
+        fetch = 0.0 if j and kept[nxt] else g[nxt]
+        t += max(bwd * share[j], fetch + rs[(j + 1) % k])  # (j = k-1: the block above's first gradient)
+    comm = sum(g) * (2 if full else 1) + sum(x for x, keep in zip(g, kept) if not keep) + sum(rs)
+    return layers * comm, max(0.0, layers * t - (cost.forward + cost.recompute + cost.backward_input
+                                                 + cost.backward_weight))
 
 
 def step_scalars(plan: Plan, cluster: Cluster, args: ModelArgs | None = None, moe_layers: int = 0) -> float:

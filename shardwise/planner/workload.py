@@ -84,6 +84,13 @@ class Training:
     unsharded until the last micro-batch (shardwise's engine: FSDP2's set_requires_gradient_sync; Megatron's
     buffer), or in every micro-batch's backward, keeping only the shard (torchtitan, Composer's FSDP, DeepSpeed:
     layout 'zero' always does)."""
+    zero3_fetch: Literal["prefetch", "module-sync"] = "prefetch"
+    """How ZeRO-3 under the layout 'zero' fetches weights: 'prefetch', each unit's gather behind the previous unit's
+    compute (FSDP; DeepSpeed since mid-2021), or 'module-sync', DeepSpeed's first ZeRO-3 (v0.3.13, March 2021,
+    deepspeed/runtime/zero/stage3.py): weights gathered linear module by linear module, the next one prefetched
+    while the current one computes and the device synchronised before each (so a module's compute overlaps one
+    gather only), a recomputed forward gathering again, and backward re-gathering every weight whose reuse
+    distance exceeds stage3_max_reuse_distance (timing.module_sync_zero3)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
@@ -150,6 +157,9 @@ class Training:
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
+        if self.zero3_fetch not in ("prefetch", "module-sync"):
+            raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
+                               "use prefetch or module-sync")
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
