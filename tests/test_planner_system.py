@@ -151,6 +151,16 @@ def test_system_toml(tmp_path):
                                                                                  "matmuls", False)
 
 
+def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
+    path = tmp_path / "ds-sync.toml"
+    path.write_text('base = "deepspeed"\nzero3_fetch = "module-sync"\n')
+    argv = ["--model", "llama3-8b", "--gpus", "16", "--seq-len", "2048", "--global-batch", "32", "--top-k", "1",
+            "--plan", "dp_shard=16,zero_stage=3"]
+    assert run_plan(_ns(*argv, "--system", str(path))) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
+    assert line.startswith("system: ds-sync - layout zero") and line.endswith(", ZeRO-3 fetched module by module")
+
+
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),
                                          ('colour = "blue"\n', "--system"),
                                          ('dropout = "yes"\n', "dropout"),

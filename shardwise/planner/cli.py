@@ -202,7 +202,8 @@ def system_summary(training: Training) -> str:
     return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
-            f", selective keeps {training.selective if training.fused_attention else 'attention-core'}")
+            f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
+            f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
