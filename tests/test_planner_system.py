@@ -151,6 +151,20 @@ def test_system_toml(tmp_path):
                                                                                  "matmuls", False)
 
 
+@pytest.mark.parametrize("fields", [{"layout": "torch"}, {"layout": "zero", "lora_rank": 16}])
+def test_module_by_module_fetch_is_deepspeeds_zero3_only(fields):
+    with pytest.raises(PlannerError, match="--system zero3_fetch") as e:
+        Training(zero3_fetch="module-sync", **fields)
+    assert "\n" not in str(e.value)
+
+
+def test_module_by_module_fetch_refuses_a_mixture_of_experts():
+    training = Training(seq_len=2048, global_batch=64, **SYSTEMS["deepspeed-2021"].training_fields())
+    with pytest.raises(PlannerError, match="--system zero3_fetch.*experts"):
+        evaluate(preset("mixtral-8x7b"), training, Plan(dp_shard=64, zero_stage=3, activation_checkpoint="full"),
+                 Cluster(accelerator("a100-80gb"), 64))
+
+
 def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
     path = tmp_path / "ds-sync.toml"
     path.write_text('base = "deepspeed"\nzero3_fetch = "module-sync"\n')

@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from shardwise.hardware import Accelerator, Cluster
+from shardwise.hardware import Accelerator, Cluster, PlannerError
 from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, projection_shapes
 from shardwise.planner.comm import (
     all_gather,
@@ -542,8 +542,10 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # the updated weights are all-gathered after the step, before the next forward (exposed)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
         return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
-    if z == 3 and training.zero3_fetch == "module-sync" and not training.fsdp2 and not moe_layers \
-            and not where.max_moe_layers and not training.lora_rank:
+    if z == 3 and training.zero3_fetch == "module-sync":
+        if where.max_moe_layers:
+            raise PlannerError("--system zero3_fetch", "module-sync prices a dense block's four linear modules, and "
+                               f"{args.name} has experts", "use zero3_fetch = prefetch for a mixture of experts")
         block_total, block_exposed = module_sync_zero3(args, training, plan, cost, layers, sh_n, sh_link)
         rest = max(0.0, n_params - block_params_)  # the embedding and head: gathered in forward and backward, exposed
         rest_comm = (2 * all_gather(rest * gathered_weight_bytes(training), sh_n, sh_link)

@@ -160,6 +160,10 @@ class Training:
         if self.zero3_fetch not in ("prefetch", "module-sync"):
             raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
                                "use prefetch or module-sync")
+        if self.zero3_fetch == "module-sync" and (self.layout != "zero" or self.lora_rank):
+            raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
+                               f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
+                               "use zero3_fetch = prefetch, or layout zero without LoRA")
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
