@@ -537,6 +537,10 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + m
 
 def cluster_of(run: Run) -> Cluster:
     acc = accelerator(run.gpu)
+    # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter, synchronously, with a copy after each gather
+    # (DeepSpeed issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, both June 2021), and
+    # Narayanan et al.'s ZeRO-3 times do not fall from 768 to 1,536 GPUs: its rings are taken as bound to one NIC
+    # per rank, where FSDP's flat-buffer collectives (llm-foundry's rows) use every NIC of the node
     rails = run.system != "deepspeed-2021"
     if run.inter_node_gbs is not None:
         acc = dataclasses.replace(acc, inter_node_bw=run.inter_node_gbs * 1e9)
@@ -547,10 +551,6 @@ def cluster_of(run: Run) -> Cluster:
     if run.peak_tflops is not None:
         share = run.peak_tflops * 1e12 / acc.peak_flops["bf16"]
         acc = dataclasses.replace(acc, peak_flops={k: v * share for k, v in acc.peak_flops.items()})
-    # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter, synchronously, with a copy after each gather
-    # (DeepSpeed issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, both June 2021), and
-    # Narayanan et al.'s ZeRO-3 times do not fall from 768 to 1,536 GPUs: its rings are taken as bound to one NIC
-    # per rank, where FSDP's flat-buffer collectives (llm-foundry's rows) use every NIC of the node
     return Cluster(acc, run.gpus, rail_collectives=rails)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.hardware import PlannerError
-from shardwise.planner.workload import ATTENTION_KERNELS, LAYOUTS, SELECTIVE, Layout, Selective
+from shardwise.planner.workload import ATTENTION_KERNELS, LAYOUTS, SELECTIVE, ZERO3_FETCH, Layout, Selective, Zero3Fetch
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class System:
     """What activation_checkpoint=selective keeps (Training.selective)."""
     elementwise: str = "eager"
     """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
-    zero3_fetch: str = "prefetch"
+    zero3_fetch: Zero3Fetch = "prefetch"
     """How ZeRO-3 fetches weights under the layout 'zero': 'prefetch' or DeepSpeed 2021's 'module-sync'
     (Training.zero3_fetch)."""
     source: str = ""
@@ -61,7 +61,7 @@ class System:
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
                   ("elementwise", self.elementwise, ("fused", "eager")),
-                  ("zero3_fetch", self.zero3_fetch, ("prefetch", "module-sync")))
+                  ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",

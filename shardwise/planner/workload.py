@@ -26,6 +26,8 @@ LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
 Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
 SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
+Zero3Fetch = Literal["prefetch", "module-sync"]
+ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
 
 # Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
@@ -84,7 +86,7 @@ class Training:
     unsharded until the last micro-batch (shardwise's engine: FSDP2's set_requires_gradient_sync; Megatron's
     buffer), or in every micro-batch's backward, keeping only the shard (torchtitan, Composer's FSDP, DeepSpeed:
     layout 'zero' always does)."""
-    zero3_fetch: Literal["prefetch", "module-sync"] = "prefetch"
+    zero3_fetch: Zero3Fetch = "prefetch"
     """How ZeRO-3 under the layout 'zero' fetches weights: 'prefetch', each unit's gather behind the previous unit's
     compute (FSDP; DeepSpeed since mid-2021), or 'module-sync', DeepSpeed's first ZeRO-3 (v0.3.13, March 2021,
     deepspeed/runtime/zero/stage3.py): weights gathered linear module by linear module, the next one prefetched
@@ -157,9 +159,9 @@ class Training:
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
-        if self.zero3_fetch not in ("prefetch", "module-sync"):
+        if self.zero3_fetch not in ZERO3_FETCH:
             raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
-                               "use prefetch or module-sync")
+                               f"use one of {', '.join(ZERO3_FETCH)}")
         if self.zero3_fetch == "module-sync" and (self.layout != "zero" or self.lora_rank):
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
                                f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
