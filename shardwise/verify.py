@@ -12,6 +12,8 @@ as it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -39,15 +41,22 @@ def _run(config: str | None, overrides: list[str], out_dir: Path, nproc: int) ->
     from safetensors.torch import load_file
 
     final = out_dir / "final.safetensors"
-    cmd = [sys.executable, "-m", "shardwise", "train", *(["--config", config] if config else []),
-           *[f"--set={o}" for o in overrides], "--save-final", str(final)]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        # torchrun's own report says little: show what the ranks said
-        said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
-        raise RuntimeError(f"run failed ({' '.join(overrides)}):\n" + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
+    if nproc == 1:
+        # one device: `shardwise train`'s own function in this process, which has imported torch already (a
+        # process of its own would spend most of a few-step run starting up)
+        from shardwise.train import train
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            train(load_config(config, overrides), save_final=str(final))
+    else:
+        cmd = [sys.executable, "-m", "shardwise", "train", *(["--config", config] if config else []),
+               *[f"--set={o}" for o in overrides], "--save-final", str(final), "--nproc", str(nproc)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            # torchrun's own report says little: show what the ranks said
+            said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
+            raise RuntimeError(f"run failed ({' '.join(overrides)}):\n"
+                               + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]
     params = {}
