@@ -7,6 +7,9 @@ update and clipping would hide from the loss); parameters at the end, per tensor
 Each layout also reports which parameters its steps changed from their initial values: a parity in which
 nothing trained would prove nothing, and a LoRA run must change its adapters and leave the frozen base bitwise
 as it started.
+
+The reference runs in this process, and the layouts of one world size in one launch of that many ranks, which
+train them in turn (`run_jobs`): a few steps of a small model take less than starting the ranks does.
 """
 
 from __future__ import annotations
@@ -37,26 +40,54 @@ def _quiet(out_dir: Path, steps: int) -> list[str]:
             "metrics.tensorboard=false", "train.val_every=0"]
 
 
-def _run(config: str | None, overrides: list[str], out_dir: Path, nproc: int) -> tuple[list[float], dict]:
+def _train_here(config: str | None, overrides: list[str], final: Path) -> None:
+    """One device: `shardwise train`'s own function in this process, which has imported torch already (a process
+    of its own would spend most of a few-step run starting up)."""
+    from shardwise.train import train
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(load_config(config, overrides), save_final=str(final))
+
+
+def _train_launched(config: str | None, runs: list[tuple[list[str], Path]], nproc: int) -> None:
+    """Several runs of one world size, in turn, in one launch of `nproc` ranks (`run_jobs`): each rank pays
+    torch's start-up once, not once per layout."""
+    from shardwise.launch.local import torchrun_command
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="shardwise-verify-jobs-", delete=False) as f:
+        json.dump([{"config": config, "overrides": o, "final": str(final)} for o, final in runs], f)
+    try:
+        cmd, env = torchrun_command(nproc, [f.name], module="shardwise.verify")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    finally:
+        Path(f.name).unlink()
+    if proc.returncode:
+        # torchrun's own report says little: show what the ranks said
+        said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
+        layouts = "; ".join(" ".join(o) for o, _ in runs)
+        raise RuntimeError(f"run failed ({layouts}):\n" + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
+
+
+def run_jobs(path: str) -> None:
+    """A rank of `_train_launched`'s launch: train each job of the JSON file at `path` in turn, as `shardwise train`
+    does (train() builds the process group and tears it down). Each job is a new attempt to the job's store
+    (shardwise.distributed's attempt prefix, as after a restart), so no job reads the gloo addresses of the one
+    before."""
+    import os
+
+    from shardwise.distributed import ATTEMPT_ENV, attempt
+    from shardwise.train import train
+
+    base = int(attempt())  # a number, later attempts larger (shardwise.torchrun's: the rendezvous's time in ns)
+    for i, job in enumerate(json.loads(Path(path).read_text())):
+        os.environ[ATTEMPT_ENV] = str(base + i)
+        train(load_config(job["config"], job["overrides"]), save_final=job["final"])
+
+
+def _results(out_dir: Path) -> tuple[list[tuple[float, float]], dict]:
+    """A finished run's (loss, gradient norm) per step and its final parameters."""
     from safetensors.torch import load_file
 
-    final = out_dir / "final.safetensors"
-    if nproc == 1:
-        # one device: `shardwise train`'s own function in this process, which has imported torch already (a
-        # process of its own would spend most of a few-step run starting up)
-        from shardwise.train import train
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            train(load_config(config, overrides), save_final=str(final))
-    else:
-        cmd = [sys.executable, "-m", "shardwise", "train", *(["--config", config] if config else []),
-               *[f"--set={o}" for o in overrides], "--save-final", str(final), "--nproc", str(nproc)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            # torchrun's own report says little: show what the ranks said
-            said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
-            raise RuntimeError(f"run failed ({' '.join(overrides)}):\n"
-                               + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]
     params = {}
@@ -124,19 +155,28 @@ def run_verify(args: argparse.Namespace) -> int:
     initial = initial_parameters(configs[0][2])  # layouts change how parameters are split, not their values
     results = []
     with tempfile.TemporaryDirectory(prefix="shardwise-verify-") as tmp:
-        refs: dict[int, tuple] = {}
+        refs: dict[int, Path] = {}  # the global batch in micro-batches, as one device reads it -> its run
+        launches: dict[int, list[tuple[list[str], Path]]] = {}  # world size -> its layouts' runs
+        outs = []
         for i, (text, extra, cfg) in enumerate(configs):
-            # the global batch in micro-batches, as one device reads it
             accum = cfg.train.global_batch // cfg.train.micro_batch or cfg.train.grad_accum * cfg.parallel.dp
             if accum not in refs:
-                out = Path(tmp) / f"ref-{accum}"
-                refs[accum] = _run(args.config, [*args.overrides, "train.global_batch=0", f"train.grad_accum={accum}",
-                                                 f"train.micro_batch={cfg.train.micro_batch}",
-                                                 *_quiet(out, args.steps)], out, 1)
+                refs[accum] = out = Path(tmp) / f"ref-{accum}"
+                _train_here(args.config, [*args.overrides, "train.global_batch=0", f"train.grad_accum={accum}",
+                                          f"train.micro_batch={cfg.train.micro_batch}", *_quiet(out, args.steps)],
+                            out / "final.safetensors")
             out = Path(tmp) / f"layout-{i}"
-            got = _run(args.config, [*args.overrides, *extra, *_quiet(out, args.steps)], out,
-                       cfg.parallel.world_size)
-            row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(refs[accum], got)}
+            overrides = [*args.overrides, *extra, *_quiet(out, args.steps)]
+            if cfg.parallel.world_size == 1:
+                _train_here(args.config, overrides, out / "final.safetensors")
+            else:
+                launches.setdefault(cfg.parallel.world_size, []).append((overrides, out / "final.safetensors"))
+            outs.append((refs[accum], out))
+        for world, runs in launches.items():
+            _train_launched(args.config, runs, world)
+        for (text, _, cfg), (ref_out, out) in zip(configs, outs):
+            got = _results(out)
+            row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(_results(ref_out), got)}
             row["ok"] = max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= args.rtol
             row["trained"] = changed(initial, got[1])
             results.append(row)
@@ -147,3 +187,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"steps": args.steps, "rtol": args.rtol, "layouts": results}, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":  # a rank of _train_launched's launch
+    run_jobs(sys.argv[1])

@@ -116,7 +116,8 @@ def test_verify_refuses_lora_dropout_before_any_process(capsys, monkeypatch):
     def no_run(*args, **kwargs):
         raise AssertionError("a run was started")
 
-    monkeypatch.setattr(shardwise.verify, "_run", no_run)
+    monkeypatch.setattr(shardwise.verify, "_train_here", no_run)
+    monkeypatch.setattr(shardwise.verify, "_train_launched", no_run)
     code = main(["verify", "--config", CONFIG, "--set=lora.rank=4", "--set=lora.dropout=0.1", "--layout", "dp=2"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: lora.dropout"), lines

@@ -81,11 +81,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
     stopped_exit_code: the exit code when a signal stopped the job and the ranks saved (what a scheduler that
     only reruns failed work, as a Kubernetes Job does, needs to see instead of 0).
     """
-    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
-    cmd = [sys.executable, "-m", "shardwise.torchrun", *where, f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "shardwise", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd, env = torchrun_command(nproc, argv, max_restarts, rendezvous)
     torchrun = subprocess.Popen(cmd, env=env)
     stop = [signal.SIGTERM, signal.SIGUSR1]
     stopped = []
@@ -101,6 +97,18 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
+                     module: str = "shardwise") -> tuple[list[str], dict[str, str]]:
+    """The command (and its environment) that runs `python -m module argv` as `nproc` ranks under torchrun
+    (shardwise.torchrun); the cores are split between the ranks unless OMP_NUM_THREADS says otherwise."""
+    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
+    cmd = [sys.executable, "-m", "shardwise.torchrun", *where, f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", module, *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return cmd, env
 
 
 def _stop_ranks(torchrun_pid: int, signum: int = signal.SIGTERM) -> None:
