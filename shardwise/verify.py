@@ -64,8 +64,8 @@ def _train_launched(config: str | None, runs: list[tuple[list[str], Path]], npro
     if proc.returncode:
         # torchrun's own report says little: show what the ranks said
         said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
-        layouts = "; ".join(" ".join(o) for o, _ in runs)
-        raise RuntimeError(f"run failed ({layouts}):\n" + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
+        raise RuntimeError(f"a launch of {nproc} ranks for {len(runs)} layout(s) failed:\n"
+                           + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
 
 
 def run_jobs(path: str) -> None:
@@ -81,7 +81,11 @@ def run_jobs(path: str) -> None:
     base = int(attempt())  # a number, later attempts larger (shardwise.torchrun's: the rendezvous's time in ns)
     for i, job in enumerate(json.loads(Path(path).read_text())):
         os.environ[ATTEMPT_ENV] = str(base + i)
-        train(load_config(job["config"], job["overrides"]), save_final=job["final"])
+        try:
+            train(load_config(job["config"], job["overrides"]), save_final=job["final"])
+        except BaseException as e:  # the traceback then says which of the launch's layouts failed
+            e.add_note(f"in verify's run of: {' '.join(job['overrides'])}")
+            raise
 
 
 def _results(out_dir: Path) -> tuple[list[tuple[float, float]], dict]:
