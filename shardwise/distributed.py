@@ -64,6 +64,22 @@ def keep_host_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def release_memory() -> None:
+    """Hand back what a finished run's allocators kept (keep_host_memory's blocks, CUDA's cache) while this
+    process goes on: a run trained in a process that then does other work (verify's single-device reference,
+    beside the ranks it launches next)."""
+    import ctypes
+    import ctypes.util
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing was kept beyond its own default
+
+
 def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, group_of_one: bool = False) -> DistEnv:
     """Join the job torchrun started (NCCL on GPU, gloo on CPU); a plain run is a world of one, with a process
     group of its own only when `group_of_one` (FSDP2 on one device, for its CPU offload, needs a mesh)."""

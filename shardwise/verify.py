@@ -43,29 +43,46 @@ def _quiet(out_dir: Path, steps: int) -> list[str]:
 def _train_here(config: str | None, overrides: list[str], final: Path) -> None:
     """One device: `shardwise train`'s own function in this process, which has imported torch already (a process
     of its own would spend most of a few-step run starting up)."""
+    from shardwise.distributed import release_memory
     from shardwise.train import train
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        train(load_config(config, overrides), save_final=str(final))
+    _forget_compiled()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train(load_config(config, overrides), save_final=str(final))
+    finally:
+        release_memory()  # not kept beside the ranks launched next
 
 
-def _train_launched(config: str | None, runs: list[tuple[list[str], Path]], nproc: int) -> None:
+def _forget_compiled() -> None:
+    """Drop what torch.compile compiled for an earlier run in this process (train.compile): dynamo's cache lives
+    as long as the process, and a run must compile for itself, as `shardwise train` would (the guards of an
+    earlier layout's graphs can pass for the next one's, and its shapes would already be marked dynamic)."""
+    if "torch._dynamo" in sys.modules:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+
+
+def _train_launched(config: str | None, runs: list[tuple[list[str], Path]], nproc: int, tmp: Path) -> None:
     """Several runs of one world size, in turn, in one launch of `nproc` ranks (`run_jobs`): each rank pays
     torch's start-up once, not once per layout."""
     from shardwise.launch.local import torchrun_command
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="shardwise-verify-jobs-", delete=False) as f:
-        json.dump([{"config": config, "overrides": o, "final": str(final)} for o, final in runs], f)
-    try:
-        cmd, env = torchrun_command(nproc, [f.name], module="shardwise.verify")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    finally:
-        Path(f.name).unlink()
+    jobs = tmp / f"jobs-{nproc}.json"
+    jobs.write_text(json.dumps([{"config": config, "overrides": o, "final": str(final)} for o, final in runs]))
+    cmd, env = torchrun_command(nproc, [str(jobs)], module="shardwise.verify")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
-        # torchrun's own report says little: show what the ranks said
-        said = [line for line in proc.stderr.splitlines() if line.startswith(("[rank0]", "shardwise:"))]
+        # torchrun's own report says little: show what the ranks said (each rank's traceback ends with the
+        # layout it was training: run_jobs)
+        said = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+        which = list(dict.fromkeys(line for line in said if _FAILED_IN in line))
         raise RuntimeError(f"a launch of {nproc} ranks for {len(runs)} layout(s) failed:\n"
-                           + "\n".join(said[-25:] or [proc.stderr[-3000:]]))
+                           + "\n".join(which + said[-25:] or [proc.stderr[-3000:]]))
+
+
+_FAILED_IN = "in verify's run of:"
 
 
 def run_jobs(path: str) -> None:
@@ -81,10 +98,11 @@ def run_jobs(path: str) -> None:
     base = int(attempt())  # a number, later attempts larger (shardwise.torchrun's: the rendezvous's time in ns)
     for i, job in enumerate(json.loads(Path(path).read_text())):
         os.environ[ATTEMPT_ENV] = str(base + i)
+        _forget_compiled()
         try:
             train(load_config(job["config"], job["overrides"]), save_final=job["final"])
         except BaseException as e:  # the traceback then says which of the launch's layouts failed
-            e.add_note(f"in verify's run of: {' '.join(job['overrides'])}")
+            e.add_note(f"{_FAILED_IN} {' '.join(job['overrides'])}")
             raise
 
 
@@ -177,7 +195,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 launches.setdefault(cfg.parallel.world_size, []).append((overrides, out / "final.safetensors"))
             outs.append((refs[accum], out))
         for world, runs in launches.items():
-            _train_launched(args.config, runs, world)
+            _train_launched(args.config, runs, world, Path(tmp))
         for (text, _, cfg), (ref_out, out) in zip(configs, outs):
             got = _results(out)
             row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(_results(ref_out), got)}
