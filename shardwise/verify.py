@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -90,8 +91,6 @@ def run_jobs(path: str) -> None:
     does (train() builds the process group and tears it down). Each job is a new attempt to the job's store
     (shardwise.distributed's attempt prefix, as after a restart), so no job reads the gloo addresses of the one
     before."""
-    import os
-
     from shardwise.distributed import ATTEMPT_ENV, attempt
     from shardwise.train import train
 
