@@ -53,12 +53,8 @@ def keep_host_memory() -> bool:
     `torch.backends.xeon.run_cpu` launcher preloads them) do; glibc's own settings do it without a new library.
     Memory freed stays with the process, as it does in CUDA's caching allocator. Returns False where the C
     library is not glibc (the settings are then left alone)."""
-    import ctypes
-    import ctypes.util
-
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
@@ -68,16 +64,20 @@ def release_memory() -> None:
     """Hand back what a finished run's allocators kept (keep_host_memory's blocks, CUDA's cache) while this
     process goes on: a run trained in a process that then does other work (verify's single-device reference,
     beside the ranks it launches next)."""
-    import ctypes
-    import ctypes.util
-
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing was kept beyond its own default
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, group_of_one: bool = False) -> DistEnv:

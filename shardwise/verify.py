@@ -195,9 +195,10 @@ def run_verify(args: argparse.Namespace) -> int:
             outs.append((refs[accum], out))
         for world, runs in launches.items():
             _train_launched(args.config, runs, world, Path(tmp))
+        references = {out: _results(out) for out in refs.values()}
         for (text, _, cfg), (ref_out, out) in zip(configs, outs):
             got = _results(out)
-            row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(_results(ref_out), got)}
+            row = {"layout": text, "world_size": cfg.parallel.world_size, **compare(references[ref_out], got)}
             row["ok"] = max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= args.rtol
             row["trained"] = changed(initial, got[1])
             results.append(row)

@@ -120,9 +120,10 @@ def _bitwise(a: Path, b: Path) -> bool:
 @pytest.mark.multiprocess
 def test_adamw8bit_resumes_exactly_reshards_and_offloads(tmp_path):
     """8-bit AdamW's quantised state through DCP: 6 steps equal 3 + resume + 3, bitwise, on one device (in this
-    process, whose compiled update the runs share) and under FSDP over 2 ranks with full CPU offload (against 6
-    steps without it: offloading changes where the state lives, not one bit of the result); one device's step-3
-    checkpoint continues under FSDP over 2 ranks (its state resharded) with losses close to the uninterrupted run."""
+    process, whose compiled update the runs share) and under FSDP over 2 ranks; full CPU offload under FSDP gives
+    the same parameters and losses as none, bitwise (it changes where the state lives, not one bit of the result);
+    one device's step-3 checkpoint continues under FSDP over 2 ranks (its state resharded) with losses close to the
+    uninterrupted run."""
     state = ["checkpoint.enabled=true", "checkpoint.every=3", "optim.name='adamw8bit'", "optim.lr=0.01",
              "train.steps=6"]
     whole, split = tmp_path / "one-whole", tmp_path / "one-split"
@@ -135,12 +136,13 @@ def test_adamw8bit_resumes_exactly_reshards_and_offloads(tmp_path):
     assert _bitwise(whole, split)
 
     fsdp = ["parallel.dp_shard=2", "parallel.zero_stage=3", "train.micro_batch=4"]  # the same global batch of 8
-    offload = [*fsdp, "parallel.offload='full'"]
-    whole, split = tmp_path / "fsdp-whole", tmp_path / "fsdp-offload-split"
+    whole, split, offload = tmp_path / "fsdp-whole", tmp_path / "fsdp-split", tmp_path / "fsdp-offload"
     _run(whole, 6, *fsdp, nproc=2)
-    _run(split, 6, *offload, "train.stop_after=3", nproc=2)
-    _run(split, 6, *offload, nproc=2)
+    _run(split, 6, *fsdp, "train.stop_after=3", nproc=2)
+    _run(split, 6, *fsdp, nproc=2)
     assert _bitwise(whole, split)
+    _run(offload, 6, *fsdp, "parallel.offload='full'", nproc=2)
+    assert _bitwise(whole, offload)
 
     resumed = _run(tmp_path / "reshard", 6, *fsdp, nproc=2)
     assert "resumed after step 3" in resumed.stdout + resumed.stderr

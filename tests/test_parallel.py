@@ -95,6 +95,23 @@ def test_layouts_match_single_device(group):
     assert proc.returncode == 0
 
 
+@pytest.mark.multiprocess
+def test_a_layout_verifies_the_same_alone_and_after_another_in_its_launch():
+    """`verify` trains the layouts of one world size in turn in one launch: with compiled blocks, tp=2 after
+    dp=2 gives exactly the figures of tp=2 alone (each run compiles for itself; a compile cache kept from the
+    run before moved them by ~1e-7, inside the parity tolerance, so only equality shows it)."""
+    rows = []
+    for layouts in (["dp=2", "tp=2"], ["tp=2"]):
+        proc = _shardwise("verify", "--config", CONFIG, "--steps", "2", "--json", "--set=train.compile=true",
+                          *[a for layout in layouts for a in ("--layout", layout)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows.append(json.loads(proc.stdout)["layouts"][-1])
+    shared, alone = rows
+    assert shared["layout"] == alone["layout"] == "tp=2"
+    assert [shared[k] for k in ("loss_rel", "grad_norm_rel", "param_rel")] == \
+        [alone[k] for k in ("loss_rel", "grad_norm_rel", "param_rel")]
+
+
 def _embedding_lookups():
     """torch's RowwiseParallel and our VocabParallelEmbedding on the same weights and ids (a vocabulary of 1001
     rows, not divisible by 2), with and without sequence parallelism: outputs, gradients and their placement."""
