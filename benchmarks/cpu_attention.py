@@ -6,10 +6,14 @@ and at 2 threads (8 sequences: the single layout), on torchtitan's llama3 debug 
   - attention alone: forward + backward of one layer's attention;
   - the whole model: forward + backward (no optimizer), every layer's attention swapped through its
     `attention_fn` (the hook context parallelism uses).
-Then bf16 attention alone, SDPA against its backward computed in fp32 (one call, and blockwise).
+The blockwise form runs as one call of the process's intra-op threads and, at 2 threads, also split over 2
+threads of one intra-op thread each (`split`: model.CpuAttention.workers).
+Then bf16 attention alone: SDPA against its backward computed in fp32 (one call, and blockwise) and against the
+blockwise form computed in fp32 throughout, split over the threads.
 The sides alternate in one process; each row is the median over --reps. The last column is the form the engine
 itself chooses for that shape on this machine (model.cpu_attention_form, by timing: "sdpa", "blocks" for the
-blockwise form, "+fp32 bwd"); this script forces each side.
+blockwise form, "one call" for SDPA's kernel in the engine's op, "+fp32 bwd", "+fp32", "split over N"); this
+script forces each side.
 
     python benchmarks/cpu_attention.py [--reps 6] [--seq-len 1024]
 """
@@ -36,6 +40,11 @@ def blockwise(q, k, v):
     return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, False)[0]
 
 
+def blockwise_split(q, k, v):
+    return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, False, False,
+                                                    torch.get_num_threads())[0]
+
+
 def fp32_backward(q, k, v):
     return torch.ops.shardwise.cpu_causal_attention(q, k, v, q.shape[-2], True)[0]
 
@@ -44,8 +53,14 @@ def blockwise_fp32_backward(q, k, v):
     return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, True)[0]
 
 
-FP32 = {"sdpa": sdpa, "blockwise": blockwise}
-BF16 = {"sdpa": sdpa, "fp32 bwd": fp32_backward, "blocks + fp32 bwd": blockwise_fp32_backward}
+def blockwise_fp32_split(q, k, v):
+    return torch.ops.shardwise.cpu_causal_attention(q, k, v, CPU_ATTENTION_BLOCK, True, True,
+                                                    torch.get_num_threads())[0]
+
+
+FP32 = {"sdpa": sdpa, "blockwise": blockwise, "split": blockwise_split}
+BF16 = {"sdpa": sdpa, "fp32 bwd": fp32_backward, "blocks + fp32 bwd": blockwise_fp32_backward,
+        "blocks, fp32, split": blockwise_fp32_split}
 
 
 def operands(args: ModelArgs, batch: int, seq: int, dtype=torch.float32):
@@ -57,7 +72,9 @@ def chosen(q, k, v) -> str:
     form = cpu_attention_form(q, k, v)
     if form is None:
         return "sdpa"
-    return ("blocks" if form.block < q.shape[-2] else "one call") + (" + fp32 bwd" if form.fp32_backward else "")
+    return (("blocks" if form.block < q.shape[-2] else "one call")
+            + (" + fp32" if form.fp32_forward else " + fp32 bwd" if form.fp32_backward else "")
+            + (f", split over {form.workers}" if form.workers > 1 else ""))
 
 
 def attention_step(args: ModelArgs, batch: int, seq: int, dtype=torch.float32):
@@ -101,25 +118,29 @@ def main() -> None:
                      ffn_hidden=768, rope_theta=500000.0, max_seq_len=ns.seq_len, tie_embeddings=False)
     keep_host_memory()  # as training on a CPU does
     print(f"blockwise ({CPU_ATTENTION_BLOCK}-row blocks) vs SDPA, {ns.seq_len} tokens, fp32, median of {ns.reps}")
-    print("| what | threads | sequences | SDPA s | blockwise s | blockwise / SDPA | engine's choice |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| what | threads | sequences | SDPA s | blockwise s | blockwise / SDPA | split s | split / SDPA "
+          "| engine's choice |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for threads, batch in ((1, 4), (2, 8)):
         torch.set_num_threads(threads)
+        sides = FP32 if threads > 1 else {k: v for k, v in FP32.items() if k != "split"}
         choice = chosen(*operands(args, batch, ns.seq_len)[:3])
         for what, build in (("attention, one layer", attention_step), ("whole model", model_step)):
-            t = timed(build(args, batch, ns.seq_len), ns.reps)
+            t = timed(build(args, batch, ns.seq_len), ns.reps, sides)
+            split = f"{t['split']:.3f} | **{t['split'] / t['sdpa']:.3f}**" if "split" in t else "- | -"
             print(f"| {what} | {threads} | {batch} | {t['sdpa']:.3f} | {t['blockwise']:.3f} | "
-                  f"**{t['blockwise'] / t['sdpa']:.3f}** | {choice} |", flush=True)
-    print(f"\nbf16 attention, one layer, its backward in fp32 vs SDPA's bf16, median of {ns.reps}")
-    print("| threads | sequences | SDPA s | fp32 bwd s | / SDPA | blocks + fp32 bwd s | / SDPA | engine's choice |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+                  f"**{t['blockwise'] / t['sdpa']:.3f}** | {split} | {choice} |", flush=True)
+    print(f"\nbf16 attention, one layer, against SDPA's bf16, median of {ns.reps}")
+    print("| threads | sequences | SDPA s | fp32 bwd s | / SDPA | blocks + fp32 bwd s | / SDPA | blocks, fp32, split s "
+          "| / SDPA | engine's choice |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for threads, batch in ((1, 4), (2, 8)):
         torch.set_num_threads(threads)
         choice = chosen(*operands(args, batch, ns.seq_len, torch.bfloat16)[:3])
         t = timed(attention_step(args, batch, ns.seq_len, torch.bfloat16), ns.reps, BF16)
-        print(f"| {threads} | {batch} | {t['sdpa']:.3f} | {t['fp32 bwd']:.3f} | **{t['fp32 bwd'] / t['sdpa']:.3f}** | "
-              f"{t['blocks + fp32 bwd']:.3f} | **{t['blocks + fp32 bwd'] / t['sdpa']:.3f}** | {choice} |", flush=True)
-
+        print(f"| {threads} | {batch} | {t['sdpa']:.3f} | " + " | ".join(
+            f"{t[name]:.3f} | **{t[name] / t['sdpa']:.3f}**" for name in list(BF16)[1:]) + f" | {choice} |",
+            flush=True)
 
 if __name__ == "__main__":
     main()

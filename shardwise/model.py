@@ -16,8 +16,11 @@ layers keeps the others' parameter names.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +151,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         with torch.autocast("cpu", enabled=False):
             form = cpu_attention_form(q, k, v)
             if form is not None:
-                return torch.ops.shardwise.cpu_causal_attention(q, k, v, form.block, form.fp32_backward)[0]
+                return torch.ops.shardwise.cpu_causal_attention(q, k, v, form.block, form.fp32_backward,
+                                                                form.fp32_forward, form.workers)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -162,10 +166,13 @@ CPU_ATTENTION_MARGIN = 0.03
 @dataclass(frozen=True)
 class CpuAttention:
     """A form of `cpu_causal_attention`: query rows per piece (>= the sequence: one causal call, SDPA's kernel
-    call), and whether a bf16 attention's backward runs in fp32."""
+    call); whether a bf16 attention's backward runs in fp32, and its forward too; and over how many threads of
+    one intra-op thread each its (batch or key/value head) slices run side by side."""
 
     block: int
     fp32_backward: bool = False
+    fp32_forward: bool = False
+    workers: int = 1
 
 
 _cpu_attention_forms: dict[tuple, CpuAttention | None] = {}
@@ -206,11 +213,11 @@ def cpu_attention_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Cpu
 
 def cpu_attention_forms() -> list[list]:
     """The forms chosen in this process, as JSON: [q shape, k shape, dtype, threads, None or [block,
-    fp32_backward]] each. A checkpoint keeps every rank's (checkpoint.Checkpointer.save), so that a resumed run
-    computes attention as the run it continues did: the forms agree only to rounding, and timing could choose
-    another one."""
+    fp32_backward, fp32_forward, workers]] each (a checkpoint of before the last two has two: their defaults). A
+    checkpoint keeps every rank's (checkpoint.Checkpointer.save), so that a resumed run computes attention as the
+    run it continues did: the forms agree only to rounding, and timing could choose another one."""
     return [[list(q), list(k), str(dtype).removeprefix("torch."), threads,
-             None if form is None else [form.block, form.fp32_backward]]
+             None if form is None else [form.block, form.fp32_backward, form.fp32_forward, form.workers]]
             for (q, k, dtype, threads), form in _cpu_attention_forms.items()]
 
 
@@ -222,9 +229,17 @@ def restore_cpu_attention_forms(entries: list[list]) -> None:
 
 
 def _fastest_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CpuAttention | None:
-    forms: list[CpuAttention | None] = [None, CpuAttention(CPU_ATTENTION_BLOCK)]
-    if q.dtype == torch.bfloat16:
-        forms += [CpuAttention(q.shape[-2], fp32_backward=True), CpuAttention(CPU_ATTENTION_BLOCK, fp32_backward=True)]
+    seq, threads = q.shape[-2], torch.get_num_threads()
+    forms: list[CpuAttention | None] = [None]
+    for workers in (1, threads) if threads > 1 else (1,):
+        if workers > 1:  # SDPA's one call, its slices side by side
+            forms.append(CpuAttention(seq, workers=workers))
+        if q.dtype == torch.bfloat16:
+            forms += [CpuAttention(seq, fp32_backward=True, workers=workers),
+                      CpuAttention(CPU_ATTENTION_BLOCK, fp32_backward=True, workers=workers),
+                      CpuAttention(CPU_ATTENTION_BLOCK, fp32_backward=True, fp32_forward=True, workers=workers)]
+        else:
+            forms.append(CpuAttention(CPU_ATTENTION_BLOCK, workers=workers))
     best = dict.fromkeys(forms, math.inf)
     # outside any dispatch mode (selective checkpointing's cache, a FLOP counter) and autograd: only the kernels
     with _disable_current_modes(), torch.no_grad():
@@ -243,8 +258,8 @@ def _time_cpu_attention(form: CpuAttention | None, q: torch.Tensor, k: torch.Ten
         out, lse = _cpu_flash(q, k, v, 0.0, True)
         _cpu_flash_backward(out, q, k, v, out, lse, 0.0, True)
     else:
-        out, lse = _blockwise_attention(q, k, v, form.block)
-        _blockwise_attention_backward(out, q, k, v, out, lse, form.block, form.fp32_backward)
+        out, lse = _blockwise_attention(q, k, v, form.block, form.fp32_forward, form.workers)
+        _blockwise_attention_backward(out, q, k, v, out, lse, form.block, form.fp32_backward, form.workers)
     return time.perf_counter() - start
 
 
@@ -253,8 +268,8 @@ _cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @torch.library.custom_op("shardwise::cpu_causal_attention", mutates_args=())
-def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, fp32_backward: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, fp32_backward: bool,
+                         fp32_forward: bool = False, workers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention on a CPU, in pieces that skip the masked keys; returns (output, logsumexp).
 
     Why our own: torch 2.13's CPU flash kernel skips only whole 512-key tiles above the diagonal: at 1,024
@@ -264,26 +279,40 @@ def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     log-sum-exp, as ring attention merges its steps (Liu et al. 2023). At 1,024 tokens and 128-row blocks that
     is 56% of the square. The backward (below) calls the kernel's backward on the same pieces with the merged
     output and log-sum-exp, which is what each piece's softmax is normalised by; with `fp32_backward` a bf16
-    attention's backward runs on fp32 copies (torch's bf16 CPU backward can be slower than its fp32 one). One op
-    to autograd and to selective activation checkpointing, which keeps its output as it keeps SDPA's.
+    attention's backward runs on fp32 copies (torch's bf16 CPU backward can be slower than its fp32 one), with
+    `fp32_forward` its forward too. With `workers` > 1 the sequences (or, for fewer sequences than workers, the
+    key/value heads with their query heads) are split into that many slices, each computed by a thread of one
+    intra-op thread (`_in_slices`): the kernel's many small calls keep two cores busier that way than as calls
+    of two OpenMP threads each, and the figures are the same bit for bit (the kernel computes every sequence
+    and head on its own). One op to autograd and to selective activation checkpointing, which keeps its output
+    as it keeps SDPA's.
     """
-    return _blockwise_attention(q, k, v, block)
+    return _blockwise_attention(q, k, v, block, fp32_forward, workers)
 
 
-def _blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, fp32_forward: bool = False,
+                         workers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = q.dtype
+    if fp32_forward and dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (t.float() for t in (q, k, v))  # strides kept: sequence-major stays so
     out, lse = _attention_outputs(q)
-    for start in range(0, q.shape[-2], block):
-        rows = slice(start, start + block)
-        o, o_lse = _cpu_flash(q[..., rows, :], k[..., rows, :], v[..., rows, :], 0.0, True)
-        if start:
-            prefix, prefix_lse = _cpu_flash(q[..., rows, :], k[..., :start, :], v[..., :start, :], 0.0, False)
-            merged = torch.logaddexp(o_lse, prefix_lse)
-            o = (o * (o_lse - merged).exp_().unsqueeze(-1)).addcmul_(prefix, (prefix_lse - merged).exp_().unsqueeze(-1))
-            o_lse = merged
-        out[..., rows, :] = o
-        lse[..., rows] = o_lse
-    return out, lse
+
+    def rows_in_blocks(s: tuple[slice, slice, slice]) -> None:
+        qs, ks, vs, outs, lses = q[s[:2]], k[s[::2]], v[s[::2]], out[s[:2]], lse[s[:2]]
+        for start in range(0, q.shape[-2], block):
+            rows = slice(start, start + block)
+            o, o_lse = _cpu_flash(qs[..., rows, :], ks[..., rows, :], vs[..., rows, :], 0.0, True)
+            if start:
+                prefix, prefix_lse = _cpu_flash(qs[..., rows, :], ks[..., :start, :], vs[..., :start, :], 0.0, False)
+                merged = torch.logaddexp(o_lse, prefix_lse)
+                o = (o * (o_lse - merged).exp_().unsqueeze(-1)).addcmul_(prefix,
+                                                                         (prefix_lse - merged).exp_().unsqueeze(-1))
+                o_lse = merged
+            outs[..., rows, :] = o
+            lses[..., rows] = o_lse
+
+    _in_slices(rows_in_blocks, q, k, workers)
+    return out.to(dtype), lse
 
 
 def _attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,54 +321,119 @@ def _attention_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @cpu_causal_attention.register_fake
-def _(q, k, v, block, fp32_backward):
+def _(q, k, v, block, fp32_backward, fp32_forward=False, workers=1):
     return _attention_outputs(q)
 
 
 @torch.library.custom_op("shardwise::cpu_causal_attention_backward", mutates_args=())
 def cpu_causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _blockwise_attention_backward(grad, q, k, v, out, lse, block, fp32_backward)
+                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool,
+                                  workers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _blockwise_attention_backward(grad, q, k, v, out, lse, block, fp32_backward, workers)
 
 
 def _blockwise_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  out: torch.Tensor, lse: torch.Tensor, block: int, fp32_backward: bool,
+                                  workers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = q.dtype
     if fp32_backward and dtype in (torch.bfloat16, torch.float16):
         grad, q, k, v, out = (t.float() for t in (grad, q, k, v, out))  # strides kept: sequence-major stays so
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for start in range(0, q.shape[-2], block):
-        rows = slice(start, start + block)
-        g, qr, o, o_lse = grad[..., rows, :], q[..., rows, :], out[..., rows, :], lse[..., rows]
-        gq, gk, gv = _cpu_flash_backward(g, qr, k[..., rows, :], v[..., rows, :], o, o_lse, 0.0, True)
-        dk[..., rows, :] += gk
-        dv[..., rows, :] += gv
-        if start:
-            gq_prefix, gk, gv = _cpu_flash_backward(g, qr, k[..., :start, :], v[..., :start, :], o, o_lse, 0.0,
-                                                    False)
-            gq += gq_prefix
-            dk[..., :start, :] += gk
-            dv[..., :start, :] += gv
-        dq[..., rows, :] = gq
+
+    def rows_in_blocks(s: tuple[slice, slice, slice]) -> None:
+        qs, ks, vs, dqs, dks, dvs = q[s[:2]], k[s[::2]], v[s[::2]], dq[s[:2]], dk[s[::2]], dv[s[::2]]
+        grads, outs, lses = grad[s[:2]], out[s[:2]], lse[s[:2]]
+        for start in range(0, q.shape[-2], block):
+            rows = slice(start, start + block)
+            g, qr, o, o_lse = grads[..., rows, :], qs[..., rows, :], outs[..., rows, :], lses[..., rows]
+            gq, gk, gv = _cpu_flash_backward(g, qr, ks[..., rows, :], vs[..., rows, :], o, o_lse, 0.0, True)
+            dks[..., rows, :] += gk
+            dvs[..., rows, :] += gv
+            if start:
+                gq_prefix, gk, gv = _cpu_flash_backward(g, qr, ks[..., :start, :], vs[..., :start, :], o, o_lse, 0.0,
+                                                        False)
+                gq += gq_prefix
+                dks[..., :start, :] += gk
+                dvs[..., :start, :] += gv
+            dqs[..., rows, :] = gq
+
+    _in_slices(rows_in_blocks, q, k, workers)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 @cpu_causal_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, block, fp32_backward):
+def _(grad, q, k, v, out, lse, block, fp32_backward, workers=1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _attention_slices(q: torch.Tensor, k: torch.Tensor, workers: int) -> list[tuple[slice, slice, slice]]:
+    """(sequences, query heads, key/value heads) of each of up to `workers` slices of an attention: whole
+    sequences where there are as many as workers (or more than key/value heads), else whole key/value heads,
+    each with the query heads of its group."""
+    batch, kv_heads = q.shape[0], k.shape[1]
+    group, every = q.shape[1] // kv_heads, slice(None)
+    if batch >= min(workers, kv_heads):
+        n = min(batch, workers)
+        return [(slice(batch * i // n, batch * (i + 1) // n), every, every) for i in range(n)]
+    n = min(kv_heads, workers)
+    bounds = [kv_heads * i // n for i in range(n + 1)]
+    return [(every, slice(a * group, b * group), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def _in_slices(fn, q: torch.Tensor, k: torch.Tensor, workers: int) -> None:
+    """fn(s) for each slice s of `_attention_slices`, side by side on `workers` threads (in this thread if one)."""
+    slices = _attention_slices(q, k, workers)
+    if len(slices) == 1:
+        fn(slices[0])
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def run(s):  # a new thread has autograd on and inference mode off: as the op's caller has them
+        with torch.inference_mode(inference), torch.no_grad():
+            fn(s)
+
+    list(_attention_threads(workers).map(run, slices))
+
+
+_attention_pools: dict[int, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_attention_pools.clear)  # a forked child has none of the threads
+
+
+def _attention_threads(workers: int) -> ThreadPoolExecutor:
+    """`workers` threads, each with one intra-op (OpenMP) thread of its own, made once per count and process.
+
+    Why our own threads: PyTorch has no way to run operators side by side on one intra-op thread each (its
+    inter-op pool, `torch.jit.fork`, gives each task the process's whole OpenMP team). OpenMP's thread count is a
+    per-thread setting, so each of these threads sets its own to one; `torch.set_num_threads` also records the
+    count as the process's default, which each thread reads once, on its first use, so the caller's is put back
+    only once every one of these has read it."""
+    pool = _attention_pools.get(workers)
+    if pool is None:
+        threads, ready = torch.get_num_threads(), threading.Barrier(workers + 1)
+
+        def one_intra_op_thread():
+            torch.set_num_threads(1)
+            torch.get_num_threads()  # ATen reads the default once per thread, on its first use: while it is 1
+            ready.wait()
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="shardwise-attention", initializer=one_intra_op_thread)
+        for _ in range(workers):  # each waits in the initializer, so every submit starts a thread
+            pool.submit(int)
+        ready.wait()
+        torch.set_num_threads(threads)
+        _attention_pools[workers] = pool
+    return pool
+
+
 def _cpu_causal_attention_context(ctx, inputs, output):
-    q, k, v, ctx.block, ctx.fp32_backward = inputs
+    q, k, v, ctx.block, ctx.fp32_backward, _, ctx.workers = inputs
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _cpu_causal_attention_grad(ctx, grad, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     return (*torch.ops.shardwise.cpu_causal_attention_backward(grad, q, k, v, out, lse, ctx.block,
-                                                               ctx.fp32_backward), None, None)
+                                                               ctx.fp32_backward, ctx.workers), None, None, None, None)
 
 
 cpu_causal_attention.register_autograd(_cpu_causal_attention_grad, setup_context=_cpu_causal_attention_context)

@@ -229,6 +229,7 @@ def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, blockwise):
     blocks_of_4 = partial(torch.ops.shardwise.cpu_causal_attention, block=4, fp32_backward=False)
     assert torch.autograd.gradcheck(lambda q, k, v: blocks_of_4(q, k, v)[0], small)
     torch.library.opcheck(torch.ops.shardwise.cpu_causal_attention.default, (*small, 4, False))
+    torch.library.opcheck(torch.ops.shardwise.cpu_causal_attention.default, (*small, 4, False, False, 2))
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, theirs = causal_attention(q.float(), k.float(), v.float()), sdpa(q.float(), k.float(), v.float())
@@ -238,8 +239,9 @@ def test_cpu_causal_attention_is_sdpa_in_pieces(kv_heads, blockwise):
 
 def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
     """The CPU attention's form is chosen by timing each candidate on the shape (alternated, best of three): SDPA
-    unless another is CPU_ATTENTION_MARGIN faster; bf16 also tries its backward in fp32; once per shape; never for
-    a sequence of one block, under torch's deterministic mode, or without gradients (inference)."""
+    unless another is CPU_ATTENTION_MARGIN faster; bf16 also tries its backward in fp32, and its forward too; with
+    more than one intra-op thread each form is also tried split over that many threads; once per shape and thread
+    count; never for a sequence of one block, under torch's deterministic mode, or without gradients (inference)."""
     from shardwise import model as m
 
     monkeypatch.setattr(m, "_cpu_attention_forms", {})
@@ -250,39 +252,89 @@ def test_cpu_attention_form_is_the_fastest_by_a_margin_and_is_kept(monkeypatch):
         return times[form]
 
     monkeypatch.setattr(m, "_time_cpu_attention", clock)
-    blocks, one_call_fp32 = m.CpuAttention(m.CPU_ATTENTION_BLOCK), m.CpuAttention(200, fp32_backward=True)
-    times.update({None: 1.0, blocks: 0.96, one_call_fp32: 0.5, m.CpuAttention(m.CPU_ATTENTION_BLOCK, True): 0.6})
-    q = torch.randn(1, 2, 200, 8)
-    assert m.cpu_attention_form(q, q, q) == blocks
-    assert sorted(timed, key=str) == sorted([(None, torch.float32), (blocks, torch.float32)] * 3, key=str)
-    assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6  # kept, not timed again
-    assert m.cpu_attention_form(q.bfloat16(), q.bfloat16(), q.bfloat16()) == one_call_fp32
-    times[blocks] = 0.98  # not by the margin: SDPA, torch's own op
-    q = torch.randn(2, 2, 200, 8)
-    assert m.cpu_attention_form(q, q, q) is None
-    q = q.requires_grad_()
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert m.causal_attention(q, q, q).grad_fn.name() == sdpa.grad_fn.name()
-    q = q.detach()
-
-    timed.clear()
-    m.causal_attention(*(torch.randn(1, 2, m.CPU_ATTENTION_BLOCK, 8) for _ in range(3)))  # one block
-    q = torch.randn(3, 2, 200, 8)  # a shape not chosen for yet
-    torch.use_deterministic_algorithms(True)
+    block, threads = m.CPU_ATTENTION_BLOCK, torch.get_num_threads()
+    blocks, one_call_fp32 = m.CpuAttention(block), m.CpuAttention(200, fp32_backward=True)
+    times.update({None: 1.0, blocks: 0.96, one_call_fp32: 0.5, m.CpuAttention(block, True): 0.6,
+                  m.CpuAttention(block, True, True): 0.55})
+    torch.set_num_threads(1)
     try:
-        m.causal_attention(q, q, q)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    with torch.no_grad():  # inference: SDPA, and nothing kept for training to find
+        q = torch.randn(1, 2, 200, 8)
+        assert m.cpu_attention_form(q, q, q) == blocks
+        assert sorted(timed, key=str) == sorted([(None, torch.float32), (blocks, torch.float32)] * 3, key=str)
+        assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6  # kept, not timed again
+        timed.clear()
+        assert m.cpu_attention_form(q.bfloat16(), q.bfloat16(), q.bfloat16()) == one_call_fp32
+        assert {form for form, _ in timed} == {None, one_call_fp32, m.CpuAttention(block, True),
+                                               m.CpuAttention(block, True, True)}
+
+        # two intra-op threads: the same shape is chosen for again, each form also split over two threads
+        torch.set_num_threads(2)
+        timed.clear()
+        split = m.CpuAttention(block, workers=2)
+        times.update({m.CpuAttention(200, workers=2): 0.99, split: 0.7})
+        assert m.cpu_attention_form(q, q, q) == split
+        assert {form for form, _ in timed} == {None, blocks, m.CpuAttention(200, workers=2), split}
+        torch.set_num_threads(1)
+
+        times[blocks] = 0.98  # not by the margin: SDPA, torch's own op
+        q = torch.randn(2, 2, 200, 8)
         assert m.cpu_attention_form(q, q, q) is None
-    assert not timed
-    times[blocks] = 0.9
-    assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6
+        q = q.requires_grad_()
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert m.causal_attention(q, q, q).grad_fn.name() == sdpa.grad_fn.name()
+        q = q.detach()
+
+        timed.clear()
+        m.causal_attention(*(torch.randn(1, 2, block, 8) for _ in range(3)))  # one block
+        q = torch.randn(3, 2, 200, 8)  # a shape not chosen for yet
+        torch.use_deterministic_algorithms(True)
+        try:
+            m.causal_attention(q, q, q)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        with torch.no_grad():  # inference: SDPA, and nothing kept for training to find
+            assert m.cpu_attention_form(q, q, q) is None
+        assert not timed
+        times[blocks] = 0.9
+        assert m.cpu_attention_form(q, q, q) == blocks and len(timed) == 6
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_split_over_threads_is_the_same_bit_for_bit(dtype):
+    """A form split over threads (model.CpuAttention.workers) gives the output and gradients of the same form in
+    one thread, bit for bit: by sequences, and by key/value heads (with their query heads) where there are fewer
+    sequences than threads, uneven splits included; under inference mode too. Each of its threads runs one
+    intra-op thread, and the caller keeps its own count."""
+    from shardwise import model as m
+
+    gen = torch.Generator().manual_seed(0)
+    fp32 = dtype != torch.float32
+    for batch, heads, kv_heads in ((3, 4, 4), (1, 6, 3), (2, 8, 2)):
+        q, grad = (torch.randn(batch, 300, heads, 8, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+        k, v = (torch.randn(batch, 300, kv_heads, 8, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+        results = []
+        for workers in (1, 2, 3):
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = torch.ops.shardwise.cpu_causal_attention(q, k, v, m.CPU_ATTENTION_BLOCK, fp32, fp32, workers)[0]
+            out.backward(grad)
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+            assert out.stride() == q.stride() and out.dtype == dtype
+        for split in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], split))
+        with torch.inference_mode():
+            out = torch.ops.shardwise.cpu_causal_attention(q.detach(), k.detach(), v.detach(), m.CPU_ATTENTION_BLOCK,
+                                                           fp32, fp32, 2)[0]
+        assert torch.equal(out, results[0][0])
+    threads = torch.get_num_threads()
+    assert set(m._attention_threads(2).map(lambda _: torch.get_num_threads(), range(4))) == {1}
+    assert torch.get_num_threads() == threads
 
 
 def test_cpu_attention_as_timed_is_sdpa_and_bf16_backward_in_fp32_is_accurate(monkeypatch):
     """Whatever the timing chooses on this machine, the attention and its gradients are SDPA's to fp32 rounding;
-    the bf16 attention's backward computed in fp32 is within bf16 rounding of the float64 gradients."""
+    the bf16 attention's backward computed in fp32 (and its forward too) is within bf16 rounding of float64's."""
     from shardwise import model as m
 
     monkeypatch.setattr(m, "_cpu_attention_forms", {})
@@ -294,14 +346,16 @@ def test_cpu_attention_as_timed_is_sdpa_and_bf16_backward_in_fp32_is_accurate(mo
     q, k, v, grad = (torch.randn(2, 2 * m.CPU_ATTENTION_BLOCK + 8, 4, 8, generator=gen).transpose(1, 2)
                      for _ in range(4))
     ours, theirs = _attention_and_grads(m.causal_attention, q, k, v, grad), _attention_and_grads(sdpa, q, k, v, grad)
-    assert m.cpu_attention_form(q, k, v) in (None, *(m.CpuAttention(m.CPU_ATTENTION_BLOCK, fp32) for fp32 in (0, 1)))
+    assert m.cpu_attention_form(q, k, v) in (None, *(m.CpuAttention(m.CPU_ATTENTION_BLOCK, False, False, workers)
+                                                      for workers in (1, torch.get_num_threads())),
+                                           m.CpuAttention(q.shape[-2], False, False, torch.get_num_threads()))
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
     exact = _attention_and_grads(sdpa, *(t.double() for t in (q, k, v, grad)))
-    for block in (m.CPU_ATTENTION_BLOCK, q.shape[-2]):
+    for block, fp32_forward in ((m.CPU_ATTENTION_BLOCK, False), (q.shape[-2], False), (m.CPU_ATTENTION_BLOCK, True)):
         got = _attention_and_grads(
-            lambda q, k, v: torch.ops.shardwise.cpu_causal_attention(q, k, v, block, True)[0],
+            lambda q, k, v: torch.ops.shardwise.cpu_causal_attention(q, k, v, block, True, fp32_forward)[0],
             *(t.bfloat16() for t in (q, k, v, grad)))
         assert all(t.dtype == torch.bfloat16 for t in got)
         for a, b in zip(got, exact):
