@@ -142,5 +142,6 @@ def main() -> None:
             f"{t[name]:.3f} | **{t[name] / t['sdpa']:.3f}**" for name in list(BF16)[1:]) + f" | {choice} |",
             flush=True)
 
+
 if __name__ == "__main__":
     main()

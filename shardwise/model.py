@@ -304,7 +304,10 @@ def _blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
             o, o_lse = _cpu_flash(qs[..., rows, :], ks[..., rows, :], vs[..., rows, :], 0.0, True)
             if start:
                 prefix, prefix_lse = _cpu_flash(qs[..., rows, :], ks[..., :start, :], vs[..., :start, :], 0.0, False)
-                merged = torch.logaddexp(o_lse, prefix_lse)
+                # log(e^a + e^b) in operators that round an element the same wherever it falls in the tensor:
+                # torch.logaddexp's vector and scalar (tail) paths differ in the last bit, so a slice of the
+                # batch would not give the whole's figures bit for bit. Every causal row has a key: no -inf.
+                merged = torch.maximum(o_lse, prefix_lse).add_((o_lse - prefix_lse).abs_().neg_().exp_().log1p_())
                 o = (o * (o_lse - merged).exp_().unsqueeze(-1)).addcmul_(prefix,
                                                                          (prefix_lse - merged).exp_().unsqueeze(-1))
                 o_lse = merged
@@ -406,10 +409,11 @@ def _attention_threads(workers: int) -> ThreadPoolExecutor:
     inter-op pool, `torch.jit.fork`, gives each task the process's whole OpenMP team). OpenMP's thread count is a
     per-thread setting, so each of these threads sets its own to one; `torch.set_num_threads` also records the
     count as the process's default, which each thread reads once, on its first use, so the caller's is put back
-    only once every one of these has read it."""
+    only once every one of these has read it. (A thread of the process's own that made its first parallel call
+    in those few milliseconds would keep one intra-op thread.)"""
     pool = _attention_pools.get(workers)
     if pool is None:
-        threads, ready = torch.get_num_threads(), threading.Barrier(workers + 1)
+        threads, ready = torch.get_num_threads(), threading.Barrier(workers + 1, timeout=60)
 
         def one_intra_op_thread():
             torch.set_num_threads(1)
@@ -417,10 +421,16 @@ def _attention_threads(workers: int) -> ThreadPoolExecutor:
             ready.wait()
 
         pool = ThreadPoolExecutor(workers, thread_name_prefix="shardwise-attention", initializer=one_intra_op_thread)
-        for _ in range(workers):  # each waits in the initializer, so every submit starts a thread
-            pool.submit(int)
-        ready.wait()
-        torch.set_num_threads(threads)
+        try:
+            for _ in range(workers):  # each waits in the initializer, so every submit starts a thread
+                pool.submit(int)
+            ready.wait()
+        except BaseException:
+            ready.abort()
+            pool.shutdown(wait=False)
+            raise
+        finally:
+            torch.set_num_threads(threads)
         _attention_pools[workers] = pool
     return pool
 

@@ -391,11 +391,13 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
 
 
 def step_profiler(device: torch.device) -> torch.profiler.profile:
-    """torch.profiler over one training step: host operators, and the accelerator's kernels where there is one."""
+    """torch.profiler over one training step: host operators, and the accelerator's kernels where there is one.
+    Every thread's operators: the CPU attention can run its slices on threads of its own (model.CpuAttention)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, record_shapes=True)
+    return torch.profiler.profile(activities=activities, record_shapes=True,
+                                  experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
 
 
 def write_profile(profiler: torch.profiler.profile, folder: Path, rank: int, device: torch.device) -> None:

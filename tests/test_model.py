@@ -1,5 +1,6 @@
 """The model against an independent implementation (Hugging Face transformers) and published sizes."""
 
+import itertools
 from functools import partial
 
 import pytest
@@ -309,9 +310,12 @@ def test_cpu_attention_split_over_threads_is_the_same_bit_for_bit(dtype):
     intra-op thread, and the caller keeps its own count."""
     from shardwise import model as m
 
-    gen = torch.Generator().manual_seed(0)
     fp32 = dtype != torch.float32
-    for batch, heads, kv_heads in ((3, 4, 4), (1, 6, 3), (2, 8, 2)):
+    # several draws: a merge that rounds a tensor's tail differently from its body (torch.logaddexp) failed in
+    # fp32 for 2 of these 8 seeds (1 and 7); bf16's rounding hides it
+    for seed, (batch, heads, kv_heads) in itertools.product(range(8 if dtype == torch.float32 else 2),
+                                                           ((3, 4, 4), (1, 6, 3), (2, 8, 2))):
+        gen = torch.Generator().manual_seed(seed)
         q, grad = (torch.randn(batch, 300, heads, 8, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
         k, v = (torch.randn(batch, 300, kv_heads, 8, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
         results = []
