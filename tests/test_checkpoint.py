@@ -202,14 +202,15 @@ def test_exact_resume_one_device(tmp_path):
     assert out["equal"]
 
 
-def test_resume_computes_attention_in_the_forms_the_run_chose(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-thread", "split"])
+def test_resume_computes_attention_in_the_forms_the_run_chose(tmp_path, monkeypatch, workers):
     """The CPU attention's form is chosen by timing (model.cpu_attention_form) and the forms agree only to
     rounding: a checkpoint keeps each rank's choice, so a resumed run whose timing would choose another form
-    continues bit for bit."""
+    continues bit for bit; a form split over threads too."""
     from shardwise import model as model_module
 
     monkeypatch.setattr(model_module, "_cpu_attention_forms", {})
-    chosen = {"form": model_module.CpuAttention(model_module.CPU_ATTENTION_BLOCK)}
+    chosen = {"form": model_module.CpuAttention(model_module.CPU_ATTENTION_BLOCK, workers=workers)}
     monkeypatch.setattr(model_module, "_fastest_cpu_attention", lambda q, k, v: chosen["form"])
     cfg = _cfg(["data.seq_len=256", "model.n_layers=2", "train.micro_batch=2"])  # two blocks of 128 tokens
     runtime = Runtime.create(cfg)
@@ -229,7 +230,7 @@ def test_resume_computes_attention_in_the_forms_the_run_chose(tmp_path, monkeypa
     params = _full_params(fresh.parts)
     assert all(torch.equal(params[n], reference[n]) for n in reference)
     assert set(model_module._cpu_attention_forms.values()) == {model_module.CpuAttention(
-        model_module.CPU_ATTENTION_BLOCK)}
+        model_module.CPU_ATTENTION_BLOCK, workers=workers)}
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the background save, one process
