@@ -652,6 +652,23 @@ def test_plan_validation_names_the_key():
     assert math.isclose(bubble_fraction(Plan()), 0.0)
 
 
+def test_more_pipeline_stages_than_layers_is_rejected_or_skipped():
+    """A fixed pp x virtual_stages (or zero-bubble's two per rank) above the layer count names the key; with pp
+    left to the search, the pipeline degrees it would overflow are skipped, not priced (both used to raise
+    ValueError from the layer split)."""
+    from shardwise.planner import search
+
+    args, tr = preset("llama3-8b"), Training(seq_len=2048, global_batch=64)
+    cluster = Cluster(accelerator("h100"), 64)
+    with pytest.raises(PlannerError, match="--plan virtual_stages.*34 pipeline stages, more than the 32 layers"):
+        search(args, tr, cluster, fixed={"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 17})
+    with pytest.raises(PlannerError, match="--plan virtual_stages.*64 pipeline stages"):
+        search(args, tr, cluster, fixed={"pp": 32, "pp_schedule": "zero-bubble"})
+    ranked = search(args, tr, cluster, fixed={"pp_schedule": "interleaved-1f1b", "virtual_stages": 8},
+                    top_k=50).ranked
+    assert ranked and {ev.plan.pp for ev in ranked} <= {2, 4} and all(ev.plan.virtual_stages == 8 for ev in ranked)
+
+
 @pytest.mark.parametrize("plan", [None, "dp=2,tp=2,pp=2,pp_schedule=1f1b"])
 def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     """The written config passes the engine's own validation and carries the plan's degrees and knobs."""

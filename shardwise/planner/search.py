@@ -167,6 +167,10 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
+    per_rank = 2 if fixed.get("pp_schedule") == "zero-bubble" else fixed.get("virtual_stages", 1)
+    if pp * per_rank > args.n_layers:
+        bad("virtual_stages", f"pp={pp} x {per_rank} stages per rank is {pp * per_rank} pipeline stages, more than "
+            f"the {args.n_layers} layers", "use fewer virtual stages (each stage holds at least one block)")
     degrees = [fixed.get(k) for k in ("dp_replicate", "dp_shard")]
     dp = fixed.get("dp", math.prod(degrees) if None not in degrees else None)
     if dp is not None and {"tp", "pp", "cp"} <= set(fixed) and dp * tp * pp * cp != world:
@@ -374,9 +378,8 @@ def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> li
     out = []
     for name in names:
         if name == "interleaved-1f1b":
-            vs = _choices(fixed, "virtual_stages", [v for v in range(2, max_virtual + 1)
-                                                    if base.pp * v <= args.n_layers])
-            out += [(name, v) for v in vs]
+            vs = _choices(fixed, "virtual_stages", list(range(2, max_virtual + 1)))
+            out += [(name, v) for v in vs if base.pp * v <= args.n_layers]  # a stage holds at least one block
         elif name != "zero-bubble" or 2 * base.pp <= args.n_layers:  # the V needs two stages per rank
             out.append((name, 1))
     return out
