@@ -179,6 +179,7 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
                                          ('colour = "blue"\n', "--system"),
                                          ('dropout = "yes"\n', "dropout"),
                                          ('zero3_fetch = "eager"\n', "--system zero3_fetch"),
+                                         ('swiglu = "compiled"\n', "--system swiglu"),
                                          ('base = "jax"\n', "base")])
 def test_bad_system_toml_names_the_field(tmp_path, text, field):
     path = tmp_path / "bad.toml"
@@ -275,6 +276,77 @@ def test_gelu_block_reproduces_korthikantis_activation_formula(t, sp):
     plan = Plan(tp=t, micro_batch=b, sequence_parallel=sp)
     expected = s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
     assert layer_activation_bytes(gpt3, training, plan) == pytest.approx(expected, rel=2e-3)
+
+
+class _MegatronSwiGLU(torch.autograd.Function):
+    """The save set of Megatron-Core's SwiGLUFunction (megatron/core/fusions/fused_bias_swiglu.py): the fc1 output
+    (w1 and w3 side by side) only; SiLU is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        y1, y2 = torch.chunk(y, 2, -1)
+        return torch.nn.functional.silu(y1) * y2
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        y1, y2 = torch.chunk(y, 2, -1)
+        sig = torch.sigmoid(y1)
+        return torch.cat((g * sig * (1 + y1 * (1 - sig)) * y2, g * y1 * sig), -1)
+
+
+def _saved_bytes(fn, *inputs) -> int:
+    """Bytes autograd keeps for backward while fn runs (distinct storages, parameters left out)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(seen.values())
+
+
+def test_megatron_cores_fused_swiglu_keeps_its_input_only():
+    # what the two SwiGLU forms keep, measured: PyTorch operators against Megatron-Core's function; the planner's
+    # difference between its systems is SiLU's output, f bf16 elements per token
+    tokens, d, f = 64, 32, 96
+    fc1 = torch.nn.Linear(d, 2 * f, bias=False, dtype=torch.bfloat16)
+    fc2 = torch.nn.Linear(f, d, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+
+    def eager(x):
+        y1, y2 = torch.chunk(fc1(x), 2, -1)
+        return fc2(torch.nn.functional.silu(y1) * y2)
+
+    def fused(x):
+        return fc2(_MegatronSwiGLU.apply(fc1(x)))
+
+    measured = _saved_bytes(eager, x) - _saved_bytes(fused, x)
+    args = preset("llama3-8b")
+    eager_tr, fused_tr = _training("torchtitan"), _training("megatron-core")
+    assert (eager_tr.swiglu, fused_tr.swiglu) == ("eager", "fused")
+    plan = Plan()
+    per_token = [sum(term_bytes(t, args, tr, plan) for t in block_terms(args, tr, "none", 0))
+                 for tr in (eager_tr, dataclasses.replace(eager_tr, swiglu="fused"))]
+    assert measured == tokens * f * 2
+    assert per_token[0] - per_token[1] == args.ffn_hidden * 2
+
+
+def test_llama3_405b_layer_under_megatron_core_by_hand():
+    # tp 8 with sequence parallelism, bf16, per token: the norms' inputs and outputs, q and the attention output
+    # (d / t each), k and v (one KV head per rank), the fused SwiGLU's input and w2's input (3f / t), fp32 rstd
+    # of both norms and a log-sum-exp per head
+    args = preset("llama3-405b")
+    d, kv, f, a, t, s = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads, 8, 8192
+    plan = Plan(tp=t, micro_batch=1, sequence_parallel=True)
+    expected = s * (2 * (6 * d + 3 * f + 2 * kv) / t + 4 * (2 + a) / t)
+    assert layer_activation_bytes(args, _training("megatron-core", seq_len=s), plan) == pytest.approx(expected,
+                                                                                                    rel=1e-12)
+    assert expected / (s * d / t) == pytest.approx(31.78, abs=0.01)
 
 
 def test_the_engine_refuses_a_gelu_model(tmp_path):

@@ -406,9 +406,18 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
         terms += _norm_terms("ffn_norm", d, training, autocast_copies=1)
         return terms + [Term("w1_out", f, "act", "tp"), Term("gelu_out", f, "act", "tp")]
     terms += _norm_terms("ffn_norm", d, training, autocast_copies=2 if autocast else 1)
-    terms += [Term("w1_out", f, "act", "tp"), Term("silu_out", f, "act", "tp"), Term("w3_out", f, "act", "tp"),
-              Term("swiglu_out", f, "act", "tp")]
-    return terms
+    return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)]
+
+
+def swiglu_saved(training: Training, prefix: str = "") -> list[str]:
+    """What a SwiGLU MLP keeps for backward beyond its input norm (Training.swiglu): eager operators keep the w1
+    and w3 outputs (SiLU's input, the product's right factor), SiLU's output (the product's left factor) and the
+    gate product (w2's input). A fused SwiGLU keeps its input only and recomputes SiLU in backward: Megatron-Core's
+    SwiGLUFunction (megatron/core/fusions/fused_bias_swiglu.py, on by default with --swiglu:
+    --bias-swiglu-fusion) saves the fc1 output, w1 and w3 side by side. w2 keeps the product either way."""
+    names = ("w1_out", "w3_out", "swiglu_out") if training.swiglu == "fused" else \
+        ("w1_out", "silu_out", "w3_out", "swiglu_out")
+    return [prefix + name for name in names]
 
 
 def matmul_output_terms(args: ModelArgs) -> list[Term]:
@@ -491,8 +500,7 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
         terms += [Term("route_weights", k, "stat", "full"), Term("route_normaliser", 1, "stat", "full")]
     terms += [Term("combine_weights", k, "act", "full"), Term("gather_index", kept, "index", "full"),
               Term("scatter_index", kept, "index", "full"), Term("expert_input", routed * d, "act", "full")]
-    terms += [Term(f"expert_{name}", routed * h, "act", "full") for name in ("w1_out", "silu_out", "w3_out",
-                                                                            "swiglu_out")]
+    terms += [Term(name, routed * h, "act", "full") for name in swiglu_saved(training, "expert_")]
     # the scatter of the experts' outputs back to token order (index_copy) keeps its source for its shape: the
     # combined copies, and under ep > 1 also the experts' own outputs that the engine puts back in source order
     terms.append(Term("scatter_source", kept * d, "act", "full"))
@@ -500,8 +508,7 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
         terms += [Term("expert_order", routed, "index", "full"), Term("expert_output", routed * d, "act", "full")]
     terms.append(Term("combine_out", kept * d, "act", "full"))
     if shared:
-        terms += [Term(f"shared_{name}", shared, "act", "full") for name in ("w1_out", "silu_out", "w3_out",
-                                                                            "swiglu_out")]
+        terms += [Term(name, shared, "act", "full") for name in swiglu_saved(training, "shared_")]
     if args.aux_loss_coeff > 0:
         terms.append(Term("aux_score_sum", 1, "stat", "full"))
     return terms

@@ -50,6 +50,9 @@ class System:
     """What activation_checkpoint=selective keeps (Training.selective)."""
     elementwise: str = "eager"
     """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
+    swiglu: str = "eager"
+    """A SwiGLU MLP as PyTorch operators ('eager') or one autograd function that keeps its input ('fused')
+    (Training.swiglu)."""
     zero3_fetch: Zero3Fetch = "prefetch"
     """How ZeRO-3 fetches weights under the layout 'zero': 'prefetch' or DeepSpeed 2021's 'module-sync'
     (Training.zero3_fetch)."""
@@ -60,7 +63,7 @@ class System:
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
-                  ("elementwise", self.elementwise, ("fused", "eager")),
+                  ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH))
         for key, value, allowed in checks:
             if value not in allowed:
@@ -73,7 +76,8 @@ class System:
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
-                "selective": self.selective, "elementwise": self.elementwise, "zero3_fetch": self.zero3_fetch}
+                "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
+                "zero3_fetch": self.zero3_fetch}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -92,13 +96,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
-           "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention, selective "
-           "recompute of the attention core",
+           "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
+           "selective recompute of the attention core",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
-           elementwise="fused",
+           elementwise="fused", swiglu="fused",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
-                  "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy"),
+                  "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
+                  "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
+                  "default)"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,

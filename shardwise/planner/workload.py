@@ -93,6 +93,10 @@ class Training:
     while the current one computes and the device synchronised before each (so a module's compute overlaps one
     gather only), a recomputed forward gathering again, and backward re-gathering every weight whose reuse
     distance exceeds stage3_max_reuse_distance (timing.module_sync_zero3)."""
+    swiglu: Literal["eager", "fused"] = "eager"
+    """How a SwiGLU MLP keeps its tensors for backward: 'eager' (PyTorch operators: the w1 and w3 outputs, SiLU's
+    output and the gate product) or 'fused' (one autograd function that saves its input, w1 and w3 outputs, and
+    recomputes SiLU: Megatron-Core's SwiGLUFunction; w2 still keeps the product). memory.swiglu_saved."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
