@@ -363,20 +363,28 @@ def summarise(runs: list[Run], layout: str, discard: int, seq_len: int) -> dict 
             "loss_fell": all(r.loss[max(r.loss)] < r.loss[min(r.loss)] for r in ok),
         }
     row["ratio"] = row["sw"]["tokens_per_s_per_rank"] / row["titan"]["tokens_per_s_per_rank"]
+    # each repetition's pair, run one after the other: the machine's drift between repetitions cancels in its ratio
+    paired = {system: {r.rep: statistics.median(r.kept(discard)) for r in runs if r.system == system
+                       and r.layout == layout and r.kept(discard) and r.loss} for system in SYSTEMS}
+    row["rep_ratios"] = [paired["sw"][rep] / paired["titan"][rep] for rep in sorted(paired["sw"])
+                         if rep in paired["titan"]]
     return row
 
 
 def markdown_table(rows: list[dict]) -> list[str]:
     lines = ["| layout | torchtitan tok/s/rank | shardwise tok/s/rank | shardwise / torchtitan | "
-             "step s torchtitan [IQR] | step s shardwise [IQR] | loss torchtitan | loss shardwise | both fell |",
-             "|---|---:|---:|---:|---|---|---|---|---|"]
+             "per repetition (median) | step s torchtitan [IQR] | step s shardwise [IQR] | loss torchtitan | "
+             "loss shardwise | both fell |",
+             "|---|---:|---:|---:|---|---|---|---|---|---|"]
     for row in rows:
         titan, sw = row["titan"], row["sw"]
         step = [f"{s['step_s']['median']:.3f} [{s['step_s']['p25']:.3f}-{s['step_s']['p75']:.3f}]" for s in (titan, sw)]
         loss = [f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}" for s in (titan, sw)]
         fell = "yes" if titan["loss_fell"] and sw["loss_fell"] else "no"
+        reps = row["rep_ratios"]
+        paired = ", ".join(f"{r:.3f}" for r in reps) + (f" ({statistics.median(reps):.3f})" if len(reps) > 1 else "")
         lines.append(f"| {row['layout']} | {titan['tokens_per_s_per_rank']:.0f} | {sw['tokens_per_s_per_rank']:.0f} | "
-                     f"**{row['ratio']:.3f}** | {step[0]} | {step[1]} | {loss[0]} | {loss[1]} | {fell} |")
+                     f"**{row['ratio']:.3f}** | {paired} | {step[0]} | {step[1]} | {loss[0]} | {loss[1]} | {fell} |")
     return lines
 
 
@@ -387,7 +395,9 @@ def report(args: argparse.Namespace, paths: Paths) -> None:
     missing = [layout for layout in args.layouts if layout not in {row["layout"] for row in rows}]
     header = (f"shardwise vs torchtitan {TORCHTITAN}, {GLOBAL_BATCH} x {args.seq_len} tokens per step, "
               f"{args.steps} steps (first {args.discard} left out), {args.reps} rep(s), {args.cores} cores; "
-              f"tokens/s per rank: median over reps of each run's median; step s: median [IQR] of all kept steps; "
+              f"tokens/s per rank: median over reps of each run's median, and the ratio of them; per repetition: "
+              f"shardwise / torchtitan of the two runs of each repetition (their median); step s: median [IQR] of "
+              f"all kept steps; "
               f"loss: first -> last step, median over reps")
     lines = describe_runs(runs, args.discard, args.seq_len) + ["", header, "", *markdown_table(rows)]
     if missing:
