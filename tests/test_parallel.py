@@ -98,10 +98,12 @@ def test_layouts_match_single_device(group):
 @pytest.mark.multiprocess
 def test_a_layout_verifies_the_same_alone_and_after_another_in_its_launch():
     """`verify` trains the layouts of one world size in turn in one launch: with compiled blocks, tp=2 after
-    dp=2 gives exactly the figures of tp=2 alone (each run compiles for itself; a compile cache kept from the
-    run before moved them by ~1e-7, inside the parity tolerance, so only equality shows it)."""
+    other layouts gives exactly the figures of tp=2 alone (each run compiles for itself; a compile cache kept
+    from the run before moved them by ~1e-7, inside the parity tolerance, so only equality shows it). The
+    layouts before it also show compiled blocks reproducing one device with full recompute, in a 1F1B pipeline
+    and under context parallelism (verify fails if any layout does)."""
     rows = []
-    for layouts in (["dp=2", "tp=2"], ["tp=2"]):
+    for layouts in (["dp=2,activation_checkpoint=full", "pp=2,pp_schedule=1f1b", "cp=2", "tp=2"], ["tp=2"]):
         proc = _shardwise("verify", "--config", CONFIG, "--steps", "2", "--json", "--set=train.compile=true",
                           *[a for layout in layouts for a in ("--layout", layout)])
         assert proc.returncode == 0, proc.stderr[-3000:]

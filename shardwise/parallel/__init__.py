@@ -32,6 +32,21 @@ def _forget_dtensor_caches() -> None:
         forget_sharding_caches()
 
 
+def compile_block(block: nn.Module) -> None:
+    """torch.compile a transformer block in place. A mixture-of-experts block is compiled part by part, as
+    torchtitan compiles its MoE blocks: the attention, the norms, the router and the shared experts, while the
+    routed experts run eagerly. Their shapes are the router's counts, known on the host only after a device sync
+    (`.tolist()`), and torch 2.13's fake-tensor rule for the grouped GEMM takes bf16 only, where the eager CPU
+    kernel also runs fp32: traced whole, the block fails in its first forward."""
+    moe = getattr(block, "moe", None)
+    if moe is None:
+        block.compile()
+        return
+    for part in (block.attention_norm, block.attention, block.ffn_norm, moe.router, moe.shared):
+        if part is not None:
+            part.compile()
+
+
 def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None:
     """Apply every configured transform to `model` (one pipeline stage, or the whole model) in place."""
     p, t = cfg.parallel, cfg.train
@@ -48,7 +63,7 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
     apply_activation_checkpointing(model, p.activation_checkpoint, p.activation_checkpoint_every)
     if t.compile:
         for block in model.layers.values():
-            block.compile()
+            compile_block(block)
     fuse_head_loss(model)  # a pipeline's last stage runs it in the schedule's loss (pipeline_loss)
     if mesh is not None:
         apply_data_parallel(model, mesh, p)
