@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -47,8 +48,13 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
+    if args.nproc < 0:
+        raise ConfigError("--nproc", f"{args.nproc} < 0", "give the processes per machine, or leave it out for one")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"{args.max_restarts} < 0", "give 0 or more")
     if not args.nproc and (args.nnodes != "1" or args.rdzv_endpoint or args.rdzv_id or args.max_restarts):
-        raise ConfigError("--nnodes", "machines, restarts and a rendezvous say how torchrun starts the processes, "
+        flag = "--max-restarts" if args.max_restarts and args.nnodes == "1" else "--nnodes"
+        raise ConfigError(flag, "machines, restarts and a rendezvous say how torchrun starts the processes, "
                           "and --nproc (which starts them) is not given", "add --nproc with the processes per machine")
     if args.nproc:
         from shardwise.launch.local import launch_local
@@ -103,6 +109,13 @@ def _run_export(args: argparse.Namespace) -> int:
     if args.format != "merged" and not cfg.lora.rank:
         raise ConfigError("--format", f"{args.format} needs a LoRA run's adapters, and lora.rank is 0",
                           "use --format merged (the default) for a run that trains every weight")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} is a file", "give a folder to write into (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("--out", f"cannot make {out} ({e.strerror})", "give a folder you can write to") from None
     from shardwise.train import export_hf_from_checkpoint
 
     path = export_hf_from_checkpoint(cfg, args.out, args.format)
@@ -155,8 +168,9 @@ def _check_generate(args: argparse.Namespace) -> None:
                           "(checkpoint.every, or the end of the run)")
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"{args.max_new_tokens} < 1", "ask for at least one token")
-    if args.temperature < 0:
-        raise ConfigError("--temperature", f"{args.temperature} < 0", "0 for greedy decoding, or a positive value")
+    if not 0 <= args.temperature < math.inf:  # nan too
+        raise ConfigError("--temperature", f"{args.temperature} is not a finite number >= 0",
+                          "0 for greedy decoding, or a positive value")
     if args.top_k < 0:
         raise ConfigError("--top-k", f"{args.top_k} < 0", "0 keeps every token, k > 0 the k most likely")
     if not 0 < args.top_p <= 1:

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import textwrap
 import tomllib
@@ -211,7 +212,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError("--config", f"no file {path}", "pass the path of a TOML file, e.g. configs/demo.toml")
-        except tomllib.TOMLDecodeError as e:
+        except IsADirectoryError:
+            raise ConfigError("--config", f"{path} is a folder", "pass the path of a TOML file, e.g. configs/demo.toml")
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError("--config", f"{path} is not valid TOML ({e})", "fix the TOML syntax")
     for item in overrides:
         _apply_override(raw, item)
@@ -228,7 +231,17 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
         name = model_raw.get("name", ModelArgs.name)
         if name in PRESETS:
             raw["model"] = {**dataclasses.asdict(PRESETS[name]), **model_raw}
+        elif missing := [k for k in CUSTOM_SHAPE if k not in model_raw]:
+            # a name of one's own describes a custom shape; without it a mistyped preset would train ModelArgs'
+            # defaults under that name
+            raise ConfigError("model.name", f"{name!r} is not a preset, and a custom model needs "
+                              f"{', '.join('model.' + k for k in missing)}",
+                              f"use one of {', '.join(PRESETS)}, or give the shape")
     return _build(JobConfig, raw, "")
+
+
+CUSTOM_SHAPE = ("dim", "n_layers", "n_heads", "vocab_size")
+"""What a model table naming no preset must give: the rest have defaults that fit any shape."""
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -334,6 +347,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML and --set read nan and inf; no field takes them
+                raise ConfigError(name, f"{value} is not a finite number", f"give {name} a finite value")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -360,6 +375,11 @@ def field_docs(cls: type) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------------
 # Validation: how the fields fit together
+
+
+def validate_model(cfg: JobConfig) -> None:
+    """The model's shape and its fit with the data (what `validate` checks of them, nothing of this machine)."""
+    _validate_model(cfg.model, cfg.data)
 
 
 def validate(cfg: JobConfig) -> None:

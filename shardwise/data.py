@@ -189,11 +189,18 @@ class HFTokenizer:
     """A tokenizer.json (Hugging Face `tokenizers`) behind the Tokenizer protocol."""
 
     def __init__(self, path: Path, kind: str):
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+            raise ConfigError("data.tokenizer", f"{path} is not a tokenizer the `tokenizers` library reads ({e})",
+                              "pass a Hugging Face tokenizer.json") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise ConfigError("data.tokenizer", f"{path} has an empty vocabulary", "pass a trained tokenizer.json")
         # A literal "<|endoftext|>" written inside a document stays text: only packing inserts eos.
         self._tok.encode_special_tokens = True
         self.eos_id = _find_eos(self._tok)
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = max(vocab.values()) + 1
         self.name = f"{kind}-{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
 
     def encode(self, text: str) -> list[int]:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -353,12 +354,19 @@ def load_profile(path: str | Path) -> Accelerator:
         raise PlannerError("--gpu", f"no profile file {path}", "pass a catalogue name or a `shardwise bench` JSON")
     except json.JSONDecodeError as e:
         raise PlannerError("--gpu", f"{path} is not valid JSON ({e})", "regenerate it with `shardwise bench`")
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise PlannerError("--gpu", f"{path} is not a JSON file ({e})", "pass a `shardwise bench` JSON") from None
+    if not isinstance(raw, dict):
+        raise PlannerError("--gpu", f"{path} holds no JSON object", "pass a `shardwise bench` JSON")
     raw.pop("measurements", None)  # what `shardwise bench` saw, kept in the file for the record
     base = raw.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise PlannerError("--gpu", f"profile {path}: base = {base!r} is not a name", 'give "base": "<gpu>"')
     unknown = set(raw) - PROFILE_KEYS
     if unknown:
         raise PlannerError("--gpu", f"profile {path} has unknown keys {sorted(unknown)}",
                            f"use only {sorted(PROFILE_KEYS)}")
+    _check_profile_values(path, raw)
     if raw.get("busbw_curves"):  # JSON keys are strings
         raw["busbw_curves"] = {op: {int(size): bw for size, bw in curve.items()}
                                for op, curve in raw["busbw_curves"].items()}
@@ -373,6 +381,41 @@ def load_profile(path: str | Path) -> Accelerator:
     if missing:
         raise PlannerError("--gpu", f"profile {path} lacks {sorted(missing)}", 'add them or give "base": "<gpu>"')
     return Accelerator(**raw)
+
+
+# profile fields a zero would divide by or make meaningless; every other number may be 0
+_POSITIVE_FIELDS = frozenset({"memory_bytes", "mem_bandwidth", "intra_node_bw", "inter_node_bw", "host_bw",
+                              "matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "comm_efficiency"})
+
+
+def _check_profile_values(path, raw: dict) -> None:
+    """Each value of a profile has its field's type: finite numbers (positive where _POSITIVE_FIELDS says, else
+    not negative), names, and tables of such numbers."""
+    def number(value, positive: bool) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and (value > 0 if positive else value >= 0))
+
+    def table(value, depth: int) -> bool:
+        return isinstance(value, dict) and all(isinstance(k, str) and (table(v, depth - 1) if depth > 1
+                                                                       else number(v, True)) for k, v in value.items())
+
+    hints = typing.get_type_hints(Accelerator)
+    for key, value in raw.items():
+        hint = getattr(hints[key], "__name__", str(hints[key])) if isinstance(hints[key], type) else str(hints[key])
+        if key == "busbw_curves":  # {collective: {message bytes: bus bandwidth}}
+            ok = value is None or table(value, 2) and all(size.isdigit() for c in value.values() for size in c)
+        elif "dict" in hint:
+            ok = value is None and "None" in hint or table(value, 1) and (bool(value) or key != "peak_flops")
+        elif hints[key] is bool:
+            ok = isinstance(value, bool)
+        elif hints[key] is str:
+            ok = isinstance(value, str)
+        else:  # float or int
+            ok = number(value, key in _POSITIVE_FIELDS) and (hints[key] is not int or isinstance(value, int))
+        if not ok:
+            kind = "a positive number" if key in _POSITIVE_FIELDS else hint.replace("typing.", "")
+            raise PlannerError("--gpu", f"profile {path}: {key} = {value!r} is not {kind}",
+                               "regenerate it with `shardwise bench`, or fix that value")
 
 
 def _check_grid(path, field_name: str, table: dict, dims: int) -> None:

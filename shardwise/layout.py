@@ -148,6 +148,8 @@ def parse_layout(text: str, source: str = "--layout") -> dict:
             raise ConfigError(source, f"'{item}' is not key=value", f'write e.g. {source} "dp_shard=2,tp=2"')
         if key not in hints:
             raise ConfigError(source, f"unknown key {key!r}", f"use {', '.join(['dp', *LAYOUT_KEYS, *BATCH_KEYS])}")
+        if key in fixed:
+            raise ConfigError(f"{source} {key}", "given twice", "keep one value")
         fixed[key] = _typed(key, value.strip("'\""), hints[key], source)
     if "dp" in fixed and {"dp_replicate", "dp_shard"} <= fixed.keys():
         if fixed["dp"] != fixed["dp_replicate"] * fixed["dp_shard"]:

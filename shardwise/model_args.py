@@ -223,6 +223,12 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not SwiGLU's silu")
+    sizes = (*required, "num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",
+             "num_experts_per_tok", "sliding_window")
+    for key in sizes:
+        value = cfg.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{key} = {value!r} is not a positive whole number")
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     if head_dim * n_heads != cfg["hidden_size"]:
@@ -236,12 +242,17 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         max_seq_len = min(max_seq_len, cfg["sliding_window"])
     moe = dict(n_experts=cfg.get("num_local_experts", 8), top_k=cfg.get("num_experts_per_tok", 2),
                aux_loss_coeff=cfg.get("router_aux_loss_coef", 0.001)) if mixtral else {}
+    kv = cfg.get("num_key_value_heads") or n_heads
+    if n_heads % kv:
+        raise ValueError(f"num_key_value_heads = {kv} does not divide num_attention_heads = {n_heads}")
+    if moe and moe["top_k"] > moe["n_experts"]:
+        raise ValueError(f"num_experts_per_tok = {moe['top_k']} > num_local_experts = {moe['n_experts']}")
     return ModelArgs(
         name=name,
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        n_kv_heads=kv,
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5),

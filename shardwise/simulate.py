@@ -30,7 +30,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ConfigError, JobConfig, layout_tables, load_config, validate_parallel, with_overrides
+from shardwise.config import (
+    ConfigError,
+    JobConfig,
+    layout_tables,
+    load_config,
+    validate_model,
+    validate_parallel,
+    with_overrides,
+)
 from shardwise.data import Batch
 from shardwise.distributed import DistEnv
 from shardwise.layout import Layout, complete_layout, parse_layout
@@ -331,6 +339,7 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
     a fresh process that has run nothing yet, forks them instead (a fork of a process that has run torch
     ops or collectives would copy its thread pools half-alive).
     """
+    validate_model(cfg)
     validate_parallel(cfg, world)
     _check_simulable(cfg)
     ranks = ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world)
@@ -390,7 +399,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
       help="override a config field, e.g. --set parallel.tp=8 (repeatable)")
     a("--model", help="a model preset (e.g. llama3-70b), Hugging Face config.json or shardwise TOML")
     a("--plan", help='the planner\'s plan keys, e.g. "tp=8,pp=4,dp=32,zero_stage=3"')
-    a("--world", type=int, default=0, help="ranks in the job (default: the product of the degrees)")
+    a("--world", type=int, default=0, help="ranks in the job (with --config, default: the product of its degrees; "
+      "with --model, required)")
     a("--rank", type=int, action="append", help="simulate this rank (repeatable; default: rank 0, or the first "
                                                 "rank of the first, a middle and the last pipeline stage)")
     a("--seq-len", type=int, default=0, help="tokens per sequence (--model: default 4096)")
@@ -432,6 +442,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
             raise ConfigError("--seq-len", "--seq-len/--micro-batch/--precision go with --model",
                               "use --set data.seq_len=... with --config")
     else:
+        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--world", args.world)):
+            if value < 0:  # 0: the default
+                raise ConfigError(flag, f"{value} < 0", "pass a positive number, or leave it out for the default")
         cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
                                args.micro_batch or 1, args.precision or "bf16")
         if args.overrides:  # the recipe beyond the layout: --set lora.rank=16, --set optim.name=adamw8bit, ...

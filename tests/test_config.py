@@ -51,6 +51,9 @@ def test_every_field_has_a_docstring():
         (["data.seq_len=4096"], "data.seq_len"),
         (["optim.lr_scaling=linear"], "optim.base_global_batch"),
         (["train.steps=10", "metrics.profile_step=11"], "metrics.profile_step"),
+        (["optim.lr=nan"], "optim.lr"),  # TOML and --set read nan and inf
+        (["train.collective_timeout_s=inf"], "train.collective_timeout_s"),
+        (["model.name='llama3-8B'"], "model.name"),  # a mistyped preset, which used to train the defaults
     ],
 )
 def test_validation_names_the_field(overrides, field):
@@ -58,6 +61,12 @@ def test_validation_names_the_field(overrides, field):
         load_config(None, overrides)
     assert err.value.field == field
     assert "fix:" in str(err.value)
+
+
+def test_a_custom_model_name_with_its_shape_is_accepted():
+    cfg = load_config(None, ["model.name='mine'", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+                             "model.vocab_size=320"])
+    assert (cfg.model.name, cfg.model.dim, cfg.model.n_layers) == ("mine", 64, 2)
 
 
 BAD_CONFIGS = {

@@ -379,3 +379,14 @@ def test_val_batches(dataset, tmp_path):
     ds = data.TokenDataset.build(make_cfg(tiny, tmp_path / "cache"), data.ByteTokenizer())
     with pytest.raises(ConfigError, match="data.val_fraction"):
         data.val_batches(ds, micro_batch=1, n=1)
+
+
+@pytest.mark.parametrize("text", ["{bad", "[]"])
+def test_a_file_the_tokenizers_library_cannot_read_names_the_field(tmp_path, text):
+    from shardwise.config import ConfigError
+    from shardwise.data import HFTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        HFTokenizer(tmp_path / "tokenizer.json", "file")
+    assert e.value.field == "data.tokenizer" and "\n" not in str(e.value)

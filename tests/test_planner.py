@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardwise.config import ConfigError
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
@@ -643,6 +644,69 @@ def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_pat
     plans = [p for offload in ("none", "full") for p in plan_space(args, tr, cluster, offload=offload)]
     for plan in random.Random(0).sample(plans, min(300, len(plans))):
         write_config(tmp_path / "plan.toml", args, tr, plan)
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--lora-rank", "-4"], "--lora-rank"),
+    (["--seq-len", "4098", "--global-batch", "16", "--plan", "cp=2"], "--plan cp"),  # 2 cp chunks per sequence
+    (["--plan", ",".join(("tp=2", "tp=4"))], "--plan tp"),  # joined: tests/test_layout.py reads quoted layouts
+    (["--plan", "zero_stage=-1"], "--plan zero_stage"),
+    (["--global-batch-tokens", "-4096"], "--global-batch-tokens"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--intra-node-gbs", "0"], "--intra-node-gbs"),
+    (["--gpu-memory-gib", "nan"], "--gpu-memory-gib"),
+    (["--write-config", "{tmp}"], "--write-config"),  # a folder
+    (["--write-config", "{tmp}/no/such/folder/plan.toml"], "--write-config"),
+    (["--plot", "{tmp}/plan.txt"], "--plot"),
+    (["--model", "{tmp}/config.json"], "--model"),  # not JSON
+    (["--gpus", "100000000000000000000"], "--gpus"),  # more than any plan can use: was a hang
+])
+def test_bad_plan_flags_are_one_line_naming_the_flag(tmp_path, capsys, flags, flag):
+    (tmp_path / "config.json").write_text("{bad")
+    argv = {"--model": "llama3-8b", "--gpus": "8"}
+    argv.update(zip(flags[::2], flags[1::2]))
+    assert run_plan(_ns(*(a.format(tmp=tmp_path) for kv in argv.items() for a in kv))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise plan: {flag}") and "fix:" in err and "\n" not in err
+    assert not (tmp_path / "plan.toml").exists()
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"hidden_size": "4096"}, "hidden_size = '4096' is not a positive whole number"),
+    ({"num_attention_heads": 0}, "num_attention_heads = 0 is not"),
+    ({"num_hidden_layers": 32.5}, "num_hidden_layers = 32.5 is not"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings = 0 is not"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads = 5 does not divide"),
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 10}, "num_experts_per_tok = 10 >"),
+])
+def test_a_bad_hugging_face_config_is_refused_naming_its_key(tmp_path, change, problem):
+    from shardwise.planner import resolve_model
+
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 14336,
+              "vocab_size": 128256, "num_key_value_heads": 8, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlannerError, match=f"--model: {re.escape(problem)}"):
+        resolve_model(str(tmp_path / "config.json"))
+
+
+def test_no_layout_is_not_reported_as_no_memory(capsys):
+    # 2^24 GPUs cannot split 1024 sequences: no layout exists, which is not a memory problem
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", str(2**24))) == 1
+    out = capsys.readouterr().out
+    assert "No layout divides 16777216 GPUs and the global batch of 1024 sequences" in out
+    assert "No plan fits in memory" not in out
+
+
+def test_write_config_leaves_no_file_the_engine_refuses(tmp_path, monkeypatch):
+    from shardwise.planner.config_out import write_config
+
+    args, tr = preset("llama3-8b"), Training(seq_len=2048, global_batch=8)
+    path = tmp_path / "plan.toml"
+    monkeypatch.setattr("shardwise.planner.config_out.load_config", lambda p: (_ for _ in ()).throw(
+        ConfigError("train.steps", "refused", "fix")))
+    with pytest.raises(ConfigError):
+        write_config(path, args, tr, Plan(dp_shard=8, zero_stage=3, micro_batch=1))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plan_validation_names_the_key():

@@ -122,3 +122,22 @@ def test_large_gemm_efficiency_follows_the_published_achievable_matmul_rates():
     for name, achieved in (("h100", 794.5 / 989), ("h200", 794.5 / 989), ("b200", 1745.0 / 2250)):
         assert accelerator(name).matmul_efficiency == pytest.approx(0.70 * achieved / a100, rel=2e-3), name
     assert accelerator("h100-pcie").matmul_efficiency == accelerator("mi300x").matmul_efficiency == 0.70  # no row
+
+
+@pytest.mark.parametrize("profile, key", [
+    ([1, 2], "no JSON object"), ({"base": 5}, "base = 5"), ({"base": "h100", "memory_bytes": "80GB"}, "memory_bytes"),
+    ({"base": "h100", "peak_flops": 1e15}, "peak_flops"),
+    ({"base": "h100", "peak_flops": {"bf16": "fast"}}, "peak_flops"),
+    ({"base": "h100", "busbw_curves": {"all_reduce": {"big": 1}}}, "busbw_curves"),
+    ({"base": "h100", "intra_node_bw": 0}, "intra_node_bw"), ({"base": "h100", "sms": 1.5}, "sms"),
+])
+def test_a_profile_value_of_the_wrong_type_is_refused_naming_it(profile, key, tmp_path):
+    # each of these used to raise TypeError, AttributeError, ValueError or ZeroDivisionError inside the planner
+    import json
+
+    from shardwise.planner import PlannerError, load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(PlannerError, match=f"--gpu: .*{key}"):
+        load_profile(path)

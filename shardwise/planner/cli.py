@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 import typing
+from pathlib import Path
 
 from shardwise.config import ConfigError
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
@@ -66,6 +68,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_inputs(ns: argparse.Namespace):
     """(model args, training, cluster) from parsed flags; every bad value raises PlannerError naming its flag."""
+    for flag, value in (("--seq-len", ns.seq_len), ("--global-batch-tokens", ns.global_batch_tokens),
+                        ("--global-batch", ns.global_batch), ("--top-k", ns.top_k), ("--max-tp", ns.max_tp)):
+        if value is not None and value < 1:
+            raise PlannerError(flag, f"{value} < 1", "pass a positive number, or leave it out for the default")
     model = resolve_model(ns.model)
     seq = ns.seq_len or min(4096, model.max_seq_len)
     if seq > model.max_seq_len:
@@ -84,6 +90,10 @@ def build_inputs(ns: argparse.Namespace):
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
                         lora_rank=ns.lora_rank, qlora=ns.qlora,
                         expert_imbalance=ns.expert_imbalance, **system.training_fields())
+    for flag, value in (("--gpu-memory-gib", ns.gpu_memory_gib), ("--intra-node-gbs", ns.intra_node_gbs),
+                        ("--inter-node-gbs", ns.inter_node_gbs)):
+        if value is not None and not 0 < value < math.inf:  # nan too
+            raise PlannerError(flag, f"{value} is not a positive number", "give a positive, finite value")
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
     if ns.intra_node_gbs is not None:
@@ -137,7 +147,24 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 2
 
 
+def check_output(path: str | None, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path the command could not write, before any work: a folder, a folder that does not
+    exist, or (when `suffixes` are given) a file type the writer cannot make."""
+    if path is None:
+        return
+    target = Path(path)
+    if not path or target.is_dir():
+        raise PlannerError(flag, f"{path!r} is a folder, not a file", "give the path of a file to write")
+    if not target.parent.is_dir():
+        raise PlannerError(flag, f"no folder {target.parent}", "create it first, or write elsewhere")
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise PlannerError(flag, f"cannot write a {target.suffix or 'suffix-less'} file",
+                           f"end the path with {' or '.join(suffixes)}")
+
+
 def _run(ns: argparse.Namespace) -> int:
+    check_output(ns.write_config, "--write-config")
+    check_output(ns.plot, "--plot", (".png", ".svg", ".pdf"))
     model, training, cluster = build_inputs(ns)
     fixed = parse_layout(ns.plan, "--plan") if ns.plan else {}
     start = time.perf_counter()
@@ -158,7 +185,7 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(_json(model, training, cluster, plans, expl, result.evaluated, seconds), indent=2))
     else:
-        print(_table(model, training, cluster, plans, seconds, result.evaluated))
+        print(_table(model, training, cluster, plans, seconds, result.evaluated, result.layouts))
         print()
         print(render(expl, cluster))
     return 0 if plans and plans[0].fits else 1
@@ -207,7 +234,7 @@ def system_summary(training: Training) -> str:
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
-           evaluated: int) -> str:
+           evaluated: int, layouts: int) -> str:
     moe = bool(model.n_experts)
     # a mixture of experts stores every expert and runs top_k of them per token (what its FLOPs and MFU count)
     size = (f" ({num_params(model) / 1e9:.2f}B parameters, {num_params(model, active=True) / 1e9:.2f}B active per "
@@ -218,6 +245,10 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
             f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s\n"
             f"system: {training.system} - {system_summary(training)}")
     if not plans:
+        if not layouts:
+            return head + (f"\nNo layout divides {cluster.gpus} GPUs and the global batch of {training.global_batch} "
+                           "sequences (dp must divide the batch; tp the heads and the GPUs of a node; pp is at most "
+                           "the layers): use a GPU count or --global-batch that share divisors, or relax --plan.")
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
     columns = MOE_COLUMNS if moe else COLUMNS
     rows = [list(columns)] + [_row(i + 1, ev, moe) for i, ev in enumerate(plans)]

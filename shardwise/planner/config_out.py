@@ -62,5 +62,12 @@ def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Pl
     lines = [f"# written by `shardwise plan`: {plan.world} ranks"]
     for table, values in plan_tables(args, training, plan).items():
         lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
-    Path(path).write_text("\n".join(lines) + "\n")
-    load_config(path)  # raises ConfigError naming the field if the engine would refuse it
+    path = Path(path)
+    draft = path.with_name(f".{path.name}.draft.toml")
+    draft.write_text("\n".join(lines) + "\n")
+    try:
+        load_config(draft)  # raises ConfigError naming the field if the engine would refuse it
+    except BaseException:
+        draft.unlink()  # nothing is left at `path` that `shardwise train` would refuse
+        raise
+    draft.replace(path)

@@ -92,6 +92,9 @@ class SearchResult:
     """(knob, value) -> fastest fitting step time seen with that value."""
     min_memory_by_knob: dict[tuple[str, object], float] = field(default_factory=dict)
     """(knob, value) -> smallest peak memory seen (or lower bound) with that value."""
+    layouts: int = 0
+    """Degree combinations (tp, cp, pp, dp split) that divide the cluster and the batch: 0 means no layout, not
+    no memory."""
 
 
 KNOBS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
@@ -99,7 +102,9 @@ KNOBS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micr
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (in O(sqrt n): --gpus may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, top_k: int = 5,
@@ -113,6 +118,7 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     fits: list[Evaluation] = []
     for offload in offloads:
         for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
+            result.layouts += 1
             _search_degrees(args, training, cluster, base, fixed, max_virtual, result, fits)
         if fits:
             break
@@ -157,12 +163,19 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
 
     for key, value in fixed.items():
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if key == "zero_stage" else 1):
-            bad(key, f"{value} is not positive", "use 1 or more")
+            bad(key, f"{value} is negative" if key == "zero_stage" else f"{value} is not positive",
+                "use 0, 1, 2 or 3" if key == "zero_stage" else "use 1 or more")
     tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
+    # every rank holds a share of some sequence: tp splits heads, cp the sequence, pp the layers, dp the batch
+    most = args.n_heads * max(cp, 16) * args.n_layers * training.global_batch
+    if world > most:
+        raise PlannerError("--gpus", f"{world} GPUs are more than a plan can use: {training.global_batch} sequences "
+                           f"x {args.n_layers} layers x {args.n_heads} heads x cp <= {max(cp, 16)} is {most}",
+                           "use fewer GPUs or a larger --global-batch")
     if args.n_heads % tp or world % tp:
         bad("tp", f"tp={tp} must divide both {args.n_heads} heads and {world} GPUs", "pick a common divisor")
-    if world % (tp * cp) or training.seq_len % cp:
-        bad("cp", f"cp={cp} must divide the sequence ({training.seq_len}) and --gpus/tp", "pick a divisor")
+    if world % (tp * cp) or cp > 1 and training.seq_len % (2 * cp):  # the engine cuts 2 cp chunks (load balance)
+        bad("cp", f"cp={cp} must divide --gpus/tp, and 2 x cp the sequence ({training.seq_len})", "pick a divisor")
     if cp > 1 and not training.fused_attention:
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):

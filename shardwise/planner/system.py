@@ -150,7 +150,7 @@ def resolve_system(spec: str | System) -> System:
                            f"use one of {', '.join(SYSTEMS)}, or a TOML file (docs/planner.md, 'Systems')")
     try:
         table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise PlannerError("--system", f"{path}: {e}", "fix the TOML syntax") from None
     base_name = table.pop("base", "shardwise")
     if not isinstance(base_name, str) or base_name not in SYSTEMS:

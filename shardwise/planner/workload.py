@@ -176,6 +176,9 @@ class Training:
         if self.expert_imbalance and self.expert_imbalance < 1:
             raise PlannerError("--expert-imbalance", f"{self.expert_imbalance} < 1: the busiest rank takes at least "
                                "the mean", "pass a ratio >= 1, or 0 to derive it")
+        if self.lora_rank < 0:
+            raise PlannerError("--lora-rank", f"{self.lora_rank} < 0",
+                               "use a positive rank such as 16, or leave it out to train every weight")
         if self.qlora and self.lora_rank < 1:
             raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
 
@@ -239,7 +242,13 @@ def resolve_model(spec: str | ModelArgs) -> ModelArgs:
         return dataclasses.replace(PRESETS[spec])
     path = Path(spec)
     if path.is_file() and path.suffix == ".json":
-        return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlannerError("--model", f"{path} is not JSON ({e})", "pass a Hugging Face config.json") from None
+        if not isinstance(cfg, dict):
+            raise PlannerError("--model", f"{path} holds no JSON object", "pass a Hugging Face config.json")
+        return from_hf_config(cfg, name=path.parent.name or path.stem)
     if path.is_file() and path.suffix == ".toml":
         from shardwise.config import load_config
 
