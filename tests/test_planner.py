@@ -660,6 +660,8 @@ def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_pat
     (["--plot", "{tmp}/plan.txt"], "--plot"),
     (["--model", "{tmp}/config.json"], "--model"),  # not JSON
     (["--gpus", "100000000000000000000"], "--gpus"),  # more than any plan can use: was a hang
+    (["--plan", "sequence_parallel=true,tp=1"], "--plan sequence_parallel"),  # the engine refuses it
+    (["--seq-len", "2048", "--global-batch", "64", "--plan", "pp_microbatches=1,pp=2"], "--plan pp_microbatches"),
 ])
 def test_bad_plan_flags_are_one_line_naming_the_flag(tmp_path, capsys, flags, flag):
     (tmp_path / "config.json").write_text("{bad")
@@ -687,6 +689,19 @@ def test_a_bad_hugging_face_config_is_refused_naming_its_key(tmp_path, change, p
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlannerError, match=f"--model: {re.escape(problem)}"):
         resolve_model(str(tmp_path / "config.json"))
+
+
+def test_fixed_pipeline_micro_batches_and_sequence_parallelism_are_kept():
+    # both used to be dropped: plans with another accumulation, and sequence parallelism on tp=1 (the engine
+    # refuses that)
+    from shardwise.planner import search
+
+    args, tr = preset("llama3-8b"), Training(seq_len=2048, global_batch=64)
+    cluster = Cluster(accelerator("h100"), 8)
+    ranked = search(args, tr, cluster, fixed={"pp": 2, "pp_microbatches": 8}, top_k=20).ranked
+    assert ranked and all(ev.plan.grad_accum == 8 for ev in ranked)
+    ranked = search(args, tr, cluster, fixed={"sequence_parallel": True}, top_k=20).ranked
+    assert ranked and all(ev.plan.tp > 1 and ev.plan.sequence_parallel for ev in ranked)
 
 
 def test_no_layout_is_not_reported_as_no_memory(capsys):

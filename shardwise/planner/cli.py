@@ -126,9 +126,13 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
     if training.global_batch % (layout.dp * mb):
         raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
                            f"dp*micro_batch = {layout.dp * mb}", "change micro_batch, dp or the global batch")
-    plan = Plan(**dataclasses.asdict(layout), micro_batch=mb,
-                grad_accum=fixed.get("grad_accum", training.global_batch // (layout.dp * mb)))
+    plan = Plan(**dataclasses.asdict(layout), micro_batch=mb,  # a pipeline's micro-batches are its accumulation
+                grad_accum=fixed.get("grad_accum", fixed.get("pp_microbatches",
+                                                             training.global_batch // (layout.dp * mb))))
     error = engine_error(plan, training, args)
+    if error is not None and error.field == "parallel.pp_microbatches" and "pp_microbatches" in fixed:
+        raise PlannerError("--plan pp_microbatches", f"{plan.grad_accum} < pp={plan.pp} stages, which "
+                           f"{plan.pp_schedule} needs", "use pp_microbatches >= pp, or pp_schedule=gpipe")
     if error is not None and error.field == "parallel.pp_microbatches":
         raise PlannerError("--plan pp", f"{plan.grad_accum} micro-batches per step (global batch / (dp x "
                            f"micro_batch)) < pp={plan.pp} stages, which {plan.pp_schedule} needs",

@@ -180,6 +180,15 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
+    if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
+        bad("sequence_parallel", "sequence parallelism splits what tensor parallelism leaves whole, and tp=1",
+            "use tp > 1, or leave sequence_parallel out")
+    if "pp_microbatches" in fixed:  # a plan's pipeline micro-batches are its accumulation (config.layout_tables)
+        if pp == 1 and "pp" in fixed:
+            bad("pp_microbatches", "a step's pipeline micro-batches need a pipeline, and pp=1", "use pp > 1")
+        if fixed.setdefault("grad_accum", fixed["pp_microbatches"]) != fixed["pp_microbatches"]:
+            bad("pp_microbatches", f"{fixed['pp_microbatches']} != grad_accum {fixed['grad_accum']}: a pipeline's "
+                "micro-batches are its accumulation", "give one of them")
     per_rank = 2 if fixed.get("pp_schedule") == "zero-bubble" else fixed.get("virtual_stages", 1)
     if pp * per_rank > args.n_layers:
         bad("virtual_stages", f"pp={pp} x {per_rank} stages per rank is {pp * per_rank} pipeline stages, more than "
@@ -208,7 +217,7 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
     tps = _choices(fixed, "tp", [t for t in divisors(math.gcd(args.n_heads, cluster.gpus_per_node, world))
                                  if max_tp is None or t <= max_tp])
     for tp in tps:
-        if world % tp:
+        if world % tp or tp == 1 and fixed.get("sequence_parallel"):  # the engine runs it with tp > 1 only
             continue
         # ring attention is a fused kernel per block: unfused attention (Training.fused_attention) has no cp
         # nor a per-sequence balancing loss (the engine computes it on whole sequences)
