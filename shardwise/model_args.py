@@ -17,7 +17,8 @@ from shardwise.frozen import hashed_once
 @dataclass(frozen=True)
 class ModelArgs:
     name: str = "debug"
-    """Preset the shape came from (see PRESETS), or a name of your own for a custom shape."""
+    """Preset the shape came from (see PRESETS), or a name of your own for a custom shape (a config then gives
+    at least dim, n_layers, n_heads and vocab_size: config.CUSTOM_SHAPE)."""
     dim: int = 128
     """Hidden size d."""
     n_layers: int = 4
