@@ -220,6 +220,9 @@ def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Samplin
     room = loaded.model.args.max_seq_len
     if not body and not loaded.prefix:
         raise ConfigError("--prompt", "it is empty and this model has no start token", "give some text")
+    if len(ids) >= room:
+        raise ConfigError("--prompt", f"its {len(ids)} tokens fill the model's {room} positions (max_seq_len)",
+                          f"give a prompt of fewer than {room} tokens")
     if len(ids) + max_new_tokens > room:
         raise ConfigError("--max-new-tokens", f"the prompt's {len(ids)} tokens + {max_new_tokens} new ones exceed "
                           f"the model's {room} positions (max_seq_len)",

@@ -201,6 +201,7 @@ def test_hf_greedy_tokens_match_transformers_generate(hf_folder, capsys):
     (["--hf", "H", "--top-k", "-1"], "--top-k"),
     (["--hf", "H", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--hf", "H", "--max-new-tokens", "250"], "--max-new-tokens"),  # past the model's 256 positions
+    (["--hf", "H", "--temperature", "nan"], "--temperature"),
 ], ids=lambda x: x if isinstance(x, str) else " ".join(x))
 def test_bad_input_is_one_line_naming_the_flag(hf_folder, tmp_path, capsys, argv, flag):
     folder = str(hf_folder[0])
@@ -208,6 +209,12 @@ def test_bad_input_is_one_line_naming_the_flag(hf_folder, tmp_path, capsys, argv
     assert main(["generate", "--prompt", "x = 1\n" * 4, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"shardwise: error: {flag}: ") and "fix:" in err[0]
+
+
+def test_a_prompt_that_fills_the_model_names_the_prompt(hf_folder, capsys):
+    assert main(["generate", "--hf", str(hf_folder[0]), "--prompt", "x" * 300]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise: error: --prompt: ") and "fewer than 256 tokens" in err
 
 
 def test_hf_folder_without_tokenizer_says_what_is_needed(hf_folder, tmp_path, capsys):
