@@ -704,6 +704,17 @@ def test_fixed_pipeline_micro_batches_and_sequence_parallelism_are_kept():
     assert ranked and all(ev.plan.tp > 1 and ev.plan.sequence_parallel for ev in ranked)
 
 
+def test_zero_bubble_states_saturate_past_four_micro_batches_per_stage():
+    # what lets the planner walk 4p micro-batches for any m (a tiny --seq-len made millions)
+    from shardwise.planner.memory import ZB_MOMENTS_SATURATE, _zero_bubble_moments
+
+    for p in range(1, 7):
+        for rank in range(p):
+            saturated = _zero_bubble_moments(p, ZB_MOMENTS_SATURATE * p, rank)
+            assert all(_zero_bubble_moments(p, m, rank) == saturated
+                       for m in range(ZB_MOMENTS_SATURATE * p, 10 * p + 7)), (p, rank)
+
+
 def test_no_layout_is_not_reported_as_no_memory(capsys):
     # 2^24 GPUs cannot split 1024 sequences: no layout exists, which is not a memory problem
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", str(2**24))) == 1

@@ -1267,10 +1267,16 @@ def _zero_bubble_peaks(p: int, m: int, rank: int, a0: float, a1: float, g0: floa
         return n0 * a0 + n1 * a1 + i0 * g0 + i1 * g1 + ((r0, r1)[running] if running >= 0 else 0.0) \
             + w0 * k0 + w1 * k1
 
-    moments = _zero_bubble_moments(p, m, rank)
+    # past 2p micro-batches the steady state only repeats: the same distinct states (tests/test_planner.py), and a
+    # walk of millions of micro-batches (a tiny --seq-len) took minutes
+    moments = _zero_bubble_moments(p, min(m, ZB_MOMENTS_SATURATE * p), rank)
     none = ((0, 0), (0, 0), -1, (False, False))
     return max(moments["I"], key=held, default=none), \
         max(moments["W"], key=held, default=none) if r0 or r1 else none
+
+
+ZB_MOMENTS_SATURATE = 4
+"""From this many micro-batches per stage on (m >= 4p), a zero-bubble rank's distinct states no longer change."""
 
 
 @functools.lru_cache(maxsize=4096)
