@@ -365,6 +365,13 @@ def test_ep_is_never_offered_for_a_dense_model():
         search(args, Training(seq_len=4096, global_batch=64), Cluster(H100, 16), fixed={"ep": 2})
 
 
+def test_ep_that_cannot_divide_the_fixed_fsdp_ranks_names_ep():
+    # it named zero_stage, which the user had not set
+    with pytest.raises(PlannerError, match="--plan ep: ep=2 splits the experts over the dp_shard x cp = 1"):
+        search(preset("debug-moe"), Training(seq_len=256, global_batch=8), Cluster(H100, 2),
+               fixed={"ep": 2, "dp_shard": 1, "cp": 1})
+
+
 def test_dense_plan_output_does_not_mention_ep(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--top-k", "2")) == 0
     out = capsys.readouterr().out

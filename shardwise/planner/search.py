@@ -206,6 +206,9 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("ep", f"ep={ep} splits experts and {args.name} has none", "use ep=1 (or leave it out) for a dense model")
     if args.n_experts % ep or ep > 1 and world % ep:
         bad("ep", f"ep={ep} must divide the {args.n_experts} experts and --gpus", "pick a common divisor")
+    if ep > 1 and {"dp_shard", "cp"} <= set(fixed) and (fixed["dp_shard"] * cp) % ep:  # over FSDP's ranks
+        bad("ep", f"ep={ep} splits the experts over the dp_shard x cp = {fixed['dp_shard'] * cp} ranks of "
+            "ZeRO-2/3, and does not divide them", "make dp_shard x cp a multiple of ep")
     if cp > 1 and args.aux_loss_coeff > 0:
         bad("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
             "use cp=1, or a model without aux_loss_coeff")
