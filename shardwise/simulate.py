@@ -434,6 +434,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
     """The job config and world size from --config/--set or from --model/--plan."""
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--world", args.world)):
+        if value < 0:  # 0: the default
+            raise ConfigError(flag, f"{value} < 0", "pass a positive number, or leave it out for the default")
     if args.config or not args.model:
         if args.plan:
             raise ConfigError("--plan", "goes with --model", "give --model NAME --plan ..., or a --config")
@@ -442,9 +445,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
             raise ConfigError("--seq-len", "--seq-len/--micro-batch/--precision go with --model",
                               "use --set data.seq_len=... with --config")
     else:
-        for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--world", args.world)):
-            if value < 0:  # 0: the default
-                raise ConfigError(flag, f"{value} < 0", "pass a positive number, or leave it out for the default")
         cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
                                args.micro_batch or 1, args.precision or "bf16")
         if args.overrides:  # the recipe beyond the layout: --set lora.rank=16, --set optim.name=adamw8bit, ...

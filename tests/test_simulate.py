@@ -236,3 +236,34 @@ def test_what_fake_tensors_cannot_show_is_refused_before_any_rank_starts(overrid
     with pytest.raises(ConfigError) as e:
         simulate(cfg, 2)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", "debug", "--plan", "tp=2", "--world", "2", "--seq-len", "-8"], "--seq-len"),
+    (["--model", "debug", "--plan", "tp=2", "--world", "2", "--micro-batch", "-1"], "--micro-batch"),
+    (["--config", "configs/demo.toml", "--world", "-2"], "--world"),
+])
+def test_negative_sizes_name_their_flag(argv, flag):
+    # --seq-len -8 reached torch.zeros on every rank; --world -2 named parallel.dp_replicate
+    import argparse
+
+    from shardwise.config import ConfigError
+    from shardwise.simulate import add_simulate_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    argv = [str(Path(__file__).parents[1] / a) if a.endswith(".toml") else a for a in argv]
+    with pytest.raises(ConfigError) as e:
+        config_from_args(parser.parse_args(argv))
+    assert e.value.field == flag
+
+
+def test_a_simulated_model_is_validated():
+    from shardwise.config import ConfigError, with_overrides
+    from shardwise.simulate import config_from_plan, simulate
+
+    # n_kv_heads=0 reached DTensor's sharding propagation
+    cfg = with_overrides(config_from_plan("debug", "tp=2", 2, 64, 1, "fp32"), ["model.n_kv_heads=0"])
+    with pytest.raises(ConfigError) as e:
+        simulate(cfg, 2)
+    assert e.value.field == "model.n_kv_heads"
