@@ -700,6 +700,8 @@ def test_fixed_pipeline_micro_batches_and_sequence_parallelism_are_kept():
     cluster = Cluster(accelerator("h100"), 8)
     ranked = search(args, tr, cluster, fixed={"pp": 2, "pp_microbatches": 8}, top_k=20).ranked
     assert ranked and all(ev.plan.grad_accum == 8 for ev in ranked)
+    ranked = search(args, tr, cluster, fixed={"pp_microbatches": 8}, top_k=20).ranked  # pp left to the search
+    assert ranked and all(ev.plan.pp > 1 and ev.plan.grad_accum == 8 for ev in ranked)
     ranked = search(args, tr, cluster, fixed={"sequence_parallel": True}, top_k=20).ranked
     assert ranked and all(ev.plan.tp > 1 and ev.plan.sequence_parallel for ev in ranked)
 

@@ -229,7 +229,9 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
         for cp in cps:
             if (world // tp) % cp:
                 continue
-            pps = _choices(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= args.n_layers])
+            # a fixed pp_microbatches asks for a pipeline (it has no meaning without one)
+            pps = _choices(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= args.n_layers
+                                         and (p > 1 or "pp_microbatches" not in fixed)])
             for pp in pps:
                 if (world // (tp * cp)) % pp:
                     continue
