@@ -656,6 +656,7 @@ def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_pat
     (["--intra-node-gbs", "0"], "--intra-node-gbs"),
     (["--gpu-memory-gib", "nan"], "--gpu-memory-gib"),
     (["--write-config", "{tmp}"], "--write-config"),  # a folder
+    (["--write-config", ""], "--write-config"),  # wrote nothing, silently
     (["--write-config", "{tmp}/no/such/folder/plan.toml"], "--write-config"),
     (["--plot", "{tmp}/plan.txt"], "--plot"),
     (["--model", "{tmp}/config.json"], "--model"),  # not JSON
@@ -702,6 +703,8 @@ def test_fixed_pipeline_micro_batches_and_sequence_parallelism_are_kept():
     assert ranked and all(ev.plan.grad_accum == 8 for ev in ranked)
     ranked = search(args, tr, cluster, fixed={"pp_microbatches": 8}, top_k=20).ranked  # pp left to the search
     assert ranked and all(ev.plan.pp > 1 and ev.plan.grad_accum == 8 for ev in ranked)
+    space = list(plan_space(args, tr, cluster, fixed={"pp_microbatches": 8}))  # the unpruned walk reads it alike
+    assert space and all(p.pp > 1 and p.grad_accum == 8 for p in space)
     ranked = search(args, tr, cluster, fixed={"sequence_parallel": True}, top_k=20).ranked
     assert ranked and all(ev.plan.tp > 1 and ev.plan.sequence_parallel for ev in ranked)
 

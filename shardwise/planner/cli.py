@@ -157,7 +157,9 @@ def check_output(path: str | None, flag: str, suffixes: tuple[str, ...] = ()) ->
     if path is None:
         return
     target = Path(path)
-    if not path or target.is_dir():
+    if not path:
+        raise PlannerError(flag, "an empty path", "give the path of a file to write")
+    if target.is_dir():
         raise PlannerError(flag, f"{path!r} is a folder, not a file", "give the path of a file to write")
     if not target.parent.is_dir():
         raise PlannerError(flag, f"no folder {target.parent}", "create it first, or write elsewhere")

@@ -110,8 +110,8 @@ def divisors(n: int) -> list[int]:
 def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, top_k: int = 5,
            max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8) -> SearchResult:
     """All plans consistent with `fixed` (knobs from --plan), ranked by predicted step time."""
-    fixed = dict(fixed or {})
-    check_fixed(args, training, cluster, fixed)
+    check_fixed(args, training, cluster, fixed or {})
+    fixed = _resolved(fixed)
     result = SearchResult([], 0)
     # the offloads the engine runs ('optimizer' it does not: layout.engine_cannot_run)
     offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"]
@@ -131,7 +131,7 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
                max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8):
     """Every plan the search walks for one offload setting, before any pruning: what an exhaustive search would
     evaluate (tests check that the pruned walk finds the same best plan; benchmarks/planner_search.py times both)."""
-    fixed = dict(fixed or {})
+    fixed = _resolved(fixed)
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
     for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
         local = training.global_batch // base.dp
@@ -144,6 +144,15 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
                                  virtual_stages=v, activation_checkpoint=recompute)
                     if engine_runs(plan, training, args):
                         yield plan
+
+
+def _resolved(fixed: dict | None) -> dict:
+    """--plan's keys as the walk reads them: a pipeline's micro-batches are its accumulation
+    (config.layout_tables), so a fixed pp_microbatches fixes grad_accum."""
+    fixed = dict(fixed or {})
+    if "pp_microbatches" in fixed:
+        fixed.setdefault("grad_accum", fixed["pp_microbatches"])
+    return fixed
 
 
 def check_recipe(args: ModelArgs, training: Training) -> None:
@@ -186,7 +195,7 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     if "pp_microbatches" in fixed:  # a plan's pipeline micro-batches are its accumulation (config.layout_tables)
         if pp == 1 and "pp" in fixed:
             bad("pp_microbatches", "a step's pipeline micro-batches need a pipeline, and pp=1", "use pp > 1")
-        if fixed.setdefault("grad_accum", fixed["pp_microbatches"]) != fixed["pp_microbatches"]:
+        if fixed.get("grad_accum", fixed["pp_microbatches"]) != fixed["pp_microbatches"]:
             bad("pp_microbatches", f"{fixed['pp_microbatches']} != grad_accum {fixed['grad_accum']}: a pipeline's "
                 "micro-batches are its accumulation", "give one of them")
     per_rank = 2 if fixed.get("pp_schedule") == "zero-bubble" else fixed.get("virtual_stages", 1)
