@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -112,13 +113,19 @@ def _run_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file", "give a folder to write into (made if missing)")
+    made = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)  # the first folder made
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError("--out", f"cannot make {out} ({e.strerror})", "give a folder you can write to") from None
     from shardwise.train import export_hf_from_checkpoint
 
-    path = export_hf_from_checkpoint(cfg, args.out, args.format)
+    try:
+        path = export_hf_from_checkpoint(cfg, args.out, args.format)
+    except BaseException:
+        if made is not None:  # a failed export leaves behind no folder that it made
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     print(f"exported {path} to {args.out} ({args.format})")
     if args.format == "peft" and not cfg.checkpoint.init_from_hf:
         print("the adapters' base is the run's seeded initial model: write it with --format base")

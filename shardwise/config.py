@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout, engine_cannot_run, pipeline_batch_error
+from shardwise.layout import Layout, engine_cannot_run, expert_parallel_error, pipeline_batch_error
 from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, projection_shapes
 
 
@@ -573,22 +573,9 @@ def _validate_moe(cfg: JobConfig) -> None:
 def _validate_ep(cfg: JobConfig) -> None:
     p, m = cfg.parallel, cfg.model
     _positive("parallel.ep", p.ep)
-    if m.n_experts and m.aux_loss_coeff and p.cp > 1:
-        raise ConfigError("model.aux_loss_coeff", "the balancing loss is computed per sequence and context "
-                          "parallelism splits sequences", "set model.aux_loss_coeff = 0 with cp > 1 (use "
-                          "model.bias_update_rate), or cp = 1")
-    if p.ep == 1:
-        return
-    if m.n_experts == 0:
-        raise ConfigError("parallel.ep", f"ep={p.ep} splits experts and model {m.name} has none",
-                          "set parallel.ep = 1, or model.n_experts > 0")
-    if m.n_experts % p.ep:
-        raise ConfigError("parallel.ep", f"ep={p.ep} does not divide model.n_experts={m.n_experts}",
-                          "pick ep among the divisors of n_experts")
-    if p.zero_stage < 2 or (p.dp_shard * p.cp) % p.ep or p.ep % p.cp:
-        raise ConfigError("parallel.ep", f"expert parallelism is drawn from the dp_shard x cp = {p.dp_shard * p.cp} "
-                          f"ranks (ZeRO-{p.zero_stage}) and ep={p.ep} does not fit them",
-                          "use zero_stage 2 or 3 with ep dividing dp_shard x cp and a multiple of cp")
+    error = expert_parallel_error(p, m.n_experts, bool(m.n_experts and m.aux_loss_coeff), f"model {m.name}")
+    if error is not None:
+        raise error
 
 
 def _validate_train(t: TrainConfig) -> None:

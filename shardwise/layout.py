@@ -209,6 +209,38 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
     return None
 
 
+def expert_parallel_error(layout: Layout, n_experts: int, aux_loss: bool = False,
+                          model: str = "the model") -> ConfigError | None:
+    """What the engine refuses of a mixture of experts in this layout, as the error naming the field (None: it
+    runs it). Expert parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides n_experts and
+    dp_shard x cp, is a multiple of cp, and needs FSDP (ZeRO-2/3). The per-sequence balancing loss needs whole
+    sequences (no cp). The config refuses these jobs and the planner's --plan (key from the field's name)."""
+    if aux_loss and layout.cp > 1:
+        return ConfigError("model.aux_loss_coeff", "the balancing loss is computed per sequence and context "
+                           "parallelism splits sequences", "set model.aux_loss_coeff = 0 with cp > 1 (use "
+                           "model.bias_update_rate), or cp = 1")
+    ep = layout.ep
+    if ep == 1:
+        return None
+    if not n_experts:
+        return ConfigError("parallel.ep", f"ep={ep} splits experts and {model} has none",
+                           "use ep = 1 for a dense model")
+    if n_experts % ep:
+        return ConfigError("parallel.ep", f"ep={ep} does not divide the {n_experts} experts",
+                           "pick ep among the divisors of n_experts")
+    if layout.zero_stage < 2:
+        return ConfigError("parallel.ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is "
+                           f"{layout.zero_stage}", "use zero_stage 2 or 3, with dp_shard x cp a multiple of ep")
+    group = layout.dp_shard * layout.cp
+    if group % ep:
+        return ConfigError("parallel.ep", f"ep={ep} is drawn from the dp_shard x cp = {group} ranks and does not "
+                           "divide them", f"use an ep dividing {group}, or a dp_shard x cp that ep divides")
+    if ep % layout.cp:
+        return ConfigError("parallel.ep", f"ep={ep} is not a multiple of cp={layout.cp} (an expert group holds whole "
+                           "context-parallel groups)", "use a multiple of cp")
+    return None
+
+
 def pipeline_batch_error(layout: Layout, n_microbatches: int) -> ConfigError | None:
     """What the pipeline schedules refuse of a step's `n_microbatches` pipeline micro-batches (None: they run it):
     every schedule but GPipe needs at least one per stage. The config refuses these jobs and the planner's search

@@ -199,6 +199,16 @@ def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
     assert "\n" not in err and "--format" in err and "lora.rank is 0" in err
 
 
+def test_a_failed_export_leaves_no_folder_it_made(capsys, tmp_path):
+    from shardwise.cli import main
+
+    out = tmp_path / "new" / "export"
+    assert main(["export", "--set", f"metrics.out_dir='{tmp_path / 'run'}'", "--out", str(out)]) == 3  # CheckpointError
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "checkpoint" in err
+    assert not (tmp_path / "new").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Across layouts: saved by one process, resumed by FSDP over two ranks, and back
 

@@ -372,6 +372,18 @@ def test_ep_that_cannot_divide_the_fixed_fsdp_ranks_names_ep():
                fixed={"ep": 2, "dp_shard": 1, "cp": 1})
 
 
+@pytest.mark.parametrize("gpus, fixed, message", [
+    # tp=2 leaves 4 ranks for dp_shard x cp: it said "needs ZeRO-2/3 (zero_stage=3)"
+    (8, {"ep": 8, "tp": 2}, "--plan ep: ep=8 is drawn from the dp_shard x cp ranks, and with tp=2 they divide 4"),
+    # it named dp_shard or zero_stage, which the user had not set
+    (8, {"ep": 2, "dp_replicate": 8}, "--plan ep: ep=2 is drawn .* with dp_replicate=8 they divide 1"),
+    (8, {"ep": 2, "dp_replicate": 4, "zero_stage": 1}, "--plan ep: .* zero_stage is 1"),
+])
+def test_a_fixed_ep_the_layout_cannot_hold_says_why(gpus, fixed, message):
+    with pytest.raises(PlannerError, match=message):
+        search(preset("debug-moe"), Training(seq_len=256, global_batch=8), Cluster(H100, gpus), fixed=fixed)
+
+
 def test_dense_plan_output_does_not_mention_ep(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--top-k", "2")) == 0
     out = capsys.readouterr().out

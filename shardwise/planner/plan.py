@@ -15,6 +15,7 @@ from shardwise.layout import (
     Recompute,
     Schedule,
     engine_cannot_run,
+    expert_parallel_error,
     pipeline_batch_error,
 )
 from shardwise.model_args import ModelArgs, projection_shapes
@@ -97,24 +98,8 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
         raise PlannerError("--plan offload", f"{plan.offload!r}", f"use one of {', '.join(OFFLOADS)}")
     error = expert_parallel_error(plan, n_experts, aux_loss)
     if error is not None:
-        raise PlannerError(f"--plan {error[0]}", error[1], error[2])
+        # the balancing loss's refusal names the model's field in a config; here the knob is cp
+        key = error.field.removeprefix("parallel.") if error.field.startswith("parallel.") else "cp"
+        raise PlannerError(f"--plan {key}", error.problem, error.fix)
 
 
-def expert_parallel_error(plan: Plan, n_experts: int, aux_loss: bool = False) -> tuple[str, str, str] | None:
-    """(key, problem, fix) if the engine cannot run a mixture of experts in this layout, else None. Expert
-    parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides dp_shard x cp and n_experts, is a
-    multiple of cp, and needs FSDP (ZeRO-2/3). The per-sequence balancing loss needs whole sequences (no cp)."""
-    if aux_loss and plan.cp > 1:
-        return ("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
-                "use cp=1, or a model without aux_loss_coeff")
-    if plan.ep == 1:
-        return None
-    if not n_experts:
-        return "ep", f"ep={plan.ep} splits experts and the model has none", "use ep=1 for a dense model"
-    if n_experts % plan.ep:
-        return "ep", f"ep={plan.ep} does not divide {n_experts} experts", "pick a divisor of n_experts"
-    if plan.zero_stage < 2 or (plan.dp_shard * plan.cp) % plan.ep or plan.ep % plan.cp:
-        return ("ep", f"ep={plan.ep} is drawn from the dp_shard x cp = {plan.dp_shard * plan.cp} ranks and needs "
-                f"ZeRO-2/3 (zero_stage={plan.zero_stage})",
-                "use zero_stage 2 or 3 with ep dividing dp_shard x cp and a multiple of cp")
-    return None

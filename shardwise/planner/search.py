@@ -218,6 +218,15 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     if ep > 1 and {"dp_shard", "cp"} <= set(fixed) and (fixed["dp_shard"] * cp) % ep:  # over FSDP's ranks
         bad("ep", f"ep={ep} splits the experts over the dp_shard x cp = {fixed['dp_shard'] * cp} ranks of "
             "ZeRO-2/3, and does not divide them", "make dp_shard x cp a multiple of ep")
+    if ep > 1 and fixed.get("zero_stage", 3) < 2:
+        bad("ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is {fixed['zero_stage']}",
+            "use zero_stage 2 or 3 (or leave it out)")
+    others = {k: fixed[k] for k in ("tp", "pp", "dp_replicate") if fixed.get(k, 1) > 1}
+    room = world // math.prod(others.values())  # dp_shard x cp divides this
+    if ep > 1 and others and room % ep:
+        given = " x ".join(f"{k}={v}" for k, v in others.items())
+        bad("ep", f"ep={ep} is drawn from the dp_shard x cp ranks, and with {given} they divide {room}",
+            f"use an ep dividing {room}, or smaller {' and '.join(others)}")
     if cp > 1 and args.aux_loss_coeff > 0:
         bad("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
             "use cp=1, or a model without aux_loss_coeff")
