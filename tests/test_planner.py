@@ -661,6 +661,7 @@ def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_pat
     (["--plot", "{tmp}/plan.txt"], "--plot"),
     (["--model", "{tmp}/config.json"], "--model"),  # not JSON
     (["--gpus", "100000000000000000000"], "--gpus"),  # more than any plan can use: was a hang
+    (["--gpus", "2048", "--global-batch", "1", "--plan", "cp=1"], "--gpus"),  # 32 heads x 32 layers x cp 1
     (["--plan", "sequence_parallel=true,tp=1"], "--plan sequence_parallel"),  # the engine refuses it
     (["--seq-len", "2048", "--global-batch", "64", "--plan", "pp_microbatches=1,pp=2"], "--plan pp_microbatches"),
 ])

@@ -110,7 +110,7 @@ def divisors(n: int) -> list[int]:
 def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, top_k: int = 5,
            max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8) -> SearchResult:
     """All plans consistent with `fixed` (knobs from --plan), ranked by predicted step time."""
-    check_fixed(args, training, cluster, fixed or {})
+    check_fixed(args, training, cluster, fixed or {}, max_cp)
     fixed = _resolved(fixed)
     result = SearchResult([], 0)
     # the offloads the engine runs ('optimizer' it does not: layout.engine_cannot_run)
@@ -162,8 +162,8 @@ def check_recipe(args: ModelArgs, training: Training) -> None:
                            "weights without adapters (the engine refuses it too)", "train all weights of an MoE model")
 
 
-def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict) -> None:
-    """Reject --plan values no plan can have, naming the key."""
+def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_cp: int = 16) -> None:
+    """Reject --plan values no plan can have, naming the key (`max_cp`: the search's largest free cp)."""
     check_recipe(args, training)
     world = cluster.gpus
 
@@ -176,10 +176,11 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
                 "use 0, 1, 2 or 3" if key == "zero_stage" else "use 1 or more")
     tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
     # every rank holds a share of some sequence: tp splits heads, cp the sequence, pp the layers, dp the batch
-    most = args.n_heads * max(cp, 16) * args.n_layers * training.global_batch
+    cp_most = cp if "cp" in fixed else max_cp
+    most = args.n_heads * cp_most * args.n_layers * training.global_batch
     if world > most:
         raise PlannerError("--gpus", f"{world} GPUs are more than a plan can use: {training.global_batch} sequences "
-                           f"x {args.n_layers} layers x {args.n_heads} heads x cp <= {max(cp, 16)} is {most}",
+                           f"x {args.n_layers} layers x {args.n_heads} heads x cp <= {cp_most} is {most}",
                            "use fewer GPUs or a larger --global-batch")
     if args.n_heads % tp or world % tp:
         bad("tp", f"tp={tp} must divide both {args.n_heads} heads and {world} GPUs", "pick a common divisor")
