@@ -1274,6 +1274,23 @@ def test_deepspeed_2021_zero3_traffic_module_by_module(recompute):
     assert t.comm_total_s == pytest.approx(2 * per_micro_batch * 7 / 8, rel=1e-9)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_deepspeed_2021_zero3_holds_two_modules_gathered(recompute):
+    """DeepSpeed's first ZeRO-3 gathers module by module, one ahead, and releases each after use (v0.3.13's
+    stage3.py; fc2 kept from its recomputation to its backward is the running module then): the largest gathered
+    set is two neighbouring linears in bf16, fc1 and fc2 of a GELU MLP (4h^2 each), and nothing of the root stays
+    gathered. FSDP's ZeRO-3 (prefetch) holds the running block and the next, and the root."""
+    h, layers, vocab = 12288, 4, 51200
+    args = ModelArgs(dim=h, n_heads=96, n_kv_heads=96, n_layers=layers, vocab_size=vocab, ffn_hidden=4 * h,
+                     mlp="gelu", tie_embeddings=True)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2, activation_checkpoint=recompute)
+    held = {fetch: evaluate(args, Training(seq_len=2048, global_batch=16, layout="zero", zero3_fetch=fetch), plan,
+                            Cluster(accelerator("a100-80gb"), 8)).memory["fsdp_buffers"]
+            for fetch in ("module-sync", "prefetch")}
+    assert held["module-sync"] == pytest.approx(2 * 4 * h * h * 2)
+    assert held["prefetch"] == pytest.approx((2 * (12 * h * h + 2 * h) + vocab * h + h) * 2, rel=1e-9)
+
+
 def test_engine_collectives_are_one_per_fsdp_unit_or_bucket():
     """On a link with latency only (seconds = collectives x steps x 1 s): FSDP2's ZeRO-3 gathers each block and the
     root in forward, each block again in backward, and reduce-scatters each block and the root, (N-1) ring steps

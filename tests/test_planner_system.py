@@ -438,6 +438,19 @@ def test_narayanan_gpt3_zero3_runs_as_deepspeed_2021_fetched_them():
         assert run.published_step() / prefetched.time.step_time_s > 1.25, run.name
 
 
+def test_narayanan_530b_zero3_fits_on_640_gpus_and_not_on_560():
+    # Narayanan et al. 2021, table 2: the 530B under DeepSpeed's ZeRO-3 at micro-batch 4 ran on 640 A100s and
+    # did not fit on 560. Sized as DeepSpeed's first ZeRO-3 gathers (two linear modules, no root held) both agree;
+    # sized as FSDP's (two blocks and the root) the 640-GPU run was given 94.8 GiB
+    published = _published_module()
+    runs = {run.gpus: run for run in published.RUNS if run.name.startswith("N21 T2 ZeRO-3 gpt-530b")}
+    assert published.given_plan(runs[640])[1] and not published.given_plan(runs[560])[1]
+    ev = published.given_plan(runs[640])[0]
+    as_fsdp = evaluate(runs[640].model, dataclasses.replace(published.training_of(runs[640]), zero3_fetch="prefetch"),
+                       ev.plan, published.cluster_of(runs[640]))
+    assert not as_fsdp.fits
+
+
 def test_llm_foundry_a100_runs_median_error():
     # llm-foundry's A100 80GB table (61 runs, FlashAttention-1 as its benchmark installed it): the median of
     # |predicted / published throughput - 1| within the 6% the planner is held to, and every run that ran fits

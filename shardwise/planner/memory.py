@@ -48,6 +48,13 @@ def layer_params(args: ModelArgs, tp: int = 1) -> float:
     return _layer_params(args, tp)
 
 
+def block_modules(args: ModelArgs, tp: int) -> list[float]:
+    """Parameters (per tp rank) of each of a block's linear modules in forward order, as Megatron's GPT has them:
+    Q, K and V one module, the MLP's gate and up projections one."""
+    n = {k: i * o / tp for k, (i, o) in projection_shapes(args).items()}
+    return [n["wq"] + n["wk"] + n["wv"], n["wo"], n["w1"] + n.get("w3", 0.0), n["w2"]]
+
+
 def block_params(args: ModelArgs, tp: int = 1, moe: bool = False, ep: int = 1) -> float:
     """Parameters of one block on one rank: a dense block (layer_params), or a mixture of experts' block: its
     attention split by tp and its norms, and the MoE whole on every tp rank (the engine does not split it): the
@@ -1021,9 +1028,13 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch (shardwise's
     # engine); a system that reduce-scatters in every micro-batch's backward keeps only the shard.
     held = held_early = 0.0
+    # DeepSpeed's first ZeRO-3 (module-sync) gathers module by module and releases each after use: no root unit
+    # stays gathered, and a block's backward holds the running module and the next one prefetched
+    module_sync = plan.zero_stage >= 3 and training.zero3_fetch == "module-sync"
     if fsdp:
         # (DeepSpeed's and Megatron's ZeRO-2 keep whole weights as model state: nothing is gathered)
-        held = held_early = (root_p if plan.zero_stage >= 3 else stage_p if training.fsdp2 else 0.0) * gathered
+        root_held = 0.0 if module_sync else root_p
+        held = held_early = (root_held if plan.zero_stage >= 3 else stage_p if training.fsdp2 else 0.0) * gathered
         held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
@@ -1076,8 +1087,14 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         return (bwd["working"] + rebuilt + bwd["copies_rebuilt"] + (bwd["pending"] if accumulating else 0.0)
                 + held_grads)
 
-    # ZeRO-3 gathers the running block and prefetches the next: a stage of one block has none to prefetch
+    # ZeRO-3 gathers the running block and prefetches the next: a stage of one block has none to prefetch.
+    # Module-sync: the running linear module and the next in forward order (timing.module_sync_zero3's one module
+    # ahead; under full recompute the last module, kept from its recomputation to its backward, is the running
+    # one): the largest two neighbours, the last with the next block's first
     gathering = min(2, shape.layers) * block_p * gathered
+    if module_sync:
+        mods = block_modules(args, plan.tp)
+        gathering = max(a + b for a, b in zip(mods, mods[1:] + mods[:1])) * gathered
 
     def saved(bwd: dict[str, float]) -> tuple[float, float]:  # (activations, compute copies) still held
         if zero_bubble:

@@ -25,6 +25,7 @@ from shardwise.planner.comm import (
 from shardwise.planner.experts import counts_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
     attention_params,
+    block_modules,
     block_params,
     block_tensor_params,
     expert_params,
@@ -583,13 +584,6 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
 DS_MAX_REUSE_DISTANCE = 1e9
 """DeepSpeed's stage3_max_reuse_distance default, elements (deepspeed/runtime/zero/constants.py, v0.3.13): a
 module's weights stay gathered when the parameters used before their next use number fewer."""
-
-
-def block_modules(args: ModelArgs, tp: int) -> list[float]:
-    """Parameters (per tp rank) of each of a block's linear modules in forward order, as Megatron's GPT has them:
-    Q, K and V one module, the MLP's gate and up projections one."""
-    n = {k: i * o / tp for k, (i, o) in projection_shapes(args).items()}
-    return [n["wq"] + n["wk"] + n["wv"], n["wo"], n["w1"] + n.get("w3", 0.0), n["w2"]]
 
 
 def module_sync_zero3(args: ModelArgs, training: Training, plan: Plan, cost: StageCost, layers: int, n: int,
