@@ -227,10 +227,24 @@ def _schedule_state(schedule) -> dict:
     return out
 
 
-def _load_schedule(schedule, saved: dict) -> None:
+def _load_schedule(schedule, saved: dict) -> list[str]:
+    """Restore the schedule's position; its peak (base_lrs, from optim.lr) stays the config's. Returns the change
+    as a line for the log, if the checkpoint was trained with another."""
     n, current = len(schedule.optimizer.param_groups), schedule.state_dict()
     loaded = {k: [v["per_group"]] * n if isinstance(v, dict) and "per_group" in v else v for k, v in saved.items()}
     schedule.load_state_dict({k: _as_tensors(current.get(k), v) for k, v in loaded.items()})
+    was, now = [float(x) for x in schedule.base_lrs], [float(x) for x in current["base_lrs"]]
+    if was == now:
+        return []
+    schedule.base_lrs = list(current["base_lrs"])
+    lrs = [base * factor(schedule.last_epoch) for base, factor in zip(now, schedule.lr_lambdas)]
+    for group, lr in zip(schedule.optimizer.param_groups, lrs):
+        if torch.is_tensor(group["lr"]):  # torchao's optimizers keep lr as a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    schedule._last_lr = lrs
+    return [f"optim.lr (peak {was[0]:g} -> {now[0]:g})"]
 
 
 def _as_tensors(current: Any, value: Any) -> Any:
@@ -619,10 +633,14 @@ def _restore(state: TrainState, targets: dict, model_live: dict, optim_live: dic
     set_model_state_dict(_container(state.parts), {k: targets[f"model/{_canonical(k, multi)}"] for k in model_live},
                          options=StateDictOptions(strict=adapter_spec(state.parts) is None))
     plain = train_state["optimizer_param_groups"]
+    changed = []
     if state.optimizer is not None:
-        _set_optimizer(state, optim_live, targets, plain)
+        changed += _set_optimizer(state, optim_live, targets, plain)
     if state.schedule is not None and train_state["lr_schedule"] is not None:
-        _load_schedule(state.schedule, train_state["lr_schedule"])
+        changed += _load_schedule(state.schedule, train_state["lr_schedule"])
+    if changed and _rank() == 0:
+        log.warning("resuming step %s with the config's %s: the checkpoint was trained with the earlier values",
+                    train_state["step"], "; ".join(changed))
     if state.scaler is not None and train_state["grad_scaler"]:
         state.scaler.load_state_dict(train_state["grad_scaler"])
     if state.loader is not None and train_state["data_loader"] is not None:
@@ -634,16 +652,35 @@ def _restore(state: TrainState, targets: dict, model_live: dict, optim_live: dic
             torch.cuda.set_rng_state(value, _device(state.parts))
 
 
-def _set_optimizer(state: TrainState, live: dict, targets: dict, plain: dict) -> None:
+CONFIG_HYPERPARAMETERS = {"betas": "optim.beta1/beta2", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
+                          "momentum": "optim.momentum", "initial_lr": ""}
+"""Optimizer hyperparameters the job's config sets (by their param_groups name: the config field). A resumed run
+keeps the config's values, not the checkpoint's, and logs what changed (Megatron-LM makes the same choice with
+--override-opt_param-scheduler): lowering optim.lr after a loss spike is a resume with another config. The peak
+learning rate (initial_lr) is reported with the schedule (_load_schedule)."""
+
+
+def _set_optimizer(state: TrainState, live: dict, targets: dict, plain: dict) -> list[str]:
+    """Restore the optimizer's tensors and plain values, the config's hyperparameters kept; returns the changed
+    fields as lines for the log."""
     multi = len(state.parts) > 1
-    osd = {}
+    osd, changed = {}, {}
     for k, v in live.items():
         canonical = _canonical(k, multi)
         if torch.is_tensor(v):
             osd[k] = targets[f"optim/{canonical}"]
-        else:
-            osd[k] = _restore_type(v, plain[canonical])
+            continue
+        saved = _restore_type(v, plain[canonical])
+        field = CONFIG_HYPERPARAMETERS.get(canonical.rsplit(".", 1)[-1])
+        osd[k] = v if field is not None else saved
+        if field and saved != v:
+            changed[field] = f"{field} ({_hp_text(saved)} -> {_hp_text(v)})"
     set_optimizer_state(_container(state.parts), state.optimizer, osd)
+    return list(changed.values())
+
+
+def _hp_text(value: Any) -> str:
+    return ", ".join(f"{x:g}" for x in value) if isinstance(value, (tuple, list)) else f"{value:g}"
 
 
 def _check_loader(train_state: dict, state: TrainState) -> str | None:

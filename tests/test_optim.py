@@ -148,3 +148,23 @@ def test_adamw8bit_resumes_exactly_reshards_and_offloads(tmp_path):
     assert "resumed after step 3" in resumed.stdout + resumed.stderr
     got, ref = _losses(tmp_path / "reshard"), _losses(tmp_path / "one-whole")
     assert all(abs(got[s] - ref[s]) / ref[s] < 0.02 for s in (4, 5, 6)), (got, ref)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+def test_a_resume_trains_with_the_configs_hyperparameters_and_says_so(tmp_path, caplog, name):
+    """The checkpoint's optimizer hyperparameters used to win over the config's on resume, silently: a run resumed
+    with another optim.lr went on at the old one. Now the config's apply and the change is logged: the resumed
+    steps run at the learning rate a run started with the new config has at those steps."""
+    state = ["checkpoint.enabled=true", "checkpoint.every=2", f"optim.name='{name}'", "optim.warmup_steps=1"]
+    train(_cfg(tmp_path, "run", *state, "train.steps=2"))
+    new = [*state, "train.steps=4", "optim.lr=0.02", "optim.beta2=0.99", "optim.weight_decay=0.05"]
+    with caplog.at_level("WARNING", logger="shardwise.checkpoint"):
+        assert train(_cfg(tmp_path, "run", *new))["first_step"] == 3
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    for field in ("optim.lr", "optim.beta1/beta2 (0.9, 0.95 -> 0.9, 0.99)", "optim.weight_decay (0.1 -> 0.05)"):
+        assert field in warning
+    train(_cfg(tmp_path, "fresh", *new))
+    lr = {p: {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / p / "metrics.jsonl").read_text().splitlines())
+              if "lr" in r} for p in ("run", "fresh")}
+    assert lr["run"][3] == lr["fresh"][3] and lr["run"][4] == lr["fresh"][4]
+    assert lr["run"][2] != lr["fresh"][2]  # the first two steps ran at the old peak
