@@ -75,6 +75,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     losses = summary["losses"]
+    if not losses:  # resumed at its last step
+        print(f"done: nothing to train, the run is at step {summary['first_step'] - 1} of {cfg.train.steps}; "
+              f"metrics in {cfg.metrics.out_dir}/metrics.jsonl")
+        return 0
     line = f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if "val_loss" in summary:
         line += f", val_loss {summary['val_loss']:.4f}"

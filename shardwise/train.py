@@ -322,6 +322,11 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # LoRA checkpoints hold adapters only: the base goes first
     first_step = checkpoints.resume() + 1
+    if first_step - 1 > cfg.train.steps:
+        raise ConfigError("train.steps", f"{cfg.train.steps} is below step {first_step - 1}, where the run in "
+                          f"{cfg.metrics.out_dir} has its newest checkpoint",
+                          f"set train.steps above {first_step - 1} to go on, or use another metrics.out_dir for a "
+                          "new run")
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 

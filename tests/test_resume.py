@@ -222,3 +222,23 @@ def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path
     line = next(x for x in Path(err_file.name).read_text().splitlines() if x.startswith("shardwise: error:"))
     assert re.search(r"step \d+: (all_reduce|all_gather\w*|reduce_scatter\w*|barrier) timed out on rank 0 ", line), line
     assert "rank 1 did not check in" in line and "hung or dead" in line, line
+
+
+def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
+    """A run folder whose newest checkpoint is at train.steps has nothing to train (it crashed with an IndexError
+    printing the losses); one past it names train.steps."""
+    from shardwise.cli import main
+
+    def run(steps):
+        return main(["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", f"--set=train.steps={steps}",
+                     "--set=checkpoint.enabled=true", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+                     "--set=metrics.progress=false"])
+
+    assert run(2) == 0
+    capsys.readouterr()
+    assert run(2) == 0
+    assert "nothing to train, the run is at step 2 of 2" in capsys.readouterr().out
+    assert run(1) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise: error: train.steps: 1 is below step 2") and "\n" not in err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
