@@ -242,3 +242,20 @@ def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardwise: error: train.steps: 1 is below step 2") and "\n" not in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused(tmp_path, capsys):
+    """checkpoint.resume = false in a folder with checkpoints used to save among them: a later resume went on from
+    the earlier run's newest. Nothing of the earlier run is touched."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+              "--set=metrics.progress=false"]
+    assert main([*common, "--set=train.steps=4"]) == 0
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
+    capsys.readouterr()
+    assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint.resume: false" in err and "steps 2, 4" in err and "\n" not in err
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == before
