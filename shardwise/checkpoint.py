@@ -460,14 +460,44 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+MOVE_ASIDE = "move this step's folder out of the run's checkpoints/ folder: the one before it is then the newest"
+"""The fix for a damaged checkpoint: a run resumes from (and export and generate read) the newest complete one."""
+
+
 def _read_json(path: Path, name: str) -> dict:
     try:
         return json.loads((path / name).read_text())
     except FileNotFoundError:
         raise CheckpointError(path, f"{name} is missing (an unfinished or damaged save)",
-                              "resume from another checkpoint (latest_checkpoint skips this one)") from None
+                              MOVE_ASIDE) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"{name} is not valid JSON ({e})", "resume from another checkpoint") from None
+        raise CheckpointError(path, f"{name} is not valid JSON ({e})", MOVE_ASIDE) from None
+
+
+# what save writes into each JSON file: key -> the types its value may have
+_META_SHAPE = {"format": (str,), "version": (int,), "step": (int,), "model": (dict,), "files": (dict,),
+               "world_size": (int,), "optimizer": (str, type(None)), "lora": (dict, type(None))}
+_TRAIN_STATE_SHAPE = {"step": (int,), "lr_schedule": (dict, type(None)), "grad_scaler": (dict, type(None)),
+                      "data_loader": (dict, type(None)), "optimizer_param_groups": (dict,)}
+
+
+def _check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
+    """A JSON file of the checkpoint holds what save writes (valid JSON can still be damaged or hand-edited)."""
+    if not isinstance(value, dict):
+        problem = f"{name} holds a {type(value).__name__}, not the object save writes"
+    else:
+        wrong = next(((k, v) for k, v in shape.items()
+                      if k not in value or not isinstance(value[k], v) or isinstance(value[k], bool)), None)
+        problem = None if wrong is None else (
+            f"{name} has no {wrong[0]!r}" if wrong[0] not in value else
+            f"{name}'s {wrong[0]!r} is {value[wrong[0]]!r}, not a {' or '.join(t.__name__ for t in wrong[1])}")
+        files = value.get("files") if problem is None and name == META else {}
+        bad = next((f for f, info in files.items() if not isinstance(info, dict) or not all(
+            isinstance(info.get(k), int) and not isinstance(info.get(k), bool) for k in ("bytes", "crc32"))), None)
+        if problem is None and bad is not None:
+            problem = f"{name}'s entry for file {bad} lacks its size or CRC32"
+    if problem:
+        raise CheckpointError(path, f"{problem} (damaged or edited)", MOVE_ASIDE)
 
 
 def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Module]) -> None:
@@ -549,10 +579,10 @@ def _read_metadata(path: Path) -> Metadata:
     try:
         return _SafeReader(str(path)).read_metadata()
     except FileNotFoundError:
-        raise CheckpointError(path, f"DCP {DCP_METADATA} is missing", "resume from another checkpoint") from None
+        raise CheckpointError(path, f"DCP {DCP_METADATA} is missing", MOVE_ASIDE) from None
     except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged file
         raise CheckpointError(path, f"DCP {DCP_METADATA} cannot be read ({type(e).__name__}: {e})",
-                              "resume from another checkpoint") from None
+                              MOVE_ASIDE) from None
 
 
 def _saved_optimizer_tensors(parts: list[nn.Module], metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -586,6 +616,8 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     """
     path = Path(path)
     meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
+    _check_shape(path, META, meta, _META_SHAPE)
+    _check_shape(path, TRAIN_STATE, train_state, _TRAIN_STATE_SHAPE)
     _check_meta(path, meta, model_args, state.parts)
     if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
         raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
@@ -597,7 +629,7 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
              or (f"{TRAIN_STATE} lacks {missing[0]}" if missing else None) or _check_files(path, meta))
     error = _agree(error)
     if error:
-        raise CheckpointError(path, error, "resume from another checkpoint (or fix the config to match it)")
+        raise CheckpointError(path, error, MOVE_ASIDE + " (or fix the config to match it)")
 
     with _quiet_single_process():
         dcp.load(targets, storage_reader=_SafeReader(str(path)), no_dist=not dist.is_initialized())

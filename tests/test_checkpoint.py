@@ -4,6 +4,7 @@ The reference for every resume is the same run without interruption (or, across 
 under the saving layout, which the parity tests tie to one device).
 """
 
+import json
 import logging
 import shutil
 import signal
@@ -398,6 +399,22 @@ def test_missing_metadata_is_refused(saved_run, tmp_path):
     _, path = _copy(saved_run, tmp_path)
     (path / "meta.json").unlink()
     _assert_refused(path, [], "meta.json is missing")
+
+
+@pytest.mark.parametrize("name, edit, words", [
+    ("meta.json", lambda meta: [], "meta.json holds a list"),  # AttributeError before
+    ("train_state.json", lambda state: [], "train_state.json holds a list"),
+    ("meta.json", lambda meta: {**meta, "files": 5}, "meta.json's 'files' is 5"),
+    ("meta.json", lambda meta: {k: v for k, v in meta.items() if k != "model"}, "meta.json has no 'model'"),
+    # without its file list the CRC checks were skipped and a corrupted shard loaded
+    ("meta.json", lambda meta: {k: v for k, v in meta.items() if k != "files"}, "meta.json has no 'files'"),
+    ("train_state.json", lambda state: {**state, "step": "x"}, "train_state.json's 'step' is 'x'"),
+    ("meta.json", lambda meta: {**meta, "files": {k: {} for k in meta["files"]}}, "lacks its size or CRC32"),
+])
+def test_damaged_checkpoint_json_is_refused(saved_run, tmp_path, name, edit, words):
+    _, path = _copy(saved_run, tmp_path)
+    (path / name).write_text(json.dumps(edit(json.loads((path / name).read_text()))))
+    _assert_refused(path, [], words, "move this step's folder out")
 
 
 def test_other_model_shape_is_refused(saved_run, tmp_path):
