@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardwise.config import ConfigError, fit_nodes, load_config
+from shardwise.config import ConfigError, check_file_to_write, fit_nodes, load_config
 from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
 
@@ -49,6 +49,8 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validates before anything is built or written
+    if args.save_final:
+        check_file_to_write("--save-final", args.save_final)
     if args.nproc < 0:
         raise ConfigError("--nproc", f"{args.nproc} < 0", "give the processes per machine, or leave it out for one")
     if args.max_restarts is not None and args.max_restarts < 0:

@@ -416,6 +416,23 @@ def validate(cfg: JobConfig) -> None:
                           f"(1 to train.steps = {cfg.train.steps})", "set a step in that range, or 0 for none")
     if cfg.metrics.peak_flops < 0:
         raise ConfigError("metrics.peak_flops", "negative", "set a positive FLOP/s figure, or 0 for the catalogue")
+    out = cfg.metrics.out_dir
+    if not out.strip():  # '' wrote the run's files into the working folder
+        raise ConfigError("metrics.out_dir", "empty", "name the run's folder, e.g. 'runs/my-run'")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError("metrics.out_dir", f"{out} is a file", "name a folder (made if missing)")
+
+
+def check_file_to_write(flag: str, path: str) -> None:
+    """A file a command will write at its end (--save-final): refused now, not after the training, if it names a
+    folder or sits below a file."""
+    target = Path(path)
+    if not path.strip() or target.is_dir():
+        raise ConfigError(flag, f"{path!r} is {'a folder' if path.strip() else 'empty'}",
+                          "name a file to write, e.g. runs/my-run/final.safetensors")
+    blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(flag, f"{blocker} is a file, so {path} cannot be made", "name a path in a folder")
 
 
 def _positive(name: str, value: float) -> None:
@@ -491,6 +508,12 @@ def _validate_optim(o: OptimConfig) -> None:
         if not 0 <= getattr(o, key) < 1:
             raise ConfigError(f"optim.{key}", f"{getattr(o, key)} outside [0, 1)", "use e.g. 0.9 / 0.95")
     _positive("optim.eps", o.eps)
+    if o.momentum >= 1:
+        raise ConfigError("optim.momentum", f"{o.momentum} >= 1 (the velocity would grow without bound)",
+                          "use a value in [0, 1), e.g. 0.9")
+    if o.base_global_batch < 0:
+        raise ConfigError("optim.base_global_batch", f"{o.base_global_batch} is negative",
+                          "set the global batch (sequences) lr was tuned at, or 0")
     if o.lr_scaling == "linear" and o.base_global_batch < 1:
         raise ConfigError(
             "optim.base_global_batch", "lr_scaling = 'linear' needs the batch lr was tuned at",
@@ -640,7 +663,7 @@ def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     """How the parallel degrees fit the model, the batch and the world; runs before any process group exists."""
     p = cfg.parallel
-    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages"):
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages", "bucket_mb"):
         _positive(f"parallel.{key}", getattr(p, key))
     if world_size is not None and p.world_size != world_size:
         raise ConfigError(
@@ -710,6 +733,9 @@ def _validate_pp(cfg: JobConfig) -> None:
     if p.pp == 1:
         if p.virtual_stages > 1:
             raise ConfigError("parallel.virtual_stages", "needs pp > 1", "set parallel.pp > 1 or virtual_stages = 1")
+        if p.pp_microbatches:  # it was ignored
+            raise ConfigError("parallel.pp_microbatches", f"{p.pp_microbatches} pipeline micro-batches, and pp = 1",
+                              "set parallel.pp > 1, or leave pp_microbatches out (train.grad_accum accumulates)")
         return
     if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages < 2:
         raise ConfigError("parallel.virtual_stages", "interleaved-1f1b needs >= 2 stages per rank",
@@ -733,9 +759,12 @@ def _validate_pp(cfg: JobConfig) -> None:
                           "set tie_embeddings = false with pp > 1")
     n = p.n_microbatches
     if cfg.train.micro_batch % n:
+        least = 1 if p.pp_schedule == "gpipe" else p.pp  # every other schedule takes one per stage at least
+        fits = [d for d in range(least, cfg.train.micro_batch + 1) if cfg.train.micro_batch % d == 0]
         raise ConfigError(
             "train.micro_batch", f"{cfg.train.micro_batch} sequences cannot be cut into {n} pipeline micro-batches",
-            f"make train.micro_batch a multiple of {n}, or set parallel.pp_microbatches",
+            f"make train.micro_batch a multiple of {n}"
+            + (f", or set parallel.pp_microbatches to one of {', '.join(map(str, fits))}" if fits else ""),
         )
     error = pipeline_batch_error(p, n)
     if error is not None:

@@ -52,6 +52,12 @@ def test_every_field_has_a_docstring():
         (["optim.lr_scaling=linear"], "optim.base_global_batch"),
         (["train.steps=10", "metrics.profile_step=11"], "metrics.profile_step"),
         (["optim.lr=nan"], "optim.lr"),  # TOML and --set read nan and inf
+        (["metrics.out_dir=''"], "metrics.out_dir"),  # wrote the run's files into the working folder
+        ([f"metrics.out_dir='{__file__}'"], "metrics.out_dir"),  # a file: FileExistsError at the start
+        (["optim.momentum=1.5"], "optim.momentum"),
+        (["optim.base_global_batch=-8"], "optim.base_global_batch"),
+        (["parallel.bucket_mb=-1"], "parallel.bucket_mb"),
+        (["parallel.pp_microbatches=3"], "parallel.pp_microbatches"),  # without pp: ignored
         (["train.collective_timeout_s=inf"], "train.collective_timeout_s"),
         (["model.name='llama3-8B'"], "model.name"),  # a mistyped preset, which used to train the defaults
     ],

@@ -72,6 +72,11 @@ def _refused(args: list[str], capsys) -> str:
     (["launch", "local", "--nnodes", "2", "--leave", "0@3"], "--leave"),  # the first hosts the rendezvous
     (["launch", "local", "--nnodes", "2", "--leave", "2@3"], "--leave"),  # there is no third
     (["launch", "local", "--nnodes", "2", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["launch", "local", "--nnodes", "2", "--max-restarts", "-1"], "--max-restarts"),  # after a machine started
+    (["launch", "local", "--nnodes", "2", "--last-call", "-5"], "--last-call"),
+    (["launch", "local", "--nnodes", "2", "--leave", "1@100000"], "--leave"),  # past train.steps: never fired
+    (["launch", "local", "--nnodes", "2", "--save-final", "."], "--save-final"),  # a folder: failed at the end
+    (["train", "--save-final", "."], "--save-final"),
     (["launch", "local", "--nnodes", "1:3", "--set", "train.global_batch=16", "--set", "checkpoint.enabled=true"],
      "train.global_batch"),
 ])
@@ -86,6 +91,20 @@ def test_bad_elastic_input_is_one_line_before_any_process(args, field, capsys, t
     err = _refused([args[0], *args[1:], "--config", CONFIG, "--set", f"metrics.out_dir='{tmp_path / 'run'}'"], capsys)
     assert err.startswith(f"shardwise: error: {field}: "), err
     assert not (tmp_path / "run").exists()
+
+
+def test_leave_counts_the_steps_this_job_logs(tmp_path):
+    """--leave MACHINE@STEP waits for STEP in the metrics this job appends: an earlier run's lines in the same
+    folder took the machine away before the job had started (and then the job hung, one machine short)."""
+    from shardwise.launch.local import _last_step
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    earlier = metrics.stat().st_size
+    assert _last_step(metrics) == 3 and _last_step(metrics, earlier) == 0
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert _last_step(metrics, earlier) == 1
 
 
 def test_the_sample_log_keeps_the_latest_attempt_of_each_step(tmp_path):

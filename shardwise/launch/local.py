@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import fit_nodes, load_config
+from shardwise.config import check_file_to_write, fit_nodes, load_config
 from shardwise.errors import ConfigError
 
 
@@ -169,7 +170,16 @@ def run_launch_local(args: argparse.Namespace) -> int:
     nodes = node_range(args.nnodes)
     if args.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", f"{args.nproc_per_node} processes", "set --nproc-per-node 1 or more")
-    leave_request(args.leave, nodes[1])
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"{args.max_restarts} < 0", "give 0 or more")
+    if not 0 <= args.last_call < math.inf:
+        raise ConfigError("--last-call", f"{args.last_call} is not a finite number of seconds >= 0", "give e.g. 10")
+    if args.save_final:
+        check_file_to_write("--save-final", args.save_final)
+    leave = leave_request(args.leave, nodes[1])
+    if leave is not None and leave[1] >= cfg.train.steps:
+        raise ConfigError("--leave", f"step {leave[1]} is not before the run's last (train.steps = {cfg.train.steps})",
+                          "name a step the run passes, e.g. half of train.steps")
     fit_nodes(cfg, args.nproc_per_node, nodes)  # before any machine starts
     return run_local(args, nodes, Path(cfg.metrics.out_dir))
 
@@ -191,6 +201,8 @@ def run_local(args: argparse.Namespace, nodes: tuple[int, int], out_dir: Path) -
     low, high = nodes
     leave = leave_request(args.leave, high)
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"local-{uuid.uuid4().hex[:8]}"
+    metrics = out_dir / "metrics.jsonl"
+    logged = metrics.stat().st_size if metrics.is_file() else 0  # an earlier run's lines: not this job's steps
     train = [sys.executable, "-m", "shardwise", "train", *(["--config", args.config] if args.config else []),
              *[f"--set={o}" for o in args.overrides], "--nproc", str(args.nproc_per_node),
              "--nnodes", f"{low}:{high}" if low < high else str(low), "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
@@ -209,7 +221,7 @@ def run_local(args: argparse.Namespace, nodes: tuple[int, int], out_dir: Path) -
     try:
         if leave is not None:
             machine, step = leave
-            while machines[0].poll() is None and _last_step(out_dir / "metrics.jsonl") < step:
+            while machines[0].poll() is None and _last_step(metrics, logged) < step:
                 time.sleep(0.1)
             if machines[0].poll() is None:
                 processes = take_away(machines[machine].pid)
@@ -223,10 +235,12 @@ def run_local(args: argparse.Namespace, nodes: tuple[int, int], out_dir: Path) -
     return codes[0]
 
 
-def _last_step(metrics: Path) -> int:
-    """The last step a run's metrics.jsonl has logged (0 before its first)."""
+def _last_step(metrics: Path, offset: int = 0) -> int:
+    """The last step a run's metrics.jsonl has logged past byte `offset` (0 before its first)."""
     try:
-        lines = metrics.read_text().splitlines()
+        with metrics.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return 0
     steps = [json.loads(line).get("step", 0) for line in lines if line.endswith("}")]
