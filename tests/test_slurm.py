@@ -60,6 +60,14 @@ def test_the_script_is_bash_with_the_allocation_and_the_rendezvous(tmp_path):
     (["--nodes", "1"], "--nproc-per-node"),
     (["--nodes", "0", "--nproc-per-node", "2"], "--nodes"),
     (["--nodes", "1", "--nproc-per-node", "2", "--requeue"], "checkpoint.enabled"),
+    (["--nodes", "1", "--nproc-per-node", "-3"], "--nproc-per-node"),  # it named --gpus-per-node
+    (["--nodes", "1", "--nproc-per-node", "2", "--time", "banana"], "--time"),  # written as #SBATCH --time=banana
+    (["--nodes", "1", "--nproc-per-node", "2", "--time", "-5"], "--time"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--time", "1:00", "--warn-seconds", "7200"], "--warn-seconds"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--warn-seconds", "100000"], "--warn-seconds"),  # sbatch: <= 65535
+    (["--nodes", "1", "--nproc-per-node", "2", "--account", "x\ny"], "--account"),  # a line of its own
+    (["--nodes", "1", "--nproc-per-node", "2", "--partition", "a b"], "--partition"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--save-final", "."], "--save-final"),  # a folder
     (["--nodes", "1", "--nproc-per-node", "2", "--requeue", "--set", "checkpoint.enabled=true", "--set",
       "checkpoint.resume=false"], "checkpoint.resume"),
 ])
@@ -69,6 +77,21 @@ def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, fie
     err = capsys.readouterr().err
     assert err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
     assert not script.exists()
+
+
+@pytest.mark.parametrize("limit, seconds", [("90", 5400), ("1:30", 90), ("4:00:00", 14400), ("1-12", 129600),
+                                            ("1-0:30", 88200), ("2-00:00:10", 172810), ("0", None),
+                                            ("UNLIMITED", None)])
+def test_time_limits_read_as_sbatch_reads_them(limit, seconds):
+    from shardwise.launch.slurm import time_limit_seconds
+
+    assert time_limit_seconds(limit) == seconds
+
+
+def test_write_to_a_folder_is_refused(tmp_path, capsys):
+    assert main(["launch", "slurm", "--config", CONFIG, "--nodes", "1", "--nproc-per-node", "2",
+                 "--write", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("shardwise: error: --write: ")
 
 
 @pytest.mark.parametrize("args, field", [

@@ -65,8 +65,10 @@ def node_range(text: str, field: str = "--nnodes") -> tuple[int, int]:
 
 def ranks_per_node(gpus_per_node: int, nproc_per_node: int) -> int:
     """Ranks on each machine: --nproc-per-node, else one per GPU (--gpus-per-node)."""
-    if gpus_per_node < 0 or nproc_per_node < 0:
-        raise ConfigError("--gpus-per-node", "a count below 0", "set --gpus-per-node and --nproc-per-node >= 0")
+    for flag, count in (("--gpus-per-node", gpus_per_node), ("--nproc-per-node", nproc_per_node)):
+        if count < 0:
+            meaning = "no GPUs" if flag == "--gpus-per-node" else "one process per GPU"
+            raise ConfigError(flag, f"{count} is below 0", f"set {flag} >= 0 (0: {meaning})")
     if not (nproc_per_node or gpus_per_node):
         raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its ranks per node",
                           "set --nproc-per-node, or --gpus-per-node for one rank per GPU")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import fit_world, load_config, validate_parallel
+from shardwise.config import check_file_to_write, fit_world, load_config, validate_parallel
 from shardwise.errors import ConfigError
 from shardwise.launch.local import ranks_per_node
 
@@ -51,6 +52,33 @@ class SlurmJob:
     account: str | None = None
     requeue: bool = False
     warn_seconds: int = 120
+
+
+MAX_SIGNAL_SECONDS = 65535
+"""sbatch --signal=<sig>@<sig_time>: "sig_time must be an integer between 0 and 65535" (sbatch(1))."""
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.,+-]+")
+"""What a job name, partition (or a comma-separated list of them) or account is written with here."""
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """--time as sbatch reads it, in seconds (None: unlimited): "minutes", "minutes:seconds",
+    "hours:minutes:seconds", "days-hours", "days-hours:minutes", "days-hours:minutes:seconds"; 0, UNLIMITED or
+    INFINITE for none (sbatch(1))."""
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = _TIME.fullmatch(text.strip())
+    if m is None:
+        raise ConfigError("--time", f"{text!r} is not a Slurm time limit", "write e.g. 90 (minutes), 4:00:00 or "
+                          "1-12:00:00")
+    days, a, b, c = (int(g) if g else 0 for g in m.groups())
+    if m.group(1):  # days-hours[:minutes[:seconds]]
+        seconds = ((days * 24 + a) * 60 + b) * 60 + c
+    elif m.group(4):  # hours:minutes:seconds
+        seconds = (a * 60 + b) * 60 + c
+    else:  # minutes[:seconds]
+        seconds = a * 60 + b
+    return seconds or None  # "A time limit of zero requests that no time limit be imposed"
 
 
 def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,11 +120,30 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
     validate_parallel(cfg, world)
     if args.warn_seconds < 1:
         raise ConfigError("--warn-seconds", f"{args.warn_seconds} leaves no time to save", "set it to 60 or more")
+    if args.warn_seconds > MAX_SIGNAL_SECONDS:
+        raise ConfigError("--warn-seconds", f"{args.warn_seconds} is more than sbatch's --signal takes "
+                          f"({MAX_SIGNAL_SECONDS} s)", f"set it to {MAX_SIGNAL_SECONDS} or less")
+    limit = time_limit_seconds(args.time) if args.time is not None else None
+    if limit is not None and args.warn_seconds >= limit:
+        raise ConfigError("--warn-seconds", f"{args.warn_seconds} s is not within the job's time limit "
+                          f"(--time {args.time} = {limit} s)", "warn a few minutes before the limit, e.g. 120")
+    for flag, value in (("--job-name", args.job_name), ("--partition", args.partition),
+                        ("--account", args.account)):
+        if value is not None and not SLURM_NAME.fullmatch(value):
+            raise ConfigError(flag, f"{value!r} is not a Slurm name (letters, digits and - _ . , + only: an "
+                              "#SBATCH line would split or lose it)", "give the name as Slurm lists it")
+    for flag, path in (("--save-final", args.save_final), ("--write", args.write)):
+        if path:
+            check_file_to_write(flag, path)
     if args.requeue and not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
         raise ConfigError(field, "--requeue starts the job again, which goes on from its newest checkpoint only "
                           "with checkpoints saved and resumed", f"set {field} = true")
     out_dir = Path(cfg.metrics.out_dir).absolute()
+    for name, path in (("metrics.out_dir", out_dir), ("the working folder", Path.cwd())):
+        if any(c.isspace() or c in "'\"" for c in str(path)):  # #SBATCH --output= and --chdir= take no quoting
+            raise ConfigError(name, f"{str(path)!r} has blanks or quotes, which an #SBATCH line cannot hold",
+                              "use a path without them")
     train_args = [*(["--config", str(Path(args.config).absolute())] if args.config else []),
                   *[f"--set={o}" for o in args.overrides], f"--set=metrics.out_dir={json.dumps(str(out_dir))}",
                   *(["--save-final", str(Path(args.save_final).absolute())] if args.save_final else [])]
