@@ -132,6 +132,15 @@ def test_the_validators_fail_on_a_wrong_field(tmp_path):
     (["--nodes", "2", "--set", "parallel.dp_replicate=3"], "parallel"),  # 3 ranks on 2 x 8
     (["--nodes", "2", "--name", "Big_Job"], "--name"),
     (["--nodes", "1:2", "--set", "checkpoint.enabled=false"], "checkpoint.enabled"),  # elastic restarts from one
+    # each of these wrote a manifest a cluster would refuse, or ignored the flag
+    (["--nodes", "1:"], "--nodes"),  # was read as 1 node
+    (["--namespace", "Not Valid"], "--namespace"),
+    (["--queue", "q q"], "--queue"),
+    (["--image", "has space"], "--image"),
+    (["--kind", "jobset", "--max-restarts", "-2"], "--max-restarts"),
+    (["--mount", "/scratch", "--volume-claim", ""], "--mount"),  # without a claim: ignored
+    (["--mount", "relative/path"], "--mount"),
+    (["--name", "a" * 55], "--name"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, args, field):
     out = tmp_path / "job.yaml"

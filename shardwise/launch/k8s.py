@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from shardwise.config import JobConfig, fit_nodes, load_config
+from shardwise.config import JobConfig, check_file_to_write, fit_nodes, load_config
 from shardwise.errors import ConfigError
 from shardwise.launch.local import node_range, ranks_per_node
 
@@ -74,6 +74,21 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
     per_node = args.nproc_per_node or args.gpus_per_node
     out_dir = PurePosixPath(cfg.metrics.out_dir)
     mount = PurePosixPath(args.mount)
+    if not mount.is_absolute():
+        raise ConfigError("--mount", f"{mount} is relative (a container's mountPath is absolute)",
+                          "give an absolute path such as /data")
+    if args.mount != "/data" and not args.volume_claim:  # it was ignored
+        raise ConfigError("--mount", "where the claim is mounted, and no --volume-claim is given",
+                          "name the PersistentVolumeClaim with --volume-claim, or leave --mount out")
+    for flag, value in (("--namespace", args.namespace), ("--queue", args.queue)):
+        if value and (not _NAME.fullmatch(value) or len(value) > 63):  # RFC 1123 labels, as Kubernetes names them
+            raise ConfigError(flag, f"{value!r} is not a Kubernetes name (at most 63 lowercase letters, digits and "
+                              "'-', starting and ending alphanumeric)", f"give the {flag[2:]} as kubectl lists it")
+    if not args.image.strip() or any(c.isspace() for c in args.image):
+        raise ConfigError("--image", f"{args.image!r} is not a container image reference",
+                          "give e.g. registry.example.com/shardwise:1.0")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"{args.max_restarts} < 0", "give 0 or more")
     if args.volume_claim and not (out_dir.is_absolute() and mount in out_dir.parents):
         raise ConfigError("metrics.out_dir", f"{out_dir} is not under the claim's mount {mount}, so the pods would "
                           "write their checkpoints where the others cannot read them",
@@ -84,9 +99,11 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
     if args.grace_seconds < 30:
         raise ConfigError("--grace-seconds", f"{args.grace_seconds} s leaves no time to save", "set 60 or more")
     name = args.name or re.sub(r"[^a-z0-9-]+", "-", out_dir.name.lower()).strip("-")[:50]
-    if not _NAME.fullmatch(name) or len(name) > 50:
+    if not _NAME.fullmatch(name):
         raise ConfigError("--name", f"{name!r} is not a Kubernetes name (lowercase letters, digits, '-')",
                           "set --name")
+    if len(name) > 50:  # the pods' names add the replicated job's and their indices to it
+        raise ConfigError("--name", f"{name!r} has {len(name)} characters, more than 50", "set a shorter --name")
     labels = {QUEUE_LABEL: args.queue} if args.queue else {}
     train = _train_command(args, cfg, nodes, per_node)
     volumes, mounts = [], []
@@ -179,6 +196,8 @@ def run_k8s(args: argparse.Namespace) -> int:
     nodes = node_range(args.nodes, "--nodes")
     per_node = ranks_per_node(args.gpus_per_node, args.nproc_per_node)
     fit_nodes(cfg, per_node, nodes)
+    if args.write:
+        check_file_to_write("--write", args.write)
     text = yaml.safe_dump_all(manifests(args, cfg, nodes), sort_keys=False)
     if not args.write:
         print(text, end="")

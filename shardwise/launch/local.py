@@ -53,8 +53,8 @@ class Rendezvous:
 def node_range(text: str, field: str = "--nnodes") -> tuple[int, int]:
     """N or MIN:MAX machines (the command line's `field`) as (MIN, MAX)."""
     try:
-        low, _, high = text.partition(":")
-        nodes = (int(low), int(high or low))
+        low, colon, high = text.partition(":")
+        nodes = (int(low), int(high if colon else low))  # "1:" has no MAX
     except ValueError:
         nodes = (0, 0)
     if not 1 <= nodes[0] <= nodes[1]:
