@@ -553,6 +553,26 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("flags, flag", [
+    (["--matmul-size", "0"], "--matmul-size"),  # ZeroDivisionError
+    (["--iters", "0"], "--iters"),  # IndexError
+    (["--threads", "-2"], "--threads"),
+    (["--comm-mb", "-1"], "--comm-mb"),  # wrote a profile of 0 GB/s
+    (["--base", "nosuchgpu"], "--base"),  # named --gpu
+    (["--out", "{tmp}"], "--out"),  # a folder: a traceback after the whole measurement
+    (["--out", "{tmp}/no/such/p.json"], "--out"),
+])
+def test_bad_bench_flags_are_one_line_before_anything_is_measured(tmp_path, capsys, monkeypatch, flags, flag):
+    from shardwise import cli
+    from shardwise.planner import bench
+
+    monkeypatch.setattr(bench, "compute_rates", lambda *a, **k: pytest.fail("measured"))
+    argv = ["bench", "--world", "1", "--out", str(tmp_path / "p.json"), *(f.format(tmp=tmp_path) for f in flags)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise bench: {flag}: ") and "\n" not in err, err
+
+
 @pytest.mark.multiprocess
 def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     from shardwise.planner.bench import add_bench_arguments, run_bench

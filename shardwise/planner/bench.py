@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from shardwise.config import OptimConfig
 from shardwise.distributed import shutdown
-from shardwise.hardware import Accelerator, GiB, PlannerError, accelerator
+from shardwise.hardware import ALIASES, CATALOGUE, Accelerator, GiB, PlannerError, accelerator
 from shardwise.model import Transformer, causal_attention
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
@@ -538,10 +538,27 @@ def bus_bandwidth(times: dict[int, float], op: str, world: int) -> float:
     return nbytes / times[nbytes] * factor
 
 
+def check_bench_arguments(ns: argparse.Namespace) -> None:
+    """Every flag checked before anything is measured (the measurement takes a minute or more)."""
+    for flag, value, least in (("--world", ns.world, 1), ("--matmul-size", ns.matmul_size, 1),
+                               ("--iters", ns.iters, 1), ("--threads", ns.threads, 0)):
+        if value < least:
+            raise PlannerError(flag, f"{value} < {least}", f"pass {flag} {least} or more"
+                               + (" (0: cores // world)" if flag == "--threads" else ""))
+    if not 0 < ns.comm_mb < math.inf:
+        raise PlannerError("--comm-mb", f"{ns.comm_mb} is not a positive size", "pass e.g. 64")
+    if ns.base is not None and ALIASES.get(ns.base.lower(), ns.base.lower()) not in CATALOGUE:
+        raise PlannerError("--base", f"unknown accelerator {ns.base!r}", f"use one of {', '.join(CATALOGUE)}")
+    _grid(ns.matmul_grid)
+    out = Path(ns.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise PlannerError("--out", f"{ns.out} is a folder" if out.is_dir() else f"no folder {out.parent}",
+                           "name a file in an existing folder")
+
+
 def measure(ns: argparse.Namespace) -> dict:
+    check_bench_arguments(ns)
     device = _device(ns.device)
-    if ns.world < 1:
-        raise PlannerError("--world", f"{ns.world} ranks", "pass --world 1 or more")
     threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.world)
     comm_world = max(2, ns.world)  # the link exists whatever the job's size; a one-rank job never uses it
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
