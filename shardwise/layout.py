@@ -128,7 +128,8 @@ def _typed(key: str, value: str, hint, source: str):
         try:
             return hint(value)
         except ValueError:
-            raise ConfigError(f"{source} {key}", f"{value!r} is not a number",
+            kind = "a whole number" if hint is int else "a number"
+            raise ConfigError(f"{source} {key}", f"{value!r} is not {kind}",
                               f"write {key}=<{hint.__name__}>") from None
     choices = typing.get_args(hint)
     if value not in choices:

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -162,7 +163,26 @@ def compare(ref: tuple[list, dict], got: tuple[list, dict]) -> dict:
             "worst_param": worst}
 
 
+def check_verify_arguments(args: argparse.Namespace) -> None:
+    """verify's own flags, before any config is read."""
+    if args.steps < 1:
+        raise ConfigError("--steps", f"{args.steps} < 1", "compare at least one optimizer step, e.g. --steps 5")
+    if not 0 <= args.rtol < math.inf:  # nan too
+        raise ConfigError("--rtol", f"{args.rtol} is not a finite tolerance >= 0", "pass e.g. 1e-5")
+    for item in args.overrides:
+        if item.partition("=")[0].strip().startswith("parallel."):  # it would apply to the reference too
+            raise ConfigError("--set", f"{item}: the layouts to verify come from --layout, and --set applies to the "
+                              "one-device reference as well", f'pass it in --layout instead (--layout '
+                              f'"{item.partition("=")[0].strip().removeprefix("parallel.")}='
+                              f'{item.partition("=")[2].strip()}")')
+    for text in args.layout:
+        if not text.strip():
+            raise ConfigError("--layout", "an empty layout is one device, the reference itself",
+                              'give degrees, e.g. --layout "dp_shard=2"')
+
+
 def run_verify(args: argparse.Namespace) -> int:
+    check_verify_arguments(args)
     base = load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
     if base.lora.rank and base.lora.dropout > 0:
         # each rank draws its own masks for its own micro-batches: no layout can draw one device's

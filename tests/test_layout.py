@@ -86,3 +86,27 @@ def test_a_bad_layout_string_names_its_key(text, field):
     with pytest.raises(ConfigError) as e:
         parse_layout(text)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--layout", "dp_shard=2", "--steps", "0"], "--steps"),  # named train.steps
+    (["--layout", "dp_shard=2", "--rtol", "nan"], "--rtol"),  # accepted: every layout then FAILed
+    (["--layout", "dp_shard=2", "--rtol", "-1"], "--rtol"),
+    (["--layout", ""], "--layout"),  # one device against itself: "ok"
+    (["--layout", "dp_shard=2", "--set", "parallel.tp=2"], "--set"),  # said "add --nproc 2", which verify lacks
+    (["--layout", "tp=1.5"], "--layout tp"),
+])
+def test_bad_verify_flags_are_one_line_before_any_run(args, field, capsys, monkeypatch):
+    import shardwise.verify
+    from shardwise.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(shardwise.verify, "_train_here", no_run)
+    monkeypatch.setattr(shardwise.verify, "_train_launched", no_run)
+    assert main(["verify", "--config", str(Path(__file__).parent / "configs" / "parity.toml"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"shardwise: error: {field}: "), lines
+    if field == "--layout tp":
+        assert "not a whole number" in lines[0]
