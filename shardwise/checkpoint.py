@@ -720,10 +720,14 @@ def _check_loader(train_state: dict, state: TrainState) -> str | None:
     if state.loader is None or saved is None:
         return None
     mine = state.loader.state_dict()
-    for key in ("seed", "global_batch", "num_samples"):
+    fixes = {"seed": "set train.seed as the run had it",
+             "global_batch": f"set train.global_batch = {saved.get('global_batch')} (sequences per step: the "
+                             "micro-batch and accumulation then follow on any layout)",
+             "num_samples": "read the same data as the run did (data.seq_len, the files and the split decide how many "
+                            "samples there are)"}
+    for key, fix in fixes.items():
         if saved.get(key) != mine.get(key):
-            return (f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)} "
-                    "(keep train.seed, micro_batch x grad_accum x dp and the data the same)")
+            return f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)}: {fix}"
     return None
 
 
