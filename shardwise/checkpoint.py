@@ -712,7 +712,9 @@ def _set_optimizer(state: TrainState, live: dict, targets: dict, plain: dict) ->
 
 
 def _hp_text(value: Any) -> str:
-    return ", ".join(f"{x:g}" for x in value) if isinstance(value, (tuple, list)) else f"{value:g}"
+    if isinstance(value, (tuple, list)):
+        return ", ".join(map(_hp_text, value))
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def _check_loader(train_state: dict, state: TrainState) -> str | None:
