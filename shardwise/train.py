@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import data
-from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, scan_checkpoints
+from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, set_aside
 from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
@@ -467,14 +467,9 @@ class Checkpoints:
         if self.checkpointer is None:
             return 0
         if not self.cfg.checkpoint.resume:
-            # a fresh run among an earlier run's checkpoints would leave the folder holding both, and a later
-            # resume would go on from the newest, whichever run saved it
-            steps = [step for step, _ in scan_checkpoints(self.cfg.metrics.out_dir).complete]
-            if steps:
-                raise ConfigError("checkpoint.resume", f"false, and {self.cfg.metrics.out_dir} holds the checkpoints "
-                                  f"of an earlier run (steps {', '.join(map(str, steps))}), which this run's would "
-                                  "mix with", "use another metrics.out_dir for a new run (or checkpoint.resume = "
-                                  "true to go on with that one)")
+            # a run started over among an earlier run's checkpoints would leave the folder holding both, and a
+            # later resume would go on from the newest, whichever run saved it: the earlier ones are set aside
+            set_aside(self.cfg.metrics.out_dir)
             return 0
         return self.checkpointer.resume(self.state)
 

@@ -244,18 +244,23 @@ def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
 
 
-def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused(tmp_path, capsys):
-    """checkpoint.resume = false in a folder with checkpoints used to save among them: a later resume went on from
-    the earlier run's newest. Nothing of the earlier run is touched."""
+def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, capsys):
+    """checkpoint.resume = false in a folder with checkpoints (the demo's config, run twice) used to save among them:
+    a later resume went on from the earlier run's newest. They are moved to checkpoints.earlier, untouched, and
+    the folder's checkpoints are the new run's."""
     from shardwise.cli import main
 
     common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
               "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
               "--set=metrics.progress=false"]
     assert main([*common, "--set=train.steps=4"]) == 0
-    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")}
+    before = {p.relative_to(tmp_path / "checkpoints"): p.stat().st_mtime_ns
+              for p in (tmp_path / "checkpoints").rglob("*")}
+    assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 0
+    assert {p.relative_to(tmp_path / "checkpoints.earlier"): p.stat().st_mtime_ns
+            for p in (tmp_path / "checkpoints.earlier").rglob("*")} == before
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
     capsys.readouterr()
-    assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "checkpoint.resume: false" in err and "steps 2, 4" in err and "\n" not in err
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").rglob("*")} == before
+    assert main([*common, "--set=train.steps=3"]) == 0
+    out = capsys.readouterr()
+    assert "resumed after step 2" in out.out + out.err
