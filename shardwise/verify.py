@@ -170,11 +170,11 @@ def check_verify_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.rtol < math.inf:  # nan too
         raise ConfigError("--rtol", f"{args.rtol} is not a finite tolerance >= 0", "pass e.g. 1e-5")
     for item in args.overrides:
-        if item.partition("=")[0].strip().startswith("parallel."):  # it would apply to the reference too
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key.startswith("parallel."):  # it would apply to the reference too
             raise ConfigError("--set", f"{item}: the layouts to verify come from --layout, and --set applies to the "
-                              "one-device reference as well", f'pass it in --layout instead (--layout '
-                              f'"{item.partition("=")[0].strip().removeprefix("parallel.")}='
-                              f'{item.partition("=")[2].strip()}")')
+                              "one-device reference as well",
+                              f'pass it in --layout instead (--layout "{key.removeprefix("parallel.")}={value}")')
     for text in args.layout:
         if not text.strip():
             raise ConfigError("--layout", "an empty layout is one device, the reference itself",

@@ -40,6 +40,8 @@ RUNTIME = "torch-distributed"
 CONTAINER = "node"
 """The container (and replicated job) name in the torch-distributed runtime, kept for the JobSet too."""
 RENDEZVOUS_PORT = 29500
+DEFAULT_MOUNT = "/data"
+"""Where the run folder's claim is mounted unless --mount says otherwise."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 STOPPED_EXIT_CODE = 75
 """A pod whose ranks were stopped by SIGTERM and saved exits with this (EX_TEMPFAIL, "try again"), not 0: a Job
@@ -59,7 +61,7 @@ def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", default="", help="Kueue LocalQueue: gang admission of all pods at once")
     p.add_argument("--volume-claim", default="", metavar="PVC",
                    help="a PersistentVolumeClaim (ReadWriteMany) every pod mounts for the run folder")
-    p.add_argument("--mount", default="/data", help="where the claim is mounted; metrics.out_dir must be under it")
+    p.add_argument("--mount", help="where the claim is mounted (default /data); metrics.out_dir must be under it")
     p.add_argument("--grace-seconds", type=int, default=300,
                    help="terminationGracePeriodSeconds: the time a pod has to save after SIGTERM")
     p.add_argument("--max-restarts", type=int, default=3,
@@ -73,11 +75,11 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
     low, high = nodes
     per_node = args.nproc_per_node or args.gpus_per_node
     out_dir = PurePosixPath(cfg.metrics.out_dir)
-    mount = PurePosixPath(args.mount)
+    mount = PurePosixPath(args.mount or DEFAULT_MOUNT)
     if not mount.is_absolute():
         raise ConfigError("--mount", f"{mount} is relative (a container's mountPath is absolute)",
                           "give an absolute path such as /data")
-    if args.mount != "/data" and not args.volume_claim:  # it was ignored
+    if args.mount is not None and not args.volume_claim:  # it was ignored
         raise ConfigError("--mount", "where the claim is mounted, and no --volume-claim is given",
                           "name the PersistentVolumeClaim with --volume-claim, or leave --mount out")
     for flag, value in (("--namespace", args.namespace), ("--queue", args.queue)):
