@@ -108,6 +108,8 @@ def test_torchtitan_llama3_8b_fsdp_throughput_on_its_500_watt_h100s():
     assert published.TORCHTITAN_H100_PEAK == pytest.approx((989.4 + 1671 / 2) / 2)
     ratios = {}
     for run in published.torchtitan_runs():
+        if run.name not in ("torchtitan 8B FSDP n=8 s=8K", "torchtitan 8B FSDP n=128 s=8K"):
+            continue  # (the eager rows; compile and Float8 below)
         ev, fits = published.given_plan(run)
         assert fits and run.peak_tflops == published.TORCHTITAN_H100_PEAK
         assert published.cluster_of(run).accelerator.peak("fp8") == pytest.approx(
@@ -479,3 +481,151 @@ def test_flash_attention_1_on_hopper_reproduces_llm_foundrys_long_sequence_runs(
             ratios[run.name] = run.published_step() / ev.time.step_time_s
     assert len(ratios) == 12
     assert all(abs(r - 1) <= 0.10 for r in ratios.values()), ratios
+
+
+# ---------------------------------------------------------------------------------------------------
+# Float8, torch.compile and FSDP2 in a pipeline: torchtitan's published benchmark, every table
+
+
+@pytest.mark.parametrize("m, k, n", [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 4096, 1024),
+                                     (64, 256, 128)])
+def test_float8_casts_are_torchaos_own_roofline(m, k, n):
+    # torchao's float8 roofline (torchao.testing.training.roofline_utils, the library the recipe names) prices
+    # tensorwise scaling under compile kernel by kernel: the planner's casts are the same kernels, each at least
+    # the measured launch time (the last shape is all launch time)
+    sympy = pytest.importorskip("sympy")
+    roofline = pytest.importorskip("torchao.testing.training.roofline_utils")
+    from shardwise.planner.timing import float8_cast_seconds
+
+    specs = roofline.get_specs("NVIDIA H100")
+    bandwidth = specs["peak_mem_bw_bytes_sec"] * specs["pct_achievable_mem_bw"]
+    theirs = roofline.get_float8_mem_sympy(m, k, n, "tensorwise", None, True, gpu_name="NVIDIA H100")
+    assert sum(float8_cast_seconds(m, k, n, bandwidth)) == pytest.approx(float(sympy.sympify(theirs)), rel=1e-12)
+
+
+def test_float8_runs_the_linears_at_the_fp8_peak_and_attention_and_the_head_in_bf16():
+    # torchtitan converts every linear but the output head (module_filter_fn), and attention is SDPA in bf16
+    from shardwise.planner.timing import _head_times, float8_cast_seconds, layer_times, linear_times
+
+    args, acc = preset("llama3-8b"), accelerator("h100")
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=2)
+    bf16 = _training("torchtitan", seq_len=8192, global_batch=16)
+    fp8 = dataclasses.replace(bf16, precision="fp8")
+    assert (fp8.compute_dtype, fp8.linear_dtype) == ("bf16", "fp8")
+    for key in ("attention", "attention_bwd", "elementwise", "elementwise_bwd"):
+        assert layer_times(args, fp8, plan, acc)[key] == layer_times(args, bf16, plan, acc)[key]
+    assert _head_times(args, fp8, plan, acc) == _head_times(args, bf16, plan, acc)
+    tokens = 2 * 8192
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    casts = [float8_cast_seconds(tokens, k, n, bandwidth) for _, k, n in
+             [(name, i, o) for name, (i, o) in args_shapes(args).items()]]
+    fwd8, bwd8, w8 = linear_times(args, fp8, plan, acc, tokens)
+    fwd, bwd, w = linear_times(args, bf16, plan, acc, tokens)
+    # twice the peak halves these GEMMs (all compute-bound but the thin key and value projections, near the
+    # roofline's memory bound in bf16: 1e-4 of the sum); the casts come on top
+    assert fwd8 - sum(c[0] for c in casts) == pytest.approx(fwd / 2, rel=1e-4)
+    assert bwd8 - sum(c[1] for c in casts) == pytest.approx(bwd / 2, rel=1e-4)
+    assert w8 == pytest.approx(w / 2, rel=1e-4)
+    # MFU stays model FLOPs over the bf16 peak: a float8 step reads as faster, not as a different yardstick
+    cluster = Cluster(accelerator("h100"), 8)
+    e8, e16 = evaluate(args, fp8, plan, cluster), evaluate(args, bf16, plan, cluster)
+    assert e8.time.mfu / e16.time.mfu == pytest.approx(e16.time.step_time_s / e8.time.step_time_s)
+
+
+def args_shapes(args):
+    from shardwise.model_args import projection_shapes
+
+    return projection_shapes(args)
+
+
+def test_torchtitan_float8_and_compile_speedups_match_its_benchmark():
+    # tables 1 and 3 (Llama 3.1 8B, FSDP on 8 and 128 H100s): eager -> torch.compile -> + Float8, 5,762 -> 6,667 ->
+    # 8,532 and 5,605 -> 6,514 -> 8,380 tokens/s per GPU. The planner's steps from one to the next (elementwise
+    # fused; the linears in float8 with torchao's casts) within 3% of those measured, and each row within 11% (the
+    # 128-GPU rows are the 10-11%: what data parallelism loses at scale, "Known gaps", is not priced)
+    published = _published_module()
+    rows = {run.name: run for run in published.torchtitan_runs() if " s=8K" in run.name and "70B" not in run.name
+            and "405B" not in run.name}
+    assert len(rows) == 6
+    predicted = {}
+    for name, run in rows.items():
+        ev, fits = published.given_plan(run)
+        assert fits, name
+        assert run.published_step() / ev.time.step_time_s == pytest.approx(1.0, abs=0.11), name
+        predicted[name] = ev.time.tokens_per_s
+    for n in (8, 128):
+        names = [f"torchtitan 8B FSDP{how} n={n} s=8K" for how in ("", " compile", " compile+Float8")]
+        for before, after in zip(names, names[1:]):
+            measured = rows[before].published_step() / rows[after].published_step()
+            assert predicted[after] / predicted[before] == pytest.approx(measured, rel=0.03), after
+
+
+def test_compile_is_priced_fused_and_written_as_the_engines_train_compile(tmp_path, capsys):
+    from shardwise.config import load_config
+
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top-k", "1"]
+    assert run_plan(_ns(*argv, "--compile", "--write-config", str(tmp_path / "job.toml"))) == 0
+    out = capsys.readouterr().out
+    assert "system: shardwise (compile)" in out and "compiled blocks" in out
+    assert load_config(tmp_path / "job.toml").train.compile
+    assert run_plan(_ns(*argv, "--write-config", str(tmp_path / "eager.toml"))) == 0
+    assert not load_config(tmp_path / "eager.toml").train.compile
+    # fused elementwise work: the compiled step is the faster
+    args, cluster = preset("llama3-8b"), Cluster(accelerator("h100"), 8)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=2)
+    eager = _training("shardwise", seq_len=8192, global_batch=16)
+    compiled = dataclasses.replace(eager, compile=True)
+    step = {t: evaluate(args, t, plan, cluster).time.step_time_s for t in (eager, compiled)}
+    assert step[compiled] < step[eager]
+    assert dataclasses.replace(compiled, elementwise="fused") != compiled  # compile, not the field, decides
+
+
+def test_compile_leaves_out_zero_bubble_as_the_engine_does():
+    from shardwise.planner.plan import engine_error
+
+    args = preset("llama3-8b")
+    plan = Plan(pp=2, dp_shard=4, zero_stage=2, pp_schedule="zero-bubble", micro_batch=1, grad_accum=4)
+    compiled = Training(seq_len=4096, global_batch=16, compile=True)
+    assert engine_error(plan, compiled, args).field == "train.compile"
+    assert engine_error(plan, dataclasses.replace(compiled, compile=False), args) is None
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_in_a_pipeline_gathers_as_the_simulator_counts(zero):
+    # torch.distributed.pipelining keeps a stage's FSDP2 units unsharded after every backward but the step's last:
+    # ZeRO-2 (no reshard after forward either) gathers each unit once per step whatever the micro-batches, ZeRO-3
+    # again for every micro-batch. The simulator counts the engine's all-gathers; the planner's gather time follows
+    from shardwise.simulate import config_from_plan, simulate_rank
+
+    calls, comm = {}, {}
+    for m in (4, 8):
+        cfg = config_from_plan("llama3-8b", f"pp=2,dp_shard=8,zero_stage={zero},grad_accum={m},pp_schedule=1f1b",
+                               16, seq_len=1024, micro_batch=m, precision="bf16")
+        cfg.model = dataclasses.replace(cfg.model, n_layers=4)
+        calls[m] = simulate_rank(cfg, 16, 0).steps[-1].collectives["all_gather"]["calls"]
+        plan = Plan(pp=2, dp_shard=8, zero_stage=zero, micro_batch=1, grad_accum=m, pp_schedule="1f1b")
+        training = Training(seq_len=1024, global_batch=8 * m)
+        comm[m] = evaluate(cfg.model, training, plan, Cluster(accelerator("h100"), 16)).time.detail["dp_comm_s"]
+    if zero == 2:
+        assert calls[4] == calls[8] and comm[4] == pytest.approx(comm[8])
+    else:
+        assert calls[8] > calls[4] and comm[8] > 1.5 * comm[4]
+
+
+def test_a_pipeline_keeps_torchtitans_gradients_unsharded_until_the_last_micro_batch():
+    # torchtitan reduce-scatters in every micro-batch's backward (it never turns gradient sync off), except in a
+    # pipeline, whose schedule turns it off for all backwards but the step's last: there its gradients are kept
+    # whole, in fp32 (FSDP2 accumulates them in the reduce dtype), as shardwise's engine keeps them
+    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    titan = _training("torchtitan", seq_len=4096, global_batch=64)
+    assert titan.reduces_every_micro_batch(1) and not titan.reduces_every_micro_batch(2)
+    from shardwise.planner.memory import stage_shape
+
+    flat = Plan(dp_shard=8, zero_stage=2, micro_batch=1, grad_accum=8)
+    piped = Plan(pp=2, dp_shard=4, zero_stage=2, micro_batch=1, grad_accum=16, pp_schedule="1f1b")
+    # in the first block's backward of a micro-batch with more to come: the stage's weights gathered in bf16 (2
+    # bytes) and, in the pipeline, its gradients whole in fp32 (4)
+    held_flat = moment_memory(args, titan, flat, 0)["first_block_backward"]["fsdp_buffers"]
+    held_piped = moment_memory(args, titan, piped, 0)["first_block_backward"]["fsdp_buffers"]
+    assert held_flat == pytest.approx(2 * num_params(args))
+    assert held_piped == pytest.approx(6 * stage_shape(args, piped, 0, 4096).params)

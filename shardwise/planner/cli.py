@@ -50,6 +50,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
            "(default: the system's)")
     a("--dropout", action=argparse.BooleanOptionalAction, default=None,
       help="Megatron's hidden and attention dropout (its masks are kept; default: the system's)")
+    a("--compile", action=argparse.BooleanOptionalAction, default=None,
+      help="each block compiled with torch.compile: its elementwise operators fused (shardwise's train.compile, "
+           "which --write-config writes; default: the system's)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     a("--expert-imbalance", type=float, default=0.0,
@@ -106,13 +109,15 @@ def build_inputs(ns: argparse.Namespace):
 
 
 def system_of(ns: argparse.Namespace) -> System:
-    """--system, with what --layout, --attention and --dropout change in it (the system's name then says so)."""
+    """--system, with what --layout, --attention, --dropout and --compile change in it (the system's name then
+    says so)."""
     system = resolve_system(ns.system)
-    given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout))
+    given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout),
+                               ("compile", getattr(ns, "compile", None)))
              if v is not None and v != getattr(system, k)}
     if not given:
         return system
-    changes = ", ".join(f"{k} {v}" for k, v in given.items())
+    changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
                                f"{changes}", **given)
 
@@ -236,7 +241,8 @@ def system_summary(training: Training) -> str:
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
             f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
-            f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}")
+            f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}"
+            f"{', compiled blocks (elementwise operators fused)' if training.compile else ''}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,

@@ -24,7 +24,8 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
     layout = Layout(**{k: getattr(plan, k) for k in LAYOUT_KEYS})
     tables = layout_tables(layout, plan.micro_batch, plan.grad_accum)
     out = {"model": model, "data": {"seq_len": training.seq_len}, "optim": {"name": training.optimizer},
-           "train": {"precision": training.precision, **tables["train"]}, "parallel": tables["parallel"]}
+           "train": {"precision": training.precision, **tables["train"],
+                     **({"compile": True} if training.compile else {})}, "parallel": tables["parallel"]}
     if training.lora_rank:  # the planner prices adapters on every linear of every block: the engine's default targets
         out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora}
     return out
@@ -35,7 +36,8 @@ def _engine_runs(training: Training) -> None:
     from shardwise.planner.system import SYSTEMS
 
     engine = SYSTEMS["shardwise"].training_fields()
-    differs = [k for k, v in engine.items() if k != "system" and getattr(training, k) != v
+    # (compile is a knob of the engine's: train.compile)
+    differs = [k for k, v in engine.items() if k not in ("system", "compile") and getattr(training, k) != v
                and not (k == "fuse_head" and training.fuses_head == (training.layout == "torch"))]
     refusals = [  # another system first; then what a flag changed in shardwise's (its name says "shardwise (...)")
         (training.system.split(" (")[0] != "shardwise", "--system", f"the plan is sized for {training.system}, "

@@ -1009,8 +1009,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     shape = stage_shape(args, plan, stage, training.seq_len)
     last, accum, accum_early = shape.last, plan.grad_accum > 1, plan.grad_accum > m
     # gradients FSDP keeps unsharded across micro-batches: only where it reduces once per step
-    keep_unsharded = accum and not training.syncs_every_micro_batch
-    keep_unsharded_early = accum_early and not training.syncs_every_micro_batch
+    keep_unsharded = accum and not training.reduces_every_micro_batch(plan.pp)
+    keep_unsharded_early = accum_early and not training.reduces_every_micro_batch(plan.pp)
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
     stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
     if shape.moe_layers:

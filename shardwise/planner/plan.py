@@ -47,7 +47,7 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
     micro-batches (a plan's grad_accum: config.layout_tables) and of QLoRA on every linear of the model
     (config.qlora_error; the planner prices adapters on all of them)."""
-    error = engine_cannot_run(plan, training.precision, optimizer=training.optimizer)
+    error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
         error = tp_error(args, plan, training.seq_len)
     if error is None and plan.pp > 1:

@@ -56,6 +56,8 @@ class System:
     zero3_fetch: Zero3Fetch = "prefetch"
     """How ZeRO-3 fetches weights under the layout 'zero': 'prefetch' or DeepSpeed 2021's 'module-sync'
     (Training.zero3_fetch)."""
+    compile: bool = False
+    """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -77,7 +79,7 @@ class System:
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
-                "zero3_fetch": self.zero3_fetch}
+                "zero3_fetch": self.zero3_fetch, "compile": self.compile}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -160,7 +162,7 @@ def resolve_system(spec: str | System) -> System:
         if key not in fields:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
-        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel") else str
+        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

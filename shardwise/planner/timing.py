@@ -119,7 +119,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         a, extra = training.act_bytes, (2 * training.act_bytes + 1 if training.dropout else 0)
         attn = mm_attn + elements * (4 * a + extra) / bandwidth
         attn_bwd = 2 * mm_attn + elements * (7 * a + extra) / bandwidth
-    if training.elementwise == "eager" and not moe:
+    if training.elementwise == "eager" and not training.compile and not moe:
         elementwise, elementwise_bwd = (q_tokens * b / bandwidth for b in eager_elementwise_bytes(
             args, training, plan, cpu=not acc.launch_async))  # a CPU: launches are not asynchronous
     else:
@@ -158,10 +158,44 @@ def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan,
     return forward, backward
 
 
-def gemm_seconds(m: float, n: float, k: float, training: Training, acc: Accelerator) -> float:
-    """Seconds of one (m x k) @ (k x n) GEMM in the recipe's compute dtype, at the rate its shape reaches."""
-    dtype = training.compute_dtype
+def gemm_seconds(m: float, n: float, k: float, training: Training, acc: Accelerator,
+                 dtype: str | None = None) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM in `dtype` (default: the recipe's compute dtype), at the rate its
+    shape reaches."""
+    dtype = dtype or training.compute_dtype
     return 2 * m * n * k / (acc.peak(dtype) * acc.matmul_eff(m, n, k, dtype))
+
+
+FLOAT8_KERNEL_S = 2e-6
+"""Least seconds of any kernel in a float8 cast: torchao's float8 roofline (torchao.testing.training.roofline_utils,
+KERNEL_LAUNCH_OVERHEAD_SEC: "run a triton kernel with a single element read/write on an H100 and measure GPU time
+from the trace"); every kernel of a cast takes at least this, the second stage of an amax reduction (a few elements)
+exactly this."""
+
+
+def float8_cast_seconds(tokens: float, n_in: float, n_out: float, bandwidth: float) -> tuple[float, float]:
+    """Seconds of the float8 casts of one Float8Linear of (n_in, n_out) features over `tokens` rows, (forward,
+    backward), kernel by kernel as torchao's float8 roofline prices tensorwise scaling under torch.compile
+    (torchao.testing.training.roofline_utils, get_float8_mem_sympy with enable_fusion_modeling; torchao 0.18): each
+    kernel takes max(its bytes / bandwidth, FLOAT8_KERNEL_S).
+
+    * the input (tokens x n_in) and the output's gradient (tokens x n_out): an amax pass fused into the kernel
+      that made the tensor (no bytes), the amax's second stage, and a cast that reads the tensor in bf16 and writes
+      it in float8 twice, row- and column-major for the two GEMMs that use it: 2 + 2 bytes an element;
+    * the weight (n_in x n_out): an amax pass (reads it in bf16: 2 bytes), its second stage, and two casts, each
+      reading bf16 and writing float8 once (2 + 1): one in forward, the transposed one in backward.
+
+    The input's and the weight's forward kernels run in forward, the weight's second cast and the gradient's
+    kernels in backward. The weight is cast whole on every rank: weights gathered in bf16 (FSDP2's float8
+    all-gather, which casts the shard, is not modelled)."""
+    def kernel(nbytes: float) -> float:
+        return max(nbytes / bandwidth, FLOAT8_KERNEL_S)
+
+    x, w, dy = tokens * n_in, n_in * n_out, tokens * n_out
+    activation = 2 * FLOAT8_KERNEL_S  # the fused amax pass and the amax's second stage
+    forward = activation + kernel(4 * x) + kernel(2 * w) + FLOAT8_KERNEL_S + kernel(3 * w)
+    backward = kernel(3 * w) + activation + kernel(4 * dy)
+    return forward, backward
 
 
 def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
@@ -169,16 +203,25 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     """Seconds of a dense block's linears on one tp rank over `tokens` rows: (forward, input gradients, weight
     gradients). Each linear of (in, out) features, split by tp as linear_shapes says, is three GEMMs: forward
     (tokens x in) @ (in x out), input gradient (tokens x out) @ (out x in), weight gradient (out x tokens) @
-    (tokens x in), each at the efficiency of its own shape (Accelerator.matmul_eff)."""
+    (tokens x in), each at the efficiency of its own shape (Accelerator.matmul_eff) in the recipe's linear dtype.
+    In float8 (precision fp8) the GEMMs run at the fp8 peak (at the same share of it as bf16's at the same shape:
+    torchao's roofline assumes one achievable share for both) and each linear adds its casts (float8_cast_seconds,
+    at the elementwise bandwidth)."""
+    dtype = training.linear_dtype
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     fwd = bwd_in = bwd_w = 0.0
     for _, n_in, n_out, split in linear_shapes(args):
         if split == "row":
             n_in /= plan.tp
         else:
             n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
-        fwd += gemm_seconds(tokens, n_out, n_in, training, acc)
-        bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc)
-        bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc)
+        fwd += gemm_seconds(tokens, n_out, n_in, training, acc, dtype)
+        bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc, dtype)
+        bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc, dtype)
+        if dtype == "fp8":
+            cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth)
+            fwd += cast_fwd
+            bwd_in += cast_bwd
     return fwd, bwd_in, bwd_w
 
 
@@ -538,7 +581,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
     # backward at ZeRO-2 and 3, which keep only the shard.
-    n_rs = m if training.syncs_every_micro_batch and z >= 2 else 1
+    n_rs = m if training.reduces_every_micro_batch(plan.pp) and z >= 2 else 1
     if z == 1 or z == 2 and not training.fsdp2:
         # the updated weights are all-gathered after the step, before the next forward (exposed)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
@@ -554,13 +597,19 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         return m * (block_total + rest_comm) + hsdp, m * (block_exposed + rest_comm) + hsdp
     # Weights gathered for every micro-batch: FSDP2 reshards after every backward, so ZeRO-2 gathers them again
     # for each forward (kept through backward); ZeRO-3 for forward and again for backward. Each block's gather is
-    # prefetched behind the previous block's compute (the first block's has nothing before it).
+    # prefetched behind the previous block's compute (the first block's has nothing before it). In a pipeline,
+    # torch.distributed.pipelining keeps the stage gathered after every backward but the step's last
+    # (reshard_after_backward False): ZeRO-2, which does not reshard after forward either, gathers once per step
+    # (the simulator counts one all-gather per unit whatever the micro-batches); ZeRO-3 still reshards after
+    # each forward.
     experts_ag = expert_units(all_gather, gathered_weight_bytes(training), ex_n, ex_link)
     ag = by_unit(all_gather, gathered, sh_n, sh_link) + experts_ag
     first = ag / layers
     fwd_exposed = ag - w * min(ag - first, cost.forward)
     if z == 2:
-        return m * ag + rs + hsdp, m * fwd_exposed + behind_backward(rs) + hsdp
+        n_ag = 1 if plan.pp > 1 and training.fsdp2 else m
+        return (n_ag * ag + n_rs * rs + hsdp,
+                n_ag * fwd_exposed + n_rs * behind_backward(rs) + hsdp)
     # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
     if not training.fsdp2:
         ag_bwd = ag
@@ -661,13 +710,15 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     layers = where.max_layers
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
-    if training.syncs_every_micro_batch and plan.zero_stage >= 2:
+    if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2:
         reduced *= plan.grad_accum
     gathered = 0.0
     if plan.zero_stage >= 2:
         weights = n_params * gathered_weight_bytes(training)
         blocks = where.max_blocks * weights / n_params
-        gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
+        # (in a pipeline ZeRO-2 gathers once per step: dp_comm)
+        gathers = 1 if plan.zero_stage == 2 and plan.pp > 1 else plan.grad_accum
+        gathered = gathers * (weights + (blocks if plan.zero_stage == 3 else 0.0))
     if plan.ep > 1 and where.max_experts:  # the experts' shards are 1 / expert_shard_group of them
         share = where.max_experts / n_params
         hidden_side = reduced + gathered * ((1 - share) / plan.shard_group + share / plan.expert_shard_group)

@@ -60,7 +60,9 @@ class Training:
     global_batch: int = 512
     """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
     precision: Precision = "bf16"
-    """Matmul precision: fp32, or mixed bf16/fp16 (fp8: fp8 matmuls, bf16 storage) with fp32 master state."""
+    """Matmul precision: fp32, or mixed bf16/fp16 with fp32 master state; fp8: the blocks' linears in float8 as
+    torchao's float8 training runs them (tensorwise scaling; attention and the output head in bf16, activations
+    kept in bf16)."""
     optimizer: Optimizer = "adamw"
     """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit / adamw4bit (2 block-quantised states, torchao),
     adafactor (factored second moment only)."""
@@ -121,6 +123,11 @@ class Training:
     (operators.ELEMENTWISE); or 'fused' kernels that write each tensor backward keeps once and read it once
     (Megatron's fused norms, bias-GeLU, bias-dropout-add; a compiled block; llm-foundry's one-kernel LayerNorm
     and GELU)."""
+    compile: bool = False
+    """Each block compiled with torch.compile (shardwise's train.compile, torchtitan's compile): inductor fuses the
+    block's elementwise operators, which are then priced as `elementwise` 'fused' whatever that field says. Memory
+    is counted as the eager block keeps it (what inductor's partitioner saves instead is not modelled: torchtitan's
+    benchmark measured 5 GiB less with compile on Llama 3.1 8B)."""
     attention_kernel: str = "flash2"
     """The fused attention kernel, whose share of peak the accelerator's catalogue entry gives where its paper
     states one (hardware.KERNEL_EFFICIENCY): flash1, flash2 (torch's SDPA), flash3, cudnn."""
@@ -188,11 +195,29 @@ class Training:
 
     @property
     def compute_dtype(self) -> str:
+        """The dtype of the matmuls outside the blocks' linears (attention, the output head) and of MFU's peak: under
+        fp8 only the linears run in float8 (`linear_dtype`), as torchao's float8 training converts them."""
+        return "bf16" if self.precision == "fp8" else self.precision
+
+    @property
+    def linear_dtype(self) -> str:
+        """The dtype of the blocks' linear GEMMs: fp8 is torchao's float8 training (Float8Linear, tensorwise dynamic
+        scaling: torchao.float8.convert_to_float8_training, which torchtitan applies to every linear but the output
+        head); its casts are priced in timing.linear_times."""
         return self.precision
 
     @property
     def syncs_every_micro_batch(self) -> bool:
         return self.grad_sync == "micro-batch" or self.layout == "zero"
+
+    def reduces_every_micro_batch(self, pp: int) -> bool:
+        """Whether ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward (keeping only the shard) in a
+        plan of `pp` pipeline stages: the system's choice (`syncs_every_micro_batch`), except in a pipeline of FSDP2
+        units, where torch.distributed.pipelining turns gradient sync off for every backward but the step's last
+        (PipelineStage.backward_maybe_with_nosync: set_requires_gradient_sync(False), then a post-backward with it
+        on for the last), whatever the trainer asks (torchtitan's): the gradients are kept unsharded, in the
+        reduce dtype, until then."""
+        return self.syncs_every_micro_batch and not (pp > 1 and self.fsdp2)
 
     @property
     def fsdp2(self) -> bool:
