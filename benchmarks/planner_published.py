@@ -115,6 +115,10 @@ class Run:
     """Megatron-LM (2021-22) and BLOOM ran attention unfused (batched GEMMs, a fused scale + mask + softmax kernel:
     Training.fused_attention) with Megatron's default dropout of 0.1 (BLOOM's README: "The default Megatron-LM
     dropout settings are inherited"; Korthikanti et al. count its masks); Llama 3 a fused kernel, no dropout."""
+    compile: bool = False
+    """Each block compiled with torch.compile (Training.compile), where the source says so."""
+    precision: str = "bf16"
+    """The matmul precision (Training.precision): fp8 for torchao's float8 training of the blocks' linears."""
     fused_rmsnorm: bool = True
     """Whether torch.nn.RMSNorm ran as torch's fused kernel (Training.fused_rmsnorm): on a GPU since torch 2.8
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
@@ -299,36 +303,91 @@ def bloom_runs() -> list[Run]:
 
 
 # --------------------------------------------------------------------------------------------------
-# torchtitan's own benchmark of Llama 3.1 8B (end of 2024): FSDP2 with bf16 parameters for compute and fp32
-# reduction (its default MixedPrecisionPolicy), op-level selective checkpointing, sequence 8192 (the llama3_8b
-# recipe), local batch 2, eager (the rows with torch.compile or Float8 are left out: the planner models neither).
-# "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 400 Gb/s RDMA per GPU, "the
-# default 500W power limit" (the H100 SXM's is 700 W). Its peak, in the source's own footnote: "HBM2e-based SXM H100
-# with lower TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". The
-# datasheets give 989.4 (SXM5) and 835.5 (H100 NVL: 1,671 TFLOP/s bf16 with sparsity) dense bf16 TFLOP/s; the rows
-# are evaluated at the middle of those bounds, 912.5 (at the NVL's they would be at 1.00 and 1.03, at the SXM's
-# 1.12 and 1.16).
-# Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"), TPS/GPU read at step 90.
-# Its norm was torch.nn.RMSNorm (torchtitan's build_norm, "rmsnorm"), composite on a GPU until torch 2.8: torchtitan
-# issue 374 (2024) waits for "the CUDA kernel when it is ready in core", which came with pytorch PR 153666 (2025).
+# torchtitan's own benchmark of Llama 3.1 8B, 70B and 405B (torch, torchao and torchtitan of 2024/12/23-26):
+# FSDP2 with bf16 parameters for compute and fp32 reduction (its default MixedPrecisionPolicy), sequence 8192 unless a
+# table varies it, tables 1-6, every row. "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory
+# bandwidth", 400 Gb/s RDMA per GPU, "the default 500W power limit" (the H100 SXM's is 700 W). Its peak, in the
+# source's own footnote: "HBM2e-based SXM H100 with lower TDP, the actual peak TFLOPs number is between SXM and NVL,
+# and we don't know its exact value". The datasheets give 989.4 (SXM5) and 835.5 (H100 NVL: 1,671 TFLOP/s bf16 with
+# sparsity) dense bf16 TFLOP/s; the rows are evaluated at the middle of those bounds, 912.5 (every dtype's peak scaled
+# alike).
+# Memory is torchtitan's logged peak of reserved memory ("memory readings are stable"; for pipelines "the maximum
+# across all GPUs"), TPS/GPU read at step 90. Its norm was torch.nn.RMSNorm (torchtitan's build_norm, "rmsnorm"),
+# composite on a GPU until torch 2.8: torchtitan issue 374 (2024) waits for "the CUDA kernel when it is ready in
+# core", which came with pytorch PR 153666 (2025).
+# How the rows ran, from torchtitan's code of the time: torch.compile compiles each block (Training.compile);
+# Float8 is torchao's float8 training with tensorwise dynamic scaling on every linear but the output head
+# (precision fp8); local batch = one micro-batch (no gradient accumulation then), except in a pipeline, whose
+# micro-batches default to the number of stages (pipeline_parallel_microbatches or parallel_dims.pp: local batch 32
+# in 8 micro-batches of 4) and whose interleaved schedule defaults to 2 stages per rank; TP always with sequence
+# parallelism and loss parallel; FSDP reshards after forward except in a pipeline ("For PP, do not reshard after
+# forward to avoid per-microbatch all-gathers", apply_fsdp): there it is what the planner calls ZeRO-2; context
+# parallelism is torch's ring attention, load-balanced, sharding the weights with the dp_shard ranks.
+# Not modelled: asynchronous TP (AsyncTP, tables 4-6: TP's collectives are priced on the critical path).
 TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
               "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
 
 
 TORCHTITAN_H100_PEAK = (989.4 + 835.5) / 2
 
+# table, model, GPUs, sequence, layout (--plan keys; micro_batch = the local batch, or its pipeline micro-batch),
+# global batch (sequences), compile, Float8, AsyncTP, TPS/GPU, memory GiB, the row as printed
+TORCHTITAN_ROWS = [
+    (1, "llama3-8b", 8, 8192, "dp_shard=8,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 16,
+     False, False, False, 5762, 82.4, "FSDP | 5,762 | 82.4"),
+    (1, "llama3-8b", 8, 8192, "dp_shard=8,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 16,
+     True, False, False, 6667, 77.0, "FSDP + torch.compile | 6,667 | 77.0"),
+    (1, "llama3-8b", 8, 8192, "dp_shard=8,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 16,
+     True, True, False, 8532, 76.8, "FSDP + torch.compile + Float8 | 8,532 | 76.8"),
+    (2, "llama3-8b", 8, 32768, "dp_shard=8,cp=1,zero_stage=3,micro_batch=1,activation_checkpoint=full", 8,
+     True, True, False, 3890, 83.9, "FSDP 8, CP 1 | 32768 | 3,890 | 83.9"),
+    (2, "llama3-8b", 8, 65536, "dp_shard=4,cp=2,zero_stage=3,micro_batch=1,activation_checkpoint=full", 4,
+     True, True, False, 2540, 84.2, "FSDP 4, CP 2 | 65536 | 2,540 | 84.2"),
+    (2, "llama3-8b", 8, 131072, "dp_shard=2,cp=4,zero_stage=3,micro_batch=1,activation_checkpoint=full", 2,
+     True, True, False, 1071, 84.0, "FSDP 2, CP 4 | 131072 | 1,071 | 84.0"),
+    (2, "llama3-8b", 8, 262144, "dp_shard=1,cp=8,zero_stage=3,micro_batch=1,activation_checkpoint=full", 1,
+     True, True, False, 548, 84.5, "FSDP 1, CP 8 | 262144 | 548 | 84.5"),
+    (3, "llama3-8b", 128, 8192, "dp_shard=128,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 256,
+     False, False, False, 5605, 67.0, "FSDP | 5,605 | 67.0"),
+    (3, "llama3-8b", 128, 8192, "dp_shard=128,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 256,
+     True, False, False, 6514, 62.0, "FSDP + torch.compile | 6,514 | 62.0"),
+    (3, "llama3-8b", 128, 8192, "dp_shard=128,zero_stage=3,micro_batch=2,activation_checkpoint=selective", 256,
+     True, True, False, 8380, 61.8, "FSDP + torch.compile + Float8 | 8,380 | 61.8"),
+    (4, "llama3-70b", 256, 8192, "dp_shard=32,tp=8,zero_stage=3,micro_batch=16,activation_checkpoint=full", 512,
+     True, True, False, 829, 71.9, "2D | 829 | 71.9"),
+    (4, "llama3-70b", 256, 8192, "dp_shard=32,tp=8,zero_stage=3,micro_batch=16,activation_checkpoint=full", 512,
+     True, True, True, 876, 67.6, "2D + AsyncTP | 876 | 67.6"),
+    (5, "llama3-405b", 512, 8192, "dp_shard=8,tp=8,pp=8,zero_stage=2,micro_batch=4,pp_schedule=1f1b,"
+     "activation_checkpoint=full", 256, True, True, True, 100, 82.5, "1F1B | 100 | 82.5"),
+    (5, "llama3-405b", 512, 8192, "dp_shard=8,tp=8,pp=8,zero_stage=2,micro_batch=4,pp_schedule=interleaved-1f1b,"
+     "virtual_stages=2,activation_checkpoint=full", 256, True, True, True, 128, 72.7, "Interleaved 1F1B | 128 | 72.7"),
+    (6, "llama3-405b", 512, 32768, "dp_shard=8,cp=1,tp=8,pp=8,zero_stage=2,micro_batch=1,pp_schedule=1f1b,"
+     "activation_checkpoint=full", 64, True, True, True, 76, 75.3, "FSDP 8, CP 1 | 32768 | 76 | 75.3"),
+    (6, "llama3-405b", 512, 65536, "dp_shard=4,cp=2,tp=8,pp=8,zero_stage=2,micro_batch=1,pp_schedule=1f1b,"
+     "activation_checkpoint=full", 32, True, True, True, 47, 75.9, "FSDP 4, CP 2 | 65536 | 47 | 75.9"),
+    (6, "llama3-405b", 512, 131072, "dp_shard=2,cp=4,tp=8,pp=8,zero_stage=2,micro_batch=1,pp_schedule=1f1b,"
+     "activation_checkpoint=full", 16, True, True, True, 31, 77.1, "FSDP 2, CP 4 | 131072 | 31 | 77.1"),
+    (6, "llama3-405b", 512, 262144, "dp_shard=1,cp=8,tp=8,pp=8,zero_stage=2,micro_batch=1,pp_schedule=1f1b,"
+     "activation_checkpoint=full", 8, True, True, True, 16, 84.9, "FSDP 1, CP 8 | 262144 | 16 | 84.9"),
+]
+
 
 def torchtitan_runs() -> list[Run]:
     runs = []
-    model = preset("llama3-8b")
-    for table, n, tps, mem in ((1, 8, 5762, 82.4), (3, 128, 5605, 67.0)):
-        runs.append(Run(f"torchtitan 8B FSDP n={n}", model, n, 8192, 2 * n,
-                        f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage=3,micro_batch=2,activation_checkpoint=selective",
-                        TORCHTITAN, f"table {table}, FSDP row: {tps:,} TPS/GPU, {mem} GiB (local batch 2, global "
-                        f"{2 * n}, selective AC)", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem,
-                        gpu="h100", system="torchtitan", gpu_memory_gib=96, mem_bandwidth_tbs=2.4,
-                        peak_tflops=TORCHTITAN_H100_PEAK,
-                        search=n == 8, fused_rmsnorm=False))
+    for table, name, n, seq, plan, batch, compiled, float8, async_tp, tps, mem, row in TORCHTITAN_ROWS:
+        model = dataclasses.replace(preset(name), max_seq_len=max(seq, preset(name).max_seq_len))
+        tp = "tp=" in plan
+        how = ("+compile" if compiled else "") + ("+Float8" if float8 else "") + ("+AsyncTP" if async_tp else "")
+        how = f" {how.removeprefix('+')}" if how else ""
+        pipeline = " PP i1F1B" if "interleaved" in plan else " PP 1F1B" if "pp=" in plan else ""
+        layout = "FSDP" + (" TP" if tp else "") + pipeline + (" CP" if "cp=" in plan and "cp=1," not in plan else "")
+        size = name.removeprefix("llama3-").upper()
+        runs.append(Run(f"torchtitan {size} {layout}{how} n={n} s={seq // 1024}K", model, n, seq, batch,
+                        f"{plan}{',sequence_parallel=true' if tp else ''}", TORCHTITAN, f"table {table} row: {row}",
+                        tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
+                        gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK,
+                        search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
+                        precision="fp8" if float8 else "bf16"))
     return runs
 
 
@@ -556,8 +615,9 @@ def cluster_of(run: Run) -> Cluster:
 
 def training_of(run: Run) -> Training:
     if run.system is not None:
+        fields = {**SYSTEMS[run.system].training_fields(), "compile": run.compile}
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
-                        **SYSTEMS[run.system].training_fields())
+                        precision=run.precision, **fields)
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     # (layout 'torch' is shardwise's engine, eager elementwise operators included)
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
@@ -632,14 +692,20 @@ def sweep_of(run: Run) -> str | None:
     batches, sequence lengths and GPU counts varied (llm-foundry's tables); None: not part of a sweep."""
     if run.name.startswith("foundry"):
         return f"llm-foundry {run.gpu} {run.model.name}"
+    if run.name.startswith("torchtitan"):
+        return f"torchtitan {run.quote.split(' row')[0]}"
     return None
+
+
+W = max(len(run.name) for run in RUNS)
+"""Width of the run-name column."""
 
 
 def main() -> None:
     start_all = time.perf_counter()
     check_mapping()
     print()
-    head = (f"{'run':34s} {'pred s':>8s} {'pub s':>8s} {'TF/s pred':>9s} {'pub':>5s} {'ratio':>5s} "
+    head = (f"{'run':{W}s} {'pred s':>8s} {'pub s':>8s} {'TF/s pred':>9s} {'pub':>5s} {'ratio':>5s} "
             f"{'MFU pred':>8s} {'pub':>6s} {'GiB':>6s} fit/pub  given plan (completed)")
     print(head)
     print("-" * len(head))
@@ -648,20 +714,20 @@ def main() -> None:
         try:
             ev, fits = given_plan(run)
         except PlannerError as e:
-            print(f"{run.name:34s} cannot be expressed: {e}")
+            print(f"{run.name:{W}s} cannot be expressed: {e}")
             continue
         t = ev.time
         pub_s = run.published_step() if (run.tflops or run.step_s) else None
         mem = ev.memory["total"] / GiB
         if run.mem_gib is not None:
             memories.append((run.name, mem / run.mem_gib))
-            mem_lines.append(f"  {run.name:34s} predicted {mem:5.1f} GiB, published {run.mem_gib:5.1f} GiB: "
+            mem_lines.append(f"  {run.name:{W}s} predicted {mem:5.1f} GiB, published {run.mem_gib:5.1f} GiB: "
                              f"{mem / run.mem_gib:.3f}")
         fit_col = f"{'yes' if fits else 'NO':>3s}/{'yes' if run.fitted else 'NO':3s}"
         flag = "" if fits == run.fitted else "  <- disagrees"
         if pub_s is None:
-            print(f"{run.name:34s} {t.step_time_s:8.2f} {'-':>8s} {'-':>9s} {'-':>5s} {'-':>5s} {t.mfu:8.1%} {'-':>6s} "
-                  f"{mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
+            print(f"{run.name:{W}s} {t.step_time_s:8.2f} {'-':>8s} {'-':>9s} {'-':>5s} {'-':>5s} {t.mfu:8.1%} "
+                  f"{'-':>6s} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
         else:
             tf_pred = run.tflops * pub_s / t.step_time_s if run.tflops else float("nan")
             ratio = pub_s / t.step_time_s
@@ -674,7 +740,7 @@ def main() -> None:
             if sweep_of(run):  # tokens/s per GPU, predicted and published
                 tokens = run.batch * run.seq / run.gpus
                 sweeps.setdefault(sweep_of(run), []).append((tokens / t.step_time_s, tokens / pub_s))
-            print(f"{run.name:34s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} "
+            print(f"{run.name:{W}s} {t.step_time_s:8.2f} {pub_s:7.2f}{'m' if run.step_s else ' '} {tf_pred:9.0f} "
                   f"{run.tflops:5.0f} {ratio:5.2f} "
                   f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
         if run.search:
@@ -685,7 +751,7 @@ def main() -> None:
                 best = search(run.model, training_of(run), cluster_of(run), top_k=1)
                 searches[key] = (best, time.perf_counter() - t0)
                 b = best.ranked[0] if best.ranked else None
-                line = (f"{run.name:34s} " + (f"{b.time.step_time_s:8.2f} s  MFU {b.time.mfu:5.1%}  "
+                line = (f"{run.name:{W}s} " + (f"{b.time.step_time_s:8.2f} s  MFU {b.time.mfu:5.1%}  "
                                                f"{b.memory['total'] / GiB:5.1f} GiB  {describe(b.plan)}"
                                                if b else "nothing fits"))
                 search_lines.append(line + f"  ({searches[key][1]:.1f} s, {best.evaluated} sized)")
@@ -700,6 +766,11 @@ def main() -> None:
                          ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
+        if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
+            titan = groups[name]
+            groups["  no CP, no AsyncTP"] = [x for x in titan if " CP " not in x[0] and "AsyncTP" not in x[0]]
+            groups["  AsyncTP, no CP"] = [x for x in titan if " CP " not in x[0] and "AsyncTP" in x[0]]
+            groups["  CP"] = [x for x in titan if " CP " in x[0]]
     print("timed runs whose given plan fits (ratio = predicted/published throughput):")
     for name, rs in groups.items():
         if rs:
@@ -710,12 +781,15 @@ def main() -> None:
                   f"range {min(r for _, r in rs):.2f}..{max(r for _, r in rs):.2f}")
     print("\nrank order of tokens/s per GPU within each sweep (Spearman, predicted against published):")
     for name, pairs in sweeps.items():
-        if len(pairs) >= 4:
+        if len(pairs) >= 3:
             rho = spearman([a for a, _ in pairs], [b for _, b in pairs])
             print(f"  {name:32s} n={len(pairs):2d}  {rho:5.2f}")
     print("\npeak memory per GPU where published (predicted / published):")
     for line in mem_lines:
         print(line)
+    within = sum(abs(r - 1) <= 0.10 for _, r in memories)
+    print(f"  within 10%: {within} of {len(memories)}; median |ratio - 1| "
+          f"{statistics.median(abs(r - 1) for _, r in memories):.1%}")
     print()
     print("search, same job, any layout (fastest plan that fits):")
     for line in search_lines:
