@@ -268,7 +268,9 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     best = plans[0]
     items = ", ".join(f"{k} {v / GiB:.1f}" for k, v in best.memory.items() if k != "total" and v > 0)
-    return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}"])
+    notes = ["MFU: model FLOPs over the bf16 peak (the float8 linears run at up to twice it)"] \
+        if training.precision == "fp8" else []
+    return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}", *notes])
 
 
 def main(argv: list[str] | None = None) -> int:
