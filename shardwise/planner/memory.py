@@ -1057,8 +1057,14 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         done = zero_bubble["input_pass"][3]
         held_early = held - kept + kept * done
         early_grads = state["grads"] * done if accum and not fsdp else early_grads
+    # an interleaved schedule's last rank holds m stage-equivalents of its layers but the head of one micro-batch:
+    # the head is in its last chunk, whose backward follows its forward in steady state (Megatron's schedule and
+    # torch.distributed.pipelining's ScheduleInterleaved1F1B alike); 1F1B's last rank holds one micro-batch anyway,
+    # GPipe's every one
+    heads = min(1.0, m) if plan.pp > 1 and plan.pp_schedule == "interleaved-1f1b" else m
     held_acts, held_copies, held_grads = zero_bubble["input_pass"][:3] if zero_bubble else \
-        (acts["activations"] * m, acts["copies"] * m, 0.0)
+        ((acts["activations"] - acts["head"]) * m + acts["head"] * heads,
+         (acts["copies"] - acts["head_copy"]) * m + acts["head_copy"] * heads, 0.0)
     out = {}
     if last:
         # the fused head's working set is made inside the forward, among its activations (fused_head)
@@ -1151,11 +1157,14 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
-    if plan.pp > 1 and fsdp and plan.zero_stage >= 3 and training.fsdp2 and keep_unsharded:
+    if plan.pp > 1 and fsdp and training.fsdp2 and keep_unsharded:
         # torch.distributed.pipelining keeps an FSDP stage gathered after every backward but the step's last
         # (PipelineStage sets reshard_after_backward False, and True for the last): at the end of the others all
-        # the stage's blocks are there beside the root, and no sharded gradient exists yet
-        out["end_of_backward"].update(grads=0.0, fsdp_buffers=held + (stage_p - root_p) * gathered)
+        # the stage's blocks are there beside the root (ZeRO-2 holds them all along), and no sharded gradient
+        # exists yet
+        out["end_of_backward"]["grads"] = 0.0
+        if plan.zero_stage >= 3:
+            out["end_of_backward"]["fsdp_buffers"] = held + (stage_p - root_p) * gathered
     if lookup:  # (a micro-batch's: replicate's working copies are still there for the next)
         out["embedding_backward"] = {**out["end_of_backward"], "replica_params": base["replica_params"],
                                      "backward_and_logits": lookup}
