@@ -625,8 +625,13 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     def bwd_exposed(comm: float) -> float:
         return comm - w * min(comm - first, bwd)
 
-    comm = m * (ag + ag_bwd) + n_rs * rs + hsdp
-    exposed = m * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
+    # In a pipeline of FSDP2 stages the blocks stay gathered after each backward (torch.distributed.pipelining), so
+    # the forward that follows finds them gathered and only reshards them: every unit is gathered for the step's
+    # first forward and the blocks again for each micro-batch's backward, (M + 1) x the blocks in all (the simulator
+    # counts that on the middle ranks, one block a micro-batch more on the last rank but one and less on the last)
+    n_fwd = 1 if plan.pp > 1 and training.fsdp2 else m
+    comm = n_fwd * ag + m * ag_bwd + n_rs * rs + hsdp
+    exposed = n_fwd * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
     return comm, exposed
 
 
@@ -716,9 +721,11 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     if plan.zero_stage >= 2:
         weights = n_params * gathered_weight_bytes(training)
         blocks = where.max_blocks * weights / n_params
-        # (in a pipeline ZeRO-2 gathers once per step: dp_comm)
-        gathers = 1 if plan.zero_stage == 2 and plan.pp > 1 else plan.grad_accum
-        gathered = gathers * (weights + (blocks if plan.zero_stage == 3 else 0.0))
+        # (in a pipeline ZeRO-2 gathers once per step, ZeRO-3 every unit once and the blocks per micro-batch: dp_comm)
+        if plan.pp > 1:
+            gathered = weights + (plan.grad_accum * blocks if plan.zero_stage == 3 else 0.0)
+        else:
+            gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
     if plan.ep > 1 and where.max_experts:  # the experts' shards are 1 / expert_shard_group of them
         share = where.max_experts / n_params
         hidden_side = reduced + gathered * ((1 - share) / plan.shard_group + share / plan.expert_shard_group)
