@@ -290,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e, 2)
     except (CheckpointError, TrainingError) as e:
         return _error(e, 3)
+    except BrokenPipeError:
+        # the reader of our output went away (`shardwise plan ... | head`): nothing left to say, and no traceback
+        # when Python flushes stdout at exit (the Python docs' recipe, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _error(e: Exception, exit_code: int) -> int:

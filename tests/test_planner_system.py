@@ -487,20 +487,23 @@ def test_flash_attention_1_on_hopper_reproduces_llm_foundrys_long_sequence_runs(
 # Float8, torch.compile and FSDP2 in a pipeline: torchtitan's published benchmark, every table
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("m, k, n", [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 4096, 1024),
                                      (64, 256, 128)])
-def test_float8_casts_are_torchaos_own_roofline(m, k, n):
+def test_float8_casts_are_torchaos_own_roofline(m, k, n, fused):
     # torchao's float8 roofline (torchao.testing.training.roofline_utils, the library the recipe names) prices
-    # tensorwise scaling under compile kernel by kernel: the planner's casts are the same kernels, each at least
-    # the measured launch time (the last shape is all launch time)
+    # tensorwise scaling kernel by kernel, with its fusion modelling for a compiled block (the amax of the input
+    # and of the output's gradient fused into the kernel that made them): the planner's casts are the same
+    # kernels, each at least the measured launch time (the last shape is all launch time)
     sympy = pytest.importorskip("sympy")
     roofline = pytest.importorskip("torchao.testing.training.roofline_utils")
     from shardwise.planner.timing import float8_cast_seconds
 
     specs = roofline.get_specs("NVIDIA H100")
     bandwidth = specs["peak_mem_bw_bytes_sec"] * specs["pct_achievable_mem_bw"]
-    theirs = roofline.get_float8_mem_sympy(m, k, n, "tensorwise", None, True, gpu_name="NVIDIA H100")
-    assert sum(float8_cast_seconds(m, k, n, bandwidth)) == pytest.approx(float(sympy.sympify(theirs)), rel=1e-12)
+    theirs = roofline.get_float8_mem_sympy(m, k, n, "tensorwise", None, fused, gpu_name="NVIDIA H100")
+    ours = sum(float8_cast_seconds(m, k, n, bandwidth, fused=fused))
+    assert ours == pytest.approx(float(sympy.sympify(theirs)), rel=1e-12)
 
 
 def test_float8_runs_the_linears_at_the_fp8_peak_and_attention_and_the_head_in_bf16():
@@ -517,7 +520,7 @@ def test_float8_runs_the_linears_at_the_fp8_peak_and_attention_and_the_head_in_b
     assert _head_times(args, fp8, plan, acc) == _head_times(args, bf16, plan, acc)
     tokens = 2 * 8192
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
-    casts = [float8_cast_seconds(tokens, k, n, bandwidth) for _, k, n in
+    casts = [float8_cast_seconds(tokens, k, n, bandwidth, fused=False) for _, k, n in
              [(name, i, o) for name, (i, o) in args_shapes(args).items()]]
     fwd8, bwd8, w8 = linear_times(args, fp8, plan, acc, tokens)
     fwd, bwd, w = linear_times(args, bf16, plan, acc, tokens)

@@ -37,11 +37,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step")
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"])
+    a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"],
+      help="matmul precision (default bf16; fp8: torchao's float8 training of the blocks' linears, as torchtitan runs "
+           "it, attention and the output head in bf16, MFU over the bf16 peak; shardwise's engine trains in fp32, "
+           "bf16 or fp16)")
     a("--optimizer", default="adamw", choices=list(typing.get_args(Optimizer)))
     a("--system", default="shardwise",
       help=f"the engine the plan is for: {', '.join(SYSTEMS)}, or a TOML file describing one (docs/planner.md, "
-           "'Systems'); its choices are the defaults of --layout, --attention and --dropout")
+           "'Systems'); its choices are the defaults of --layout, --attention, --dropout and --compile")
     a("--layout", default=None, choices=list(LAYOUTS),
       help="how mixed precision stores model state (see docs/planner.md; default: the system's)")
     a("--attention", default=None, choices=["fused", "unfused"],
@@ -52,7 +55,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
       help="Megatron's hidden and attention dropout (its masks are kept; default: the system's)")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
       help="each block compiled with torch.compile: its elementwise operators fused (shardwise's train.compile, "
-           "which --write-config writes; default: the system's)")
+           "which --write-config writes; zero-bubble pipelines, which the engine does not compile, are left out; "
+           "default: the system's)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights")
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     a("--expert-imbalance", type=float, default=0.0,
@@ -103,7 +107,11 @@ def build_inputs(ns: argparse.Namespace):
         acc = dataclasses.replace(acc, intra_node_bw=ns.intra_node_gbs * GB)
     if ns.inter_node_gbs is not None:
         acc = dataclasses.replace(acc, inter_node_bw=ns.inter_node_gbs * GB)
-    training.precision in acc.peak_flops or acc.peak(training.precision)  # raises, naming --precision
+    for dtype in (training.precision, training.compute_dtype):  # fp8: the linears', and bf16 for the rest
+        if dtype not in acc.peak_flops:
+            why = ", which float8 training runs attention and the head in" if dtype != training.precision else ""
+            raise PlannerError("--precision", f"{acc.name} has no {dtype} matmul support in the catalogue{why}",
+                               f"use one of {', '.join(sorted(set(acc.peak_flops) - {'fp8'}))}")
     cluster = Cluster(acc, gpus=ns.gpus, gpus_per_node=min(ns.gpus_per_node, ns.gpus))
     return model, training, cluster
 
@@ -143,6 +151,11 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
                            f"micro_batch)) < pp={plan.pp} stages, which {plan.pp_schedule} needs",
                            f"use a global batch of at least {plan.pp * plan.dp * mb} sequences, fewer stages, or "
                            "pp_schedule=gpipe")
+    if error is not None and error.field == "train.compile":  # the planner's flag, not the config's field
+        raise PlannerError("--compile", error.problem, "leave out --compile (or pass --no-compile), or choose "
+                           "another pp_schedule in --plan")
+    if error is not None and error.field == "train.precision":
+        raise PlannerError("--precision", error.problem, "pass --precision bf16, or leave pp out of --plan")
     if error is not None:
         raise PlannerError(f"--plan ({error.field})", error.problem, error.fix)
     return plan
@@ -185,6 +198,10 @@ def _run(ns: argparse.Namespace) -> int:
     if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
         plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus, model), cluster)]
     expl = explain(model, training, cluster, result)
+    if ns.write_config and plans and not plans[0].fits:
+        raise PlannerError("--write-config", f"the plan needs {plans[0].memory['total'] / GiB:.1f} GiB per GPU of "
+                           f"{cluster.accelerator.memory_bytes / GiB:.0f}: it would not fit",
+                           "relax --plan (e.g. activation_checkpoint, more tp or pp), or use more GPUs")
     if ns.write_config and plans:
         from shardwise.planner.config_out import write_config
 
@@ -210,6 +227,7 @@ def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], 
         "training": dataclasses.asdict(training),
         "cluster": {"gpu": cluster.accelerator.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                     "memory_gib": cluster.accelerator.memory_bytes / GiB},
+        "mfu_peak": training.compute_dtype,
         "plans": [ev.to_json() for ev in plans],
         "explanation": expl,
         "search": {"evaluated": evaluated, "seconds": seconds},
@@ -268,8 +286,12 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     best = plans[0]
     items = ", ".join(f"{k} {v / GiB:.1f}" for k, v in best.memory.items() if k != "total" and v > 0)
-    notes = ["MFU: model FLOPs over the bf16 peak (the float8 linears run at up to twice it)"] \
-        if training.precision == "fp8" else []
+    notes = []
+    if training.precision == "fp8":
+        notes.append("MFU: model FLOPs over the bf16 peak (the float8 linears run at up to twice it)")
+        if training.system.split(" (")[0] == "shardwise":
+            notes.append("fp8: torchao's float8 training as torchtitan runs it, priced on shardwise's recipe; "
+                         "shardwise's engine trains in fp32, bf16 or fp16 (--write-config refuses fp8)")
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}", *notes])
 
 

@@ -41,7 +41,8 @@ def _engine_runs(training: Training) -> None:
                and not (k == "fuse_head" and training.fuses_head == (training.layout == "torch"))]
     refusals = [  # another system first; then what a flag changed in shardwise's (its name says "shardwise (...)")
         (training.system.split(" (")[0] != "shardwise", "--system", f"the plan is sized for {training.system}, "
-         "and shardwise's engine runs differently", "plan with --system shardwise"),
+         "and shardwise's engine runs differently",
+         f"plan with --system shardwise{' --compile' if training.compile else ''}"),
         (training.precision not in ("fp32", "bf16", "fp16"), "--precision",
          f"the engine trains in fp32, bf16 or fp16, not {training.precision}", "plan with --precision bf16"),
         (training.layout != "torch", "--layout", f"the engine stores state as torch does, not as {training.layout}",

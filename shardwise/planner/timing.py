@@ -92,6 +92,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     split by tp (every tp rank runs the whole MoE)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
+    if moe and training.linear_dtype == "fp8":
+        raise PlannerError("--precision", f"float8 training of {args.name}'s mixture of experts (its grouped expert "
+                           "GEMMs) is not modelled", "use --precision bf16")
     if moe:  # the experts' grouped GEMMs at the large-GEMM rate (their shapes per expert are not modelled)
         matmul_params = (attention_params(args, plan.tp) + moe_shared_params(args)
                          + routed_per_token(args, training, plan) * 3 * args.dim * args.expert_hidden)
@@ -173,15 +176,17 @@ from the trace"); every kernel of a cast takes at least this, the second stage o
 exactly this."""
 
 
-def float8_cast_seconds(tokens: float, n_in: float, n_out: float, bandwidth: float) -> tuple[float, float]:
+def float8_cast_seconds(tokens: float, n_in: float, n_out: float, bandwidth: float,
+                        fused: bool = True) -> tuple[float, float]:
     """Seconds of the float8 casts of one Float8Linear of (n_in, n_out) features over `tokens` rows, (forward,
-    backward), kernel by kernel as torchao's float8 roofline prices tensorwise scaling under torch.compile
-    (torchao.testing.training.roofline_utils, get_float8_mem_sympy with enable_fusion_modeling; torchao 0.18): each
-    kernel takes max(its bytes / bandwidth, FLOAT8_KERNEL_S).
+    backward), kernel by kernel as torchao's float8 roofline prices tensorwise scaling
+    (torchao.testing.training.roofline_utils, get_float8_mem_sympy; torchao 0.18), with its fusion modelling where
+    the block is compiled (`fused`): each kernel takes max(its bytes / bandwidth, FLOAT8_KERNEL_S).
 
-    * the input (tokens x n_in) and the output's gradient (tokens x n_out): an amax pass fused into the kernel
-      that made the tensor (no bytes), the amax's second stage, and a cast that reads the tensor in bf16 and writes
-      it in float8 twice, row- and column-major for the two GEMMs that use it: 2 + 2 bytes an element;
+    * the input (tokens x n_in) and the output's gradient (tokens x n_out): an amax pass (reads the tensor in bf16,
+      2 bytes an element; compiled, fused into the kernel that made the tensor: none), the amax's second stage, and
+      a cast that reads the tensor in bf16 and writes it in float8 twice, row- and column-major for the two GEMMs
+      that use it: 2 + 2 bytes an element;
     * the weight (n_in x n_out): an amax pass (reads it in bf16: 2 bytes), its second stage, and two casts, each
       reading bf16 and writing float8 once (2 + 1): one in forward, the transposed one in backward.
 
@@ -192,9 +197,12 @@ def float8_cast_seconds(tokens: float, n_in: float, n_out: float, bandwidth: flo
         return max(nbytes / bandwidth, FLOAT8_KERNEL_S)
 
     x, w, dy = tokens * n_in, n_in * n_out, tokens * n_out
-    activation = 2 * FLOAT8_KERNEL_S  # the fused amax pass and the amax's second stage
-    forward = activation + kernel(4 * x) + kernel(2 * w) + FLOAT8_KERNEL_S + kernel(3 * w)
-    backward = kernel(3 * w) + activation + kernel(4 * dy)
+
+    def amax(n: float) -> float:  # the amax pass (a launch where it is fused) and its second stage
+        return kernel(0.0 if fused else 2 * n) + FLOAT8_KERNEL_S
+
+    forward = amax(x) + kernel(4 * x) + kernel(2 * w) + FLOAT8_KERNEL_S + kernel(3 * w)
+    backward = kernel(3 * w) + amax(dy) + kernel(4 * dy)
     return forward, backward
 
 
@@ -206,7 +214,7 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     (tokens x in), each at the efficiency of its own shape (Accelerator.matmul_eff) in the recipe's linear dtype.
     In float8 (precision fp8) the GEMMs run at the fp8 peak (at the same share of it as bf16's at the same shape:
     torchao's roofline assumes one achievable share for both) and each linear adds its casts (float8_cast_seconds,
-    at the elementwise bandwidth)."""
+    at the elementwise bandwidth; their amax passes fused where the block is compiled)."""
     dtype = training.linear_dtype
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     fwd = bwd_in = bwd_w = 0.0
@@ -219,7 +227,7 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
         bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc, dtype)
         bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc, dtype)
         if dtype == "fp8":
-            cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth)
+            cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth, fused=training.compile)
             fwd += cast_fwd
             bwd_in += cast_bwd
     return fwd, bwd_in, bwd_w
