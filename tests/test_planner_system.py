@@ -663,3 +663,25 @@ def test_torchtitan_405b_pipelines_within_10_percent():
     steps = {run.name: published.given_plan(run)[0].time.step_time_s for run in runs if "s=8K" in run.name}
     interleaved = next(name for name in steps if "i1F1B" in name)
     assert steps[interleaved] == min(steps.values())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", "llama3-8b", "--gpus", "8", "--compile", "--plan", "pp=2,pp_schedule=zero-bubble"], "--compile"),
+    (["--model", "llama3-8b", "--gpus", "8", "--precision", "fp16", "--plan", "pp=2"], "--precision"),
+    (["--model", "mixtral-8x7b", "--gpus", "64", "--precision", "fp8"], "--precision"),
+    (["--model", "llama3-8b", "--gpus", "1", "--lora-rank", "16", "--precision", "fp8"], "--precision"),
+    (["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100", "--precision", "fp8"], "--precision"),
+])
+def test_what_the_planner_cannot_price_or_the_engine_run_names_the_flag(argv, flag, capsys):
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise plan: {flag}:") and len(err.splitlines()) == 1 and "train." not in err
+
+
+def test_write_config_refuses_a_plan_that_does_not_fit(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    argv = ["--model", "llama3-70b", "--gpus", "8", "--plan", "dp_shard=8,activation_checkpoint=none",
+            "--write-config", str(path)]
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "--write-config" in err and "would not fit" in err and not path.exists()
