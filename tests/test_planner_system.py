@@ -685,3 +685,15 @@ def test_write_config_refuses_a_plan_that_does_not_fit(tmp_path, capsys):
     assert run_plan(_ns(*argv)) == 2
     err = capsys.readouterr().err
     assert "--write-config" in err and "would not fit" in err and not path.exists()
+
+
+def test_a_given_pipeline_that_does_not_fit_is_reported_with_the_micro_batch_its_split_implies(capsys):
+    # 64 sequences over dp 4 in 2 pipeline micro-batches: micro-batches of 8 sequences (it was refused, reading a
+    # micro-batch of 1: "micro_batch*grad_accum*dp = 8 != 64")
+    argv = ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--system", "torchtitan", "--json",
+            "--plan", "pp=4,dp_shard=4,zero_stage=3,pp_schedule=gpipe,pp_microbatches=2,activation_checkpoint=none"]
+    assert run_plan(_ns(*argv)) in (0, 1)
+    import json
+
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert (plan["micro_batch"], plan["grad_accum"], plan["dp"]) == (8, 2, 4)

@@ -135,7 +135,11 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
     least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
     layout = complete_layout({**least, **fixed}, world, source="--plan")
-    mb = fixed.get("micro_batch", 1)
+    accum = fixed.get("grad_accum", fixed.get("pp_microbatches"))
+    # a fixed accumulation (or a pipeline's micro-batches) with no micro-batch: the micro-batch that makes the batch
+    default_mb = training.global_batch // (layout.dp * accum) \
+        if accum and training.global_batch % (layout.dp * accum) == 0 else 1
+    mb = fixed.get("micro_batch", default_mb)
     if training.global_batch % (layout.dp * mb):
         raise PlannerError("--plan micro_batch", f"global batch {training.global_batch} is not a multiple of "
                            f"dp*micro_batch = {layout.dp * mb}", "change micro_batch, dp or the global batch")
