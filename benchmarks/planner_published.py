@@ -122,6 +122,8 @@ class Run:
     fused_rmsnorm: bool = True
     """Whether torch.nn.RMSNorm ran as torch's fused kernel (Training.fused_rmsnorm): on a GPU since torch 2.8
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
+    float8: str | None = None
+    """The float8 recipe (Training.float8), where it is not the system's default (NeMo's FP8-CS: te-current)."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -587,8 +589,73 @@ def mcore_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# NVIDIA's NeMo performance summaries: Megatron-Core (NeMo, later Megatron Bridge) pre-training on DGX-H100 in
+# float8 through Transformer Engine, each row's GPUs, GBS, MBS, sequence length, TP, PP, CP, VP, FSDP and
+# tokens/s per GPU as printed (the model TFLOP/s column is NeMo's own count; the planner compares tokens/s).
+# * NeMo 24.07 (docs/source/performance/performance_summary.md of NVIDIA/NeMo: "pre-training performance ... at
+#   FP8 precision", container NeMo24.07, System: DGX-H100): TE's default recipe then, delayed scaling. GPT3
+#   models are NeMo's gpt3 configs (5B: hidden 4096, 24 layers, 32 heads; 20B: 6144, 44, 48; 175B: 12288, 96,
+#   96; GELU MLP of 4h, tied embedding, the GPT-2 vocabulary padded to 50,304); Llama 2 13B is Meta's (5120, 40
+#   layers, 40 heads, ffn 13,824, vocabulary 32,000). The three Nemotron rows are left out (their 8B and 22B
+#   shapes are not published with the table).
+# * Megatron Bridge 25.11 and 26.02 (docs/performance-summary.md and docs/performance-summary-archive.md of
+#   NVIDIA-NeMo/Megatron-Bridge, "System: DGX-H100", precision FP8-CS: current scaling, te-current). FSDP 1 is
+#   Megatron-Core's own FSDP (ZeRO-3 here), FSDP 0 its DDP with the distributed optimizer (ZeRO-1). The
+#   mixture-of-experts rows and the other GPUs are left out.
+# Recompute is not stated: the search completes it, as the micro-batch count and ZeRO stage where a row leaves
+# them free. NeMo's H100 recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does
+# not model (as torchtitan's AsyncTP).
+NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07, "
+        "https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_summary.md")
+BRIDGE = ("NVIDIA Megatron Bridge performance summary, "
+          "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary.md and "
+          "docs/performance-summary-archive.md")
+NEMO_GPT = {"gpt3-5b": (4096, 32, 24), "gpt3-20b": (6144, 48, 44), "gpt3-175b": (12288, 96, 96)}
+LLAMA2_13B = ModelArgs(name="llama2-13b", dim=5120, n_heads=40, n_kv_heads=40, n_layers=40, vocab_size=32000,
+                       ffn_hidden=13824, max_seq_len=4096, tie_embeddings=False)
+# release, model, GPUs, GBS, MBS, sequence, FSDP, TP, PP, CP, VP, tokens/s per GPU
+NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
+             ("24.07", "gpt3-20b", 64, 256, 2, 2048, 0, 2, 1, 1, 1, 5851),
+             ("24.07", "gpt3-175b", 128, 256, 1, 2048, 0, 4, 8, 1, 6, 726),
+             ("24.07", "gpt3-175b", 512, 2048, 2, 2048, 0, 4, 8, 1, 6, 782),
+             ("24.07", "llama2-7b", 8, 128, 1, 4096, 0, 1, 1, 1, 1, 16847),
+             ("24.07", "llama2-13b", 16, 128, 1, 4096, 0, 1, 4, 1, 10, 8646),
+             ("24.07", "llama2-70b", 64, 128, 1, 4096, 0, 4, 4, 1, 20, 1707),
+             ("24.07", "llama3-8b", 8, 128, 1, 8192, 0, 1, 1, 2, 1, 12036),
+             ("24.07", "llama3-70b", 64, 128, 1, 8192, 0, 4, 4, 2, 5, 1533),
+             ("25.11", "llama3-8b", 8, 128, 1, 8192, 1, 1, 1, 1, 1, 14451),
+             ("25.11", "llama3-70b", 64, 128, 1, 8192, 0, 4, 8, 1, 5, 1602),
+             ("25.11", "llama3-405b", 1024, 512, 1, 8192, 0, 8, 8, 2, 8, 292),
+             ("26.02", "llama3-70b", 64, 256, 1, 8192, 0, 4, 8, 1, 5, 1621),
+             ("26.02", "llama3-405b", 1024, 1536, 1, 8192, 0, 8, 8, 2, 8, 311)]
+
+
+def nemo_runs() -> list[Run]:
+    runs = []
+    for release, name, n, gbs, mbs, seq, fsdp, tp, pp, cp, vp, tps in NEMO_ROWS:
+        if name in NEMO_GPT:
+            model = gpt(name, *NEMO_GPT[name], vocab=50304, seq=seq)
+        else:
+            model = LLAMA2_13B if name == "llama2-13b" else preset(name)
+            model = dataclasses.replace(model, max_seq_len=max(seq, model.max_seq_len))
+        dp = n // (tp * pp * cp)
+        dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
+        plan = f"tp={tp},pp={pp},cp={cp},{dp_knobs},micro_batch={mbs}"
+        if pp > 1:
+            plan += f",pp_schedule=interleaved-1f1b,virtual_stages={vp}" if vp > 1 else ",pp_schedule=1f1b"
+        row = (f"{name} | {n} | GBS {gbs} | MBS {mbs} | {seq} | FSDP {fsdp} | TP {tp} | PP {pp} | CP {cp} | VP {vp} | "
+               f"{tps} tokens/s/GPU")
+        runs.append(Run(f"NeMo {release} {name.removeprefix('gpt3-').upper() if 'gpt3' in name else name} n={n}",
+                        model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
+                        f"{release} DGX-H100 FP8{'' if release == '24.07' else '-CS'}: {row}",
+                        tflops=tps * flops_per_token(model, seq) / 1e12, gpu="h100", system="megatron-core",
+                        search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current"))
+    return runs
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + mtnlg_runs() + torchtitan_runs()
-        + foundry_runs() + mcore_runs())
+        + foundry_runs() + mcore_runs() + nemo_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -616,6 +683,8 @@ def cluster_of(run: Run) -> Cluster:
 def training_of(run: Run) -> Training:
     if run.system is not None:
         fields = {**SYSTEMS[run.system].training_fields(), "compile": run.compile}
+        if run.float8 is not None:
+            fields["float8"] = run.float8
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
@@ -763,7 +832,8 @@ def main() -> None:
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
-                         ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("llm-foundry H100", "foundry h100"),
+                         ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("NeMo H100 FP8", "NeMo"),
+                         ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price

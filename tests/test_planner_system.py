@@ -182,6 +182,7 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
                                          ('dropout = "yes"\n', "dropout"),
                                          ('zero3_fetch = "eager"\n', "--system zero3_fetch"),
                                          ('swiglu = "compiled"\n', "--system swiglu"),
+                                         ('float8 = "mxfp8"\n', "--system float8"),
                                          ('base = "jax"\n', "base")])
 def test_bad_system_toml_names_the_field(tmp_path, text, field):
     path = tmp_path / "bad.toml"
@@ -642,6 +643,97 @@ def test_a_float8_plan_says_what_its_mfu_divides_by(capsys):
     assert "system: torchtitan (compile)" in out and "MFU: model FLOPs over the bf16 peak" in out
     assert run_plan(_ns(*argv[:-2])) == 0
     assert "MFU: model FLOPs" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Float8 through Transformer Engine (Megatron-Core, NeMo)
+
+
+@pytest.mark.parametrize("recipe", ["te-delayed", "te-current"])
+def test_transformer_engine_casts_each_module_input_once_and_its_weights_once_per_step(recipe):
+    # TE under Megatron-Core: Q/K/V one module and the MLP's gate + up one, so four input casts a block (the two
+    # after a norm only transposed, the norm writing float8 itself), four output-gradient casts, and the weights
+    # cast on a step's first micro-batch only. Counted here by hand from the modules' shapes, against the planner
+    # (the GEMMs are torchao's recipe's; only the casts differ)
+    from shardwise.planner.timing import float8_cast_seconds, linear_times
+
+    args, acc = preset("llama3-8b"), accelerator("h100")
+    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=16)
+    ao = dataclasses.replace(_training("megatron-core", seq_len=8192, global_batch=128, precision="fp8"),
+                             float8="torchao")
+    te = dataclasses.replace(ao, float8=recipe)
+    tokens, bw = 8192, acc.mem_bandwidth * acc.bandwidth_efficiency
+    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    amax = 2 if recipe == "te-current" else 0
+    weights = d * (d + 2 * kv) + d * d + 2 * d * f + f * d
+    te_fwd = (tokens * ((2 + amax) * d + (4 + amax) * d + (2 + amax) * d + (4 + amax) * f)
+              + (4 + amax) * weights / 16) / bw
+    te_bwd = (4 + amax) * tokens * ((d + 2 * kv) + d + 2 * f + d) / bw
+    ao_casts = [float8_cast_seconds(tokens, i, o, bw, fused=False) for i, o in args_shapes(args).values()]
+    fwd_te, bwd_te, w_te = linear_times(args, te, plan, acc, tokens)
+    fwd_ao, bwd_ao, w_ao = linear_times(args, ao, plan, acc, tokens)
+    assert fwd_te - fwd_ao == pytest.approx(te_fwd - sum(c[0] for c in ao_casts), rel=1e-9)
+    assert bwd_te - bwd_ao == pytest.approx(te_bwd - sum(c[1] for c in ao_casts), rel=1e-9)
+    assert w_te == w_ao
+    # ZeRO-3 gathers the weights again for every micro-batch: no cache to reuse, each micro-batch casts them
+    sharded = dataclasses.replace(plan, dp_replicate=1, dp_shard=8, zero_stage=3)
+    fwd_z3 = linear_times(args, te, sharded, acc, tokens)[0]
+    assert fwd_z3 - fwd_te == pytest.approx((4 + amax) * weights * (1 - 1 / 16) / bw, rel=1e-9)
+
+
+def test_transformer_engine_keeps_the_linears_inputs_in_float8():
+    # TE saves each linear's quantised input for its weight gradient: the two norm outputs and the MLP's gate
+    # product one byte an element instead of two, and the attention output projection's float8 input beside the
+    # attention's own bf16 output. torchao's recipe keeps bf16 inputs: its float8 block keeps what a bf16 one does
+    args = preset("llama3-8b")
+    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=16)
+    bf16 = _training("megatron-core", seq_len=8192, global_batch=128)
+    ao = dataclasses.replace(bf16, precision="fp8", float8="torchao")
+    te = dataclasses.replace(ao, float8="te-delayed")
+    d, f, tokens = args.dim, args.ffn_hidden, 8192
+    for recompute in ("none", "selective"):  # selective: Megatron's, the attention core recomputed
+        kept = {t: layer_activation_bytes(args, t, plan, recompute=recompute) for t in (bf16, ao, te)}
+        assert kept[ao] == kept[bf16]
+        assert kept[bf16] - kept[te] == pytest.approx(tokens * ((d + d + f) - d))
+    assert layer_activation_bytes(args, te, plan, recompute="full") == \
+        layer_activation_bytes(args, bf16, plan, recompute="full")
+    names = {t.name: t.kind for t in block_terms(args, te, "none", 1)}
+    assert names["attention_norm_output"] == names["ffn_norm_output"] == names["swiglu_out"] == "f8"
+    assert names["wo_input_f8"] == "f8" and names["sdpa_out"] == "act"
+
+
+def test_a_float8_plan_names_its_recipe(tmp_path, capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128", "--top-k", "1",
+            "--precision", "fp8"]
+    assert run_plan(_ns(*argv, "--system", "megatron-core")) == 0
+    assert "Transformer Engine's float8 (delayed scaling)" in capsys.readouterr().out
+    path = tmp_path / "mcore-cs.toml"  # NeMo's FP8-CS: the tensorwise recipe, each cast after an amax pass
+    path.write_text('base = "megatron-core"\nfloat8 = "te-current"\n')
+    assert run_plan(_ns(*argv, "--system", str(path))) == 0
+    assert "Transformer Engine's float8 (current scaling)" in capsys.readouterr().out
+    assert run_plan(_ns(*argv, "--system", "torchtitan")) == 0
+    assert "Transformer Engine" not in capsys.readouterr().out
+
+
+def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
+    # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
+    # 175B, Llama 2 and 3 from 7B to 405B, tp, pp, cp and interleaving as printed). Every run that ran is
+    # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (with
+    # torchao's recipe in its place, which casts per linear and saves bf16, it was 17%, every row pessimistic
+    # but one)
+    published = _published_module()
+    runs = published.nemo_runs()
+    assert len(runs) == 14
+    errors, before = [], []
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        errors.append(abs(run.published_step() / ev.time.step_time_s - 1))
+        ao = dataclasses.replace(run, float8="torchao")
+        ev_ao, _ = published.given_plan(ao)
+        before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
+    assert sorted(errors)[len(errors) // 2] < 0.10
+    assert sorted(before)[len(before) // 2] > 0.15
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():

@@ -38,9 +38,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     batch.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step")
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"],
-      help="matmul precision (default bf16; fp8: torchao's float8 training of the blocks' linears, as torchtitan runs "
-           "it, attention and the output head in bf16, MFU over the bf16 peak; shardwise's engine trains in fp32, "
-           "bf16 or fp16)")
+      help="matmul precision (default bf16; fp8: float8 training of the blocks' linears as the system runs it, "
+           "torchao's (torchtitan, shardwise) or Transformer Engine's (megatron-core), attention and the output "
+           "head in bf16, MFU over the bf16 peak; shardwise's engine trains in fp32, bf16 or fp16)")
     a("--optimizer", default="adamw", choices=list(typing.get_args(Optimizer)))
     a("--system", default="shardwise",
       help=f"the engine the plan is for: {', '.join(SYSTEMS)}, or a TOML file describing one (docs/planner.md, "
@@ -293,7 +293,11 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     notes = []
     if training.precision == "fp8":
         notes.append("MFU: model FLOPs over the bf16 peak (the float8 linears run at up to twice it)")
-        if training.system.split(" (")[0] == "shardwise":
+        if training.float8 != "torchao":
+            notes.append(f"fp8: Transformer Engine's float8 ({training.float8.removeprefix('te-')} scaling) as "
+                         "Megatron-Core runs it: one cast per module input, float8 weights cached over a step's "
+                         "micro-batches, the linears' inputs saved in float8")
+        elif training.system.split(" (")[0] == "shardwise":
             notes.append("fp8: torchao's float8 training as torchtitan runs it, priced on shardwise's recipe; "
                          "shardwise's engine trains in fp32, bf16 or fp16 (--write-config refuses fp8)")
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}", *notes])

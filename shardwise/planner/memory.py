@@ -9,7 +9,7 @@ q, k, v, its output and one fp32 log-sum-exp per head and query) and no dropout.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from shardwise.hardware import GiB
@@ -371,7 +371,7 @@ class Term:
     """One tensor a block saves for backward: elements per token, its dtype class, how parallelism splits it.
 
     kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics), 'index'
-    (int64 indices).
+    (int64 indices), 'f8' (a float8 copy, Transformer Engine's).
     split: 'seq' (sequence-parallel tensors: / tp with SP), 'full' (the whole hidden vector on every tp rank),
     'tp' (heads or MLP columns: / tp), 'kv' (KV heads: / min(tp, n_kv)).
     """
@@ -386,7 +386,31 @@ class Term:
 def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int, moe: bool = False,
                 routed: float = 0.0, ep: int = 1) -> list[Term]:
     """What one block keeps for backward under a recompute policy (per token of the micro-batch). An MoE block
-    (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank."""
+    (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank. Under
+    Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
+    terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
+    if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full":
+        return te_float8_terms(terms, args)
+    return terms
+
+
+# the tensors a block keeps that are a linear's input (the norms' outputs feed Q/K/V and the MLP's first linear, the
+# gate product or GELU output its last one)
+TE_FLOAT8_INPUTS = frozenset({"attention_norm_output", "ffn_norm_output", "swiglu_out", "gelu_out"})
+
+
+def te_float8_terms(terms: list[Term], args: ModelArgs) -> list[Term]:
+    """A block's saved tensors as Transformer Engine keeps them in float8 training: each linear saves the float8
+    (transposed) copy of its input that its weight-gradient GEMM reads, one byte an element, instead of the bf16
+    tensor (TE's LayerNormLinear and Linear save their quantised input when fp8 is on). The norms' outputs and the
+    MLP's last input become float8; the attention output projection's float8 input is kept beside the bf16
+    attention output the attention's own backward keeps (and still kept when the attention core is recomputed)."""
+    out = [replace(t, kind="f8") if t.name in TE_FLOAT8_INPUTS else t for t in terms]
+    return out + [Term("wo_input_f8", args.dim, "f8", "tp")]
+
+
+def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int, moe: bool,
+                 routed: float, ep: int) -> list[Term]:
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "seq")]
@@ -535,7 +559,7 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
     return terms
 
 
-TERM_BYTES = {"stat": 4, "index": 8}
+TERM_BYTES = {"stat": 4, "index": 8, "f8": 1}
 
 
 def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:

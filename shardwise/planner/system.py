@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.hardware import PlannerError
-from shardwise.planner.workload import ATTENTION_KERNELS, LAYOUTS, SELECTIVE, ZERO3_FETCH, Layout, Selective, Zero3Fetch
+from shardwise.planner.workload import (
+    ATTENTION_KERNELS,
+    FLOAT8_RECIPES,
+    LAYOUTS,
+    SELECTIVE,
+    ZERO3_FETCH,
+    Layout,
+    Selective,
+    Zero3Fetch,
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class System:
     (Training.zero3_fetch)."""
     compile: bool = False
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
+    float8: str = "torchao"
+    """How --precision fp8 runs the linears: torchao, te-delayed or te-current (Training.float8)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -66,7 +77,7 @@ class System:
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
-                  ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH))
+                  ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -79,7 +90,7 @@ class System:
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
-                "zero3_fetch": self.zero3_fetch, "compile": self.compile}
+                "zero3_fetch": self.zero3_fetch, "compile": self.compile, "float8": self.float8}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -99,14 +110,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
-           "selective recompute of the attention core",
+           "selective recompute of the attention core, --precision fp8 through Transformer Engine",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
-           elementwise="fused", swiglu="fused",
+           elementwise="fused", swiglu="fused", float8="te-delayed",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
-                  "default)"),
+                  "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
+                  "weights cached over a step), --fp8-recipe delayed by default"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,

@@ -206,6 +206,52 @@ def float8_cast_seconds(tokens: float, n_in: float, n_out: float, bandwidth: flo
     return forward, backward
 
 
+# Transformer Engine's linears as Megatron-Core builds a block (TELayerNormColumnParallelLinear for Q/K/V and for
+# the MLP's gate + up, TERowParallelLinear for the attention's and the MLP's output projections): which of the
+# planner's linears share one module, and so one float8 cast of their input and of their output's gradient
+TE_MODULES = {"wq": "qkv", "wk": "qkv", "wv": "qkv", "wo": "proj", "w1": "fc1", "w3": "fc1", "w2": "fc2"}
+TE_NORM_FUSED = frozenset({"qkv", "fc1"})
+"""The modules whose input is a norm's output: TE's fused norm writes it in float8 directly, leaving only its
+transposed copy for the weight gradient to make."""
+
+
+def te_float8_cast_seconds(modules: dict[str, tuple[float, float, float]], tokens: float, bandwidth: float,
+                           micro_batches: int, current: bool) -> tuple[float, float]:
+    """Seconds of Transformer Engine's float8 casts in one block over `tokens` rows, (forward, backward), for
+    `modules`: name -> (input features, output features, weight elements) on this rank.
+
+    TE runs each linear with two float8 copies of each operand, row-wise for one GEMM and column-wise (transposed)
+    for the other (Hopper's float8 GEMMs take only the TN layout): a cast_transpose kernel reads the bf16 tensor
+    once and writes both, 2 + 1 + 1 bytes an element. A module whose input is a norm's output gets it in float8
+    from the fused norm and makes only the transpose (1 + 1); the output's gradient is cast_transposed in backward.
+    The weight is cast the same way (2 + 1 + 1) on a step's first micro-batch only: Megatron-Core tells TE which
+    micro-batch is the first (is_first_microbatch) and TE keeps the float8 weight for the rest, so its cost is
+    spread over the step's `micro_batches`. Delayed scaling takes the scale from the amax history (the amax comes
+    out of the cast itself); current scaling (`current`) first reads the tensor for its amax (2 bytes an element,
+    and the weight's once per step). Each kernel takes at least FLOAT8_KERNEL_S."""
+    def kernel(nbytes: float) -> float:
+        return max(nbytes / bandwidth, FLOAT8_KERNEL_S)
+
+    amax = 2 if current else 0
+    forward = backward = 0.0
+    for name, (n_in, n_out, weight) in modules.items():
+        x, dy = tokens * n_in, tokens * n_out
+        forward += kernel((2 if name in TE_NORM_FUSED else 4 + amax) * x)
+        if amax and name in TE_NORM_FUSED:
+            forward += kernel(amax * x)
+        forward += kernel((4 + amax) * weight) / micro_batches
+        backward += kernel((4 + amax) * dy)
+    return forward, backward
+
+
+def te_weight_cast_share(training: Training, plan: Plan) -> int:
+    """Micro-batches over which Transformer Engine's float8 weights are cast once (te_float8_cast_seconds): the
+    step's, unless ZeRO-3 gathers the weights afresh for each micro-batch; 1 outside TE's float8."""
+    if training.linear_dtype != "fp8" or training.float8 == "torchao" or plan.zero_stage >= 3:
+        return 1
+    return max(plan.grad_accum, 1)
+
+
 def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
                  tokens: float) -> tuple[float, float, float]:
     """Seconds of a dense block's linears on one tp rank over `tokens` rows: (forward, input gradients, weight
@@ -213,12 +259,15 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     (tokens x in) @ (in x out), input gradient (tokens x out) @ (out x in), weight gradient (out x tokens) @
     (tokens x in), each at the efficiency of its own shape (Accelerator.matmul_eff) in the recipe's linear dtype.
     In float8 (precision fp8) the GEMMs run at the fp8 peak (at the same share of it as bf16's at the same shape:
-    torchao's roofline assumes one achievable share for both) and each linear adds its casts (float8_cast_seconds,
-    at the elementwise bandwidth; their amax passes fused where the block is compiled)."""
+    torchao's roofline assumes one achievable share for both) and the casts are added at the elementwise
+    bandwidth: torchao's per linear (float8_cast_seconds; their amax passes fused where the block is compiled), or
+    Transformer Engine's per module (te_float8_cast_seconds, Training.float8)."""
     dtype = training.linear_dtype
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    te = dtype == "fp8" and training.float8 != "torchao"
     fwd = bwd_in = bwd_w = 0.0
-    for _, n_in, n_out, split in linear_shapes(args):
+    modules: dict[str, tuple[float, float, float]] = {}
+    for name, n_in, n_out, split in linear_shapes(args):
         if split == "row":
             n_in /= plan.tp
         else:
@@ -226,10 +275,18 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
         fwd += gemm_seconds(tokens, n_out, n_in, training, acc, dtype)
         bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc, dtype)
         bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc, dtype)
-        if dtype == "fp8":
+        if te:
+            _, out, weight = modules.get(TE_MODULES[name], (n_in, 0.0, 0.0))
+            modules[TE_MODULES[name]] = (n_in, out + n_out, weight + n_in * n_out)
+        elif dtype == "fp8":
             cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth, fused=training.compile)
             fwd += cast_fwd
             bwd_in += cast_bwd
+    if te:
+        cast_fwd, cast_bwd = te_float8_cast_seconds(modules, tokens, bandwidth, te_weight_cast_share(training, plan),
+                                                    current=training.float8 == "te-current")
+        fwd += cast_fwd
+        bwd_in += cast_bwd
     return fwd, bwd_in, bwd_w
 
 
@@ -239,7 +296,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds the model, recipe and cluster
     # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
     key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
-           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel, plan.ep)
+           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel, plan.ep,
+           te_weight_cast_share(training, plan))
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = placement(args, plan, training.seq_len).ranks

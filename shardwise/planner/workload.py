@@ -28,6 +28,8 @@ SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
+Float8Recipe = Literal["torchao", "te-delayed", "te-current"]
+FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 
 # Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
@@ -61,8 +63,8 @@ class Training:
     """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
     precision: Precision = "bf16"
     """Matmul precision: fp32, or mixed bf16/fp16 with fp32 master state; fp8: the blocks' linears in float8 as
-    torchao's float8 training runs them (tensorwise scaling; attention and the output head in bf16, activations
-    kept in bf16)."""
+    the system's recipe runs them (`float8`: torchao's or Transformer Engine's; attention and the output head in
+    bf16)."""
     optimizer: Optimizer = "adamw"
     """adamw (2 fp32 states), momentum (1), sgd (0), adamw8bit / adamw4bit (2 block-quantised states, torchao),
     adafactor (factored second moment only)."""
@@ -123,6 +125,15 @@ class Training:
     (operators.ELEMENTWISE); or 'fused' kernels that write each tensor backward keeps once and read it once
     (Megatron's fused norms, bias-GeLU, bias-dropout-add; a compiled block; llm-foundry's one-kernel LayerNorm
     and GELU)."""
+    float8: Float8Recipe = "torchao"
+    """How precision fp8 runs the blocks' linears (timing.linear_times, memory.block_terms): 'torchao', torchao's
+    float8 training (each linear casts its own input, weight and output gradient, tensorwise dynamic scaling, and
+    saves its input in bf16: torchtitan), or Transformer Engine under Megatron-Core: one cast per distinct input
+    (Q/K/V one linear, the MLP's gate and up one, the norm writing its output in float8), the float8 weights cast
+    on a step's first micro-batch and cached for the rest, and each linear's input saved in float8 for its weight
+    gradient; 'te-delayed' scales by the amax history (Megatron-Core's default --fp8-recipe delayed: no amax
+    pass), 'te-current' by the tensor's own amax (Megatron's tensorwise recipe, NeMo's FP8-CS: an amax pass before
+    each cast)."""
     compile: bool = False
     """Each block compiled with torch.compile (shardwise's train.compile, torchtitan's compile): inductor fuses the
     block's elementwise operators, which are then priced as `elementwise` 'fused' whatever that field says. Memory
@@ -177,6 +188,9 @@ class Training:
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
                                f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
                                "use zero3_fetch = prefetch, or layout zero without LoRA")
+        if self.float8 not in FLOAT8_RECIPES:
+            raise PlannerError("--system float8", f"unknown float8 recipe {self.float8!r}",
+                               f"use one of {', '.join(FLOAT8_RECIPES)}")
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
@@ -205,9 +219,9 @@ class Training:
 
     @property
     def linear_dtype(self) -> str:
-        """The dtype of the blocks' linear GEMMs: fp8 is torchao's float8 training (Float8Linear, tensorwise dynamic
-        scaling: torchao.float8.convert_to_float8_training, which torchtitan applies to every linear but the output
-        head); its casts are priced in timing.linear_times."""
+        """The dtype of the blocks' linear GEMMs: fp8 is float8 training of every linear but the output head, by the
+        recipe `float8` names (torchao.float8.convert_to_float8_training as torchtitan applies it, or Transformer
+        Engine's modules under Megatron-Core); its casts are priced in timing.linear_times."""
         return self.precision
 
     @property
