@@ -702,6 +702,29 @@ def test_transformer_engine_keeps_the_linears_inputs_in_float8():
     assert names["wo_input_f8"] == "f8" and names["sdpa_out"] == "act"
 
 
+def test_megatron_fsdp_reduce_scatters_every_micro_batch_into_its_shard():
+    # Megatron-Core's ZeRO-2/3 is Megatron-FSDP, whose gradient buffer holds only the rank's shard: each micro-batch's
+    # gradients are reduce-scattered in its backward, none kept whole (the planner held them whole in fp32, as
+    # Megatron's DDP buffer, until NeMo's FSDP run showed the difference); its ZeRO-1 (the distributed optimizer)
+    # keeps the whole fp32 buffer and reduces once per step
+    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    mc = _training("megatron-core", seq_len=4096, global_batch=64)
+    assert mc.reduces_every_micro_batch(1)
+    held, comm = {}, {}
+    for m in (4, 8):
+        plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=m)
+        held[m] = moment_memory(args, mc, plan, 0)["first_block_backward"]["fsdp_buffers"]
+        comm[m] = evaluate(args, dataclasses.replace(mc, global_batch=8 * m), plan,
+                           Cluster(accelerator("h100"), 8)).time.detail["dp_comm_s"]
+    # gathered weights (the root unit, the running and next blocks) and one block's gradients: less than the whole
+    # fp32 gradients alone, and the same whatever the accumulation
+    assert held[4] == held[8] < 4 * num_params(args) / 2
+    assert comm[8] > 1.5 * comm[4]  # a reduce-scatter in every micro-batch
+    one = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=8)
+    grads = moment_memory(args, mc, one, 0)["first_block_backward"]["grads"]
+    assert grads == pytest.approx(4 * num_params(args))  # ZeRO-1: the whole fp32 buffer
+
+
 def test_a_float8_plan_names_its_recipe(tmp_path, capsys):
     argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "128", "--top-k", "1",
             "--precision", "fp8"]

@@ -226,7 +226,13 @@ class Training:
 
     @property
     def syncs_every_micro_batch(self) -> bool:
-        return self.grad_sync == "micro-batch" or self.layout == "zero"
+        """Whether sharded gradients (ZeRO-2/3) are reduce-scattered in every micro-batch's backward: the system's
+        grad_sync, and always under the layouts 'zero' (DeepSpeed) and 'megatron', whose ZeRO-2/3 is Megatron-FSDP
+        (--data-parallel-sharding-strategy optim_grads / optim_grads_params): its gradient buffer holds only the
+        rank's shard, so each backward's gradients are reduce-scattered into it. (Megatron's ZeRO-1, the
+        distributed optimizer, keeps the whole fp32 buffer and reduces once per step: the callers ask only at
+        ZeRO-2/3.)"""
+        return self.grad_sync == "micro-batch" or self.layout in ("zero", "megatron")
 
     def reduces_every_micro_batch(self, pp: int) -> bool:
         """Whether ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward (keeping only the shard) in a
