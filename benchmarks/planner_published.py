@@ -597,8 +597,10 @@ def mcore_runs() -> list[Run]:
 #   FP8 precision", container NeMo24.07, System: DGX-H100): TE's default recipe then, delayed scaling. GPT3
 #   models are NeMo's gpt3 configs (5B: hidden 4096, 24 layers, 32 heads; 20B: 6144, 44, 48; 175B: 12288, 96,
 #   96; GELU MLP of 4h, tied embedding, the GPT-2 vocabulary padded to 50,304); Llama 2 13B is Meta's (5120, 40
-#   layers, 40 heads, ffn 13,824, vocabulary 32,000). The three Nemotron rows are left out (their 8B and 22B
-#   shapes are not published with the table).
+#   layers, 40 heads, ffn 13,824, vocabulary 32,000); Nemotron-4 340B is the technical report's (arXiv 2406.11704:
+#   96 layers, hidden 18,432, 96 heads, 8 KV heads, squared-ReLU MLP of 73,728 (priced as the GELU MLP of that
+#   shape), vocabulary 256,000, untied). The Nemotron 8B and 22B rows are left out (their shapes are not
+#   published with the table).
 # * Megatron Bridge 25.11 and 26.02 (docs/performance-summary.md and docs/performance-summary-archive.md of
 #   NVIDIA-NeMo/Megatron-Bridge, "System: DGX-H100", precision FP8-CS: current scaling, te-current). FSDP 1 is
 #   Megatron-Core's own FSDP (ZeRO-3 here), FSDP 0 its DDP with the distributed optimizer (ZeRO-1). The
@@ -614,6 +616,8 @@ BRIDGE = ("NVIDIA Megatron Bridge performance summary, "
 NEMO_GPT = {"gpt3-5b": (4096, 32, 24), "gpt3-20b": (6144, 48, 44), "gpt3-175b": (12288, 96, 96)}
 LLAMA2_13B = ModelArgs(name="llama2-13b", dim=5120, n_heads=40, n_kv_heads=40, n_layers=40, vocab_size=32000,
                        ffn_hidden=13824, max_seq_len=4096, tie_embeddings=False)
+NEMOTRON4_340B = ModelArgs(name="nemotron4-340b", dim=18432, n_heads=96, n_kv_heads=8, n_layers=96, vocab_size=256000,
+                           ffn_hidden=73728, mlp="gelu", max_seq_len=4096, tie_embeddings=False)
 # release, model, GPUs, GBS, MBS, sequence, FSDP, TP, PP, CP, VP, tokens/s per GPU
 NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
              ("24.07", "gpt3-20b", 64, 256, 2, 2048, 0, 2, 1, 1, 1, 5851),
@@ -622,6 +626,7 @@ NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
              ("24.07", "llama2-7b", 8, 128, 1, 4096, 0, 1, 1, 1, 1, 16847),
              ("24.07", "llama2-13b", 16, 128, 1, 4096, 0, 1, 4, 1, 10, 8646),
              ("24.07", "llama2-70b", 64, 128, 1, 4096, 0, 4, 4, 1, 20, 1707),
+             ("24.07", "nemotron4-340b", 128, 32, 1, 4096, 0, 8, 8, 1, 12, 322),
              ("24.07", "llama3-8b", 8, 128, 1, 8192, 0, 1, 1, 2, 1, 12036),
              ("24.07", "llama3-70b", 64, 128, 1, 8192, 0, 4, 4, 2, 5, 1533),
              ("25.11", "llama3-8b", 8, 128, 1, 8192, 1, 1, 1, 1, 1, 14451),
@@ -637,7 +642,7 @@ def nemo_runs() -> list[Run]:
         if name in NEMO_GPT:
             model = gpt(name, *NEMO_GPT[name], vocab=50304, seq=seq)
         else:
-            model = LLAMA2_13B if name == "llama2-13b" else preset(name)
+            model = {"llama2-13b": LLAMA2_13B, "nemotron4-340b": NEMOTRON4_340B}.get(name) or preset(name)
             model = dataclasses.replace(model, max_seq_len=max(seq, model.max_seq_len))
         dp = n // (tp * pp * cp)
         dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
@@ -723,8 +728,8 @@ def check_mapping() -> None:
     seen = set()
     for run in RUNS:
         a = run.model
-        if a.name in seen or a.name.startswith("llama") or a.name.startswith("bloom"):
-            continue
+        if a.name in seen or a.name.startswith(("llama", "bloom")) or a.n_kv_heads != a.n_heads:
+            continue  # eq. 2 and eq. 7 are multi-head GPTs' (Nemotron-4's grouped-query attention is not)
         seen.add(a.name)
         h, l, v, s = a.dim, a.n_layers, a.vocab_size, 2048
         p_eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + (0 if a.tie_embeddings else v * h)
