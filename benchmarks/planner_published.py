@@ -602,7 +602,8 @@ def mcore_runs() -> list[Run]:
 #   shape), vocabulary 256,000, untied). The Nemotron 8B and 22B rows are left out (their shapes are not
 #   published with the table).
 # * Megatron Bridge 25.11 and 26.02 (docs/performance-summary.md and docs/performance-summary-archive.md of
-#   NVIDIA-NeMo/Megatron-Bridge, "System: DGX-H100", precision FP8-CS: current scaling, te-current). FSDP 1 is
+#   NVIDIA-NeMo/Megatron-Bridge, DGX-H100): 25.11 prints the precision FP8-CS (current scaling, te-current);
+#   26.02 prints "FP8", taken as the same recipe as 25.11's on the same GPUs (an inference). FSDP 1 is
 #   Megatron-Core's own FSDP (ZeRO-3 here), FSDP 0 its DDP with the distributed optimizer (ZeRO-1). The
 #   mixture-of-experts rows and the other GPUs are left out.
 # Recompute is not stated: the search completes it, as the micro-batch count and ZeRO stage where a row leaves
@@ -653,7 +654,7 @@ def nemo_runs() -> list[Run]:
                f"{tps} tokens/s/GPU")
         runs.append(Run(f"NeMo {release} {name.removeprefix('gpt3-').upper() if 'gpt3' in name else name} n={n}",
                         model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
-                        f"{release} DGX-H100 FP8{'' if release == '24.07' else '-CS'}: {row}",
+                        f"{release} DGX-H100 FP8{'-CS' if release == '25.11' else ''}: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu="h100", system="megatron-core",
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current"))
     return runs

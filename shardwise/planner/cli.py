@@ -264,7 +264,8 @@ def system_summary(training: Training) -> str:
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
             f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
             f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}"
-            f"{', compiled blocks (elementwise operators fused)' if training.compile else ''}")
+            f"{', compiled blocks (elementwise operators fused)' if training.compile else ''}"
+            f"{f', float8 {training.float8}' if training.float8 != 'torchao' else ''}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,

@@ -481,7 +481,7 @@ def weight_pass_grad_bytes(args: ModelArgs, training: Training, plan: Plan, moe:
 # normalised inputs, the MLP's gate product or GELU output (w2's input), the experts' input. (The attention's
 # output is also saved by the attention, which the weight pass does not run.)
 WEIGHT_PASS_INPUTS = frozenset({"attention_norm_output", "attention_norm_normalized", "ffn_norm_output",
-                                "ffn_norm_normalized", "swiglu_out", "gelu_out", "expert_input"})
+                                "ffn_norm_normalized", "swiglu_out", "gelu_out", "expert_input", "wo_input_f8"})
 
 
 def weight_pass_leftover_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:

@@ -82,6 +82,9 @@ class System:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
                                    f"set {key} to one of them")
+        if self.float8 != "torchao" and self.layout != "megatron":
+            raise PlannerError("--system float8", f"{self.float8} is Transformer Engine as Megatron-Core runs it, "
+                               f"not the layout {self.layout}", 'start from base = "megatron-core", or use torchao')
 
     def training_fields(self) -> dict:
         """The Training fields this system fixes."""

@@ -126,8 +126,11 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         elementwise, elementwise_bwd = (q_tokens * b / bandwidth for b in eager_elementwise_bytes(
             args, training, plan, cpu=not acc.launch_async))  # a CPU: launches are not asynchronous
     else:
-        # fused kernels write each saved tensor once and read it once; backward reads and writes twice as much
-        elementwise = 2 * layer_activation_bytes(args, training, plan, "none", attention_scores=False,
+        # fused kernels write each saved tensor once and read it once; backward reads and writes twice as much.
+        # Counted on the tensors as the block's kernels write them (bf16): Transformer Engine's float8 copies are
+        # its casts' writes, priced with the linears (te_float8_cast_seconds)
+        bf16_kernels = replace(training, float8="torchao") if training.float8 != "torchao" else training
+        elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
                                                  moe=moe) / bandwidth
         elementwise_bwd = 2 * elementwise
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "attention": attn,

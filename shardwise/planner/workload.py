@@ -203,7 +203,7 @@ class Training:
         if self.qlora and self.lora_rank < 1:
             raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
         if self.precision == "fp8" and self.lora_rank:
-            raise PlannerError("--precision", "fp8 is torchao's float8 training of the linears, which nothing here "
+            raise PlannerError("--precision", "fp8 is float8 training of the linears, which nothing here "
                                f"runs under {'QLoRA (NF4 base weights)' if self.qlora else 'LoRA adapters'}",
                                "use --precision bf16 with --lora-rank")
 
