@@ -651,26 +651,30 @@ def test_a_float8_plan_says_what_its_mfu_divides_by(capsys):
 
 
 @pytest.mark.parametrize("recipe", ["te-delayed", "te-current"])
-def test_transformer_engine_casts_each_module_input_once_and_its_weights_once_per_step(recipe):
+@pytest.mark.parametrize("name, t", [("llama3-8b", 1), ("llama3-70b", 8)])
+def test_transformer_engine_casts_each_module_input_once_and_its_weights_once_per_step(name, t, recipe):
     # TE under Megatron-Core: Q/K/V one module and the MLP's gate + up one, so four input casts a block (the two
     # after a norm only transposed, the norm writing float8 itself), four output-gradient casts, and the weights
-    # cast on a step's first micro-batch only. Counted here by hand from the modules' shapes, against the planner
-    # (the GEMMs are torchao's recipe's; only the casts differ)
+    # cast on a step's first micro-batch only; under tp each rank casts its shard of the column-parallel modules'
+    # outputs (Q/K/V: a KV head per rank at tp 8) and of the row-parallel modules' inputs, and its share of every
+    # weight. Counted here by hand from the modules' shapes, against the planner (the GEMMs are torchao's
+    # recipe's; only the casts differ)
     from shardwise.planner.timing import float8_cast_seconds, linear_times
 
-    args, acc = preset("llama3-8b"), accelerator("h100")
-    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=16)
-    ao = dataclasses.replace(_training("megatron-core", seq_len=8192, global_batch=128, precision="fp8"),
+    args, acc, m = preset(name), accelerator("h100"), 16
+    plan = Plan(tp=t, dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=m, sequence_parallel=t > 1)
+    ao = dataclasses.replace(_training("megatron-core", seq_len=8192, global_batch=8 * m, precision="fp8"),
                              float8="torchao")
     te = dataclasses.replace(ao, float8=recipe)
     tokens, bw = 8192, acc.mem_bandwidth * acc.bandwidth_efficiency
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
     amax = 2 if recipe == "te-current" else 0
-    weights = d * (d + 2 * kv) + d * d + 2 * d * f + f * d
-    te_fwd = (tokens * ((2 + amax) * d + (4 + amax) * d + (2 + amax) * d + (4 + amax) * f)
-              + (4 + amax) * weights / 16) / bw
-    te_bwd = (4 + amax) * tokens * ((d + 2 * kv) + d + 2 * f + d) / bw
-    ao_casts = [float8_cast_seconds(tokens, i, o, bw, fused=False) for i, o in args_shapes(args).values()]
+    weights = (d * (d + 2 * kv) + d * d + 2 * d * f + f * d) / t
+    te_fwd = (tokens * ((2 + amax) * d + (4 + amax) * d / t + (2 + amax) * d + (4 + amax) * f / t)
+              + (4 + amax) * weights / m) / bw
+    te_bwd = (4 + amax) * tokens * ((d + 2 * kv) / t + d + 2 * f / t + d) / bw
+    shards = ((d, d / t), (d, kv / t), (d, kv / t), (d / t, d), (d, f / t), (d, f / t), (f / t, d))
+    ao_casts = [float8_cast_seconds(tokens, i, o, bw, fused=False) for i, o in shards]
     fwd_te, bwd_te, w_te = linear_times(args, te, plan, acc, tokens)
     fwd_ao, bwd_ao, w_ao = linear_times(args, ao, plan, acc, tokens)
     assert fwd_te - fwd_ao == pytest.approx(te_fwd - sum(c[0] for c in ao_casts), rel=1e-9)
@@ -679,33 +683,7 @@ def test_transformer_engine_casts_each_module_input_once_and_its_weights_once_pe
     # ZeRO-3 gathers the weights again for every micro-batch: no cache to reuse, each micro-batch casts them
     sharded = dataclasses.replace(plan, dp_replicate=1, dp_shard=8, zero_stage=3)
     fwd_z3 = linear_times(args, te, sharded, acc, tokens)[0]
-    assert fwd_z3 - fwd_te == pytest.approx((4 + amax) * weights * (1 - 1 / 16) / bw, rel=1e-9)
-
-
-def test_transformer_engine_casts_split_with_tensor_parallelism():
-    # llama3-70b on tp 8: each rank casts its shard of the column-parallel modules' outputs (Q/K/V: a KV head per
-    # rank) and of the row-parallel modules' inputs, and its share of every weight
-    from shardwise.planner.timing import linear_times
-
-    args, acc = preset("llama3-70b"), accelerator("h100")
-    plan = Plan(tp=8, dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=8, sequence_parallel=True)
-    ao = dataclasses.replace(_training("megatron-core", seq_len=8192, global_batch=64, precision="fp8"),
-                             float8="torchao")
-    te = dataclasses.replace(ao, float8="te-delayed")
-    tokens, bw, t = 8192, acc.mem_bandwidth * acc.bandwidth_efficiency, 8
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    weights = (d * (d + 2 * kv) + d * d + 2 * d * f + f * d) / t
-    te_fwd = (tokens * (2 * d + 4 * d / t + 2 * d + 4 * f / t) + 4 * weights / 8) / bw
-    te_bwd = 4 * tokens * ((d + 2 * kv) / t + d + 2 * f / t + d) / bw
-    ao_fwd = ao_bwd = 0.0
-    from shardwise.planner.timing import float8_cast_seconds
-    for i, o in ((d, d / t), (d, kv / t), (d, kv / t), (d / t, d), (d, f / t), (d, f / t), (f / t, d)):
-        a, b = float8_cast_seconds(tokens, i, o, bw, fused=False)
-        ao_fwd, ao_bwd = ao_fwd + a, ao_bwd + b
-    fwd_te, bwd_te, _ = linear_times(args, te, plan, acc, tokens)
-    fwd_ao, bwd_ao, _ = linear_times(args, ao, plan, acc, tokens)
-    assert fwd_te - fwd_ao == pytest.approx(te_fwd - ao_fwd, rel=1e-9)
-    assert bwd_te - bwd_ao == pytest.approx(te_bwd - ao_bwd, rel=1e-9)
+    assert fwd_z3 - fwd_te == pytest.approx((4 + amax) * weights * (1 - 1 / m) / bw, rel=1e-9)
 
 
 def test_the_step_cost_memo_tells_cached_float8_weights_from_regathered_ones():
