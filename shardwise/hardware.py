@@ -69,6 +69,12 @@ class Accelerator:
     quantisation (gemm_tile_share); 0 (the catalogue's default): left out. NVIDIA's architecture whitepapers give
     132 for the H100 and H200 SXM, 114 for the H100 PCIe, 108 for the A100, 80 for the V100. Why the catalogue
     leaves it out: docs/planner.md, "Compute by shape"."""
+    nccl_channels: int = 0
+    """NCCL's channels for a ring inside one node, as its init log prints them ("32 coll channels" on H100 boards,
+    24 on an HGX A100). Each runs as one CTA that holds an SM for the collective's whole run and never shares it with
+    a compute kernel (NCCL issue 689), so a collective hidden behind compute still takes those SMs from it
+    (planner.comm.group_link, Link.sm_share). 0 (the catalogue's default): not modelled. Why the catalogue leaves it
+    out, and what it would change: docs/planner.md, "NCCL's SMs"."""
     attention_efficiency: float = 0.45
     """Share of peak that fused attention (forward + backward) reaches, for a kernel attention_by_kernel does not
     name (a stated assumption between the published figures below)."""
@@ -81,9 +87,10 @@ class Accelerator:
     """Share of link bandwidth a large collective reaches (nccl-tests bus bandwidth vs. the link rate)."""
     comm_overlap: float = 1.0
     """Share of a collective that can run hidden behind compute issued alongside it (the wrappers' asynchronous
-    collectives): 1 where communication has its own engines (NCCL on its own SMs and the copy engines; a stated
-    assumption for the catalogue GPUs), measured by `shardwise bench` (about 0 for gloo on a CPU, which reduces
-    with the cores the matmuls use)."""
+    collectives): 1 for the catalogue GPUs (a stated assumption: NCCL's kernels run beside the GEMMs; the SMs they
+    take from them are priced apart, and only where `nccl_channels` is given), measured by `shardwise bench` (about
+    0 for gloo on a CPU, which reduces with the cores the matmuls use; on a GPU the measurement includes NCCL's
+    SMs)."""
     collective_sync_s: float = 0.0
     """Seconds a blocking collective costs beyond its own time when the ranks arrive at it from compute: their
     arrival skew (the same compute does not take exactly as long on every rank, and the collective starts when
@@ -156,6 +163,10 @@ class Accelerator:
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+GPU_SMS = {"h100": 132, "h200": 132, "h100-pcie": 114, "a100-40gb": 108, "a100-80gb": 108, "v100": 80}
+"""SMs by catalogue GPU (NVIDIA's architecture whitepapers, as Accelerator.sms lists them): what NCCL's CTAs are a
+share of where a profile sets nccl_channels without sms."""
 
 GEMM_TILES = ((256, 128), (128, 256), (160, 128), (128, 160), (128, 128))
 """Output tiles (rows x columns) cuBLAS's large-GEMM kernels compute per thread block: the larger ones NVIDIA's "Matrix

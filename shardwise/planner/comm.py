@@ -20,7 +20,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from shardwise.hardware import Accelerator, Cluster
+from shardwise.hardware import GPU_SMS, Accelerator, Cluster
 from shardwise.planner.plan import Plan
 
 
@@ -42,6 +42,9 @@ class Link:
     (nccl_time); '' (gloo, or a synthetic link): the alpha-beta model."""
     per_node: int = 0
     """Members of the group in each node it spans; 0: the whole group in one node."""
+    sm_share: float = 0.0
+    """Share of the GPU's SMs this link's ring collectives hold while they run (NCCL's CTAs, nccl_ctas); compute
+    that a collective hides behind runs on the rest. 0: not modelled (Accelerator.nccl_channels unset)."""
 
     def curve(self, op: str) -> tuple[tuple[int, float], ...] | None:
         return next((c for name, c in self.curves if name == op), None)
@@ -238,6 +241,21 @@ def group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator | None
     return _group_link(size, stride, cluster, acc or cluster.accelerator, spread)
 
 
+NCCL_CHANNELS_PER_NIC = 4
+"""CTAs a ring that leaves the node runs per NIC it spreads over: NCCL's ring search puts 2 channels on each NIC
+("to ensure proper overlap and no bubbles", NCCL issue 438) and runs twice the searched channels ("execution
+channels are typically 2x the search channels", NCCL issue 1041)."""
+
+
+def nccl_ctas(acc: Accelerator, intra: bool, rails: int) -> int:
+    """CTAs (one per channel, each holding an SM) a ring collective runs: inside a node the board's channel count
+    (Accelerator.nccl_channels); across nodes NCCL_CHANNELS_PER_NIC for each NIC the ring spreads over, up to that
+    count. 0 where nccl_channels is not given."""
+    if not acc.nccl_channels:
+        return 0
+    return acc.nccl_channels if intra else min(acc.nccl_channels, NCCL_CHANNELS_PER_NIC * rails)
+
+
 def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
     """Members of a group of `size` ranks spaced `stride` apart that share a node."""
     return max(1, min(size, gpus_per_node // stride))
@@ -249,10 +267,12 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
         return Link(float("inf"), 0.0, "local")
     intra = size * stride <= cluster.gpus_per_node  # degrees are products, so groups align with node boundaries
     per_node = 0 if intra else members_per_node(size, stride, cluster.gpus_per_node)
+    rails = per_node if spread and cluster.rail_collectives and not intra else 1
+    sms = acc.sms or GPU_SMS.get(acc.name, 0)
+    sm_share = nccl_ctas(acc, intra, rails) / sms if sms else 0.0
     if intra:
         bw = acc.intra_node_bw * acc.comm_efficiency
     else:
-        rails = per_node if spread and cluster.rail_collectives else 1
         bw = min(rails * acc.inter_node_bw, acc.intra_node_bw if rails > 1 else acc.inter_node_bw) * (
             acc.comm_efficiency)
     curves = ()
@@ -261,8 +281,10 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
         curves = tuple((op, tuple((size, busbw * scale) for size, busbw in sorted(c.items())))
                        for op, c in sorted(acc.busbw_curves.items()))
     if intra:
-        return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s, acc.intra_node_fabric)
-    return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s, acc.intra_node_fabric, per_node)
+        return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s, acc.intra_node_fabric,
+                    sm_share=sm_share)
+    return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s, acc.intra_node_fabric, per_node,
+                sm_share)
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster, spread: bool = False) -> tuple[int, Link]:

@@ -614,7 +614,11 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # one collective per MoE block's experts (their FSDP unit)
         return moe_layers * op(experts / moe_layers * bytes_per_param, n, link) if experts else 0.0
 
-    def behind_backward(comm: float) -> float:
+    # NCCL's kernels hold their SMs while they run: compute hidden behind a collective runs on the rest, so of a
+    # link's hidden time the share its CTAs hold stays on the critical path (Link.sm_share; 0 unless modelled)
+    w_red, w_sh = w * (1 - red_link.sm_share), w * (1 - sh_link.sm_share)
+
+    def behind_backward(comm: float, w: float = w_sh) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
         # has no backward left to hide behind
         return comm - w * min(comm * (1 - 1 / layers), bwd)
@@ -642,7 +646,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
             rest = trainable - (0.0 if training.lora_rank else block_params_)
             ag = blocks + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
                            else 0.0) + sh_link.sync
-        return comm + ag, behind_backward(comm) + ag
+        return comm + ag, behind_backward(comm, w_red) + ag
     hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, b.grads / ex_n, rep_n,
                                                                               rep_link)
     rs = by_unit(reduce_scatter, grads, sh_n, sh_link) + expert_units(reduce_scatter, b.grads, ex_n, ex_link)
@@ -674,7 +678,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     experts_ag = expert_units(all_gather, gathered_weight_bytes(training), ex_n, ex_link)
     ag = by_unit(all_gather, gathered, sh_n, sh_link) + experts_ag
     first = ag / layers
-    fwd_exposed = ag - w * min(ag - first, cost.forward)
+    fwd_exposed = ag - w_sh * min(ag - first, cost.forward)
     if z == 2:
         n_ag = 1 if plan.pp > 1 and training.fsdp2 else m
         return (n_ag * ag + n_rs * rs + hsdp,
@@ -692,7 +696,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         ag_bwd = layers * all_gather(layer_params(args, plan.tp) * (gathered / n_params), sh_n, sh_link)
 
     def bwd_exposed(comm: float) -> float:
-        return comm - w * min(comm - first, bwd)
+        return comm - w_sh * min(comm - first, bwd)
 
     # In a pipeline of FSDP2 stages the blocks stay gathered after each backward (torch.distributed.pipelining), so
     # the forward that follows finds them gathered and only reshards them: every unit is gathered for the step's
