@@ -129,6 +129,8 @@ class Run:
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
     float8: str | None = None
     """The float8 recipe (Training.float8), where it is not the system's default (NeMo's FP8-CS: te-current)."""
+    distribute_checkpoints: bool = False
+    """Megatron's --distribute-checkpointed-activations (Training.distribute_checkpoints), where the source ran it."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -299,6 +301,37 @@ def mtnlg_runs() -> list[Run]:
                 "pp_schedule=1f1b", MTNLG, f"sec. 2.4: {n // 8} DGX A100 servers, batch 1920: {step} s/iteration, "
                 f"{x} TFLOP/s per GPU", step_s=step, tflops=x, flops="eq3", search=False)
             for n, step, x in ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))]
+
+
+# OPT-175B (Zhang et al. 2022, arXiv 2205.01068): "We trained OPT-175B on 992 80GB A100 GPUs, by utilizing Fully
+# Sharded Data Parallel ... with Megatron-LM Tensor Parallelism ... We achieve utilization of up to 147 TFLOP/s per
+# GPU. We keep Adam state in FP32, since we shard it across all hosts, while the model weights remained in FP16"
+# (sec. 2.4); 96 layers, 96 heads, d 12288, batch 2M tokens (table 1), sequence 2048, dropout 0.1 but not on the
+# embeddings (sec. 2.2). The team's chronicle of the run (metaseq, projects/OPT/chronicles/10_percent_update.md,
+# November 2021): "8x Tensor Parallelism", "Batch-size of 2M", and "we need 33 days to fully train at this scale with
+# 1024 80GB A100s" for 300B tokens: 102.7 tokens/s per GPU, which is 147.3 TFLOP/s per GPU in Narayanan's eq. 3 (with
+# recomputation): the paper's 147 is that count. How it ran, from metaseq's launcher (metaseq/launcher/
+# opt_baselines.py): --memory-efficient-fp16 (fp16 weights and gradients, fp32 Adam state), --ddp-backend
+# fully_sharded (fairscale's FSDP: a unit per layer, each gathered on its own stream in its forward, so behind the
+# previous layer's compute: the planner's FSDP units, layout 'fsdp-mp', which also gathers 2-byte weights; its fp32
+# shards and reduction are not metaseq's, memory is not compared) with --no-reshard-after-forward (ZeRO-2: the
+# gathered weights kept through backward), --checkpoint-activations with
+# --distribute-checkpointed-activations, vocab-parallel cross-entropy, tied embedding, dropout and attention dropout
+# 0.1, one micro-batch a step (--update-freq 1) of (batch // data-parallel ranks) // 2048 sequences: 8 of 124
+# ranks, 992 in all. Attention of 2021: Megatron's unfused kernels (FlashAttention came in 2022). Not mapped: ReLU
+# for GELU (the same FLOPs), learned positions. On Azure's A100 80GB nodes (8 HDR 200 Gb/s, as the catalogue's).
+OPT = ("Zhang et al. 2022, OPT: Open Pre-trained Transformer Language Models, https://arxiv.org/abs/2205.01068, "
+       "sec. 2.4; metaseq, projects/OPT/chronicles/10_percent_update.md and metaseq/launcher/opt_baselines.py, "
+       "https://github.com/facebookresearch/metaseq")
+
+
+def opt_runs() -> list[Run]:
+    model = gpt("opt-175b", 12288, 96, 96, vocab=50272)
+    return [Run("OPT 175B n=992", model, 992, 2048, 992,
+                "tp=8,pp=1,cp=1,dp_shard=124,zero_stage=2,micro_batch=8,grad_accum=1,activation_checkpoint=full,"
+                "sequence_parallel=false", OPT, "sec. 2.4: 992 A100 80GB, up to 147 TFLOP/s per GPU; chronicle: 8x "
+                "TP, 2M batch, 33 days on 1024 GPUs for 300B tokens", tflops=147, flops="eq3", layout="fsdp-mp",
+                precision="fp16", distribute_checkpoints=True, search=False)]
 
 
 def bloom_runs() -> list[Run]:
@@ -665,7 +698,8 @@ def nemo_runs() -> list[Run]:
     return runs
 
 
-RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + mtnlg_runs() + torchtitan_runs()
+RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + mtnlg_runs() + opt_runs()
+        + torchtitan_runs()
         + foundry_runs() + mcore_runs() + nemo_runs())
 
 
@@ -712,7 +746,8 @@ def training_of(run: Run) -> Training:
     # (layout 'torch' is shardwise's engine, eager elementwise operators included)
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
                     fused_attention=run.fused_attention, dropout=not run.fused_attention,
-                    elementwise="eager" if run.layout == "torch" else "fused")
+                    elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
+                    distribute_checkpoints=run.distribute_checkpoints)
 
 
 def given_plan(run: Run):
@@ -858,6 +893,7 @@ def main() -> None:
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
+                         ("OPT", "OPT"),
                          ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("NeMo H100 FP8", "NeMo"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):

@@ -835,3 +835,29 @@ def test_a_given_pipeline_that_does_not_fit_is_reported_with_the_micro_batch_its
 
     plan = json.loads(capsys.readouterr().out)["plans"][0]
     assert (plan["micro_batch"], plan["grad_accum"], plan["dp"]) == (8, 2, 4)
+
+
+def test_distributed_checkpoints_split_the_saved_input_and_gather_it_again():
+    # Megatron's --distribute-checkpointed-activations (metaseq's OPT-175B): under full recompute on tp 8 without
+    # sequence parallelism each block keeps 1/8 of its input (fp16, d per token) and all-gathers it over tp
+    # before recomputing: one all-gather of the whole input per block and micro-batch on the tp link
+    from shardwise.planner.comm import all_gather, axis_link
+    from shardwise.planner.timing import stage_cost
+
+    args = ModelArgs(name="gpt", dim=12288, n_layers=4, n_heads=96, n_kv_heads=96, vocab_size=50272,
+                     ffn_hidden=4 * 12288, mlp="gelu", max_seq_len=2048)
+    plain = Training(seq_len=2048, global_batch=8, layout="megatron", precision="fp16", fused_attention=False,
+                     dropout=True, elementwise="fused", loss_parallel=True)
+    split = dataclasses.replace(plain, distribute_checkpoints=True)
+    plan = Plan(tp=8, micro_batch=8, grad_accum=1, activation_checkpoint="full", sequence_parallel=False)
+    tokens = 8 * 2048
+    assert layer_activation_bytes(args, plain, plan) == pytest.approx(tokens * args.dim * 2)
+    assert layer_activation_bytes(args, split, plan) == pytest.approx(tokens * args.dim * 2 / 8)
+    cluster = Cluster(accelerator("a100-80gb"), 8)
+    _, link = axis_link(plan, ("tp",), cluster, spread=True)
+    gathers = stage_cost(args, split, plan, cluster).tp_comm - stage_cost(args, plain, plan, cluster).tp_comm
+    assert gathers == pytest.approx(args.n_layers * all_gather(tokens * args.dim * 2, 8, link))
+    # with sequence parallelism the input is kept split already: nothing changes
+    sp = dataclasses.replace(plan, sequence_parallel=True)
+    assert layer_activation_bytes(args, split, sp) == layer_activation_bytes(args, plain, sp)
+    assert stage_cost(args, split, sp, cluster).tp_comm == stage_cost(args, plain, sp, cluster).tp_comm

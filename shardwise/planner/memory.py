@@ -413,7 +413,7 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
                  routed: float, ep: int) -> list[Term]:
     d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
-        return [Term("block_input", d, "stream", "seq")]
+        return [Term("block_input", d, "stream", "tp" if training.distribute_checkpoints else "seq")]
     matmuls = matmul_output_terms(args)
     sdpa = [Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if recompute == "selective" and training.selective == "alternate-matmuls" and not moe:

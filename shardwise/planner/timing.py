@@ -445,10 +445,12 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
              head: bool, moe_layers: int = 0) -> float:
     """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
     column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
-    Full recompute replays the forward's two. The embedding's rank reduces the partial lookups once; the head's
-    rank reduces the head's input gradient once and, unless the loss runs on vocabulary-parallel logits
-    (`loss_parallel`, or shardwise's fused head: memory.fused_head), all-gathers the logits to every tp rank in
-    forward (shardwise's engine does where its head is not fused: LoRA or NF4 on the head).
+    Full recompute replays the forward's two, after all-gathering the block's saved input where it was split
+    over the tp ranks (Training.distribute_checkpoints, without sequence parallelism). The embedding's rank
+    reduces the partial lookups once; the head's rank reduces the head's input gradient once and, unless the loss
+    runs on vocabulary-parallel logits (`loss_parallel`, or shardwise's fused head: memory.fused_head),
+    all-gathers the logits to every tp rank in forward (shardwise's engine does where its head is not fused: LoRA
+    or NF4 on the head).
     An MoE block (`moe_layers` of the `layers`) has only its attention's pair: every tp rank runs the whole MoE on
     replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
     the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced)."""
@@ -460,6 +462,8 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
     total = (layers - moe_layers) * (6 if plan.activation_checkpoint == "full" else 4) * one \
         + (one if embedding else 0.0)
+    if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
+        total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
     if moe_layers:
         passes = 3 if plan.activation_checkpoint == "full" else 2
         total += moe_layers * passes * (one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0))

@@ -106,6 +106,10 @@ class Training:
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
     policy), 'attention-core' everything but the attention core, which is recomputed (Korthikanti et al.;
     Megatron's selective recompute; always so with unfused attention)."""
+    distribute_checkpoints: bool = False
+    """Under full recompute without sequence parallelism, each block's saved input is split over the tp ranks and
+    all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
+    before sequence parallelism; metaseq ran OPT-175B with it). memory.block_terms, timing._tp_comm."""
     lora_rank: int = 0
     """LoRA rank on every linear of every block (0 = full training)."""
     qlora: bool = False
