@@ -153,6 +153,14 @@ def test_system_toml(tmp_path):
                                                                                  "matmuls", False)
 
 
+def test_system_toml_distributes_checkpoints(tmp_path):
+    path = tmp_path / "megatron-2021-dca.toml"
+    path.write_text('base = "megatron-lm-2021"\ndistribute_checkpoints = true\n')
+    system = resolve_system(str(path))
+    assert system.distribute_checkpoints and not SYSTEMS["megatron-lm-2021"].distribute_checkpoints
+    assert Training(seq_len=2048, global_batch=8, **system.training_fields()).distribute_checkpoints
+
+
 @pytest.mark.parametrize("fields", [{"layout": "torch"}, {"layout": "zero", "lora_rank": 16}])
 def test_module_by_module_fetch_is_deepspeeds_zero3_only(fields):
     with pytest.raises(PlannerError, match="--system zero3_fetch") as e:
@@ -183,6 +191,7 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
                                          ('zero3_fetch = "eager"\n', "--system zero3_fetch"),
                                          ('swiglu = "compiled"\n', "--system swiglu"),
                                          ('float8 = "mxfp8"\n', "--system float8"),
+                                         ('distribute_checkpoints = "yes"\n', "distribute_checkpoints"),
                                          ('base = "torchtitan"\nfloat8 = "te-delayed"\n', "--system float8"),
                                          ('base = "jax"\n', "base")])
 def test_bad_system_toml_names_the_field(tmp_path, text, field):

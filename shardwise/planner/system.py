@@ -69,6 +69,9 @@ class System:
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
     float8: str = "torchao"
     """How --precision fp8 runs the linears: torchao, te-delayed or te-current (Training.float8)."""
+    distribute_checkpoints: bool = False
+    """Megatron-LM's --distribute-checkpointed-activations: under full recompute without sequence parallelism the
+    saved block inputs are split over tp (Training.distribute_checkpoints)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -93,7 +96,8 @@ class System:
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
-                "zero3_fetch": self.zero3_fetch, "compile": self.compile, "float8": self.float8}
+                "zero3_fetch": self.zero3_fetch, "compile": self.compile, "float8": self.float8,
+                "distribute_checkpoints": self.distribute_checkpoints}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -177,7 +181,8 @@ def resolve_system(spec: str | System) -> System:
         if key not in fields:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
-        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile") else str
+        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile",
+                                   "distribute_checkpoints") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
