@@ -303,6 +303,44 @@ def mtnlg_runs() -> list[Run]:
             for n, step, x in ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))]
 
 
+# BLOOM's search for its layout (bigscience, train/tr11-176B-ml/chronicles-prequel.md, "Rebalancing layers",
+# 2022-02-28): the same 48 Jean Zay nodes (384 A100 80GB) and code as BLOOM's run above (Megatron-DeepSpeed, the BF16
+# optimizer "just written to accumulate gradients in fp32" with its own ZeRO-1, DeepSpeed's pipeline, full
+# recompute, unfused attention), batch 2,048 x 2,048, vocabulary 250k, "--pp-partition-method
+# 'type:transformer|embedding'". Each table is one model (hidden x layers) under several layouts and head counts:
+# "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first (last) nodes" read with nvidia-smi
+# (taken as GiB), "OOM" where it did not fit. Every row of the section's tables is kept. Rows: hidden, layers, dp,
+# tp, pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
+BLOOM_PREQUEL = ("bigscience, train/tr11-176B-ml/chronicles-prequel.md, \"Rebalancing layers\", "
+                 "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/chronicles-prequel.md")
+BLOOM_PREQUEL_ROWS = [
+    (12288, 106, 8, 4, 12, 2, 64, 67, 116.54, 149.75), (12288, 106, 8, 4, 12, 2, 96, 65, 118.79, 146.90),
+    (12288, 106, 8, 4, 12, 2, 128, 67, 121.42, 143.73), (12288, 106, 8, 4, 12, 4, 96, 79, 120.34, 145.01),
+    (12288, 100, 16, 4, 6, 2, 64, None, None, None), (12288, 100, 16, 4, 6, 1, 64, None, None, None),
+    (12288, 100, 8, 8, 6, 2, 64, 61, 139.72, 117.91), (12288, 100, 8, 8, 6, 4, 64, 72, 120.96, 136.20),
+    (13312, 82, 4, 8, 12, 4, 64, 52, 111.79, 141.76), (13312, 82, 8, 4, 12, 2, 64, 63, 104.45, 151.71),
+    (13312, 82, 8, 4, 12, 2, 104, 62, 123.71, 128.10), (13312, 82, 8, 4, 12, 2, 128, 60, 108.78, 145.68),
+    (13312, 82, 8, 4, 12, 4, 64, 74, 104.82, 151.18), (13312, 94, 8, 4, 12, 2, 128, 67, 124.10, 146.12),
+    (14336, 70, 4, 8, 12, 2, 64, 40, 121.63, 128.92), (14336, 70, 8, 4, 12, 2, 64, 59, 102.03, 153.68),
+    (14336, 70, 8, 4, 12, 2, 112, 59, 104.50, 150.05), (14336, 70, 8, 4, 12, 2, 128, 60, 105.89, 148.08),
+    (14336, 70, 8, 4, 12, 4, 64, 73, 102.27, 153.33), (14336, 82, 8, 4, 12, 2, 128, None, None, None)]
+
+
+def bloom_prequel_runs() -> list[Run]:
+    runs = []
+    for h, l, dp, tp, pp, mb, heads, mem, sec, tflops in BLOOM_PREQUEL_ROWS:
+        model = gpt(f"bloom-{h}x{l}", h, heads, l, vocab=250880)
+        runs.append(Run(f"BigScience {h}x{l} a{heads} d{dp} t{tp} p{pp} mb{mb}" + ("" if sec else " OOM"), model,
+                        384, 2048, 2048,
+                        f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage=1,micro_batch={mb},"
+                        "activation_checkpoint=full,sequence_parallel=false,pp_schedule=1f1b", BLOOM_PREQUEL,
+                        f"NHIDDEN={h} NLAYERS={l}: DP {dp} TP {tp} PP {pp} MBS {mb} NHEADS {heads} | "
+                        + (f"{mem}GB | {sec} s/it | {tflops} TFLOPs" if sec else "OOM"),
+                        step_s=sec, tflops=tflops, flops="bloom", fitted=sec is not None,
+                        mem_gib=mem, inter_node_gbs=400 / 8 / 8, search=False))
+    return runs
+
+
 # OPT-175B (Zhang et al. 2022, arXiv 2205.01068): "We trained OPT-175B on 992 80GB A100 GPUs, by utilizing Fully
 # Sharded Data Parallel ... with Megatron-LM Tensor Parallelism ... We achieve utilization of up to 147 TFLOP/s per
 # GPU. We keep Adam state in FP32, since we shard it across all hosts, while the model weights remained in FP16"
@@ -698,7 +736,8 @@ def nemo_runs() -> list[Run]:
     return runs
 
 
-RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + mtnlg_runs() + opt_runs()
+RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
+        + opt_runs()
         + torchtitan_runs()
         + foundry_runs() + mcore_runs() + nemo_runs())
 
@@ -819,6 +858,8 @@ def sweep_of(run: Run) -> str | None:
         return f"llm-foundry {run.gpu} {run.model.name}"
     if run.name.startswith("torchtitan"):
         return f"torchtitan {run.quote.split(' row')[0]}"
+    if run.name.startswith("BigScience"):
+        return f"BLOOM's layout search {run.name.split()[1]}"
     return None
 
 
@@ -893,7 +934,7 @@ def main() -> None:
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
-                         ("OPT", "OPT"),
+                         ("OPT", "OPT"), ("BLOOM's layout search", "BigScience"),
                          ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("NeMo H100 FP8", "NeMo"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):

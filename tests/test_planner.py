@@ -1675,3 +1675,16 @@ def test_opt_175b_fits_as_it_ran_and_its_throughput_is_the_chronicles():
     assert pp.eq3_flops(run.model, 1, run.seq) * tokens_per_gpu_s / run.seq / 1e12 == pytest.approx(147, rel=0.01)
     ev, fits = pp.given_plan(run)
     assert fits and ev.plan.zero_stage == 2 and ev.plan.tp == 8 and ev.plan.micro_batch == 8
+
+
+def test_bloom_layout_search_rows_agree_with_the_production_log():
+    """BLOOM's layout search (benchmarks/planner_published.py, chronicles-prequel.md, 2022-02-28) timed the layout
+    BLOOM then trained with (NHIDDEN 14336, 70 layers, 112 heads, DP 8 TP 4 PP 12 MBS 2) at 104.50 s/it; the
+    production log's iteration, an independent source, is 104.70 s. Every search row holds 384 GPUs and a batch of
+    2,048 sequences, and the OOM rows have no time."""
+    pp, runs = _published("BigScience")
+    (bloom,) = [r for r in runs if r.name.startswith("BigScience 14336x70 a112 d8 t4 p12 mb2")]
+    (log,) = _published("BLOOM 176B")[1]
+    assert bloom.step_s == pytest.approx(log.step_s, rel=0.01)
+    assert all(r.gpus == 384 and r.batch == 2048 and (r.step_s is None) == (not r.fitted) for r in runs)
+    assert sum(not r.fitted for r in runs) == 3
