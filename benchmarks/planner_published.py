@@ -131,6 +131,8 @@ class Run:
     """The float8 recipe (Training.float8), where it is not the system's default (NeMo's FP8-CS: te-current)."""
     distribute_checkpoints: bool = False
     """Megatron's --distribute-checkpointed-activations (Training.distribute_checkpoints), where the source ran it."""
+    keeps_bf16_grads: bool = False
+    """DeepSpeed's BF16_Optimizer keeping the bf16 gradients (Training.keeps_bf16_grads), where the run used it."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -276,7 +278,9 @@ def llama3_runs() -> list[Run]:
 # --------------------------------------------------------------------------------------------------
 # BLOOM 176B (README of the training): h 14336, 70 layers, 112 heads, vocabulary 250,680 (embedding sized
 # 250880 x 14336), tied embedding, ALiBi, GELU; "TP=4 PP=12 DP=8 MBS=2", GBS 2048, seq 2048; BF16_Optimizer "implements
-# its own ZeRO Stage 1", "accumulates grads in fp32" (layout 'megatron'); "--deepspeed-activation-checkpointing";
+# its own ZeRO Stage 1", "accumulates grads in fp32" (layout 'megatron'), and keeps autograd's bf16 gradients beside
+# them (DeepSpeed's deepspeed/runtime/bf16_optimizer.py: backward() with clear_lp_grads=False, the grads freed only by
+# the next backward: Training.keeps_bf16_grads); "--deepspeed-activation-checkpointing";
 # DeepSpeed's pipeline (1F1B and GPipe cost the same time in the planner); no sequence parallelism ("developed
 # after BLOOM was trained", HF blog). Measured: the log line at the end of epoch one, "elapsed time per
 # iteration (s): 104.70 | ... global batch size: 2048 | ... TFLOPs: 149.77" (hardware FLOPs, "4*2 co-efficient").
@@ -305,12 +309,12 @@ def mtnlg_runs() -> list[Run]:
 
 # BLOOM's search for its layout (bigscience, train/tr11-176B-ml/chronicles-prequel.md, "Rebalancing layers",
 # 2022-02-28): the same 48 Jean Zay nodes (384 A100 80GB) and code as BLOOM's run above (Megatron-DeepSpeed, the BF16
-# optimizer "just written to accumulate gradients in fp32" with its own ZeRO-1, DeepSpeed's pipeline, full
-# recompute, unfused attention), batch 2,048 x 2,048, vocabulary 250k, "--pp-partition-method
-# 'type:transformer|embedding'". Each table is one model (hidden x layers) under several layouts and head counts:
-# "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first (last) nodes" read with nvidia-smi
-# (taken as GiB), "OOM" where it did not fit. Every row of the section's tables is kept. Rows: hidden, layers, dp,
-# tp, pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
+# optimizer "just written to accumulate gradients in fp32" with its own ZeRO-1, keeping the bf16 gradients too, as
+# above, DeepSpeed's pipeline, full recompute, unfused attention), batch 2,048 x 2,048, vocabulary 250k,
+# "--pp-partition-method 'type:transformer|embedding'". Each table is one model (hidden x layers) under several
+# layouts and head counts: "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first (last) nodes"
+# read with nvidia-smi (taken as GiB), "OOM" where it did not fit. Every row of the section's tables is kept. Rows:
+# hidden, layers, dp, tp, pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
 BLOOM_PREQUEL = ("bigscience, train/tr11-176B-ml/chronicles-prequel.md, \"Rebalancing layers\", "
                  "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/chronicles-prequel.md")
 BLOOM_PREQUEL_ROWS = [
@@ -337,7 +341,7 @@ def bloom_prequel_runs() -> list[Run]:
                         f"NHIDDEN={h} NLAYERS={l}: DP {dp} TP {tp} PP {pp} MBS {mb} NHEADS {heads} | "
                         + (f"{mem}GB | {sec} s/it | {tflops} TFLOPs" if sec else "OOM"),
                         step_s=sec, tflops=tflops, flops="bloom", fitted=sec is not None,
-                        mem_gib=mem, inter_node_gbs=400 / 8 / 8, search=False))
+                        mem_gib=mem, inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True, search=False))
     return runs
 
 
@@ -377,7 +381,7 @@ def bloom_runs() -> list[Run]:
     return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
                 "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,activation_checkpoint=full,sequence_parallel=false,"
                 "pp_schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
-                step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8)]
+                step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -786,7 +790,7 @@ def training_of(run: Run) -> Training:
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
                     fused_attention=run.fused_attention, dropout=not run.fused_attention,
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
-                    distribute_checkpoints=run.distribute_checkpoints)
+                    distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads)
 
 
 def given_plan(run: Run):

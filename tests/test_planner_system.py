@@ -870,3 +870,17 @@ def test_distributed_checkpoints_split_the_saved_input_and_gather_it_again():
     sp = dataclasses.replace(plan, sequence_parallel=True)
     assert layer_activation_bytes(args, split, sp) == layer_activation_bytes(args, plain, sp)
     assert stage_cost(args, split, sp, cluster).tp_comm == stage_cost(args, plain, sp, cluster).tp_comm
+
+
+def test_kept_bf16_grads_add_two_unsharded_bytes_a_parameter():
+    # DeepSpeed's BF16_Optimizer keeps autograd's bf16 gradients beside its fp32 buffer (backward() with
+    # clear_lp_grads=False): 2 bytes a trainable parameter on top of the layout's gradients, whatever ZeRO shards
+    from shardwise.planner.memory import model_state_bytes
+
+    plain = Training(seq_len=2048, global_batch=8, layout="megatron")
+    kept = dataclasses.replace(plain, keeps_bf16_grads=True)
+    for stage, shard in ((0, 1), (1, 8), (2, 8)):
+        a = model_state_bytes(1e9, plain, stage, shard)
+        b = model_state_bytes(1e9, kept, stage, shard)
+        assert b["grads"] - a["grads"] == pytest.approx(2e9)
+        assert {k: v for k, v in a.items() if k != "grads"} == {k: v for k, v in b.items() if k != "grads"}

@@ -351,7 +351,8 @@ def model_state_bytes(n_params: float, training: Training, zero_stage: int, shar
                    + (n_params - matmul) * b.params + trainable * b.params)
     items = {
         "params": weights / (shard if zero_stage >= 3 else 1),
-        "grads": trainable * b.grads / (shard if zero_stage >= 2 else 1),
+        "grads": (trainable * b.grads / (shard if zero_stage >= 2 else 1)
+                  + (trainable * 2.0 if training.keeps_bf16_grads and training.mixed else 0.0)),
         "master_weights": trainable * b.master / (shard if zero_stage >= 1 else 1),
         "optimizer_state": trainable * b.optimizer / (shard if zero_stage >= 1 else 1),
     }

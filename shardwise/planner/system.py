@@ -72,6 +72,9 @@ class System:
     distribute_checkpoints: bool = False
     """Megatron-LM's --distribute-checkpointed-activations: under full recompute without sequence parallelism the
     saved block inputs are split over tp (Training.distribute_checkpoints)."""
+    keeps_bf16_grads: bool = False
+    """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
+    BF16_Optimizer)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -97,7 +100,7 @@ class System:
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "float8": self.float8,
-                "distribute_checkpoints": self.distribute_checkpoints}
+                "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -182,7 +185,7 @@ def resolve_system(spec: str | System) -> System:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile",
-                                   "distribute_checkpoints") else str
+                                   "distribute_checkpoints", "keeps_bf16_grads") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

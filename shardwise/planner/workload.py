@@ -110,6 +110,10 @@ class Training:
     """Under full recompute without sequence parallelism, each block's saved input is split over the tp ranks and
     all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
     before sequence parallelism; metaseq ran OPT-175B with it). memory.block_terms, timing._tp_comm."""
+    keeps_bf16_grads: bool = False
+    """The optimizer keeps the low-precision gradients autograd writes beside its fp32 accumulation buffer, 2 bytes
+    a parameter, not sharded, until the next backward frees them (DeepSpeed's BF16_Optimizer: backward() with
+    clear_lp_grads=False, as Megatron-DeepSpeed trained BLOOM). memory.model_state_bytes."""
     lora_rank: int = 0
     """LoRA rank on every linear of every block (0 = full training)."""
     qlora: bool = False
