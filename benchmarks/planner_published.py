@@ -279,8 +279,9 @@ def llama3_runs() -> list[Run]:
 # BLOOM 176B (README of the training): h 14336, 70 layers, 112 heads, vocabulary 250,680 (embedding sized
 # 250880 x 14336), tied embedding, ALiBi, GELU; "TP=4 PP=12 DP=8 MBS=2", GBS 2048, seq 2048; BF16_Optimizer "implements
 # its own ZeRO Stage 1", "accumulates grads in fp32" (layout 'megatron'), and keeps autograd's bf16 gradients beside
-# them (DeepSpeed's deepspeed/runtime/bf16_optimizer.py: backward() with clear_lp_grads=False, the grads freed only by
-# the next backward: Training.keeps_bf16_grads); "--deepspeed-activation-checkpointing";
+# them (DeepSpeed's deepspeed/runtime/bf16_optimizer.py, its stored versions of 2023 on: backward() with
+# clear_lp_grads=False, the grads freed only by the next backward: Training.keeps_bf16_grads);
+# "--deepspeed-activation-checkpointing";
 # DeepSpeed's pipeline (1F1B and GPipe cost the same time in the planner); no sequence parallelism ("developed
 # after BLOOM was trained", HF blog). Measured: the log line at the end of epoch one, "elapsed time per
 # iteration (s): 104.70 | ... global batch size: 2048 | ... TFLOPs: 149.77" (hardware FLOPs, "4*2 co-efficient").
