@@ -74,7 +74,8 @@ class Accelerator:
     24 on an HGX A100). Each runs as one CTA that holds an SM for the collective's whole run and never shares it with
     a compute kernel (NCCL issue 689), so a collective hidden behind compute still takes those SMs from it
     (planner.comm.group_link, Link.sm_share). 0 (the catalogue's default): not modelled. Why the catalogue leaves it
-    out, and what it would change: docs/planner.md, "NCCL's SMs"."""
+    out, and what it would change: docs/planner.md, "NCCL's SMs". A comm_overlap measured on a GPU already includes
+    it: leave this 0 in such a profile."""
     attention_efficiency: float = 0.45
     """Share of peak that fused attention (forward + backward) reaches, for a kernel attention_by_kernel does not
     name (a stated assumption between the published figures below)."""

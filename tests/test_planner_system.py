@@ -154,11 +154,15 @@ def test_system_toml(tmp_path):
 
 
 def test_system_toml_distributes_checkpoints(tmp_path):
+    from shardwise.planner.cli import system_summary
+
     path = tmp_path / "megatron-2021-dca.toml"
-    path.write_text('base = "megatron-lm-2021"\ndistribute_checkpoints = true\n')
+    path.write_text('base = "megatron-lm-2021"\ndistribute_checkpoints = true\nkeeps_bf16_grads = true\n')
     system = resolve_system(str(path))
     assert system.distribute_checkpoints and not SYSTEMS["megatron-lm-2021"].distribute_checkpoints
-    assert Training(seq_len=2048, global_batch=8, **system.training_fields()).distribute_checkpoints
+    training = Training(seq_len=2048, global_batch=8, **system.training_fields())
+    assert training.distribute_checkpoints and training.keeps_bf16_grads
+    assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32")
 
 
 @pytest.mark.parametrize("fields", [{"layout": "torch"}, {"layout": "zero", "lora_rank": 16}])
@@ -866,10 +870,14 @@ def test_distributed_checkpoints_split_the_saved_input_and_gather_it_again():
     _, link = axis_link(plan, ("tp",), cluster, spread=True)
     gathers = stage_cost(args, split, plan, cluster).tp_comm - stage_cost(args, plain, plan, cluster).tp_comm
     assert gathers == pytest.approx(args.n_layers * all_gather(tokens * args.dim * 2, 8, link))
-    # with sequence parallelism the input is kept split already: nothing changes
+    # with sequence parallelism the input is kept split already (no gather added); without full recompute nothing
+    # is distributed
     sp = dataclasses.replace(plan, sequence_parallel=True)
-    assert layer_activation_bytes(args, split, sp) == layer_activation_bytes(args, plain, sp)
     assert stage_cost(args, split, sp, cluster).tp_comm == stage_cost(args, plain, sp, cluster).tp_comm
+    for recompute in ("selective", "none"):
+        kept = dataclasses.replace(plan, activation_checkpoint=recompute)
+        assert layer_activation_bytes(args, split, kept) == layer_activation_bytes(args, plain, kept)
+        assert stage_cost(args, split, kept, cluster).tp_comm == stage_cost(args, plain, kept, cluster).tp_comm
 
 
 def test_kept_bf16_grads_add_two_unsharded_bytes_a_parameter():

@@ -20,7 +20,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from shardwise.hardware import GPU_SMS, Accelerator, Cluster
+from shardwise.hardware import GPU_SMS, Accelerator, Cluster, PlannerError
 from shardwise.planner.plan import Plan
 
 
@@ -269,6 +269,9 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
     per_node = 0 if intra else members_per_node(size, stride, cluster.gpus_per_node)
     rails = per_node if spread and cluster.rail_collectives and not intra else 1
     sms = acc.sms or GPU_SMS.get(acc.name, 0)
+    if acc.nccl_channels and not sms:
+        raise PlannerError("--gpu nccl_channels", f"{acc.name} has no SM count for NCCL's CTAs to be a share of",
+                           'give the profile "sms" (its streaming multiprocessors)')
     sm_share = nccl_ctas(acc, intra, rails) / sms if sms else 0.0
     if intra:
         bw = acc.intra_node_bw * acc.comm_efficiency

@@ -622,10 +622,10 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # link's hidden time the share its CTAs hold stays on the critical path (Link.sm_share; 0 unless modelled)
     w_red, w_sh = w * (1 - red_link.sm_share), w * (1 - sh_link.sm_share)
 
-    def behind_backward(comm: float, w: float = w_sh) -> float:
+    def behind_backward(comm: float, overlap: float = w_sh) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
         # has no backward left to hide behind
-        return comm - w * min(comm * (1 - 1 / layers), bwd)
+        return comm - overlap * min(comm * (1 - 1 / layers), bwd)
 
     if z == 0 or z == 1 and replicates(training, plan):
         # ZeRO-0, and ZeRO-1 as shardwise's engine runs it: replicate's bucketed all-reduce, then the sharded
