@@ -1536,10 +1536,31 @@ def test_published_out_of_memory_layouts_do_not_fit():
     parallelism and selective recompute but without sequence parallelism (section 6.1) and Narayanan's 530B
     under ZeRO-3 on 560 GPUs (table 2's caption)."""
     published, runs = _published("")
-    oom = [run for run in runs if not run.fitted]
+    oom = [run for run in runs if not run.fitted and not run.name.startswith("BigScience")]
     assert len(oom) == 5
     for run in oom:
         assert not published.given_plan(run)[1], run.name
+
+
+_BLOOM_SEARCH_FITS_WRONGLY = ("the planner predicts it fits (76.3 and 60.1 GiB) where BLOOM's layout search ran "
+                              "out of memory: memory not itemised (docs/planner.md, \"BLOOM's layout search\")")
+
+
+@pytest.mark.parametrize("name", [
+    "BigScience 12288x100 a64 d16 t4 p6 mb2 OOM",
+    pytest.param("BigScience 12288x100 a64 d16 t4 p6 mb1 OOM",
+                 marks=pytest.mark.xfail(strict=True, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
+    pytest.param("BigScience 14336x82 a128 d8 t4 p12 mb2 OOM",
+                 marks=pytest.mark.xfail(strict=True, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
+])
+def test_bloom_layout_search_out_of_memory_rows_do_not_fit(name):
+    """BLOOM's layout search (chronicles-prequel.md, 2022-02-28) ran out of memory in three layouts. One is
+    predicted not to fit; the two the planner still gets wrong are expected failures (strict: fixing one flags
+    it)."""
+    published, runs = _published(name)
+    (run,) = runs
+    assert not run.fitted
+    assert not published.given_plan(run)[1]
 
 
 @pytest.mark.parametrize("gqa", [False, True])
