@@ -312,10 +312,12 @@ def mtnlg_runs() -> list[Run]:
 # 2022-02-28): the same 48 Jean Zay nodes (384 A100 80GB) and code as BLOOM's run above (Megatron-DeepSpeed, the BF16
 # optimizer "just written to accumulate gradients in fp32" with its own ZeRO-1, keeping the bf16 gradients too, as
 # above, DeepSpeed's pipeline, full recompute, unfused attention), batch 2,048 x 2,048, vocabulary 250k,
-# "--pp-partition-method 'type:transformer|embedding'". Each table is one model (hidden x layers) under several
-# layouts and head counts: "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first (last) nodes"
-# read with nvidia-smi (taken as GiB), "OOM" where it did not fit. Every row of the section's tables is kept. Rows:
-# hidden, layers, dp, tp, pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
+# "--pp-partition-method 'type:transformer|embedding'" (each embedding a block's slot; not modelled: the planner
+# cuts its own cost-balanced split, one block more on the first stage). Each table is one model (hidden x layers)
+# under several layouts and head counts: "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first
+# (last) nodes" read with nvidia-smi (taken as GiB: nvidia-smi prints MiB, and "67GB" read as thousands of MiB would
+# be 2.4% less), "OOM" where it did not fit. Every row of the section's tables is kept. Rows: hidden, layers, dp, tp,
+# pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
 BLOOM_PREQUEL = ("bigscience, train/tr11-176B-ml/chronicles-prequel.md, \"Rebalancing layers\", "
                  "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/chronicles-prequel.md")
 BLOOM_PREQUEL_ROWS = [
@@ -920,8 +922,7 @@ def main() -> None:
                   f"{run.tflops:5.0f} {ratio:5.2f} "
                   f"{t.mfu:8.1%} {pub_mfu:5.1%}{mark} {mem:6.1f} {fit_col}  {describe(ev.plan)}{flag}")
         if run.search:
-            key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, run.layout, run.system,
-                   run.inter_node_gbs)
+            key = (run.model.name, run.gpus, run.seq, run.batch, run.gpu, training_of(run), cluster_of(run))
             if key not in searches:
                 t0 = time.perf_counter()
                 best = search(run.model, training_of(run), cluster_of(run), top_k=1)

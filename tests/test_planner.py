@@ -1547,16 +1547,17 @@ _BLOOM_SEARCH_FITS_WRONGLY = ("the planner predicts it fits (76.3 and 60.1 GiB) 
 
 
 @pytest.mark.parametrize("name", [
-    "BigScience 12288x100 a64 d16 t4 p6 mb2 OOM",
     pytest.param("BigScience 12288x100 a64 d16 t4 p6 mb1 OOM",
-                 marks=pytest.mark.xfail(strict=True, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
     pytest.param("BigScience 14336x82 a128 d8 t4 p12 mb2 OOM",
-                 marks=pytest.mark.xfail(strict=True, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BLOOM_SEARCH_FITS_WRONGLY)),
 ])
 def test_bloom_layout_search_out_of_memory_rows_do_not_fit(name):
-    """BLOOM's layout search (chronicles-prequel.md, 2022-02-28) ran out of memory in three layouts. One is
-    predicted not to fit; the two the planner still gets wrong are expected failures (strict: fixing one flags
-    it)."""
+    """BLOOM's layout search (chronicles-prequel.md, 2022-02-28) ran out of memory in three layouts. Two the
+    planner predicts to fit: expected failures (strict: fixing one flags it). The third (12288x100 on dp 16 at
+    micro-batch 2) is predicted not to fit only through the planner's own stage split, which gives the first
+    stage one block more than DeepSpeed's 'type:transformer|embedding' partition did: not asserted
+    (docs/planner.md)."""
     published, runs = _published(name)
     (run,) = runs
     assert not run.fitted
@@ -1707,5 +1708,9 @@ def test_bloom_layout_search_rows_agree_with_the_production_log():
     (bloom,) = [r for r in runs if r.name.startswith("BigScience 14336x70 a112 d8 t4 p12 mb2")]
     (log,) = _published("BLOOM 176B")[1]
     assert bloom.step_s == pytest.approx(log.step_s, rel=0.01)
-    assert all(r.gpus == 384 and r.batch == 2048 and (r.step_s is None) == (not r.fitted) for r in runs)
     assert sum(not r.fitted for r in runs) == 3
+    # each row's seconds per iteration and TFLOPs, transcribed apart, agree through Narayanan's eq. 3 (the count
+    # BigScience used from 2022-02-21: Megatron-DeepSpeed PR 251)
+    for r in (r for r in runs if r.fitted):
+        assert pp.eq3_flops(r.model, r.batch, r.seq) / (r.step_s * r.gpus) / 1e12 == pytest.approx(r.tflops,
+                                                                                                      rel=5e-4), r.name

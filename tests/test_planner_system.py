@@ -882,13 +882,40 @@ def test_distributed_checkpoints_split_the_saved_input_and_gather_it_again():
 
 def test_kept_bf16_grads_add_two_unsharded_bytes_a_parameter():
     # DeepSpeed's BF16_Optimizer keeps autograd's bf16 gradients beside its fp32 buffer (backward() with
-    # clear_lp_grads=False): 2 bytes a trainable parameter on top of the layout's gradients, whatever ZeRO shards
+    # clear_lp_grads=False): 2 bytes a trainable parameter on top of the layout's gradients, at ZeRO 0-1 without
+    # offload and on bf16 weights, where DeepSpeed runs that optimizer; nowhere else
     from shardwise.planner.memory import model_state_bytes
 
     plain = Training(seq_len=2048, global_batch=8, layout="megatron")
     kept = dataclasses.replace(plain, keeps_bf16_grads=True)
-    for stage, shard in ((0, 1), (1, 8), (2, 8)):
+    for stage, shard in ((0, 1), (1, 8)):
         a = model_state_bytes(1e9, plain, stage, shard)
         b = model_state_bytes(1e9, kept, stage, shard)
         assert b["grads"] - a["grads"] == pytest.approx(2e9)
         assert {k: v for k, v in a.items() if k != "grads"} == {k: v for k, v in b.items() if k != "grads"}
+    assert model_state_bytes(1e9, kept, 2, 8) == model_state_bytes(1e9, plain, 2, 8)  # its ZeRO optimizer
+    assert model_state_bytes(1e9, kept, 1, 8, "optimizer") == model_state_bytes(1e9, plain, 1, 8, "optimizer")
+    for other in (dict(layout="fsdp-mp"), dict(precision="fp32")):  # fp32 weights: no bf16 gradients to keep
+        a, b = (Training(seq_len=2048, global_batch=8, keeps_bf16_grads=k, **other) for k in (False, True))
+        assert model_state_bytes(1e9, a, 1, 8) == model_state_bytes(1e9, b, 1, 8)
+
+
+def test_kept_bf16_grads_are_added_into_fp32_after_every_micro_batch():
+    # update_hp_grads after each micro-batch's backward: hp.add_(lp.grad.to(fp32)) reads 2 + 4 + 4 and writes
+    # 4 + 4 bytes a parameter, over the stage's parameters at the elementwise bandwidth, in every pipeline slot
+    from shardwise.planner.memory import stage_shape
+    from shardwise.planner.timing import stage_cost
+
+    args = ModelArgs(name="gpt", dim=4096, n_layers=8, n_heads=32, n_kv_heads=32, vocab_size=50304,
+                     ffn_hidden=4 * 4096, mlp="gelu", max_seq_len=2048)
+    plain = Training(seq_len=2048, global_batch=64, layout="megatron", fused_attention=False, dropout=True,
+                     elementwise="fused", loss_parallel=True)
+    kept = dataclasses.replace(plain, keeps_bf16_grads=True)
+    plan = Plan(tp=2, pp=2, dp_replicate=2, zero_stage=1, micro_batch=2, grad_accum=16, activation_checkpoint="full")
+    acc = accelerator("a100-80gb")
+    cluster = Cluster(acc, 8)
+    params = max(stage_shape(args, plan, s, 2048).params for s in range(2))
+    delta = stage_cost(args, kept, plan, cluster).total - stage_cost(args, plain, plan, cluster).total
+    assert delta == pytest.approx(params * 18 / (acc.mem_bandwidth * acc.bandwidth_efficiency))
+    zero2 = dataclasses.replace(plan, dp_replicate=1, dp_shard=2, zero_stage=2)
+    assert stage_cost(args, kept, zero2, cluster).total == stage_cost(args, plain, zero2, cluster).total

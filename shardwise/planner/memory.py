@@ -352,7 +352,7 @@ def model_state_bytes(n_params: float, training: Training, zero_stage: int, shar
     items = {
         "params": weights / (shard if zero_stage >= 3 else 1),
         "grads": (trainable * b.grads / (shard if zero_stage >= 2 else 1)
-                  + (trainable * 2.0 if training.keeps_bf16_grads and training.mixed else 0.0)),
+                  + (trainable * 2.0 if training.bf16_optimizer_active(zero_stage, offload) else 0.0)),
         "master_weights": trainable * b.master / (shard if zero_stage >= 1 else 1),
         "optimizer_state": trainable * b.optimizer / (shard if zero_stage >= 1 else 1),
     }

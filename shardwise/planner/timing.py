@@ -300,7 +300,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
     key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
            plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel, plan.ep,
-           te_weight_cast_share(training, plan))
+           te_weight_cast_share(training, plan), training.bf16_optimizer_active(plan.zero_stage, plan.offload))
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = placement(args, plan, training.seq_len).ranks
@@ -362,6 +362,7 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     if dequant_fwd:  # QLoRA: the NF4 base is dequantised in forward, in a recompute, and for input gradients
         recomputes = plan.activation_checkpoint != "none"
         fwd, bwd_in, recompute = fwd + dequant_fwd, bwd_in + dequant_bwd, recompute + recomputes * dequant_fwd
+    bwd_w += bf16_accumulation_seconds(training, plan, acc, shape.params)
     replayed = _weight_pass_replay(args, training, plan, stage)
     bwd_w += replayed * recompute  # in the deferred weight pass, with its own time slot
     overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops, moe)
@@ -373,6 +374,20 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
+
+
+BF16_ACCUMULATION_BYTES = 2 + 4 + 4 + 4 + 4
+"""Bytes per parameter of DeepSpeed's BF16_Optimizer.update_hp_grads, `hp_grad.add_(lp.grad.to(float32))`: the
+bf16 gradient read and its fp32 copy written, then the copy and the fp32 gradient read and the sum written."""
+
+
+def bf16_accumulation_seconds(training: Training, plan: Plan, acc: Accelerator, stage_params: float) -> float:
+    """Seconds per micro-batch of DeepSpeed's BF16_Optimizer adding the micro-batch's bf16 gradients into its fp32
+    buffer (Training.keeps_bf16_grads; its pipeline engine calls update_hp_grads after every backward), over the
+    stage's trainable parameters at the elementwise bandwidth; 0 where that optimizer does not run."""
+    if not training.bf16_optimizer_active(plan.zero_stage, plan.offload) or training.lora_rank:
+        return 0.0
+    return stage_params * BF16_ACCUMULATION_BYTES / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
 
 def _weight_pass_replay(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:

@@ -111,9 +111,11 @@ class Training:
     all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
     before sequence parallelism; metaseq ran OPT-175B with it). memory.block_terms, timing._tp_comm."""
     keeps_bf16_grads: bool = False
-    """The optimizer keeps the low-precision gradients autograd writes beside its fp32 accumulation buffer, 2 bytes
-    a parameter, not sharded, until the next backward frees them (DeepSpeed's BF16_Optimizer: backward() with
-    clear_lp_grads=False, as Megatron-DeepSpeed trained BLOOM). memory.model_state_bytes."""
+    """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
+    offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
+    buffer, 2 bytes a parameter, not sharded, until the next backward frees them (backward() with
+    clear_lp_grads=False: memory.model_state_bytes); and after every micro-batch's backward it adds them into
+    that buffer, one pass over the stage's gradients (timing.bf16_accumulation_seconds)."""
     lora_rank: int = 0
     """LoRA rank on every linear of every block (0 = full training)."""
     qlora: bool = False
@@ -255,6 +257,13 @@ class Training:
     def fsdp2(self) -> bool:
         """The state lives in FSDP2 / replicate units, one per block and one for the root (shardwise, torchtitan)."""
         return self.layout in ("torch", "fsdp-mp")
+
+    def bf16_optimizer_active(self, zero_stage: int, offload: str) -> bool:
+        """Whether keeps_bf16_grads applies to a plan: DeepSpeed uses its BF16_Optimizer at ZeRO 0-1 without
+        offload (engine._do_optimizer_sanity_check; ZeRO-2/3 run its ZeRO optimizer), on bf16 weights (layouts
+        'megatron' and 'zero'; 'torch' and 'fsdp-mp' keep fp32 weights, whose gradients are fp32)."""
+        return (self.keeps_bf16_grads and self.mixed and zero_stage <= 1 and offload == "none"
+                and self.layout in ("megatron", "zero"))
 
     @property
     def fuses_head(self) -> bool:
