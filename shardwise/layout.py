@@ -258,6 +258,13 @@ def fsdp_applies(layout: Layout) -> bool:
     return layout.zero_stage >= 2 and (layout.dp_shard * layout.cp > 1 or layout.offload == "full")
 
 
+def fsdp_mixed_precision(layout: Layout, mixed_precision: str) -> bool:
+    """Whether FSDP2's MixedPrecisionPolicy runs (train.mixed_precision = 'fsdp'): where FSDP shards the weights,
+    ZeRO-2/3 over dp_shard x cp > 1, as in torchtitan, whose other layouts train under autocast. The planner draws
+    the same line for its layout 'fsdp-mp' (planner.workload.recipe_for)."""
+    return mixed_precision == "fsdp" and layout.zero_stage >= 2 and layout.dp_shard * layout.cp > 1
+
+
 def _offload_error(layout: Layout) -> ConfigError | None:
     if layout.offload == "optimizer":
         return ConfigError("parallel.offload", "'optimizer' offload has no implementation here: torchao's "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from shardwise.config import (
     ConfigError,
     JobConfig,
+    autocast_precision,
     layout_tables,
     load_config,
     validate_model,
@@ -127,7 +128,7 @@ def measure_step(model, optimizer, scaler, batches: list[Batch], cfg: JobConfig,
             pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
                                 global_tokens=tokens, runtime=runtime)
         else:
-            train_step(model, optimizer, scaler, batches, device=runtime.device, precision=cfg.train.precision,
+            train_step(model, optimizer, scaler, batches, device=runtime.device, precision=autocast_precision(cfg),
                        grad_clip=cfg.optim.grad_clip, global_tokens=tokens, runtime=runtime)
     return _summarise(tracker, counter)
 
@@ -377,7 +378,8 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     """
     p, t = cfg.parallel, cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
-                        precision=t.precision, optimizer=cfg.optim.name, layout="torch",
+                        precision=t.precision, optimizer=cfg.optim.name,
+                        layout="fsdp-mp" if t.mixed_precision == "fsdp" else "torch", fuse_head=True,
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise import data
 from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, set_aside
-from shardwise.config import ConfigError, JobConfig, TrainConfig, to_dict
+from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
@@ -164,7 +164,7 @@ def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[
     if isinstance(model, Pipeline):
         return pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
                                    global_tokens=global_tokens, runtime=runtime)
-    return train_step(model, optimizer, scaler, batches, device=runtime.device, precision=cfg.train.precision,
+    return train_step(model, optimizer, scaler, batches, device=runtime.device, precision=autocast_precision(cfg),
                       grad_clip=cfg.optim.grad_clip, global_tokens=global_tokens, runtime=runtime)
 
 
@@ -380,7 +380,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         if logged:
             writer.log(step, meter.values(result, schedule, scaler) | summary["comm"] | routing)
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
-            summary["val_loss"] = evaluate(model, val, device, cfg.train.precision, runtime)
+            summary["val_loss"] = evaluate(model, val, device, autocast_precision(cfg), runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
         if checkpoints.after_step(step):

@@ -92,7 +92,8 @@ def _planner_traffic(cfg) -> float:
     plan = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero_stage=p.zero_stage,
                 micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum)
     training = Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.micro_batch * cfg.train.grad_accum * p.dp,
-                        precision=cfg.train.precision, optimizer="adamw")
+                        precision=cfg.train.precision, optimizer="adamw",
+                        layout="fsdp-mp" if cfg.train.mixed_precision == "fsdp" else "torch", fuse_head=True)
     return evaluate(cfg.model, training, plan, Cluster(unit, p.world_size, gpus_per_node=p.world_size)
                     ).time.comm_total_s
 
@@ -201,3 +202,83 @@ def _zero1_state_round_trip():
 def test_zero1_state_dict_is_the_unsharded_optimizers_and_loads_back():
     for result in run_distributed(_zero1_state_round_trip, 2):
         assert result == {"keys": True, "values": True, "loaded": True, "lr": [0.1]}
+
+
+def _mixed_precision_step(overrides):
+    """One counted step under the layout with dtype probes: the gathered weight and the residual stream a block
+    sees in forward, the stored shards, their gradients and Adam's moments after it; the parameters after it."""
+    import torch
+
+    dtypes = {}
+
+    def weight_probe(module, args, output):  # inside the block's forward: FSDP has put the gathered weight there
+        dtypes.setdefault("gathered_weight", module.weight.dtype)
+
+    def residual_probe(module, args, output):
+        dtypes.setdefault("residual", output.dtype)
+
+    from shardwise.config import autocast_precision
+    from shardwise.data import Batch
+    from shardwise.train import evaluate
+
+    def grad_probe(optimizer, args, kwargs):  # what the optimizer steps with: the reduced, sharded gradients
+        dtypes["grads"] = {p.grad.dtype for group in optimizer.param_groups for p in group["params"]
+                           if p.grad is not None}
+
+    cfg = load_config(CONFIG, ["optim.name='adamw'", "train.precision='bf16'", *overrides])
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(grad_probe)
+    try:
+        stats, model, optimizer, runtime = counted_step(cfg)
+    finally:
+        hook.remove()
+    # a forward (validation's) after the step, probed at the first block
+    block = next(iter(model.layers.values()))
+    handles = [block.attention.wq.register_forward_hook(weight_probe), block.register_forward_hook(residual_probe)]
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1))
+    evaluate(model, [Batch(tokens[:, :-1], tokens[:, 1:], [0])], runtime.device, autocast_precision(cfg), runtime)
+    for handle in handles:
+        handle.remove()
+    shard = next(iter(model.parameters()))
+    moments = {s["exp_avg"].dtype for s in optimizer.state.values()}
+    return {"wire": dict(stats.wire), "gathered_weight": dtypes["gathered_weight"], "residual": dtypes["residual"],
+            "shard": shard.dtype, "grads": dtypes["grads"], "moments": moments,
+            "params": [_local(p).detach().clone() for p in model.parameters()]}
+
+
+def _mixed_precision_steps(layouts):
+    return [_mixed_precision_step(overrides) for overrides in layouts]
+
+
+def test_fsdp_mixed_precision_gathers_bf16_and_reduces_fp32():
+    """train.mixed_precision = 'fsdp' (FSDP2's MixedPrecisionPolicy, torchtitan's default): the weights a block
+    computes with and the residual stream are bf16, the shards, their gradients and Adam's moments fp32; the
+    all-gathers move 2 bytes a parameter, the reduce-scatter 4 (fp32 reduction); the planner's layout 'fsdp-mp'
+    moves the same bytes; ZeRO-2 and ZeRO-3 compute the same step. Under autocast the block sees fp32 weights."""
+    import torch
+
+    n, fp32, bf16 = 2, 4, 2
+    ring = (n - 1) / n
+    mp = ["parallel.dp_shard=2", "train.mixed_precision='fsdp'"]
+    layouts = [[*mp, "parallel.zero_stage=3"], [*mp, "parallel.zero_stage=2"],
+               ["parallel.dp_shard=2", "parallel.zero_stage=3"]]
+    zero3, zero2, autocast = run_distributed(_mixed_precision_steps, n, layouts)[0]
+    for run in (zero3, zero2):
+        assert run["gathered_weight"] == run["residual"] == torch.bfloat16
+        assert run["shard"] == torch.float32 and run["grads"] == run["moments"] == {torch.float32}
+    assert autocast["gathered_weight"] == autocast["residual"] == torch.float32
+    psi = _psi()
+    # the root (embedding, final norm, head) is gathered once, the blocks twice: the fp32 run's all-gathers give it
+    root = 2 * psi - autocast["wire"]["all_gather"] / (fp32 * ring)
+    assert zero3["wire"]["all_gather"] == pytest.approx((2 * psi - root) * bf16 * ring, rel=1e-12)
+    assert zero3["wire"]["reduce_scatter"] == pytest.approx(psi * fp32 * ring, rel=1e-12)
+    assert zero2["wire"]["all_gather"] == pytest.approx(psi * bf16 * ring, rel=1e-12)
+    # the same bf16 forward and backward, only resharded differently: the same update, bit for bit
+    for a, b in zip(zero3["params"], zero2["params"]):
+        assert torch.equal(a, b)
+    # and not autocast's: the weights moved by other bf16 roundings (Adam's first steps are ~lr x sign(g))
+    assert any(not torch.equal(a, b) for a, b in zip(zero3["params"], autocast["params"]))
+    for overrides, step in zip(layouts[:2], (zero3, zero2)):
+        cfg = load_config(CONFIG, ["optim.name='adamw'", "train.precision='bf16'", *overrides])
+        assert _planner_traffic(cfg) == pytest.approx(sum(step["wire"].values()), rel=2e-3), overrides

@@ -39,6 +39,9 @@ INVALID = [
     (["optim.name='adafactor'", "parallel.dp_shard=2"], 2, "optim.name"),  # Adafactor fails on FSDP's DTensors
     (["optim.name='adafactor'", "parallel.tp=2"], 2, "optim.name"),  # and on tensor-parallel ones
     (["optim.name='adafactor'", "parallel.dp_replicate=2", "parallel.zero_stage=1"], 2, "optim.name"),  # slices
+    # FSDP2's MixedPrecisionPolicy gathers bf16 weights: the job must train in bf16
+    (["train.mixed_precision='fsdp'", "parallel.dp_shard=2"], 2, "train.mixed_precision"),
+    (["train.mixed_precision='fp8'", "train.precision='bf16'"], 1, "train.mixed_precision"),
 ]
 
 

@@ -1687,6 +1687,36 @@ def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, v
     assert f"--write-config {flag}" in capsys.readouterr().err
 
 
+def test_fsdp_mixed_precision_plans_are_written_with_the_engine_knob(tmp_path, capsys):
+    """`--layout fsdp-mp` under the system shardwise is the engine's train.mixed_precision = 'fsdp' (FSDP2's
+    MixedPrecisionPolicy): the written config carries it and the engine's validation takes it; in fp32, where the
+    engine has no bf16 parameters to gather, --write-config refuses it in one line naming --precision."""
+    from shardwise.config import load_config
+
+    path = tmp_path / "plan.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--layout", "fsdp-mp", "--plan", "dp_shard=8,zero_stage=3",
+            "--json", "--write-config", str(path)]
+    assert run_plan(_ns(*argv)) == 0, capsys.readouterr().err
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    cfg = load_config(path)
+    assert cfg.train.mixed_precision == "fsdp" and cfg.train.precision == "bf16"
+    assert (cfg.parallel.dp_shard, cfg.parallel.zero_stage) == (8, 3) == (best["dp_shard"], best["zero_stage"])
+    # the planner prices FSDP's bf16 gathers: half the all-gather bytes of the engine's autocast, less memory
+    autocast = ["--model", "llama3-8b", "--gpus", "8", "--plan", "dp_shard=8,zero_stage=3,micro_batch=1,"
+                "activation_checkpoint=full", "--json"]
+    assert run_plan(_ns(*autocast)) == 0
+    fp32_gathers = json.loads(capsys.readouterr().out)["plans"][0]
+    assert run_plan(_ns(*autocast, "--layout", "fsdp-mp")) == 0
+    bf16_gathers = json.loads(capsys.readouterr().out)["plans"][0]
+    assert bf16_gathers["memory_gib"]["total"] < fp32_gathers["memory_gib"]["total"]
+    assert bf16_gathers["time_s"]["comm_total"] < fp32_gathers["time_s"]["comm_total"]
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--layout", "fsdp-mp", "--precision", "fp32",
+            "--write-config", str(tmp_path / "fp32.toml")]
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--write-config --precision" in err[0] and not (tmp_path / "fp32.toml").exists()
+
+
 def test_opt_175b_fits_as_it_ran_and_its_throughput_is_the_chronicles():
     """OPT-175B (benchmarks/planner_published.py): the paper's 147 TFLOP/s per GPU is what the team's chronicle
     planned, 300B tokens in 33 days on 1,024 A100s, counted with Narayanan's eq. 3; and metaseq's layout (tp 8,

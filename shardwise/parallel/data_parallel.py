@@ -12,6 +12,9 @@
 - ZeRO-3: `fully_shard(reshard_after_forward=True)`: parameters too, gathered again in backward.
 - HSDP: ZeRO-2/3 with dp_replicate > 1: shard inside a group of dp_shard ranks, replicate across groups.
 - CPU offload ('full'): ZeRO-2/3 with FSDP2's CPUOffloadPolicy, also on one data-parallel rank (a mesh of one).
+- Mixed precision (train.mixed_precision = 'fsdp'): ZeRO-2/3 with FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32), torchtitan's default: fp32 shards and optimizer, bf16 all-gathers and compute, gradients
+  cast to fp32 for their reduce-scatter (and accumulated in fp32 across micro-batches without sync).
 
 Context-parallel ranks hold the same parameters and see different tokens, so they join the gradient
 reduction (and FSDP's sharding), as in torchtitan.
@@ -36,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.layout import Layout, fsdp_applies
@@ -61,8 +64,9 @@ def _buckets(blocks: list[nn.Module], bucket_mb: float) -> list[list[nn.Module]]
     return groups
 
 
-def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
-    """Wrap blocks (bottom-up) and then the root, so each block's gradients reduce as soon as they exist."""
+def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout, bf16_params: bool = False) -> None:
+    """Wrap blocks (bottom-up) and then the root, so each block's gradients reduce as soon as they exist.
+    `bf16_params`: FSDP2's mixed-precision policy on the sharded units (layout.fsdp_mixed_precision)."""
     blocks = list(model.layers.values())
     if p.zero_stage <= 1:
         dp_mesh = mesh.grad_reduce
@@ -76,14 +80,25 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
         replicate(model, mesh=dp_mesh, ignored_params=ignored)
     elif fsdp_applies(p):
         shard_mesh, offload = mesh.fsdp, offload_policy(p, mesh.fsdp.device_type)
+        mp = mixed_precision_policy(bf16_params)
         for block in blocks:
             if p.ep > 1 and hasattr(block, "moe"):
                 # experts, split over ep, are sharded over the data-parallel ranks that ep leaves (their own unit)
                 fully_shard(block.moe.experts, mesh=mesh.expert_fsdp, reshard_after_forward=p.zero_stage == 3,
-                            offload_policy=offload, shard_placement_fn=_expert_placement(block.moe, p))
-            fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload)
+                            offload_policy=offload, mp_policy=mp, shard_placement_fn=_expert_placement(block.moe, p))
+            fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload,
+                        mp_policy=mp)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
-        fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload)
+        fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload, mp_policy=mp)
+
+
+def mixed_precision_policy(bf16_params: bool) -> MixedPrecisionPolicy:
+    """train.mixed_precision = 'fsdp': the gathered weights, and so forward and backward, in bf16; the gradients
+    cast back to fp32 before they are reduced, so the sum over ranks and the fp32 shards' update lose nothing
+    to bf16 (torchtitan's mixed_precision_param/reduce defaults). Otherwise FSDP2's default: no casts."""
+    if bf16_params:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def _expert_placement(moe: nn.Module, p: Layout) -> Callable[[nn.Parameter], Shard | None]:

@@ -42,9 +42,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import GraphExecGroup
 
-from shardwise.config import JobConfig
+from shardwise.config import JobConfig, autocast_precision
 from shardwise.data import Batch
-from shardwise.layout import layer_costs, split_layers, stages_of_rank
+from shardwise.layout import fsdp_mixed_precision, layer_costs, split_layers, stages_of_rank
 from shardwise.lora import apply_lora
 from shardwise.loss import (
     autocast_context,
@@ -179,7 +179,9 @@ def stage_io(cfg: JobConfig, stage: int, n_stages: int,
     p, t = cfg.parallel, cfg.train
     batch, seq = t.micro_batch // p.n_microbatches, cfg.data.seq_len // p.cp
     residual_seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
-    hidden = torch.empty(batch, residual_seq, cfg.model.dim, device="meta", requires_grad=True)
+    # the residual stream is fp32 under autocast, bf16 under FSDP2's mixed-precision policy (its weights are)
+    residual = torch.bfloat16 if fsdp_mixed_precision(p, t.mixed_precision) else torch.float32
+    hidden = torch.empty(batch, residual_seq, cfg.model.dim, dtype=residual, device="meta", requires_grad=True)
     if stage == 0:
         inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")
     else:
@@ -211,7 +213,7 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
         if runtime.positions is not None:
             # context parallel: this rank always holds these positions; Attention takes rope[:, :local_len]
             module.rope = module.rope[:, runtime.positions]
-        autocast_forward(module, cfg.train.precision, runtime.device)
+        autocast_forward(module, autocast_precision(cfg), runtime.device)
         modules.append(module)
         inputs, outputs = stage_io(cfg, s, n_stages, module.head_in_loss)
         stages.append(Stage(module, s, n_stages, runtime.device, input_args=inputs, output_args=outputs,
@@ -219,7 +221,7 @@ def build_pipeline(cfg: JobConfig, runtime: Runtime, materialize: Callable = mat
     last = next((module for module, s in zip(modules, ids) if s == n_stages - 1), None)
     head = None
     if last is not None and last.head_in_loss:
-        head = FusedHead(last.output, cfg.train.precision, runtime.device, p.sequence_parallel and p.tp > 1)
+        head = FusedHead(last.output, autocast_precision(cfg), runtime.device, p.sequence_parallel and p.tp > 1)
     n_micro = p.n_microbatches * cfg.train.grad_accum
     cls = SCHEDULES[p.pp_schedule]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_micro, loss_fn=partial(pipeline_loss, head=head),

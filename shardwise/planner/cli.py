@@ -126,8 +126,11 @@ def system_of(ns: argparse.Namespace) -> System:
     if not given:
         return system
     changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
+    # shardwise with the layout fsdp-mp is its engine's train.mixed_precision = 'fsdp', whose head stays fused with
+    # the loss (another system's layout through shardwise's flags does not fuse it)
+    engine_mp = {"fuse_head": True} if system.name == "shardwise" and given.get("layout") == "fsdp-mp" else {}
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
-                               f"{changes}", **given)
+                               f"{changes}", **given, **engine_mp)
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:

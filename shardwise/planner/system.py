@@ -106,9 +106,10 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
            "fused with the loss where it is a plain linear (vocabulary-parallel under TP), selective checkpointing "
-           "keeps every matmul output, eager elementwise operators",
+           "keeps every matmul output, eager elementwise operators; with --layout fsdp-mp, FSDP2's mixed-precision "
+           "policy where FSDP shards (train.mixed_precision = 'fsdp')",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
-                  "shardwise.activation_checkpoint"),
+                  "shardwise.activation_checkpoint, shardwise.parallel.data_parallel.mixed_precision_policy"),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
