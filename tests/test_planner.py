@@ -1715,6 +1715,12 @@ def test_fsdp_mixed_precision_plans_are_written_with_the_engine_knob(tmp_path, c
     assert run_plan(_ns(*argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--write-config --precision" in err[0] and not (tmp_path / "fp32.toml").exists()
+    # torchtitan's recipe (materialised logits) under fsdp-mp is not what the engine runs: refused, not written
+    from shardwise.planner.config_out import plan_tables
+
+    with pytest.raises(PlannerError, match="--write-config --system"):
+        plan_tables(preset("llama3-8b"), Training(seq_len=4096, global_batch=8, layout="fsdp-mp"),
+                    Plan(dp_shard=8, zero_stage=3, micro_batch=1))
 
 
 def test_opt_175b_fits_as_it_ran_and_its_throughput_is_the_chronicles():

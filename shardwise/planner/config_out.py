@@ -51,6 +51,9 @@ def _engine_runs(training: Training) -> None:
         (training.layout not in ("torch", "fsdp-mp"), "--layout", f"the engine stores state as torch does (under "
          f"autocast, or FSDP2's mixed-precision policy), not as {training.layout}",
          "plan with --layout torch or fsdp-mp"),
+        (training.layout == "fsdp-mp" and not training.fuses_head, "--system", "under FSDP2's mixed-precision policy "
+         "the engine still fuses the head with the loss, and the plan materialises the logits",
+         "plan with --system shardwise --layout fsdp-mp"),
         (training.layout == "fsdp-mp" and training.precision != "bf16", "--precision",
          f"the layout fsdp-mp is FSDP2's mixed-precision policy with bf16 parameters, not {training.precision}",
          "plan with --precision bf16"),
