@@ -126,13 +126,6 @@ class TrainConfig:
     """Seeds weight init (a function of seed and parameter name) and the data order."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, or mixed precision with fp32 master weights: bf16 autocast, or fp16 autocast with loss scaling."""
-    mixed_precision: Literal["autocast", "fsdp"] = "autocast"
-    """How bf16 runs. 'autocast': fp32 weights cast at each matmul, the residual stream in fp32. 'fsdp': FSDP2's
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default: the sharded weights and the
-    optimizer stay fp32, all-gathers carry bf16 (half the bytes), forward and backward run in bf16 (the residual
-    stream too), gradients are reduced in fp32. It applies where FSDP shards the weights (zero_stage 2/3 over
-    dp_shard x cp > 1); elsewhere (one device, ZeRO-0/1, tp or pp alone) the job runs under autocast, as
-    torchtitan's does. Needs precision = 'bf16'."""
     loss_scale_init: float = 65536.0
     """fp16 only: initial dynamic loss scale."""
     loss_scale_growth_interval: int = 2000
@@ -220,7 +213,7 @@ class JobConfig:
 def autocast_precision(cfg: JobConfig) -> str:
     """The precision autocast runs the job's forward in: train.precision, or none ('fp32') where FSDP2's
     mixed-precision policy casts the weights to bf16 instead (layout.fsdp_mixed_precision)."""
-    return "fp32" if fsdp_mixed_precision(cfg.parallel, cfg.train.mixed_precision) else cfg.train.precision
+    return "fp32" if fsdp_mixed_precision(cfg.parallel) else cfg.train.precision
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> JobConfig:
@@ -634,13 +627,6 @@ def _validate_train(t: TrainConfig) -> None:
     _positive("train.loss_scale_init", t.loss_scale_init)
     _positive("train.collective_timeout_s", t.collective_timeout_s)
     _positive("train.loss_scale_growth_interval", t.loss_scale_growth_interval)
-    if t.mixed_precision not in ("autocast", "fsdp"):
-        raise ConfigError("train.mixed_precision", f"{t.mixed_precision!r} is not 'autocast' or 'fsdp'",
-                          "use 'autocast' (fp32 weights cast per matmul) or 'fsdp' (FSDP2's bf16 gathers)")
-    if t.mixed_precision == "fsdp" and t.precision != "bf16":
-        raise ConfigError("train.mixed_precision", f"'fsdp' is FSDP2's MixedPrecisionPolicy with bf16 parameters "
-                          f"and train.precision is {t.precision}",
-                          "set train.precision = 'bf16', or train.mixed_precision = 'autocast'")
     if t.device == "cuda":
         import torch
 

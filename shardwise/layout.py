@@ -24,6 +24,7 @@ from shardwise.model_args import ModelArgs, mlp_params
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Recompute = Literal["none", "full", "selective"]
 Offload = Literal["none", "optimizer", "full"]
+MixedPrecision = Literal["autocast", "fsdp"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class Layout:
     the engine has no implementation of it."""
     bucket_mb: float = 25.0
     """ZeRO-0/1: gradients are all-reduced in buckets of about this many MB, overlapped with backward."""
+    mixed_precision: MixedPrecision = "autocast"
+    """How bf16 (train.precision) runs where FSDP shards the weights. 'autocast': fp32 weights gathered and cast at
+    each matmul, the residual stream in fp32 (and every other layout runs so). 'fsdp': FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default: the shards, the optimizer and
+    checkpoints stay fp32, all-gathers carry bf16 (half the bytes), forward and backward run in bf16 (the residual
+    stream too), gradients are reduced in fp32. Needs train.precision = 'bf16' and FSDP sharding (zero_stage 2/3
+    over dp_shard x cp > 1)."""
 
     def __post_init__(self):
         # the defaults that depend on other fields, resolved once so that every reader sees the same layout
@@ -183,7 +191,7 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
                       optimizer: str = "adamw") -> ConfigError | None:
     """What the engine cannot run on torch 2.13 in this layout, as the error naming the field (None: it can). The
     config refuses these jobs and the planner's search leaves these plans out."""
-    error = _offload_error(layout) or _optimizer_error(layout, optimizer)
+    error = _offload_error(layout) or _optimizer_error(layout, optimizer) or _mixed_precision_error(layout, precision)
     if error is not None:
         return error
     if layout.ep > 1 and layout.activation_checkpoint == "selective":
@@ -258,11 +266,15 @@ def fsdp_applies(layout: Layout) -> bool:
     return layout.zero_stage >= 2 and (layout.dp_shard * layout.cp > 1 or layout.offload == "full")
 
 
-def fsdp_mixed_precision(layout: Layout, mixed_precision: str) -> bool:
-    """Whether FSDP2's MixedPrecisionPolicy runs (train.mixed_precision = 'fsdp'): where FSDP shards the weights,
-    ZeRO-2/3 over dp_shard x cp > 1, as in torchtitan, whose other layouts train under autocast. The planner draws
-    the same line for its layout 'fsdp-mp' (planner.workload.recipe_for)."""
-    return mixed_precision == "fsdp" and layout.zero_stage >= 2 and layout.dp_shard * layout.cp > 1
+def fsdp_shards(layout: Layout) -> bool:
+    """Whether FSDP shards the weights over more than one rank: ZeRO-2/3 over dp_shard x cp > 1."""
+    return layout.zero_stage >= 2 and layout.dp_shard * layout.cp > 1
+
+
+def fsdp_mixed_precision(layout: Layout) -> bool:
+    """Whether FSDP2's MixedPrecisionPolicy runs (parallel.mixed_precision = 'fsdp'; engine_cannot_run refuses it
+    where FSDP does not shard). The planner prices it as its layout 'fsdp-mp' (planner.workload.recipe_for)."""
+    return layout.mixed_precision == "fsdp" and fsdp_shards(layout)
 
 
 def _offload_error(layout: Layout) -> ConfigError | None:
@@ -275,6 +287,23 @@ def _offload_error(layout: Layout) -> ConfigError | None:
         return ConfigError("parallel.offload", f"'full' offload is FSDP2's CPUOffloadPolicy and zero_stage is "
                            f"{layout.zero_stage}", "set parallel.zero_stage = 2 or 3 (one device runs FSDP over a "
                            "mesh of one)")
+    return None
+
+
+def _mixed_precision_error(layout: Layout, precision: str) -> ConfigError | None:
+    if layout.mixed_precision == "autocast":
+        return None
+    if layout.mixed_precision != "fsdp":
+        return ConfigError("parallel.mixed_precision", f"{layout.mixed_precision!r} is not 'autocast' or 'fsdp'",
+                           "use 'autocast' (fp32 weights cast per matmul) or 'fsdp' (FSDP2's bf16 gathers)")
+    if precision != "bf16":
+        return ConfigError("parallel.mixed_precision", f"'fsdp' is FSDP2's MixedPrecisionPolicy with bf16 "
+                           f"parameters and train.precision is {precision}",
+                           "set train.precision = 'bf16', or parallel.mixed_precision = 'autocast'")
+    if not fsdp_shards(layout):
+        return ConfigError("parallel.mixed_precision", f"'fsdp' is FSDP2's policy for the weights FSDP shards, and "
+                           f"zero_stage {layout.zero_stage} over dp_shard x cp = {layout.dp_shard * layout.cp} "
+                           "shards none", "use 'autocast', or zero_stage 2/3 with dp_shard x cp > 1")
     return None
 
 

@@ -378,8 +378,7 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     """
     p, t = cfg.parallel, cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
-                        precision=t.precision, optimizer=cfg.optim.name,
-                        layout="fsdp-mp" if t.mixed_precision == "fsdp" else "torch", fuse_head=True,
+                        precision=t.precision, optimizer=cfg.optim.name, layout="torch",
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer

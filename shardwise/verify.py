@@ -192,6 +192,10 @@ def run_verify(args: argparse.Namespace) -> int:
     configs = []
     for text, extra in layouts:  # every layout is validated before anything runs
         cfg = load_config(args.config, [*args.overrides, *extra])
+        if cfg.parallel.mixed_precision == "fsdp":
+            raise ConfigError("--layout mixed_precision", "'fsdp' runs forward and backward in bf16 from bf16 "
+                              "weights, and the one-device reference runs autocast (fp32 weights): other roundings, "
+                              "far beyond any tolerance that checks a layout", "verify the layout without it")
         configs.append((text, extra, cfg))
     initial = initial_parameters(configs[0][2])  # layouts change how parameters are split, not their values
     results = []

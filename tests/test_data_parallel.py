@@ -90,10 +90,9 @@ def _planner_traffic(cfg) -> float:
     p = cfg.parallel
     unit = dataclasses.replace(accelerator("h100"), intra_node_bw=1.0, comm_efficiency=1.0, intra_node_latency=0.0)
     plan = Plan(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero_stage=p.zero_stage,
-                micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum)
+                micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, mixed_precision=p.mixed_precision)
     training = Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.micro_batch * cfg.train.grad_accum * p.dp,
-                        precision=cfg.train.precision, optimizer="adamw",
-                        layout="fsdp-mp" if cfg.train.mixed_precision == "fsdp" else "torch", fuse_head=True)
+                        precision=cfg.train.precision, optimizer="adamw")
     return evaluate(cfg.model, training, plan, Cluster(unit, p.world_size, gpus_per_node=p.world_size)
                     ).time.comm_total_s
 
@@ -252,7 +251,7 @@ def _mixed_precision_steps(layouts):
 
 
 def test_fsdp_mixed_precision_gathers_bf16_and_reduces_fp32():
-    """train.mixed_precision = 'fsdp' (FSDP2's MixedPrecisionPolicy, torchtitan's default): the weights a block
+    """parallel.mixed_precision = 'fsdp' (FSDP2's MixedPrecisionPolicy, torchtitan's default): the weights a block
     computes with and the residual stream are bf16, the shards, their gradients and Adam's moments fp32; the
     all-gathers move 2 bytes a parameter, the reduce-scatter 4 (fp32 reduction); the planner's layout 'fsdp-mp'
     moves the same bytes; ZeRO-2 and ZeRO-3 compute the same step. Under autocast the block sees fp32 weights."""
@@ -260,7 +259,7 @@ def test_fsdp_mixed_precision_gathers_bf16_and_reduces_fp32():
 
     n, fp32, bf16 = 2, 4, 2
     ring = (n - 1) / n
-    mp = ["parallel.dp_shard=2", "train.mixed_precision='fsdp'"]
+    mp = ["parallel.dp_shard=2", "parallel.mixed_precision='fsdp'"]
     layouts = [[*mp, "parallel.zero_stage=3"], [*mp, "parallel.zero_stage=2"],
                ["parallel.dp_shard=2", "parallel.zero_stage=3"]]
     zero3, zero2, autocast = run_distributed(_mixed_precision_steps, n, layouts)[0]

@@ -39,9 +39,11 @@ INVALID = [
     (["optim.name='adafactor'", "parallel.dp_shard=2"], 2, "optim.name"),  # Adafactor fails on FSDP's DTensors
     (["optim.name='adafactor'", "parallel.tp=2"], 2, "optim.name"),  # and on tensor-parallel ones
     (["optim.name='adafactor'", "parallel.dp_replicate=2", "parallel.zero_stage=1"], 2, "optim.name"),  # slices
-    # FSDP2's MixedPrecisionPolicy gathers bf16 weights: the job must train in bf16
-    (["train.mixed_precision='fsdp'", "parallel.dp_shard=2"], 2, "train.mixed_precision"),
-    (["train.mixed_precision='fp8'", "train.precision='bf16'"], 1, "train.mixed_precision"),
+    # FSDP2's MixedPrecisionPolicy gathers bf16 weights: the job must train in bf16, and FSDP must shard them
+    (["parallel.mixed_precision='fsdp'", "parallel.dp_shard=2"], 2, "parallel.mixed_precision"),
+    (["parallel.mixed_precision='fsdp'", "train.precision='bf16'", "parallel.dp_replicate=2"], 2,
+     "parallel.mixed_precision"),
+    (["parallel.mixed_precision='fp8'", "train.precision='bf16'"], 1, "parallel.mixed_precision"),
 ]
 
 
@@ -229,3 +231,20 @@ def test_no_gloo_thread_outlives_a_job(tmp_path):
     from distributed import run_distributed
 
     assert run_distributed(_gloo_threads_after_training, 2, str(tmp_path / "run")) == [[], []]
+
+
+def test_verify_refuses_fsdp_mixed_precision_before_any_process(capsys, monkeypatch):
+    """FSDP2's bf16 policy computes from bf16 weights and one device from autocast's fp32 ones: verify cannot hold
+    them to a tolerance, and says so in one line naming the key, nothing started."""
+    import shardwise.verify
+    from shardwise.cli import main
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(shardwise.verify, "_train_here", no_run)
+    monkeypatch.setattr(shardwise.verify, "_train_launched", no_run)
+    code = main(["verify", "--config", CONFIG, "--set=train.precision='bf16'", "--layout",
+                 "dp_shard=2,zero_stage=3,mixed_precision=fsdp"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: --layout mixed_precision"), lines

@@ -1687,40 +1687,42 @@ def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, v
     assert f"--write-config {flag}" in capsys.readouterr().err
 
 
-def test_fsdp_mixed_precision_plans_are_written_with_the_engine_knob(tmp_path, capsys):
-    """`--layout fsdp-mp` under the system shardwise is the engine's train.mixed_precision = 'fsdp' (FSDP2's
-    MixedPrecisionPolicy): the written config carries it and the engine's validation takes it; in fp32, where the
-    engine has no bf16 parameters to gather, --write-config refuses it in one line naming --precision."""
+def test_fsdp_mixed_precision_is_a_searched_knob_the_engine_runs(tmp_path, capsys):
+    """parallel.mixed_precision = 'fsdp' (the engine's FSDP2 MixedPrecisionPolicy) is a plan knob: the search tries it
+    where FSDP shards, in bf16 under the system shardwise, and prices it as the layout 'fsdp-mp' (bf16 gathers, bf16
+    residual stream: less memory and traffic than autocast's fp32 gathers; the head still fused with the loss);
+    --write-config writes it and the engine's validation takes it. Where it cannot run, --plan's key is refused in
+    one line: fp32, another system's recipe, ZeRO-1."""
     from shardwise.config import load_config
+    from shardwise.planner.workload import recipe_for
+
+    args, cluster = preset("llama3-8b"), Cluster(accelerator("h100"), 8)
+    training = Training(seq_len=4096, global_batch=64)
+    space = list(plan_space(args, training, cluster, {"dp_shard": 8, "zero_stage": 3}))
+    assert {p.mixed_precision for p in space} == {"autocast", "fsdp"}
+    fp32_space = plan_space(args, dataclasses.replace(training, precision="fp32"), cluster, {"dp_replicate": 8})
+    assert {p.mixed_precision for p in fp32_space} == {"autocast"}
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=8, activation_checkpoint="full")
+    fsdp = dataclasses.replace(plan, mixed_precision="fsdp")
+    priced = recipe_for(training, fsdp)
+    assert priced.layout == "fsdp-mp" and priced.fuses_head and recipe_for(training, plan) is training
+    autocast_ev, fsdp_ev = (evaluate(args, training, p, cluster) for p in (plan, fsdp))
+    assert fsdp_ev.memory["total"] < autocast_ev.memory["total"]
+    assert fsdp_ev.time.comm_total_s < autocast_ev.time.comm_total_s
 
     path = tmp_path / "plan.toml"
-    argv = ["--model", "llama3-8b", "--gpus", "8", "--layout", "fsdp-mp", "--plan", "dp_shard=8,zero_stage=3",
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--plan", "dp_shard=8,zero_stage=3,mixed_precision=fsdp",
             "--json", "--write-config", str(path)]
     assert run_plan(_ns(*argv)) == 0, capsys.readouterr().err
     best = json.loads(capsys.readouterr().out)["plans"][0]
     cfg = load_config(path)
-    assert cfg.train.mixed_precision == "fsdp" and cfg.train.precision == "bf16"
-    assert (cfg.parallel.dp_shard, cfg.parallel.zero_stage) == (8, 3) == (best["dp_shard"], best["zero_stage"])
-    # the planner prices FSDP's bf16 gathers: half the all-gather bytes of the engine's autocast, less memory
-    autocast = ["--model", "llama3-8b", "--gpus", "8", "--plan", "dp_shard=8,zero_stage=3,micro_batch=1,"
-                "activation_checkpoint=full", "--json"]
-    assert run_plan(_ns(*autocast)) == 0
-    fp32_gathers = json.loads(capsys.readouterr().out)["plans"][0]
-    assert run_plan(_ns(*autocast, "--layout", "fsdp-mp")) == 0
-    bf16_gathers = json.loads(capsys.readouterr().out)["plans"][0]
-    assert bf16_gathers["memory_gib"]["total"] < fp32_gathers["memory_gib"]["total"]
-    assert bf16_gathers["time_s"]["comm_total"] < fp32_gathers["time_s"]["comm_total"]
-    argv = ["--model", "llama3-8b", "--gpus", "8", "--layout", "fsdp-mp", "--precision", "fp32",
-            "--write-config", str(tmp_path / "fp32.toml")]
-    assert run_plan(_ns(*argv)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--write-config --precision" in err[0] and not (tmp_path / "fp32.toml").exists()
-    # torchtitan's recipe (materialised logits) under fsdp-mp is not what the engine runs: refused, not written
-    from shardwise.planner.config_out import plan_tables
-
-    with pytest.raises(PlannerError, match="--write-config --system"):
-        plan_tables(preset("llama3-8b"), Training(seq_len=4096, global_batch=8, layout="fsdp-mp"),
-                    Plan(dp_shard=8, zero_stage=3, micro_batch=1))
+    assert cfg.parallel.mixed_precision == best["mixed_precision"] == "fsdp" and cfg.train.precision == "bf16"
+    for extra, problem in ((["--precision", "fp32"], "--precision is fp32"), (["--system", "torchtitan"], "torchtitan"),
+                           (["--plan", "dp=8,zero_stage=1,mixed_precision=fsdp"], "zero_stage is 1")):
+        plan_flag = [] if extra[0] == "--plan" else ["--plan", "dp_shard=8,zero_stage=3,mixed_precision=fsdp"]
+        assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", *plan_flag, *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--plan mixed_precision" in err[0] and problem in err[0], err
 
 
 def test_opt_175b_fits_as_it_ran_and_its_throughput_is_the_chronicles():

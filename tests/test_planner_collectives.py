@@ -113,7 +113,7 @@ def test_hidden_data_parallel_traffic_pays_its_sm_share(layout, fields):
 
     args = preset("llama3-8b")
     plan = Plan(micro_batch=1, grad_accum=2, activation_checkpoint="full", **fields)
-    training = recipe_for(Training(seq_len=4096, global_batch=16, layout=layout), plan.zero_stage, plan.shard_group)
+    training = recipe_for(Training(seq_len=4096, global_batch=16, layout=layout), plan)
     plain = Cluster(accelerator("h100"), 8)
     modelled = Cluster(dataclasses.replace(accelerator("h100"), nccl_channels=32), 8)
     cost = stage_cost(args, training, plan, plain)

@@ -16,7 +16,6 @@ from torch import nn
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.config import JobConfig
 from shardwise.distributed import before_shutdown
-from shardwise.layout import fsdp_mixed_precision
 from shardwise.model import fuse_head_loss
 from shardwise.parallel.data_parallel import apply_data_parallel
 from shardwise.parallel.mesh import MeshView
@@ -67,4 +66,4 @@ def parallelize(model: nn.Module, mesh: MeshView | None, cfg: JobConfig) -> None
             compile_block(block)
     fuse_head_loss(model)  # a pipeline's last stage runs it in the schedule's loss (pipeline_loss)
     if mesh is not None:
-        apply_data_parallel(model, mesh, p, fsdp_mixed_precision(p, t.mixed_precision))
+        apply_data_parallel(model, mesh, p)

@@ -12,7 +12,7 @@
 - ZeRO-3: `fully_shard(reshard_after_forward=True)`: parameters too, gathered again in backward.
 - HSDP: ZeRO-2/3 with dp_replicate > 1: shard inside a group of dp_shard ranks, replicate across groups.
 - CPU offload ('full'): ZeRO-2/3 with FSDP2's CPUOffloadPolicy, also on one data-parallel rank (a mesh of one).
-- Mixed precision (train.mixed_precision = 'fsdp'): ZeRO-2/3 with FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+- Mixed precision (parallel.mixed_precision = 'fsdp'): ZeRO-2/3 with FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32), torchtitan's default: fp32 shards and optimizer, bf16 all-gathers and compute, gradients
   cast to fp32 for their reduce-scatter (and accumulated in fp32 across micro-batches without sync).
 
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise.layout import Layout, fsdp_applies
+from shardwise.layout import Layout, fsdp_applies, fsdp_mixed_precision
 from shardwise.model import canonical_name
 from shardwise.nf4 import is_nf4
 from shardwise.parallel.comm import uncounted
@@ -64,9 +64,8 @@ def _buckets(blocks: list[nn.Module], bucket_mb: float) -> list[list[nn.Module]]
     return groups
 
 
-def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout, bf16_params: bool = False) -> None:
-    """Wrap blocks (bottom-up) and then the root, so each block's gradients reduce as soon as they exist.
-    `bf16_params`: FSDP2's mixed-precision policy on the sharded units (layout.fsdp_mixed_precision)."""
+def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
+    """Wrap blocks (bottom-up) and then the root, so each block's gradients reduce as soon as they exist."""
     blocks = list(model.layers.values())
     if p.zero_stage <= 1:
         dp_mesh = mesh.grad_reduce
@@ -80,7 +79,7 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout, bf16_params
         replicate(model, mesh=dp_mesh, ignored_params=ignored)
     elif fsdp_applies(p):
         shard_mesh, offload = mesh.fsdp, offload_policy(p, mesh.fsdp.device_type)
-        mp = mixed_precision_policy(bf16_params)
+        mp = mixed_precision_policy(fsdp_mixed_precision(p))
         for block in blocks:
             if p.ep > 1 and hasattr(block, "moe"):
                 # experts, split over ep, are sharded over the data-parallel ranks that ep leaves (their own unit)
@@ -93,7 +92,7 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout, bf16_params
 
 
 def mixed_precision_policy(bf16_params: bool) -> MixedPrecisionPolicy:
-    """train.mixed_precision = 'fsdp': the gathered weights, and so forward and backward, in bf16; the gradients
+    """parallel.mixed_precision = 'fsdp': the gathered weights, and so forward and backward, in bf16; the gradients
     cast back to fp32 before they are reduced, so the sum over ranks and the fp32 shards' update lose nothing
     to bf16 (torchtitan's mixed_precision_param/reduce defaults). Otherwise FSDP2's default: no casts."""
     if bf16_params:

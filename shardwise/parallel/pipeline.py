@@ -180,7 +180,7 @@ def stage_io(cfg: JobConfig, stage: int, n_stages: int,
     batch, seq = t.micro_batch // p.n_microbatches, cfg.data.seq_len // p.cp
     residual_seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
     # the residual stream is fp32 under autocast, bf16 under FSDP2's mixed-precision policy (its weights are)
-    residual = torch.bfloat16 if fsdp_mixed_precision(p, t.mixed_precision) else torch.float32
+    residual = torch.bfloat16 if fsdp_mixed_precision(p) else torch.float32
     hidden = torch.empty(batch, residual_seq, cfg.model.dim, dtype=residual, device="meta", requires_grad=True)
     if stage == 0:
         inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")

@@ -126,11 +126,8 @@ def system_of(ns: argparse.Namespace) -> System:
     if not given:
         return system
     changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
-    # shardwise with the layout fsdp-mp is its engine's train.mixed_precision = 'fsdp', whose head stays fused with
-    # the loss (another system's layout through shardwise's flags does not fuse it)
-    engine_mp = {"fuse_head": True} if system.name == "shardwise" and given.get("layout") == "fsdp-mp" else {}
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
-                               f"{changes}", **given, **engine_mp)
+                               f"{changes}", **given)
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:
@@ -242,20 +239,21 @@ def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], 
 
 
 COLUMNS = ("#", "dp(rep x shard)", "tp", "pp", "cp", "zero", "mb", "accum", "recompute", "schedule", "sp",
-           "offload", "mem GiB", "step s", "tok/s", "MFU", "bubble", "exp.comm s")
+           "offload", "bf16", "mem GiB", "step s", "tok/s", "MFU", "bubble", "exp.comm s")
+"""bf16: how bf16 runs where FSDP shards (parallel.mixed_precision: autocast or FSDP2's 'fsdp' policy)."""
 MOE_COLUMNS = COLUMNS[:5] + ("ep",) + COLUMNS[5:]
 """A mixture of experts' table also shows the expert-parallel degree."""
 
 
-def _row(i: int, ev: Evaluation, moe: bool = False) -> list[str]:
+def _row(i: int, ev: Evaluation, moe: bool = False, bf16: bool = True) -> list[str]:
     p, t = ev.plan, ev.time
     sched = "-" if p.pp == 1 else p.pp_schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
     mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.fits else " OOM")
     degrees = [str(p.tp), str(p.pp), str(p.cp)] + ([str(p.ep)] if moe else [])
     return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", *degrees, str(p.zero_stage),
             str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",
-            p.offload, mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.1f}%",
-            f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
+            p.offload, p.mixed_precision if bf16 else "-", mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
+            f"{100 * t.mfu:.1f}%", f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
 
 
 def system_summary(training: Training) -> str:
@@ -291,7 +289,8 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
                            "the layers): use a GPU count or --global-batch that share divisors, or relax --plan.")
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
     columns = MOE_COLUMNS if moe else COLUMNS
-    rows = [list(columns)] + [_row(i + 1, ev, moe) for i, ev in enumerate(plans)]
+    bf16 = training.precision == "bf16"
+    rows = [list(columns)] + [_row(i + 1, ev, moe, bf16) for i, ev in enumerate(plans)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     best = plans[0]

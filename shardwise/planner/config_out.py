@@ -23,11 +23,8 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
     model = {"name": args.name} if preset == args else dataclasses.asdict(args)
     layout = Layout(**{k: getattr(plan, k) for k in LAYOUT_KEYS})
     tables = layout_tables(layout, plan.micro_batch, plan.grad_accum)
-    # the layout 'fsdp-mp' is the engine's FSDP2 mixed-precision policy (train.mixed_precision; where FSDP does not
-    # shard, the engine runs autocast, as planner.workload.recipe_for prices it)
     out = {"model": model, "data": {"seq_len": training.seq_len}, "optim": {"name": training.optimizer},
-           "train": {"precision": training.precision,
-                     **({"mixed_precision": "fsdp"} if training.layout == "fsdp-mp" else {}), **tables["train"],
+           "train": {"precision": training.precision, **tables["train"],
                      **({"compile": True} if training.compile else {})}, "parallel": tables["parallel"]}
     if training.lora_rank:  # the planner prices adapters on every linear of every block: the engine's default targets
         out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora}
@@ -39,24 +36,17 @@ def _engine_runs(training: Training) -> None:
     from shardwise.planner.system import SYSTEMS
 
     engine = SYSTEMS["shardwise"].training_fields()
-    # (compile and the state layout are knobs of the engine's: train.compile, train.mixed_precision)
-    differs = [k for k, v in engine.items() if k not in ("system", "compile", "layout") and getattr(training, k) != v
-               and not (k == "fuse_head" and training.fuses_head)]
+    # (compile is a knob of the engine's: train.compile)
+    differs = [k for k, v in engine.items() if k not in ("system", "compile") and getattr(training, k) != v
+               and not (k == "fuse_head" and training.fuses_head == (training.layout == "torch"))]
     refusals = [  # another system first; then what a flag changed in shardwise's (its name says "shardwise (...)")
         (training.system.split(" (")[0] != "shardwise", "--system", f"the plan is sized for {training.system}, "
          "and shardwise's engine runs differently",
          f"plan with --system shardwise{' --compile' if training.compile else ''}"),
         (training.precision not in ("fp32", "bf16", "fp16"), "--precision",
          f"the engine trains in fp32, bf16 or fp16, not {training.precision}", "plan with --precision bf16"),
-        (training.layout not in ("torch", "fsdp-mp"), "--layout", f"the engine stores state as torch does (under "
-         f"autocast, or FSDP2's mixed-precision policy), not as {training.layout}",
-         "plan with --layout torch or fsdp-mp"),
-        (training.layout == "fsdp-mp" and not training.fuses_head, "--system", "under FSDP2's mixed-precision policy "
-         "the engine still fuses the head with the loss, and the plan materialises the logits",
-         "plan with --system shardwise --layout fsdp-mp"),
-        (training.layout == "fsdp-mp" and training.precision != "bf16", "--precision",
-         f"the layout fsdp-mp is FSDP2's mixed-precision policy with bf16 parameters, not {training.precision}",
-         "plan with --precision bf16"),
+        (training.layout != "torch", "--layout", f"the engine stores state as torch does, not as {training.layout}",
+         "plan with --layout torch"),
         (not training.fused_attention, "--attention", "the engine's attention is fused (SDPA)",
          "plan with --attention fused"),
         (training.dropout, "--dropout", "the engine's model has no dropout", "plan without --dropout"),

@@ -970,7 +970,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
     """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory`."""
     # a search asks this ~10^5 times: each moment is summed from the items it shares and those it changes, and only
     # the largest is built
-    training = recipe_for(training, plan.zero_stage, plan.shard_group)
+    training = recipe_for(training, plan)
     base, changes = _moment_parts(args, training, plan, stage)
     shared = sum(base.values())
     peak = max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
@@ -985,7 +985,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
 def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0) -> float:
     """A lower bound on stage_memory(...)["total"] from memoised parts: the optimizer step's moment (model state and
     the rotary table) and the fixed overhead."""
-    training = recipe_for(training, plan.zero_stage, plan.shard_group)
+    training = recipe_for(training, plan)
     return (sum(_model_state(args, training, plan, stage).values()) + rotary_table_bytes(args)
             + training.fixed_overhead_gib * GiB)
 
@@ -1007,7 +1007,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     once the first backward starts, the next micro-batch's first block backward holds one micro-batch fewer but
     every gradient the first made.
     """
-    training = recipe_for(training, plan.zero_stage, plan.shard_group)
+    training = recipe_for(training, plan)
     base, changes = _moment_parts(args, training, plan, stage)
     return {name: _moment(base, changes, name) for name in changes}
 

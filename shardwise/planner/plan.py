@@ -11,6 +11,7 @@ from shardwise.errors import ConfigError
 from shardwise.hardware import PlannerError
 from shardwise.layout import (
     Layout,
+    MixedPrecision,
     Offload,
     Recompute,
     Schedule,
@@ -23,6 +24,7 @@ from shardwise.model_args import ModelArgs, projection_shapes
 RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(Schedule)
 OFFLOADS = typing.get_args(Offload)
+MIXED_PRECISIONS = typing.get_args(MixedPrecision)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
                            f"use one of {', '.join(RECOMPUTE)}")
     if plan.offload not in OFFLOADS:
         raise PlannerError("--plan offload", f"{plan.offload!r}", f"use one of {', '.join(OFFLOADS)}")
+    if plan.mixed_precision not in MIXED_PRECISIONS:
+        raise PlannerError("--plan mixed_precision", f"{plan.mixed_precision!r}",
+                           f"use one of {', '.join(MIXED_PRECISIONS)}")
     error = expert_parallel_error(plan, n_experts, aux_loss)
     if error is not None:
         # the balancing loss's refusal names the model's field in a config; here the knob is cp

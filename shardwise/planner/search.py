@@ -18,6 +18,7 @@ recompute. Three kinds of pruning keep it fast, none of which drops a plan that 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class Evaluation:
         p = self.plan
         out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero_stage",
                                           "micro_batch", "grad_accum", "activation_checkpoint", "pp_schedule",
-                                          "virtual_stages", "sequence_parallel", "offload")}
+                                          "virtual_stages", "sequence_parallel", "offload", "mixed_precision")}
         out["dp"] = p.dp
         out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
         out["memory_stage"] = self.memory_stage
@@ -98,7 +99,7 @@ class SearchResult:
 
 
 KNOBS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
-         "pp_schedule", "virtual_stages", "offload")
+         "pp_schedule", "virtual_stages", "offload", "mixed_precision")
 
 
 def divisors(n: int) -> list[int]:
@@ -211,6 +212,17 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
     if fixed.get("offload") == "optimizer":
         bad("offload", "the engine has no optimizer-only offload", "use offload=full or offload=none")
+    if fixed.get("mixed_precision", "autocast") != "autocast":
+        if fixed["mixed_precision"] not in mixed_precisions(dataclasses.replace(training, precision="bf16")):
+            bad("mixed_precision", f"{fixed['mixed_precision']!r} is shardwise's engine's FSDP2 policy, and "
+                f"{training.system} runs its own recipe (layout {training.layout})",
+                "leave mixed_precision out, or plan with --system shardwise")
+        if training.precision != "bf16":
+            bad("mixed_precision", f"'fsdp' is FSDP2's policy with bf16 parameters and --precision is "
+                f"{training.precision}", "pass --precision bf16, or leave mixed_precision out")
+        if fixed.get("zero_stage", 3) < 2:
+            bad("mixed_precision", f"'fsdp' is FSDP2's policy for the weights FSDP shards, and zero_stage is "
+                f"{fixed['zero_stage']}", "use zero_stage 2 or 3 with dp_shard x cp > 1")
     ep = fixed.get("ep", 1)
     if ep > 1 and not args.n_experts:
         bad("ep", f"ep={ep} splits experts and {args.name} has none", "use ep=1 (or leave it out) for a dense model")
@@ -257,10 +269,17 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts)
+                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training))
 
 
-def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0):
+def mixed_precisions(training: Training) -> list[str]:
+    """The ways bf16 can run where FSDP shards (Layout.mixed_precision): shardwise's engine (the layout 'torch') has
+    autocast and FSDP2's policy; every other system's recipe is its own (--system), so the knob stays 'autocast'."""
+    return ["autocast", "fsdp"] if training.layout == "torch" and training.precision == "bf16" else ["autocast"]
+
+
+def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0,
+               mixed: tuple | list = ("autocast",)):
     shards = _choices(fixed, "dp_shard", divisors(dp))
     for dp_shard in shards:
         if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
@@ -274,11 +293,16 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
             stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
         for zero in _choices(fixed, "zero_stage", stages):
             degrees = expert_degrees(n_experts, dp_shard, cp, zero)
+            # FSDP2's mixed-precision policy where FSDP shards (layout.fsdp_shards); autocast elsewhere
+            policies = _choices(fixed, "mixed_precision", list(mixed) if zero >= 2 and dp_shard * cp > 1
+                                else ["autocast"])
             for ep in _choices(fixed, "ep", degrees):
                 if ep not in degrees:
                     continue
-                yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                           sequence_parallel=fixed.get("sequence_parallel", tp > 1), offload=offload)
+                for policy in policies:
+                    yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                               zero_stage=zero, sequence_parallel=fixed.get("sequence_parallel", tp > 1),
+                               offload=offload, mixed_precision=policy)
 
 
 def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int) -> list[int]:

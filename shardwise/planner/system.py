@@ -106,8 +106,8 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
            "fused with the loss where it is a plain linear (vocabulary-parallel under TP), selective checkpointing "
-           "keeps every matmul output, eager elementwise operators; with --layout fsdp-mp, FSDP2's mixed-precision "
-           "policy where FSDP shards (train.mixed_precision = 'fsdp')",
+           "keeps every matmul output, eager elementwise operators; where FSDP shards, bf16 may run under FSDP2's "
+           "mixed-precision policy instead (the plan's bf16 column: parallel.mixed_precision)",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
                   "shardwise.activation_checkpoint, shardwise.parallel.data_parallel.mixed_precision_policy"),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "

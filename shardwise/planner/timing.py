@@ -943,7 +943,7 @@ class StepTime:
 
 
 def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> StepTime:
-    training = recipe_for(training, plan.zero_stage, plan.shard_group)
+    training = recipe_for(training, plan)
     acc = cluster.accelerator
     cost = stage_cost(args, training, plan, cluster)
     pipe = pipeline_time(cost, plan)

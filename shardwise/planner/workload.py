@@ -284,13 +284,18 @@ class Training:
         return 2
 
 
-def recipe_for(training: Training, zero_stage: int, shard_group: int) -> Training:
-    """The recipe as a plan runs it. FSDP2's mixed-precision policy ('fsdp-mp') exists only where FSDP shards the
-    weights (ZeRO-2/3 over more than one rank); elsewhere torchtitan trains under autocast (its DDP and single
-    device), which is the layout 'torch'. (torchtitan's tensor or pipeline parallelism without FSDP runs with no
-    mixed precision at all; the planner prices it under autocast too.)"""
-    if training.layout == "fsdp-mp" and not (zero_stage >= 2 and shard_group > 1):
+def recipe_for(training: Training, plan) -> Training:
+    """The recipe as a plan (a Layout) runs it. FSDP2's mixed-precision policy ('fsdp-mp') exists only where FSDP
+    shards the weights (ZeRO-2/3 over more than one rank); elsewhere torchtitan trains under autocast (its DDP and
+    single device), which is the layout 'torch'. (torchtitan's tensor or pipeline parallelism without FSDP runs with
+    no mixed precision at all; the planner prices it under autocast too.) shardwise's engine (the layout 'torch')
+    runs that policy where the plan asks for it (Layout.mixed_precision = 'fsdp', which the engine allows only
+    where FSDP shards: layout.engine_cannot_run), its head still fused with the loss."""
+    shards = plan.zero_stage >= 2 and plan.shard_group > 1
+    if training.layout == "fsdp-mp" and not shards:
         return _under_autocast(training)
+    if plan.mixed_precision == "fsdp" and training.layout == "torch" and shards:
+        return _under_fsdp_policy(training)
     return training
 
 
@@ -298,6 +303,11 @@ def recipe_for(training: Training, zero_stage: int, shard_group: int) -> Trainin
 def _under_autocast(training: Training) -> Training:
     # one object per recipe: the planner's memos are keyed on it, and a search asks ~10^5 times
     return dataclasses.replace(training, layout="torch")
+
+
+@functools.lru_cache(maxsize=256)
+def _under_fsdp_policy(training: Training) -> Training:
+    return dataclasses.replace(training, layout="fsdp-mp", fuse_head=training.fuses_head)
 
 
 def resolve_model(spec: str | ModelArgs) -> ModelArgs:
