@@ -10,6 +10,8 @@ compile layouts), no activation checkpointing, in the layouts:
     tp_nosp  TP 2 without sequence parallel (not run unless named in --layouts)
     compile  one process, each block compiled with torch.compile (inductor; both systems compile the blocks only)
     fsdp_compile  FSDP 2 with the blocks compiled (compile layouts: not run unless named in --layouts)
+    fsdp_bf16  FSDP 2 in bf16 under FSDP2's MixedPrecisionPolicy in both (shardwise's parallel.mixed_precision =
+             'fsdp'; not run unless named in --layouts)
 
 Each repetition runs the two systems back to back, torchtitan first on odd repetitions and shardwise first on
 even ones, each after the machine's 1-minute load average fell below 1.0. The runs share --cores cores
@@ -104,6 +106,10 @@ LAYOUTS["compile"] = Layout(1, (*LAYOUTS["single"].titan, *TITAN_COMPILE), (*LAY
                                                                            "train.compile=true"))
 LAYOUTS["fsdp_compile"] = Layout(2, (*LAYOUTS["fsdp"].titan, *TITAN_COMPILE), (*LAYOUTS["fsdp"].shardwise,
                                                                                "train.compile=true"))
+# FSDP 2 in bf16, both under FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): torchtitan's
+# --training.mixed_precision_param bfloat16 (its default reduce dtype is fp32), shardwise's parallel.mixed_precision
+LAYOUTS["fsdp_bf16"] = Layout(2, LAYOUTS["fsdp"].titan, (*LAYOUTS["fsdp"].shardwise, "parallel.mixed_precision='fsdp'"),
+                              bf16=True)
 DEFAULT_LAYOUTS = ["single", "fsdp", "tp", "ddp", "pp", "bf16"]
 
 

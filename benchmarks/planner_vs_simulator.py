@@ -8,6 +8,7 @@ measured / predicted per stage, and a summary; the planner's allowances (fragmen
 as in the tests that hold it to the simulator.
 
     .venv/bin/python benchmarks/planner_vs_simulator.py --seed 7 --plans 12     # ~8 minutes on 2 cores
+    .venv/bin/python benchmarks/planner_vs_simulator.py --mixed-precision fsdp  # FSDP2's bf16 policy only
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from shardwise.simulate import ranks_to_simulate, simulate_rank
 def describe(p) -> str:
     pipe = f" {p.pp_schedule} v{p.virtual_stages}" if p.pp > 1 else ""
     return (f"tp{p.tp} pp{p.pp} cp{p.cp} ep{p.ep} dp{p.dp_replicate}x{p.dp_shard} z{p.zero_stage} mb{p.micro_batch} "
-            f"ga{p.grad_accum} {p.activation_checkpoint}{pipe}{' sp' if p.sequence_parallel else ''}")
+            f"ga{p.grad_accum} {p.activation_checkpoint}{pipe}{' sp' if p.sequence_parallel else ''}"
+            f"{' bf16-fsdp' if p.mixed_precision == 'fsdp' else ''}")
 
 
 def main() -> None:
@@ -42,13 +44,17 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--mixed-precision", choices=["any", "autocast", "fsdp"], default="any",
+                    help="draw only plans with this parallel.mixed_precision (fsdp: FSDP2's bf16 policy)")
     args = ap.parse_args()
 
     random.seed(args.seed)
     model = dataclasses.replace(preset(args.model), n_layers=args.layers)
     training = Training(seq_len=2048, global_batch=2 * args.gpus, precision="bf16",
                         fragmentation=0.0, fixed_overhead_gib=0.0)
-    plans = random.sample(list(plan_space(model, training, Cluster(accelerator("h100"), args.gpus))), args.plans)
+    space = [p for p in plan_space(model, training, Cluster(accelerator("h100"), args.gpus))
+             if args.mixed_precision in ("any", p.mixed_precision)]
+    plans = random.sample(space, args.plans)
     ratios = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
