@@ -92,8 +92,9 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight is None or weight.dtype != torch.float32
-                or self.eps is None or torch.compiler.is_compiling()):  # inductor fuses the plain form
+        if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or weight is None
+                or weight.dtype != x.dtype or self.eps is None
+                or torch.compiler.is_compiling()):  # inductor fuses the plain form
             return super().forward(x)
         if not isinstance(x, DTensor) and not isinstance(weight, DTensor):  # fake tensors too (the simulator)
             return _RMSNorm.apply(x, weight, self.eps)
@@ -124,22 +125,36 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        dim = x.shape[-1]
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(dim).add_(eps).rsqrt_()
+        # bf16 (FSDP2's mixed-precision policy: parallel.mixed_precision) is computed in fp32 and rounded once, as
+        # the GPU kernel does, and saves x in bf16 with an fp32 rstd (torch's composite saved six times x's bytes)
+        dim, low = x.shape[-1], x.dtype in (torch.bfloat16, torch.float16)
+        xf = x.float() if low else x
+        rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(dim).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(x, rstd).mul_(weight)
+        out = torch.mul(xf, rstd).mul_(weight)
+        return out.to(x.dtype) if low else out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
+        low = x.dtype in (torch.bfloat16, torch.float16)
+        if low:
+            grad_x, grad_w = _RMSNorm._backward_fp32(grad.float(), x.float(), weight.float(), rstd,
+                                                     ctx.needs_input_grad[1])
+            return grad_x.to(x.dtype), None if grad_w is None else grad_w.to(weight.dtype), None
+        grad_x, grad_w = _RMSNorm._backward_fp32(grad, x, weight, rstd, ctx.needs_input_grad[1])
+        return grad_x, grad_w, None
+
+    @staticmethod
+    def _backward_fp32(grad, x, weight, rstd, weight_grad: bool):
         dim = x.shape[-1]
         gx = torch.mul(grad, x).reshape(-1, dim)
         # the weight's gradient: sum over tokens of rstd g x (a frozen weight, LoRA's, has none)
-        grad_w = torch.mv(gx.t(), rstd.view(-1)) if ctx.needs_input_grad[1] else None
+        grad_w = torch.mv(gx.t(), rstd.view(-1)) if weight_grad else None
         # dx = rstd g w - x rstd^3 mean(g w x)
         coef = torch.mv(gx, weight).view(rstd.shape).mul_(rstd.pow(3)).div_(-dim)
         grad_x = torch.mul(grad, weight).mul_(rstd).addcmul_(x, coef)
-        return grad_x, grad_w, None
+        return grad_x, grad_w
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,10 @@ def test_fused_head_loss_survives_the_zero_bubble_split_backward():
 def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivative():
     """The engine's fp32 CPU RMSNorm (model._RMSNorm) against torch's rms_norm: the same output and gradients to
     fp32 rounding; its hand-written backward against finite differences (float64); a frozen weight gets no
-    gradient; other dtypes take torch's own form."""
+    gradient; bf16 (FSDP2's mixed-precision policy) is computed in fp32: torch's output to one bf16 rounding (over
+    99% of it bit for bit), gradients to bf16 rounding, and it saves x in bf16 and an fp32 rstd where torch's
+    composite saved six times x's bytes; other dtypes (fp16, or weights of another dtype than x) take torch's own
+    form."""
     from shardwise.model import RMSNorm, _RMSNorm
 
     x64 = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
@@ -186,8 +189,32 @@ def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivati
     torch.testing.assert_close(frozen.grad, theirs.grad, rtol=1e-5, atol=1e-6)
     assert norm.weight.grad is None
 
-    half = norm.to(torch.bfloat16)(x.to(torch.bfloat16).requires_grad_())
-    assert half.grad_fn.name() != "_RMSNormBackward"
+    norm.weight.requires_grad_(True)
+    norm.weight.grad = None
+    mixed = norm(x.to(torch.bfloat16).requires_grad_())  # bf16 x, fp32 weight: not the engine's case
+    assert mixed.grad_fn.name() != "_RMSNormBackward"
+    half_norm = RMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        half_norm.weight.copy_(norm.weight)
+    saved = []
+    xb, xr = x.to(torch.bfloat16).requires_grad_(), x.to(torch.bfloat16).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        half = half_norm(xb)
+    assert half.grad_fn.name() == "_RMSNormBackward" and half.dtype == torch.bfloat16
+    assert sum(saved) == xb.numel() * 2 + xb.numel() // 64 * 4 + 64 * 2  # x, rstd (fp32), the weight
+    ref_w = half_norm.weight.detach().clone().requires_grad_()
+    ref = torch.nn.functional.rms_norm(xr, (64,), ref_w, 1e-5)
+    # the same fp32 arithmetic rounded once: a rare last-bit difference where the two norms' fp32 sums round apart
+    torch.testing.assert_close(half, ref, rtol=2 ** -7, atol=0.0)  # one bf16 ulp
+    assert (half == ref).float().mean() > 0.99
+    g = grad.to(torch.bfloat16)
+    half.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(xb.grad, xr.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(half_norm.weight.grad.float(), ref_w.grad.float(), rtol=1e-2, atol=1e-1)
+    fp16 = RMSNorm(64, eps=1e-5).to(torch.float16)(x.to(torch.float16).requires_grad_())
+    assert fp16.grad_fn.name() != "_RMSNormBackward"
 
 
 def _attention_and_grads(fn, q, k, v, grad):

@@ -1173,10 +1173,11 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # replicate frees each bucket's working copy after its backward: only the root's is left at the end
     # the embedding's backward, the last of the first stage's: torch's dense embedding backward makes a whole
     # gradient of the (vocabulary-parallel) table, which is added to the one earlier micro-batches made
+    # (under FSDP2's mixed-precision policy that gradient is bf16, beside the fp32 accumulators FSDP2 keeps: it is
+    # upcast into them when the root's backward ends)
     lookup = 0.0
-    if stage == 0 and accum and training.layout == "torch" and not training.lora_rank \
-            and (keep_unsharded or not fsdp):
-        lookup = args.vocab_size / plan.tp * args.dim * kept_grad_bytes
+    if stage == 0 and accum and training.fsdp2 and not training.lora_rank and (keep_unsharded or not fsdp):
+        lookup = args.vocab_size / plan.tp * args.dim * (grad_bytes if fsdp else kept_grad_bytes)
     out["end_of_backward"] = {
         "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
