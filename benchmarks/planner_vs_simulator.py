@@ -44,15 +44,15 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--mixed-precision", choices=["autocast", "fsdp"], default="autocast",
-                    help="the plans' parallel.mixed_precision (fsdp: FSDP2's bf16 policy, which --plan fixes)")
+    ap.add_argument("--mixed-precision", choices=["any", "autocast", "fsdp"], default="any",
+                    help="draw only plans with this parallel.mixed_precision (fsdp: FSDP2's bf16 policy)")
     args = ap.parse_args()
 
     random.seed(args.seed)
     model = dataclasses.replace(preset(args.model), n_layers=args.layers)
     training = Training(seq_len=2048, global_batch=2 * args.gpus, precision="bf16",
                         fragmentation=0.0, fixed_overhead_gib=0.0)
-    fixed = {"mixed_precision": args.mixed_precision}
+    fixed = {} if args.mixed_precision == "any" else {"mixed_precision": args.mixed_precision}
     plans = random.sample(list(plan_space(model, training, Cluster(accelerator("h100"), args.gpus), fixed)),
                           args.plans)
     ratios = []

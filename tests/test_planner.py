@@ -1687,22 +1687,26 @@ def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, v
     assert f"--write-config {flag}" in capsys.readouterr().err
 
 
-def test_fsdp_mixed_precision_is_a_plan_knob_the_engine_runs(tmp_path, capsys):
-    """parallel.mixed_precision = 'fsdp' (the engine's FSDP2 MixedPrecisionPolicy) is a plan knob that --plan fixes,
-    in bf16 under the system shardwise, priced as the layout 'fsdp-mp' (bf16 gathers, bf16 residual stream: less
-    memory and traffic than autocast's fp32 gathers; the head still fused with the loss); --write-config writes it
-    and the engine's validation takes it. Where it cannot run, --plan's key is refused in one line: fp32, another
-    system's recipe, ZeRO-1."""
+def test_fsdp_mixed_precision_is_a_searched_knob_the_engine_runs(tmp_path, capsys):
+    """parallel.mixed_precision = 'fsdp' (the engine's FSDP2 MixedPrecisionPolicy) is a plan knob: the search tries it
+    where FSDP shards, in bf16 under the system shardwise, and prices it as the layout 'fsdp-mp' (bf16 gathers, bf16
+    residual stream: less memory and traffic than autocast's fp32 gathers; the head still fused with the loss);
+    --write-config writes it and the engine's validation takes it. Where it cannot run, --plan's key is refused in
+    one line: fp32, another system's recipe, ZeRO-1."""
     from shardwise.config import load_config
     from shardwise.planner.workload import recipe_for
 
     args, cluster = preset("llama3-8b"), Cluster(accelerator("h100"), 8)
     training = Training(seq_len=4096, global_batch=64)
-    # the search leaves it to --plan (its memory is further from the simulator's than autocast's: docs/planner.md)
+    # the search tries both where FSDP shards, in bf16 only; --plan fixes one
     space = list(plan_space(args, training, cluster, {"dp_shard": 8, "zero_stage": 3}))
-    assert space and {p.mixed_precision for p in space} == {"autocast"}
+    assert {p.mixed_precision for p in space} == {"autocast", "fsdp"}
     fixed = list(plan_space(args, training, cluster, {"dp_shard": 8, "zero_stage": 3, "mixed_precision": "fsdp"}))
-    assert len(fixed) == len(space) and {p.mixed_precision for p in fixed} == {"fsdp"}
+    assert 2 * len(fixed) == len(space) and {p.mixed_precision for p in fixed} == {"fsdp"}
+    fp32_space = plan_space(args, dataclasses.replace(training, precision="fp32"), cluster, {"dp_shard": 8})
+    assert {p.mixed_precision for p in fp32_space} == {"autocast"}
+    unsharded = plan_space(args, training, cluster, {"dp_replicate": 8})
+    assert {p.mixed_precision for p in unsharded} == {"autocast"}
     plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=8, activation_checkpoint="full")
     fsdp = dataclasses.replace(plan, mixed_precision="fsdp")
     priced = recipe_for(training, fsdp)

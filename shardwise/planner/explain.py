@@ -18,13 +18,13 @@ import dataclasses
 from shardwise.hardware import Cluster, GiB
 from shardwise.model_args import ModelArgs, num_params
 from shardwise.planner.memory import layer_params, lora_params, model_state_bytes
-from shardwise.planner.search import Evaluation, SearchResult, budget, search
+from shardwise.planner.search import Evaluation, SearchResult, budget, mixed_precisions, search
 from shardwise.planner.workload import Training
 
 EXPLAINED = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch",
              "activation_checkpoint", "pp_schedule", "virtual_stages", "offload", "mixed_precision")
 """The knobs explained; `ep` (expert parallelism, GShard: Lepikhin et al. 2020) only for a mixture of experts,
-`mixed_precision` only where the plan runs FSDP2's policy (--plan fixes it: the search does not try it)."""
+`mixed_precision` only where the search tried both (search.mixed_precisions: shardwise's engine in bf16)."""
 
 
 def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict:
@@ -114,7 +114,7 @@ def explain(args: ModelArgs, training: Training, cluster: Cluster, result: Searc
         "single_device": single_device(args, training, cluster),
         "decision_sequence": decision_sequence(best, training),
         "knobs": knob_reasons(best, result, tuple(k for k in EXPLAINED if (k != "ep" or args.n_experts) and (
-            k != "mixed_precision" or best.plan.mixed_precision != "autocast"))),
+            k != "mixed_precision" or len(mixed_precisions(training)) > 1))),
     }
 
 

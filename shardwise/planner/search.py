@@ -269,18 +269,18 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts)
+                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training))
 
 
 def mixed_precisions(training: Training) -> list[str]:
     """The ways bf16 can run where FSDP shards (Layout.mixed_precision) that --plan may fix: shardwise's engine (the
     layout 'torch') has autocast and FSDP2's policy; every other system's recipe is its own (--system), so the knob
-    stays 'autocast'. The search does not try 'fsdp' on its own: its memory, priced as the layout 'fsdp-mp', is
-    further from the simulator's than autocast's (docs/planner.md, "Systems")."""
+    stays 'autocast'. The search tries both where FSDP shards."""
     return ["autocast", "fsdp"] if training.layout == "torch" and training.precision == "bf16" else ["autocast"]
 
 
-def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0):
+def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0,
+               mixed: tuple | list = ("autocast",)):
     shards = _choices(fixed, "dp_shard", divisors(dp))
     for dp_shard in shards:
         if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
@@ -294,9 +294,10 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
             stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
         for zero in _choices(fixed, "zero_stage", stages):
             degrees = expert_degrees(n_experts, dp_shard, cp, zero)
-            # FSDP2's mixed-precision policy where --plan asks for it (the engine refuses it where FSDP does not
-            # shard: engine_runs leaves those out)
-            policies = _choices(fixed, "mixed_precision", ["autocast"])
+            # FSDP2's mixed-precision policy where FSDP shards (layout.fsdp_shards), autocast elsewhere (a fixed
+            # 'fsdp' elsewhere is left out by engine_runs)
+            policies = _choices(fixed, "mixed_precision", list(mixed) if zero >= 2 and dp_shard * cp > 1
+                                else ["autocast"])
             for ep in _choices(fixed, "ep", degrees):
                 if ep not in degrees:
                     continue
