@@ -263,7 +263,7 @@ def pipeline_batch_error(layout: Layout, n_microbatches: int) -> ConfigError | N
 def fsdp_applies(layout: Layout) -> bool:
     """Whether the engine wraps the model in FSDP2's fully_shard: ZeRO-2/3 over more than one rank, or with full
     offload (FSDP2 is what moves the state to the host; on one data-parallel rank it shards over a mesh of one)."""
-    return layout.zero_stage >= 2 and (layout.dp_shard * layout.cp > 1 or layout.offload == "full")
+    return fsdp_shards(layout) or layout.zero_stage >= 2 and layout.offload == "full"
 
 
 def fsdp_shards(layout: Layout) -> bool:

@@ -1751,6 +1751,7 @@ def test_bloom_layout_search_rows_agree_with_the_production_log():
     (bloom,) = [r for r in runs if r.name.startswith("BigScience 14336x70 a112 d8 t4 p12 mb2")]
     (log,) = _published("BLOOM 176B")[1]
     assert bloom.step_s == pytest.approx(log.step_s, rel=0.01)
+    assert all(r.gpus == 384 and r.batch == 2048 and (r.step_s is None) == (not r.fitted) for r in runs)
     assert sum(not r.fitted for r in runs) == 3
     # each row's seconds per iteration and TFLOPs, transcribed apart, agree through Narayanan's eq. 3 (the count
     # BigScience used from 2022-02-21: Megatron-DeepSpeed PR 251)

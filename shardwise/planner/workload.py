@@ -17,6 +17,7 @@ from typing import Literal
 from shardwise.config import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 from shardwise.frozen import hashed_once
 from shardwise.hardware import PlannerError
+from shardwise.layout import fsdp_shards
 from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -291,7 +292,7 @@ def recipe_for(training: Training, plan) -> Training:
     no mixed precision at all; the planner prices it under autocast too.) shardwise's engine (the layout 'torch')
     runs that policy where the plan asks for it (Layout.mixed_precision = 'fsdp', which the engine allows only
     where FSDP shards: layout.engine_cannot_run), its head still fused with the loss."""
-    shards = plan.zero_stage >= 2 and plan.shard_group > 1
+    shards = fsdp_shards(plan)
     if training.layout == "fsdp-mp" and not shards:
         return _under_autocast(training)
     if plan.mixed_precision == "fsdp" and training.layout == "torch" and shards:
