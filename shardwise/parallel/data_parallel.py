@@ -187,7 +187,7 @@ class ShardedOptimizer:
         mine = torch.zeros(chunk, dtype=piece.dtype, device=local.device)
         mine[: piece.numel()] = piece
         gathered = torch.empty(chunk * self.world, dtype=piece.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        dist.all_gather_single(gathered, mine, group=self.group)
         return gathered[: local.numel()]
 
     @torch.no_grad()
