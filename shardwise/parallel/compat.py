@@ -2,6 +2,9 @@
 
 Each has no public equivalent in torch 2.13:
 - DeviceMesh._flatten: one process group over several mesh dims (e.g. dp_shard x cp for FSDP), as torchtitan;
+- DeviceMesh._concatenate: a mesh of several such meshes' dims (HSDP's dp_replicate x flattened dp_shard_cp) that
+  reuses their process groups; slicing a flattened dim from the root mesh, which did this before, warns that it
+  is deprecated;
 - replicate (FSDP2-based DDP): bucketed gradient all-reduce overlapped with backward that composes with
   DTensor tensor parallelism and FSDP's grouping; nn.parallel.DistributedDataParallel does not take DTensors;
 - all_to_all_single_autograd: an all-to-all with uneven splits that autograd runs backwards (expert parallelism);
@@ -20,3 +23,8 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
     if len(dims) == 1:
         return mesh[dims[0]]
     return mesh[dims]._flatten(name)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of `meshes` (sub-meshes of one root, flattened or not), in order."""
+    return DeviceMesh._concatenate(meshes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.layout import Layout
-from shardwise.parallel.compat import flatten_mesh
+from shardwise.parallel.compat import concatenate_meshes, flatten_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -85,7 +85,7 @@ class MeshView:
     def _sharding(self, shard: DeviceMesh) -> DeviceMesh:
         if self.p.dp_replicate == 1:
             return shard
-        return self.mesh["dp_replicate", shard.mesh_dim_names[0]]
+        return concatenate_meshes([self.mesh["dp_replicate"], shard])
 
     def coordinate(self, dim: str) -> int:
         if dim == "dp_shard" and self.p.ep > 1:
