@@ -9,13 +9,20 @@ Each has no public equivalent in torch 2.13:
   DTensor tensor parallelism and FSDP's grouping; nn.parallel.DistributedDataParallel does not take DTensors;
 - all_to_all_single_autograd: an all-to-all with uneven splits that autograd runs backwards (expert parallelism);
   the public torch.distributed.nn.functional.all_to_all_single is deprecated in its favour.
+And the flat-tensor collectives under the names torch 2.13 gives them, all_gather_single and reduce_scatter_single,
+falling back to the names they replace (all_gather_into_tensor, reduce_scatter_tensor: deprecated in 2.13, the only
+ones before it, e.g. in the torch 2.11 of the GPU machines this project borrows).
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: F401
 from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:

@@ -46,7 +46,7 @@ from shardwise.layout import Layout, fsdp_applies, fsdp_mixed_precision
 from shardwise.model import canonical_name
 from shardwise.nf4 import is_nf4
 from shardwise.parallel.comm import uncounted
-from shardwise.parallel.compat import replicate
+from shardwise.parallel.compat import all_gather_single, replicate
 from shardwise.parallel.mesh import MeshView
 
 
@@ -187,7 +187,7 @@ class ShardedOptimizer:
         mine = torch.zeros(chunk, dtype=piece.dtype, device=local.device)
         mine[: piece.numel()] = piece
         gathered = torch.empty(chunk * self.world, dtype=piece.dtype, device=local.device)
-        dist.all_gather_single(gathered, mine, group=self.group)
+        all_gather_single(gathered, mine, group=self.group)
         return gathered[: local.numel()]
 
     @torch.no_grad()

@@ -45,6 +45,7 @@ from shardwise.hardware import ALIASES, CATALOGUE, Accelerator, GiB, PlannerErro
 from shardwise.model import Transformer, causal_attention
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
+from shardwise.parallel.compat import all_gather_single, reduce_scatter_single
 from shardwise.parallel.tensor_parallel import split_model  # (and shardwise.parallel's hook for shutdown)
 from shardwise.planner import opcount
 
@@ -383,8 +384,8 @@ def _collective_worker(rank: int, world: int, init: str, device: str, threads: i
         parts = torch.empty(n // world, device=dev)
         gathered = torch.empty(n, device=dev)
         ops = {"all_reduce": lambda: dist.all_reduce(x),
-               "all_gather": lambda: _all_gather(gathered, parts),
-               "reduce_scatter": lambda: _reduce_scatter(parts, x)}
+               "all_gather": lambda: all_gather_single(gathered, parts),
+               "reduce_scatter": lambda: reduce_scatter_single(parts, x)}
         for name, op in ops.items():
             dist.barrier()
             results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed_collective(op, iters, dev))
@@ -482,11 +483,6 @@ def comm_overlap(device: str, nbytes: int, iters: int) -> dict[str, float]:
     out = {key: min(values) for key, values in times.items()}
     out["overlap"] = (out["comm_s"] + out["compute_s"] - out["both_s"]) / min(out["comm_s"], out["compute_s"])
     return out
-
-
-# torch 2.13 renames the flat-tensor collectives (the old names still work, with a deprecation warning)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _spawn(worker, world: int, *args) -> dict:
