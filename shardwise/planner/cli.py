@@ -14,10 +14,10 @@ import time
 import typing
 from pathlib import Path
 
-from shardwise.config import ConfigError
+from shardwise.config import ConfigError, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
-from shardwise.layout import complete_layout, parse_layout
-from shardwise.model_args import ModelArgs, num_params
+from shardwise.layout import Layout, complete_layout, parse_layout
+from shardwise.model_args import ModelArgs, num_params, projection_shapes
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -97,6 +97,13 @@ def build_inputs(ns: argparse.Namespace):
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
                         lora_rank=ns.lora_rank, qlora=ns.qlora,
                         expert_imbalance=ns.expert_imbalance, **system.training_fields())
+    if training.qlora:
+        # NF4 needs each linear's weight in whole blocks whatever the layout (FSDP's chunks only add to that): a
+        # shape that has none is refused here, as the config refuses it, not left to a search that finds no plan
+        error = qlora_error(model, list(projection_shapes(model)), Layout())
+        if error is not None:
+            raise PlannerError("--qlora", error.problem, "use a model whose projections hold whole NF4 blocks, or "
+                               "drop --qlora (LoRA on a bf16 base)")
     for flag, value in (("--gpu-memory-gib", ns.gpu_memory_gib), ("--intra-node-gbs", ns.intra_node_gbs),
                         ("--inter-node-gbs", ns.inter_node_gbs)):
         if value is not None and not 0 < value < math.inf:  # nan too
