@@ -1,0 +1,198 @@
+"""The GPU checks of issues 15 and 19, as one prepared script for a lent single-GPU machine (the device tool).
+
+The machine has no package registry, torch 2.11 (not the 2.13 this project pins), transformers and peft, and no
+torchao: carry torchao's wheel. Here, once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
+
+then one device run, carry [".whl"], timeout_s 600:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --out $OUT
+
+Each case is `shardwise plan ... --json --write-config` and then `shardwise train` on the written config, unchanged
+but for the number of steps and the run folder, so it also checks that the planner's configs run:
+  issue 15  Llama 3 8B (random weights; seq 2048, 8 sequences a step, bf16) with QLoRA and with LoRA (rank 16):
+            the step's peak allocated memory (torch.cuda.max_memory_allocated) against the planner's (its total less
+            the allocator's fragmentation and the CUDA context, which that counter does not see), and tokens/s
+            against the planner's. The same model cut to 8 blocks in full fine-tuning, LoRA and QLoRA: tokens/s of
+            each, and the adapters' against full fine-tuning's.
+  issue 19  Llama 3.2 1B (bf16, seq 2048) on one GPU, eager and with each block compiled (train.compile):
+            tokens/s and MFU, measured and planned.
+The table goes to stdout and to <out>/gpu_checks.md, the figures to <out>/gpu_checks.json, the runs' output to
+<out>/gpu_checks.log. A case that fails is reported as such and the others still run; the JSON is rewritten after
+each case, so a run stopped at the call's limit keeps what it finished. `--only 8B` and `--only 1B` split the
+cases over two calls.
+
+Not covered: issue 19's comparison with torchtitan on the GPU. torchtitan 0.3.0 needs packages that machine lacks
+(datasets, torchdata, tyro, wandb, spmd_types, torch_checkpointing) and a newer torch than its 2.11.
+On torch 2.11 (CPU, 2026-11-28) this script's --smoke runs, as do shardwise's single-device paths it uses (LoRA,
+QLoRA through torchao 0.18, compiled blocks). 67 of the 789 unit tests fail there: the simulator's pipelines
+(torch.distributed.pipelining._utils.InferenceMode is newer), the tests' saved-tensor probe
+(SelectiveCheckpointContext.op_output is newer; two QLoRA tests fail only after it, which pass alone), and the
+planner's pinned operator counts of MoE blocks.
+
+    python benchmarks/gpu_checks.py --smoke --out /tmp/gpu   # the same plumbing on this machine's CPU, small model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+CUT = '[model]\nname = "llama3-8b"\nn_layers = 8\n'  # Llama 3 8B's blocks, 8 of its 32
+SMOKE_MODEL = ('[model]\nname = "smoke"\ndim = 256\nn_layers = 2\nn_heads = 4\nn_kv_heads = 4\nffn_hidden = 768\n'
+               'vocab_size = 512\nmax_seq_len = 256\n')
+
+
+@dataclass
+class Case:
+    name: str
+    issue: int
+    model: str
+    """a preset name, or a TOML model description written to a file"""
+    plan_flags: list[str]
+    steps: int = 6
+    discard: int = 2
+    """first steps left out of tokens/s (the first carries one-off work; compile's first two, compilation)"""
+    timeout_s: int = 240
+    result: dict = field(default_factory=dict)
+
+
+def cases(smoke: bool) -> list[Case]:
+    batch = ["--seq-len", "2048", "--global-batch", "8"]
+    if smoke:  # a small model on the CPU, its linears whole NF4 blocks: the plumbing only
+        batch, small = ["--seq-len", "128", "--global-batch", "4"], SMOKE_MODEL
+        return [Case("small, full FT", 15, small, batch, steps=3, discard=1),
+                Case("small, QLoRA r8", 15, small, ["--lora-rank", "8", "--qlora", *batch], steps=3, discard=1),
+                Case("small, compiled blocks", 19, small, ["--compile", *batch], steps=3, discard=1)]
+    return [
+        Case("8B QLoRA r16", 15, "llama3-8b", ["--lora-rank", "16", "--qlora", *batch]),
+        Case("8B LoRA r16", 15, "llama3-8b", ["--lora-rank", "16", *batch]),
+        Case("8B cut to 8 blocks, full FT", 15, CUT, batch),
+        Case("8B cut to 8 blocks, LoRA r16", 15, CUT, ["--lora-rank", "16", *batch]),
+        Case("8B cut to 8 blocks, QLoRA r16", 15, CUT, ["--lora-rank", "16", "--qlora", *batch]),
+        Case("1B eager", 19, "llama3.2-1b", batch),
+        Case("1B compiled blocks", 19, "llama3.2-1b", ["--compile", *batch], steps=8, discard=4, timeout_s=420),
+    ]
+
+
+def run(cmd: list[str], log, timeout_s: int) -> subprocess.CompletedProcess:
+    log.write(f"\n$ {' '.join(cmd)}\n")
+    log.flush()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    log.write(out.stdout[-20000:] + out.stderr[-20000:])
+    log.flush()
+    return out
+
+
+def measure(case: Case, work: Path, gpu: str, log) -> dict:
+    """Plan the case, write its config, train it; the planner's figures beside the run's."""
+    model = case.model
+    if "\n" in model:
+        model_file = work / "model.toml"
+        model_file.write_text(model)
+        model = str(model_file)
+    config, run_dir = work / "config.toml", work / "run"
+    planned = run([sys.executable, "-m", "shardwise", "plan", "--model", model, "--gpus", "1", "--gpu", gpu,
+                   *case.plan_flags, "--json", "--write-config", str(config)], log, 120)
+    if planned.returncode != 0:
+        return {"error": "plan: " + (planned.stderr.strip().splitlines() or ["?"])[-1]}
+    best = json.loads(planned.stdout)["plans"][0]
+    memory = best["memory_gib"]
+    started = time.time()
+    trained = run([sys.executable, "-m", "shardwise", "train", "--config", str(config),
+                   "--set", f"train.steps={case.steps}", "--set", "train.val_every=0",
+                   "--set", f"metrics.out_dir='{run_dir}'", "--set", "metrics.log_every=1",
+                   "--set", "metrics.tensorboard=false"], log, case.timeout_s)
+    if trained.returncode != 0:
+        return {"error": "train: " + (trained.stderr.strip().splitlines() or ["?"])[-1], "plan": best}
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "tokens_per_s" in s]
+    kept = steps[case.discard:] or steps
+    result = {
+        "plan": {k: best[k] for k in ("micro_batch", "grad_accum", "activation_checkpoint", "offload", "zero_stage")},
+        "planned_allocated_gib": memory["total"] - memory["fragmentation"] - memory["fixed_overhead"],
+        "planned_total_gib": memory["total"],
+        "peak_allocated_gib": max(s["peak_memory_gib"] for s in steps),
+        "planned_tokens_per_s": best["tokens_per_s"],
+        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in kept),
+        "planned_mfu": best["mfu"],
+        "mfu": statistics.median(s["mfu"] for s in kept) if all("mfu" in s for s in kept) else None,
+        "losses": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
+        "wall_s": round(time.time() - started, 1),
+    }
+    return result
+
+
+def table(done: list[Case]) -> str:
+    rows = ["| case | issue | plan (mb x accum, recompute) | peak allocated GiB (planned) | measured / planned "
+            "| tokens/s (planned) | measured / planned | MFU (planned) | loss first -> last | vs full FT |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    full = {c.name.split(",")[0]: c.result["tokens_per_s"] for c in done
+            if c.name.endswith("full FT") and "tokens_per_s" in c.result}
+    for c in done:
+        r = c.result
+        if "error" in r:
+            rows.append(f"| {c.name} | {c.issue} | failed: {r['error'][:160]} |||||||||")
+            continue
+        p = r["plan"]
+        base = full.get(c.name.split(",")[0])
+        vs_full = f"{r['tokens_per_s'] / base:.2f}" if base and c.issue == 15 and "full FT" not in c.name else ""
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        rows.append(
+            f"| {c.name} | {c.issue} | {p['micro_batch']} x {p['grad_accum']}, {p['activation_checkpoint']} "
+            f"| {r['peak_allocated_gib']:.1f} ({r['planned_allocated_gib']:.1f}) "
+            f"| **{r['peak_allocated_gib'] / r['planned_allocated_gib']:.3f}** "
+            f"| {r['tokens_per_s']:,.0f} ({r['planned_tokens_per_s']:,.0f}) "
+            f"| **{r['tokens_per_s'] / r['planned_tokens_per_s']:.3f}** | {mfu} ({r['planned_mfu']:.1%}) "
+            f"| {r['losses'][0]} -> {r['losses'][1]} | {vs_full} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the table, the figures and the log")
+    parser.add_argument("--gpu", default="h100", help="the catalogue entry the planner plans for (h100, h200)")
+    parser.add_argument("--smoke", action="store_true", help="the debug model on the CPU: checks the plumbing")
+    parser.add_argument("--only", nargs="*", help="run only the cases whose names contain one of these")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    header = (f"torch {torch.__version__}, "
+              + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU: CPU")
+              + f"; planned for the catalogue's {args.gpu}")
+    print(header, flush=True)
+    done = []
+    with open(args.out / "gpu_checks.log", "w") as log:
+        for case in cases(args.smoke):
+            if args.only and not any(o in case.name for o in args.only):
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    case.result = measure(case, Path(tmp), args.gpu, log)
+                except subprocess.TimeoutExpired:
+                    case.result = {"error": f"timed out after {case.timeout_s} s"}
+            print(case.name, json.dumps(case.result), flush=True)
+            done.append(case)
+            # what is done so far is kept, whatever stops the script later
+            (args.out / "gpu_checks.json").write_text(
+                json.dumps({"header": header, "cases": {c.name: c.result for c in done}}, indent=1))
+    text = f"{header}\n\n{table(done)}\n"
+    (args.out / "gpu_checks.md").write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
