@@ -27,7 +27,7 @@ each case, so a run stopped at the call's limit keeps what it finished. `--only 
 cases over two calls.
 
 Not covered: issue 19's comparison with torchtitan on the GPU. torchtitan 0.3.0 needs packages that machine lacks
-(datasets, torchdata, tyro, wandb, spmd_types, torch_checkpointing) and a newer torch than its 2.11.
+(datasets, torchdata, tyro, wandb, spmd_types, torch_checkpointing), and whether it runs on torch 2.11 is not known.
 On torch 2.11 (CPU, 2026-11-28) this script's --smoke runs, as do shardwise's single-device paths it uses (LoRA,
 QLoRA through torchao 0.18, compiled blocks). 67 of the 789 unit tests fail there: the simulator's pipelines
 (torch.distributed.pipelining._utils.InferenceMode is newer), the tests' saved-tensor probe
