@@ -66,6 +66,8 @@ class Case:
     discard: int = 2
     """first steps left out of tokens/s (the first carries one-off work; compile's first two, compilation)"""
     timeout_s: int = 240
+    baseline: str = ""
+    """the case whose tokens/s this one's is set against (full fine-tuning for adapters, eager for compile)"""
     result: dict = field(default_factory=dict)
 
 
@@ -74,16 +76,21 @@ def cases(smoke: bool) -> list[Case]:
     if smoke:  # a small model on the CPU, its linears whole NF4 blocks: the plumbing only
         batch, small = ["--seq-len", "128", "--global-batch", "4"], SMOKE_MODEL
         return [Case("small, full FT", 15, small, batch, steps=3, discard=1),
-                Case("small, QLoRA r8", 15, small, ["--lora-rank", "8", "--qlora", *batch], steps=3, discard=1),
-                Case("small, compiled blocks", 19, small, ["--compile", *batch], steps=3, discard=1)]
+                Case("small, QLoRA r8", 15, small, ["--lora-rank", "8", "--qlora", *batch], steps=3, discard=1,
+                     baseline="small, full FT"),
+                Case("small, compiled blocks", 19, small, ["--compile", *batch], steps=3, discard=1,
+                     baseline="small, full FT")]
     return [
         Case("8B QLoRA r16", 15, "llama3-8b", ["--lora-rank", "16", "--qlora", *batch]),
         Case("8B LoRA r16", 15, "llama3-8b", ["--lora-rank", "16", *batch]),
         Case("8B cut to 8 blocks, full FT", 15, CUT, batch),
-        Case("8B cut to 8 blocks, LoRA r16", 15, CUT, ["--lora-rank", "16", *batch]),
-        Case("8B cut to 8 blocks, QLoRA r16", 15, CUT, ["--lora-rank", "16", "--qlora", *batch]),
+        Case("8B cut to 8 blocks, LoRA r16", 15, CUT, ["--lora-rank", "16", *batch],
+             baseline="8B cut to 8 blocks, full FT"),
+        Case("8B cut to 8 blocks, QLoRA r16", 15, CUT, ["--lora-rank", "16", "--qlora", *batch],
+             baseline="8B cut to 8 blocks, full FT"),
         Case("1B eager", 19, "llama3.2-1b", batch),
-        Case("1B compiled blocks", 19, "llama3.2-1b", ["--compile", *batch], steps=8, discard=4, timeout_s=420),
+        Case("1B compiled blocks", 19, "llama3.2-1b", ["--compile", *batch], steps=8, discard=4, timeout_s=420,
+             baseline="1B eager"),
     ]
 
 
@@ -137,18 +144,20 @@ def measure(case: Case, work: Path, gpu: str, log) -> dict:
 
 def table(done: list[Case]) -> str:
     rows = ["| case | issue | plan (mb x accum, recompute) | peak allocated GiB (planned) | measured / planned "
-            "| tokens/s (planned) | measured / planned | MFU (planned) | loss first -> last | vs full FT |",
+            "| tokens/s (planned) | measured / planned | MFU (planned) | loss first -> last "
+            "| tokens/s against another case |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    full = {c.name.split(",")[0]: c.result["tokens_per_s"] for c in done
-            if c.name.endswith("full FT") and "tokens_per_s" in c.result}
+    speed = {c.name: (c.result["tokens_per_s"], c.result["planned_tokens_per_s"]) for c in done
+             if "tokens_per_s" in c.result}
     for c in done:
         r = c.result
         if "error" in r:
             rows.append(f"| {c.name} | {c.issue} | failed: {r['error'][:160]} |||||||||")
             continue
         p = r["plan"]
-        base = full.get(c.name.split(",")[0])
-        vs_full = f"{r['tokens_per_s'] / base:.2f}" if base and c.issue == 15 and "full FT" not in c.name else ""
+        base = speed.get(c.baseline)
+        vs_base = (f"{r['tokens_per_s'] / base[0]:.2f} (planned {r['planned_tokens_per_s'] / base[1]:.2f}), "
+                   f"against {c.baseline}" if base else "")
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         rows.append(
             f"| {c.name} | {c.issue} | {p['micro_batch']} x {p['grad_accum']}, {p['activation_checkpoint']} "
@@ -156,7 +165,7 @@ def table(done: list[Case]) -> str:
             f"| **{r['peak_allocated_gib'] / r['planned_allocated_gib']:.3f}** "
             f"| {r['tokens_per_s']:,.0f} ({r['planned_tokens_per_s']:,.0f}) "
             f"| **{r['tokens_per_s'] / r['planned_tokens_per_s']:.3f}** | {mfu} ({r['planned_mfu']:.1%}) "
-            f"| {r['losses'][0]} -> {r['losses'][1]} | {vs_full} |")
+            f"| {r['losses'][0]} -> {r['losses'][1]} | {vs_base} |")
     return "\n".join(rows)
 
 
