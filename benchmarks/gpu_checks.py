@@ -155,7 +155,7 @@ def measure(case: Case, work: Path, gpu: str, log) -> dict:
         "planned_mfu": best["mfu"],
         "mfu": statistics.median(s["mfu"] for s in kept) if all("mfu" in s for s in kept) else None,
         "losses": [round(steps[0]["loss"], 4), round(steps[-1]["loss"], 4)],
-        "steps_kept": len(kept) if len(kept) < len(steps) else f"all {len(steps)} (fewer than --discard + 1)",
+        "steps": len(steps), "steps_kept": len(kept),  # equal: too few steps to leave any out
         "wall_s": round(time.time() - started, 1),
     }
     return result
