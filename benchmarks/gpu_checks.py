@@ -30,8 +30,9 @@ still run; each case's time limit is cut to what is left of --budget-s, and once
 reported as skipped. `--only 8B` and `--only 1B` split the
 cases over two calls.
 
-Not covered: issue 19's comparison with torchtitan on the GPU. torchtitan 0.3.0 needs packages that machine lacks
-(datasets, torchdata, tyro, wandb, spmd_types, torch_checkpointing), and whether it runs on torch 2.11 is not known.
+Not here: issue 19's comparison with torchtitan on the GPU is benchmarks/peer_torchtitan_gpu.py (torchtitan 0.2.2:
+0.3.0 does not import on torch 2.11), its own call of the same kind; the two do not fit one session's 15 device
+minutes together at their default sizes (this one's --only and that one's --cases and --reps cut them down).
 On torch 2.11 (PyPI's build, on this CPU, 2026-11-28) this script's --smoke runs, as do shardwise's single-device
 paths it uses (LoRA, QLoRA through torchao 0.18, compiled blocks). The unit tests there (`pytest -m "not
 multiprocess" --ignore=tests/test_k8s.py` at 6e7689a; the Kubernetes schema packages were not installed): 722
