@@ -135,7 +135,8 @@ class TrainConfig:
     val_every: int = 50
     """Evaluate validation loss every this many steps (and at the end); 0 disables."""
     val_batches: int = 4
-    """Micro-batches per validation evaluation."""
+    """Global batches per validation evaluation (each of micro_batch x grad_accum x dp sequences, as Megatron's
+    --eval-iters): every layout of the same global batch evaluates the same samples."""
     stop_after: int = 0
     """Stop after this step as a preemption would (saving a checkpoint), e.g. to continue on another layout;
     0 runs to `steps`. The schedule still spans `steps`."""

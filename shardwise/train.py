@@ -255,7 +255,9 @@ def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, dat
         dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
         dp_rank=dp_rank, dp_size=dp_size,
     )
-    val = data.val_batches(dataset, micro_batch=cfg.train.micro_batch, n=cfg.train.val_batches,
+    # train.val_batches global batches, as Megatron's --eval-iters counts them: the same samples on every layout
+    # of the same global batch (micro_batch x grad_accum x dp)
+    val = data.val_batches(dataset, micro_batch=cfg.train.micro_batch, n=cfg.train.val_batches * cfg.train.grad_accum,
                            dp_rank=dp_rank, dp_size=dp_size)
     return dataset, loader, val
 

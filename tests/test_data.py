@@ -381,6 +381,30 @@ def test_val_batches(dataset, tmp_path):
         data.val_batches(ds, micro_batch=1, n=1)
 
 
+def test_every_layout_of_one_global_batch_validates_on_the_same_samples(tmp_path):
+    """train.val_batches counts global batches (as Megatron's --eval-iters): one process, two data-parallel
+    ranks and accumulation, with the same global batch of 16, evaluate the same 64 samples. It counted
+    micro-batches until a new user found the validation loss of an FSDP 2 run differ from a TP 2 run's."""
+    from types import SimpleNamespace
+
+    from shardwise.config import load_config
+    from shardwise.train import build_data
+
+    config = str(Path(__file__).parent / "configs" / "parity.toml")
+    cache = f"data.cache_dir={str(tmp_path)!r}"
+    seen = {}
+    for micro, accum, dp in ((16, 1, 1), (8, 2, 1), (8, 1, 2), (4, 2, 2), (2, 1, 8)):
+        cfg = load_config(config, [cache, f"train.micro_batch={micro}", f"train.grad_accum={accum}"])
+        ids = []
+        for rank in range(dp):
+            runtime = SimpleNamespace(dp_rank=rank, dp_size=dp, main_first=lambda build: build())
+            ids += [i for batch in build_data(cfg, runtime)[2] for i in batch.sample_ids]
+        seen[micro, accum, dp] = sorted(ids)
+    n_val = build_data(cfg, runtime)[0].num_samples("val")
+    expected = sorted(i % n_val for i in range(cfg.train.val_batches * 16))
+    assert all(ids == expected for ids in seen.values()), {k: len(v) for k, v in seen.items()}
+
+
 @pytest.mark.parametrize("text", ["{bad", "[]"])
 def test_a_file_the_tokenizers_library_cannot_read_names_the_field(tmp_path, text):
     from shardwise.config import ConfigError
