@@ -38,7 +38,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """One line of JSON per logged step, the same scalars to TensorBoard, a summary on the progress bar."""
 
-    def __init__(self, cfg: MetricsConfig, total_steps: int, enabled: bool = True):
+    def __init__(self, cfg: MetricsConfig, total_steps: int, enabled: bool = True, first_step: int = 1):
+        """`first_step`: the step this start runs first. The run folder's earlier lines from that step on are
+        dropped (in TensorBoard, purged): a fresh run (1) starts its log, and a resumed one keeps the steps up to
+        its checkpoint and does the later ones again, as an interrupted run's log had them too."""
         self.enabled = enabled
         self._progress = cfg.progress
         self._jsonl = self._tb = self._bar = None
@@ -46,11 +49,11 @@ class MetricsWriter:
             return
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (out / "metrics.jsonl").open("a")
+        self._jsonl = _log_from(out / "metrics.jsonl", first_step)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out / "tb"))
+            self._tb = SummaryWriter(str(out / "tb"), purge_step=first_step)
         if cfg.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -92,21 +95,43 @@ class MetricsWriter:
                 handle.close()
 
 
+def _log_from(path: Path, first_step: int):
+    """`path` opened for appending, its lines of `first_step` and later dropped (and any line a crash cut short)."""
+    kept = []
+    if first_step > 1 and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", 0) < first_step:
+                kept.append(line + "\n")
+    path.write_text("".join(kept))
+    return path.open("a")
+
+
 class SampleLog:
     """Each step's sample ids, one JSON line per step, in out_dir/samples/dp<rank>.jsonl (metrics.log_samples).
 
     One writer per data-parallel rank (the others of its tp/cp/pp group read the same samples). Lines are
     appended and flushed, so a step replayed after a restart appears twice; each line names its attempt
     (distributed.attempt: the same on every rank of one start, later starts sorting after earlier ones), and the
-    latest attempt's lines are the ones that count, as for metrics.jsonl. `read_sample_log` applies that rule.
+    latest attempt's lines are the ones that count. `read_sample_log` applies that rule. A start drops the lines
+    of the steps it runs (`first_step` on), as metrics.jsonl does.
     """
 
-    def __init__(self, out_dir: str, dp_rank: int, enabled: bool):
+    def __init__(self, out_dir: str, dp_rank: int, enabled: bool, first_step: int = 1, dp_size: int = 1):
+        """Lines of `first_step` and later are dropped from this rank's file, as MetricsWriter drops them, and
+        rank 0 drops them from the files of ranks an earlier world had beyond this one's `dp_size`."""
         self._file, self._attempt = None, int(attempt())
         if enabled:
             folder = Path(out_dir) / "samples"
             folder.mkdir(parents=True, exist_ok=True)
-            self._file = (folder / f"dp{dp_rank}.jsonl").open("a")
+            if dp_rank == 0:
+                for path in folder.glob("dp*.jsonl"):
+                    if path.stem[2:].isdigit() and int(path.stem[2:]) >= dp_size:
+                        _log_from(path, first_step).close()
+            self._file = _log_from(folder / f"dp{dp_rank}.jsonl", first_step)
 
     def log(self, step: int, batches) -> None:
         if self._file is not None:

@@ -332,8 +332,9 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 
-    writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main)
-    samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank)
+    writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main, first_step=first_step)
+    samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank,
+                        first_step=first_step, dp_size=runtime.dp_size)
     if runtime.is_main:
         (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len

@@ -1761,3 +1761,22 @@ def test_bloom_layout_search_rows_agree_with_the_production_log():
     for r in (r for r in runs if r.fitted):
         assert pp.eq3_flops(r.model, r.batch, r.seq) / (r.step_s * r.gpus) / 1e12 == pytest.approx(r.tflops,
                                                                                                       rel=5e-4), r.name
+
+
+def test_one_device_diagnosis_names_the_largest_micro_batch_that_fits():
+    """Llama 3 8B with LoRA on one H100: the fastest plan runs micro-batch 1 (no recompute), but micro-batch 16
+    fits with full recompute; the diagnosis said "at most 1 sequence(s) per pass". It names the largest that
+    `evaluate` fits, and the next power of two does not fit."""
+    from shardwise.planner.explain import single_device
+
+    args, cluster = preset("llama3-8b"), Cluster(gpus=1, accelerator=accelerator("h100"))
+    training = Training(seq_len=4096, global_batch=1024, lora_rank=16, precision="bf16")
+    out = single_device(args, training, cluster)
+
+    def fits(mb):
+        return evaluate(args, training, Plan(micro_batch=mb, grad_accum=1024 // mb, activation_checkpoint="full"),
+                        cluster).fits
+
+    largest = out["max_micro_batch"]
+    assert largest > 1 and fits(largest) and not fits(2 * largest)
+    assert out["failure"] == "batch too small" and f"at most {largest} of" in out["reason"]

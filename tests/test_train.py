@@ -267,3 +267,45 @@ def test_cpu_training_reuses_freed_host_memory():
     # sits above them in the heap, which varies from run to run: only the kept run's count is asserted
     assert runs["keep"][0] == "True" and float(runs["keep"][1]) < 1000
     assert float(runs["keep"][1]) <= float(runs["default"][1])
+
+
+def test_a_fresh_run_starts_its_logs_and_a_resumed_one_drops_the_steps_it_does_again(tmp_path):
+    """A new user ran 40 steps, then a fresh 10-step run in the same folder: its metrics.jsonl held steps 10-40 of
+    the first run and step 10 of the second, and TensorBoard showed both. A start now drops its folder's lines
+    from its first step on (TensorBoard's own reader is the check for its events), in the sample log too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardwise.config import MetricsConfig
+    from shardwise.metrics import MetricsWriter, SampleLog, read_sample_log
+
+    cfg = MetricsConfig(out_dir=str(tmp_path), progress=False)
+
+    def run(first, last, loss, dp_size=1):
+        writer = MetricsWriter(cfg, last, first_step=first)
+        logs = [SampleLog(str(tmp_path), r, True, first_step=first, dp_size=dp_size) for r in range(dp_size)]
+        for step in range(first, last + 1):
+            writer.log(step, {"loss": loss + step})
+            for r, log in enumerate(logs):
+                log.log(step, [Batch(torch.zeros(1, 2), torch.zeros(1, 2), sample_ids=[100 * r + step])])
+        writer.close()
+        for log in logs:
+            log.close()
+
+    def losses():
+        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows]
+
+    def tensorboard():
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("loss")]
+
+    run(1, 6, 100.0, dp_size=2)
+    run(1, 3, 200.0)  # a fresh run, on one rank
+    assert losses() == tensorboard() == [(1, 201.0), (2, 202.0), (3, 203.0)]
+    assert read_sample_log(tmp_path) == {0: {1: [1], 2: [2], 3: [3]}, 1: {}}
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 20')  # a crash cut the line short
+    run(3, 4, 300.0)  # resumed from step 2's checkpoint
+    assert losses() == tensorboard() == [(1, 201.0), (2, 202.0), (3, 303.0), (4, 304.0)]
+    assert read_sample_log(tmp_path)[0] == {1: [1], 2: [2], 3: [3], 4: [4]}

@@ -224,6 +224,8 @@ def run_local(args: argparse.Namespace, nodes: tuple[int, int], out_dir: Path) -
         if leave is not None:
             machine, step = leave
             while machines[0].poll() is None and _last_step(metrics, logged) < step:
+                if metrics.is_file() and metrics.stat().st_size < logged:
+                    logged = 0  # the job started the log again, dropping the earlier run's steps it does over
                 time.sleep(0.1)
             if machines[0].poll() is None:
                 processes = take_away(machines[machine].pid)
@@ -245,7 +247,10 @@ def _last_step(metrics: Path, offset: int = 0) -> int:
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return 0
-    steps = [json.loads(line).get("step", 0) for line in lines if line.endswith("}")]
+    steps = []
+    for line in (x for x in lines if x.startswith("{") and x.endswith("}")):
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written
+            steps.append(json.loads(line).get("step", 0))
     return max(steps, default=0)
 
 

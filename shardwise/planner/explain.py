@@ -47,20 +47,23 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
                          f"({n / 1e9:.2f}B parameters)")
         return out
     fixed = {"offload": "none"}
-    best = search(args, training, one, fixed=fixed, top_k=1).ranked
+    result = search(args, training, one, fixed=fixed, top_k=1)
+    best = result.ranked
     if not best:
         out["failure"] = "model too big"
         out["reason"] = (f"model state fits ({states / GiB:.1f} GiB) but not even one {training.seq_len}-token "
                          "sequence's activations do, with full recompute")
         return out
     ev = best[0]
-    out.update(fits=True, max_micro_batch=ev.plan.micro_batch, step_time_s=ev.time.step_time_s,
+    # the largest micro-batch any fitting plan ran (the fastest may run a smaller one: recompute costs time)
+    largest = max(value for knob, value in result.best_by_knob if knob == "micro_batch")
+    out.update(fits=True, max_micro_batch=largest, step_time_s=ev.time.step_time_s,
                tokens_per_s=ev.time.tokens_per_s)
-    if ev.plan.micro_batch < training.global_batch:
+    if largest < training.global_batch:
         out["failure"] = "batch too small" if cluster.gpus == 1 else "wall-clock too long"
-        out["reason"] = (f"one device runs at most {ev.plan.micro_batch} sequence(s) per pass; the global batch of "
-                         f"{training.global_batch} takes {ev.plan.grad_accum} accumulation steps, "
-                         f"{ev.time.step_time_s:.2f} s per step")
+        out["reason"] = (f"one device holds at most {largest} of the global batch's {training.global_batch} "
+                         f"sequences per pass, so it accumulates: the fastest plan runs {ev.plan.micro_batch} per "
+                         f"pass, {ev.plan.grad_accum} passes a step, {ev.time.step_time_s:.2f} s per step")
     else:
         out["failure"] = "wall-clock too long" if cluster.gpus > 1 else "none"
         out["reason"] = f"the whole batch fits on one device: {ev.time.step_time_s:.2f} s per step"
