@@ -547,7 +547,8 @@ def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
     into full training (a LoRA run starts from a base through checkpoint.init_from_hf, not through resume)."""
     if saved == mine:
         return
-    fix = ("set [lora] as the checkpoint was saved" if saved is not None else
+    fix = (f"set lora.rank = {saved['rank']}, lora.alpha = {saved['rank'] * saved['scale']:g} and lora.targets = "
+           f"{json.dumps(saved['targets'])}, as the checkpoint was saved" if saved is not None else
            "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
            "checkpoint.init_from_hf in a new run folder")
     raise CheckpointError(path, f"it holds {_lora_text(saved)}, this run trains {_lora_text(mine)}", fix)
@@ -646,11 +647,13 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     metadata = _read_metadata(path)
     targets, model_live, optim_live = _targets(state, metadata, int(meta.get("world_size", 1)))
     missing = [k for k in _plain_keys(state, optim_live) if k not in train_state.get("optimizer_param_groups", {})]
-    error = (_check_targets(path, metadata, targets) or _check_loader(train_state, state)
+    loader = _check_loader(train_state, state)  # the config's to fix, not the checkpoint's
+    error = (_check_targets(path, metadata, targets) or (loader and loader[0])
              or (f"{TRAIN_STATE} lacks {missing[0]}" if missing else None) or _check_files(path, meta))
     error = _agree(error)
     if error:
-        raise CheckpointError(path, error, MOVE_ASIDE + " (or fix the config to match it)")
+        raise CheckpointError(path, error, loader[1] if loader and error == loader[0] else
+                              MOVE_ASIDE + " (or fix the config to match it)")
 
     with _quiet_single_process():
         dcp.load(targets, storage_reader=_SafeReader(str(path)), no_dist=not dist.is_initialized())
@@ -738,7 +741,8 @@ def _hp_text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def _check_loader(train_state: dict, state: TrainState) -> str | None:
+def _check_loader(train_state: dict, state: TrainState) -> tuple[str, str] | None:
+    """(what differs, its fix) where this run's data loader cannot continue the saved one's order."""
     saved = train_state.get("data_loader")
     if state.loader is None or saved is None:
         return None
@@ -750,7 +754,7 @@ def _check_loader(train_state: dict, state: TrainState) -> str | None:
                             "samples there are)"}
     for key, fix in fixes.items():
         if saved.get(key) != mine.get(key):
-            return f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)}: {fix}"
+            return f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)}", fix
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -247,9 +248,11 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
         elif missing := [k for k in CUSTOM_SHAPE if k not in model_raw]:
             # a name of one's own describes a custom shape; without it a mistyped preset would train ModelArgs'
             # defaults under that name
+            near = difflib.get_close_matches(name, PRESETS, n=1)
             raise ConfigError("model.name", f"{name!r} is not a preset, and a custom model needs "
                               f"{', '.join('model.' + k for k in missing)}",
-                              f"use one of {', '.join(PRESETS)}, or give the shape")
+                              (f"did you mean {near[0]!r}? " if near else "")
+                              + f"use one of {', '.join(PRESETS)}, or give the shape")
     return _build(JobConfig, raw, "")
 
 
@@ -327,9 +330,10 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if f"{prefix}{key}" in MOVED:
             raise ConfigError(f"{prefix}{key}", "moved", f"write it as {MOVED[f'{prefix}{key}']}")
         if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
             raise ConfigError(
-                f"{prefix}{key}", "unknown key", f"remove it or use one of: {', '.join(sorted(names))}"
-            )
+                f"{prefix}{key}", "unknown key", (f"did you mean {prefix}{near[0]}? " if near else "")
+                + f"remove it or use one of: {', '.join(sorted(names))}")
     kwargs = {key: _coerce(hints[key], value, f"{prefix}{key}") for key, value in raw.items()}
     return cls(**kwargs)
 
@@ -371,7 +375,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return value
     else:
         return value
-    raise ConfigError(name, f"expected {tp.__name__}, got {value!r}", f"give {name} a {tp.__name__} value")
+    article = "an" if tp.__name__[0] in "aeiou" else "a"
+    raise ConfigError(name, f"expected {tp.__name__}, got {value!r}", f"give {name} {article} {tp.__name__} value")
 
 
 @functools.cache

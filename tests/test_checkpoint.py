@@ -422,6 +422,24 @@ def test_other_model_shape_is_refused(saved_run, tmp_path):
     _assert_refused(path, ["model.dim=32", "model.ffn_hidden=96"], "different model", "dim 64 vs 32")
 
 
+def test_a_changed_global_batch_names_the_batch_to_set_not_the_folder_to_move(saved_run, tmp_path):
+    """The run's data order follows its global batch: resuming with another is the config's to fix, and moving
+    the step's folder aside (the fix for damage, which the message gave) finds an older one with the same batch."""
+    _, path = _copy(saved_run, tmp_path)
+    _assert_refused(path, ["train.micro_batch=4"], "global_batch=8, this run has 4",
+                    "fix: set train.global_batch = 8")
+    with pytest.raises(CheckpointError) as err:
+        load(path, _fresh_state(["train.micro_batch=4"])[1], _cfg().model)
+    assert "move this step's folder" not in str(err.value)
+
+
+def test_an_adapter_checkpoint_names_the_lora_settings_it_was_saved_with(tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        checkpoint._check_lora(tmp_path, {"rank": 16, "scale": 2.0, "targets": ["wq", "wv"]},
+                               {"rank": 16, "scale": 1.0, "targets": ["wq", "wv"]})
+    assert 'set lora.rank = 16, lora.alpha = 32 and lora.targets = ["wq", "wv"]' in str(err.value)
+
+
 def test_metadata_pickle_cannot_run_code(saved_run, tmp_path):
     import os
     import pickle

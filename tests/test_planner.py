@@ -1669,6 +1669,16 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert cfg.lora.rank == (16 if extra[:1] == ["--lora-rank"] else 0)
     assert cfg.lora.qlora == ("--qlora" in extra)
     assert cfg.optim.name == (extra[1] if extra[:1] == ["--optimizer"] else "adamw")
+    # planned again from the written config (a new user's round trip): the same job, so the same plan; its
+    # sequence length and adapters came from [model] alone before (full fine-tuning at the default length)
+    optimizer = extra if extra[:1] == ["--optimizer"] else []  # not in [model], [data] nor [lora]
+    again = ["--model", str(path), "--gpus", "1", "--gpu", "h100", "--json", *optimizer]
+    assert run_plan(_ns(*again)) == 0
+    out = capsys.readouterr()
+    keys = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "activation_checkpoint", "offload")
+    assert {k: json.loads(out.out)["plans"][0][k] for k in keys} == {k: best[k] for k in keys}
+    assert f"--model {path}: its [model], data.seq_len 4096" in out.err
+    assert ("lora.rank 16" in out.err) == (extra[:1] == ["--lora-rank"])
 
 
 def test_qlora_is_priced_under_every_precision_the_planner_takes(capsys):

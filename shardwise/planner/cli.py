@@ -80,6 +80,7 @@ def build_inputs(ns: argparse.Namespace):
         if value is not None and value < 1:
             raise PlannerError(flag, f"{value} < 1", "pass a positive number, or leave it out for the default")
     model = resolve_model(ns.model)
+    ns = _job_defaults(ns)
     seq = ns.seq_len or min(4096, model.max_seq_len)
     if seq > model.max_seq_len:
         raise PlannerError("--seq-len", f"{seq} exceeds the model's max_seq_len {model.max_seq_len}",
@@ -121,6 +122,31 @@ def build_inputs(ns: argparse.Namespace):
                                f"use one of {', '.join(sorted(set(acc.peak_flops) - {'fp8'}))}")
     cluster = Cluster(acc, gpus=ns.gpus, gpus_per_node=min(ns.gpus_per_node, ns.gpus))
     return model, training, cluster
+
+
+def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
+    """With a shardwise TOML config as --model, its job's sequence length, global batch and adapters for the
+    flags not given (a config --write-config wrote plans again as the job it holds), said on stderr."""
+    path = Path(ns.model)
+    if path.suffix != ".toml" or not path.is_file():
+        return ns
+    from shardwise.config import load_config
+
+    job, ns, taken = load_config(path), argparse.Namespace(**vars(ns)), []
+    if ns.seq_len is None:
+        ns.seq_len = job.data.seq_len
+        taken.append(f"data.seq_len {job.data.seq_len} (--seq-len)")
+    if ns.global_batch is None and ns.global_batch_tokens is None and job.train.global_batch:
+        ns.global_batch = job.train.global_batch
+        taken.append(f"train.global_batch {job.train.global_batch} (--global-batch)")
+    if not ns.lora_rank and job.lora.rank:
+        ns.lora_rank, ns.qlora = job.lora.rank, ns.qlora or job.lora.qlora
+        taken.append(f"lora.rank {job.lora.rank}{' with lora.qlora' if job.lora.qlora else ''} (--lora-rank"
+                     f"{', --qlora' if job.lora.qlora else ''})")
+    print(f"shardwise plan: --model {path}: its [model]" + "".join(f", {t}" for t in taken)
+          + "; a flag given overrides each, and the rest (cluster, precision, optimizer) are the flags'",
+          file=sys.stderr)
+    return ns
 
 
 def system_of(ns: argparse.Namespace) -> System:
@@ -217,6 +243,8 @@ def _run(ns: argparse.Namespace) -> int:
         from shardwise.planner.config_out import write_config
 
         write_config(ns.write_config, model, training, plans[0].plan)
+        print(f"shardwise plan: wrote plan 1's config ({plans[0].plan.world} ranks) to {ns.write_config}",
+              file=sys.stderr)
     if ns.plot:
         from shardwise.planner.plot import plot
 

@@ -62,7 +62,9 @@ def _engine_runs(training: Training) -> None:
 
 def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan) -> None:
     """Write the plan's config and check that `shardwise train` accepts it (validation, not a run)."""
-    lines = [f"# written by `shardwise plan`: {plan.world} ranks"]
+    lines = [f"# written by `shardwise plan`: {plan.world} ranks",
+             "# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
+             "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
     for table, values in plan_tables(args, training, plan).items():
         lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     path = Path(path)
