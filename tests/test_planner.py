@@ -1790,3 +1790,17 @@ def test_one_device_diagnosis_names_the_largest_micro_batch_that_fits():
     largest = out["max_micro_batch"]
     assert largest > 1 and fits(largest) and not fits(2 * largest)
     assert out["failure"] == "batch too small" and f"at most {largest} of" in out["reason"]
+
+
+def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_it_priced(capsys):
+    """Under --system torchtitan the bf16 column showed shardwise's knob ('autocast') beside a system line naming
+    FSDP2's policy, and LoRA/QLoRA were priced as shardwise runs them without a word."""
+    argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu", "h100", "--lora-rank", "16", "--qlora"]
+    assert run_plan(_ns(*argv, "--system", "torchtitan")) == 0
+    head, table = capsys.readouterr().out.split("\n", 2)[1:3]
+    assert "the adapters as shardwise runs them, whatever torchtitan has" in head and "NF4" in head
+    rows = [line.split() for line in table.splitlines()[:3]]
+    column = rows[0].index("bf16") - 1  # the header's "dp(rep x shard)" is three words, a row's "1 (1x1)" two
+    assert rows[1][column] == rows[2][column] == "-"
+    assert run_plan(_ns(*argv)) == 0
+    assert "whatever" not in capsys.readouterr().out.split("\n", 2)[1]

@@ -275,7 +275,8 @@ def _json(model, training: Training, cluster: Cluster, plans: list[Evaluation], 
 
 COLUMNS = ("#", "dp(rep x shard)", "tp", "pp", "cp", "zero", "mb", "accum", "recompute", "schedule", "sp",
            "offload", "bf16", "mem GiB", "step s", "tok/s", "MFU", "bubble", "exp.comm s")
-"""bf16: how bf16 runs where FSDP shards (parallel.mixed_precision: autocast or FSDP2's 'fsdp' policy)."""
+"""bf16: how bf16 runs where FSDP shards (parallel.mixed_precision: autocast or FSDP2's 'fsdp' policy), a knob of
+shardwise's engine: '-' for another system, whose own policy the system line states."""
 MOE_COLUMNS = COLUMNS[:5] + ("ep",) + COLUMNS[5:]
 """A mixture of experts' table also shows the expert-parallel degree."""
 
@@ -289,6 +290,15 @@ def _row(i: int, ev: Evaluation, moe: bool = False, bf16: bool = True) -> list[s
             str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",
             p.offload, p.mixed_precision if bf16 else "-", mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
             f"{100 * t.mfu:.1f}%", f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
+
+
+def _adapter_note(training: Training) -> str:
+    """Adapters are priced as shardwise's engine runs them, whichever system the rest describes."""
+    if not training.lora_rank or training.system.split(" (")[0] == "shardwise":
+        return ""
+    return (f"; the adapters as shardwise runs them, whatever {training.system.split(' (')[0]} has: LoRA rank "
+            f"{training.lora_rank} on every projection of every block" + (", the base in torchao's NF4"
+                                                                          if training.qlora else ""))
 
 
 def system_summary(training: Training) -> str:
@@ -316,7 +326,7 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
             f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "
             f"{training.global_batch} seqs ({training.global_batch * training.seq_len:,} tokens), "
             f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s\n"
-            f"system: {training.system} - {system_summary(training)}")
+            f"system: {training.system} - {system_summary(training)}" + _adapter_note(training))
     if not plans:
         if not layouts:
             return head + (f"\nNo layout divides {cluster.gpus} GPUs and the global batch of {training.global_batch} "
@@ -324,7 +334,8 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
                            "the layers): use a GPU count or --global-batch that share divisors, or relax --plan.")
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
     columns = MOE_COLUMNS if moe else COLUMNS
-    bf16 = training.precision == "bf16"
+    # a knob of shardwise's engine (layout torch); another system's own policy is its summary's
+    bf16 = training.precision == "bf16" and training.layout == "torch"
     rows = [list(columns)] + [_row(i + 1, ev, moe, bf16) for i, ev in enumerate(plans)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
