@@ -241,6 +241,26 @@ def build_tokenizer(cfg: DataConfig, cache_root: Path) -> Tokenizer:
     return HFTokenizer(path, "file")
 
 
+def tokenizer_json(cfg: DataConfig, cache_root: Path) -> str:
+    """The run's tokenizer as a Hugging Face tokenizer.json, the same ids for every text: the file itself for
+    'bpe' and a path, and for 'byte' a byte-level BPE without merges whose token for byte b has id b, with
+    "<|endoftext|>" as 256 (an exported model folder then carries its tokenizer, as `generate --hf` and
+    transformers' AutoTokenizer expect)."""
+    if cfg.tokenizer != "byte":
+        path = _trained_bpe(cfg, Path(cache_root)) if cfg.tokenizer == "bpe" else Path(cfg.tokenizer).expanduser()
+        return path.read_text()
+    # GPT-2's printable stand-in for each byte (its bytes_to_unicode), which the ByteLevel pre-tokenizer emits
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_NAMES[0]])
+    return tok.to_str()
+
+
 def _trained_bpe(cfg: DataConfig, cache_root: Path) -> Path:
     """Path of the tokenizer.json for this corpus and vocab size, training it only on a cache miss."""
     files = corpus_files(cfg)

@@ -528,7 +528,13 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
             base = cfg.checkpoint.init_from_hf
             export_peft(parts, cfg.lora, out, runtime, base_model=str(Path(base).resolve()) if base else None)
         else:
-            export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged")
+            # a model folder carries its tokenizer and end-of-text id (generate --hf, transformers)
+            root = data.resolve_cache_root(cfg.data)
+            tokenizer = data.tokenizer_json(cfg.data, root)
+            eos = data.build_tokenizer(cfg.data, root).eos_id
+            export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", eos_id=eos)
+            if runtime.is_main:
+                (Path(out) / "tokenizer.json").write_text(tokenizer)
     finally:
         runtime.close()
     return path

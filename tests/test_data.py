@@ -381,6 +381,18 @@ def test_val_batches(dataset, tmp_path):
         data.val_batches(ds, micro_batch=1, n=1)
 
 
+def test_the_byte_tokenizer_as_a_tokenizer_json_gives_the_same_ids(tmp_path):
+    """What `shardwise export` writes for a byte-tokenizer run: the `tokenizers` library reading it gives the
+    byte values as ids, 256 as end-of-text, and the text back, for any text."""
+    text = "héllo wörld\n\t日本語 \u2713 <|endoftext|> \x00\x7f\r end"
+    path = tmp_path / "tokenizer.json"
+    path.write_text(data.tokenizer_json(make_cfg(tmp_path, tmp_path / "cache"), tmp_path / "cache"))
+    theirs, ours = data.HFTokenizer(path, "file"), data.ByteTokenizer()
+    assert list(theirs.encode(text)) == ours.encode(text).tolist() == list(text.encode("utf-8"))
+    assert theirs.eos_id == ours.eos_id == 256 and theirs.vocab_size == ours.vocab_size
+    assert theirs.decode(ours.encode(text)) == text
+
+
 def test_every_layout_of_one_global_batch_validates_on_the_same_samples(tmp_path):
     """train.val_batches counts global batches (as Megatron's --eval-iters): one process, two data-parallel
     ranks and accumulation, with the same global batch of 16, evaluate the same 64 samples. It counted

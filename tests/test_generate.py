@@ -258,4 +258,13 @@ def test_generate_from_a_tensor_parallel_run(tmp_path, capsys):
     ids = [tok.eos_id, *tok.encode(prompt).tolist()]
     new = generate_ids(reference.eval(), ids, 30, Sampling(temperature=0), [tok.eos_id], use_cache=False)
     assert written == tok.decode(ids[1:] + new) + "\n"
+
+    # exported, the folder carries the run's tokenizer and end-of-text framing: generate --hf writes the same
+    # (it could not: the folder had no tokenizer.json, and a byte-tokenizer run had none to copy)
+    folder = tmp_path / "exported"
+    assert main(["export", "--config", CONFIG, *[f"--set={s}" for s in sets], "--out", str(folder)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--hf", str(folder), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "30"]) == 0
+    assert capsys.readouterr().out == written
     assert written.startswith(prompt) and len(written) > len(prompt) + 1
