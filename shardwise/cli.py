@@ -84,7 +84,13 @@ def _run_train(args: argparse.Namespace) -> int:
     line = f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if "val_loss" in summary:
         line += f", val_loss {summary['val_loss']:.4f}"
-    print(f"{line}; metrics in {cfg.metrics.out_dir}/metrics.jsonl")
+    line += f"; metrics in {cfg.metrics.out_dir}/metrics.jsonl"
+    if cfg.checkpoint.enabled:
+        from shardwise.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(cfg.metrics.out_dir)
+        line += f"; checkpoint {newest}" if newest is not None else ""
+    print(line)
     return args.stopped_exit_code if "stopped_at" in summary else 0
 
 

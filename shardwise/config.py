@@ -735,7 +735,9 @@ def tp_error(model: ModelArgs, layout: Layout, seq_len: int) -> ConfigError | No
         if getattr(model, key) % tp:
             return ConfigError(
                 "parallel.tp", f"tp={tp} does not divide model.{key}={getattr(model, key)} ({what})",
-                "pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size",
+                "pick tp among the common divisors of n_heads, n_kv_heads, ffn_hidden and vocab_size: "
+                + ", ".join(str(d) for d in range(1, model.n_kv_heads + 1) if not any(
+                    getattr(model, k) % d for k in ("n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"))),
             )
     local_seq = seq_len // layout.cp
     if layout.sequence_parallel and local_seq % tp:
