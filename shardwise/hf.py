@@ -217,7 +217,7 @@ def _hf_tensors(parts, merge_lora: bool) -> dict[str, torch.Tensor]:
 
 
 def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *, merge_lora: bool = True,
-              eos_id: int | None = None) -> None:
+              token_ids: dict[str, int] | None = None) -> None:
     """Write the model as a Hugging Face Llama or Mixtral folder (collective: every rank calls it).
 
     Sharded parameters are gathered (DTensor.full_tensor); one rank per pipeline stage writes that stage's
@@ -230,10 +230,7 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
 
     folder = Path(folder)
     config = hf_config(args)  # before any file is written: it refuses mixtures Mixtral cannot express
-    if eos_id is not None:
-        # training packs documents between end-of-text tokens, so a text starts after one and ends with one:
-        # the run's own framing (shardwise generate --run) for whoever reads the folder (transformers' generate)
-        config["bos_token_id"] = config["eos_token_id"] = eos_id
+    config.update(token_ids or {})  # bos_token_id and eos_token_id, where the caller knows them
     pp_rank, pp_size = (runtime.pp_rank, runtime.pp_size) if runtime is not None else (0, 1)
     writes = runtime.writes_stage_files if runtime is not None else True
     main = runtime.is_main if runtime is not None else True

@@ -531,8 +531,15 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
             # a model folder carries its tokenizer and end-of-text id (generate --hf, transformers)
             root = data.resolve_cache_root(cfg.data)
             tokenizer = data.tokenizer_json(cfg.data, root)
-            eos = data.build_tokenizer(cfg.data, root).eos_id
-            export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", eos_id=eos)
+            base = Path(cfg.checkpoint.init_from_hf) / "config.json" if cfg.checkpoint.init_from_hf else None
+            if base is not None and base.is_file():  # fine-tuned: the base model's own framing
+                ids = {k: v for k, v in json.loads(base.read_text()).items() if k in ("bos_token_id", "eos_token_id")}
+            else:
+                # trained here: documents are packed between end-of-text tokens, so a text starts after one and
+                # ends with one, the framing `shardwise generate --run` uses
+                eos = data.build_tokenizer(cfg.data, root).eos_id
+                ids = {"bos_token_id": eos, "eos_token_id": eos}
+            export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", token_ids=ids)
             if runtime.is_main:
                 (Path(out) / "tokenizer.json").write_text(tokenizer)
     finally:

@@ -87,7 +87,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpoint, overrides, words", [
-    ("lora", ["lora.rank=0"], ["LoRA rank 4", "no LoRA", "[lora]"]),
+    ("lora", ["lora.rank=0"], ["LoRA rank 4", "no LoRA", "set lora.rank = 4, lora.alpha = 8 and lora.targets"]),
     ("lora", ["lora.rank=8", "lora.alpha=16"], ["LoRA rank 4", "LoRA rank 8"]),
     ("lora", [*LORA, "lora.targets=['wq','wv']"], ["targets wq,wv"]),
     ("lora", [*LORA, "lora.alpha=16"], ["alpha/rank 2", "alpha/rank 4"]),
@@ -184,6 +184,13 @@ def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tm
         torch.testing.assert_close(_hf_model(tmp_path / "base")(tokens).logits, base_logits, rtol=1e-5, atol=1e-5)
         peft_model = PeftModel.from_pretrained(_hf_model(folder), tmp_path / "peft").eval()
         torch.testing.assert_close(peft_model(tokens).logits, adapted, rtol=1e-5, atol=1e-5)
+    # a model folder carries the run's tokenizer, and a fine-tuned one its base's start and end ids
+    ids = ("bos_token_id", "eos_token_id")
+    base_config = json.loads((folder / "config.json").read_text())
+    for fmt in ("merged", "base"):
+        exported = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert {k: exported[k] for k in ids} == {k: base_config[k] for k in ids}
+        assert (tmp_path / fmt / "tokenizer.json").is_file()
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(Path(folder).resolve())
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
