@@ -164,7 +164,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     loaded = load_run(args.run_dir) if args.run_dir else load_hf(args.hf_dir)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    print(complete(loaded, args.prompt, args.max_new_tokens, sampling))
+    text, stopped = complete(loaded, args.prompt, args.max_new_tokens, sampling)
+    print(text)
+    if stopped is not None:  # a short (or empty) answer is the model's, not a failure
+        print(f"(the model wrote end-of-text after {stopped} token(s))", file=sys.stderr)
     return 0
 
 

@@ -213,8 +213,9 @@ def _hf_stop_ids(folder: Path, config: dict, tokenizer_eos: int) -> list[int]:
     return list(eos) if isinstance(eos, list) else [eos]
 
 
-def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Sampling) -> str:
-    """The prompt and what the model writes after it, as text (a stop token ends it and is not shown)."""
+def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Sampling) -> tuple[str, int | None]:
+    """The prompt and what the model writes after it, as text (a stop token ends it and is not shown), and how
+    many tokens it wrote before a stop token (None: it wrote max_new_tokens without one)."""
     body = list(loaded.tokenizer.encode(prompt))
     ids = loaded.prefix + [int(i) for i in body]
     room = loaded.model.args.max_seq_len
@@ -228,6 +229,8 @@ def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Samplin
                           f"the model's {room} positions (max_seq_len)",
                           f"ask for at most {max(room - len(ids), 0)} new tokens, or give a shorter prompt")
     new = generate_ids(loaded.model, ids, max_new_tokens, sampling, loaded.stop_ids, precision=loaded.precision)
+    stopped = None
     if new and new[-1] in loaded.stop_ids:
         new = new[:-1]
-    return loaded.tokenizer.decode(body + new)
+        stopped = len(new)
+    return loaded.tokenizer.decode(body + new), stopped

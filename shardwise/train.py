@@ -340,7 +340,9 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     tokens_per_step = global_batch * cfg.data.seq_len
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params"
-        + (f" ({num_params(cfg.model, active=True) / 1e6:.2f}M active)" if cfg.model.n_experts else "") + " | "
+        + (f" ({num_params(cfg.model, active=True) / 1e6:.2f}M active)" if cfg.model.n_experts else "")
+        + (f", {adapter_params(cfg.model, cfg.lora.rank, cfg.lora.targets) / 1e6:.2f}M trainable (LoRA rank "
+           f"{cfg.lora.rank}{' on an NF4 base' if cfg.lora.qlora else ''})" if cfg.lora.rank else "") + " | "
         f"{dataset.num_samples('train')} train / {dataset.num_samples('val')} val samples of "
         f"{cfg.data.seq_len} tokens | "
         f"{tokens_per_step} tokens/step on {runtime.describe()}"

@@ -101,6 +101,22 @@ def test_stop_token_ends_generation(model):
 # Sampling
 
 
+def test_complete_says_after_how_many_tokens_the_model_stopped(model):
+    """A new user's sampled run printed only its prompt: the model had written end-of-text at once, and nothing
+    said so. `complete` returns where a stop token ended the text (the CLI says it on stderr), None without one."""
+    from shardwise.data import ByteTokenizer
+    from shardwise.generate import Loaded, complete
+
+    tok = ByteTokenizer()
+    prompt = "def f(x):"
+    ids = [tok.eos_id, *tok.encode(prompt).tolist()]
+    first = generate_ids(model, ids, 12, Sampling(temperature=0))
+    stop = first[5]
+    text, stopped = complete(Loaded(model, tok, [tok.eos_id], [stop]), prompt, 12, Sampling(temperature=0))
+    assert stopped == first.index(stop) and text == tok.decode([*ids[1:], *first[:stopped]])
+    assert complete(Loaded(model, tok, [tok.eos_id], []), prompt, 12, Sampling(temperature=0))[1] is None
+
+
 def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
     prompt = _prompt(6, model.args.vocab_size, seed=2)
     runs = {seed: generate_ids(model, prompt, 20, Sampling(temperature=1.0, seed=seed)) for seed in (1, 2)}
