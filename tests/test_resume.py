@@ -191,7 +191,9 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path, fsdp2
     assert all((a[k] == b[k]).all() for k in a)
     logs = [(killed / "samples" / f).read_text() for f in ("dp0.jsonl", "dp1.jsonl")]
     rows = [json.loads(line) for log in logs for line in log.splitlines()]
-    # the restart did the steps after its checkpoint again, and its start dropped their lost attempt's lines
+    # the restart did the steps after its checkpoint again (each printed by both attempts: the kill lost work that
+    # was redone), and its start dropped the lost attempt's lines of them from the sample log
+    assert len(re.findall(r"step \d+: loss", out)) > 8
     assert len(rows) == 16 and len({row["attempt"] for row in rows}) == 2
     assert read_sample_log(killed) == read_sample_log(whole)
     ids = [i for rank in read_sample_log(killed).values() for step in rank.values() for i in step]
