@@ -573,7 +573,7 @@ def test_bad_bench_flags_are_one_line_before_anything_is_measured(tmp_path, caps
     argv = ["bench", "--world", "1", "--out", str(tmp_path / "p.json"), *(f.format(tmp=tmp_path) for f in flags)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"shardwise bench: {flag}: ") and "\n" not in err, err
+    assert err.startswith(f"shardwise: error: {flag}: ") and "\n" not in err, err
 
 
 @pytest.mark.multiprocess
@@ -694,7 +694,7 @@ def test_bad_plan_flags_are_one_line_naming_the_flag(tmp_path, capsys, flags, fl
     argv.update(zip(flags[::2], flags[1::2]))
     assert run_plan(_ns(*(a.format(tmp=tmp_path) for kv in argv.items() for a in kv))) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"shardwise plan: {flag}") and "fix:" in err and "\n" not in err
+    assert err.startswith(f"shardwise: error: {flag}") and "fix:" in err and "\n" not in err
     assert not (tmp_path / "plan.toml").exists()
 
 

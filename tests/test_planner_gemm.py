@@ -93,7 +93,7 @@ def test_bad_matmul_grid_is_refused_before_measuring(grid, tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert run_bench(parser.parse_args(["--out", str(out), "--device", "cpu", "--matmul-grid", grid])) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("shardwise bench: --matmul-grid") and len(err.splitlines()) == 1
+    assert err.startswith("shardwise: error: --matmul-grid") and len(err.splitlines()) == 1
     assert not out.exists()
 
 

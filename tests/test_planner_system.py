@@ -826,7 +826,7 @@ def test_torchtitan_405b_pipelines_within_10_percent():
 def test_what_the_planner_cannot_price_or_the_engine_run_names_the_flag(argv, flag, capsys):
     assert run_plan(_ns(*argv)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"shardwise plan: {flag}:") and len(err.splitlines()) == 1 and "train." not in err
+    assert err.startswith(f"shardwise: error: {flag}:") and len(err.splitlines()) == 1 and "train." not in err
 
 
 def test_write_config_refuses_a_plan_that_does_not_fit(tmp_path, capsys):

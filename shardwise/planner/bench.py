@@ -73,7 +73,7 @@ def run_bench(ns: argparse.Namespace) -> int:
     try:
         profile = measure(ns)
     except PlannerError as e:
-        print(f"shardwise bench: {e}", file=sys.stderr)
+        print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
     Path(ns.out).write_text(json.dumps(profile, indent=2))
     m = profile["measurements"]

@@ -202,7 +202,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     try:
         return _run(ns)
     except (PlannerError, ConfigError) as e:  # both name the flag or field and the fix
-        print(f"shardwise plan: {e}", file=sys.stderr)
+        print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
 
 
