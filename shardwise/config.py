@@ -666,6 +666,8 @@ def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
         field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
         raise ConfigError(field, "an elastic job restarts from its newest checkpoint when a machine leaves or joins",
                           f"set {field} = true")
+    if low < high and not cfg.train.global_batch:
+        _elastic_batch(cfg, nproc, nodes)
     for n in range(low, high + 1):
         world = n * nproc
         fitted = copy.deepcopy(cfg) if n < high else cfg
@@ -676,6 +678,26 @@ def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
             if low == high:
                 raise
             raise ConfigError(e.field, f"on {n} machines ({world} ranks): {e.problem}", e.fix) from None
+
+
+def _elastic_batch(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
+    """An elastic job that fills data parallelism from its world and sets no global batch would train a different
+    batch on each world, and a restart cannot resume a data loader saved under another batch: refuse it, naming a
+    global batch that splits on every world in the range (the largest world's batch, rounded up to one)."""
+    t = cfg.train
+    dps = set()
+    for n in range(nodes[0], nodes[1] + 1):
+        fitted = copy.deepcopy(cfg)
+        fit_world(fitted, n * nproc)
+        dps.add(fitted.parallel.dp)
+    if len(dps) == 1:
+        return
+    step = t.micro_batch * math.lcm(*dps)
+    batch = -(-t.micro_batch * t.grad_accum * max(dps) // step) * step
+    raise ConfigError("train.global_batch", f"an elastic job's data-parallel degree follows its machines "
+                      f"({', '.join(map(str, sorted(dps)))} ranks), and without a global batch its batch would change "
+                      "with them, which a restart cannot resume",
+                      f"set train.global_batch = {batch} (it splits on every world in the range)")
 
 
 def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:

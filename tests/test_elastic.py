@@ -56,6 +56,21 @@ def test_a_world_the_global_batch_does_not_split_over_is_named():
     assert e.value.field == "train.global_batch" and "on 3 machines (3 ranks)" in e.value.problem
 
 
+@pytest.mark.parametrize("nodes, nproc, overrides", [
+    ((1, 2), 1, []), ((2, 4), 8, []), ((1, 3), 2, ["parallel.tp=2"]), ((3, 5), 1, ["train.grad_accum=3"])])
+def test_an_elastic_job_without_a_global_batch_is_told_one_that_splits_on_every_world(nodes, nproc, overrides):
+    cfg = load_config(CONFIG, ["checkpoint.enabled=true", *overrides])
+    with pytest.raises(ConfigError) as e:
+        fit_nodes(cfg, nproc, nodes)
+    assert e.value.field == "train.global_batch"
+    batch = int(e.value.fix.split("= ")[1].split()[0])
+    top = load_config(CONFIG, ["checkpoint.enabled=true", *overrides])
+    fit_world(top, nodes[1] * nproc)  # at least the batch the largest world would have trained
+    assert batch >= top.train.micro_batch * top.train.grad_accum * top.parallel.dp
+    layout = [o for o in overrides if not o.startswith("train.grad_accum")]  # the global batch decides it
+    fit_nodes(load_config(CONFIG, ["checkpoint.enabled=true", f"train.global_batch={batch}", *layout]), nproc, nodes)
+
+
 def _refused(args: list[str], capsys) -> str:
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -79,6 +94,10 @@ def _refused(args: list[str], capsys) -> str:
     (["train", "--save-final", "."], "--save-final"),
     (["launch", "local", "--nnodes", "1:3", "--set", "train.global_batch=16", "--set", "checkpoint.enabled=true"],
      "train.global_batch"),
+    # no global batch: the batch would follow the machines, and a restart on another world could not resume
+    (["launch", "local", "--nnodes", "1:2", "--set", "checkpoint.enabled=true"], "train.global_batch"),
+    (["train", "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--set",
+      "checkpoint.enabled=true"], "train.global_batch"),
 ])
 def test_bad_elastic_input_is_one_line_before_any_process(args, field, capsys, tmp_path, monkeypatch):
     import shardwise.launch.local

@@ -70,7 +70,8 @@ def _valid(obj: dict, model: type[BaseModel]) -> None:
     model.from_dict(obj)  # the models' own type checks (strict strings and integers)
 
 
-@pytest.mark.parametrize("extra", [[], ["--queue", "team-a"], ["--nodes", "2:4", "--gpus-per-node", "8"]])
+@pytest.mark.parametrize("extra", [[], ["--queue", "team-a"], ["--nodes", "2:4", "--gpus-per-node", "8",
+                                                                  "--set", "train.global_batch=768"]])
 def test_a_trainjob_is_a_valid_kubeflow_trainjob(tmp_path, extra):
     [job] = _manifests(tmp_path, "--nodes", "2", "--gpus-per-node", "4", *extra)
     _valid(job, TrainerV1alpha1TrainJob)
