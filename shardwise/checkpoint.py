@@ -339,11 +339,13 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | os.PathLike, model_args: ModelArgs, *, layout: dict | None = None,
-                 keep: int = 3, async_save: bool = False):
+                 keep: int = 3, async_save: bool = False, lora_base: dict | None = None):
         if keep < 1:
             raise ValueError("keep must be >= 1 (the newest checkpoint is what a restart resumes from)")
         self.root = checkpoint_root(run_dir)
         self.model_args, self.layout, self.keep, self.async_save = model_args, layout or {}, keep, async_save
+        self.lora_base = lora_base
+        """A LoRA run's base (lora_base_identity), recorded with its adapters and checked on resume."""
         self._pending: tuple[Any, Path, Path, dict] | None = None
         # background writes run their collectives on their own gloo group, off the training group's stream
         self._async_group = dist.new_group(backend="gloo") if async_save and _world() > 1 else None
@@ -369,6 +371,8 @@ class Checkpointer:
         meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
                 "layout": self.layout, "world_size": _world(), "optimizer": optimizer_name(state.optimizer),
                 "lora": adapter_spec(state.parts), "cpu_attention_forms": _gather_by_rank(cpu_attention_forms())}
+        if meta["lora"] is not None:
+            meta["lora_base"] = self.lora_base
         if _rank() == 0:
             train_state = {
                 "step": step,
@@ -437,7 +441,7 @@ class Checkpointer:
     def resume(self, state: TrainState) -> int:
         """Load the newest complete checkpoint of the run into `state`; the step it was saved at, 0 if none."""
         path = latest_checkpoint(self.root.parent)
-        return 0 if path is None else load(path, state, self.model_args)
+        return 0 if path is None else load(path, state, self.model_args, lora_base=self.lora_base)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -533,6 +537,13 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
     if diffs:
         raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
                               "set the [model] config to the checkpoint's shape, or start a new run folder")
+    # the rest (norm epsilon, rotary base and scaling, ...) fits the same weights, and changing it on resume is a
+    # technique (a longer context's rotary base), not always a mistake: said, not refused
+    changed = [f"model.{f} {getattr(written, f)} -> {getattr(model_args, f)}" for f in ModelArgs.__dataclass_fields__
+               if f in saved and f not in ("name", "max_seq_len") and getattr(written, f) != getattr(model_args, f)]
+    if changed and _rank() == 0:
+        log.warning("resuming %s with a changed model: %s (the weights were trained with the earlier values)",
+                    path.name, ", ".join(changed))
     _check_lora(path, meta.get("lora"), adapter_spec(parts))
 
 
@@ -552,6 +563,51 @@ def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
            "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
            "checkpoint.init_from_hf in a new run folder")
     raise CheckpointError(path, f"it holds {_lora_text(saved)}, this run trains {_lora_text(mine)}", fix)
+
+
+def lora_base_identity(init_from_hf: str) -> dict | None:
+    """What a LoRA run's frozen base is, as its checkpoints record it: None for the seeded init (train.seed is
+    checked with the data loader), else the Hugging Face folder's path, a digest of its config.json, and the size
+    and a digest of both ends of each weight file. An adapter checkpoint holds no base: resumed or exported onto another, it would apply
+    its adapters to weights they were not trained with, silently."""
+    if not init_from_hf:
+        return None
+    folder = Path(init_from_hf).resolve()
+    config = folder / "config.json"
+    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    return {"init_from_hf": str(folder),
+            "config_crc32": zlib.crc32(config.read_bytes()) if config.is_file() else None,
+            "weights": {f.name: [f.stat().st_size, _ends_crc32(f)] for f in weights}}
+
+
+def _ends_crc32(file: Path, span: int = 1 << 20) -> int:
+    """CRC32 of a file's first and last MiB: for a weight file, its header and tensors at both ends. Two bases of
+    one architecture (a model and its instruction-tuned version) have the same sizes and often the same
+    config.json, not the same weights; reading whole multi-GB files at every start would be slow."""
+    with file.open("rb") as f:
+        head = f.read(span)
+        f.seek(max(0, file.stat().st_size - span))
+        return zlib.crc32(f.read(span), zlib.crc32(head))
+
+
+def _check_lora_base(path: Path, saved: dict | None, mine: dict | None) -> None:
+    """The adapters resume or export only onto the base they were trained on; a base folder moved elsewhere with
+    the same contents is the same base."""
+    if saved is None and mine is None:
+        return
+    if saved is not None and mine is not None and {k: v for k, v in saved.items() if k != "init_from_hf"} == {
+            k: v for k, v in mine.items() if k != "init_from_hf"}:
+        return
+    if saved is None:
+        raise CheckpointError(path, "its adapters were trained on the seeded base (no checkpoint.init_from_hf), this "
+                              f"run puts them on {mine['init_from_hf']}", "set checkpoint.init_from_hf = ''")
+    where = f"the base in {saved['init_from_hf']}"
+    if mine is None:
+        raise CheckpointError(path, f"its adapters were trained on {where}, this run has no checkpoint.init_from_hf",
+                              f"set checkpoint.init_from_hf = '{saved['init_from_hf']}'")
+    raise CheckpointError(path, f"its adapters were trained on {where}, and {mine['init_from_hf']} holds other "
+                          "weights (config.json or weight files differ)",
+                          f"set checkpoint.init_from_hf to that base ('{saved['init_from_hf']}')")
 
 
 def _check_files(path: Path, meta: dict) -> str | None:
@@ -630,8 +686,10 @@ def _restore_type(current: Any, saved: Any) -> Any:
     return tuple(saved) if isinstance(current, tuple) and isinstance(saved, list) else saved
 
 
-def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> int:
+def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora_base: dict | None = None) -> int:
     """Restore `state` (freshly built, any layout) from a checkpoint folder; returns its step (collective).
+    `lora_base`: where a LoRA run's frozen base comes from (lora_base_identity), which the adapters must have
+    been trained on.
 
     Everything is checked first; a damaged or mismatched checkpoint raises CheckpointError on every rank and
     leaves the model, optimizer and loader as they were.
@@ -641,6 +699,10 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs) -> i
     _check_shape(path, META, meta, _META_SHAPE)
     _check_shape(path, TRAIN_STATE, train_state, _TRAIN_STATE_SHAPE)
     _check_meta(path, meta, model_args, state.parts)
+    if meta.get("lora") is not None and "lora_base" in meta:  # recorded since 2026-11-28
+        if not isinstance(meta["lora_base"], (dict, type(None))):
+            raise CheckpointError(path, f"{META}'s 'lora_base' is {meta['lora_base']!r} (damaged or edited)", MOVE_ASIDE)
+        _check_lora_base(path, meta["lora_base"], lora_base)
     if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
         raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
                               f"{optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import data
-from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, set_aside
+from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, lora_base_identity, set_aside
 from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
@@ -464,7 +464,8 @@ class Checkpoints:
         if not cfg.checkpoint.enabled:
             return cls(cfg, state, device, None, None)
         checkpointer = Checkpointer(cfg.metrics.out_dir, cfg.model, layout=to_dict(cfg.parallel),
-                                    keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+                                    keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
+                                    lora_base=lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None)
         return cls(cfg, state, device, checkpointer, StopSignal())
 
     def resume(self) -> int:
@@ -501,7 +502,7 @@ def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer
     A LoRA checkpoint holds only the adapters: the frozen base is rebuilt first from where the run took it
     (the seeded init of build_training_model, then checkpoint.init_from_hf if set), the adapters go on top.
     """
-    from shardwise.checkpoint import CheckpointError, latest_checkpoint, load
+    from shardwise.checkpoint import CheckpointError, latest_checkpoint, load, lora_base_identity
 
     path = latest_checkpoint(cfg.metrics.out_dir)
     if path is None:
@@ -511,7 +512,8 @@ def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer
     parts = model_parts(model)
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:
         import_hf(parts, cfg.checkpoint.init_from_hf)
-    load(path, TrainState(parts), cfg.model)
+    load(path, TrainState(parts), cfg.model,
+         lora_base=lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None)
     return model, path
 
 

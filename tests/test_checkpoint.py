@@ -351,6 +351,21 @@ def test_partial_checkpoints_are_ignored_and_reported(saved_run, tmp_path, caplo
     assert [s for s, _ in scan_checkpoints(run).complete] == [2, 5]
 
 
+def test_a_changed_norm_epsilon_or_rotary_base_resumes_with_a_warning(saved_run, caplog):
+    """They fit the same weights (a longer context's rotary base is a reason to change one), but the weights were
+    trained with the earlier values: said, where it was silent (loss 4.18 -> 5.49 with norm_eps = 0.1)."""
+    path = saved_run[0] / "checkpoints" / "step_2"
+    cfg, state, _ = _fresh_state(["model.norm_eps=0.1", "model.rope_theta=500000.0"])
+    with caplog.at_level(logging.WARNING, logger="shardwise.checkpoint"):
+        assert load(path, state, cfg.model) == 2
+    assert "model.norm_eps" in caplog.text and "-> 0.1" in caplog.text and "model.rope_theta" in caplog.text
+    caplog.clear()
+    cfg, state, _ = _fresh_state()
+    with caplog.at_level(logging.WARNING, logger="shardwise.checkpoint"):
+        load(path, state, cfg.model)
+    assert "changed model" not in caplog.text
+
+
 def _fresh_state(overrides=()):
     cfg = _cfg(overrides)
     runtime = Runtime.create(cfg)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_checkpoint import ADAMW, CONFIG, _assert_refused, _build, _cfg, _full_params, _steps
 from torch.distributed.tensor import DTensor
 
@@ -195,6 +195,37 @@ def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tm
     assert config["base_model_name_or_path"] == str(Path(folder).resolve())
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"}
+
+
+def test_lora_adapters_resume_and_export_only_onto_the_base_they_were_trained_on(hf_base, tmp_path, capsys):
+    """An adapter checkpoint holds no base: resumed without checkpoint.init_from_hf it went on from a random base
+    (loss 4.1 -> 7.2), and its retention then deleted every good checkpoint; export merged onto it silently."""
+    import shutil
+
+    from shardwise.cli import main
+
+    folder = hf_base[0]
+    run = tmp_path / "run"
+    overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{run}'", "metrics.progress=false",
+                 "metrics.tensorboard=false"]
+    on_base = [*overrides, f"checkpoint.init_from_hf='{folder}'"]
+    assert train(_cfg([*on_base, "train.stop_after=1"]))["stopped_at"] == 1
+    other = tmp_path / "other"  # the same architecture, other weights
+    shutil.copytree(folder, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    moved = tmp_path / "moved"  # the same base elsewhere
+    shutil.copytree(folder, moved)
+    for extra, words in (([], ["trained on the base in", str(Path(folder).resolve()), "set checkpoint.init_from_hf"]),
+                         ([f"checkpoint.init_from_hf='{other}'"], ["holds other weights"])):
+        sets = [a for o in (*ADAMW, *overrides, *extra) for a in ("--set", o)]
+        for command in (["train", "--config", CONFIG, *sets], ["export", "--config", CONFIG, *sets, "--out",
+                                                               str(tmp_path / "out")]):
+            assert main(command) == 3
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists() and [p.name for p in (run / "checkpoints").iterdir()] == ["step_1"]
+    assert train(_cfg([*overrides, f"checkpoint.init_from_hf='{moved}'", "train.steps=2"]))["first_step"] == 2
 
 
 def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
