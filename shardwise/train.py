@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -44,6 +45,8 @@ from shardwise.parallel.data_parallel import (
 )
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward, model_parts
 from shardwise.parallel.runtime import Runtime
+
+log = logging.getLogger("shardwise.train")
 
 
 @dataclass
@@ -298,7 +301,9 @@ def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Ru
 def train(cfg: JobConfig, save_final: str | None = None) -> dict:
     """Run a job from a validated config; returns a summary (losses, final validation loss)."""
     runtime = Runtime.create(cfg)
+    lock = None
     try:
+        lock = lock_run_folder(cfg.metrics.out_dir, runtime)
         return _train(cfg, runtime, save_final)
     except RuntimeError as e:
         explained = explain_failure(e, runtime.env, runtime.step) if runtime.world_size > 1 else None
@@ -306,7 +311,54 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
             raise
         raise TrainingError(explained) from e
     finally:
+        if lock is not None:
+            lock.close()  # releases it
         runtime.close()
+
+
+RUN_LOCK = ".lock"
+"""The file in a run folder whose lock rank 0 of the run training there holds (lock_run_folder)."""
+
+
+def lock_run_folder(out_dir: str, runtime: Runtime):
+    """One run per folder: rank 0 takes an exclusive lock on <out_dir>/.lock before the run touches the folder,
+    and holds it until the run ends (the system drops it when the process dies, so a killed run's restart finds it
+    free). Two runs in one folder each cleared the other's unfinished checkpoint writes and mixed their logs.
+    Returns the open lock file (close it to release), or None on the other ranks. Every rank raises the one-line
+    error together when another run holds it. On a filesystem without locks (some Lustre mounts) the run goes on
+    unguarded, with a warning."""
+    import fcntl
+    import os
+    import socket
+
+    held, error = None, None
+    if runtime.is_main:
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        file = open(folder / RUN_LOCK, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            error = f"another run trains in {out_dir} ({file.read().strip() or 'its owner unknown'})"
+            file.close()
+        except OSError as e:
+            log.warning("%s: the filesystem gives no file lock (%s); nothing stops a second run in this folder",
+                        folder / RUN_LOCK, e.strerror)
+            held = file
+        else:
+            file.truncate(0)
+            file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            file.flush()
+            held = file
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError("metrics.out_dir", error, "wait for that run to end (or stop it), or give this run "
+                          "another metrics.out_dir")
+    return held
 
 
 def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:

@@ -309,3 +309,31 @@ def test_a_fresh_run_starts_its_logs_and_a_resumed_one_drops_the_steps_it_does_a
     run(3, 4, 300.0)  # resumed from step 2's checkpoint
     assert losses() == tensorboard() == [(1, 201.0), (2, 202.0), (3, 303.0), (4, 304.0)]
     assert read_sample_log(tmp_path)[0] == {1: [1], 2: [2], 3: [3], 4: [4]}
+
+
+def test_a_second_run_in_a_folder_another_run_trains_in_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Two runs started in one folder each cleared the other's unfinished checkpoint writes (one died with a
+    traceback) and mixed their metrics. The run training there holds <folder>/.lock; a second start is refused in
+    one line before it reads or writes anything there, and the folder is free again once the first has ended."""
+    import fcntl
+    import os
+
+    from shardwise.cli import main
+    from shardwise.train import RUN_LOCK
+
+    run = tmp_path / "run"
+    args = ["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{run}'", "--set",
+            "train.steps=2", "--set", "checkpoint.enabled=true", "--set", "metrics.progress=false"]
+    run.mkdir()
+    with open(run / RUN_LOCK, "a+") as held:  # another process's run, as the lock sees it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on elsewhere, since 2026-11-28 12:00:00\n")
+        held.flush()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardwise: error: metrics.out_dir: another run trains in") and "pid 4242" in err
+        assert err.count("\n") == 1, err
+        assert sorted(p.name for p in run.iterdir()) == [RUN_LOCK]
+    assert main(args) == 0  # released: the folder is free
+    assert f"pid {os.getpid()}" in (run / RUN_LOCK).read_text()
+    assert (run / "checkpoints" / "step_2").is_dir()
