@@ -130,15 +130,19 @@ EARLIER = "checkpoints.earlier"
 
 
 def set_aside(run_dir: str | os.PathLike) -> list[int]:
-    """Move the run folder's checkpoints to <run_dir>/checkpoints.earlier (replacing what an earlier start-over
-    put there), so that a run started from scratch in the folder never mixes its saves with them and a later resume
-    goes on from its own; the steps moved (collective: rank 0 moves them, every rank waits)."""
+    """Move the run folder's checkpoints to <run_dir>/checkpoints.earlier (checkpoints.earlier-2, -3, ... when an
+    earlier start-over is there: nothing is deleted), so that a run started from scratch in the folder never mixes
+    its saves with them and a later resume goes on from its own; the steps moved (collective: rank 0 moves them,
+    every rank waits)."""
     root = checkpoint_root(run_dir)
     scan = scan_checkpoints(run_dir)
     steps = [step for step, _ in scan.complete]
     if (steps or scan.partial) and _rank() == 0:
         earlier = root.with_name(EARLIER)
-        shutil.rmtree(earlier, ignore_errors=True)
+        n = 1
+        while earlier.exists():
+            n += 1
+            earlier = root.with_name(f"{EARLIER}-{n}")
         root.rename(earlier)
         log.warning("checkpoint.resume = false: the run starts over, and the checkpoints of the earlier run in "
                     "%s (steps %s) are moved to %s", run_dir, ", ".join(map(str, steps)) or "none complete", earlier)

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import math
 import os
 import textwrap
@@ -416,6 +417,8 @@ def validate(cfg: JobConfig) -> None:
     if hf and not (Path(hf) / "config.json").is_file():
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no config.json",
                           "point it at a Hugging Face model folder (config.json + *.safetensors)")
+    if hf:
+        _validate_hf_shape(cfg.model, hf)
     if not 0 <= cfg.train.stop_after <= cfg.train.steps:
         raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is outside 0..train.steps",
                           "use 0, or a step no later than train.steps")
@@ -638,6 +641,25 @@ def _validate_train(t: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "CUDA is not available here", "use 'auto' or 'cpu'")
+
+
+def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
+    """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
+    the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
+    from shardwise.model_args import args_from_hf_config, network_fields
+
+    try:
+        theirs = args_from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or a model the engine cannot express
+        raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json: {e}",
+                          "point it at a Llama or Mixtral folder") from None
+    diffs = [(f, getattr(theirs, f), getattr(args, f)) for f in network_fields(args)
+             if getattr(theirs, f) != getattr(args, f)]
+    if diffs:
+        raise ConfigError("checkpoint.init_from_hf", f"{folder} holds another model shape (folder vs [model]: "
+                          + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
+                          "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
+                          + " as the folder's config.json says")
 
 
 def fit_world(cfg: JobConfig, world_size: int) -> None:

@@ -108,3 +108,23 @@ def test_cli_rejects_bad_config_in_one_line(tmp_path, capsys, monkeypatch, case)
         )
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == lines, proc.stderr
         assert not out_dir.exists() and not cache.exists()
+
+
+def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_path):
+    """Found when the weights were read, it was a traceback after checkpoint.resume = false had already moved the
+    earlier checkpoints aside; now the config is refused first, naming the [model] fields to set."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["debug"])))
+    base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
+    load_config(None, base)  # the folder's own shape
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "model.n_layers=2"])
+    assert e.value.field == "checkpoint.init_from_hf" and "n_layers 4 vs 2" in e.value.problem
+    assert e.value.fix.startswith("set model.n_layers = 4")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base)
+    assert e.value.field == "checkpoint.init_from_hf"

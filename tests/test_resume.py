@@ -264,6 +264,10 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert {p.relative_to(tmp_path / "checkpoints.earlier"): p.stat().st_mtime_ns
             for p in (tmp_path / "checkpoints.earlier").rglob("*")} == before
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    # a second start-over keeps the first one's set-aside checkpoints (it deleted them)
+    assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints.earlier-2").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints.earlier").iterdir()) == ["step_2", "step_4"]
     capsys.readouterr()
     assert main([*common, "--set=train.steps=3"]) == 0
     out = capsys.readouterr()
