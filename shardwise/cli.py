@@ -122,6 +122,14 @@ def _run_export(args: argparse.Namespace) -> int:
     if args.format != "merged" and not cfg.lora.rank:
         raise ConfigError("--format", f"{args.format} needs a LoRA run's adapters, and lora.rank is 0",
                           "use --format merged (the default) for a run that trains every weight")
+    if args.format != "peft":  # a model folder's config.json: refused before the checkpoint is read
+        from shardwise.hf import hf_config
+
+        try:
+            hf_config(cfg.model)
+        except ValueError as e:
+            raise ConfigError("model", str(e).split("; fix: ")[0], "keep it as a shardwise checkpoint (shardwise "
+                              "generate --run reads it); only a Mixtral-shaped mixture exports") from None
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file", "give a folder to write into (made if missing)")

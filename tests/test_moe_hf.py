@@ -7,6 +7,7 @@ transformers runs its experts with the eager per-expert loop here, so the refere
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +197,16 @@ def test_import_gives_each_expert_parallel_rank_its_experts(pair, tmp_path):
     for rank, pieces in enumerate(ranks):
         for name, local in pieces.items():
             assert torch.equal(local, full[name].detach()[rank * half:(rank + 1) * half]), (rank, name)
+
+
+def test_export_of_a_mixture_mixtral_cannot_express_is_one_line_before_the_checkpoint_is_read(tmp_path, capsys):
+    """`shardwise export` of the MoE test config (shared expert, dense block, balancing bias) ended in a traceback."""
+    from shardwise.cli import main
+
+    config = str(Path(__file__).parent / "configs" / "moe.toml")
+    out = tmp_path / "hf"
+    assert main(["export", "--config", config, "--set", f"metrics.out_dir='{tmp_path / 'none'}'",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: model: model ") and "n_shared_experts" in err and err.count("\n") == 1
+    assert not out.exists()
