@@ -614,10 +614,11 @@ def _validate_moe(cfg: JobConfig) -> None:
                           "with no adapters here", "set lora.rank = 0 (full fine-tuning) for an MoE model")
 
 
-def _validate_ep(cfg: JobConfig) -> None:
+def _validate_ep(cfg: JobConfig, world_known: bool) -> None:
     p, m = cfg.parallel, cfg.model
     _positive("parallel.ep", p.ep)
-    error = expert_parallel_error(p, m.n_experts, bool(m.n_experts and m.aux_loss_coeff), f"model {m.name}")
+    error = expert_parallel_error(p, m.n_experts, bool(m.n_experts and m.aux_loss_coeff), f"model {m.name}",
+                                  ranks_known=world_known)
     if error is not None:
         raise error
 
@@ -747,7 +748,7 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     _validate_tp(cfg)
     _validate_pp(cfg)
-    _validate_ep(cfg)
+    _validate_ep(cfg, world_size is not None)
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise ConfigError(
             "data.seq_len", f"{cfg.data.seq_len} is not divisible by 2 x cp = {2 * p.cp} (load-balanced chunks)",

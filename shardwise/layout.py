@@ -219,11 +219,13 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
 
 
 def expert_parallel_error(layout: Layout, n_experts: int, aux_loss: bool = False,
-                          model: str = "the model") -> ConfigError | None:
+                          model: str = "the model", ranks_known: bool = True) -> ConfigError | None:
     """What the engine refuses of a mixture of experts in this layout, as the error naming the field (None: it
     runs it). Expert parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides n_experts and
     dp_shard x cp, is a multiple of cp, and needs FSDP (ZeRO-2/3). The per-sequence balancing loss needs whole
-    sequences (no cp). The config refuses these jobs and the planner's --plan (key from the field's name)."""
+    sequences (no cp). The config refuses these jobs and the planner's --plan (key from the field's name).
+    `ranks_known` False: a job that sets no data-parallel degree gets dp_shard from its world later (fit_world),
+    so how ep divides the ranks is checked then."""
     if aux_loss and layout.cp > 1:
         return ConfigError("model.aux_loss_coeff", "the balancing loss is computed per sequence and context "
                            "parallelism splits sequences", "set model.aux_loss_coeff = 0 with cp > 1 (use "
@@ -240,10 +242,13 @@ def expert_parallel_error(layout: Layout, n_experts: int, aux_loss: bool = False
     if layout.zero_stage < 2:
         return ConfigError("parallel.ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is "
                            f"{layout.zero_stage}", "use zero_stage 2 or 3, with dp_shard x cp a multiple of ep")
+    if not ranks_known and layout.dp == 1:
+        return None
     group = layout.dp_shard * layout.cp
     if group % ep:
         return ConfigError("parallel.ep", f"ep={ep} is drawn from the dp_shard x cp = {group} ranks and does not "
-                           "divide them", f"use an ep dividing {group}, or a dp_shard x cp that ep divides")
+                           "divide them", f"use an ep dividing {group}, or a dp_shard x cp that ep divides (a job that "
+                           "sets no dp degree gets dp_shard from the processes it runs on: --nproc)")
     if ep % layout.cp:
         return ConfigError("parallel.ep", f"ep={ep} is not a multiple of cp={layout.cp} (an expert group holds whole "
                            "context-parallel groups)", "use a multiple of cp")

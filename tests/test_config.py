@@ -128,3 +128,22 @@ def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_
     with pytest.raises(ConfigError) as e:
         load_config(None, base)
     assert e.value.field == "checkpoint.init_from_hf"
+
+
+def test_expert_parallelism_is_checked_against_the_ranks_the_job_will_have():
+    """`train --nproc 2 --set parallel.ep=2 --set parallel.zero_stage=3` was refused: the config's check ran before
+    dp_shard was filled from the world (dp_shard x cp = 1), though --nproc 2 alone becomes dp_shard 2."""
+    from pathlib import Path
+
+    from shardwise.config import fit_nodes
+
+    config = str(Path(__file__).parent / "configs" / "moe.toml")
+    cfg = load_config(config, ["parallel.ep=2", "parallel.zero_stage=3"])  # the world is not known yet
+    fit_nodes(cfg, 2, (1, 1))
+    assert (cfg.parallel.dp_shard, cfg.parallel.ep) == (2, 2)
+    with pytest.raises(ConfigError) as e:  # one process has no second rank to hold experts
+        fit_nodes(load_config(config, ["parallel.ep=2", "parallel.zero_stage=3"]), 1, (1, 1))
+    assert e.value.field == "parallel.ep" and "--nproc" in e.value.fix
+    with pytest.raises(ConfigError) as e:  # a degree the job sets is checked at once
+        load_config(config, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.dp_shard=3"])
+    assert e.value.field == "parallel.ep"
