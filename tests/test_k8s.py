@@ -7,6 +7,8 @@ Kubernetes JSON schemas (`kubernetes-validate`, strict: no unknown field) for th
 pinned in pyproject.toml's test extra, their versions named below. A misspelt or misplaced field fails.
 """
 
+import re
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -19,10 +21,22 @@ from pydantic import BaseModel
 
 from shardwise.cli import main
 
-CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
+ROOT = Path(__file__).parent.parent
+CONFIG = str(ROOT / "tests" / "configs" / "parity.toml")
 KUBERNETES = "1.34"  # the core schemas' version (kubernetes-validate 1.34.1)
 BASE = ["--config", CONFIG, "--image", "registry.example/shardwise:1", "--volume-claim", "runs",
-        "--set", "metrics.out_dir='/data/run-7'", "--set", "checkpoint.enabled=true"]
+        "--set", "metrics.out_dir='/data/run-7'", "--set", "checkpoint.enabled=true", "--set", "checkpoint.resume=true"]
+# Kubernetes' own rule for a Service's name (apimachinery's IsDNS1035Label): JobSet names its headless Service after
+# the job, and a pod's hostname, `<job>-node-<job index>-<pod index>`, must be a DNS label too
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MAX = 63
+
+
+def _pod(train_job: dict) -> dict:
+    """The pod spec of a TrainJob's runtime patch."""
+    [patch] = train_job["spec"]["runtimePatches"]
+    [replicated] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]["template"]["spec"]
 
 
 def unknown_fields(obj, model: type[BaseModel], where: str = "") -> list[str]:
@@ -71,7 +85,8 @@ def _valid(obj: dict, model: type[BaseModel]) -> None:
 
 
 @pytest.mark.parametrize("extra", [[], ["--queue", "team-a"], ["--nodes", "2:4", "--gpus-per-node", "8",
-                                                                  "--set", "train.global_batch=768"]])
+                                                                  "--set", "train.global_batch=768"],
+                                   ["--cpus-per-node", "32", "--memory-per-node", "512Gi"]])
 def test_a_trainjob_is_a_valid_kubeflow_trainjob(tmp_path, extra):
     [job] = _manifests(tmp_path, "--nodes", "2", "--gpus-per-node", "4", *extra)
     _valid(job, TrainerV1alpha1TrainJob)
@@ -83,16 +98,22 @@ def test_a_trainjob_is_a_valid_kubeflow_trainjob(tmp_path, extra):
     command = trainer["command"][-1]
     assert '--rdzv-endpoint "$PET_MASTER_ADDR:$PET_MASTER_PORT"' in command and "--stopped-exit-code 75" in command
     assert ("--nnodes 2:4" in command) == ("2:4" in extra)
-    pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]
-    pod = pod["spec"]["template"]["spec"]
+    pod = _pod(job)
     assert pod["terminationGracePeriodSeconds"] == 300
-    assert pod["containers"][0]["volumeMounts"] == [{"name": "run", "mountPath": "/data"}]
+    # the run folder's claim and a memory-backed /dev/shm (the container runtime's is 64 MiB)
+    assert pod["volumes"] == [{"name": "run", "persistentVolumeClaim": {"claimName": "runs"}},
+                              {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "run", "mountPath": "/data"},
+                                                    {"name": "shm", "mountPath": "/dev/shm"}]
+    requests = trainer["resourcesPerNode"].get("requests")
+    assert requests == ({"cpu": 32, "memory": "512Gi"} if "--cpus-per-node" in extra else None)
     assert job["metadata"].get("labels", {}).get("kueue.x-k8s.io/queue-name") == ("team-a" if extra[:1] == ["--queue"]
                                                                                   else None)
 
 
 def test_a_jobset_is_a_valid_jobset_running_a_valid_indexed_job(tmp_path):
-    [job_set] = _manifests(tmp_path, "--kind", "jobset", "--nodes", "2", "--gpus-per-node", "8", "--queue", "q")
+    [job_set] = _manifests(tmp_path, "--kind", "jobset", "--nodes", "2", "--gpus-per-node", "8", "--queue", "q",
+                           "--cpus-per-node", "96", "--memory-per-node", "1.5Ti", "--max-restarts", "5")
     _valid(job_set, JobsetV1alpha2JobSet)
     [replicated] = job_set["spec"]["replicatedJobs"]
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "node"},
@@ -102,6 +123,58 @@ def test_a_jobset_is_a_valid_jobset_running_a_valid_indexed_job(tmp_path):
     assert job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [75]
     command = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
     assert '--rdzv-endpoint "$JOB_NAME-node-0-0.$JOB_NAME:29500"' in command and "--nproc 8 --nnodes 2 " in command
+    assert job_set["spec"]["failurePolicy"]["maxRestarts"] == 5
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": 96, "memory": "1.5Ti"}}
+    assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+@pytest.mark.parametrize("out_dir, nodes, name", [
+    ("/data/70b-run", "2", "run-70b-run"),  # was 70b-run: a Service's name starts with a letter
+    ("/data/Run_7", "2", "run-7"),
+    ("/data/" + "x" * 80, "12", "x" * 53),  # room for the hostname x...x-node-0-11
+])
+def test_a_name_from_the_run_folder_can_name_the_service_and_every_pod(tmp_path, out_dir, nodes, name):
+    for kind in ("trainjob", "jobset"):
+        [job] = _manifests(tmp_path, "--kind", kind, "--nodes", nodes, "--set", f"metrics.out_dir='{out_dir}'")
+        assert job["metadata"]["name"] == name
+        hostnames = [f"{name}-node-0-{i}" for i in range(int(nodes))]
+        assert all(DNS_1035.fullmatch(n) and len(n) <= DNS_LABEL_MAX for n in [name, *hostnames])
+
+
+def test_a_name_takes_the_room_its_pods_leave(tmp_path, capsys):
+    """54 characters leave room for `-node-0-0` (63 in all), not for the hostnames of 11 pods (`-node-0-10`)."""
+    [job] = _manifests(tmp_path, "--name", "a" * 54)
+    assert job["metadata"]["name"] == "a" * 54
+    capsys.readouterr()
+    assert main(["launch", "k8s", *BASE, "--nodes", "11", "--name", "a" * 54]) == 2
+    assert capsys.readouterr().err.startswith("shardwise: error: --name: ")
+
+
+def test_max_restarts_takes_effect_where_it_is_given(tmp_path):
+    [job] = _manifests(tmp_path, "--nodes", "2:4", "--set", "train.global_batch=768", "--max-restarts", "5")
+    assert "--max-restarts 5" in job["spec"]["trainer"]["command"][-1]  # an elastic TrainJob's: torchrun's
+    [job_set] = _manifests(tmp_path, "--kind", "jobset", "--nodes", "2")
+    assert job_set["spec"]["failurePolicy"]["maxRestarts"] == 3  # the default
+
+
+def _documented(prefix: str) -> list[list[str]]:
+    """The commands of docs/cluster.md's bash blocks that start with `prefix`, as the shell would split them."""
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    lines = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ").splitlines()
+    return [shlex.split(line)[len(prefix.split()):] for line in lines if line.startswith(prefix)]
+
+
+def test_the_documented_command_works_verbatim(tmp_path, monkeypatch):
+    """docs/cluster.md's example, run from the repository's root as a reader would (only its output moved here)."""
+    [argv] = _documented("shardwise launch k8s")
+    monkeypatch.chdir(ROOT)
+    argv[argv.index("--write") + 1] = str(tmp_path / "job.yaml")
+    assert main(["launch", "k8s", *argv]) == 0
+    [job] = yaml.safe_load_all((tmp_path / "job.yaml").read_text())
+    _valid(job, TrainerV1alpha1TrainJob)
 
 
 def test_the_validators_fail_on_a_wrong_field(tmp_path):
@@ -142,6 +215,17 @@ def test_the_validators_fail_on_a_wrong_field(tmp_path):
     (["--mount", "/scratch", "--volume-claim", ""], "--mount"),  # without a claim: ignored
     (["--mount", "relative/path"], "--mount"),
     (["--name", "a" * 55], "--name"),
+    # a Service's name (RFC 1035) starts with a letter: these were accepted, and the rendezvous never resolved
+    (["--name", "7b"], "--name"),
+    (["--kind", "jobset", "--name", "70b-run"], "--name"),
+    (["--nodes", "11", "--name", "a" * 54], "--name"),  # the hostname a...a-node-0-10 is 64 characters
+    (["--set", "metrics.out_dir='/data/__'"], "--name"),  # nothing to make a name of
+    # the manifests restart the job: one that does not resume would train from step 0 again
+    (["--set", "checkpoint.enabled=false"], "checkpoint.enabled"),
+    (["--kind", "jobset", "--set", "checkpoint.resume=false"], "checkpoint.resume"),
+    (["--max-restarts", "5"], "--max-restarts"),  # a TrainJob's restarts are its runtime's: it was ignored
+    (["--cpus-per-node", "0"], "--cpus-per-node"),
+    (["--memory-per-node", "512GB"], "--memory-per-node"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, args, field):
     out = tmp_path / "job.yaml"

@@ -8,6 +8,7 @@ missing Slurm fails the tests instead of skipping them.
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -50,8 +51,43 @@ def test_the_script_is_bash_with_the_allocation_and_the_rendezvous(tmp_path):
         assert f"#SBATCH {directive}\n" in text
     assert "--nproc 4 --nnodes 2" in text and '--rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID"' in text
     assert "scontrol requeue" not in text  # not asked for
+    assert "--cpus-per-task" not in text  # not asked for: the site's default
     # two nodes and a run folder on this machine's own disk: said, not refused (a cluster may mount it anyway)
     assert "may not see" in done.stderr and not out.exists()  # a dry run writes nothing
+
+
+def test_cpus_per_task_and_other_directives_reach_the_script(tmp_path):
+    out = tmp_path / "run"
+    done = _launch("--config", CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--set", "parallel.dp_replicate=8",
+                   "--set", f"metrics.out_dir='{out}'", "--cpus-per-task", "48", "--sbatch=--exclusive",
+                   "--sbatch=--qos=high", "--sbatch", "--comment=two words", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True).returncode == 0
+    directives = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert directives[:4] == ["--job-name=shardwise", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=48"]
+    assert directives[-3:] == ["--exclusive", "--qos=high", "--comment=two words"]
+    # srun is told too: Slurm 22.05 does not pass sbatch's --cpus-per-task on to it
+    [srun] = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert shlex.split(srun.rstrip(" \\"))[1:4] == ["--ntasks-per-node=1", "--cpus-per-task=48", "--kill-on-bad-exit=1"]
+
+
+def _documented(prefix: str) -> list[list[str]]:
+    """The commands of docs/cluster.md's bash blocks that start with `prefix`, as the shell would split them."""
+    text = (Path(__file__).parent.parent / "docs" / "cluster.md").read_text()
+    lines = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ").splitlines()
+    return [shlex.split(line)[len(prefix.split()):] for line in lines if line.startswith(prefix)]
+
+
+def test_the_documented_commands_work_verbatim(monkeypatch, capsys):
+    """docs/cluster.md's examples, from the repository's root, printing the script instead of submitting it."""
+    commands = _documented("shardwise launch slurm")
+    assert commands and any("--requeue" in c for c in commands)
+    monkeypatch.chdir(Path(__file__).parent.parent)
+    for argv in commands:
+        argv = ["--dry-run" if a == "--submit" else a for a in argv]
+        assert main(["launch", "slurm", *argv]) == 0, capsys.readouterr().err
+        assert "#SBATCH --requeue" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, field", [
@@ -70,6 +106,11 @@ def test_the_script_is_bash_with_the_allocation_and_the_rendezvous(tmp_path):
     (["--nodes", "1", "--nproc-per-node", "2", "--save-final", "."], "--save-final"),  # a folder
     (["--nodes", "1", "--nproc-per-node", "2", "--requeue", "--set", "checkpoint.enabled=true", "--set",
       "checkpoint.resume=false"], "checkpoint.resume"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--cpus-per-task", "0"], "--cpus-per-task"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=exclusive"], "--sbatch"),  # not an option
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--comment=a\n#SBATCH --nodes=9"], "--sbatch"),  # two lines
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--time=1:00"], "--sbatch"),  # launch slurm's --time
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--output=/tmp/x"], "--sbatch"),  # the script's own
 ])
 def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, field, tmp_path, capsys):
     script = tmp_path / "job.sh"
@@ -190,13 +231,15 @@ def test_a_slurm_job_saves_at_the_warning_is_requeued_and_ends_like_an_uninterru
     script = tmp_path / "job.sh"
     sets = [a for s in [*RUN, f"metrics.out_dir='{run}'"] for a in ("--set", s)]
     job = [*sets, "--config", CONFIG, "--nodes", "1", "--nproc-per-node", "2", "--requeue",
-           "--save-final", str(run / "final.safetensors")]
+           "--save-final", str(run / "final.safetensors"), "--cpus-per-task", "2", "--sbatch=--comment=shardwise-test"]
     written = _launch(*job, "--write", str(script))
     assert written.returncode == 0, written.stderr
     assert subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True).returncode == 0
     submitted = _launch(*job, "--submit")
     assert submitted.returncode == 0, submitted.stderr
     job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert "CPUs/Task=2 " in shown and "Comment=shardwise-test " in shown, shown  # --cpus-per-task, --sbatch
     try:
         _wait(lambda: (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 4, 300, "step 4")
         # what Slurm does --warn-seconds before the time limit: USR1 to the batch shell

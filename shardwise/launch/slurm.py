@@ -1,10 +1,11 @@
 """`shardwise launch slurm`: an sbatch script that runs a job on a Slurm allocation.
 
-The script runs one task per node (`srun --ntasks-per-node=1`). Each task is `shardwise train --nproc P --nnodes N`:
-torchrun with its c10d rendezvous on the allocation's first node (`scontrol show hostnames`) and the job id as the
-rendezvous id, so the nodes find each other from Slurm's own variables, never from guessed ones. Every path in it
-is absolute: the run folder (metrics.out_dir, where the checkpoints and the job's log go) must be on storage every
-node sees.
+The script runs one task per node (`srun --ntasks-per-node=1`), with --cpus-per-task CPUs when given (else the
+site's default, often one CPU for torchrun's agent and all its ranks). Each task is `shardwise train --nproc P
+--nnodes N`: torchrun with its c10d rendezvous on the allocation's first node (`scontrol show hostnames`) and the
+job id as the rendezvous id, so the nodes find each other from Slurm's own variables, never from guessed ones. Every
+path in it is absolute: the run folder (metrics.out_dir, where the checkpoints and the job's log go) must be on
+storage every node sees.
 
 Stopping and requeue. `#SBATCH --signal=B:USR1@S` has Slurm signal the batch shell S seconds before the time limit
 (`scancel --signal=USR1 --batch JOB` does the same by hand). The shell passes USR1 on to every process of the job
@@ -52,12 +53,21 @@ class SlurmJob:
     account: str | None = None
     requeue: bool = False
     warn_seconds: int = 120
+    cpus_per_task: int | None = None  # the CPUs of the one task per node: torchrun's agent and its ranks
+    sbatch: tuple[str, ...] = ()  # further #SBATCH options, as given (--sbatch)
 
 
 MAX_SIGNAL_SECONDS = 65535
 """sbatch --signal=<sig>@<sig_time>: "sig_time must be an integer between 0 and 65535" (sbatch(1))."""
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.,+-]+")
 """What a job name, partition (or a comma-separated list of them) or account is written with here."""
+OWN_OPTIONS = {
+    "--job-name": "--job-name", "--nodes": "--nodes", "--ntasks-per-node": "", "--ntasks": "",
+    "--gpus-per-node": "--gpus-per-node", "--cpus-per-task": "--cpus-per-task", "--partition": "--partition",
+    "--time": "--time", "--account": "--account", "--chdir": "", "--output": "", "--error": "", "--open-mode": "",
+    "--signal": "--warn-seconds", "--requeue": "--requeue", "--no-requeue": "--requeue"}
+"""The sbatch options the script writes itself, and the flag of `launch slurm` that sets each ("": none, the script
+depends on it): an --sbatch option repeating one is refused rather than left to override it."""
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
@@ -93,6 +103,12 @@ def add_slurm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-final", metavar="PATH",
                    help="the job writes its final parameters, unsharded, to safetensors (shardwise train's flag)")
     p.add_argument("--job-name", default="shardwise", help="the job's name in squeue")
+    p.add_argument("--cpus-per-task", type=int, metavar="N",
+                   help="CPUs per node for torchrun's agent and its ranks (#SBATCH --cpus-per-task; srun's too); "
+                        "default: the site's (often one, for all of them)")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="another #SBATCH line, e.g. --sbatch=--exclusive --sbatch=--qos=high (repeatable; write "
+                        "it with '=', as the option starts with --)")
     p.add_argument("--requeue", action="store_true",
                    help="after the save that the time-limit warning asks for, requeue the job; it resumes")
     p.add_argument("--warn-seconds", type=int, default=120,
@@ -132,6 +148,11 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
         if value is not None and not SLURM_NAME.fullmatch(value):
             raise ConfigError(flag, f"{value!r} is not a Slurm name (letters, digits and - _ . , + only: an "
                               "#SBATCH line would split or lose it)", "give the name as Slurm lists it")
+    if args.cpus_per_task is not None and args.cpus_per_task < 1:
+        raise ConfigError("--cpus-per-task", f"{args.cpus_per_task} is not a number of CPUs",
+                          "give 1 or more (the CPUs for the agent and all ranks of a node), or leave it out")
+    for option in args.sbatch:
+        _check_sbatch_option(option)
     for flag, path in (("--save-final", args.save_final), ("--write", args.write)):
         if path:
             check_file_to_write(flag, path)
@@ -148,19 +169,34 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
                   *[f"--set={o}" for o in args.overrides], f"--set=metrics.out_dir={json.dumps(str(out_dir))}",
                   *(["--save-final", str(Path(args.save_final).absolute())] if args.save_final else [])]
     job = SlurmJob(tuple(train_args), args.nodes, per_node, args.gpus_per_node, out_dir, Path.cwd(),
-                   args.job_name, args.partition, args.time, args.account, args.requeue, args.warn_seconds)
+                   args.job_name, args.partition, args.time, args.account, args.requeue, args.warn_seconds,
+                   args.cpus_per_task, tuple(args.sbatch))
     return job
+
+
+def _check_sbatch_option(option: str) -> None:
+    """An --sbatch OPTION that one #SBATCH line holds, and not one the script sets itself."""
+    if not option.startswith("--") or len(option) < 3 or any(c in option for c in "\r\n"):
+        raise ConfigError("--sbatch", f"{option!r} is not a long sbatch option on one line (an #SBATCH line takes "
+                          "one, starting with --)", "write e.g. --sbatch=--exclusive or --sbatch=--qos=high")
+    own = option.split("=", 1)[0].split()[0]
+    if own in OWN_OPTIONS:
+        flag = OWN_OPTIONS[own]
+        raise ConfigError("--sbatch", f"{own} is written by the script itself" + ("" if flag else ", which depends "
+                          "on it"), f"use launch slurm's {flag}" if flag else f"leave {own} out")
 
 
 def script(job: SlurmJob) -> str:
     """The sbatch script for `job`."""
-    directives = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+    cpus = [f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []
+    directives = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1", *cpus,
                   *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
                   *([f"--partition={job.partition}"] if job.partition else []),
                   *([f"--time={job.time}"] if job.time else []),
                   *([f"--account={job.account}"] if job.account else []),
                   f"--chdir={job.workdir}", f"--output={job.out_dir}/slurm-%j.out", "--open-mode=append",
-                  f"--signal=B:{STOP_SIGNAL}@{job.warn_seconds}", "--requeue" if job.requeue else "--no-requeue"]
+                  f"--signal=B:{STOP_SIGNAL}@{job.warn_seconds}", "--requeue" if job.requeue else "--no-requeue",
+                  *job.sbatch]
     train = [sys.executable, "-m", "shardwise", "train", *job.train_args, "--nproc", str(job.nproc_per_node),
              "--nnodes", str(job.nodes)]
     lines = [
@@ -182,7 +218,8 @@ def script(job: SlurmJob) -> str:
         f"scancel --signal={STOP_SIGNAL} \"$SLURM_JOB_ID\"; }}",
         f"trap stop {STOP_SIGNAL}",
         "",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {shlex.join(train)} \\",
+        # srun is given the CPUs too: some Slurm versions (22.05 among them) do not pass sbatch's on to it
+        f"srun {shlex.join(['--ntasks-per-node=1', *cpus, '--kill-on-bad-exit=1', *train])} \\",
         '    --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" &',
         "step=$!",
         "# wait returns early when a trapped signal arrives: wait again until the step has ended",
