@@ -572,8 +572,8 @@ def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
 def lora_base_identity(init_from_hf: str) -> dict | None:
     """What a LoRA run's frozen base is, as its checkpoints record it: None for the seeded init (train.seed is
     checked with the data loader), else the Hugging Face folder's path, a digest of its config.json, and the size
-    and a digest of both ends of each weight file. An adapter checkpoint holds no base: resumed or exported onto another, it would apply
-    its adapters to weights they were not trained with, silently."""
+    and a digest of both ends of each weight file. An adapter checkpoint holds no base: resumed or exported onto
+    another, it would apply its adapters to weights they were not trained with, silently."""
     if not init_from_hf:
         return None
     folder = Path(init_from_hf).resolve()
@@ -705,7 +705,8 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
     _check_meta(path, meta, model_args, state.parts)
     if meta.get("lora") is not None and "lora_base" in meta:  # recorded since 2026-11-28
         if not isinstance(meta["lora_base"], (dict, type(None))):
-            raise CheckpointError(path, f"{META}'s 'lora_base' is {meta['lora_base']!r} (damaged or edited)", MOVE_ASIDE)
+            raise CheckpointError(path, f"{META}'s 'lora_base' is {meta['lora_base']!r} (damaged or edited)",
+                                  MOVE_ASIDE)
         _check_lora_base(path, meta["lora_base"], lora_base)
     if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
         raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "

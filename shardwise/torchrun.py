@@ -8,6 +8,7 @@ the failed rank's traceback, which the rank prints itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 import uuid
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -70,11 +72,32 @@ def _c10d_naming_attempts(params: RendezvousParameters) -> RendezvousHandler:
     return handler
 
 
+def _stop_ranks_first(signum: int, frame) -> None:
+    """torchrun's handler of its termination signals, but SIGTERM while its ranks run goes to the ranks: each
+    finishes its step, saves and exits 0, and the agent then exits 0 too. A SIGTERM to the whole process group
+    (Slurm's scancel, a shell's kill -- -PGID) reached this agent with the ranks, and torchrun's own handler raised:
+    exit 1 with its SignalException traceback, the ranks SIGKILLed 30 s later whether their save was done or not.
+    Before the ranks exist, and for SIGINT, torchrun's handler (the agent stops them and exits)."""
+    from shardwise.launch.local import _children
+
+    ranks = _children(os.getpid()) if signum == signal.SIGTERM else []
+    if not ranks:
+        _TORCHRUN_HANDLER(signum, frame)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+_TORCHRUN_HANDLER = multiprocessing_api._terminate_process_handler
+
+
 def main(argv: list[str]) -> int:
     # SIGUSR1 asks the ranks to save and stop (Slurm's warning before the time limit reaches every process of the
     # step, this agent too): the agent lives on until they have. Its workers inherit the "ignore", and each rank's
     # checkpoint.StopSignal handles the signal once it is installed.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # torchrun installs this module global as its handler when it starts the workers (PContext.start)
+    multiprocessing_api._terminate_process_handler = _stop_ranks_first
     args = torchrun.parse_args(argv)
     if args.standalone:  # what torchrun makes of --standalone, for the backend below
         args.standalone = False

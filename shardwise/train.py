@@ -23,7 +23,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise import data
-from shardwise.checkpoint import Checkpointer, StopSignal, TrainState, lora_base_identity, set_aside
+from shardwise.checkpoint import (
+    Checkpointer,
+    StopSignal,
+    TrainState,
+    lora_base_identity,
+    scan_checkpoints,
+    set_aside,
+)
 from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
@@ -324,41 +331,52 @@ def lock_run_folder(out_dir: str, runtime: Runtime):
     """One run per folder: rank 0 takes an exclusive lock on <out_dir>/.lock before the run touches the folder,
     and holds it until the run ends (the system drops it when the process dies, so a killed run's restart finds it
     free). Two runs in one folder each cleared the other's unfinished checkpoint writes and mixed their logs.
-    Returns the open lock file (close it to release), or None on the other ranks. Every rank raises the one-line
-    error together when another run holds it. On a filesystem without locks (some Lustre mounts) the run goes on
-    unguarded, with a warning."""
-    import fcntl
-    import os
-    import socket
-
-    held, error = None, None
-    if runtime.is_main:
-        folder = Path(out_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        file = open(folder / RUN_LOCK, "a+")
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            error = f"another run trains in {out_dir} ({file.read().strip() or 'its owner unknown'})"
-            file.close()
-        except OSError as e:
-            log.warning("%s: the filesystem gives no file lock (%s); nothing stops a second run in this folder",
-                        folder / RUN_LOCK, e.strerror)
-            held = file
-        else:
-            file.truncate(0)
-            file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            file.flush()
-            held = file
+    A folder the run cannot write is refused here too (it failed at the first checkpoint, steps later, in a
+    traceback). Returns the open lock file (close it to release), or None on the other ranks. Every rank raises
+    the one-line error together. On a filesystem without locks (some Lustre mounts) the run goes on unguarded,
+    with a warning."""
+    held, error = _claim(Path(out_dir)) if runtime.is_main else (None, None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
         raise ConfigError("metrics.out_dir", error, "wait for that run to end (or stop it), or give this run "
-                          "another metrics.out_dir")
+                          "another metrics.out_dir" if error.startswith("another") else
+                          "make it writable, or give this run another metrics.out_dir")
     return held
+
+
+def _claim(folder: Path):
+    """(the locked file, None), or (None, why the run cannot have the folder)."""
+    import fcntl
+    import os
+    import socket
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        unwritable = [p for p in (folder, folder / "checkpoints", folder / "metrics.jsonl")
+                      if p.exists() and not os.access(p, os.W_OK)]
+        if unwritable:
+            return None, f"cannot write {unwritable[0]} (Permission denied)"
+        file = open(folder / RUN_LOCK, "a+")
+    except OSError as e:
+        return None, f"cannot write {e.filename or folder} ({e.strerror})"
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        owner = file.read().strip() or "its owner unknown"
+        file.close()
+        return None, f"another run trains in {folder} ({owner})"
+    except OSError as e:
+        log.warning("%s: the filesystem gives no file lock (%s); nothing stops a second run in this folder",
+                    folder / RUN_LOCK, e.strerror)
+        return file, None
+    file.truncate(0)
+    file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    file.flush()
+    return file, None
 
 
 def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
@@ -381,6 +399,15 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                           f"{cfg.metrics.out_dir} has its newest checkpoint",
                           f"set train.steps above {first_step - 1} to go on, or use another metrics.out_dir for a "
                           "new run")
+    if 0 < cfg.train.stop_after < first_step:  # it would never fire: the run would train to its end
+        raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is before step {first_step}, where the run in "
+                          f"{cfg.metrics.out_dir} goes on", f"set it to {first_step} or later, or 0")
+    if not cfg.checkpoint.enabled and runtime.is_main:
+        steps = [str(step) for step, _ in scan_checkpoints(cfg.metrics.out_dir).complete]
+        if steps:
+            log.warning("checkpoint.enabled = false: this run starts from the initialisation, and the checkpoints "
+                        "in %s (steps %s) stay, though they are not this run's: export and generate --run read "
+                        "them", cfg.metrics.out_dir, ", ".join(steps))
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 
@@ -441,7 +468,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             writer.log(step, {"val_loss": summary["val_loss"]})
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
         if checkpoints.after_step(step):
-            writer.print(f"step {step}: stopped as asked (SIGTERM or train.stop_after); state saved")
+            writer.print(f"step {step}: stopped as asked (a signal, or train.stop_after); "
+                         + ("state saved" if cfg.checkpoint.enabled else "nothing saved (checkpoint.enabled = false)"))
             summary["stopped_at"] = step
             break
     checkpoints.close()
@@ -514,10 +542,11 @@ class Checkpoints:
     @classmethod
     def create(cls, cfg: JobConfig, state: TrainState, device: torch.device) -> Checkpoints:
         if not cfg.checkpoint.enabled:
-            return cls(cfg, state, device, None, None)
+            # a signal still stops the run cleanly after its step (SIGUSR1's default action killed it), unsaved
+            return cls(cfg, state, device, None, StopSignal())
+        base = lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None
         checkpointer = Checkpointer(cfg.metrics.out_dir, cfg.model, layout=to_dict(cfg.parallel),
-                                    keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
-                                    lora_base=lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None)
+                                    keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, lora_base=base)
         return cls(cfg, state, device, checkpointer, StopSignal())
 
     def resume(self) -> int:
@@ -532,11 +561,11 @@ class Checkpoints:
         return self.checkpointer.resume(self.state)
 
     def after_step(self, step: int) -> bool:
-        """Save when due; True when a stop was requested (the state is then saved)."""
-        if self.checkpointer is None:
-            return step == self.cfg.train.stop_after
+        """Save when due; True when a stop was requested (the state is then saved, if checkpoints are on)."""
         stopping = self.stop.requested(self.device)  # collective: every rank stops after the same step
         stopping = stopping or step == self.cfg.train.stop_after
+        if self.checkpointer is None:
+            return stopping
         if step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps or stopping:
             self.checkpointer.save(step, self.state)
         return stopping
@@ -544,7 +573,7 @@ class Checkpoints:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
-            self.stop.close()
+        self.stop.close()
 
 
 def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer | Pipeline, Path]:

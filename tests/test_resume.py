@@ -98,6 +98,52 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_sigterm_to_the_whole_process_group_saves_and_exits_0(tmp_path):
+    """Slurm and `kill -- -PGID` signal every process of the job: torchrun's agent too, which raised (exit 1, its
+    SignalException traceback) and would SIGKILL the ranks 30 s later whether their save was done or not."""
+    out = tmp_path / "run"
+    with _reaped(_train(out, 10_000, *FSDP2, nproc=2, popen=True)) as proc:
+        deadline = time.time() + 180
+        while not (out / "metrics.jsonl").exists() or not _losses(out):
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SignalException" not in err and "Traceback" not in err, err[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == f"step_{max(_losses(out))}"
+
+
+@pytest.mark.multiprocess
+def test_a_signal_stops_a_run_without_checkpoints_cleanly(tmp_path):
+    """Slurm's SIGUSR1 warning killed a run without checkpoints (rc 138): it now ends after its step, saving
+    nothing, as a run with checkpoints does after saving."""
+    out = tmp_path / "run"
+    with _reaped(_train(out, 10_000, "checkpoint.enabled=false", popen=True)) as proc:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() or not _losses(out):
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        output, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "nothing saved (checkpoint.enabled = false)" in output and not (out / "checkpoints").exists()
+
+
+def test_a_stop_after_before_the_resumed_step_is_refused(tmp_path, capsys):
+    """train.stop_after = 5 on a run resuming at step 8 never fired: the run trained to its end."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=train.val_every=0", "--set=metrics.tensorboard=false", "--set=metrics.progress=false"]
+    assert main([*common, "--set=train.steps=2"]) == 0
+    assert main([*common, "--set=train.steps=4", "--set=train.stop_after=1"]) == 2
+    err = capsys.readouterr().err
+    assert "train.stop_after: 1 is before step 3" in err and err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+@pytest.mark.multiprocess
 def test_nonfinite_loss_stops_with_step_named(tmp_path):
     out = tmp_path / "run"
     proc = _train(out, 20, "optim.lr=1e12")

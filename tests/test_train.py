@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +338,23 @@ def test_a_second_run_in_a_folder_another_run_trains_in_is_refused_and_touches_n
     assert main(args) == 0  # released: the folder is free
     assert f"pid {os.getpid()}" in (run / RUN_LOCK).read_text()
     assert (run / "checkpoints" / "step_2").is_dir()
+
+
+def test_a_run_folder_the_run_cannot_write_is_refused_before_it_trains(tmp_path, capsys, monkeypatch):
+    """A read-only checkpoints folder failed at the first save, steps later, in a PermissionError traceback. (The
+    suite runs as root, whom permissions do not stop: os.access answers as for another user.)"""
+    import os
+
+    from shardwise.cli import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and Path(p).name != "checkpoints")
+    args = ["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{run}'", "--set",
+            "train.steps=2", "--set", "checkpoint.enabled=true", "--set", "metrics.progress=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardwise: error: metrics.out_dir: cannot write {run / 'checkpoints'}"), err
+    assert "make it writable" in err and err.count("\n") == 1
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
