@@ -709,8 +709,9 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
                                   MOVE_ASIDE)
         _check_lora_base(path, meta["lora_base"], lora_base)
     if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
-        raise CheckpointError(path, f"it holds {meta.get('optimizer')} state, this run uses "
-                              f"{optimizer_name(state.optimizer)}", "set optim.name to the checkpoint's optimizer")
+        saved, mine = meta.get("optimizer"), optimizer_name(state.optimizer)
+        raise CheckpointError(path, f"it holds {saved} state, this run uses {mine}",
+                              f"set optim.name = {_OPTIM_NAMES.get(saved, 'the checkpoint optimizer')}")
     metadata = _read_metadata(path)
     targets, model_live, optim_live = _targets(state, metadata, int(meta.get("world_size", 1)))
     missing = [k for k in _plain_keys(state, optim_live) if k not in train_state.get("optimizer_param_groups", {})]
@@ -729,6 +730,11 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
     if forms:
         restore_cpu_attention_forms(forms[_rank() % len(forms)])
     return int(train_state["step"])
+
+
+_OPTIM_NAMES = {"AdamW": "'adamw'", "SGD": "'sgd' or 'momentum' (torch's SGD, without or with momentum)",
+                "AdamW8bit": "'adamw8bit'", "AdamW4bit": "'adamw4bit'", "Adafactor": "'adafactor'"}
+"""optim.name for each optimizer class a checkpoint names (shardwise.optim.build_optimizer)."""
 
 
 def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[dict, dict, dict]:

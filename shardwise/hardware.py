@@ -134,6 +134,9 @@ class Accelerator:
     than large ones, and on gloo the three collectives differ (its reduce-scatter is an all-reduce underneath).
     None (the catalogue): alpha-beta from intra_node_bw and the latency. The inter-node tier scales the curve by
     inter_node_bw / intra_node_bw."""
+    host_memory_bytes: float = 0.0
+    """Host memory per device in the usual server (its RAM over its GPUs), bytes: what offload may fill. 0 (a GPU
+    the catalogue has no server for, a profile): not known, and offload's use of it is not checked."""
     source: str = ""
     """Where the datasheet numbers come from."""
 
@@ -307,6 +310,13 @@ MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776}
 for _name in ("h100", "h200", "b200"):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
         Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))
+
+# Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
+# give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
+# 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
+HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128}
+for _name, _gib in HOST_GIB_PER_GPU.items():
+    CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
 
 ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x"}
 

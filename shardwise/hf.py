@@ -226,7 +226,6 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
     False) as its base: what `export_peft`'s adapters go on.
     """
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     config = hf_config(args)  # before any file is written: it refuses mixtures Mixtral cannot express
@@ -238,7 +237,7 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
     file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        _save_shared(tensors, folder / file)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     mine = ({n: file for n in tensors}, size) if writes else ({}, 0)
     everyone = [mine]
@@ -255,6 +254,17 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
 
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def _save_shared(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file creates its file readable by its owner only (0600); an exported model is for others
+    to read, as the config.json beside it is: the mode the process's umask gives a new file."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def peft_config(lora: LoraConfig, base_model: str | None) -> dict:
@@ -287,7 +297,6 @@ def export_peft(parts, lora: LoraConfig, folder: str | os.PathLike, runtime=None
     the adapters go on that model, or on the base `export_hf(..., merge_lora=False)` writes.
     """
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from shardwise.model import canonical_name
 
@@ -300,7 +309,7 @@ def export_peft(parts, lora: LoraConfig, folder: str | os.PathLike, runtime=None
     if runtime is None or runtime.is_main:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+        _save_shared(tensors, folder / ADAPTER_FILE)
         (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
 
 

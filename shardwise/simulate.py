@@ -34,6 +34,7 @@ from shardwise.config import (
     ConfigError,
     JobConfig,
     autocast_precision,
+    fit_world,
     layout_tables,
     load_config,
     validate_model,
@@ -453,6 +454,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
         if args.seq_len or args.micro_batch or args.precision:
             raise ConfigError("--seq-len", "--seq-len/--micro-batch/--precision go with --model",
                               "use --set data.seq_len=... with --config")
+        if args.world:  # data parallelism fills the world, as `train --nproc` fills it
+            fit_world(cfg, args.world)
     else:
         cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
                                args.micro_batch or 1, args.precision or "bf16")
@@ -502,10 +505,13 @@ def _ratio(r: float | None) -> str:
 
 def format_reports(cfg: JobConfig, world: int, reports: list[RankReport], seconds: float) -> str:
     p = cfg.parallel
-    dims = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+    dims = ", ".join(f"{d}={getattr(p, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
                      if getattr(p, d) > 1)
+    # a pipeline cuts train.micro_batch into pp_microbatches (the planner's micro-batch x accumulation)
+    split = (f"micro-batch {cfg.train.micro_batch} cut into {p.pp_microbatches or p.pp} pipeline micro-batches"
+             if p.pp > 1 else f"micro-batch {cfg.train.micro_batch}")
     lines = [f"simulated {cfg.model.name} on {world} ranks ({dims or 'one rank'}, ZeRO-{p.zero_stage}), "
-             f"seq {cfg.data.seq_len} x micro-batch {cfg.train.micro_batch} x accum {cfg.train.grad_accum}, "
+             f"seq {cfg.data.seq_len} x {split} x accum {cfg.train.grad_accum}, "
              f"{cfg.train.precision}, {len(reports)} rank(s) in {seconds:.1f} s"]
     for r in reports:
         lines += [""] + _format_rank(r, p)

@@ -437,6 +437,13 @@ def test_other_model_shape_is_refused(saved_run, tmp_path):
     _assert_refused(path, ["model.dim=32", "model.ffn_hidden=96"], "different model", "dim 64 vs 32")
 
 
+def test_another_optimizer_names_the_optim_name_to_set(saved_run, tmp_path):
+    """optim.name = 'momentum' against an AdamW checkpoint said "this run uses SGD" and named no setting."""
+    _, path = _copy(saved_run, tmp_path)
+    _assert_refused(path, ["optim.name='momentum'"], "it holds AdamW state, this run uses SGD",
+                    "fix: set optim.name = 'adamw'")
+
+
 def test_a_changed_global_batch_names_the_batch_to_set_not_the_folder_to_move(saved_run, tmp_path):
     """The run's data order follows its global batch: resuming with another is the config's to fix, and moving
     the step's folder aside (the fix for damage, which the message gave) finds an older one with the same batch."""

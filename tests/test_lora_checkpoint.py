@@ -7,6 +7,7 @@ and peft's own forward passes (export), the Hugging Face folder's tensors (the b
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,11 @@ def test_lora_run_resumes_on_its_hf_base_and_exports_merged_and_peft(hf_base, tm
         exported = json.loads((tmp_path / fmt / "config.json").read_text())
         assert {k: exported[k] for k in ids} == {k: base_config[k] for k in ids}
         assert (tmp_path / fmt / "tokenizer.json").is_file()
+    # others may read an export, as its config.json (safetensors writes 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in ("merged/model.safetensors", "peft/adapter_model.safetensors"):
+        assert (tmp_path / file).stat().st_mode & 0o777 == 0o666 & ~umask
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(Path(folder).resolve())
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

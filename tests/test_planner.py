@@ -422,7 +422,8 @@ def _exhaustive_best(args, tr, cluster):
     # local batch can need less memory than one sequence per micro-batch: the best plans here (cp x FSDP, one
     # micro-batch) were pruned while the search took one sequence as every layout's memory floor
     ("llama3-8b", 16, "l4", 8192, 16),
-    ("mixtral-8x7b", 2, "h100", 2048, 8),
+    # offloaded (on 2 GPUs its 16 bytes a parameter outgrow the host's 256 GiB a GPU: no plan)
+    ("mixtral-8x7b", 4, "h100", 2048, 8),
 ])
 def test_pruned_search_finds_the_exhaustive_best(model, gpus, gpu, seq_len, batch):
     args, tr, cluster = preset(model), Training(seq_len=seq_len, global_batch=batch), Cluster(accelerator(gpu), gpus)
@@ -1804,3 +1805,40 @@ def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_
     assert rows[1][column] == rows[2][column] == "-"
     assert run_plan(_ns(*argv)) == 0
     assert "whatever" not in capsys.readouterr().out.split("\n", 2)[1]
+
+
+def test_offload_is_offered_only_where_the_host_holds_what_it_moves(capsys, tmp_path):
+    """The planner checked only the device: it answered Llama 3 405B on one 8-GPU node with an offload plan that
+    keeps 16 bytes of each of 405B parameters (fp32 shards, gradients, AdamW's moments) in that node's RAM."""
+    from shardwise.hardware import GiB
+    from shardwise.planner.memory import host_bytes
+
+    args, h100 = preset("llama3-405b"), accelerator("h100")
+    assert h100.host_memory_bytes == 2048 * GiB / 8  # NVIDIA's DGX H100: 2 TB for 8 GPUs
+    tr = Training(seq_len=4096, global_batch=1024)
+    # FSDP over 8 ranks with everything offloaded: each rank's host holds 1/8 of 4 + 4 + 8 bytes per parameter
+    plan = Plan(dp_shard=8, zero_stage=3, offload="full", activation_checkpoint="full", micro_batch=1,
+                grad_accum=128)
+    assert host_bytes(args, tr, plan) == pytest.approx(16 * num_params(args) / 8, rel=1e-3)
+    assert host_bytes(args, tr, dataclasses.replace(plan, offload="none")) == 0
+    one_node = Cluster(h100, gpus=8)
+    result = search(args, tr, one_node)
+    assert not result.ranked and result.least_host == pytest.approx(16 * num_params(args) / 8, rel=0.01)
+    big_hosts = Cluster(dataclasses.replace(h100, host_memory_bytes=1024 * GiB), gpus=8)
+    best = search(args, tr, big_hosts).ranked[0]
+    assert best.plan.offload == "full"
+    ev = evaluate(args, tr, best.plan, one_node)
+    assert ev.memory["total"] <= ev.budget and not ev.fits  # the device holds it, the host does not
+    assert search(args, tr, Cluster(h100, gpus=32), top_k=1).ranked[0].fits  # 4 nodes hold a quarter each
+    # the command line: a note under the table, --host-memory-gib per node, --write-config refusing the host's OOM
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8"])) == 1
+    assert "6,048 GiB per node of 2,048 (--host-memory-gib)" in capsys.readouterr().out
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--host-memory-gib", "8192"])) == 0
+    assert " full " in capsys.readouterr().out
+    out = tmp_path / "job.toml"
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--plan",
+                                       "offload=full,tp=8,zero_stage=3", "--write-config", str(out)])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: --write-config: the plan's offload needs") and not out.exists()

@@ -272,6 +272,34 @@ def test_negative_sizes_name_their_flag(argv, flag):
     assert e.value.field == flag
 
 
+@pytest.mark.parametrize("sets, world, layout", [
+    ([], 3, dict(dp_replicate=3)), (["parallel.zero_stage=3"], 4, dict(dp_shard=4)),
+    (["parallel.tp=2"], 4, dict(tp=2, dp_replicate=2))])
+def test_a_config_fills_the_world_with_data_parallelism_as_train_does(sets, world, layout):
+    """`simulate --config X --world 3` was refused ("... or launch 1 processes") where `train --nproc 3` runs."""
+    import argparse
+
+    from shardwise.simulate import add_simulate_arguments, config_from_args, format_reports
+
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    config = str(Path(__file__).parent / "configs" / "parity.toml")
+    cfg, n = config_from_args(parser.parse_args(["--config", config, "--world", str(world),
+                                                 *[a for s in sets for a in ("--set", s)]]))
+    assert n == world and cfg.parallel.world_size == world
+    assert all(getattr(cfg.parallel, k) == v for k, v in layout.items())
+    header = format_reports(cfg, n, [], 0.0).splitlines()[0]
+    assert all(f"{k}={v}" in header for k, v in layout.items()), header
+
+
+def test_the_header_names_expert_parallelism_and_a_pipelines_micro_batches():
+    from shardwise.simulate import config_from_plan, format_reports
+
+    cfg = config_from_plan("debug-moe", "dp_shard=2,ep=2,pp=2,zero_stage=2", 4, 64, 1, "bf16")
+    header = format_reports(cfg, 4, [], 0.0).splitlines()[0]
+    assert "ep=2" in header and "cut into 2 pipeline micro-batches" in header, header
+
+
 def test_a_simulated_model_is_validated():
     from shardwise.config import ConfigError, with_overrides
     from shardwise.simulate import config_from_plan, simulate

@@ -63,6 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
       help="mixture of experts: routed tokens on the busiest expert-parallel rank over the mean (default: derived "
            "for a randomly initialised router, see docs/planner.md)")
     a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
+    a("--host-memory-gib", type=float, default=None,
+      help="host memory per node that offload may fill (default: the GPU's DGX server, 2,048 GiB for 8 H100, H200 "
+           "or A100 80GB; unchecked for a GPU the catalogue has no server for)")
     a("--intra-node-gbs", type=float, default=None, help="override intra-node bandwidth, GB/s per direction")
     a("--inter-node-gbs", type=float, default=None, help="override inter-node bandwidth, GB/s per direction")
     a("--max-tp", type=int, default=None, help="largest tensor-parallel degree to consider")
@@ -106,11 +109,13 @@ def build_inputs(ns: argparse.Namespace):
             raise PlannerError("--qlora", error.problem, "use a model whose projections hold whole NF4 blocks, or "
                                "drop --qlora (LoRA on a bf16 base)")
     for flag, value in (("--gpu-memory-gib", ns.gpu_memory_gib), ("--intra-node-gbs", ns.intra_node_gbs),
-                        ("--inter-node-gbs", ns.inter_node_gbs)):
+                        ("--inter-node-gbs", ns.inter_node_gbs), ("--host-memory-gib", ns.host_memory_gib)):
         if value is not None and not 0 < value < math.inf:  # nan too
             raise PlannerError(flag, f"{value} is not a positive number", "give a positive, finite value")
     if ns.gpu_memory_gib is not None:
         acc = dataclasses.replace(acc, memory_bytes=ns.gpu_memory_gib * GiB)
+    if ns.host_memory_gib is not None:  # per node, as a server's RAM is sold; the planner checks it per device
+        acc = dataclasses.replace(acc, host_memory_bytes=ns.host_memory_gib * GiB / min(ns.gpus_per_node, ns.gpus))
     if ns.intra_node_gbs is not None:
         acc = dataclasses.replace(acc, intra_node_bw=ns.intra_node_gbs * GB)
     if ns.inter_node_gbs is not None:
@@ -235,6 +240,16 @@ def _run(ns: argparse.Namespace) -> int:
     if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
         plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus, model), cluster)]
     expl = explain(model, training, cluster, result)
+    if result.least_host < math.inf:
+        node = min(cluster.gpus_per_node, cluster.gpus)
+        expl["host_memory"] = (f"offload left out: the least host memory an offload layout needs is "
+                               f"{result.least_host * node / GiB:,.0f} GiB per node of "
+                               f"{cluster.accelerator.host_memory_bytes * node / GiB:,.0f} (--host-memory-gib)")
+    if ns.write_config and plans and not plans[0].fits_host:
+        node = min(cluster.gpus_per_node, cluster.gpus)
+        raise PlannerError("--write-config", f"the plan's offload needs {plans[0].host * node / GiB:,.0f} GiB of host "
+                           f"memory per node of {plans[0].host_budget * node / GiB:,.0f}: it would not fit",
+                           "use more GPUs, or give --host-memory-gib if the nodes have more")
     if ns.write_config and plans and not plans[0].fits:
         raise PlannerError("--write-config", f"the plan needs {plans[0].memory['total'] / GiB:.1f} GiB per GPU of "
                            f"{cluster.accelerator.memory_bytes / GiB:.0f}: it would not fit",
@@ -284,7 +299,8 @@ MOE_COLUMNS = COLUMNS[:5] + ("ep",) + COLUMNS[5:]
 def _row(i: int, ev: Evaluation, moe: bool = False, bf16: bool = True) -> list[str]:
     p, t = ev.plan, ev.time
     sched = "-" if p.pp == 1 else p.pp_schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")
-    mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.fits else " OOM")
+    mem = f"{ev.memory['total'] / GiB:.1f}" + ("" if ev.memory["total"] <= ev.budget else " OOM") + (
+        "" if ev.fits_host else " host OOM")
     degrees = [str(p.tp), str(p.pp), str(p.cp)] + ([str(p.ep)] if moe else [])
     return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", *degrees, str(p.zero_stage),
             str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",

@@ -73,9 +73,13 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
 def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     """Which of the decision sequence's eight steps the plan uses, and the last one it needs."""
     p = ev.plan
+    # step 2 names the half (or both) the plan uses: "BF16 + checkpointing" read as recompute on a plan without it
+    second = " + ".join(name for name, on in (("BF16", training.mixed),
+                                              (f"{p.activation_checkpoint} checkpointing",
+                                               p.activation_checkpoint != "none")) if on)
     steps = [
         ("1 LoRA/QLoRA", training.lora_rank > 0),
-        ("2 BF16 + checkpointing", training.mixed or p.activation_checkpoint != "none"),
+        (f"2 {second}", bool(second)),
         ("3 DDP", p.dp > 1 and p.zero_stage == 0 or p.dp_replicate > 1),
         ("4 ZeRO-1/2", p.zero_stage in (1, 2)),
         ("5 FSDP (ZeRO-3)", p.zero_stage == 3),
@@ -130,4 +134,6 @@ def render(expl: dict, cluster: Cluster) -> str:
                      + f"; it stops at step {expl['decision_sequence'][-1].split()[0]}.")
     for text in expl["knobs"].values():
         lines.append("  " + text)
+    if "host_memory" in expl:
+        lines.append(expl["host_memory"][0].upper() + expl["host_memory"][1:] + ".")
     return "\n".join(lines)

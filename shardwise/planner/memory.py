@@ -1394,6 +1394,18 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
 _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
 
 
+def host_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Bytes of host memory one rank's offload fills, on the stage that holds the most: the model state offload
+    moves off the device (FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and the optimizer
+    state in host memory, and steps the optimizer there). A planner that checked only the device offered a 405B
+    model on one 8-GPU node with 6 TB of it in the node's RAM."""
+    if plan.offload == "none":
+        return 0.0
+    kept = replace(plan, offload="none")
+    return max(sum(_model_state(args, training, kept, stage).values())
+               - sum(_model_state(args, training, plan, stage).values()) for stage in range(plan.pp))
+
+
 def _full_precision_embedding_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
     """The low-bit AdamWs keep the moments of the vocabulary matrices (embedding, head) in fp32: their extra bytes
     on the ranks holding them (the root parameters but the final norm; split over tp, and over the shard group from

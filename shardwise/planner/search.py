@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs
-from shardwise.planner.memory import peak_memory, stage_memory, state_bound
+from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
 from shardwise.planner.plan import Plan, engine_runs, validate_plan
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training
@@ -43,10 +43,18 @@ class Evaluation:
     time: StepTime
     budget: float
     """Device memory the plan must fit in, bytes."""
+    host: float = 0.0
+    """Host memory one rank's offload fills, bytes (memory.host_bytes)."""
+    host_budget: float = 0.0
+    """Host memory per device, bytes (Accelerator.host_memory_bytes); 0: not known, not checked."""
+
+    @property
+    def fits_host(self) -> bool:
+        return not self.host_budget or self.host <= self.host_budget
 
     @property
     def fits(self) -> bool:
-        return self.memory["total"] <= self.budget
+        return self.memory["total"] <= self.budget and self.fits_host
 
     def to_json(self) -> dict:
         p = self.plan
@@ -56,6 +64,7 @@ class Evaluation:
         out["dp"] = p.dp
         out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
         out["memory_stage"] = self.memory_stage
+        out["host_memory_gib"] = round(self.host / GiB, 3)
         out["fits"] = self.fits
         t = self.time
         out.update(step_time_s=t.step_time_s, tokens_per_s=t.tokens_per_s, mfu=t.mfu,
@@ -72,7 +81,8 @@ def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) 
     validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts,
                   args.aux_loss_coeff > 0)
     stage, mem = peak_memory(args, training, plan)
-    return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster))
+    return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster),
+                      host_bytes(args, training, plan), cluster.accelerator.host_memory_bytes)
 
 
 def budget(cluster: Cluster) -> float:
@@ -96,6 +106,8 @@ class SearchResult:
     layouts: int = 0
     """Degree combinations (tp, cp, pp, dp split) that divide the cluster and the batch: 0 means no layout, not
     no memory."""
+    least_host: float = math.inf
+    """The least host memory per device of the offload layouts left out for want of it (bytes; inf: none was)."""
 
 
 KNOBS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch", "activation_checkpoint",
@@ -327,6 +339,10 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     schedules = _schedules(args, base, fixed, max_virtual)
     if not schedules:
         return
+    host = host_bytes(args, training, base)  # the degrees, ZeRO stage and offload decide it, nothing after them
+    if cluster.accelerator.host_memory_bytes and host > cluster.accelerator.host_memory_bytes:
+        result.least_host = min(result.least_host, host)
+        return
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
     # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight
     # and place the head differently: zero-bubble's V puts it on the first rank): the least of one sequence per
@@ -437,7 +453,8 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     if found is None:
         return None
     index, candidate, stage, mem = found
-    ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit)
+    ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit,
+                    host_bytes(args, training, candidate), cluster.accelerator.host_memory_bytes)
     _note(result, ev)
     return index, ev
 
