@@ -383,6 +383,10 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     device = runtime.device
     if device.type == "cpu":
         keep_host_memory()  # activations live in host memory: reuse their blocks instead of faulting them in again
+    # what draws from torch's own generator (LoRA's dropout) follows train.seed: this torch seeds each process at
+    # random, and two identical runs differed from step 2. Megatron's rule: the same seed on every rank of a
+    # stage, another per pipeline stage (its stages hold other layers). A resume restores the saved states.
+    torch.manual_seed(cfg.train.seed + 100 * runtime.pp_rank)
     dataset, loader, val = build_data(cfg, runtime)
     model = build_training_model(cfg, runtime)
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * runtime.dp_size

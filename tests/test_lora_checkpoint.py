@@ -313,3 +313,22 @@ def test_lora_checkpoint_reshards_between_one_process_and_fsdp2(tmp_path):
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def test_two_fresh_runs_with_adapter_dropout_train_alike(tmp_path):
+    """LoRA's dropout draws from torch's own generator, which this torch seeds at random in each process: two
+    identical runs differed from step 2. It now follows train.seed (as a resume restores it)."""
+    import subprocess
+    import sys
+
+    losses = []
+    for run in ("a", "b"):  # fresh processes: each starts with its own random generator state
+        out = tmp_path / run
+        sets = [f"--set={o}" for o in (*ADAMW, *LORA, f"metrics.out_dir='{out}'", "metrics.log_every=1",
+                                       "train.steps=3", "metrics.progress=false", "metrics.tensorboard=false")]
+        done = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", CONFIG, *sets],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                       if "loss" in json.loads(line)])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
