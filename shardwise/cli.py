@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e, 2)
     except (CheckpointError, TrainingError) as e:
         return _error(e, 3)
+    except KeyboardInterrupt:
+        # Ctrl-C: stop where it is, without Python's traceback (a run's newest checkpoint is what it resumes from;
+        # SIGTERM or train.stop_after save first)
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader of our output went away (`shardwise plan ... | head`): nothing left to say, and no traceback
         # when Python flushes stdout at exit (the Python docs' recipe, "Note on SIGPIPE")

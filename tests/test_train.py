@@ -358,3 +358,15 @@ def test_a_run_folder_the_run_cannot_write_is_refused_before_it_trains(tmp_path,
     assert err.startswith(f"shardwise: error: metrics.out_dir: cannot write {run / 'checkpoints'}"), err
     assert "make it writable" in err and err.count("\n") == 1
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+
+
+def test_ctrl_c_ends_a_run_with_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import shardwise.train
+    from shardwise.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardwise.train, "train", interrupted)
+    assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
+    assert capsys.readouterr().err == "shardwise: interrupted\n"
