@@ -1078,7 +1078,15 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         # a chunk's gradients exist from its first weight pass on (kept unsharded by FSDP between micro-batches)
         kept = stage_p * kept_grad_bytes if fsdp and keep_unsharded and not training.lora_rank else 0.0
         grads_made = kept + (state["grads"] if accum and not fsdp else 0.0)
-        zero_bubble = _zero_bubble_held(plan, stage, acts["zero_bubble_chunks"], grads_made)
+        # under FSDP2's mixed-precision policy a weight pass leaves its gradients in the compute dtype on the
+        # gathered weights until the chunk's next input pass, whose post-backward hooks fold them into the
+        # reduce-dtype accumulators (_zero_bubble_held)
+        pending = stage_p * unsharded_grad_bytes(training) \
+            if fsdp and training.fsdp2 and not training.lora_rank \
+            and unsharded_grad_bytes(training) != kept_grad_bytes else 0.0
+        # (what the block backward already counts as made: the pending gradients hold it)
+        fresh = head_p * grad_bytes - acts["head_weight_grad"] + acts["block_backward"]["weight_grad"]
+        zero_bubble = _zero_bubble_held(plan, stage, acts["zero_bubble_chunks"], grads_made, pending, fresh)
         done = zero_bubble["input_pass"][3]
         held_early = held - kept + kept * done
         early_grads = state["grads"] * done if accum and not fsdp else early_grads
@@ -1251,10 +1259,12 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
 
 
 def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int,
-                             acts: dict[str, float]) -> tuple[tuple[float, float, float, float], ...]:
+                             acts: dict[str, float]) -> tuple[tuple[float, ...], ...]:
     """Per chunk of a zero-bubble rank (chunk 0: stage `stage`, chunk 1: stage 2P - 1 - stage), per micro-batch:
     (saved activations, weight copies, the gradients its weight pass starts from, what a weight pass's rebuild
-    keeps to its end), and its share of the rank's parameters; see _zero_bubble_held."""
+    keeps to its end), its share of the rank's parameters, the gradients its weight pass starts from of the
+    block its input pass runs first (its last), and the share of the rank's parameters whose hooks run last in
+    its input pass (its first block and the head); see _zero_bubble_held."""
     chunks = []
     layers = stage_shape(args, plan, stage, training.seq_len).layers
     emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head (as _stage_shape)
@@ -1266,9 +1276,11 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
         last = s == 2 * plan.pp - 1
         a += acts["head"] if last else 0.0
         copies = (acts["copies"] - acts["head_copy"]) * len(ids) / layers + (acts["head_copy"] if last else 0.0)
-        grads = rebuilt = 0.0
+        grads = rebuilt = first_grads = 0.0
         if s != 0:
             grads = sum(n * weight_pass_grad_bytes(args, training, plan, k) for n, k in kinds if n)
+            # the input pass runs the chunk's blocks last to first: its first block is its last
+            first_grads = weight_pass_grad_bytes(args, training, plan, args.is_moe_layer(ids[-1]))
             if plan.activation_checkpoint == "full":
                 # the pass rebuilds one block at a time, whole, beside what the blocks before it left
                 left = {k: weight_pass_leftover_bytes(args, training, plan, k) for n, k in kinds if n}
@@ -1276,13 +1288,18 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
                 top = max(left, key=lambda k: whole[k] - left[k])
                 rebuilt = sum(n * left[k] for n, k in kinds if n) + whole[top] - left[top]
         params = blocks_params(args, plan.tp, plan.ep, len(ids), moe) + emb * ((s == 0) + last)
-        chunks.append((a, copies, grads, rebuilt, params))
+        # the gradients a weight pass leaves pending (_zero_bubble_held): all the chunk's, but on the last stage,
+        # whose output the final norm's weight (or the head's) makes, only the head's; and of those, what an
+        # input pass's last hooks release: its first block's (its own FSDP units) and the head's (the root's)
+        pending = emb if last else params
+        end = emb if last else blocks_params(args, plan.tp, plan.ep, 1, int(args.is_moe_layer(ids[0])))
+        chunks.append((a, copies, grads, rebuilt, params, first_grads, pending, end))
     total = sum(c[4] for c in chunks)
-    return tuple((*c[:4], c[4] / total) for c in chunks)
+    return tuple((*c[:4], c[4] / total, c[5], c[6] / total, c[7] / total) for c in chunks)
 
 
-def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple,
-                      grads: float) -> dict[str, tuple[float, float, float, float]]:
+def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple, grads: float, pending: float = 0.0,
+                      fresh: float = 0.0) -> dict[str, tuple[float, float, float, float]]:
     """What a zero-bubble rank's micro-batches in flight hold at its fullest moments, as (saved activations,
     weight copies, other backward tensors, the share of the rank's gradients made so far): 'input_pass' at the
     end of an input pass (of the first stage: of its backward), 'weight_pass' at the end of a weight pass.
@@ -1296,35 +1313,60 @@ def _zero_bubble_held(plan: Plan, stage: int, chunks: tuple,
     time, and keeps part of what each rebuilt to its end (weight_pass_leftover_bytes). Each fullest moment is
     found by walking the rank's order with each chunk's bytes (`chunks`, _zero_bubble_chunk_bytes): on the
     first rank the last stage's micro-batch runs its forward, input and weight pass back to back, so only one
-    is ever in flight there."""
+    is ever in flight there.
+
+    `pending`: the bytes of all the rank's gradients in the compute dtype, where FSDP2's mixed-precision policy
+    upcasts them (0 elsewhere). The weight pass (stage_backward_weight) calls autograd.grad on the weights and
+    sets each gathered weight's .grad itself: no FSDP post-backward hook runs, so the chunk's bf16 gradients stay
+    until its next input pass, where each FSDP unit's post-backward (at its input's gradient; the root's at the
+    pass's end) adds them into its fp32 accumulator and frees them; the step's last weight passes leave theirs
+    to the final reduction. An input pass of a chunk holding them is at its fullest at one of its ends: at its
+    first block, every pending gradient and that block's share of the gradients kept for the weight pass; at its
+    last block, all those kept and the pending gradients of the first block and the head. `fresh`: what the
+    block backward counts as made at that moment (its weight gradients, the head's), which the pending hold.
+    (The first stage's full backward runs the hooks as it goes: it leaves none.)"""
+    q = tuple(c[6] * pending for c in chunks)
+    # the running chunk's, less `fresh`: at an input pass at its fuller end, at a weight pass all it left
+    running = (tuple(max(0.0, max(c[6] * pending - (c[2] - c[5]), c[7] * pending) - fresh) if pending else 0.0
+                     for c in chunks), tuple(max(0.0, x - fresh) if pending else 0.0 for x in q))
     out = {}
     for moment, counts in zip(("input_pass", "weight_pass"), _zero_bubble_peaks(
-            plan.pp, plan.grad_accum, stage, *(c[0] + c[1] for c in chunks), *(c[2] for c in chunks),
-            *(c[3] for c in chunks), *(c[4] * grads for c in chunks))):
-        alive, inputs, running, done = counts
+            plan.pp, plan.grad_accum, stage, tuple(c[0] + c[1] for c in chunks), tuple(c[2] for c in chunks),
+            tuple(c[3] for c in chunks), tuple(c[4] * grads for c in chunks), q, running)):
+        alive, inputs, chunk, done, held = counts
+        extra = _pending_held(moment == "input_pass", chunk, held, q, running)
         out[moment] = (sum(n * c[0] for n, c in zip(alive, chunks)), sum(n * c[1] for n, c in zip(alive, chunks)),
-                       sum(n * c[2] for n, c in zip(inputs, chunks)) + (chunks[running][3] if running >= 0 else 0.0),
+                       sum(n * c[2] for n, c in zip(inputs, chunks)) + extra
+                       + (chunks[chunk][3] if moment == "weight_pass" and chunk >= 0 else 0.0),
                        sum(c[4] for d, c in zip(done, chunks) if d))
     return out
 
 
-def _zero_bubble_peaks(p: int, m: int, rank: int, a0: float, a1: float, g0: float, g1: float, r0: float,
-                       r1: float, k0: float, k1: float) -> tuple[tuple, tuple]:
+def _pending_held(input_pass: bool, chunk: int, held: tuple, q: tuple, running: tuple) -> float:
+    """The pending compute-dtype gradients a moment holds (_zero_bubble_held): the other chunk's (q), and the
+    running chunk's as `running` gives them (at an input pass, at a weight pass)."""
+    return sum(running[0 if input_pass else 1][c] if c == chunk else q[c] for c in range(2) if held[c])
+
+
+def _zero_bubble_peaks(p: int, m: int, rank: int, a: tuple, g: tuple, r: tuple, k: tuple,
+                       q: tuple = (0.0, 0.0), running: tuple = ((0.0, 0.0), (0.0, 0.0))) -> tuple[tuple, tuple]:
     """The fullest end of an input pass and of a weight pass of `rank`, each as (micro-batches in flight per
-    chunk, of them past their input pass, the chunk whose weight pass it is or -1, whether each chunk has run a
-    weight pass): a0, a1 bytes per micro-batch in flight, g0, g1 per micro-batch past its input pass, r0, r1
-    the rebuild a weight pass keeps to its end, k0, k1 a chunk's gradients once made."""
-    def held(state: tuple) -> float:
-        (n0, n1), (i0, i1), running, (w0, w1) = state
-        return n0 * a0 + n1 * a1 + i0 * g0 + i1 * g1 + ((r0, r1)[running] if running >= 0 else 0.0) \
-            + w0 * k0 + w1 * k1
+    chunk, of them past their input pass, the chunk whose pass it is, whether each chunk has run a weight pass,
+    whether each chunk holds pending gradients): per chunk, a bytes per micro-batch in flight, g per micro-batch
+    past its input pass, r the rebuild a weight pass keeps to its end, k a chunk's gradients once made, q its
+    pending compute-dtype gradients, `running` what of them a pass of the chunk holds (an input pass's at its
+    fuller end, a weight pass's), per chunk."""
+    def held(state: tuple, input_pass: bool) -> float:
+        (n0, n1), (i0, i1), chunk, (w0, w1), pend = state
+        return n0 * a[0] + n1 * a[1] + i0 * g[0] + i1 * g[1] + (r[chunk] if not input_pass else 0.0) \
+            + w0 * k[0] + w1 * k[1] + _pending_held(input_pass, chunk, pend, q, running)
 
     # past 2p micro-batches the steady state only repeats: the same distinct states (tests/test_planner.py), and a
     # walk of millions of micro-batches (a tiny --seq-len) took minutes
     moments = _zero_bubble_moments(p, min(m, ZB_MOMENTS_SATURATE * p), rank)
-    none = ((0, 0), (0, 0), -1, (False, False))
-    return max(moments["I"], key=held, default=none), \
-        max(moments["W"], key=held, default=none) if r0 or r1 else none
+    none = ((0, 0), (0, 0), -1, (False, False), (False, False))
+    return max(moments["I"], key=lambda state: held(state, True), default=none), \
+        max(moments["W"], key=lambda state: held(state, False), default=none) if any(r) else none
 
 
 ZB_MOMENTS_SATURATE = 4
@@ -1335,11 +1377,13 @@ ZB_MOMENTS_SATURATE = 4
 def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
     """Every distinct state of `rank` at the end of an input pass (of the first stage: of its backward, 'I') and
     of a weight pass ('W'), as in _zero_bubble_peaks; the steady state repeats a few, so a search's many byte
-    counts are weighed against a handful of states."""
+    counts are weighed against a handful of states. A chunk holds pending gradients from each of its weight
+    passes (the first stage's full backward leaves none) to its next input pass, which is counted holding them."""
     split = (rank != 0, True)  # the first stage's backward is its weight pass, whole
     state: dict[tuple[int, int], bool] = {}
     seen: dict[str, set] = {"I": set(), "W": set()}
     weighted = [False, False]
+    pending = [False, False]
     for kind, chunk, i in zbv_order(p, m, rank):
         if kind == "F":
             state[(chunk, i)] = False
@@ -1349,13 +1393,16 @@ def _zero_bubble_moments(p: int, m: int, rank: int) -> dict[str, tuple]:
         moment = "I" if (kind == "I") == split[chunk] else "W" if kind == "W" else None
         if kind == "W":  # its gradients are being made (every weight pass ends at a moment)
             weighted[chunk] = True
+            pending[chunk] = split[chunk]
         if moment:
             alive, inputs = [0, 0], [0, 0]
             for (c, _), done in state.items():
                 alive[c] += 1
                 inputs[c] += done
-            seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk if moment == "W" else -1,
-                              tuple(weighted)))
+            seen[moment].add(((alive[0], alive[1]), (inputs[0], inputs[1]), chunk, tuple(weighted),
+                              tuple(pending)))
+        if kind == "I":  # its units' post-backward hooks fold the pending gradients in
+            pending[chunk] = False
         if kind == "W":
             del state[(chunk, i)]
     return {k: tuple(sorted(v)) for k, v in seen.items()}
