@@ -81,12 +81,22 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
         shard_mesh, offload = mesh.fsdp, offload_policy(p, mesh.fsdp.device_type)
         mp = mixed_precision_policy(fsdp_mixed_precision(p))
         for block in blocks:
+            placement = None
             if p.ep > 1 and hasattr(block, "moe"):
                 # experts, split over ep, are sharded over the data-parallel ranks that ep leaves (their own unit)
                 fully_shard(block.moe.experts, mesh=mesh.expert_fsdp, reshard_after_forward=p.zero_stage == 3,
-                            offload_policy=offload, mp_policy=mp, shard_placement_fn=_expert_placement(block.moe, p))
+                            offload_policy=offload, mp_policy=mp,
+                            shard_placement_fn=_expert_placement(block.moe.n_experts // p.ep, p.expert_shard_group))
+            elif hasattr(block, "moe"):
+                # without ep the experts are the block's, sharded over all its ranks: the same uneven split applies
+                # (Mixtral's 8 experts over 32 ranks left one whole expert on each of 8 ranks, none on the others,
+                # and every rank gathered a padded 32-expert buffer)
+                experts = {id(param) for param in block.moe.experts.parameters()}
+                by_expert = _expert_placement(block.moe.n_experts, shard_mesh.size())
+                placement = lambda param, experts=experts, by_expert=by_expert: (  # noqa: E731
+                    by_expert(param) if id(param) in experts else None)
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload,
-                        mp_policy=mp)
+                        mp_policy=mp, shard_placement_fn=placement)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload, mp_policy=mp)
 
@@ -100,11 +110,11 @@ def mixed_precision_policy(bf16_params: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def _expert_placement(moe: nn.Module, p: Layout) -> Callable[[nn.Parameter], Shard | None]:
-    """FSDP's split of this rank's experts: by expert (dim 0, FSDP's default) when they divide evenly among the
-    ranks that shard them, else along dim 1 (as torchtitan), which dim-0 padding would leave whole on some ranks."""
-    local = moe.n_experts // p.ep
-    split_by_expert = local % p.expert_shard_group == 0
+def _expert_placement(local_experts: int, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP's split of a rank's `local_experts` experts over the `ranks` that shard them: by expert (dim 0, FSDP's
+    default) when they divide evenly, else along dim 1 (as torchtitan), which dim-0 padding would leave whole on
+    some ranks."""
+    split_by_expert = local_experts % ranks == 0
     return lambda param: None if split_by_expert else Shard(1)
 
 
