@@ -78,14 +78,19 @@ def test_interrupted_run_resumes_exactly(tmp_path, nproc, request):
     assert all((a[k] == b[k]).all() for k in a)  # bitwise
 
 
+def _wait_for_a_step(out, proc, seconds):
+    """Until the run started with popen=True has logged a step (failing if it ends or takes longer)."""
+    deadline = time.time() + seconds
+    while not (out / "metrics.jsonl").exists() or not _losses(out):
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+
+
 @pytest.mark.multiprocess
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     out = tmp_path / "run"
     with _reaped(_train(out, 10_000, popen=True)) as proc:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").exists() or not _losses(out):
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        _wait_for_a_step(out, proc, 120)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
@@ -103,10 +108,7 @@ def test_sigterm_to_the_whole_process_group_saves_and_exits_0(tmp_path):
     SignalException traceback) and would SIGKILL the ranks 30 s later whether their save was done or not."""
     out = tmp_path / "run"
     with _reaped(_train(out, 10_000, *FSDP2, nproc=2, popen=True)) as proc:
-        deadline = time.time() + 180
-        while not (out / "metrics.jsonl").exists() or not _losses(out):
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        _wait_for_a_step(out, proc, 180)
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-2000:]
@@ -120,10 +122,7 @@ def test_a_signal_stops_a_run_without_checkpoints_cleanly(tmp_path):
     nothing, as a run with checkpoints does after saving."""
     out = tmp_path / "run"
     with _reaped(_train(out, 10_000, "checkpoint.enabled=false", popen=True)) as proc:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").exists() or not _losses(out):
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        _wait_for_a_step(out, proc, 120)
         proc.send_signal(signal.SIGUSR1)
         output, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
