@@ -88,13 +88,7 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
                             offload_policy=offload, mp_policy=mp,
                             shard_placement_fn=_expert_placement(block.moe.n_experts // p.ep, p.expert_shard_group))
             elif hasattr(block, "moe"):
-                # without ep the experts are the block's, sharded over all its ranks: the same uneven split applies
-                # (Mixtral's 8 experts over 32 ranks left one whole expert on each of 8 ranks, none on the others,
-                # and every rank gathered a padded 32-expert buffer)
-                experts = {id(param) for param in block.moe.experts.parameters()}
-                by_expert = _expert_placement(block.moe.n_experts, shard_mesh.size())
-                placement = lambda param, experts=experts, by_expert=by_expert: (  # noqa: E731
-                    by_expert(param) if id(param) in experts else None)
+                placement = _block_experts_placement(block.moe, shard_mesh.size())
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=p.zero_stage == 3, offload_policy=offload,
                         mp_policy=mp, shard_placement_fn=placement)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
@@ -108,6 +102,19 @@ def mixed_precision_policy(bf16_params: bool) -> MixedPrecisionPolicy:
     if bf16_params:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def _block_experts_placement(moe: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """Without ep the experts are their block's, sharded with it over all its `ranks`, and the same uneven split
+    applies: FSDP's dim-0 default put Mixtral's 8 experts whole on 8 of 32 ranks (none on the others) and gathered a
+    padded 32-expert buffer on every rank. The block's other parameters keep the default."""
+    experts = {id(param) for param in moe.experts.parameters()}
+    by_expert = _expert_placement(moe.n_experts, ranks)
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return by_expert(param) if id(param) in experts else None
+
+    return placement
 
 
 def _expert_placement(local_experts: int, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
