@@ -9,9 +9,12 @@ where a pipeline schedule runs them, with pp > 1).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -349,10 +352,6 @@ def lock_run_folder(out_dir: str, runtime: Runtime):
 
 def _claim(folder: Path):
     """(the locked file, None), or (None, why the run cannot have the folder)."""
-    import fcntl
-    import os
-    import socket
-
     try:
         folder.mkdir(parents=True, exist_ok=True)
         unwritable = [p for p in (folder, folder / "checkpoints", folder / "metrics.jsonl")
@@ -587,7 +586,7 @@ def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer
     A LoRA checkpoint holds only the adapters: the frozen base is rebuilt first from where the run took it
     (the seeded init of build_training_model, then checkpoint.init_from_hf if set), the adapters go on top.
     """
-    from shardwise.checkpoint import CheckpointError, latest_checkpoint, load, lora_base_identity
+    from shardwise.checkpoint import CheckpointError, latest_checkpoint, load
 
     path = latest_checkpoint(cfg.metrics.out_dir)
     if path is None:
