@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from shardwise.errors import CheckpointError
 from shardwise.lora import adapter_spec, is_adapter
 from shardwise.model import canonical_name, cpu_attention_forms, restore_cpu_attention_forms
-from shardwise.model_args import ModelArgs, network_fields
+from shardwise.model_args import ModelArgs, network_diffs
 from shardwise.parallel.data_parallel import (
     optimizer_load_targets,
     optimizer_name,
@@ -536,8 +536,7 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
     saved = meta.get("model", {})
     # a field newer than the checkpoint takes its default there (a dense model's n_experts = 0)
     written = ModelArgs(**{k: v for k, v in saved.items() if k in ModelArgs.__dataclass_fields__})
-    diffs = [f"{f} {getattr(written, f)} vs {getattr(model_args, f)}" for f in network_fields(model_args)
-             if getattr(written, f) != getattr(model_args, f)]
+    diffs = [f"{f} {a} vs {b}" for f, a, b in network_diffs(written, model_args)]
     if diffs:
         raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
                               "set the [model] config to the checkpoint's shape, or start a new run folder")

@@ -647,15 +647,14 @@ def _validate_train(t: TrainConfig) -> None:
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
     the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
-    from shardwise.model_args import args_from_hf_config, network_fields
+    from shardwise.model_args import args_from_hf_config, network_diffs
 
     try:
         theirs = args_from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
     except (ValueError, KeyError, TypeError) as e:  # not JSON, or a model the engine cannot express
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json: {e}",
                           "point it at a Llama or Mixtral folder") from None
-    diffs = [(f, getattr(theirs, f), getattr(args, f)) for f in network_fields(args)
-             if getattr(theirs, f) != getattr(args, f)]
+    diffs = network_diffs(theirs, args)
     if diffs:
         raise ConfigError("checkpoint.init_from_hf", f"{folder} holds another model shape (folder vs [model]: "
                           + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",

@@ -24,7 +24,7 @@ import torch
 
 from shardwise.config import LoraConfig
 from shardwise.lora import LoRALinear, full_value, is_adapter
-from shardwise.model_args import ModelArgs, args_from_hf_config, network_fields
+from shardwise.model_args import ModelArgs, args_from_hf_config, network_diffs
 
 # ours -> transformers, for the per-layer parameters ({i} is the layer index)
 _LAYER_NAMES = {
@@ -336,8 +336,7 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
     folder = Path(folder)
     theirs = args_from_hf_config(json.loads((folder / "config.json").read_text()))
     ours = parts[0].args
-    diffs = [f"{f} {getattr(theirs, f)} vs {getattr(ours, f)}"
-             for f in network_fields(ours) if getattr(theirs, f) != getattr(ours, f)]
+    diffs = [f"{f} {a} vs {b}" for f, a, b in network_diffs(theirs, ours)]
     if diffs:
         raise ValueError(f"{folder} holds another model shape (folder vs this model: {', '.join(diffs)}); "
                          "fix: build the model from the folder's config (args_from_hf_config)")

@@ -179,6 +179,12 @@ def network_fields(args: ModelArgs) -> list[str]:
     return fields
 
 
+def network_diffs(theirs: ModelArgs, ours: ModelArgs) -> list[tuple[str, object, object]]:
+    """(field, theirs, ours) for each of network_fields(ours) on which weights made for `theirs` do not fit."""
+    return [(f, getattr(theirs, f), getattr(ours, f)) for f in network_fields(ours)
+            if getattr(theirs, f) != getattr(ours, f)]
+
+
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 """A block's linears: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
 

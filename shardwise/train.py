@@ -344,30 +344,32 @@ def lock_run_folder(out_dir: str, runtime: Runtime):
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error:
-        raise ConfigError("metrics.out_dir", error, "wait for that run to end (or stop it), or give this run "
-                          "another metrics.out_dir" if error.startswith("another") else
-                          "make it writable, or give this run another metrics.out_dir")
+        raise ConfigError("metrics.out_dir", *error)
     return held
 
 
+_UNWRITABLE_FIX = "make it writable, or give this run another metrics.out_dir"
+
+
 def _claim(folder: Path):
-    """(the locked file, None), or (None, why the run cannot have the folder)."""
+    """(the locked file, None), or (None, (why the run cannot have the folder, the fix))."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         unwritable = [p for p in (folder, folder / "checkpoints", folder / "metrics.jsonl")
                       if p.exists() and not os.access(p, os.W_OK)]
         if unwritable:
-            return None, f"cannot write {unwritable[0]} (Permission denied)"
+            return None, (f"cannot write {unwritable[0]} (Permission denied)", _UNWRITABLE_FIX)
         file = open(folder / RUN_LOCK, "a+")
     except OSError as e:
-        return None, f"cannot write {e.filename or folder} ({e.strerror})"
+        return None, (f"cannot write {e.filename or folder} ({e.strerror})", _UNWRITABLE_FIX)
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         file.seek(0)
         owner = file.read().strip() or "its owner unknown"
         file.close()
-        return None, f"another run trains in {folder} ({owner})"
+        return None, (f"another run trains in {folder} ({owner})",
+                      "wait for that run to end (or stop it), or give this run another metrics.out_dir")
     except OSError as e:
         log.warning("%s: the filesystem gives no file lock (%s); nothing stops a second run in this folder",
                     folder / RUN_LOCK, e.strerror)

@@ -240,13 +240,8 @@ def _run(ns: argparse.Namespace) -> int:
     if not plans and fixed:  # report the given plan anyway: published layouts that ran out of memory matter
         plans = [evaluate(model, training, complete_plan(fixed, training, cluster.gpus, model), cluster)]
     expl = explain(model, training, cluster, result)
-    if result.least_host < math.inf:
-        node = min(cluster.gpus_per_node, cluster.gpus)
-        expl["host_memory"] = (f"offload left out: the least host memory an offload layout needs is "
-                               f"{result.least_host * node / GiB:,.0f} GiB per node of "
-                               f"{cluster.accelerator.host_memory_bytes * node / GiB:,.0f} (--host-memory-gib)")
     if ns.write_config and plans and not plans[0].fits_host:
-        node = min(cluster.gpus_per_node, cluster.gpus)
+        node = cluster.gpus_per_node  # (at most --gpus)
         raise PlannerError("--write-config", f"the plan's offload needs {plans[0].host * node / GiB:,.0f} GiB of host "
                            f"memory per node of {plans[0].host_budget * node / GiB:,.0f}: it would not fit",
                            "use more GPUs, or give --host-memory-gib if the nodes have more")

@@ -14,6 +14,7 @@ parallelism (Narayanan et al. 2021).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from shardwise.hardware import Cluster, GiB
 from shardwise.model_args import ModelArgs, num_params
@@ -114,15 +115,18 @@ def knob_reasons(ev: Evaluation, result: SearchResult, knobs: tuple[str, ...] = 
 
 def explain(args: ModelArgs, training: Training, cluster: Cluster, result: SearchResult) -> dict:
     """Everything the CLI prints under the table, as data (the JSON output carries it too)."""
-    if not result.ranked:
-        return {"single_device": single_device(args, training, cluster), "decision_sequence": [], "knobs": {}}
-    best = result.ranked[0]
-    return {
-        "single_device": single_device(args, training, cluster),
-        "decision_sequence": decision_sequence(best, training),
-        "knobs": knob_reasons(best, result, tuple(k for k in EXPLAINED if (k != "ep" or args.n_experts) and (
-            k != "mixed_precision" or len(mixed_precisions(training)) > 1))),
-    }
+    out = {"single_device": single_device(args, training, cluster), "decision_sequence": [], "knobs": {}}
+    if result.least_host < math.inf:  # offload layouts the search left out for the host's memory
+        node = cluster.gpus_per_node
+        out["host_memory"] = (f"offload left out: the least host memory an offload layout needs is "
+                              f"{result.least_host * node / GiB:,.0f} GiB per node of "
+                              f"{cluster.accelerator.host_memory_bytes * node / GiB:,.0f} (--host-memory-gib)")
+    if result.ranked:
+        best = result.ranked[0]
+        out["decision_sequence"] = decision_sequence(best, training)
+        out["knobs"] = knob_reasons(best, result, tuple(k for k in EXPLAINED if (k != "ep" or args.n_experts) and (
+            k != "mixed_precision" or len(mixed_precisions(training)) > 1)))
+    return out
 
 
 def render(expl: dict, cluster: Cluster) -> str:
