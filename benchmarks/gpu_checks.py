@@ -41,6 +41,8 @@ InferenceMode is newer), the tests' saved-tensor probe (SelectiveCheckpointConte
 tests fail only after it, and pass alone), and the planner's pinned operator counts of MoE blocks.
 
     python benchmarks/gpu_checks.py --smoke --out /tmp/gpu   # the same plumbing on this machine's CPU, small model
+
+Both GPU scripts in one device call, 8B cases first: benchmarks/gpu_session.sh.
 """
 
 from __future__ import annotations

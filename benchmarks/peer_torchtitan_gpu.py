@@ -67,6 +67,8 @@ On this CPU (torch 2.11, torchtitan 0.2.2 from --target folders on PYTHONPATH) t
 parameter model, 8 steps of 2 x 128 tokens, a nominal 1 TFLOP/s peak for the MFU column (made up: plumbing only):
 
     PYTHONPATH=$PWD:<torchtitan 0.2.2 and its deps> python benchmarks/peer_torchtitan_gpu.py --smoke --out /tmp/ptg
+
+Both GPU scripts in one device call, 8B cases first: benchmarks/gpu_session.sh.
 """
 
 from __future__ import annotations
