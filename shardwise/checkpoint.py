@@ -18,8 +18,9 @@ What a checkpoint holds, and in which form (every form is independent of the lay
 Atomic: ranks write into `checkpoints/step_<N>.tmp`; once every rank's data is written (DCP's save is
 collective and returns only after its coordinator wrote `.metadata`), rank 0 writes meta.json and renames the
 folder to `step_<N>`. A folder without that name and both metadata files is partial and is never loaded.
-Saving a step that already has a checkpoint moves the old one to `step_<N>.old` until the new one is in; a
-crash between the two renames leaves `step_<N>.old`, which counts as step N's checkpoint.
+Saving a step that already has a checkpoint moves the old one to `step_<N>.replaced` until the new one is in; a
+crash between the two renames leaves `step_<N>.replaced`, which counts as step N's checkpoint. Other folders (a
+user's `step_<N>.old` backup, say) are never loaded, counted or deleted.
 
 Safe: every check (model shape, keys, sizes, dtypes, file sizes, checksums) runs before a single tensor is
 read into the model, and fails with a one-line `CheckpointError` naming the path and the fix. DCP's
@@ -66,7 +67,8 @@ FORMAT = "shardwise-checkpoint"
 VERSION = 1
 META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
-_REPLACED_DIR = re.compile(r"step_(\d+)\.old")
+_REPLACED_DIR = re.compile(r"step_(\d+)\.replaced")
+_UNFINISHED_DIR = re.compile(r"step_\d+\.tmp")
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -115,7 +117,9 @@ def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
         if replaced is not None and not entry.with_name(f"step_{replaced.group(1)}").exists():
             m = replaced  # a committed checkpoint whose replacement (the same step saved again) never arrived
         if m is None:
-            partial.append((entry, "unfinished write (never committed)"))
+            unfinished = _UNFINISHED_DIR.fullmatch(entry.name) or replaced is not None
+            partial.append((entry, "unfinished write (never committed)" if unfinished
+                            else "not a checkpoint's name (step_<N>); left alone"))
             continue
         missing = [f for f in (META, TRAIN_STATE, DCP_METADATA) if not (entry / f).is_file()]
         if missing:
@@ -366,7 +370,7 @@ class Checkpointer:
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for folder, _ in scan_checkpoints(self.root.parent).partial:
-                if folder.name.endswith((".tmp", ".old")):
+                if _UNFINISHED_DIR.fullmatch(folder.name) or _REPLACED_DIR.fullmatch(folder.name):
                     shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts; replaced copies
             tmp.mkdir()
         _barrier()
@@ -422,7 +426,7 @@ class Checkpointer:
         if _rank() == 0:
             meta["files"] = _file_digests(tmp)
             _fsync_write(tmp / META, json.dumps(_plain_json(meta), indent=1))
-            old = final.with_name(final.name + ".old")
+            old = final.with_name(final.name + ".replaced")
             if final.exists():  # the same step saved again: the old copy goes once the new one is in
                 shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)

@@ -555,12 +555,29 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(saved_run, tmp_path, m
 
 def test_a_crash_while_replacing_a_step_keeps_it(saved_run, tmp_path):
     """Saving a step that exists moves the old copy aside first; a crash before the new one is renamed in leaves
-    `step_N.old`, which still counts as step N."""
+    `step_N.replaced`, which still counts as step N."""
     run, good = _copy(saved_run, tmp_path)
-    good.rename(good.with_name("step_2.old"))
+    good.rename(good.with_name("step_2.replaced"))
     (good.parent / "step_2.tmp").mkdir()  # the replacement, never committed
-    assert latest_checkpoint(run) == good.with_name("step_2.old")
+    assert latest_checkpoint(run) == good.with_name("step_2.replaced")
     cfg, state, _ = _fresh_state()
     assert load(latest_checkpoint(run), state, cfg.model) == 2
     Checkpointer(run, cfg.model).save(2, state)  # the same step saved again: one step_2 is left
     assert sorted(p.name for p in good.parent.iterdir()) == ["step_2"]
+
+
+def test_a_users_backup_folder_is_left_alone(saved_run, tmp_path):
+    """A copy the user made beside the checkpoints (`step_2.old`) is neither loaded nor deleted by the saves that
+    replace step 2 and by retention, and the scan says why it skips it."""
+    run, good = _copy(saved_run, tmp_path)
+    backup = good.with_name("step_2.old")
+    shutil.copytree(good, backup)
+    scan = scan_checkpoints(run)
+    assert [folder for _, folder in scan.complete] == [good]
+    assert scan.partial == [(backup, "not a checkpoint's name (step_<N>); left alone")]
+    cfg, state, _ = _fresh_state()
+    checkpointer = Checkpointer(run, cfg.model, keep=1)
+    for step in (2, 3, 4):  # step 2 again (its old copy replaced), then retention down to one
+        checkpointer.save(step, state)
+    assert sorted(p.name for p in good.parent.iterdir()) == ["step_2.old", "step_4"]
+    assert (backup / "meta.json").read_bytes() == (saved_run[0] / "checkpoints" / "step_2" / "meta.json").read_bytes()
