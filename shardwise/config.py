@@ -617,8 +617,7 @@ def _validate_moe(cfg: JobConfig) -> None:
 def _validate_ep(cfg: JobConfig, world_known: bool) -> None:
     p, m = cfg.parallel, cfg.model
     _positive("parallel.ep", p.ep)
-    error = expert_parallel_error(p, m.n_experts, bool(m.n_experts and m.aux_loss_coeff), f"model {m.name}",
-                                  ranks_known=world_known)
+    error = expert_parallel_error(p, m.n_experts, f"model {m.name}", ranks_known=world_known)
     if error is not None:
         raise error
 

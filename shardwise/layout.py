@@ -218,18 +218,14 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
     return None
 
 
-def expert_parallel_error(layout: Layout, n_experts: int, aux_loss: bool = False,
-                          model: str = "the model", ranks_known: bool = True) -> ConfigError | None:
+def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the model",
+                          ranks_known: bool = True) -> ConfigError | None:
     """What the engine refuses of a mixture of experts in this layout, as the error naming the field (None: it
     runs it). Expert parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides n_experts and
-    dp_shard x cp, is a multiple of cp, and needs FSDP (ZeRO-2/3). The per-sequence balancing loss needs whole
-    sequences (no cp). The config refuses these jobs and the planner's --plan (key from the field's name).
+    dp_shard x cp, is a multiple of cp, and needs FSDP (ZeRO-2/3). The config refuses these jobs and the planner's
+    --plan (key from the field's name).
     `ranks_known` False: a job that sets no data-parallel degree gets dp_shard from its world later (fit_world),
     so how ep divides the ranks is checked then."""
-    if aux_loss and layout.cp > 1:
-        return ConfigError("model.aux_loss_coeff", "the balancing loss is computed per sequence and context "
-                           "parallelism splits sequences", "set model.aux_loss_coeff = 0 with cp > 1 (use "
-                           "model.bias_update_rate), or cp = 1")
     ep = layout.ep
     if ep == 1:
         return None

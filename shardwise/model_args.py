@@ -113,14 +113,15 @@ PRESETS: dict[str, ModelArgs] = {
         _preset("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                 ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192),
         # mixtures of experts. Mixtral 8x7B: Jiang et al. 2024 and its config.json. Qwen3-30B-A3B (its
-        # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. The
+        # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. Their
+        # balancing losses are their config.json's router_aux_loss_coef (0.02 and 0.001). The
         # DeepSeek-V3-like shape (DeepSeek-AI 2024, table of hyper-parameters) has GQA attention in place of MLA.
         _preset("debug-moe", n_experts=8, top_k=2, moe_ffn_hidden=96, n_shared_experts=1, n_dense_layers=1),
         _preset("mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2),
+                ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2, aux_loss_coeff=0.02),
         _preset("qwen3-30b-a3b-like", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
                 ffn_hidden=6144, moe_ffn_hidden=768, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
-                n_experts=128, top_k=8),
+                n_experts=128, top_k=8, aux_loss_coeff=0.001),
         _preset("deepseek-v3-like", dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
                 ffn_hidden=18432, moe_ffn_hidden=2048, n_experts=256, top_k=8, n_shared_experts=1,
                 n_dense_layers=3, score_func="sigmoid", route_scale=2.5, max_seq_len=4096,

@@ -10,7 +10,10 @@ Load balancing, two ways:
 - the auxiliary loss alpha x E x sum_i f_i P_i (Switch Transformer eq. 4, with f_i the share of a token's k
   choices that go to expert i and P_i the mean routing probability), computed per sequence (DeepSeek-V3's
   sequence-wise form): a sequence is whole on one rank under data, tensor, pipeline and expert parallelism, so
-  the loss is the same however the batch is split. It joins the gradient through `_AuxLossGradient`
+  the loss is the same however the batch is split. Context parallelism splits sequences: its ranks sum their
+  choice counts (`MoE.sequence_group`, as Megatron-LM reduces the balancing loss's statistics over its sequence
+  partition group), and each adds its own tokens' share of P_i, so the ranks' losses sum to the sequence's and
+  each rank's gradient is its tokens' exact share. It joins the gradient through `_AuxLossGradient`
   (Megatron-LM's MoEAuxLossAutoScaler): no change to the loss a pipeline's last stage computes;
 - auxiliary-loss-free (DeepSeek-V3 section 2.1.2): a per-expert bias added to the scores for the choice only,
   moved after each step towards the mean load (`update_expert_bias`).
@@ -27,6 +30,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -164,6 +168,8 @@ class MoE(nn.Module):
         """d(objective)/d(sum of this micro-batch's per-sequence aux losses), set by the trainer each step."""
         self.stated_load: Callable[[int], list[int]] | None = None
         """The simulator's: (token, expert) pairs -> pairs per expert, in place of the router's choices."""
+        self.sequence_group: dist.ProcessGroup | None = None
+        """The ranks holding the other pieces of this rank's sequences (context parallelism's), or None."""
 
     def reset_buffers(self) -> None:
         for buffer in (self.expert_bias, self.tokens_per_expert, self.dropped, self.aux_loss):
@@ -188,7 +194,8 @@ class MoE(nn.Module):
             self.tokens_per_expert += torch.tensor(counts, dtype=self.tokens_per_expert.dtype, device=x.device)
             self.dropped += flat.shape[0] - kept.shape[0]
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1), chosen.view(bsz, seq, -1))
+            aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1), chosen.view(bsz, seq, -1),
+                                                          self.sequence_group)
             if counting:
                 self.aux_loss += aux.detach()
             out = _AuxLossGradient.apply(out, aux, self.aux_grad_scale)
@@ -213,18 +220,28 @@ class MoE(nn.Module):
         return torch.cat([order[start:start + k] for start, k in zip(starts, kept)]), kept
 
 
-def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor, group: dist.ProcessGroup | None = None
+                      ) -> torch.Tensor:
     """sum over sequences of E x sum_i f_i P_i, for scores (batch, seq, E) and chosen (batch, seq, k).
 
     f_i: the share of the sequence's seq x k choices that went to expert i (no gradient); P_i: the mean over the
     sequence of expert i's score normalised over experts (the softmax itself; a sigmoid's scores divided by their
     sum, as DeepSeek-V3 eq. 18-20). Perfect balance gives 1 per sequence.
+
+    `group`: the ranks that each hold a piece of every sequence (context parallelism). Their counts are summed,
+    so f is the whole sequence's; each rank's P_i sums its own tokens over the whole sequence's length, so the
+    group's results sum to the loss of the whole sequences.
     """
     n_experts, k = scores.shape[-1], chosen.shape[-1]
     counts = torch.zeros_like(scores[:, 0]).scatter_add_(1, chosen.flatten(1), torch.ones_like(chosen.flatten(1),
                                                                                                 dtype=scores.dtype))
-    f = counts / (chosen.shape[1] * k)
+    pieces = 1 if group is None else dist.get_world_size(group)
+    if pieces > 1:
+        dist.all_reduce(counts, group=group)
+    f = counts / (chosen.shape[1] * pieces * k)
     p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    if pieces > 1:
+        p = p / pieces  # this rank's tokens' sum over the whole sequence's length
     return n_experts * (f.detach() * p).sum()
 
 

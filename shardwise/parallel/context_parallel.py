@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.model import Attention
+from shardwise.moe import MoE
 
 
 def _chunks_of(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -118,7 +119,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Make every attention layer of `model` attend across the 1-D `cp_mesh` (in place; nothing when cp is 1).
+    """Make every attention layer of `model` attend across the 1-D `cp_mesh`, and every mixture of experts count its
+    balancing loss's choices over it (in place; nothing when cp is 1).
 
     The caller feeds each rank `shard_sequence(tokens, cp_positions(seq_len, cp_mesh))` and passes the same
     positions to the model, so rotary embedding uses the global positions.
@@ -131,3 +133,5 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.attention_fn = attention_fn
+        elif isinstance(module, MoE):
+            module.sequence_group = cp_mesh.get_group()  # the balancing loss's counts are the whole sequence's

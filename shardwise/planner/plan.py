@@ -59,10 +59,9 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     return error
 
 
-def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0,
-                  aux_loss: bool = False) -> None:
-    """Raise PlannerError (naming the --plan key) for a plan that cannot run; `n_experts` and `aux_loss` describe a
-    mixture of experts (routed experts, a balancing loss)."""
+def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0) -> None:
+    """Raise PlannerError (naming the --plan key) for a plan that cannot run; `n_experts`: a mixture of experts'
+    routed experts."""
     if plan.world != world:
         raise PlannerError("--plan", f"dp*tp*pp*cp = {plan.world} but --gpus is {world}",
                            "choose degrees whose product is the number of GPUs")
@@ -101,10 +100,8 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
     if plan.mixed_precision not in MIXED_PRECISIONS:
         raise PlannerError("--plan mixed_precision", f"{plan.mixed_precision!r}",
                            f"use one of {', '.join(MIXED_PRECISIONS)}")
-    error = expert_parallel_error(plan, n_experts, aux_loss)
+    error = expert_parallel_error(plan, n_experts)
     if error is not None:
-        # the balancing loss's refusal names the model's field in a config; here the knob is cp
-        key = error.field.removeprefix("parallel.") if error.field.startswith("parallel.") else "cp"
-        raise PlannerError(f"--plan {key}", error.problem, error.fix)
+        raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
 
 

@@ -78,8 +78,7 @@ class Evaluation:
 def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> Evaluation:
     """Memory and time of one plan (validated first)."""
     check_recipe(args, training)
-    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts,
-                  args.aux_loss_coeff > 0)
+    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts)
     stage, mem = peak_memory(args, training, plan)
     return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster),
                       host_bytes(args, training, plan), cluster.accelerator.host_memory_bytes)
@@ -252,9 +251,6 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         given = " x ".join(f"{k}={v}" for k, v in others.items())
         bad("ep", f"ep={ep} is drawn from the dp_shard x cp ranks, and with {given} they divide {room}",
             f"use an ep dividing {room}, or smaller {' and '.join(others)}")
-    if cp > 1 and args.aux_loss_coeff > 0:
-        bad("cp", "the balancing loss is computed per sequence and context parallelism splits sequences",
-            "use cp=1, or a model without aux_loss_coeff")
 
 
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
@@ -266,9 +262,8 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
         if world % tp or tp == 1 and fixed.get("sequence_parallel"):  # the engine runs it with tp > 1 only
             continue
         # ring attention is a fused kernel per block: unfused attention (Training.fused_attention) has no cp
-        # nor a per-sequence balancing loss (the engine computes it on whole sequences)
         cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp and training.fused_attention
-                                     and training.seq_len % (2 * c) == 0 and not args.aux_loss_coeff or c == 1])
+                                     and training.seq_len % (2 * c) == 0 or c == 1])
         for cp in cps:
             if (world // tp) % cp:
                 continue
