@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardwise.config import ConfigError, check_file_to_write, fit_nodes, load_config
+from shardwise.config import HF_WEIGHT_FILES, ConfigError, check_file_to_write, fit_nodes, load_config
 from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
 
@@ -193,6 +193,9 @@ def _check_generate(args: argparse.Namespace) -> None:
         fix = ("train with checkpoint.enabled = true, and pass its metrics.out_dir" if args.run_dir
                else "copy the model's tokenizer.json (and config.json) from where the weights came from")
         raise ConfigError(flag, f"{folder} has no {' and no '.join(missing)}", fix)
+    if args.hf_dir and not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
+        raise ConfigError(flag, f"{folder} has no {' and no '.join(HF_WEIGHT_FILES)}",
+                          "pass a folder written by save_pretrained (safetensors weights) or shardwise export")
     if args.run_dir and not any((folder / "checkpoints").glob("step_*/meta.json")):
         raise ConfigError(flag, f"{folder} has no complete checkpoint", "let the run save one "
                           "(checkpoint.every, or the end of the run)")

@@ -257,6 +257,9 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
     return _build(JobConfig, raw, "")
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+"""A Hugging Face folder's weights: one safetensors file, or the index of several (hf.SINGLE_FILE, hf.INDEX_FILE)."""
+
 CUSTOM_SHAPE = ("dim", "n_layers", "n_heads", "vocab_size")
 """What a model table naming no preset must give: the rest have defaults that fit any shape."""
 
@@ -417,6 +420,10 @@ def validate(cfg: JobConfig) -> None:
     if hf and not (Path(hf) / "config.json").is_file():
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no config.json",
                           "point it at a Hugging Face model folder (config.json + *.safetensors)")
+    if hf and not any((Path(hf) / name).is_file() for name in HF_WEIGHT_FILES):
+        # found when the weights were read, it was a traceback from inside the training processes
+        raise ConfigError("checkpoint.init_from_hf", f"{hf} has no {' and no '.join(HF_WEIGHT_FILES)}",
+                          "point it at a folder written by save_pretrained (safetensors weights) or shardwise export")
     if hf:
         _validate_hf_shape(cfg.model, hf)
     if not 0 <= cfg.train.stop_after <= cfg.train.steps:

@@ -118,6 +118,7 @@ def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_
     from shardwise.hf import hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["debug"])))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the shape is read from config.json alone
     base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
     load_config(None, base)  # the folder's own shape
     with pytest.raises(ConfigError) as e:
@@ -128,6 +129,20 @@ def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_
     with pytest.raises(ConfigError) as e:
         load_config(None, base)
     assert e.value.field == "checkpoint.init_from_hf"
+
+
+def test_an_init_from_hf_folder_without_weights_is_refused_with_the_config(tmp_path):
+    """A folder with a config.json but no safetensors (a PyTorch .bin checkpoint, a half-copied folder) passed the
+    config and failed as a FileNotFoundError traceback inside the training processes."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["debug"])))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"])
+    assert e.value.field == "checkpoint.init_from_hf" and "model.safetensors" in e.value.problem
 
 
 def test_expert_parallelism_is_checked_against_the_ranks_the_job_will_have():

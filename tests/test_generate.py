@@ -241,6 +241,15 @@ def test_hf_folder_without_tokenizer_says_what_is_needed(hf_folder, tmp_path, ca
     assert err.startswith("shardwise: error: --hf: ") and "no tokenizer.json" in err
 
 
+def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, capsys):
+    """A folder with config.json and tokenizer.json but no safetensors was a FileNotFoundError traceback."""
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_bytes((hf_folder[0] / name).read_bytes())
+    assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "model.safetensors" in err[0], err
+
+
 # ---------------------------------------------------------------------------------------------------
 # A run trained on two ranks, generated from in one process
 
