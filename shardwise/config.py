@@ -653,10 +653,11 @@ def _validate_train(t: TrainConfig) -> None:
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
     the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
-    from shardwise.model_args import args_from_hf_config, network_diffs
+    from shardwise.model_args import args_from_hf_config, compute_diffs, hf_rope_scaling, network_diffs
 
     try:
-        theirs = args_from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+        raw = json.loads((Path(folder) / "config.json").read_text())
+        theirs = args_from_hf_config(raw)
     except (ValueError, KeyError, TypeError) as e:  # not JSON, or a model the engine cannot express
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json: {e}",
                           "point it at a Llama or Mixtral folder") from None
@@ -664,6 +665,20 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     if diffs:
         raise ConfigError("checkpoint.init_from_hf", f"{folder} holds another model shape (folder vs [model]: "
                           + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
+                          "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
+                          + " as the folder's config.json says")
+    # the weights were trained with the folder's norm epsilon, rotary base and scaling: until 2026-11-28 the
+    # [model]'s (a custom shape's defaults: rope_theta 10000) replaced them without a word, and the imported model's
+    # logits were not the folder's
+    scaling = hf_rope_scaling(raw)
+    if scaling:
+        raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, "
+                          "which the engine's rotary embedding does not have (its logits would not be the model's)",
+                          "fine-tune a model with plain rotary embeddings (rope_type 'default')")
+    diffs = compute_diffs(theirs, args)
+    if diffs:
+        raise ConfigError("checkpoint.init_from_hf", f"{folder}'s weights were trained with other values (folder vs "
+                          "[model]: " + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
                           "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
                           + " as the folder's config.json says")
 

@@ -189,7 +189,7 @@ def load_hf(folder: str | Path) -> Loaded:
     from shardwise.data import HFTokenizer
     from shardwise.hf import import_hf
     from shardwise.model import build_model, materialize
-    from shardwise.model_args import args_from_hf_config
+    from shardwise.model_args import args_from_hf_config, hf_rope_scaling
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -197,6 +197,11 @@ def load_hf(folder: str | Path) -> Loaded:
         tokenizer = HFTokenizer(folder / "tokenizer.json", "file")
     except ConfigError as e:
         raise ConfigError("--hf", e.problem, "add the model's own tokenizer.json to the folder") from None
+    scaling = hf_rope_scaling(config)
+    if scaling:
+        raise ConfigError("--hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, which the engine's "
+                          "rotary embedding does not have (its logits would not be the model's)",
+                          "use transformers' generate for this model")
     args = args_from_hf_config(config)
     model = build_model(args)
     materialize(model, args, "cuda" if torch.cuda.is_available() else "cpu", seed=0, init_values=False)

@@ -7,6 +7,7 @@ No torch here: the planner sizes and times models from these without building an
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -269,6 +270,31 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **moe,
     )
+
+
+def hf_rope_scaling(cfg: dict) -> str | None:
+    """The rotary scaling a Hugging Face config.json (as a dict) asks for ('llama3', 'linear', 'dynamic', 'yarn',
+    ...; transformers 5 writes it in rope_parameters, 4 in rope_scaling), None for plain rotary. The engine's rotary
+    table has no scaling: such a model's weights would run with other position encodings than they were trained
+    with (Llama 3.1 / 3.2: 'llama3')."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(key)
+        if isinstance(params, dict):
+            kind = params.get("rope_type") or params.get("type")
+            if kind and kind != "default":
+                return str(kind)
+    return None
+
+
+HF_COMPUTE_FIELDS = ("norm_eps", "rope_theta")
+"""Fields that fit any weights but change what the network computes: a Hugging Face folder's weights were trained
+with its own values (config.json's rms_norm_eps and rope_theta)."""
+
+
+def compute_diffs(theirs: ModelArgs, ours: ModelArgs) -> list[tuple[str, object, object]]:
+    """(field, theirs, ours) for each of HF_COMPUTE_FIELDS on which the two differ."""
+    return [(f, getattr(theirs, f), getattr(ours, f)) for f in HF_COMPUTE_FIELDS
+            if not math.isclose(getattr(theirs, f), getattr(ours, f), rel_tol=1e-9)]
 
 
 def head_rows(tokens: int, dim: int, vocab: int) -> int:

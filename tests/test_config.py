@@ -145,6 +145,33 @@ def test_an_init_from_hf_folder_without_weights_is_refused_with_the_config(tmp_p
     assert e.value.field == "checkpoint.init_from_hf" and "model.safetensors" in e.value.problem
 
 
+def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_path):
+    """The folder's rope_theta, rms_norm_eps and rotary scaling were dropped for the [model]'s (a custom shape's
+    defaults: rope_theta 10000): the imported model's logits differed from the folder's by 5% (rope_theta 500000)
+    and 4% (Llama 3's 'llama3' scaling), without a word."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    folder = hf_config(PRESETS["debug"])
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
+    for change, words, fix in (({"rope_theta": 500000.0}, "rope_theta 500000.0 vs 10000.0", "model.rope_theta"),
+                               ({"rms_norm_eps": 1e-6}, "norm_eps 1e-06 vs 1e-05", "model.norm_eps"),
+                               ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},
+                                "'llama3' rotary scaling", "rope_type 'default'"),
+                               ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' rotary scaling",
+                                "rope_type 'default'")):
+        (tmp_path / "config.json").write_text(json.dumps({**folder, **change}))
+        with pytest.raises(ConfigError) as e:
+            load_config(None, base)
+        assert e.value.field == "checkpoint.init_from_hf" and words in e.value.problem and fix in e.value.fix
+    (tmp_path / "config.json").write_text(json.dumps({**folder, "rope_parameters": {"rope_type": "default"}}))
+    load_config(None, base)
+    (tmp_path / "config.json").write_text(json.dumps({**folder, "rope_theta": 500000.0}))
+    load_config(None, [*base, "model.rope_theta=500000.0"])
+
+
 def test_expert_parallelism_is_checked_against_the_ranks_the_job_will_have():
     """`train --nproc 2 --set parallel.ep=2 --set parallel.zero_stage=3` was refused: the config's check ran before
     dp_shard was filled from the world (dp_shard x cp = 1), though --nproc 2 alone becomes dp_shard 2."""

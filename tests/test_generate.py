@@ -250,6 +250,21 @@ def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, c
     assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "model.safetensors" in err[0], err
 
 
+def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_path, capsys):
+    """A Llama 3.1 / 3.2 folder ('llama3' rotary scaling) was decoded with plain rotary embeddings, its logits not
+    the model's."""
+    import json
+
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((hf_folder[0] / name).read_bytes())
+    config = json.loads((hf_folder[0] / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "'llama3' rotary scaling" in err[0]
+
+
 # ---------------------------------------------------------------------------------------------------
 # A run trained on two ranks, generated from in one process
 
