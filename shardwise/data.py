@@ -241,6 +241,27 @@ def build_tokenizer(cfg: DataConfig, cache_root: Path) -> Tokenizer:
     return HFTokenizer(path, "file")
 
 
+TOKENIZER_PROBE = ("def f(x):\n    return x ** 2  # the quick brown fox, 1234567890\n\tClass Über_naïve "
+                   "{'a': [1, 2]} <tag/> \u4e16\u754c \U0001f600\n")
+"""A text that tells tokenizers apart: code, digits, accents, CJK, an emoji (bytes outside any small vocabulary)."""
+
+
+def check_hf_tokenizer(tokenizer: Tokenizer, data_tokenizer: str, folder: str | os.PathLike) -> None:
+    """Refuse a run whose tokenizer gives other ids than the tokenizer.json of its checkpoint.init_from_hf folder:
+    the folder's embeddings and head are indexed by that tokenizer's ids. Until 2026-11-28 the default
+    data.tokenizer = 'byte' fine-tuned a Hugging Face model on byte ids without a word."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():  # nothing to compare with (a folder saved without its tokenizer)
+        return
+    theirs = tokenizers.Tokenizer.from_file(str(path))
+    vocab = max(theirs.get_vocab(with_added_tokens=True).values()) + 1
+    ours = [int(i) for i in tokenizer.encode(TOKENIZER_PROBE)]
+    if ours != theirs.encode(TOKENIZER_PROBE, add_special_tokens=False).ids or vocab != tokenizer.vocab_size:
+        raise ConfigError("data.tokenizer", f"{data_tokenizer!r} is not the tokenizer of checkpoint.init_from_hf "
+                          f"(other ids for the same text), and the folder's embeddings are indexed by its ids",
+                          f"set data.tokenizer = '{path}'")
+
+
 def tokenizer_json(cfg: DataConfig, cache_root: Path) -> str:
     """The run's tokenizer as a Hugging Face tokenizer.json, the same ids for every text: the file itself for
     'bpe' and a path, and for 'byte' a byte-level BPE without merges whose token for byte b has id b, with

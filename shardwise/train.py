@@ -260,6 +260,8 @@ def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, dat
                 "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
                 f"set model.vocab_size >= {tokenizer.vocab_size}",
             )
+        if cfg.checkpoint.init_from_hf:
+            data.check_hf_tokenizer(tokenizer, cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
         return data.TokenDataset.build(cfg.data, tokenizer)
 
     dataset = runtime.main_first(build)

@@ -234,6 +234,32 @@ def test_lora_adapters_resume_and_export_only_onto_the_base_they_were_trained_on
     assert train(_cfg([*overrides, f"checkpoint.init_from_hf='{moved}'", "train.steps=2"]))["first_step"] == 2
 
 
+def test_a_run_whose_tokenizer_is_not_the_hugging_face_folders_is_refused(hf_base, tmp_path):
+    """data.tokenizer defaults to 'byte': a fine-tuning run that set checkpoint.init_from_hf and not data.tokenizer
+    trained the folder's embeddings on byte ids (its tokenizer.json unread) without a word."""
+    import shutil
+
+    import tokenizers
+
+    from shardwise.config import ConfigError
+
+    folder = tmp_path / "base"
+    shutil.copytree(hf_base[0], folder)
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator([Path(json.__file__).read_text()], vocab_size=300, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok.save(str(folder / "tokenizer.json"))
+    run = [*LORA, f"checkpoint.init_from_hf='{folder}'", f"metrics.out_dir='{tmp_path / 'run'}'",
+           "metrics.progress=false", "metrics.tensorboard=false", "train.steps=1"]
+    for tokenizer in ("byte", "bpe"):
+        with pytest.raises(ConfigError) as e:
+            train(_cfg([*run, f"data.tokenizer='{tokenizer}'", "data.bpe_vocab_size=300"]))
+        assert e.value.field == "data.tokenizer" and str(folder / "tokenizer.json") in e.value.fix
+    copy = tmp_path / "copy.json"  # the folder's tokenizer, wherever it is
+    shutil.copy(folder / "tokenizer.json", copy)
+    assert train(_cfg([*run, f"data.tokenizer='{copy}'"]))["first_step"] == 1
+
+
 def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
     from shardwise.cli import main
 
