@@ -721,9 +721,11 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
     loader = _check_loader(train_state, state)  # the config's to fix, not the checkpoint's
     error = (_check_targets(path, metadata, targets) or (loader and loader[0])
              or (f"{TRAIN_STATE} lacks {missing[0]}" if missing else None) or _check_files(path, meta))
-    error = _agree(error)
+    error = _agree(error)  # "rank r: ..." under several ranks
     if error:
-        raise CheckpointError(path, error, loader[1] if loader and error == loader[0] else
+        # the loader's fix where its problem is the one agreed on: comparing with == gave every multi-rank job the
+        # damaged checkpoint's fix (move the good step aside) for a changed global batch
+        raise CheckpointError(path, error, loader[1] if loader and error.endswith(loader[0]) else
                               MOVE_ASIDE + " (or fix the config to match it)")
 
     with _quiet_single_process():

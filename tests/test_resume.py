@@ -180,6 +180,8 @@ def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
     text = proc.stdout + proc.stderr
     assert proc.returncode == 3, text[-3000:]
     assert text.count("shardwise: error:") == 1 and "global_batch=8, this run has 32" in text, text[-3000:]
+    # the batch to set, not the damaged checkpoint's fix (which it was under several ranks: "rank 0: ..." != ...)
+    assert "fix: set train.global_batch = 8" in text and "move this step's folder" not in text, text[-3000:]
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
 
 
