@@ -133,6 +133,12 @@ def _run_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file", "give a folder to write into (made if missing)")
+    base = cfg.checkpoint.init_from_hf
+    if base and args.format != "peft" and out.resolve() == Path(base).resolve():
+        # it replaced the base's config.json and weights: the run's adapters (which need that base) were then refused
+        # by every resume, export and generate, and the base itself was gone
+        raise ConfigError("--out", f"{out} is the run's base (checkpoint.init_from_hf), whose weights this export "
+                          "would replace", "give another folder")
     made = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)  # the first folder made
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,28 @@ def test_a_run_whose_tokenizer_is_not_the_hugging_face_folders_is_refused(hf_bas
     assert train(_cfg([*run, f"data.tokenizer='{copy}'"]))["first_step"] == 1
 
 
+def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
+    """`export --out BASE` with BASE the run's checkpoint.init_from_hf replaced the base's weights with the merged
+    model: the base was gone and every resume, export and generate of the run's adapters was then refused."""
+    import shutil
+
+    from shardwise.cli import main
+
+    folder = tmp_path / "base"
+    shutil.copytree(hf_base[0], folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.progress=false",
+                 "metrics.tensorboard=false", f"checkpoint.init_from_hf='{folder}'", "train.steps=1"]
+    assert train(_cfg(overrides))["first_step"] == 1
+    sets = [a for o in (*ADAMW, *overrides) for a in ("--set", o)]
+    for fmt in ("merged", "base"):
+        assert main(["export", "--config", CONFIG, *sets, "--out", str(folder / "."), "--format", fmt]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardwise: error: --out: ") and "init_from_hf" in err[0], err
+    assert (folder / "model.safetensors").read_bytes() == weights
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / "merged")]) == 0
+
+
 def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
     from shardwise.cli import main
 
