@@ -89,6 +89,9 @@ class OptimConfig:
 
 LORA_TARGETS = PROJECTIONS
 """The projections of a block LoRA can adapt: attention (wq, wk, wv, wo) and MLP (w1 gate, w3 up, w2 down)."""
+HF_PROJECTIONS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
+                  "down_proj": "w2"}
+"""A Llama block's projections by their Hugging Face (and peft target_modules) names, and the engine's names."""
 # QLoRA's NF4 storage (torchao's to_nf4 defaults, as in Dettmers et al. 2023; see shardwise/nf4.py): one int8
 # absmax scaler per NF4_BLOCK_SIZE weights, one quantisation factor per NF4_SCALER_BLOCK_SIZE scalers
 NF4_BLOCK_SIZE = 64
@@ -560,9 +563,17 @@ def _validate_lora(lora: LoraConfig) -> None:
     if not 0 <= lora.dropout < 1:
         raise ConfigError("lora.dropout", f"{lora.dropout} outside [0, 1)", "use e.g. 0.0 or 0.05")
     unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    hf_names = {t: HF_PROJECTIONS[t] for t in unknown if t in HF_PROJECTIONS}
+    if hf_names:  # peft's target_modules for Llama name the Hugging Face modules
+        raise ConfigError("lora.targets", f"{', '.join(hf_names)} {'is' if len(hf_names) == 1 else 'are'} the "
+                          "Hugging Face name of a projection, and the engine's model names them otherwise",
+                          "write " + ", ".join(f"{v} for {k}" for k, v in hf_names.items()))
     if unknown or not lora.targets:
         raise ConfigError("lora.targets", f"{unknown or 'an empty list'} names no projection of a block",
                           f"use some of {', '.join(LORA_TARGETS)}")
+    repeated = sorted({t for t in lora.targets if lora.targets.count(t) > 1})
+    if repeated:  # counted twice by the FLOP count, listed twice in the peft export's target_modules
+        raise ConfigError("lora.targets", f"{', '.join(repeated)} listed more than once", "name each projection once")
 
 
 def _validate_qlora(cfg: JobConfig) -> None:

@@ -172,6 +172,19 @@ def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_
     load_config(None, [*base, "model.rope_theta=500000.0"])
 
 
+def test_lora_targets_in_peft_names_or_repeated_are_refused_with_the_names_to_write():
+    """peft's target_modules for Llama (q_proj, v_proj) were refused listing the engine's names without saying which
+    is which; a repeated target trained once but was counted twice (FLOPs) and exported twice (target_modules)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["lora.rank=8", 'lora.targets=["q_proj", "v_proj", "wo"]'])
+    assert e.value.field == "lora.targets" and "q_proj, v_proj are the Hugging Face name" in e.value.problem
+    assert e.value.fix == "write wq for q_proj, wv for v_proj"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["lora.rank=8", 'lora.targets=["wq", "wv", "wq"]'])
+    assert e.value.field == "lora.targets" and "wq listed more than once" in e.value.problem
+    assert load_config(None, ["lora.rank=8", 'lora.targets=["wq", "wv"]']).lora.targets == ["wq", "wv"]
+
+
 def test_expert_parallelism_is_checked_against_the_ranks_the_job_will_have():
     """`train --nproc 2 --set parallel.ep=2 --set parallel.zero_stage=3` was refused: the config's check ran before
     dp_shard was filled from the world (dp_shard x cp = 1), though --nproc 2 alone becomes dp_shard 2."""
