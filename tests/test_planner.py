@@ -135,6 +135,9 @@ def test_hugging_face_config_maps_to_the_same_parameter_count(tmp_path):
         hf_model = transformers.LlamaForCausalLM(cfg)
     assert num_params(args) == sum(p.numel() for p in hf_model.parameters())
     assert from_hf_config(json.loads(path.read_text())).n_kv_heads == 2
+    # the folder, as from_pretrained and checkpoint.init_from_hf take it, was refused as "neither a preset nor a
+    # config file"
+    assert resolve_model(str(tmp_path)) == args
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -318,6 +318,8 @@ def resolve_model(spec: str | ModelArgs) -> ModelArgs:
     if spec in PRESETS:
         return dataclasses.replace(PRESETS[spec])
     path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder, as from_pretrained takes it
+        path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
         try:
             cfg = json.loads(path.read_text())
@@ -331,7 +333,8 @@ def resolve_model(spec: str | ModelArgs) -> ModelArgs:
 
         return load_config(path).model
     raise PlannerError("--model", f"{spec!r} is neither a preset nor a config file",
-                       f"use one of {', '.join(PRESETS)}, a Hugging Face config.json or a shardwise TOML")
+                       f"use one of {', '.join(PRESETS)}, a Hugging Face config.json (or its folder) or a "
+                       "shardwise TOML")
 
 
 def from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
