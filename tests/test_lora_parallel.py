@@ -121,3 +121,16 @@ def test_verify_refuses_lora_dropout_before_any_process(capsys, monkeypatch):
     code = main(["verify", "--config", CONFIG, "--set=lora.rank=4", "--set=lora.dropout=0.1", "--layout", "dp=2"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: lora.dropout"), lines
+
+
+def test_verify_explains_a_parameter_only_failure_under_an_adaptive_optimizer():
+    """`verify --layout tp=2` of a LoRA config with AdamW printed FAIL (params 3.2e-5, loss and gradient norm exact)
+    and nothing else; under momentum SGD the same layout is exact (1.0e-6)."""
+    from shardwise.verify import adaptive_optimizer_note
+
+    row = {"layout": "tp=2", "ok": False, "loss_rel": 0.0, "grad_norm_rel": 9.3e-8, "param_rel": 3.2e-5}
+    note = adaptive_optimizer_note([row], "adamw", 1e-5)
+    assert note.startswith("note: tp=2 matched the loss") and "--set optim.name=momentum" in note
+    assert adaptive_optimizer_note([row], "momentum", 1e-5) is None  # a real difference: no excuse offered
+    assert adaptive_optimizer_note([{**row, "grad_norm_rel": 1e-3}], "adamw", 1e-5) is None
+    assert adaptive_optimizer_note([{**row, "ok": True}], "adamw", 1e-5) is None
