@@ -271,6 +271,22 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def run_record(cfg: JobConfig) -> dict[str, Any]:
+    """The job as a run folder keeps it (job_config.json, which `generate --run` reads): its file and folder paths
+    made absolute, so that the record means the same files from any working folder. Written relative, a run trained
+    with data.tokenizer = 'base/tokenizer.json' could not be read by `generate --run` from another folder (refused
+    naming data.tokenizer, which generate has no flag for)."""
+    raw = to_dict(cfg)
+    data, checkpoint = raw["data"], raw["checkpoint"]
+    data["paths"] = [os.path.abspath(p) for p in data["paths"]]
+    if data["tokenizer"] not in ("byte", "bpe"):
+        data["tokenizer"] = os.path.abspath(os.path.expanduser(data["tokenizer"]))
+    for table, key in ((data, "cache_dir"), (checkpoint, "init_from_hf")):
+        if table[key]:
+            table[key] = os.path.abspath(table[key])
+    return raw
+
+
 def with_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """`cfg` with `key=value` overrides applied, type-checked as `load_config` checks them (not validated: a
     simulated job may be larger than any machine here)."""

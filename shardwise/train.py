@@ -34,7 +34,7 @@ from shardwise.checkpoint import (
     scan_checkpoints,
     set_aside,
 )
-from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, to_dict
+from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, run_record, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
@@ -422,7 +422,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank,
                         first_step=first_step, dp_size=runtime.dp_size)
     if runtime.is_main:
-        (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(run_record(cfg), indent=2))
     tokens_per_step = global_batch * cfg.data.seq_len
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params"

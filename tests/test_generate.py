@@ -241,6 +241,26 @@ def test_hf_folder_without_tokenizer_says_what_is_needed(hf_folder, tmp_path, ca
     assert err.startswith("shardwise: error: --hf: ") and "no tokenizer.json" in err
 
 
+def test_generate_run_reads_a_run_with_relative_paths_from_another_folder(tmp_path, monkeypatch):
+    """A run trained with data.tokenizer = 'tok/tokenizer.json' (relative) kept that path in job_config.json, and
+    `generate --run` from any other working folder was refused naming data.tokenizer."""
+    from shardwise import data
+    from shardwise.config import DataConfig
+    from shardwise.generate import load_run
+    from shardwise.train import train
+
+    work = tmp_path / "work"
+    (work / "tok").mkdir(parents=True)
+    (work / "tok" / "tokenizer.json").write_text(data.tokenizer_json(DataConfig(), tmp_path))
+    monkeypatch.chdir(work)
+    train(load_config(CONFIG, ["data.tokenizer='tok/tokenizer.json'", "metrics.out_dir='runs/rel'", "train.steps=1",
+                               "checkpoint.enabled=true", "metrics.tensorboard=false", "metrics.progress=false",
+                               "train.val_every=0", "model.n_layers=2"]))
+    monkeypatch.chdir(tmp_path)
+    loaded = load_run(work / "runs" / "rel")
+    assert loaded.tokenizer.vocab_size == 257
+
+
 def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """A folder with config.json and tokenizer.json but no safetensors was a FileNotFoundError traceback."""
     for name in ("config.json", "tokenizer.json"):
