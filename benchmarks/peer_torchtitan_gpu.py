@@ -30,7 +30,8 @@ the ids index the first rows of the 128,256-row embedding and head, every row st
     it, log every step, a .item() of the loss in it), shardwise's metrics.jsonl tokens_per_s (log_every 1, the
     loss also read back each step); both include fetching the batch.
   Not the same in the two (left as each system does it): the initialisation, the learning-rate schedule after
-    its 2 warm-up steps, rope (torchtitan 0.2.2 applies Llama 3's rope scaling, shardwise none), the loss
+    its 2 warm-up steps, rope scaling (torchtitan 0.2.2 applies Llama 3.1's, factor 8; shardwise the llama3.2-1b
+    preset's, Llama 3.2's factor 32: the same work), the loss
     (torchtitan writes the fp32 logits of the whole batch, shardwise fuses the head with the loss, block by
     block), and the memory figure (torchtitan logs the allocator's max reserved, shardwise max allocated).
 

@@ -509,6 +509,7 @@ def _validate_model(m: ModelArgs, data: DataConfig) -> None:
         )
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.rope_theta", m.rope_theta)
+    _validate_rope_scaling(m)
     if data.seq_len > m.max_seq_len:
         raise ConfigError(
             "data.seq_len", f"{data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
@@ -677,6 +678,20 @@ def _validate_train(t: TrainConfig) -> None:
             raise ConfigError("train.device", "CUDA is not available here", "use 'auto' or 'cpu'")
 
 
+def _validate_rope_scaling(m: ModelArgs) -> None:
+    """Llama 3.1's rotary scaling (model.rope_scaling_factor > 0): the bands its other fields set must exist."""
+    if m.rope_scaling_factor < 0:
+        raise ConfigError("model.rope_scaling_factor", f"{m.rope_scaling_factor} < 0",
+                          "use 0 (plain rotary embedding) or Llama 3.1's factor (8; Llama 3.2: 32)")
+    if not m.rope_scaling_factor:
+        return
+    _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError("model.rope_high_freq_factor", f"low {m.rope_low_freq_factor}, high "
+                          f"{m.rope_high_freq_factor}: the scaling needs 0 < model.rope_low_freq_factor < "
+                          "model.rope_high_freq_factor", "use Llama 3.1's 1.0 and 4.0")
+
+
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
     the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
@@ -701,7 +716,8 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     if scaling:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, "
                           "which the engine's rotary embedding does not have (its logits would not be the model's)",
-                          "fine-tune a model with plain rotary embeddings (rope_type 'default')")
+                          "fine-tune a model with plain rotary embeddings (rope_type 'default') or Llama 3.1's "
+                          "scaling (rope_type 'llama3')")
     diffs = compute_diffs(theirs, args)
     if diffs:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}'s weights were trained with other values (folder vs "

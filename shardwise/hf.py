@@ -172,6 +172,11 @@ def _decoder_config(args: ModelArgs) -> dict:
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
+        **({"rope_scaling": {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                             "low_freq_factor": args.rope_low_freq_factor,
+                             "high_freq_factor": args.rope_high_freq_factor,
+                             "original_max_position_embeddings": args.rope_original_max_seq_len}}
+           if args.rope_scaling_factor else {}),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",

@@ -39,12 +39,29 @@ from shardwise.moe import MoE
 # Modules
 
 
-def rotary_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of every (position, frequency), shape (2, max_seq_len, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_table(args: ModelArgs, max_seq_len: int | None = None, device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency), shape (2, max_seq_len, head_dim) (default: args.max_seq_len)."""
+    head_dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if args.rope_scaling_factor:
+        inv_freq = llama3_frequencies(inv_freq, args)
+    angles = torch.outer(torch.arange(max_seq_len or args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return torch.stack([angles.cos(), angles.sin()])
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1's rotary frequency scaling (Meta's `apply_scaling`; transformers' rope_type 'llama3'): the
+    frequencies whose wavelength is longer than original / low_freq_factor are divided by the factor, those shorter
+    than original / high_freq_factor kept, and those between blended linearly in original / wavelength."""
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    original = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(between, blended, scaled)
 
 
 def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -532,7 +549,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # recomputed, never saved: it is a function of the shape, so checkpoints carry only weights
-        self.register_buffer("rope", rotary_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer("rope", rotary_table(args), persistent=False)
         # forward(targets=...) returns the loss with the head fused into it (shardwise.loss.head_loss_sum); the
         # trainer sets it where the head stays a plain linear (fuse_head_loss)
         self.fused_loss = False
@@ -648,7 +665,7 @@ def materialize(model: nn.Module, args: ModelArgs, device: torch.device | str, s
     model.to_empty(device=device)
     if isinstance(model, Transformer):
         model.tie_weights()
-        model.rope = rotary_table(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+        model.rope = rotary_table(args, device=device)
     for module in model.modules():
         if isinstance(module, MoE):
             module.reset_buffers()  # to_empty left them as uninitialised memory

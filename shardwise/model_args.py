@@ -40,6 +40,15 @@ class ModelArgs:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3.1's rotary frequency scaling (Hugging Face rope_type 'llama3'): the factor the low frequencies are
+    divided by (Llama 3.1: 8, Llama 3.2: 32); 0: plain rotary embedding. With the next three fields."""
+    rope_low_freq_factor: float = 1.0
+    """Frequencies of wavelengths above rope_original_max_seq_len / this are divided by rope_scaling_factor."""
+    rope_high_freq_factor: float = 4.0
+    """Frequencies of wavelengths below rope_original_max_seq_len / this are kept; those between are blended."""
+    rope_original_max_seq_len: int = 8192
+    """The context the model was pre-trained at before its context was extended (Llama 3.1 and 3.2: 8192)."""
     max_seq_len: int = 2048
     """Longest sequence the rotary table covers."""
     tie_embeddings: bool = False
@@ -100,9 +109,11 @@ PRESETS: dict[str, ModelArgs] = {
         _preset("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden=192,
                 max_seq_len=256),
         _preset("llama3.2-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
+                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+                rope_scaling_factor=32.0),
         _preset("llama3.2-3b", dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
+                ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+                rope_scaling_factor=32.0),
         _preset("llama2-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
                 ffn_hidden=11008, max_seq_len=4096),
         _preset("llama2-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
@@ -112,7 +123,7 @@ PRESETS: dict[str, ModelArgs] = {
         _preset("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                 ffn_hidden=28672, rope_theta=500000.0, max_seq_len=8192),
         _preset("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-                ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192),
+                ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192, rope_scaling_factor=8.0),  # Llama 3.1's
         # mixtures of experts. Mixtral 8x7B: Jiang et al. 2024 and its config.json. Qwen3-30B-A3B (its
         # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. Their
         # balancing losses are their config.json's router_aux_loss_coef (0.02 and 0.001). The
@@ -258,6 +269,7 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         raise ValueError(f"num_experts_per_tok = {moe['top_k']} > num_local_experts = {moe['n_experts']}")
     return ModelArgs(
         name=name,
+        **_hf_llama3_scaling(cfg),
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
         n_heads=n_heads,
@@ -272,23 +284,45 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
     )
 
 
-def hf_rope_scaling(cfg: dict) -> str | None:
-    """The rotary scaling a Hugging Face config.json (as a dict) asks for ('llama3', 'linear', 'dynamic', 'yarn',
-    ...; transformers 5 writes it in rope_parameters, 4 in rope_scaling), None for plain rotary. The engine's rotary
-    table has no scaling: such a model's weights would run with other position encodings than they were trained
-    with (Llama 3.1 / 3.2: 'llama3')."""
+def _hf_rope_parameters(cfg: dict) -> dict:
+    """A Hugging Face config's rotary scaling parameters (transformers 5 writes them in rope_parameters, 4 in
+    rope_scaling), {} for plain rotary."""
     for key in ("rope_parameters", "rope_scaling"):
         params = cfg.get(key)
-        if isinstance(params, dict):
-            kind = params.get("rope_type") or params.get("type")
-            if kind and kind != "default":
-                return str(kind)
-    return None
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type") or "default") != "default":
+            return params
+    return {}
 
 
-HF_COMPUTE_FIELDS = ("norm_eps", "rope_theta")
+def hf_rope_scaling(cfg: dict) -> str | None:
+    """The rotary scaling a Hugging Face config.json (as a dict) asks for that the engine does not have ('linear',
+    'dynamic', 'yarn', ...), None for plain rotary or Llama 3.1's 'llama3' (ModelArgs.rope_scaling_factor). Such a
+    model's weights would run with other position encodings than they were trained with."""
+    params = _hf_rope_parameters(cfg)
+    kind = params.get("rope_type") or params.get("type")
+    return None if not params or kind == "llama3" else str(kind)
+
+
+def _hf_llama3_scaling(cfg: dict) -> dict:
+    """ModelArgs' rotary scaling fields from a config whose rope_type is 'llama3' ({} otherwise)."""
+    params = _hf_rope_parameters(cfg)
+    if (params.get("rope_type") or params.get("type")) != "llama3":
+        return {}
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in params]
+    if missing:
+        raise ValueError(f"rope_type 'llama3' without {', '.join(missing)}")
+    return {"rope_scaling_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_seq_len": int(params["original_max_position_embeddings"])}
+
+
+ROPE_SCALING_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_max_seq_len")
+HF_COMPUTE_FIELDS = ("norm_eps", "rope_theta", *ROPE_SCALING_FIELDS)
 """Fields that fit any weights but change what the network computes: a Hugging Face folder's weights were trained
-with its own values (config.json's rms_norm_eps and rope_theta)."""
+with its own values (config.json's rms_norm_eps, rope_theta and Llama 3.1's rotary scaling)."""
 
 
 def compute_diffs(theirs: ModelArgs, ours: ModelArgs) -> list[tuple[str, object, object]]:

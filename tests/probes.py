@@ -125,7 +125,7 @@ def block_op_calls(block: torch.nn.Module, args, seq: int = 32) -> int:
     from shardwise.planner.opcount import OpCounter
 
     x = torch.randn(2, seq, args.dim, requires_grad=True)
-    rope = rotary_table(args.head_dim, seq, args.rope_theta)
+    rope = rotary_table(args, seq)
     block(x, rope).sum().backward()  # warm-up
     with OpCounter() as with_block:
         block(x, rope).sum().backward()

@@ -158,8 +158,12 @@ def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_
     base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
     for change, words, fix in (({"rope_theta": 500000.0}, "rope_theta 500000.0 vs 10000.0", "model.rope_theta"),
                                ({"rms_norm_eps": 1e-6}, "norm_eps 1e-06 vs 1e-05", "model.norm_eps"),
-                               ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},
-                                "'llama3' rotary scaling", "rope_type 'default'"),
+                               ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8192}},
+                                "rope_scaling_factor 8.0 vs 0.0", "model.rope_scaling_factor = 8.0"),
+                               ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' rotary scaling",
+                                "rope_type 'default'"),
                                ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' rotary scaling",
                                 "rope_type 'default'")):
         (tmp_path / "config.json").write_text(json.dumps({**folder, **change}))
@@ -170,6 +174,10 @@ def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_
     load_config(None, base)
     (tmp_path / "config.json").write_text(json.dumps({**folder, "rope_theta": 500000.0}))
     load_config(None, [*base, "model.rope_theta=500000.0"])
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}  # Llama 3.2's
+    (tmp_path / "config.json").write_text(json.dumps({**folder, "rope_scaling": llama3}))
+    load_config(None, [*base, "model.rope_scaling_factor=32.0"])
 
 
 def test_lora_targets_in_peft_names_or_repeated_are_refused_with_the_names_to_write():

@@ -191,6 +191,31 @@ def hf_folder(tmp_path_factory):
     return folder, theirs
 
 
+def test_a_llama_3_2_style_folder_imports_with_its_rotary_scaling(tmp_path):
+    """A folder whose config asks for Llama 3.1 / 3.2's rotary scaling (rope_type 'llama3'; its pre-training context
+    cut to 32 so that 200 tokens reach the scaled band) loads with transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path)
+    from shardwise.hf import import_hf
+    from shardwise.model_args import args_from_hf_config
+
+    args = args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert (args.rope_scaling_factor, args.rope_original_max_seq_len) == (32.0, 32)
+    ours = build_model(args)
+    materialize(ours, args, "cpu", seed=0, init_values=False)
+    import_hf([ours], tmp_path)
+    tokens = torch.randint(0, 320, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours.eval()(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-5
+
+
 def test_hf_greedy_tokens_match_transformers_generate(hf_folder, capsys):
     folder, theirs = hf_folder
     loaded = load_hf(folder)
@@ -271,18 +296,18 @@ def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, c
 
 
 def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_path, capsys):
-    """A Llama 3.1 / 3.2 folder ('llama3' rotary scaling) was decoded with plain rotary embeddings, its logits not
-    the model's."""
+    """A folder asking for a rotary scaling the engine does not have (YaRN; Llama 3.1's 'llama3' it has) was
+    decoded with plain rotary embeddings, its logits not the model's."""
     import json
 
     for name in ("model.safetensors", "tokenizer.json"):
         (tmp_path / name).write_bytes((hf_folder[0] / name).read_bytes())
     config = json.loads((hf_folder[0] / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 64}
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "'llama3' rotary scaling" in err[0]
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "'yarn' rotary scaling" in err[0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise import hf
 from shardwise.model import build_model, init_value, materialize
-from shardwise.model_args import PRESETS, flops_per_token, num_params, preset
+from shardwise.model_args import PRESETS, args_from_hf_config, flops_per_token, num_params, preset
 
 
 def _pair(args, seed=0):
@@ -48,6 +48,26 @@ def test_logits_match_transformers_llama(kv_heads, tied):
         expected = theirs(tokens).logits
         got = ours(tokens)
     assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_llama3_rotary_scaling_matches_transformers_and_its_config_round_trips():
+    """Llama 3.1 / 3.2's rotary frequency scaling (rope_type 'llama3'), its pre-training context cut to 64 so that
+    256 tokens of the tiny model's head_dim 16 span the three bands (kept, blended, divided by the factor): the logits
+    equal transformers', and differ from plain rotary's by far more than that (the scaling is not a no-op here)."""
+    args = preset("tiny", rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=64)
+    ours, theirs = _pair(args)
+    assert theirs.config.rope_parameters["rope_type"] == "llama3"
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1))
+    plain_args = preset("tiny", rope_theta=500000.0)
+    plain = build_model(plain_args)
+    materialize(plain, plain_args, "cpu", 0)  # the same weights: initialisation is a function of (seed, name)
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+        unscaled = plain.eval()(tokens)
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert (unscaled - expected).abs().max().item() > 1e-2
+    assert args_from_hf_config(theirs.config.to_dict(), name="tiny") == args
 
 
 def test_logits_match_transformers_llama_past_one_cpu_attention_block(blockwise):
