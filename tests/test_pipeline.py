@@ -198,12 +198,14 @@ def test_pipeline_layout_matches_single_device(parity_report, layout):
 
 
 @pytest.mark.multiprocess
-def test_validation_through_the_schedule_matches_single_device(tmp_path):
+@pytest.mark.parametrize("schedule", [["parallel.pp_schedule='interleaved-1f1b'", "parallel.virtual_stages=2"],
+                                      # the V: a rank's two stages pass activations locally (torch's eval did not)
+                                      ["parallel.pp_schedule='zero-bubble'"]], ids=["interleaved", "zero-bubble"])
+def test_validation_through_the_schedule_matches_single_device(tmp_path, schedule):
     """Evaluation runs the schedule forward-only in groups of grad_accum micro-batches (3 batches: the last group
     is padded and the padding's losses dropped), then training resumes through the schedule."""
     runs = []
-    for name, layout, nproc in [("ref", [], []), ("pp", ["parallel.pp=2", "parallel.pp_schedule='interleaved-1f1b'",
-                                                          "parallel.virtual_stages=2"], ["--nproc=2"])]:
+    for name, layout, nproc in [("ref", [], []), ("pp", ["parallel.pp=2", *schedule], ["--nproc=2"])]:
         out = tmp_path / name
         sets = ["train.steps=2", "train.grad_accum=2", "train.val_every=1", "train.val_batches=3",
                 f"metrics.out_dir='{out}'", "metrics.log_every=1", "metrics.tensorboard=false",

@@ -87,6 +87,16 @@ class Stage(PipelineStage):
         with GraphExecGroup():
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
+    # schedule.eval() (validation) runs the schedule's backward actions as no-ops, but torch 2.13's runtime still
+    # hands a V's input gradients from one stage to the other on the same rank (zero-bubble), which asserts that the
+    # stage has a backward: without one there is nothing to hand over
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 def build_stage_module(meta: Transformer, layers: range, first: bool, last: bool) -> Transformer:
     """A copy of the meta model with only `layers` (names kept), the embedding if first, norm + head if last."""
