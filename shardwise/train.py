@@ -71,9 +71,39 @@ class StepResult:
     """The loss or the gradient norm was inf/nan (without fp16 loss scaling, which handles its own)."""
 
 
+class GradScaler(torch.amp.GradScaler):
+    """torch's dynamic loss scaler, whose unscale reads the gradients of the parameters `optimizer_step` names
+    (`params`), however they are split, and agrees on inf/nan across all ranks.
+
+    torch's reads the optimizer's parameters and unscales each device's gradients in one foreach call: under tensor
+    parallelism without a data-parallel wrapper the list mixed DTensors with plain tensors (DTensor refuses it),
+    and ZeRO-1's ShardedOptimizer holds slices whose gradients are only set inside its step (no inf check was
+    recorded, torch's step asserted). Each gradient is unscaled as its local tensor here, and one all-reduce (max)
+    of the found inf/nan makes every rank skip, or step, together."""
+
+    params: list[torch.Tensor] = []
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        groups: dict = {}
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), grads in groups.items():
+            found = torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+            found_inf.copy_(torch.maximum(found_inf, found.to(found_inf.device)))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}
+
+
 def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
     """Dynamic loss scaling for fp16 (disabled otherwise): an inf/nan step is skipped and the scale halves."""
-    return torch.amp.GradScaler(
+    return GradScaler(
         device.type,
         init_scale=cfg.loss_scale_init,
         growth_interval=cfg.loss_scale_growth_interval,
@@ -200,8 +230,9 @@ def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, glo
 
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:
     """Unscale (fp16), measure and clip the gradient norm, step unless inf/nan, clear gradients."""
-    scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see true gradients
     params = [p for p in params if p.grad is not None]
+    scaler.params = params  # what GradScaler unscales
+    scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see true gradients
     grad_norm = total_grad_norm(params, pp_group)
     if grad_clip > 0:
         # the coefficient as a Python number: gradients may be a mix of DTensors on several meshes and tensors

@@ -171,6 +171,30 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
     assert not torch.equal(model.layers["0"].attention.wq.weight, before["layers.0.attention.wq.weight"])
 
 
+@pytest.mark.multiprocess
+def test_fp16_loss_scaling_trains_under_tensor_parallelism_and_zero1(tmp_path):
+    """fp16's unscale reads every gradient, however the layout splits it: tp alone mixes DTensor and plain gradients
+    (one foreach call over both failed in DTensor) and ZeRO-1's optimizer holds slices without gradients before its
+    step (torch's scaler found no inf check and asserted). Both now train as one device does: the first step's
+    overflow skipped, the same losses after it."""
+    config = str(Path(__file__).parent / "configs" / "parity.toml")
+    runs = {}
+    for name, sets, nproc in [("ref", [], []), ("tp", ["parallel.tp=2"], ["--nproc=2"]),
+                              ("ref2", ["train.micro_batch=16"], []),
+                              ("zero1", ["parallel.dp_replicate=2", "parallel.zero_stage=1"], ["--nproc=2"])]:
+        out = tmp_path / name
+        sets = ["train.steps=3", "train.precision=fp16", "train.val_every=0", f"metrics.out_dir='{out}'",
+                "metrics.log_every=1", "metrics.tensorboard=false", "metrics.progress=false", *sets]
+        proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", config,
+                               *[f"--set={s}" for s in sets], *nproc], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [(r["skipped"], r["loss"]) for r in rows if "loss" in r and "skipped" in r]
+    for got, ref in (("tp", "ref"), ("zero1", "ref2")):
+        assert [s for s, _ in runs[got]] == [s for s, _ in runs[ref]], (got, runs)
+        assert [loss for _, loss in runs[got]] == pytest.approx([loss for _, loss in runs[ref]], rel=2e-3), got
+
+
 def test_lr_schedule_warmup_and_cosine():
     assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
     assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
