@@ -487,6 +487,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             write_profile(profiler, Path(cfg.metrics.out_dir) / "profile", runtime.env.rank, device)
         logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
         routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
+        # the lr this step ran at, as the optimizer held it (float(): torchao's optimizers keep lr as a tensor)
+        lr = float(optimizer.param_groups[0]["lr"])
         schedule.step()
         meter.add(time.perf_counter() - start)
         samples.log(step, batches)
@@ -500,7 +502,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                 f"{cfg.train.max_nonfinite_steps} allows skipping some)"
             )
         if logged:
-            writer.log(step, meter.values(result, schedule, scaler) | summary["comm"] | routing)
+            writer.log(step, meter.values(result, lr, scaler) | summary["comm"] | routing)
         if cfg.train.val_every and (step % cfg.train.val_every == 0 or step == cfg.train.steps):
             summary["val_loss"] = evaluate(model, val, device, autocast_precision(cfg), runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})
@@ -551,11 +553,11 @@ class Throughput:
         self.time += seconds
         self.steps += 1
 
-    def values(self, result: StepResult, schedule, scaler) -> dict[str, float]:
+    def values(self, result: StepResult, lr: float, scaler) -> dict[str, float]:
+        """`lr`: the learning rate the step ran at (read before the schedule moves on to the next step's)."""
         tokens_per_s = self.steps * self.tokens_per_step / self.time
         values = {
-            # float(): torchao's optimizers keep lr as a tensor
-            "loss": result.loss, "grad_norm": result.grad_norm, "lr": float(schedule.get_last_lr()[0]),
+            "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
             "tokens_per_s": tokens_per_s, "step_time_s": self.time / self.steps,
             "peak_memory_gib": peak_memory_bytes(self.runtime.device) / 2**30, "skipped": int(result.skipped),
         }

@@ -229,6 +229,19 @@ def test_short_run_on_text_learns(tmp_path):
     assert json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())["traceEvents"]
 
 
+def test_the_logged_lr_is_the_one_the_step_ran_at(tmp_path):
+    """Linear warmup over 4 steps: steps 1, 2, 3 run at 1/4, 2/4, 3/4 of the peak, and that is what is logged (the
+    schedule's next value was logged: 2/4 at step 1)."""
+    cfg = load_config(None, [
+        "model.name='debug'", "data.seq_len=32", "data.max_corpus_mb=1", "train.micro_batch=2", "train.steps=3",
+        "train.val_every=0", "optim.lr=0.01", "optim.warmup_steps=4", f"metrics.out_dir='{tmp_path / 'run'}'",
+        "metrics.log_every=1", "metrics.progress=false", "metrics.tensorboard=false",
+    ])
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if "lr" in r] == pytest.approx([0.0025, 0.005, 0.0075])
+
+
 def test_bf16_autocast_close_to_fp32_and_keeps_fp32_master_weights():
     model = _model()
     batch = _batch(4)
