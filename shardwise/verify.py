@@ -119,6 +119,12 @@ def _results(out_dir: Path) -> tuple[list[tuple[float, float]], dict]:
 
 
 def _rel(a: float, b: float) -> float:
+    """|a - b| / |b|; 0 for the same inf (both runs skipped an fp16 overflow), inf where only one is finite or
+    either is nan (inf / inf was nan, which max() over the steps passed over)."""
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
     return abs(a - b) / abs(b) if b else abs(a)
 
 

@@ -110,3 +110,14 @@ def test_bad_verify_flags_are_one_line_before_any_run(args, field, capsys, monke
     assert len(lines) == 1 and lines[0].startswith(f"shardwise: error: {field}: "), lines
     if field == "--layout tp":
         assert "not a whole number" in lines[0]
+
+
+def test_verify_compares_overflowed_steps():
+    """An fp16 step both runs skip (inf gradient norm) matches; one that only one run skips, or a nan, does not
+    (inf / inf made nan, and max() over the steps passed over it: a mismatch could print 'ok')."""
+    from shardwise.verify import _rel
+
+    inf, nan = float("inf"), float("nan")
+    assert _rel(inf, inf) == 0.0 and _rel(2.0, 2.0) == 0.0
+    assert _rel(1.0, inf) == inf and _rel(inf, 1.0) == inf and _rel(nan, 1.0) == inf and _rel(nan, nan) == inf
+    assert max(_rel(a, b) for a, b in [(1.0, inf), (1.0, 1.0)]) == inf
