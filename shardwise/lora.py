@@ -92,14 +92,14 @@ def is_adapter(name: str) -> bool:
 
 
 def adapter_spec(parts: list[nn.Module]) -> dict | None:
-    """What the adapters of a model are (rank, alpha / rank, targets), as an adapter checkpoint records it and a
-    run resuming it must match; None for a model without LoRA."""
+    """What the adapters of a model are (rank, alpha / rank, targets, and whether their base is QLoRA's NF4), as an
+    adapter checkpoint records it and a run resuming it must match; None for a model without LoRA."""
     layers = {name.rsplit(".", 1)[-1]: m for part in parts for name, m in part.named_modules()
               if isinstance(m, LoRALinear)}
     if not layers:
         return None
     first = next(iter(layers.values()))
-    return {"rank": first.rank, "scale": first.scale, "targets": sorted(layers)}
+    return {"rank": first.rank, "scale": first.scale, "targets": sorted(layers), "qlora": nf4.is_nf4(first.weight)}
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype = torch.float32) -> None:

@@ -79,7 +79,9 @@ class GradScaler(torch.amp.GradScaler):
     parallelism without a data-parallel wrapper the list mixed DTensors with plain tensors (DTensor refuses it),
     and ZeRO-1's ShardedOptimizer holds slices whose gradients are only set inside its step (no inf check was
     recorded, torch's step asserted). Each gradient is unscaled as its local tensor here, and one all-reduce (max)
-    of the found inf/nan makes every rank skip, or step, together."""
+    of the found inf/nan makes every rank skip, or step, together. It overrides torch's private `_unscale_grads_`
+    (its signature and the per-device dict it returns as in torch 2.13; tests/test_train.py's fp16 tests under tp
+    and ZeRO-1 fail if that changes): torch's public scaler has no hook for the gradients it unscales."""
 
     params: list[torch.Tensor] = []
 

@@ -69,7 +69,7 @@ def test_lora_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path):
     assert {k.removeprefix("model/") for k in keys if k.startswith("model/")} == adapters
     assert {k.removeprefix("optim/state.").rpartition(".")[0] for k in keys if k.startswith("optim/")} == adapters
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["lora"] == {"rank": 4, "scale": 2.0, "targets": sorted(LORA_TARGETS)}
+    assert meta["lora"] == {"rank": 4, "scale": 2.0, "targets": sorted(LORA_TARGETS), "qlora": False}
 
 
 @pytest.fixture(scope="module")

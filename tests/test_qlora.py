@@ -128,6 +128,31 @@ def test_qlora_resume_rebuilds_the_nf4_base_and_continues_exactly(tmp_path):
     runtime.close()
 
 
+def test_a_qlora_checkpoint_resumes_only_as_qlora(tmp_path):
+    """The adapters were trained against the NF4-rounded base: resumed onto the unquantised one they adapt other
+    weights, which a resume without lora.qlora did without a word. A checkpoint written before meta.json recorded
+    it (no "qlora" key) still resumes."""
+    from shardwise.checkpoint import CheckpointError
+
+    cfg = load_config(CONFIG, ["train.steps=2"])
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    _steps(state, cfg, runtime, 1)
+    Checkpointer(tmp_path, cfg.model).save(1, state)
+    meta_path = latest_checkpoint(tmp_path) / "meta.json"
+    assert json.loads(meta_path.read_text())["lora"]["qlora"] is True
+    plain = load_config(CONFIG, ["train.steps=2", "lora.qlora=false"])
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path, plain.model).resume(_build(plain, runtime))
+    assert "QLoRA (NF4 base)" in str(e.value) and "lora.qlora = true" in str(e.value)
+    assert Checkpointer(tmp_path, cfg.model).resume(_build(cfg, runtime)) == 1
+    meta = json.loads(meta_path.read_text())
+    del meta["lora"]["qlora"]  # as written before 2026-11-28
+    meta_path.write_text(json.dumps(meta))
+    assert Checkpointer(tmp_path, plain.model).resume(_build(plain, runtime)) == 1
+    runtime.close()
+
+
 def test_planner_bits_per_nf4_weight_are_what_torchao_stores():
     weight = torch.randn(512, 256)
     stored = _to_nf4(weight)
