@@ -140,6 +140,34 @@ def test_hugging_face_config_maps_to_the_same_parameter_count(tmp_path):
     assert resolve_model(str(tmp_path)) == args
 
 
+def test_a_plan_of_a_hugging_face_folder_writes_a_config_that_fine_tunes_it(tmp_path):
+    """Planned from a folder with weights, the written config starts from them (checkpoint.init_from_hf) and reads
+    text with the folder's tokenizer; it wrote neither, and `train` trained a random init of that shape."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from shardwise.config import load_config
+    from shardwise.planner.cli import main as plan_main
+
+    folder = tmp_path / "base"
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator([Path(json.__file__).read_text()], vocab_size=300, show_progress=False)
+    tok.save(str(folder / "tokenizer.json"))
+    out = tmp_path / "plan.toml"
+    assert plan_main(["--model", str(folder), "--gpus", "1", "--seq-len", "128", "--global-batch", "4",
+                      "--lora-rank", "8", "--write-config", str(out)]) == 0
+    job = load_config(out)
+    assert job.checkpoint.init_from_hf == str(folder.resolve())
+    assert job.data.tokenizer == str(folder.resolve() / "tokenizer.json")
+    assert job.lora.rank == 8
+    (folder / "model.safetensors").unlink()  # a config alone (no weights): a shape to plan, nothing to start from
+    assert plan_main(["--model", str(folder / "config.json"), "--gpus", "1", "--seq-len", "128", "--global-batch",
+                      "4", "--write-config", str(out)]) == 0
+    assert load_config(out).checkpoint.init_from_hf == ""
+
+
 # ---------------------------------------------------------------------------------------------------
 # Activations: predicted vs the bytes our model really saves for backward
 

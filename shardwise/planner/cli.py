@@ -250,9 +250,9 @@ def _run(ns: argparse.Namespace) -> int:
                            f"{cluster.accelerator.memory_bytes / GiB:.0f}: it would not fit",
                            "relax --plan (e.g. activation_checkpoint, more tp or pp), or use more GPUs")
     if ns.write_config and plans:
-        from shardwise.planner.config_out import write_config
+        from shardwise.planner.config_out import hf_weights_folder, write_config
 
-        write_config(ns.write_config, model, training, plans[0].plan)
+        write_config(ns.write_config, model, training, plans[0].plan, hf_weights_folder(ns.model))
         print(f"shardwise plan: wrote plan 1's config ({plans[0].plan.world} ranks) to {ns.write_config}",
               file=sys.stderr)
     if ns.plot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shardwise.config import layout_tables, load_config, toml_value
+from shardwise.config import HF_WEIGHT_FILES, layout_tables, load_config, toml_value
 from shardwise.hardware import PlannerError
 from shardwise.layout import LAYOUT_KEYS, Layout
 from shardwise.model_args import PRESETS, ModelArgs
@@ -13,8 +13,20 @@ from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training
 
 
-def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, dict]:
-    """Config tables for one plan: its layout and batch split as config.layout_tables maps them."""
+def hf_weights_folder(model: str) -> Path | None:
+    """The Hugging Face folder `plan --model` names (the folder, or its config.json), if it holds weights: the run
+    the plan is for fine-tunes them."""
+    path = Path(model)
+    folder = path.parent if path.name == "config.json" else path
+    if folder.is_dir() and (folder / "config.json").is_file() and any((folder / f).is_file() for f in HF_WEIGHT_FILES):
+        return folder.resolve()
+    return None
+
+
+def plan_tables(args: ModelArgs, training: Training, plan: Plan, hf_folder: Path | None = None) -> dict[str, dict]:
+    """Config tables for one plan: its layout and batch split as config.layout_tables maps them; with `hf_folder`
+    (a model planned from a Hugging Face folder with weights), the run starts from those weights and reads text with
+    the folder's tokenizer.json (where it has one)."""
     if plan.offload == "optimizer":
         raise PlannerError("--write-config", "the engine has no optimizer-only offload",
                            "pass --plan with offload=full or offload=none")
@@ -28,6 +40,10 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan) -> dict[str, di
                      **({"compile": True} if training.compile else {})}, "parallel": tables["parallel"]}
     if training.lora_rank:  # the planner prices adapters on every linear of every block: the engine's default targets
         out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora}
+    if hf_folder is not None:  # planned from the folder, the run fine-tunes its weights (it trained a random init)
+        if (hf_folder / "tokenizer.json").is_file():
+            out["data"]["tokenizer"] = str(hf_folder / "tokenizer.json")
+        out["checkpoint"] = {"init_from_hf": str(hf_folder)}
     return out
 
 
@@ -60,12 +76,13 @@ def _engine_runs(training: Training) -> None:
             raise PlannerError(f"--write-config {flag}", problem, fix)
 
 
-def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan) -> None:
+def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan,
+                 hf_folder: Path | None = None) -> None:
     """Write the plan's config and check that `shardwise train` accepts it (validation, not a run)."""
     lines = [f"# written by `shardwise plan`: {plan.world} ranks",
              "# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
              "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
-    for table, values in plan_tables(args, training, plan).items():
+    for table, values in plan_tables(args, training, plan, hf_folder).items():
         lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     path = Path(path)
     draft = path.with_name(f".{path.name}.draft.toml")
