@@ -557,8 +557,8 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
 def _lora_text(spec: dict | None) -> str:
     if spec is None:
         return "no LoRA (every weight)"
-    kind = {True: "QLoRA (NF4 base)", False: "LoRA (unquantised base)"}.get(spec.get("qlora"), "LoRA")
-    return f"{kind} rank {spec['rank']}, alpha/rank {spec['scale']:g}, targets {','.join(spec['targets'])}"
+    base = {True: " on an NF4 base (QLoRA)", False: " on an unquantised base"}.get(spec.get("qlora"), "")
+    return f"LoRA rank {spec['rank']}, alpha/rank {spec['scale']:g}, targets {','.join(spec['targets'])}{base}"
 
 
 def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
@@ -571,8 +571,8 @@ def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
     # QLoRA's adapters were trained against the NF4-rounded base: resumed or exported onto the unquantised one (or
     # the other way), they would adapt other weights, and until 2026-11-28 they did, without a word
     qlora = f", lora.qlora = {str(saved['qlora']).lower()}" if saved is not None and "qlora" in saved else ""
-    fix = (f"set lora.rank = {saved['rank']}, lora.alpha = {saved['rank'] * saved['scale']:g}{qlora} and "
-           f"lora.targets = {json.dumps(saved['targets'])}, as the checkpoint was saved" if saved is not None else
+    fix = (f"set lora.rank = {saved['rank']}, lora.alpha = {saved['rank'] * saved['scale']:g} and lora.targets = "
+           f"{json.dumps(saved['targets'])}{qlora}, as the checkpoint was saved" if saved is not None else
            "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
            "checkpoint.init_from_hf in a new run folder")
     raise CheckpointError(path, f"it holds {_lora_text(saved)}, this run trains {_lora_text(mine)}", fix)

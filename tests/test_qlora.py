@@ -144,7 +144,7 @@ def test_a_qlora_checkpoint_resumes_only_as_qlora(tmp_path):
     plain = load_config(CONFIG, ["train.steps=2", "lora.qlora=false"])
     with pytest.raises(CheckpointError) as e:
         Checkpointer(tmp_path, plain.model).resume(_build(plain, runtime))
-    assert "QLoRA (NF4 base)" in str(e.value) and "lora.qlora = true" in str(e.value)
+    assert "on an NF4 base (QLoRA)" in str(e.value) and "lora.qlora = true" in str(e.value)
     assert Checkpointer(tmp_path, cfg.model).resume(_build(cfg, runtime)) == 1
     meta = json.loads(meta_path.read_text())
     del meta["lora"]["qlora"]  # as written before 2026-11-28
