@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardwise.config import HF_WEIGHT_FILES, ConfigError, check_file_to_write, fit_nodes, load_config
+from shardwise.config import HF_WEIGHT_FILES, ConfigError, check_file_to_write, fit_nodes, has_hf_weights, load_config
 from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
 
@@ -199,7 +199,7 @@ def _check_generate(args: argparse.Namespace) -> None:
         fix = ("train with checkpoint.enabled = true, and pass its metrics.out_dir" if args.run_dir
                else "copy the model's tokenizer.json (and config.json) from where the weights came from")
         raise ConfigError(flag, f"{folder} has no {' and no '.join(missing)}", fix)
-    if args.hf_dir and not any((folder / name).is_file() for name in HF_WEIGHT_FILES):
+    if args.hf_dir and not has_hf_weights(folder):
         raise ConfigError(flag, f"{folder} has no {' and no '.join(HF_WEIGHT_FILES)}",
                           "pass a folder written by save_pretrained (safetensors weights) or shardwise export")
     if args.run_dir and not any((folder / "checkpoints").glob("step_*/meta.json")):

@@ -261,7 +261,11 @@ def from_dict(raw: dict[str, Any]) -> JobConfig:
 
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-"""A Hugging Face folder's weights: one safetensors file, or the index of several (hf.SINGLE_FILE, hf.INDEX_FILE)."""
+"""A Hugging Face folder's weights: one safetensors file, or the index of several (what hf writes and reads)."""
+
+
+def has_hf_weights(folder: str | os.PathLike) -> bool:
+    return any((Path(folder) / name).is_file() for name in HF_WEIGHT_FILES)
 
 CUSTOM_SHAPE = ("dim", "n_layers", "n_heads", "vocab_size")
 """What a model table naming no preset must give: the rest have defaults that fit any shape."""
@@ -439,7 +443,7 @@ def validate(cfg: JobConfig) -> None:
     if hf and not (Path(hf) / "config.json").is_file():
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no config.json",
                           "point it at a Hugging Face model folder (config.json + *.safetensors)")
-    if hf and not any((Path(hf) / name).is_file() for name in HF_WEIGHT_FILES):
+    if hf and not has_hf_weights(hf):
         # found when the weights were read, it was a traceback from inside the training processes
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no {' and no '.join(HF_WEIGHT_FILES)}",
                           "point it at a folder written by save_pretrained (safetensors weights) or shardwise export")
@@ -703,12 +707,15 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     except (ValueError, KeyError, TypeError) as e:  # not JSON, or a model the engine cannot express
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json: {e}",
                           "point it at a Llama or Mixtral folder") from None
-    diffs = network_diffs(theirs, args)
-    if diffs:
-        raise ConfigError("checkpoint.init_from_hf", f"{folder} holds another model shape (folder vs [model]: "
-                          + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
-                          "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
-                          + " as the folder's config.json says")
+
+    def refuse(problem: str, diffs: list[tuple[str, object, object]]) -> None:
+        if diffs:
+            raise ConfigError("checkpoint.init_from_hf", f"{folder} {problem} (folder vs [model]: "
+                              + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
+                              "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
+                              + " as the folder's config.json says")
+
+    refuse("holds another model shape", network_diffs(theirs, args))
     # the weights were trained with the folder's norm epsilon, rotary base and scaling: until 2026-11-28 the
     # [model]'s (a custom shape's defaults: rope_theta 10000) replaced them without a word, and the imported model's
     # logits were not the folder's
@@ -718,12 +725,7 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
                           "which the engine's rotary embedding does not have (its logits would not be the model's)",
                           "fine-tune a model with plain rotary embeddings (rope_type 'default') or Llama 3.1's "
                           "scaling (rope_type 'llama3')")
-    diffs = compute_diffs(theirs, args)
-    if diffs:
-        raise ConfigError("checkpoint.init_from_hf", f"{folder}'s weights were trained with other values (folder vs "
-                          "[model]: " + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
-                          "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
-                          + " as the folder's config.json says")
+    refuse("was trained with other values", compute_diffs(theirs, args))
 
 
 def fit_world(cfg: JobConfig, world_size: int) -> None:

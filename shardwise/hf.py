@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config import LoraConfig
+from shardwise.config import HF_WEIGHT_FILES, LoraConfig
 from shardwise.lora import LoRALinear, full_value, is_adapter
 from shardwise.model_args import ModelArgs, args_from_hf_config, network_diffs
 
@@ -187,7 +187,7 @@ def _decoder_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Folders of safetensors + config.json, as `save_pretrained` writes and `from_pretrained` reads
 
-SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+SINGLE_FILE, INDEX_FILE = HF_WEIGHT_FILES
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -490,7 +490,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
         logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
         routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
         # the lr this step ran at, as the optimizer held it (float(): torchao's optimizers keep lr as a tensor)
-        lr = float(optimizer.param_groups[0]["lr"])
+        lr = float(optimizer.param_groups[0]["lr"]) if logged else None
         schedule.step()
         meter.add(time.perf_counter() - start)
         samples.log(step, batches)

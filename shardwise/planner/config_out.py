@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shardwise.config import HF_WEIGHT_FILES, layout_tables, load_config, toml_value
+from shardwise.config import has_hf_weights, layout_tables, load_config, toml_value
 from shardwise.hardware import PlannerError
 from shardwise.layout import LAYOUT_KEYS, Layout
 from shardwise.model_args import PRESETS, ModelArgs
@@ -18,7 +18,7 @@ def hf_weights_folder(model: str) -> Path | None:
     the plan is for fine-tunes them."""
     path = Path(model)
     folder = path.parent if path.name == "config.json" else path
-    if folder.is_dir() and (folder / "config.json").is_file() and any((folder / f).is_file() for f in HF_WEIGHT_FILES):
+    if folder.is_dir() and (folder / "config.json").is_file() and has_hf_weights(folder):
         return folder.resolve()
     return None
 
