@@ -122,6 +122,9 @@ class Run:
     dropout settings are inherited"; Korthikanti et al. count its masks); Llama 3 a fused kernel, no dropout."""
     compile: bool = False
     """Each block compiled with torch.compile (Training.compile), where the source says so."""
+    compile_loss: bool | None = None
+    """Whether the system compiled its loss with the blocks (Training.compile_loss), where its code of the time
+    differs from the system's preset (torchtitan before April 2025: not)."""
     precision: str = "bf16"
     """The matmul precision (Training.precision): fp8 for torchao's float8 training of the blocks' linears."""
     fused_rmsnorm: bool = True
@@ -407,7 +410,9 @@ def bloom_runs() -> list[Run]:
 # in 8 micro-batches of 4) and whose interleaved schedule defaults to 2 stages per rank; TP always with sequence
 # parallelism and loss parallel; FSDP reshards after forward except in a pipeline ("For PP, do not reshard after
 # forward to avoid per-microbatch all-gathers", apply_fsdp): there it is what the planner calls ZeRO-2; context
-# parallelism is torch's ring attention, load-balanced, sharding the weights with the dp_shard ranks.
+# parallelism is torch's ring attention, load-balanced, sharding the weights with the dp_shard ranks; the loss was
+# not compiled with the blocks (train.py at 9dec370: "# if job_config.training.compile: loss_fn =
+# torch.compile(loss_fn)", commented out), so it ran eager on fp32 logits (compile_loss=False).
 # Not modelled: asynchronous TP (AsyncTP, tables 4-6: TP's collectives are priced on the critical path).
 TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
               "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
@@ -472,8 +477,62 @@ def torchtitan_runs() -> list[Run]:
                         tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
                         gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK,
                         search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
-                        precision="fp8" if float8 else "bf16"))
+                        compile_loss=False, precision="fp8" if float8 else "bf16"))
     return runs
+
+
+# --------------------------------------------------------------------------------------------------
+# torchtitan's H200 baseline by Trainy (benchmarks/llama3_8b_h200_2025-06_torchtitan.md, June 2025; the same table
+# in llama3-8b_h200_202506_trainy-whitefiber.md): Llama 3.1 8B on 4 and 8 hosts of 8 H200s (NVLink inside a host,
+# "400Gb/s (Mellanox CX-7) per GPU" between hosts), torch 2.8.0a0 (NGC 25.05), torchtitan e7c0cae (2025-06-13):
+# "--job.config-file torchtitan/models/llama3/train_configs/llama3_8b.toml --training.local_batch_size=2
+# --training.compile --model.converters="float8" --float8.enable_fsdp_float8_all_gather
+# --float8.precompute_float8_dynamic_scale_for_fsdp --float8.force_recompute_fp8_weight_in_bwd". That toml at
+# e7c0cae: seq_len 8192, data_parallel_shard_degree -1 (FSDP over every GPU), activation_checkpoint mode "selective",
+# selective_ac_option "op"; float8 filter_fqns ["output"]. Under --training.compile torchtitan then also compiled
+# the loss (components/loss.py build_cross_entropy_loss). "TPS and Memory(GiB) are arbitrarily sampled at the
+# 100th iteration." Not modelled: the float8 all-gather (the weights travel in float8, half the bytes; the planner
+# sends bf16, and this FSDP traffic hides behind compute either way) and the weight casts it moves onto the shards.
+TRAINY = ("torchtitan, benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025), "
+          "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_8b_h200_2025-06_torchtitan.md")
+TRAINY_ROWS = [(4, 10938, 47.96), (8, 10753, 46.97)]  # NUM_NODES | TPS/GPU | Memory(GiB)
+
+
+def trainy_runs() -> list[Run]:
+    model = preset("llama3-8b")
+    return [Run(f"torchtitan H200 8B FSDP compile+Float8 n={8 * nodes} s=8K", model, 8 * nodes, 8192, 2 * 8 * nodes,
+                f"dp_shard={8 * nodes},zero_stage=3,micro_batch=2,activation_checkpoint=selective", TRAINY,
+                f"NUM_NODES {nodes} | TPS/GPU {tps} | Memory(GiB) {mem}",
+                tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, gpu="h200", system="torchtitan",
+                search=nodes == 4, compile=True, precision="fp8")
+            for nodes, tps, mem in TRAINY_ROWS]
+
+
+# --------------------------------------------------------------------------------------------------
+# torchao's float8 training benchmarks, run with torchtitan (torchao/float8/README.md, "Training benchmarks"; in
+# docs since January 2026): "Single-node training on 8xH100 GPUs, batch size 1, sequence length 8192, steps 100,
+# torch.compile, FSDP2, per-op SAC" (torchao 890e0ac8 of 2025-02-28, table added 2025-03-12, PR 1793), and the same
+# on 8 MI300X (torchtitan 2c8b5947 of 2025-08-08). The script (benchmarks/float8/training/torchtitan_benchmark.sh)
+# runs llama3_8b.toml (op-level SAC, FSDP over the 8 GPUs) with --training.compile and, for "tensorwise",
+# --float8.enable_fsdp_float8_all_gather --float8.precompute_float8_dynamic_scale_for_fsdp. Kept: the bfloat16 and
+# tensorwise rows (the planner's torchao recipe is tensorwise; the rowwise rows are left out). The H100 run predates
+# torchtitan's compiled loss (April 2025), the MI300X run has it. The source does not say which H100: evaluated as
+# the catalogue's (SXM, 80 GB, 700 W). "Peak Memory (GB)" is torchtitan's logged peak, which it prints in GiB.
+TORCHAO = ("torchao, torchao/float8/README.md (Training benchmarks), "
+           "https://github.com/pytorch/ao/blob/main/torchao/float8/README.md")
+TORCHAO_ROWS = [("h100", "bf16", False, 6150, 47.65, "none (bfloat16) | 47.65 | 6150"),
+                ("h100", "fp8", False, 7689.5, 47.77, "tensorwise with float8 all-gather | 47.77 | 7689.5"),
+                ("mi300x", "bf16", True, 5376.5, 39.09, "none (bfloat16) | 39.09 | 5376.5"),
+                ("mi300x", "fp8", True, 6166.0, 39.07, "tensorwise with float8 all-gather | 39.07 | 6166.0")]
+
+
+def torchao_runs() -> list[Run]:
+    model = preset("llama3-8b")
+    return [Run(f"torchao {gpu.upper()} 8B FSDP compile{'+Float8' if precision == 'fp8' else ''} n=8 s=8K", model, 8,
+                8192, 8, "dp_shard=8,zero_stage=3,micro_batch=1,activation_checkpoint=selective", TORCHAO,
+                f"Llama3-8b | {row}", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, gpu=gpu,
+                system="torchtitan", search=False, compile=True, compile_loss=compiled_loss, precision=precision)
+            for gpu, precision, compiled_loss, tps, mem, row in TORCHAO_ROWS]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -745,7 +804,7 @@ def nemo_runs() -> list[Run]:
 
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
-        + torchtitan_runs()
+        + torchtitan_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs())
 
 
@@ -786,6 +845,8 @@ def training_of(run: Run) -> Training:
         fields = {**SYSTEMS[run.system].training_fields(), "compile": run.compile}
         if run.float8 is not None:
             fields["float8"] = run.float8
+        if run.compile_loss is not None:
+            fields["compile_loss"] = run.compile_loss
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
@@ -863,6 +924,8 @@ def sweep_of(run: Run) -> str | None:
     batches, sequence lengths and GPU counts varied (llm-foundry's tables); None: not part of a sweep."""
     if run.name.startswith("foundry"):
         return f"llm-foundry {run.gpu} {run.model.name}"
+    if run.source == TRAINY:
+        return "torchtitan H200 (Trainy)"
     if run.name.startswith("torchtitan"):
         return f"torchtitan {run.quote.split(' row')[0]}"
     if run.name.startswith("BigScience"):
@@ -941,7 +1004,8 @@ def main() -> None:
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
                          ("OPT", "OPT"), ("BLOOM's layout search", "BigScience"),
-                         ("torchtitan", "torchtitan"), ("Megatron-Core", "MCore"), ("NeMo H100 FP8", "NeMo"),
+                         ("torchtitan", "torchtitan"), ("torchao's float8 (torchtitan)", "torchao"),
+                         ("Megatron-Core", "MCore"), ("NeMo H100 FP8", "NeMo"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]

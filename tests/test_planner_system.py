@@ -264,6 +264,64 @@ def test_cross_entropy_kernel_keeps_the_logits_in_the_compute_dtype():
     assert logits_bytes(args, torch_ce, plan) == tokens * v * 8
 
 
+def test_torchtitans_compiled_loss_is_sized_as_a_cross_entropy_kernel():
+    # torchtitan compiles its loss with the blocks under --compile (components/loss.py build_cross_entropy_loss,
+    # since April 2025): cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1)). Compiled here from bf16
+    # logits, inductor's code allocates no vocabulary-wide fp32 buffer: its forward keeps the bf16 logits, the
+    # targets and per-row statistics, its backward writes one bf16 gradient. Eager, the loss keeps fp32
+    # log-probabilities. The planner's difference between the two, and the compiled backward's buffer, are these
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    b, s, v = 2, 64, 1000
+    args = ModelArgs(name="tiny", dim=64, n_heads=4, n_kv_heads=4, n_layers=1, vocab_size=v, ffn_hidden=128,
+                     max_seq_len=s)
+    plan = Plan(micro_batch=b)
+    eager = _training("torchtitan", seq_len=s)
+    compiled = dataclasses.replace(eager, compile=True)
+    assert compiled.loss_kernel and not eager.loss_kernel
+    assert not dataclasses.replace(compiled, compile_loss=False).loss_kernel  # torchtitan's code of December 2024
+
+    def loss_fn(pred, labels):
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    def kept_bytes(fn):
+        pred = torch.randn(b, s, v, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, v, (b, s))
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fn(pred, labels)
+        return sum(storages.values()), loss
+
+    torch.manual_seed(0)
+    eager_kept, _ = kept_bytes(loss_fn)
+    compiled_kept, loss = kept_bytes(torch.compile(loss_fn))
+    assert (eager_kept - compiled_kept == pytest.approx(
+        head_activation_bytes(args, eager, plan) - head_activation_bytes(args, compiled, plan), rel=1e-2))
+    # the generated code, forward then backward: per-row buffers only, then one bf16 gradient of the logits
+    pred = torch.randn(b, s, v, dtype=torch.bfloat16, requires_grad=True)
+    _, (forward, backward) = run_and_get_code(
+        lambda: torch.compile(loss_fn)(pred, torch.randint(0, v, (b, s))).backward())
+    allocation = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)")
+
+    def wide(code):
+        sizes = [(tuple(int(x) for x in shape.split(",") if x.strip()), dtype)
+                 for shape, dtype in allocation.findall(code)]
+        assert sizes
+        return [(shape, dtype) for shape, dtype in sizes if v in shape]
+
+    assert wide(forward) == []
+    assert wide(backward) == [((b * s, v), "bfloat16")]
+    assert logits_bytes(args, compiled, plan) == b * s * v * 2
+    assert logits_bytes(args, eager, plan) == b * s * v * 8
+
+
 def test_llm_foundry_70b_with_accumulation_fits_as_it_ran():
     # llm-foundry's MPT-70B on 64 H100s, micro-batch 8, 4 accumulation steps, FULL_SHARD, activation checkpointing
     # (scripts/train/benchmarking/README.md, "H100 80GB BF16"): it ran. Composer reduce-scatters in every
@@ -576,6 +634,40 @@ def test_torchtitan_float8_and_compile_speedups_match_its_benchmark():
         for before, after in zip(names, names[1:]):
             measured = rows[before].published_step() / rows[after].published_step()
             assert predicted[after] / predicted[before] == pytest.approx(measured, rel=0.03), after
+
+
+def test_torchtitans_h200_runs_of_2025_fit_at_their_measured_memory():
+    # Trainy's baseline in torchtitan's benchmarks (June 2025): Llama 3.1 8B, FSDP over 32 and 64 H200s, blocks and
+    # loss compiled, Float8, op-level selective checkpointing, local batch 2 x 8192: 47.96 and 46.97 GiB measured.
+    # Sized with the loss eager on fp32 logits, as the planner sized every torchtitan run before, they came out at
+    # 66 and 65 GiB. Their throughput is 11-13% below the planner's (torchtitan's rows, "Known gaps")
+    published = _published_module()
+    rows = published.trainy_runs()
+    assert [run.gpus for run in rows] == [32, 64]
+    for run in rows:
+        ev, fits = published.given_plan(run)
+        assert fits
+        assert ev.memory["total"] / GiB / run.mem_gib == pytest.approx(1.0, abs=0.05), run.name
+        assert run.published_step() / ev.time.step_time_s == pytest.approx(1.0, abs=0.15), run.name
+        eager_loss = dataclasses.replace(published.training_of(run), compile_loss=False)
+        assert evaluate(run.model, eager_loss, ev.plan, published.cluster_of(run)).memory["total"] > \
+            1.3 * run.mem_gib * GiB
+
+
+def test_torchaos_float8_runs_fit_as_torchtitans_loss_of_their_date_kept_it():
+    # torchao's float8 benchmarks ran torchtitan's Llama 3.1 8B on 8 GPUs, batch 1 x 8192, blocks compiled: on H100s
+    # in March 2025, before torchtitan compiled its loss too (47.65 and 47.77 GiB), and on MI300Xs in August 2025,
+    # after (39.09 and 39.07 GiB). Each comes within 10% as its code ran, and out by more than 10% the other way
+    published = _published_module()
+    rows = published.torchao_runs()
+    assert [(run.gpu, run.compile_loss) for run in rows] == [("h100", False)] * 2 + [("mi300x", True)] * 2
+    for run in rows:
+        ev, fits = published.given_plan(run)
+        assert fits
+        assert ev.memory["total"] / GiB / run.mem_gib == pytest.approx(1.0, abs=0.1), run.name
+        other = dataclasses.replace(published.training_of(run), compile_loss=not run.compile_loss)
+        other_gib = evaluate(run.model, other, ev.plan, published.cluster_of(run)).memory["total"] / GiB
+        assert abs(other_gib / run.mem_gib - 1) > 0.1, run.name
 
 
 def test_compile_is_priced_fused_and_written_as_the_engines_train_compile(tmp_path, capsys):

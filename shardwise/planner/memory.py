@@ -640,7 +640,7 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
         per_token = sum(term_bytes(t, args, training, plan) for t in terms[:-1])  # the output is not saved
         return (per_token + args.dim * training.stream_bytes) * tokens + head_weight_grad_bytes(args, training, plan)
     per_token = sum(term_bytes(t, args, training, plan) for t in terms)
-    if training.ce_kernel:  # the kernel keeps the logits (compute dtype) and each row's fp32 log-sum-exp
+    if training.loss_kernel:  # the kernel keeps the logits (compute dtype) and each row's fp32 log-sum-exp
         per_token += training.act_bytes * loss_vocab(args, training, plan) + 4
     else:
         per_token += 4 * loss_vocab(args, training, plan)  # log_softmax output, fp32
@@ -872,10 +872,10 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     rows (shardwise.loss.head_rows) at its largest: its fp32 logits and log-probabilities; under mixed precision,
     if larger, its fp32 gradient, that gradient in the compute dtype and the block's weight-gradient product in
     the compute dtype before it is added to the fp32 sum; and under mixed precision the compute-dtype copies of
-    the head's input and weight throughout. A cross-entropy kernel (Training.ce_kernel): the gradient of the
+    the head's input and weight throughout. A cross-entropy kernel (Training.loss_kernel): the gradient of the
     logits its backward writes, in the compute dtype."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    if training.ce_kernel and not fused_head(training, plan):
+    if training.loss_kernel and not fused_head(training, plan):
         return tokens * loss_vocab(args, training, plan) * training.act_bytes
     if fused_head(training, plan):
         v, d, e = args.vocab_size / plan.tp, args.dim, training.act_bytes

@@ -67,6 +67,8 @@ class System:
     (Training.zero3_fetch)."""
     compile: bool = False
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
+    compile_loss: bool = False
+    """Under compile, the loss function is compiled too (Training.compile_loss)."""
     float8: str = "torchao"
     """How --precision fp8 runs the linears: torchao, te-delayed or te-current (Training.float8)."""
     distribute_checkpoints: bool = False
@@ -99,7 +101,8 @@ class System:
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
-                "zero3_fetch": self.zero3_fetch, "compile": self.compile, "float8": self.float8,
+                "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
+                "float8": self.float8,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads}
 
 
@@ -113,12 +116,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
-           "torch.compile)",
+           "torch.compile; with --compile each block and the loss are compiled, the loss one pass over the bf16 "
+           "logits)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
-           grad_sync="micro-batch",
+           grad_sync="micro-batch", compile_loss=True,
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
-                  "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default"),
+                  "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
+                  "components/loss.py build_cross_entropy_loss (torch.compile(loss_fn) under compile, since "
+                  "April 2025: PR 1033)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, --precision fp8 through Transformer Engine",
@@ -185,7 +191,7 @@ def resolve_system(spec: str | System) -> System:
         if key not in fields:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
-        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile",
+        expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "distribute_checkpoints", "keeps_bf16_grads") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",

@@ -150,6 +150,12 @@ class Training:
     block's elementwise operators, which are then priced as `elementwise` 'fused' whatever that field says. Memory
     is counted as the eager block keeps it (what inductor's partitioner saves instead is not modelled: torchtitan's
     benchmark measured 5 GiB less with compile on Llama 3.1 8B)."""
+    compile_loss: bool = False
+    """Under `compile`, the loss function is compiled too (torchtitan since April 2025: components/loss.py
+    build_cross_entropy_loss wraps cross_entropy(pred.float(), ...) in torch.compile when compile is on; its code
+    of December 2024 had that line commented out). Inductor fuses the fp32 upcast, the log-sum-exp and the
+    backward into kernels over the compute-dtype logits, so the loss keeps what `ce_kernel` describes
+    (`loss_kernel`)."""
     attention_kernel: str = "flash2"
     """The fused attention kernel, whose share of peak the accelerator's catalogue entry gives where its paper
     states one (hardware.KERNEL_EFFICIENCY): flash1, flash2 (torch's SDPA), flash3, cudnn."""
@@ -221,6 +227,12 @@ class Training:
     @property
     def mixed(self) -> bool:
         return self.precision != "fp32"
+
+    @property
+    def loss_kernel(self) -> bool:
+        """The cross-entropy over materialised logits is one kernel over the compute-dtype logits (memory.py): a
+        kernel the system calls (`ce_kernel`), or the loss compiled with the blocks (`compile_loss`)."""
+        return self.ce_kernel or (self.compile and self.compile_loss)
 
     @property
     def compute_dtype(self) -> str:
