@@ -547,6 +547,13 @@ def _validate_data(d: DataConfig) -> None:
         raise ConfigError("data.max_corpus_mb", "negative", "use 0 for no limit or a positive size")
     if d.shard_tokens < d.seq_len + 1:
         raise ConfigError("data.shard_tokens", f"{d.shard_tokens} < seq_len + 1", "raise data.shard_tokens")
+    if d.cache_dir:  # a file there (or above) was a traceback from every rank when the cache was first written
+        cache = Path(d.cache_dir).expanduser()
+        blocker = next((p for p in (cache, *cache.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise ConfigError("data.cache_dir", f"{blocker} is a file, so the token cache cannot be made in "
+                              f"{d.cache_dir}", "name a folder (made if missing), or leave it empty for "
+                              "$SHARDWISE_CACHE or ~/.cache/shardwise")
 
 
 def _validate_optim(o: OptimConfig) -> None:

@@ -305,10 +305,21 @@ def _train_bpe(files: list[Path], vocab_size: int) -> tokenizers.Tokenizer:
     return tok
 
 
+def _cache_folder_error(folder: Path, e: OSError) -> ConfigError:
+    """A cache folder that cannot be made or written (a file in the way, no permission, a read-only disk), found
+    only when the cache is first written: one line naming the field, where it was a traceback from every rank."""
+    return ConfigError("data.cache_dir", f"cannot write the token cache in {folder} ({e.strerror})",
+                       "point data.cache_dir (or $SHARDWISE_CACHE) at a folder you can write to")
+
+
 def _publish_file(path: Path, text: str) -> None:
     """Write path unless it exists; when several ranks train at once, the first one's file is everyone's."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".tmp-{path.name}-", delete=False) as f:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".tmp-{path.name}-", delete=False)
+    except OSError as e:
+        raise _cache_folder_error(path.parent, e) from None
+    with f:
         f.write(text)
     try:
         os.chmod(f.name, 0o644)
@@ -396,8 +407,11 @@ def _build_cache(folder: Path, files: list[Path], tokenizer: Tokenizer, shard_to
     A build that fails or is killed leaves at most a '.tmp-*' folder, which is never read; a damaged
     folder already at the final name (a shard cut short) is replaced.
     """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    except OSError as e:
+        raise _cache_folder_error(folder.parent, e) from None
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache_dir from other users
     try:
         counts = _pack(files, tokenizer, tmp, shard_tokens)

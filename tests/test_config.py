@@ -54,6 +54,7 @@ def test_every_field_has_a_docstring():
         (["optim.lr=nan"], "optim.lr"),  # TOML and --set read nan and inf
         (["metrics.out_dir=''"], "metrics.out_dir"),  # wrote the run's files into the working folder
         ([f"metrics.out_dir='{__file__}'"], "metrics.out_dir"),  # a file: FileExistsError at the start
+        ([f"data.cache_dir='{__file__}/cache'"], "data.cache_dir"),  # below a file: a traceback from every rank
         (["optim.momentum=1.5"], "optim.momentum"),
         (["optim.base_global_batch=-8"], "optim.base_global_batch"),
         (["parallel.bucket_mb=-1"], "parallel.bucket_mb"),

@@ -121,6 +121,19 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
     assert data.resolve_cache_root(DataConfig()) == Path.home() / ".cache" / "shardwise"
 
 
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_a_cache_folder_that_cannot_be_made_names_the_field(corpus, tmp_path, monkeypatch, tokenizer):
+    """A file where the cache folder goes (here through $SHARDWISE_CACHE, which the config does not see) is one
+    line naming data.cache_dir when the shards or the trained BPE are first written, not an OSError."""
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path / "file" / "cache"))
+    cfg = make_cfg(corpus, "", tokenizer=tokenizer, bpe_vocab_size=300)
+    with pytest.raises(ConfigError) as e:
+        tok = data.build_tokenizer(cfg, data.resolve_cache_root(cfg))
+        data.TokenDataset.build(cfg, tok)
+    assert e.value.field == "data.cache_dir" and str(tmp_path / "file") in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tokenizers
 
