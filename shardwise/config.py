@@ -41,7 +41,8 @@ from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, projection_sha
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)
-    """Text files or folders to train on; empty means the embedded corpus (this Python's own stdlib source)."""
+    """Text files or folders to train on; empty means the embedded corpus (this Python's own stdlib source). A file
+    is one document; a .jsonl file is one per line, its "text" field."""
     tokenizer: str = "byte"
     """'byte' (256 byte values + end-of-text), 'bpe' (trained locally on the corpus), or a tokenizer.json path."""
     bpe_vocab_size: int = 2048

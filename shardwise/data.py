@@ -1,9 +1,10 @@
 """Text corpus -> tokenizer -> packed token shards on disk -> deterministic, resumable batches.
 
 The corpus is a sorted list of text files (by default this Python's own standard-library source). Each
-file is one document; documents are tokenized, joined with an end-of-text token after each, and the
-stream is written once as raw shards plus a manifest under a cache folder named by a hash of (corpus
-content, tokenizer, shard size). Later runs memory-map the shards and never tokenize again.
+file is one document (each line of a JSON Lines file, .jsonl, is one: its "text" field); documents are
+tokenized, joined with an end-of-text token after each, and the stream is written once as raw shards plus a
+manifest under a cache folder named by a hash of (corpus content, tokenizer, shard size).
+Later runs memory-map the shards and never tokenize again.
 
 Samples are fixed windows of that stream: sample i of a split is its tokens [i*L, i*L + L + 1) with
 L = seq_len, so inputs are the first L tokens and targets the last L. Neighbouring samples share one token
@@ -38,8 +39,12 @@ FORMAT_VERSION = 1
 """Bumped whenever the cache layout or the packing rule changes, so old caches are not trusted."""
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 """End-of-text tokens looked up, in this order, in a tokenizer.json."""
-TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py"})
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py", ".jsonl"})
 """File endings read from folders in data.paths (plus files with no ending that hold no NUL byte)."""
+JSONL_SUFFIX = ".jsonl"
+"""A file with this ending holds one JSON object per line, each a document (torchtune's and `datasets`' JSON Lines)."""
+JSONL_FIELD = "text"
+"""The field of a JSON Lines record that holds its text."""
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 """Folders of the standard library left out of the default corpus: tests and tools, not library text."""
 STDLIB_MAX_FILE_BYTES = 1 << 20
@@ -58,12 +63,13 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     Empty data.paths means the standard library's *.py files (tests, idlelib, lib2to3, site-packages and
     files over 1 MiB left out) sorted by path relative to the stdlib folder. Otherwise data.paths are taken
     in the order given: a file is read whatever its ending; a folder is walked recursively, skipping hidden
-    names, for files ending in .txt .md .rst .py or with no ending and no NUL byte in their first 8 KiB,
-    sorted by relative path.
+    names, for files ending in .txt .md .rst .py .jsonl or with no ending and no NUL byte in their first 8 KiB,
+    sorted by relative path. A .jsonl file is one document per line (its "text" field), any other file one.
     """
     files = _user_files(cfg.paths) if cfg.paths else _stdlib_files()
     if not files:
-        raise ConfigError("data.paths", "no text files found", "point data.paths at .txt/.md/.rst/.py files or folders")
+        raise ConfigError("data.paths", "no text files found",
+                          "point data.paths at .txt/.md/.rst/.py/.jsonl files or folders")
     kept = _within_budget(files, cfg.max_corpus_mb)
     if not kept:
         raise ConfigError(
@@ -146,6 +152,38 @@ def corpus_identity(files: list[Path]) -> list[tuple[str, int, str]]:
 
 def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _file_documents(path: Path) -> Iterator[str]:
+    """The documents of one corpus file: its whole text, or for a .jsonl file each line's "text" field (blank
+    lines skipped). Until 2026-12-01 a .jsonl file was read as one document of JSON syntax, and skipped in folders."""
+    if path.suffix != JSONL_SUFFIX:
+        yield _read_text(path)
+        return
+    fix = f'give every line a "{JSONL_FIELD}" string, or take the file out of data.paths'
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ConfigError("data.paths", f"{path} line {n} is not JSON ({e})", fix) from None
+            text = record.get(JSONL_FIELD) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError("data.paths", f'{path} line {n} has no "{JSONL_FIELD}" string', fix)
+            yield text
+
+
+def _documents(files: list[Path]) -> Iterator[str]:
+    for path in files:
+        yield from _file_documents(path)
+
+
+def _packing_rule(files: list[Path]) -> dict:
+    """Part of the cache keys: how files become documents, where it is not one file, one document (so a .jsonl
+    file's cache from before its lines were documents is not reused; other corpora keep their keys)."""
+    return {"jsonl_field": JSONL_FIELD} if any(p.suffix == JSONL_SUFFIX for p in files) else {}
 
 
 def _digest(obj: object) -> str:
@@ -285,7 +323,8 @@ def tokenizer_json(cfg: DataConfig, cache_root: Path) -> str:
 def _trained_bpe(cfg: DataConfig, cache_root: Path) -> Path:
     """Path of the tokenizer.json for this corpus and vocab size, training it only on a cache miss."""
     files = corpus_files(cfg)
-    key = _digest({"format": FORMAT_VERSION, "corpus": corpus_identity(files), "vocab_size": cfg.bpe_vocab_size})
+    key = _digest({"format": FORMAT_VERSION, "corpus": corpus_identity(files), "vocab_size": cfg.bpe_vocab_size,
+                   **_packing_rule(files)})
     path = cache_root / "tokenizers" / f"bpe-{key[:24]}.json"
     if not path.is_file():
         _publish_file(path, _train_bpe(files, cfg.bpe_vocab_size).to_str())
@@ -301,7 +340,7 @@ def _train_bpe(files: list[Path], vocab_size: int) -> tokenizers.Tokenizer:
         vocab_size=vocab_size, special_tokens=[EOS_NAMES[0]],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator((_read_text(f) for f in files), trainer=trainer, length=len(files))
+    tok.train_from_iterator(_documents(files), trainer=trainer)
     return tok
 
 
@@ -382,11 +421,17 @@ def _shard_name(index: int) -> str:
 def _encoded_documents(tokenizer: Tokenizer, files: list[Path]) -> Iterator[Sequence[int] | np.ndarray]:
     encode_batch = getattr(tokenizer, "encode_batch", None)
     if encode_batch is None:
-        for path in files:
-            yield tokenizer.encode(_read_text(path))
+        for text in _documents(files):
+            yield tokenizer.encode(text)
         return
-    for i in range(0, len(files), DOCS_PER_ENCODE_BATCH):
-        yield from encode_batch([_read_text(p) for p in files[i : i + DOCS_PER_ENCODE_BATCH]])
+    batch: list[str] = []
+    for text in _documents(files):
+        batch.append(text)
+        if len(batch) == DOCS_PER_ENCODE_BATCH:
+            yield from encode_batch(batch)
+            batch = []
+    if batch:
+        yield from encode_batch(batch)
 
 
 def _pack(files: list[Path], tokenizer: Tokenizer, folder: Path, shard_tokens: int) -> list[int]:
@@ -498,7 +543,7 @@ class TokenDataset:
         files = corpus_files(cfg)
         corpus = corpus_identity(files)
         key = _digest({"format": FORMAT_VERSION, "corpus": corpus, "tokenizer": tokenizer.name,
-                       "shard_tokens": cfg.shard_tokens})
+                       "shard_tokens": cfg.shard_tokens, **_packing_rule(files)})
         folder = root / "tokens" / key[:24]
         manifest = _load_manifest(folder, tokenizer.name)
         if manifest is None:

@@ -7,6 +7,7 @@ tokenizer, the `tokenizers` library called per document for BPE, and plain slici
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 import sysconfig
 from pathlib import Path
@@ -111,6 +112,53 @@ def test_user_paths_text_file_rule(corpus):
         data.corpus_files(DataConfig(paths=[str(corpus / "missing")]))
     with pytest.raises(ConfigError, match="data.max_corpus_mb"):
         data.corpus_files(DataConfig(paths=[str(corpus)], max_corpus_mb=1e-6))
+
+
+JSONL_RECORDS = [{"text": "first doc\nof two lines", "id": 1}, {"text": "", "id": 2},
+                 {"text": "naïve café \u2713 日本語", "meta": {"text": "not this"}}]
+
+
+def write_jsonl_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    lines = [json.dumps(r, ensure_ascii=i == 0) for i, r in enumerate(JSONL_RECORDS)]
+    (folder / "d.jsonl").write_text("\n".join(lines[:2]) + "\n\n" + lines[2])  # a blank line, no final newline
+    (folder / "e.txt").write_text("plain text\n")
+    return folder
+
+
+def test_jsonl_lines_are_documents(tmp_path):
+    """A .jsonl file, in a folder or named, is one document per line, its "text" field, without JSON syntax: it
+    was packed as one document of raw JSON, and skipped in folders. Expected: the records' texts' bytes + eos."""
+    folder = write_jsonl_corpus(tmp_path / "corpus")
+    texts = [r["text"] for r in JSONL_RECORDS] + ["plain text\n"]
+    expected = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8).astype(np.int64), 256) for t in texts])
+    for paths in ([str(folder)], [str(folder / "d.jsonl"), str(folder / "e.txt")]):
+        ds = data.TokenDataset.build(make_cfg(folder, tmp_path / "cache", paths=paths), data.ByteTokenizer())
+        np.testing.assert_array_equal(stream_on_disk(ds), expected)
+
+
+def test_jsonl_documents_through_a_bpe(tmp_path, bpe_json):
+    """The same through a tokenizer.json (the batched encode) and a BPE trained on the corpus."""
+    folder = write_jsonl_corpus(tmp_path / "corpus")
+    texts = [r["text"] for r in JSONL_RECORDS] + ["plain text\n"]
+    for tokenizer in (str(bpe_json), "bpe"):
+        cfg = make_cfg(folder, tmp_path / "cache", tokenizer=tokenizer, bpe_vocab_size=280)
+        tok = data.build_tokenizer(cfg, tmp_path / "cache")
+        stream = stream_on_disk(data.TokenDataset.build(cfg, tok, tmp_path / "cache")).tolist()
+        ends = [i for i, t in enumerate(stream) if t == tok.eos_id]
+        assert [tok.decode(stream[a + 1 : b]) for a, b in zip([-1, *ends], ends)] == texts
+    trained = json.loads(next((tmp_path / "cache" / "tokenizers").glob("bpe-*.json")).read_text())
+    assert not any('"' in token for token in trained["model"]["vocab"] if len(token) > 1)  # no JSON syntax learnt
+
+
+@pytest.mark.parametrize("line, problem", [("{bad", "is not JSON"), ('{"content": "x"}', 'has no "text" string'),
+                                           ('["text"]', 'has no "text" string'), ('{"text": 3}', 'has no "text"')])
+def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, line, problem):
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    cfg = make_cfg(tmp_path / "d.jsonl", tmp_path / "cache")
+    with pytest.raises(ConfigError) as e:
+        data.TokenDataset.build(cfg, data.ByteTokenizer())
+    assert e.value.field == "data.paths" and f"d.jsonl line 2 {problem}" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cache_root_resolution(monkeypatch, tmp_path):
