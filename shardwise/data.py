@@ -320,6 +320,56 @@ def tokenizer_json(cfg: DataConfig, cache_root: Path) -> str:
     return tok.to_str()
 
 
+RUN_TOKENIZER = "tokenizer.json"
+"""A run folder's copy of its tokenizer, written when the run starts: `generate --run` and `export` read it, so that
+neither depends on the corpus a 'bpe' was trained on, or a tokenizer.json path, staying as it was. Until 2026-12-01
+they rebuilt the tokenizer: a corpus changed since was a BPE of other ids (the text came out as garbage, and the
+export carried it), a corpus gone a refusal naming data.paths."""
+
+
+def run_tokenizer_json(cfg: DataConfig, run_dir: str | os.PathLike) -> str:
+    """The tokenizer.json of the run in run_dir: its saved copy, else (a run saved before there was one, or 'byte',
+    whose ids never change) the one cfg builds now."""
+    path = Path(run_dir) / RUN_TOKENIZER
+    if cfg.tokenizer != "byte" and path.is_file():
+        return path.read_text()
+    return tokenizer_json(cfg, resolve_cache_root(cfg))
+
+
+def run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike) -> Tokenizer:
+    """The tokenizer the run in run_dir trained with (see run_tokenizer_json)."""
+    path = Path(run_dir) / RUN_TOKENIZER
+    if cfg.tokenizer != "byte" and path.is_file():
+        return HFTokenizer(path, cfg.tokenizer if cfg.tokenizer == "bpe" else "file")
+    return build_tokenizer(cfg, resolve_cache_root(cfg))
+
+
+def keep_run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike, resumed: bool, write: bool) -> None:
+    """At a run's start: write its tokenizer.json into run_dir (when `write`: one rank); a resume whose tokenizer
+    gives other ids than the saved one (a 'bpe' retrained on a corpus that changed since) is refused, on every rank,
+    since the checkpoint's embeddings are indexed by the saved one's ids."""
+    path = Path(run_dir) / RUN_TOKENIZER
+    text = tokenizer_json(cfg, resolve_cache_root(cfg))
+    if resumed and path.is_file():
+        if cfg.tokenizer != "byte" and not _same_ids(tokenizers.Tokenizer.from_file(str(path)),
+                                                     tokenizers.Tokenizer.from_str(text)):
+            why = " (a BPE trained on data.paths as they are now)" if cfg.tokenizer == "bpe" else ""
+            raise ConfigError("data.tokenizer", f"{cfg.tokenizer!r}{why} gives other ids than {path}, the tokenizer "
+                              "this run trained with", f"restore the run's data, set data.tokenizer = '{path}', or "
+                              "start another run")
+        return
+    if write:
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # a reader sees the old file or the new one
+
+
+def _same_ids(a: tokenizers.Tokenizer, b: tokenizers.Tokenizer) -> bool:
+    """The same id for every token of both vocabularies, and the same ids for a probe text (the merges)."""
+    probe = [t.encode(TOKENIZER_PROBE, add_special_tokens=False).ids for t in (a, b)]
+    return a.get_vocab(with_added_tokens=True) == b.get_vocab(with_added_tokens=True) and probe[0] == probe[1]
+
+
 def _trained_bpe(cfg: DataConfig, cache_root: Path) -> Path:
     """Path of the tokenizer.json for this corpus and vocab size, training it only on a cache miss."""
     files = corpus_files(cfg)

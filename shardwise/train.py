@@ -442,6 +442,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     if 0 < cfg.train.stop_after < first_step:  # it would never fire: the run would train to its end
         raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is before step {first_step}, where the run in "
                           f"{cfg.metrics.out_dir} goes on", f"set it to {first_step} or later, or 0")
+    # before anything of the run folder is rewritten (metrics, job_config.json); every rank refuses together
+    data.keep_run_tokenizer(cfg.data, cfg.metrics.out_dir, resumed=first_step > 1, write=runtime.is_main)
     if not cfg.checkpoint.enabled and runtime.is_main:
         steps = [str(step) for step, _ in scan_checkpoints(cfg.metrics.out_dir).complete]
         if steps:
@@ -656,15 +658,14 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
             export_peft(parts, cfg.lora, out, runtime, base_model=str(Path(base).resolve()) if base else None)
         else:
             # a model folder carries its tokenizer and end-of-text id (generate --hf, transformers)
-            root = data.resolve_cache_root(cfg.data)
-            tokenizer = data.tokenizer_json(cfg.data, root)
+            tokenizer = data.run_tokenizer_json(cfg.data, cfg.metrics.out_dir)
             base = Path(cfg.checkpoint.init_from_hf) / "config.json" if cfg.checkpoint.init_from_hf else None
             if base is not None and base.is_file():  # fine-tuned: the base model's own framing
                 ids = {k: v for k, v in json.loads(base.read_text()).items() if k in ("bos_token_id", "eos_token_id")}
             else:
                 # trained here: documents are packed between end-of-text tokens, so a text starts after one and
                 # ends with one, the framing `shardwise generate --run` uses
-                eos = data.build_tokenizer(cfg.data, root).eos_id
+                eos = data.run_tokenizer(cfg.data, cfg.metrics.out_dir).eos_id
                 ids = {"bos_token_id": eos, "eos_token_id": eos}
             export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", token_ids=ids)
             if runtime.is_main:

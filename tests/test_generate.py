@@ -286,6 +286,57 @@ def test_generate_run_reads_a_run_with_relative_paths_from_another_folder(tmp_pa
     assert loaded.tokenizer.vocab_size == 257
 
 
+def _bpe_run(tmp_path, corpus, steps, *extra):
+    from shardwise.train import train
+
+    return train(load_config(CONFIG, [f"data.paths=['{corpus}']", "data.tokenizer='bpe'", "data.bpe_vocab_size=300",
+                                      f"data.cache_dir='{tmp_path / 'cache'}'", f"metrics.out_dir='{tmp_path / 'run'}'",
+                                      f"train.steps={steps}", "checkpoint.enabled=true", "metrics.tensorboard=false",
+                                      "metrics.progress=false", "train.val_every=0", "model.n_layers=2",
+                                      "train.micro_batch=2", *extra]))
+
+
+def test_generate_and_export_read_the_tokenizer_the_run_trained_with(tmp_path):
+    """A 'bpe' run's tokenizer was rebuilt from data.paths at each generate --run and export: after the corpus
+    changed, a BPE of other ids (garbage text, and an export carrying it); after it was removed, a refusal."""
+    from shardwise.cli import main
+    from shardwise.generate import load_run
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n" for i in range(300)))
+    _bpe_run(tmp_path, corpus, 1)
+    (trained,) = (tmp_path / "cache" / "tokenizers").glob("bpe-*.json")
+    probe = "the quick brown fox 12 jumps"
+    ids = load_run(tmp_path / "run").tokenizer.encode(probe)
+    corpus.write_text("".join(f"lorem ipsum dolor {i} sit amet consectetur\n" for i in range(300)))
+    assert load_run(tmp_path / "run").tokenizer.encode(probe) == ids
+    assert main(["export", "--config", CONFIG, "--set", f"data.paths=['{corpus}']", "--set", "data.tokenizer='bpe'",
+                 "--set", "data.bpe_vocab_size=300", "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set",
+                 f"metrics.out_dir='{tmp_path / 'run'}'", "--set", "model.n_layers=2",
+                 "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == trained.read_text()
+    corpus.unlink()
+    assert load_run(tmp_path / "run").tokenizer.encode(probe) == ids
+
+
+def test_a_resume_whose_tokenizer_gives_other_ids_is_refused(tmp_path):
+    """The same text, the same token count, other ids (two tokens swapped): the checkpoint's embeddings are indexed
+    by the saved tokenizer's ids, and the resume went on with the new ones without a word."""
+    from shardwise.config import ConfigError
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n" for i in range(300)))
+    _bpe_run(tmp_path, corpus, 1)
+    saved = json.loads((tmp_path / "run" / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (tmp_path / "swapped.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError) as e:
+        _bpe_run(tmp_path, corpus, 2, f"data.tokenizer='{tmp_path / 'swapped.json'}'")
+    assert e.value.field == "data.tokenizer" and "this run trained with" in str(e.value)
+    _bpe_run(tmp_path, corpus, 2, f"data.tokenizer='{tmp_path / 'run' / 'tokenizer.json'}'")  # its own: goes on
+
+
 def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """A folder with config.json and tokenizer.json but no safetensors was a FileNotFoundError traceback."""
     for name in ("config.json", "tokenizer.json"):
