@@ -12,14 +12,16 @@ L = seq_len, so inputs are the first L tokens and targets the last L. Neighbouri
 the tail of the stream, training the head; no token belongs to both.
 
 The loader is a pure function of (seed, epoch, step): every optimizer step reads one contiguous run of a
-per-epoch permutation, and data-parallel ranks cut that run into equal contiguous slices. Its state is
-therefore two integers, and any layout with the same global batch can resume from it.
+per-epoch permutation, and data-parallel ranks cut that run into equal contiguous slices. Its position is
+therefore two integers (epoch, step in it), and any layout with the same global batch can resume from it; its
+state also holds the seed, the global batch and the sample count, which a resume checks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sysconfig
@@ -34,6 +36,8 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from shardwise.config import ConfigError, DataConfig
+
+log = logging.getLogger("shardwise.data")
 
 FORMAT_VERSION = 1
 """Bumped whenever the cache layout or the packing rule changes, so old caches are not trusted."""
@@ -151,7 +155,23 @@ def corpus_identity(files: list[Path]) -> list[tuple[str, int, str]]:
 
 
 def _read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """A corpus file's text, as UTF-8. Bytes that are not UTF-8 are read as U+FFFD (three bytes each in the byte
+    tokenizer's stream), with a warning naming the file and the first such byte, once per file and process: a
+    latin-1 corpus was rewritten so without a word (Hugging Face `datasets` and torchtune refuse such a file)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if path not in _NOT_UTF8_WARNED:
+            _NOT_UTF8_WARNED.add(path)
+            log.warning("data.paths: %s is not UTF-8 from byte %d on (%s); its invalid bytes are read as U+FFFD. "
+                        "To keep them, convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)", path, e.start,
+                        e.reason)
+        return raw.decode("utf-8", errors="replace")
+
+
+_NOT_UTF8_WARNED: set[Path] = set()
+"""Files `_read_text` has warned about in this process (the BPE's training and the packing both read them)."""
 
 
 def _file_documents(path: Path) -> Iterator[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import shutil
 import sysconfig
 from pathlib import Path
@@ -159,6 +160,21 @@ def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, line, problem):
     with pytest.raises(ConfigError) as e:
         data.TokenDataset.build(cfg, data.ByteTokenizer())
     assert e.value.field == "data.paths" and f"d.jsonl line 2 {problem}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bytes_that_are_not_utf8_are_replaced_with_a_warning_naming_the_file(tmp_path, caplog):
+    """A latin-1 file's bytes become U+FFFD in the stream, as before, but no longer without a word: one warning per
+    file naming it and the first bad byte (the BPE's training and the packing both read it)."""
+    (tmp_path / "ok.txt").write_text("fine\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
+    for tokenizer in ("byte", "bpe"):
+        cfg = make_cfg(tmp_path, tmp_path / f"cache-{tokenizer}", tokenizer=tokenizer, bpe_vocab_size=280)
+        with caplog.at_level(logging.WARNING, logger="shardwise.data"):
+            tok = data.build_tokenizer(cfg, tmp_path / f"cache-{tokenizer}")
+            stream = stream_on_disk(data.TokenDataset.build(cfg, tok, tmp_path / f"cache-{tokenizer}")).tolist()
+        assert tok.decode(stream[: stream.index(tok.eos_id)]) == "caf\ufffd au lait\n"
+    warned = [r.getMessage() for r in caplog.records if r.name == "shardwise.data"]
+    assert len(warned) == 1 and "latin1.txt is not UTF-8 from byte 3 on" in warned[0]
 
 
 def test_cache_root_resolution(monkeypatch, tmp_path):
