@@ -809,6 +809,10 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not 0-3", "use 0, 1, 2 or 3")
     _positive("parallel.activation_checkpoint_every", p.activation_checkpoint_every)
+    if p.activation_checkpoint == "none" and p.activation_checkpoint_every != 1:  # it was ignored
+        raise ConfigError("parallel.activation_checkpoint_every",
+                          f"checkpoint every {p.activation_checkpoint_every} blocks, and activation_checkpoint = none",
+                          "set parallel.activation_checkpoint to full or selective, or leave the interval out")
     if p.dp_shard > 1 and p.zero_stage < 2:
         raise ConfigError(
             "parallel.dp_shard", f"sharding over {p.dp_shard} ranks needs zero_stage 2 or 3 (FSDP)",
@@ -874,6 +878,9 @@ def _validate_pp(cfg: JobConfig) -> None:
         if p.pp_microbatches:  # it was ignored
             raise ConfigError("parallel.pp_microbatches", f"{p.pp_microbatches} pipeline micro-batches, and pp = 1",
                               "set parallel.pp > 1, or leave pp_microbatches out (train.grad_accum accumulates)")
+        if p.pp_schedule != Layout.pp_schedule:  # it was ignored (the default names no choice: nothing to drop)
+            raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule} schedules pipeline stages, and pp = 1",
+                              "set parallel.pp > 1, or leave pp_schedule out")
         return
     if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages < 2:
         raise ConfigError("parallel.virtual_stages", "interleaved-1f1b needs >= 2 stages per rank",

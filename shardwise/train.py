@@ -563,7 +563,7 @@ class Throughput:
         values = {
             "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
             "tokens_per_s": tokens_per_s, "step_time_s": self.time / self.steps,
-            "peak_memory_gib": peak_memory_bytes(self.runtime.device) / 2**30, "skipped": int(result.skipped),
+            "peak_memory_gib": self._peak_memory() / 2**30, "skipped": int(result.skipped),
         }
         if self.peak:
             values["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.runtime.world_size)
@@ -571,6 +571,16 @@ class Throughput:
             values["loss_scale"] = scaler.get_scale()
         self.time, self.steps = 0.0, 0
         return values
+
+    def _peak_memory(self) -> float:
+        """The highest rank's peak memory (every rank calls this on a logged step): ranks differ, a pipeline's first
+        stage most, and the log was rank 0's alone (torchtitan's is too)."""
+        peak = float(peak_memory_bytes(self.runtime.device))
+        if self.runtime.world_size > 1:
+            highest = torch.tensor([peak], dtype=torch.float64, device=self.runtime.device)
+            dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+            peak = highest.item()
+        return peak
 
 
 @dataclass

@@ -59,6 +59,8 @@ def test_every_field_has_a_docstring():
         (["optim.base_global_batch=-8"], "optim.base_global_batch"),
         (["parallel.bucket_mb=-1"], "parallel.bucket_mb"),
         (["parallel.pp_microbatches=3"], "parallel.pp_microbatches"),  # without pp: ignored
+        (["parallel.pp_schedule='zero-bubble'"], "parallel.pp_schedule"),  # without pp: ignored
+        (["parallel.activation_checkpoint_every=2"], "parallel.activation_checkpoint_every"),  # without recompute
         (["train.collective_timeout_s=inf"], "train.collective_timeout_s"),
         (["model.name='llama3-8B'"], "model.name"),  # a mistyped preset, which used to train the defaults
     ],

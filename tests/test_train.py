@@ -229,6 +229,29 @@ def test_short_run_on_text_learns(tmp_path):
     assert json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())["traceEvents"]
 
 
+def _logged_peak_memory(rank_gib: list[float]) -> float:
+    """On a gloo rank: the peak memory a logged step reports, each rank's own peak being rank_gib[rank]."""
+    import types
+
+    import torch.distributed as dist
+
+    import shardwise.train as training
+
+    training.peak_memory_bytes = lambda device: int(rank_gib[dist.get_rank()] * 2**30)
+    meter = training.Throughput.__new__(training.Throughput)
+    meter.runtime = types.SimpleNamespace(world_size=dist.get_world_size(), device=torch.device("cpu"))
+    return meter._peak_memory() / 2**30
+
+
+@pytest.mark.multiprocess
+def test_the_logged_peak_memory_is_the_highest_ranks():
+    """Ranks differ (a pipeline's first stage holds the most): every rank reports the highest, where the log was
+    rank 0's alone."""
+    from distributed import run_distributed
+
+    assert run_distributed(_logged_peak_memory, 2, [1.5, 3.25]) == [3.25, 3.25]
+
+
 def test_the_logged_lr_is_the_one_the_step_ran_at(tmp_path):
     """Linear warmup over 4 steps: steps 1, 2, 3 run at 1/4, 2/4, 3/4 of the peak, and that is what is logged (the
     schedule's next value was logged: 2/4 at step 1)."""
