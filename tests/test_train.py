@@ -1,8 +1,13 @@
 """The single-device step: accumulation, recompute, loss scaling, and a short real run."""
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -430,3 +435,48 @@ def test_ctrl_c_ends_a_run_with_one_line_not_a_traceback(tmp_path, capsys, monke
     monkeypatch.setattr(shardwise.train, "train", interrupted)
     assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
     assert capsys.readouterr().err == "shardwise: interrupted\n"
+
+
+def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[float, ...]) -> float:
+    """launch_local with `agent` (Python source) in torchrun's place and Ctrl-C at each of `ctrl_c_at` seconds;
+    the seconds until it raised KeyboardInterrupt."""
+    import shardwise.launch.local as local
+
+    script = tmp_path / "agent.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + agent)
+    monkeypatch.setattr(local, "torchrun_command", lambda *a, **k: ([sys.executable, str(script)], None))
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in ctrl_c_at]
+    start = time.monotonic()
+    for timer in timers:
+        timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local.launch_local(2, ["train"])
+    finally:
+        for timer in timers:  # a Ctrl-C still to come once the launcher has returned would stop pytest
+            timer.cancel()
+    return time.monotonic() - start
+
+
+def test_ctrl_c_under_nproc_returns_once_torchrun_has_stopped_the_ranks(tmp_path, monkeypatch):
+    """Ctrl-C reaches the launcher and torchrun's agent together, and the agent then stops the ranks (up to 30 s,
+    SIGKILL after). The launcher returned at once: the prompt came back while the ranks still held the run folder's
+    lock (a restart was refused: 'another run trains in ...') and printed their last lines after it."""
+    stopped = tmp_path / "stopped"
+    _interrupted_launch(tmp_path, monkeypatch, f"time.sleep(2)\nopen({str(stopped)!r}, 'w').close()\n", (0.5,))
+    assert stopped.exists()
+
+
+def test_a_second_ctrl_c_under_nproc_stops_the_job_at_once(tmp_path, monkeypatch):
+    alive = tmp_path / "alive"
+    seconds = _interrupted_launch(tmp_path, monkeypatch,
+                                  f"import os\nopen({str(alive)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n",
+                                  (1.0, 1.5))
+    pid = int(alive.read_text())
+    try:
+        assert seconds < 30
+        with pytest.raises(ProcessLookupError):  # SIGKILLed and reaped
+            os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -95,7 +95,18 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
 
     previous = {s: signal.signal(s, stop_ranks) for s in stop}
     try:
-        code = torchrun.wait()
+        try:
+            code = torchrun.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reached torchrun too, which is stopping the ranks: returning now gave the prompt back while
+            # they lived on (up to 30 s), the run folder still locked, their last lines printed after it. A second
+            # Ctrl-C stops them at once.
+            try:
+                torchrun.wait()
+            except KeyboardInterrupt:
+                take_away(torchrun.pid)
+                torchrun.wait()
+            raise
         return stopped_exit_code if code == 0 and stopped else code
     finally:
         for s, handler in previous.items():
