@@ -151,12 +151,17 @@ def explain_failure(exc: BaseException, env: DistEnv, step: int) -> str | None:
     if op is None:
         return None
     wait_s = min(env.timeout_s, ROLL_CALL_MAX_S)
-    missing = roll_call(env, wait_s)
+    missing, stopped_after = roll_call(env, wait_s)
     if missing is None:
         who = "the job's store did not answer either (the store's host rank may be the one at fault)"
     elif missing:
         shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
-        who = f"rank{'s' if len(missing) > 1 else ''} {shown} did not check in within {wait_s:.0f} s: hung or dead"
+        ranks = f"rank{'s' if len(missing) > 1 else ''} {shown}"
+        if stopped_after is None:
+            who = f"{ranks} did not check in within {wait_s:.0f} s: hung or dead"
+        else:  # torchrun stops the job as soon as a rank has exited: the others may be blocked behind it, alive
+            who = (f"{ranks} had not checked in when the job was stopped, {stopped_after:.1f} s into the roll call: "
+                   f"dead, or blocked behind a dead rank")
     else:
         who = "every rank checked in (a transient network failure, or a rank that fell behind and recovered)"
     cause = "timed out" if any(w in str(exc).lower() for w in ("timed out", "timeout")) else "lost its peer"
@@ -172,37 +177,38 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
-def roll_call(env: DistEnv, wait_s: float) -> list[int] | None:
-    """Check this rank in; the ranks that have not checked in after wait_s (None if the store is unreachable).
+def roll_call(env: DistEnv, wait_s: float) -> tuple[list[int] | None, float | None]:
+    """Check this rank in; the ranks that have not checked in after wait_s (None if the store is unreachable), and
+    the seconds after which a SIGTERM ended the wait (None if none did).
 
     Returns at once if SIGTERM arrives meanwhile (torchrun stopping the job), with the ranks missing so far.
     """
     if env.store is None:
-        return []
+        return [], None
     keys = [f"shardwise/roll_call/{r}" for r in range(env.world_size)]
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    everyone = False
+    everyone, start, stopped_after = False, time.monotonic(), None
     try:
         env.store.set_timeout(datetime.timedelta(seconds=max(wait_s, 1.0)))
         env.store.set(keys[env.rank], "1")
-        deadline = time.monotonic() + wait_s
+        deadline = start + wait_s
         while not (everyone := env.store.check(keys)) and time.monotonic() < deadline:
             time.sleep(0.2)
     except _Terminated:
-        pass
+        stopped_after = time.monotonic() - start
     except (RuntimeError, dist.DistError):
-        return None
+        return None, None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if everyone:
-        return []
+        return [], None
     try:  # one query per rank, only when someone is missing
-        return [r for r, key in enumerate(keys) if not env.store.check([key])]
+        return [r for r, key in enumerate(keys) if not env.store.check([key])], stopped_after
     except (RuntimeError, dist.DistError):
-        return None
+        return None, None
 
 
 _BEFORE_SHUTDOWN: list[Callable[[], None]] = []

@@ -275,6 +275,26 @@ def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path
     assert "rank 1 did not check in" in line and "hung or dead" in line, line
 
 
+def test_a_roll_call_that_torchrun_ends_does_not_claim_it_waited():
+    """torchrun SIGTERMs the survivors as soon as a rank has exited, which ends their roll call at once. The line
+    said 'rank 1 did not check in within 30 s: hung or dead' after a fraction of a second, and named as hung
+    ranks that were alive, blocked in a collective with the dead one (4 ranks, one SIGKILLed: 'ranks 1, 2')."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.distributed import DistEnv, explain_failure
+
+    env = DistEnv(0, 2, 0, torch.device("cpu"), dist.HashStore(), timeout_s=600)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # torchrun stopping the job
+    start = time.monotonic()
+    line = explain_failure(RuntimeError("Read error: Connection reset by peer"), env, step=7)
+    assert time.monotonic() - start < 10
+    assert "rank 1 had not checked in when the job was stopped" in line, line
+    assert "within" not in line, line
+
+
 def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
     """A run folder whose newest checkpoint is at train.steps has nothing to train (it crashed with an IndexError
     printing the losses); one past it names train.steps."""
