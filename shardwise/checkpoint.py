@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -397,9 +398,29 @@ class Checkpointer:
                                         no_dist=not dist.is_initialized())
                 self._pending = (future, tmp, final, meta)
             else:
-                dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+                try:
+                    dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+                except CheckpointException as e:
+                    raise self._write_failed(e, step, tmp) or e from None
         if not self.async_save:
             self._commit(tmp, final, meta)
+
+    def _write_failed(self, error: CheckpointException, step: int, tmp: Path) -> CheckpointError | None:
+        """A save whose writes the file system refused (a full disk, a read-only or unwritable folder) as one line;
+        None for any other failure (a bug: its traceback stays). DCP gathers every rank's failure and raises them on
+        every rank, so every rank raises this line together. Until 2026-12-01 a full disk was a traceback of DCP's
+        from every rank and torchrun's report, exit code 1."""
+        refused = {rank: exc for rank, (exc, _) in error.failures.items() if isinstance(exc, OSError)}
+        if not refused:
+            return None
+        ranks = ", ".join(map(str, sorted(refused)))
+        complete = scan_checkpoints(self.root.parent).complete
+        kept = (f"it resumes from {complete[-1][1].name}, the newest complete checkpoint, which this failure left "
+                f"untouched" if complete else "no checkpoint is complete yet, so it starts over")
+        return CheckpointError(tmp, f"saving step {step} failed on rank{'s' if len(refused) > 1 else ''} {ranks}: "
+                                    f"{refused[min(refused)]}",
+                               f"free space where metrics.out_dir is, or make it writable, and start the run again: "
+                               f"{kept}")
 
     def _collect(self, state: TrainState) -> tuple[dict, dict]:
         optim_tensors, plain = _optimizer_state(state)
@@ -414,7 +435,10 @@ class Checkpointer:
             return
         future, tmp, final, meta = self._pending
         self._pending = None
-        result = future.result()
+        try:
+            result = future.result()
+        except CheckpointException as e:
+            raise self._write_failed(e, meta["step"], tmp) or e from None
         if hasattr(result, "upload_completion"):
             result.upload_completion.result()
         self._commit(tmp, final, meta)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.tensor import DTensor
 
 from shardwise import checkpoint, hf
@@ -581,3 +582,29 @@ def test_a_users_backup_folder_is_left_alone(saved_run, tmp_path):
         checkpointer.save(step, state)
     assert sorted(p.name for p in good.parent.iterdir()) == ["step_2.old", "step_4"]
     assert (backup / "meta.json").read_bytes() == (saved_run[0] / "checkpoints" / "step_2" / "meta.json").read_bytes()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_resumed_from(saved_run, tmp_path, monkeypatch,
+                                                                                   async_save):
+    """The file system refusing DCP's writes (a full disk, a read-only folder) was DCP's traceback from every rank
+    and torchrun's report, exit code 1; the newest complete checkpoint stays what a restart resumes from."""
+    import errno
+    import os
+
+    run, good = _copy(saved_run, tmp_path)
+
+    class FullDisk(dcp_filesystem.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.dcp, "FileSystemWriter", FullDisk)
+    cfg, state, _ = _fresh_state()
+    ckpt = Checkpointer(run, cfg.model, async_save=async_save)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(5, state)
+        ckpt.wait()
+    message = str(err.value)
+    assert "\n" not in message and "saving step 5 failed on rank 0: [Errno 28] No space left on device" in message
+    assert "it resumes from step_2" in message, message
+    assert latest_checkpoint(run) == good
