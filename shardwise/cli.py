@@ -9,7 +9,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from shardwise.config import HF_WEIGHT_FILES, ConfigError, check_file_to_write, fit_nodes, has_hf_weights, load_config
+from shardwise.config import (
+    HF_WEIGHT_FILES,
+    ConfigError,
+    check_file_to_write,
+    check_restarts,
+    fit_nodes,
+    has_hf_weights,
+    load_config,
+)
 from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
 
@@ -69,6 +77,7 @@ def _run_train(args: argparse.Namespace) -> int:
         argv += ["--save-final", args.save_final] if args.save_final else []
         elastic = rendezvous is not None and rendezvous.elastic
         restarts = args.max_restarts if args.max_restarts is not None else 3 if elastic else 0
+        check_restarts(cfg, restarts)
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
                             stopped_exit_code=args.stopped_exit_code)
     from shardwise.train import train  # heavy imports only once the config is known good

@@ -754,6 +754,18 @@ def fit_world(cfg: JobConfig, world_size: int) -> None:
         cfg.train = dataclasses.replace(t, grad_accum=t.global_batch // (t.micro_batch * p.dp))
 
 
+def check_restarts(cfg: JobConfig, restarts: int) -> None:
+    """torchrun's restarts of a job whose rank failed go on from its newest checkpoint only when the run saves and
+    resumes them: otherwise each restart trained from the initialisation again, moving the first attempt's
+    checkpoints aside under checkpoint.resume = false (the demo's), and the job still ended with exit code 0.
+    `launch slurm --requeue` and an elastic job refuse the same."""
+    if restarts > 0 and not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
+        raise ConfigError(field, f"--max-restarts {restarts} starts the job again when a rank fails, which goes on "
+                          "from its newest checkpoint only with checkpoints saved and resumed (without, each restart "
+                          "trains from the start)", f"set {field} = true, or leave out --max-restarts")
+
+
 def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
     """Check the job on every world it may run on (nproc x each number of machines in the range), before any
     process starts; an elastic job also needs the checkpoints it restarts from. Leaves cfg fitted to the largest."""

@@ -88,6 +88,11 @@ def _refused(args: list[str], capsys) -> str:
     (["launch", "local", "--nnodes", "2", "--leave", "2@3"], "--leave"),  # there is no third
     (["launch", "local", "--nnodes", "2", "--nproc-per-node", "0"], "--nproc-per-node"),
     (["launch", "local", "--nnodes", "2", "--max-restarts", "-1"], "--max-restarts"),  # after a machine started
+    # restarts without checkpoints to resume trained from the start again, and ended with exit code 0
+    (["train", "--nproc", "2", "--max-restarts", "2"], "checkpoint.enabled"),
+    (["train", "--nproc", "2", "--max-restarts", "2", "--set", "checkpoint.enabled=true", "--set",
+      "checkpoint.resume=false"], "checkpoint.resume"),
+    (["launch", "local", "--nnodes", "2", "--max-restarts", "1"], "checkpoint.enabled"),
     (["launch", "local", "--nnodes", "2", "--last-call", "-5"], "--last-call"),
     (["launch", "local", "--nnodes", "2", "--leave", "1@100000"], "--leave"),  # past train.steps: never fired
     (["launch", "local", "--nnodes", "2", "--save-final", "."], "--save-final"),  # a folder: failed at the end

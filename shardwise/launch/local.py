@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import check_file_to_write, fit_nodes, load_config
+from shardwise.config import check_file_to_write, check_restarts, fit_nodes, load_config
 from shardwise.errors import ConfigError
 
 
@@ -194,6 +194,7 @@ def run_launch_local(args: argparse.Namespace) -> int:
         raise ConfigError("--leave", f"step {leave[1]} is not before the run's last (train.steps = {cfg.train.steps})",
                           "name a step the run passes, e.g. half of train.steps")
     fit_nodes(cfg, args.nproc_per_node, nodes)  # before any machine starts
+    check_restarts(cfg, args.max_restarts or 0)
     return run_local(args, nodes, Path(cfg.metrics.out_dir))
 
 
