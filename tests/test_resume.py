@@ -171,6 +171,25 @@ def test_launcher_picks_the_handed_error_rank_0_first(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
+def test_ranks_that_outlive_a_failed_one_are_not_waited_for_30_s(tmp_path):
+    """A rank killed in a job of 4 (FSDP 2 x TP 2): a survivor blocked in a collective with it runs no Python signal
+    handler, so torchrun's SIGTERM went unanswered and the job ended (or restarted) after torchrun's 30 s wait for
+    a save that cannot complete. Here rank 0 ignores SIGTERM as such a rank does, and rank 1 fails."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, signal, sys, time\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "    time.sleep(120)\n"
+                      "time.sleep(1)\n"
+                      "sys.exit(1)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "shardwise.torchrun", "--standalone", "--nproc_per_node=2",
+                           str(worker)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 25, proc.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
 def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
     """Resuming under 4 ranks a checkpoint saved by 1 (the global batch differs): every rank meets the error, the
     user sees its line once and exit code 3, without torchrun's report or a traceback."""
