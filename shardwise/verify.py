@@ -233,9 +233,12 @@ def run_verify(args: argparse.Namespace) -> int:
             row["trained"] = changed(initial, got[1])
             results.append(row)
             if not args.json:
+                # a failure says by how much and where: the largest parameter difference's tensor is where to look
+                failed = (f"FAIL (beyond --rtol {args.rtol:g}; parameters differ most in {row['worst_param']})"
+                          if "worst_param" in row else f"FAIL ({row.get('error', f'beyond --rtol {args.rtol:g}')})")
                 print(f"{text:<50} world {row['world_size']:>2}  loss {row['loss_rel']:.1e}  "
                       f"grad norm {row['grad_norm_rel']:.1e}  params {row['param_rel']:.1e}  "
-                      f"trained {len(row['trained'])}/{len(got[1])}  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+                      f"trained {len(row['trained'])}/{len(got[1])}  {'ok' if row['ok'] else failed}", flush=True)
     if args.json:
         print(json.dumps({"steps": args.steps, "rtol": args.rtol, "layouts": results}, indent=2))
     note = adaptive_optimizer_note(results, base.optim.name, args.rtol)

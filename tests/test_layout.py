@@ -121,3 +121,22 @@ def test_verify_compares_overflowed_steps():
     assert _rel(inf, inf) == 0.0 and _rel(2.0, 2.0) == 0.0
     assert _rel(1.0, inf) == inf and _rel(inf, 1.0) == inf and _rel(nan, 1.0) == inf and _rel(nan, nan) == inf
     assert max(_rel(a, b) for a, b in [(1.0, inf), (1.0, 1.0)]) == inf
+
+
+def test_a_failed_layout_says_by_how_much_and_where(capsys, monkeypatch):
+    """verify printed a failing layout as 'FAIL' alone: not the tolerance it failed, nor the parameter that differed
+    most (which --json has, as worst_param)."""
+    import shardwise.verify
+    from shardwise.cli import main
+
+    compare = shardwise.verify.compare
+
+    def broken(ref, got):  # a layout whose parameters came out 1e-3 away from one device's
+        return {**compare(ref, got), "param_rel": 1e-3, "worst_param": "layers.0.attention.wo.weight"}
+
+    monkeypatch.setattr(shardwise.verify, "compare", broken)
+    code = main(["verify", "--config", str(Path(__file__).parent / "configs" / "parity.toml"), "--set=model.n_layers=2",
+                 "--layout", "micro_batch=4,grad_accum=2", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL (beyond --rtol 1e-05; parameters differ most in layers.0.attention.wo.weight)" in out, out
