@@ -90,6 +90,8 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, grou
     if use_cuda:
         torch.cuda.set_device(device)
     store = None
+    if world > 1 or group_of_one:
+        time_out_new_groups(datetime.timedelta(seconds=timeout_s))
     if (world > 1 or group_of_one) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(timeout) if world > 1 else dist.HashStore()
@@ -98,6 +100,19 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, grou
             timeout=timeout, device_id=device if use_cuda else None,
         )
     return DistEnv(rank, world, local_rank, device, store, timeout_s)
+
+
+def time_out_new_groups(timeout: datetime.timedelta) -> None:
+    """Give the process groups made from now on without a timeout of their own the job's: the device mesh's dims and
+    flattened dims (torch's new_group with timeout=None), the async checkpoint writer's group.
+
+    torch gives such a group c10d's module default (30 min for gloo, 10 for NCCL), not the default group's timeout.
+    Every layout with a mesh of 2 dims or more (FSDP x TP, HSDP, pp x dp, ...) runs its collectives on such groups,
+    so a hung rank there was an error only after 30 minutes, whatever train.collective_timeout_s said (torchtitan
+    sets each mesh group's timeout itself: set_pg_timeouts). c10d reads these module globals at each new group."""
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
 
 
 ATTEMPT_ENV = "SHARDWISE_ATTEMPT"

@@ -294,6 +294,32 @@ def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path
     assert "rank 1 did not check in" in line and "hung or dead" in line, line
 
 
+def _group_timeouts(overrides):
+    """On each rank: the timeout of every process group of the job's mesh (its dims and flattened dims)."""
+    import torch
+
+    from shardwise.config import load_config
+    from shardwise.parallel.runtime import Runtime
+
+    runtime = Runtime.create(load_config(CONFIG, overrides))
+    mesh = runtime.mesh
+    groups = {"tp": mesh.tp, "dp_shard": mesh.mesh["dp_shard"], "fsdp": mesh.fsdp, "grad_reduce": mesh.grad_reduce}
+    return {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, m in groups.items()}
+
+
+@pytest.mark.multiprocess
+def test_every_group_of_the_mesh_times_out_with_the_job():
+    """FSDP 2 x TP 2 with train.collective_timeout_s = 5 and a rank stopped (SIGSTOP): the other ranks waited 30
+    minutes, the timeout torch gives a group made without one (new_group), and the run hung instead of ending with
+    the line naming the hung rank."""
+    from distributed import run_distributed
+
+    overrides = ["parallel.dp_shard=2", "parallel.tp=2", "train.collective_timeout_s=5"]
+    for timeouts in run_distributed(_group_timeouts, 4, overrides):
+        assert set(timeouts.values()) == {5.0}, timeouts
+
+
 def test_a_roll_call_that_torchrun_ends_does_not_claim_it_waited():
     """torchrun SIGTERMs the survivors as soon as a rank has exited, which ends their roll call at once. The line
     said 'rank 1 did not check in within 30 s: hung or dead' after a fraction of a second, and named as hung
