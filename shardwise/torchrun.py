@@ -131,6 +131,12 @@ def main(argv: list[str]) -> int:
         # when torchrun itself runs under torchelastic, and otherwise logs an error saying it does not
         torchrun.run(args)
         return 0
+    except multiprocessing_api.SignalException as e:
+        if e.sigval != signal.SIGINT:
+            raise
+        # Ctrl-C: torchrun has stopped the ranks, and each says "shardwise: interrupted" (cli.main); its own
+        # traceback of the signal (20 lines after them) said nothing more
+        return 128 + signal.SIGINT
     except ChildFailedError as e:
         handed = handed_error(e.failures)
         if handed is None:

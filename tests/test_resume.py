@@ -190,6 +190,21 @@ def test_ranks_that_outlive_a_failed_one_are_not_waited_for_30_s(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_ctrl_c_under_the_launcher_is_no_traceback(tmp_path):
+    """torchrun's agent raised its SignalException on Ctrl-C: its traceback followed the ranks' 'interrupted'."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys, time\ntry:\n    time.sleep(120)\nexcept KeyboardInterrupt:\n    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.torchrun", "--standalone", "--nproc_per_node=1",
+                             str(worker)], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with _reaped(proc):
+        time.sleep(8)  # the worker has started
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.multiprocess
 def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
     """Resuming under 4 ranks a checkpoint saved by 1 (the global batch differs): every rank meets the error, the
     user sees its line once and exit code 3, without torchrun's report or a traceback."""
