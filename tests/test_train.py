@@ -458,6 +458,7 @@ def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[floa
     return time.monotonic() - start
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_under_nproc_returns_once_torchrun_has_stopped_the_ranks(tmp_path, monkeypatch):
     """Ctrl-C reaches the launcher and torchrun's agent together, and the agent then stops the ranks (up to 30 s,
     SIGKILL after). The launcher returned at once: the prompt came back while the ranks still held the run folder's
@@ -467,6 +468,7 @@ def test_ctrl_c_under_nproc_returns_once_torchrun_has_stopped_the_ranks(tmp_path
     assert stopped.exists()
 
 
+@pytest.mark.multiprocess
 def test_a_second_ctrl_c_under_nproc_stops_the_job_at_once(tmp_path, monkeypatch):
     alive = tmp_path / "alive"
     seconds = _interrupted_launch(tmp_path, monkeypatch,
