@@ -244,7 +244,47 @@ def run_verify(args: argparse.Namespace) -> int:
     note = adaptive_optimizer_note(results, base.optim.name, args.rtol)
     if note:
         print(note, file=sys.stderr)
+    for text, _, cfg in configs:
+        note = unread_embedding_note(text, cfg, args.steps)
+        if note:
+            print(note, file=sys.stderr)
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def unread_embedding_rows(cfg: JobConfig, steps: int) -> tuple[int, list[tuple[int, int]]]:
+    """The highest token id the first `steps` training steps look up, and the ranges of embedding rows, one per
+    tensor-parallel rank that holds them (the weight's Shard(0): ceil(V / tp) rows a rank, as torch's chunk cuts
+    it), in which none of the ids they look up falls: that rank's lookup (shardwise.parallel's vocabulary-parallel
+    embedding) then runs on no id of the data, and verify compares nothing of it. The same global batches as the
+    reference reads, in the same order (data.DataLoader on one data-parallel rank)."""
+    import torch
+
+    from shardwise import data
+
+    tokenizer = data.build_tokenizer(cfg.data, data.resolve_cache_root(cfg.data))
+    loader = data.DataLoader(data.TokenDataset.build(cfg.data, tokenizer), micro_batch=cfg.train.micro_batch,
+                             grad_accum=cfg.train.global_batch // cfg.train.micro_batch or
+                             cfg.train.grad_accum * cfg.parallel.dp, seed=cfg.train.seed)
+    ids = torch.unique(torch.cat([b.inputs.flatten() for _ in range(steps) for b in loader.next_step()]))
+    rows = -(-cfg.model.vocab_size // cfg.parallel.tp)
+    shards = [(start, min(start + rows, cfg.model.vocab_size)) for start in range(0, cfg.model.vocab_size, rows)]
+    return int(ids.max()), [(a, b) for a, b in shards if not ((ids >= a) & (ids < b)).any()]
+
+
+def unread_embedding_note(text: str, cfg: JobConfig, steps: int) -> str | None:
+    """What to tell a user whose tp layout's data never looks up some ranks' embedding rows: a byte-level corpus
+    of ASCII text reads ids below 128 of a vocabulary of 320, so under tp 2 the second rank's rows are never read,
+    and an off-by-one in its lookup passed verify (a helper's trial, 2026-12-01)."""
+    if cfg.parallel.tp == 1:
+        return None
+    highest, unread = unread_embedding_rows(cfg, steps)
+    if not unread:
+        return None
+    ranges = ", ".join(f"{a}-{b - 1}" for a, b in unread)
+    return (f"note: {text}: the {steps} steps' batches look up token ids up to {highest} of model.vocab_size = "
+            f"{cfg.model.vocab_size}, so the tensor-parallel embedding's rows {ranges} are never read and their "
+            f"ranks' lookups are not compared; to cover them, verify on data whose ids span the vocabulary (e.g. "
+            f"data.tokenizer = 'bpe' with data.bpe_vocab_size near model.vocab_size)")
 
 
 ADAPTIVE = ("adamw", "adamw8bit", "adamw4bit", "adafactor")

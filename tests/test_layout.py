@@ -140,3 +140,26 @@ def test_a_failed_layout_says_by_how_much_and_where(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL (beyond --rtol 1e-05; parameters differ most in layers.0.attention.wo.weight)" in out, out
+
+
+def test_verify_says_when_the_data_never_reads_a_tensor_parallel_ranks_embedding_rows(tmp_path):
+    """ASCII text through the byte tokenizer reads ids below 128 of the parity model's 320: under tp 2 the second
+    rank's embedding rows (160-319) are never looked up, so verify compares nothing of its lookup (an off-by-one in
+    it passed `verify --layout tp=2`). The note names them; text with accented letters (UTF-8 bytes from 0xC2) reads
+    both ranks' rows, and tp 1 has nothing to say."""
+    from shardwise.verify import unread_embedding_note, unread_embedding_rows
+
+    def cfg(text: str, tp: int):
+        corpus = tmp_path / f"corpus-{len(text)}"
+        corpus.mkdir(exist_ok=True)
+        (corpus / "a.txt").write_text(text * 400)
+        return load_config(CONFIG, [f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'",
+                                    f"parallel.tp={tp}"])
+
+    ascii_tp2 = cfg("the quick brown fox jumps over the lazy dog. ", 2)
+    highest, unread = unread_embedding_rows(ascii_tp2, 2)
+    assert highest < 128 and unread == [(160, 320)]
+    note = unread_embedding_note("tp=2", ascii_tp2, 2)
+    assert "rows 160-319 are never read" in note and "\n" not in note
+    assert unread_embedding_rows(cfg("un café crème brûlée à la façon de là-bas. ", 2), 2)[1] == []
+    assert unread_embedding_note("tp=1", cfg("the quick brown fox jumps over the lazy dog. ", 1), 2) is None

@@ -121,7 +121,8 @@ def test_a_layout_verifies_the_same_alone_and_after_another_in_its_launch():
 
 def _embedding_lookups():
     """torch's RowwiseParallel and our VocabParallelEmbedding on the same weights and ids (a vocabulary of 1001
-    rows, not divisible by 2), with and without sequence parallelism: outputs, gradients and their placement."""
+    rows, not divisible by 2, every row among the ids), with and without sequence parallelism: outputs, gradients
+    and their placement."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -132,7 +133,9 @@ def _embedding_lookups():
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
-    reference, ids = torch.nn.Embedding(1001, 16), torch.randint(0, 1001, (4, 32))
+    # every row looked up (each rank's first and last among them), in shuffled order
+    ids = torch.cat([torch.arange(1001), torch.randint(0, 1001, (23,))])[torch.randperm(1024)].view(4, 256)
+    reference = torch.nn.Embedding(1001, 16)
     results = []
     for layout in (Replicate(), Shard(1)):
         for style in (RowwiseParallel(input_layouts=Replicate(), output_layouts=layout),
