@@ -282,6 +282,10 @@ def test_torchtitans_compiled_loss_is_sized_as_a_cross_entropy_kernel():
     compiled = dataclasses.replace(eager, compile=True)
     assert compiled.loss_kernel and not eager.loss_kernel
     assert not dataclasses.replace(compiled, compile_loss=False).loss_kernel  # torchtitan's code of December 2024
+    from shardwise.planner.cli import system_summary  # what `shardwise plan --system torchtitan --compile` says
+
+    assert system_summary(compiled).endswith("compiled blocks (elementwise operators fused), the loss one kernel "
+                                             "over the logits")
 
     def loss_fn(pred, labels):
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))

@@ -322,6 +322,7 @@ def system_summary(training: Training) -> str:
             f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
             f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}"
             f"{', compiled blocks (elementwise operators fused)' if training.compile else ''}"
+            f"{', the loss one kernel over the logits' if training.loss_kernel and not training.fuses_head else ''}"
             f"{f', float8 {training.float8}' if training.float8 != 'torchao' else ''}"
             f"{', checkpoints split over tp' if training.distribute_checkpoints else ''}"
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}")
