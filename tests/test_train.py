@@ -445,6 +445,9 @@ def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[floa
     script = tmp_path / "agent.py"
     script.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + agent)
     monkeypatch.setattr(local, "torchrun_command", lambda *a, **k: ([sys.executable, str(script)], None))
+    # Python raises KeyboardInterrupt on SIGINT only where SIGINT was not ignored when it started, and a shell
+    # starts background jobs with it ignored (CI under nohup ... &): this process's Ctrl-C is a terminal's here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in ctrl_c_at]
     start = time.monotonic()
     for timer in timers:
@@ -455,6 +458,7 @@ def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[floa
     finally:
         for timer in timers:  # a Ctrl-C still to come once the launcher has returned would stop pytest
             timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     return time.monotonic() - start
 
 
