@@ -347,32 +347,37 @@ they rebuilt the tokenizer: a corpus changed since was a BPE of other ids (the t
 export carried it), a corpus gone a refusal naming data.paths."""
 
 
+def _saved_run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike) -> Path | None:
+    """The run's saved tokenizer.json, where it has one and its ids can differ from what cfg builds now (not 'byte')."""
+    path = Path(run_dir) / RUN_TOKENIZER
+    return path if cfg.tokenizer != "byte" and path.is_file() else None
+
+
 def run_tokenizer_json(cfg: DataConfig, run_dir: str | os.PathLike) -> str:
     """The tokenizer.json of the run in run_dir: its saved copy, else (a run saved before there was one, or 'byte',
     whose ids never change) the one cfg builds now."""
-    path = Path(run_dir) / RUN_TOKENIZER
-    if cfg.tokenizer != "byte" and path.is_file():
-        return path.read_text()
-    return tokenizer_json(cfg, resolve_cache_root(cfg))
+    saved = _saved_run_tokenizer(cfg, run_dir)
+    return saved.read_text() if saved else tokenizer_json(cfg, resolve_cache_root(cfg))
 
 
 def run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike) -> Tokenizer:
     """The tokenizer the run in run_dir trained with (see run_tokenizer_json)."""
-    path = Path(run_dir) / RUN_TOKENIZER
-    if cfg.tokenizer != "byte" and path.is_file():
-        return HFTokenizer(path, cfg.tokenizer if cfg.tokenizer == "bpe" else "file")
+    saved = _saved_run_tokenizer(cfg, run_dir)
+    if saved:
+        return HFTokenizer(saved, cfg.tokenizer if cfg.tokenizer == "bpe" else "file")
     return build_tokenizer(cfg, resolve_cache_root(cfg))
 
 
 def keep_run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike, resumed: bool, write: bool) -> None:
-    """At a run's start: write its tokenizer.json into run_dir (when `write`: one rank); a resume whose tokenizer
-    gives other ids than the saved one (a 'bpe' retrained on a corpus that changed since) is refused, on every rank,
-    since the checkpoint's embeddings are indexed by the saved one's ids."""
+    """At a run's start: write its tokenizer.json into run_dir (when `write`: one rank, which alone builds it here,
+    so that a 'bpe' is trained once: the others read it from the cache later); a resume whose tokenizer gives other
+    ids than the saved one (a 'bpe' retrained on a corpus that changed since) is refused, on every rank, since the
+    checkpoint's embeddings are indexed by the saved one's ids."""
     path = Path(run_dir) / RUN_TOKENIZER
-    text = tokenizer_json(cfg, resolve_cache_root(cfg))
     if resumed and path.is_file():
-        if cfg.tokenizer != "byte" and not _same_ids(tokenizers.Tokenizer.from_file(str(path)),
-                                                     tokenizers.Tokenizer.from_str(text)):
+        saved = _saved_run_tokenizer(cfg, run_dir)
+        if saved and not _same_ids(tokenizers.Tokenizer.from_file(str(saved)),
+                                   tokenizers.Tokenizer.from_str(tokenizer_json(cfg, resolve_cache_root(cfg)))):
             why = " (a BPE trained on data.paths as they are now)" if cfg.tokenizer == "bpe" else ""
             raise ConfigError("data.tokenizer", f"{cfg.tokenizer!r}{why} gives other ids than {path}, the tokenizer "
                               "this run trained with", f"restore the run's data, set data.tokenizer = '{path}', or "
@@ -380,7 +385,7 @@ def keep_run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike, resumed: boo
         return
     if write:
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-        tmp.write_text(text)
+        tmp.write_text(tokenizer_json(cfg, resolve_cache_root(cfg)))
         os.replace(tmp, path)  # a reader sees the old file or the new one
 
 

@@ -90,10 +90,10 @@ def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, grou
     if use_cuda:
         torch.cuda.set_device(device)
     store = None
+    timeout = datetime.timedelta(seconds=timeout_s)
     if world > 1 or group_of_one:
-        time_out_new_groups(datetime.timedelta(seconds=timeout_s))
+        time_out_new_groups(timeout)
     if (world > 1 or group_of_one) and not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(timeout) if world > 1 else dist.HashStore()
         dist.init_process_group(
             "nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
