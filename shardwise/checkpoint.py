@@ -368,13 +368,6 @@ class Checkpointer:
         """
         self.wait()
         tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
-        if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for folder, _ in scan_checkpoints(self.root.parent).partial:
-                if _UNFINISHED_DIR.fullmatch(folder.name) or _REPLACED_DIR.fullmatch(folder.name):
-                    shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts; replaced copies
-            tmp.mkdir()
-        _barrier()
         tensors, plain_optim = self._collect(state)
         plain_optim = _gather_plain(plain_optim)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "model": dataclasses.asdict(self.model_args),
@@ -382,6 +375,7 @@ class Checkpointer:
                 "lora": adapter_spec(state.parts), "cpu_attention_forms": _gather_by_rank(cpu_attention_forms())}
         if meta["lora"] is not None:
             meta["lora_base"] = self.lora_base
+        refused = None
         if _rank() == 0:
             train_state = {
                 "step": step,
@@ -390,7 +384,16 @@ class Checkpointer:
                 "data_loader": state.loader.state_dict() if state.loader is not None else None,
                 "optimizer_param_groups": plain_optim,
             }
-            _fsync_write(tmp / TRAIN_STATE, json.dumps(_plain_json(train_state), indent=1))
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for folder, _ in scan_checkpoints(self.root.parent).partial:
+                    if _UNFINISHED_DIR.fullmatch(folder.name) or _REPLACED_DIR.fullmatch(folder.name):
+                        shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts; replaced copies
+                tmp.mkdir()
+                _fsync_write(tmp / TRAIN_STATE, json.dumps(_plain_json(train_state), indent=1))
+            except OSError as e:
+                refused = e
+        self._raise_refused(_agree_refused(refused), step, tmp)  # the barrier before the ranks write into tmp
         writer = dcp.FileSystemWriter(str(tmp))
         with _quiet_single_process():
             if self.async_save:
@@ -411,8 +414,9 @@ class Checkpointer:
         every rank, so every rank raises this line together. Until 2026-12-01 a full disk was a traceback of DCP's
         from every rank and torchrun's report, exit code 1."""
         refused = {rank: exc for rank, (exc, _) in error.failures.items() if isinstance(exc, OSError)}
-        if not refused:
-            return None
+        return self._refused_error(refused, step, tmp) if refused else None
+
+    def _refused_error(self, refused: dict[int, Any], step: int, tmp: Path) -> CheckpointError:
         ranks = ", ".join(map(str, sorted(refused)))
         complete = scan_checkpoints(self.root.parent).complete
         kept = (f"it resumes from {complete[-1][1].name}, the newest complete checkpoint, which this failure left "
@@ -421,6 +425,13 @@ class Checkpointer:
                                     f"{refused[min(refused)]}",
                                f"free space where metrics.out_dir is, or make it writable, and start the run again: "
                                f"{kept}")
+
+    def _raise_refused(self, refused: dict[int, str], step: int, tmp: Path) -> None:
+        """Rank 0's own writes (the folder, train_state.json, meta.json, the rename) refused by the file system: the
+        same line as DCP's refused writes, raised on every rank together. Until 2026-12-02 it was rank 0's traceback
+        while the other ranks waited at the next collective."""
+        if refused:
+            raise self._refused_error(refused, step, tmp)
 
     def _collect(self, state: TrainState) -> tuple[dict, dict]:
         optim_tensors, plain = _optimizer_state(state)
@@ -447,24 +458,31 @@ class Checkpointer:
         # DCP's save returns on any rank only after its coordinator has gathered every rank's write results and
         # written .metadata: all data is on disk. The barrier keeps ranks in step with the rename.
         _barrier()
+        refused = None
         if _rank() == 0:
-            meta["files"] = _file_digests(tmp)
-            _fsync_write(tmp / META, json.dumps(_plain_json(meta), indent=1))
-            old = final.with_name(final.name + ".replaced")
-            if final.exists():  # the same step saved again: the old copy goes once the new one is in
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-            tmp.rename(final)
-            dir_fd = os.open(self.root, os.O_RDONLY)
             try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+                self._rename_in(tmp, final, meta)
+            except OSError as e:
+                refused = e
+        self._raise_refused(_agree_refused(refused), meta["step"], tmp)
+
+    def _rename_in(self, tmp: Path, final: Path, meta: dict) -> None:
+        meta["files"] = _file_digests(tmp)
+        _fsync_write(tmp / META, json.dumps(_plain_json(meta), indent=1))
+        old = final.with_name(final.name + ".replaced")
+        if final.exists():  # the same step saved again: the old copy goes once the new one is in
             shutil.rmtree(old, ignore_errors=True)
-            for _, folder in scan_checkpoints(self.root.parent).complete[: -self.keep]:
-                shutil.rmtree(folder)
-            log.info("checkpoint %s committed", final)
-        _barrier()
+            final.rename(old)
+        tmp.rename(final)
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        shutil.rmtree(old, ignore_errors=True)
+        for _, folder in scan_checkpoints(self.root.parent).complete[: -self.keep]:
+            shutil.rmtree(folder)
+        log.info("checkpoint %s committed", final)
 
     def close(self) -> None:
         self.wait()
@@ -679,6 +697,16 @@ def _check_targets(path: Path, metadata: Metadata, targets: dict[str, torch.Tens
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
             return f"shard file {info.relative_path} is missing or truncated"
     return None
+
+
+def _agree_refused(error: OSError | None) -> dict[int, str]:
+    """Rank 0's refused write, if any, on every rank (a collective that is also the barrier after rank 0's writes)."""
+    text = None if error is None else str(error)
+    if _world() == 1:
+        return {} if text is None else {0: text}
+    errors = [None] * _world()
+    dist.all_gather_object(errors, text)
+    return {rank: e for rank, e in enumerate(errors) if e is not None}
 
 
 def _agree(error: str | None) -> str | None:

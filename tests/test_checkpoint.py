@@ -4,8 +4,10 @@ The reference for every resume is the same run without interruption (or, across 
 under the saving layout, which the parity tests tie to one device).
 """
 
+import errno
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -151,7 +153,35 @@ def _four_rank_job(run_tp, run_zero1, run_pp):
 
 def _two_rank_job(run_tp, run_zero1, hf_dir, tokens, hf_out):
     return {"from_tp": _continue_job(ZERO2_DP2, run_tp), "from_tp_to_zero1": _continue_job(ZERO1_DP2, run_tp),
-            "from_zero1": _continue_job(ZERO3_DP2, run_zero1), "hf_logits": _hf_round_trip(hf_dir, tokens, hf_out)}
+            "from_zero1": _continue_job(ZERO3_DP2, run_zero1), "hf_logits": _hf_round_trip(hf_dir, tokens, hf_out),
+            "refused": _refused_on_rank0(run_tp)}
+
+
+def _refused_on_rank0(run_dir):
+    """Rank 0's train_state.json write refused under ZeRO-3 on two ranks: every rank's line, and the newest
+    checkpoint afterwards (the other rank used to wait in DCP's collectives while rank 0 printed a traceback)."""
+    cfg = _cfg(ZERO3_DP2)
+    runtime = Runtime.create(cfg)
+    state = _build(cfg, runtime)
+    newest = latest_checkpoint(run_dir)
+    real = checkpoint._fsync_write
+
+    def full(path, text):
+        if path.name == "train_state.json" and dist.get_rank() == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, text)
+
+    checkpoint._fsync_write = full
+    try:
+        Checkpointer(run_dir, cfg.model).save(99, state)
+        message = None
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        checkpoint._fsync_write = real
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return {"messages": messages, "newest_before": newest, "newest_after": latest_checkpoint(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -584,14 +614,40 @@ def test_a_users_backup_folder_is_left_alone(saved_run, tmp_path):
     assert (backup / "meta.json").read_bytes() == (saved_run[0] / "checkpoints" / "step_2" / "meta.json").read_bytes()
 
 
+@pytest.mark.parametrize("refused", ["train_state.json", "meta.json"])
+def test_rank_0s_own_writes_refused_during_a_save_are_one_line(saved_run, tmp_path, monkeypatch, refused):
+    """A full disk at train_state.json (before DCP writes) or meta.json (after it, before the rename) was a traceback
+    of rank 0's; the newest complete checkpoint stays what a restart resumes from."""
+    run, good = _copy(saved_run, tmp_path)
+    real = checkpoint._fsync_write
+
+    def full(path, text):
+        if path.name == refused:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, text)
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", full)
+    cfg, state, _ = _fresh_state()
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(run, cfg.model).save(5, state)
+    message = str(err.value)
+    assert "\n" not in message and "saving step 5 failed on rank 0: [Errno 28] No space left on device" in message
+    assert "it resumes from step_2" in message, message
+    assert latest_checkpoint(run) == good
+
+
+def test_two_ranks_both_raise_rank_0s_refused_write(two_ranks):
+    result = two_ranks["refused"]
+    for message in result["messages"]:  # rank 0's and rank 1's
+        assert message and "saving step 99 failed on rank 0: [Errno 28]" in message, result
+    assert result["newest_after"] == result["newest_before"]
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_resumed_from(saved_run, tmp_path, monkeypatch,
                                                                                    async_save):
     """The file system refusing DCP's writes (a full disk, a read-only folder) was DCP's traceback from every rank
     and torchrun's report, exit code 1; the newest complete checkpoint stays what a restart resumes from."""
-    import errno
-    import os
-
     run, good = _copy(saved_run, tmp_path)
 
     class FullDisk(dcp_filesystem.FileSystemWriter):
