@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e, 3)
     except KeyboardInterrupt:
         # Ctrl-C: stop where it is, without Python's traceback (a run's newest checkpoint is what it resumes from;
-        # SIGTERM or train.stop_after save first)
-        print("shardwise: interrupted", file=sys.stderr)
+        # SIGTERM or train.stop_after save first). Under --nproc every rank gets the signal: one line per machine
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("shardwise: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader of our output went away (`shardwise plan ... | head`): nothing left to say, and no traceback

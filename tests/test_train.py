@@ -435,6 +435,10 @@ def test_ctrl_c_ends_a_run_with_one_line_not_a_traceback(tmp_path, capsys, monke
     monkeypatch.setattr(shardwise.train, "train", interrupted)
     assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
     assert capsys.readouterr().err == "shardwise: interrupted\n"
+    # under --nproc every rank gets Ctrl-C: only each machine's local rank 0 says so (it was once per rank)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
+    assert capsys.readouterr().err == ""
 
 
 def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[float, ...]) -> float:
