@@ -181,7 +181,15 @@ def explain_failure(exc: BaseException, env: DistEnv, step: int) -> str | None:
         who = "every rank checked in (a transient network failure, or a rank that fell behind and recovered)"
     cause = "timed out" if any(w in str(exc).lower() for w in ("timed out", "timeout")) else "lost its peer"
     return (f"step {step}: {op} {cause} on rank {env.rank} (train.collective_timeout_s = {env.timeout_s:g} s); "
-            f"{who}. The first error: {str(exc).splitlines()[0][:200]}")
+            f"{who}. The first error: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    """The error's first line, cut at `limit` characters with a mark that it was (it once was cut silently at 200,
+    which could end mid-path before gloo's operation and its timeout)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    line = lines[0]
+    return line if len(line) <= limit else line[:limit] + " [...]"
 
 
 class _Terminated(Exception):

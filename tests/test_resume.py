@@ -355,6 +355,15 @@ def test_a_roll_call_that_torchrun_ends_does_not_claim_it_waited():
     assert "within" not in line, line
 
 
+def test_the_first_error_is_cut_with_a_mark():
+    from shardwise.distributed import _first_line
+
+    assert _first_line(RuntimeError("short\nsecond")) == "short"
+    long = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] " + "x" * 500 + " Timed out"
+    assert _first_line(RuntimeError(long)) == long[:400] + " [...]"
+    assert _first_line(RuntimeError("")) == "RuntimeError"
+
+
 def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
     """A run folder whose newest checkpoint is at train.steps has nothing to train (it crashed with an IndexError
     printing the losses); one past it names train.steps."""
