@@ -78,6 +78,9 @@ def _run_train(args: argparse.Namespace) -> int:
         elastic = rendezvous is not None and rendezvous.elastic
         restarts = args.max_restarts if args.max_restarts is not None else 3 if elastic else 0
         check_restarts(cfg, restarts)
+        from shardwise.data import prepare  # tokenizers and numpy; not torch
+
+        prepare(cfg, cfg.parallel.dp)  # what is wrong with the data, before any rank starts
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
                             stopped_exit_code=args.stopped_exit_code)
     from shardwise.train import train  # heavy imports only once the config is known good

@@ -28,14 +28,16 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from shardwise.config import ConfigError, DataConfig
+from shardwise.config import ConfigError, DataConfig, JobConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("shardwise.data")
 
@@ -669,6 +671,8 @@ class Batch:
 
 
 def _make_batch(dataset: TokenDataset, split: str, ids: list[int]) -> Batch:
+    import torch  # here, not at the top: `prepare` runs in the launcher, before torch is needed (see there)
+
     rows = torch.from_numpy(np.stack([dataset.sample(split, i) for i in ids]).astype(np.int64))
     return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), sample_ids=ids)
 
@@ -720,6 +724,8 @@ class DataLoader:
         return [_make_batch(self.dataset, self.split, ids[i * mb : (i + 1) * mb]) for i in range(self.grad_accum)]
 
     def _permutation(self) -> torch.Tensor:
+        import torch
+
         if self._perm is None or self._perm[0] != self.epoch:
             gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
             self._perm = (self.epoch, torch.randperm(self.num_samples, generator=gen))
@@ -745,6 +751,35 @@ class DataLoader:
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
 
 
+def _val_samples(dataset: TokenDataset) -> int:
+    n_val = dataset.num_samples("val")
+    if n_val == 0:
+        raise ConfigError("data.val_fraction", "the val split has no samples",
+                          "raise data.val_fraction, shorten data.seq_len or add data")
+    return n_val
+
+
+def prepare(cfg: JobConfig, dp_size: int) -> TokenDataset:
+    """The run's tokenizer and token cache, built (on a cache miss) and checked against the job: the tokenizer's
+    ids against model.vocab_size and against checkpoint.init_from_hf's tokenizer, a global batch of
+    `dp_size` data-parallel ranks against the train split, and the val split. Every rank's build_data runs it
+    (rank 0 first, filling the cache); `shardwise train --nproc` runs it once in the launcher, so that what is wrong
+    with the data is one line before any rank starts (it was after torchrun had started them, ~18 s in). This
+    module imports torch only where batches are made, so the launcher does not load it for this."""
+    tokenizer = build_tokenizer(cfg.data, resolve_cache_root(cfg.data))
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
+            f"set model.vocab_size >= {tokenizer.vocab_size}",
+        )
+    if cfg.checkpoint.init_from_hf:
+        check_hf_tokenizer(tokenizer, cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
+    dataset = TokenDataset.build(cfg.data, tokenizer)
+    DataLoader(dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, dp_size=dp_size)
+    _val_samples(dataset)
+    return dataset
+
+
 def val_batches(dataset: TokenDataset, *, micro_batch: int, n: int, dp_rank: int = 0,
                 dp_size: int = 1) -> list[Batch]:
     """This rank's share of the first n * dp_size micro-batches of the val split, in order, no shuffle.
@@ -753,10 +788,7 @@ def val_batches(dataset: TokenDataset, *, micro_batch: int, n: int, dp_rank: int
     when the split is shorter, so every rank always gets n full micro-batches and every evaluation sees
     the same samples. Rank r takes micro-batches j with j % dp_size == r.
     """
-    n_val = dataset.num_samples("val")
-    if n_val == 0:
-        raise ConfigError("data.val_fraction", "the val split has no samples",
-                          "raise data.val_fraction, shorten data.seq_len or add data")
+    n_val = _val_samples(dataset)
     return [
         _make_batch(dataset, "val", [(j * micro_batch + k) % n_val for k in range(micro_batch)])
         for j in range(dp_rank, n * dp_size, dp_size)

@@ -286,19 +286,8 @@ def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, 
 
 def build_data(cfg: JobConfig, runtime: Runtime) -> tuple[data.TokenDataset, data.DataLoader, list[data.Batch]]:
     """Tokenizer, cached token shards, this rank's loader and validation batches (rank 0 fills the cache)."""
-    def build():
-        tokenizer = data.build_tokenizer(cfg.data, data.resolve_cache_root(cfg.data))
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
-                f"set model.vocab_size >= {tokenizer.vocab_size}",
-            )
-        if cfg.checkpoint.init_from_hf:
-            data.check_hf_tokenizer(tokenizer, cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
-        return data.TokenDataset.build(cfg.data, tokenizer)
-
-    dataset = runtime.main_first(build)
     dp_rank, dp_size = runtime.dp_rank, runtime.dp_size
+    dataset = runtime.main_first(lambda: data.prepare(cfg, dp_size))
     loader = data.DataLoader(
         dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
         dp_rank=dp_rank, dp_size=dp_size,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
+from tokenizers import models, pre_tokenizers
 
 from shardwise import data
 from shardwise.config import ConfigError, DataConfig
@@ -503,3 +504,38 @@ def test_a_file_the_tokenizers_library_cannot_read_names_the_field(tmp_path, tex
     with pytest.raises(ConfigError) as e:
         HFTokenizer(tmp_path / "tokenizer.json", "file")
     assert e.value.field == "data.tokenizer" and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["small", "vocab", "eos"])
+def test_data_errors_under_nproc_are_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch, case):
+    """A corpus smaller than a global batch, a tokenizer.json with more ids than model.vocab_size, or one without an
+    end-of-text token, under `--nproc 2`: the launcher finds it before torchrun starts the ranks (it was the ranks'
+    error, ~18 s in)."""
+    import shardwise.launch.local
+    from shardwise.cli import main
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(shardwise.launch.local, "launch_local", launched)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a few words of text\n" * (2 if case == "small" else 200))
+    sets = [f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'", f"metrics.out_dir='{tmp_path}'",
+            "parallel.dp_shard=2", "parallel.zero_stage=3", "data.seq_len=32", "train.micro_batch=2"]
+    if case != "small":  # a word-level tokenizer of 400 ids (the model has 320)
+        words = {f"w{i}": i for i in range(400)} | {"a": 400, "few": 401, "words": 402, "of": 403, "text": 404}
+        if case == "eos":
+            words = {w: i for w, i in words.items() if i < 300}
+        else:
+            words["<|endoftext|>"] = 405
+        tok = tokenizers.Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(tmp_path / "tokenizer.json"))
+        sets.append(f"data.tokenizer='{tmp_path / 'tokenizer.json'}'")
+    code = main(["train", "--config", "tests/configs/parity.toml", "--nproc", "2", *[f"--set={s}" for s in sets]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    expected = {"small": "train.micro_batch: the train split has",
+                "vocab": "model.vocab_size: 320 < the tokenizer's 406",
+                "eos": "data.tokenizer: the tokenizer.json has none of the end-of-text tokens"}[case]
+    assert err.startswith(f"shardwise: error: {expected}"), err
