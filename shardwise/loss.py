@@ -179,12 +179,3 @@ class _HeadLoss(torch.autograd.Function):
             torch._assert_async(ctx.scaled_by == grad_total, "the fused head's backward ran twice with different "
                                 "output gradients")
         return grad_h, grad_w.to(ctx.weight_dtype) if grad_w is not None else None, None, None, None, None
-
-
-def scale_for_gradient_sum(loss: torch.Tensor, grad_reduce_size: int) -> torch.Tensor:
-    """The loss to run backward on: x the data-parallel rank count, for the backward only.
-
-    Data-parallel wrappers average gradients over the ranks that see different tokens; the loss is already a
-    share of the global batch's mean, so the gradients must be summed: the multiplication undoes the average.
-    """
-    return loss * grad_reduce_size if grad_reduce_size > 1 else loss

@@ -83,8 +83,6 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.use_grouped_mm = True
         """False: always the loop (the grouped GEMM's reference)."""
-        self.grad_scale = 1.0
-        """Multiplies the weights' gradients (expert parallelism's correction, see expert_parallel.py)."""
         self.stated_load = False
         """True when the counts are the simulator's stated load, the same on every rank (MoE.stated_load)."""
         # expert parallelism replaces this with an all-to-all exchange around `compute`
@@ -92,10 +90,7 @@ class GroupedExperts(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's experts' weights as plain tensors (expert parallelism makes them DTensors)."""
-        local = tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
-        if self.grad_scale == 1.0:
-            return local
-        return tuple(_ScaleGradient.apply(w, self.grad_scale) for w in local)
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (tokens, dim) sorted by expert, `counts[i]` of them for expert i (of all n); same shape out, in the
@@ -116,17 +111,6 @@ class GroupedExperts(nn.Module):
         for i, chunk in enumerate(torch.split(x, counts)):
             outs.append(F.linear(F.silu(F.linear(chunk, w1[i])) * F.linear(chunk, w3[i]), w2[i]))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
 
 
 class _AuxLossGradient(torch.autograd.Function):

@@ -39,7 +39,7 @@ from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
 from shardwise.lora import apply_lora, full_value
-from shardwise.loss import autocast_context, compute_dtype, scale_for_gradient_sum, token_loss_sum
+from shardwise.loss import autocast_context, compute_dtype, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
 from shardwise.model_args import adapter_params, flops_per_token, num_params
@@ -180,8 +180,7 @@ def train_step(
             set_gradient_sync(model, i == len(batches) - 1)
             batch, positions = runtime.shard_sequence(batch)
         loss = loss_sum(model, batch, device, precision, positions) / global_tokens
-        scale = runtime.grad_reduce_size if runtime is not None else 1
-        scaler.scale(scale_for_gradient_sum(loss, scale)).backward()
+        scaler.scale(loss).backward()
         total += loss.detach()
     if runtime is not None:
         runtime.sum_over_data_ranks(total)
@@ -202,10 +201,10 @@ def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[
                   runtime: Runtime, global_tokens: int) -> StepResult:
     """One optimizer step of whatever the model is: one module, or this rank's pipeline stages."""
     if cfg.model.aux_loss_coeff:
-        # the balancing loss's gradient on the main loss's scale: per sequence of the global batch, x the data-rank
-        # count (scale_for_gradient_sum) and the fp16 loss scale, as the token loss's backward gets them
+        # the balancing loss's gradient on the main loss's scale: per sequence of the global batch, x the fp16 loss
+        # scale, as the token loss's backward gets them
         loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
-        set_aux_grad_scale(model_parts(model), cfg.data.seq_len / global_tokens * runtime.grad_reduce_size * loss_scale)
+        set_aux_grad_scale(model_parts(model), cfg.data.seq_len / global_tokens * loss_scale)
     if isinstance(model, Pipeline):
         return pipeline_train_step(model, optimizer, scaler, batches, grad_clip=cfg.optim.grad_clip,
                                    global_tokens=global_tokens, runtime=runtime)

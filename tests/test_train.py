@@ -180,13 +180,20 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
 def test_fp16_loss_scaling_trains_under_tensor_parallelism_and_zero1(tmp_path):
     """fp16's unscale reads every gradient, however the layout splits it: tp alone mixes DTensor and plain gradients
     (one foreach call over both failed in DTensor) and ZeRO-1's optimizer holds slices without gradients before its
-    step (torch's scaler found no inf check and asserted). Both now train as one device does: the first step's
-    overflow skipped, the same losses after it."""
+    step (torch's scaler found no inf check and asserted). Both now train as one device does: tp skips the first
+    step's overflow as one device does, and the losses after it are the same.
+
+    Data parallelism is held to what `shardwise verify` compares it with: one device reading the same micro-batches
+    (micro_batch 8, grad_accum 2 for dp 2), whose gradients are summed as the ranks' are. Until 2026-12-02 each
+    rank's loss was doubled for an averaging reduction to undo, so its fp16 gradients within a micro-batch were
+    twice one device's: its first step overflowed and was skipped where one device's was not (this test then
+    compared it with one device at micro_batch 16, which overflowed alike)."""
     config = str(Path(__file__).parent / "configs" / "parity.toml")
     runs = {}
     for name, sets, nproc in [("ref", [], []), ("tp", ["parallel.tp=2"], ["--nproc=2"]),
-                              ("ref2", ["train.micro_batch=16"], []),
-                              ("zero1", ["parallel.dp_replicate=2", "parallel.zero_stage=1"], ["--nproc=2"])]:
+                              ("ref2", ["train.grad_accum=2"], []),
+                              ("zero1", ["parallel.dp_replicate=2", "parallel.zero_stage=1"], ["--nproc=2"]),
+                              ("fsdp", ["parallel.dp_shard=2", "parallel.zero_stage=2"], ["--nproc=2"])]:
         out = tmp_path / name
         sets = ["train.steps=3", "train.precision=fp16", "train.val_every=0", f"metrics.out_dir='{out}'",
                 "metrics.log_every=1", "metrics.tensorboard=false", "metrics.progress=false", *sets]
@@ -195,9 +202,10 @@ def test_fp16_loss_scaling_trains_under_tensor_parallelism_and_zero1(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(r["skipped"], r["loss"]) for r in rows if "loss" in r and "skipped" in r]
-    for got, ref in (("tp", "ref"), ("zero1", "ref2")):
+    assert [s for s, _ in runs["ref"]] == [1, 0, 0] and [s for s, _ in runs["ref2"]] == [0, 0, 0], runs
+    for got, ref, rel in (("tp", "ref", 2e-3), ("zero1", "ref2", 1e-6), ("fsdp", "ref2", 1e-5)):
         assert [s for s, _ in runs[got]] == [s for s, _ in runs[ref]], (got, runs)
-        assert [loss for _, loss in runs[got]] == pytest.approx([loss for _, loss in runs[ref]], rel=2e-3), got
+        assert [loss for _, loss in runs[got]] == pytest.approx([loss for _, loss in runs[ref]], rel=rel), got
 
 
 def test_lr_schedule_warmup_and_cosine():

@@ -19,9 +19,12 @@
 Context-parallel ranks hold the same parameters and see different tokens, so they join the gradient
 reduction (and FSDP's sharding), as in torchtitan.
 
-FSDP averages gradients over the ranks it reduces over; each rank's loss is divided by the token count of
-the global batch, so the trainer multiplies it by that rank count to make the average the gradient of the
-global mean loss (rather than setting FSDP's divide factor to 1: that uses PREMUL_SUM, which gloo lacks).
+Gradients are summed over the ranks that reduce them, not averaged (FSDP2's default): each rank's loss is already
+its share of the global batch's mean (divided by the global batch's token count), so the sum is the gradient of
+the global mean loss, as one device accumulates its micro-batches' gradients. Until 2026-12-02 the trainer
+multiplied each rank's loss by the rank count for FSDP's average to undo, which made the fp16 activation
+gradients that many times larger than one device's: under fp16 a data-parallel run overflowed, and skipped a
+step, where one device did not (`shardwise verify` under fp16 failed).
 """
 
 from __future__ import annotations
@@ -93,6 +96,18 @@ def apply_data_parallel(model: nn.Module, mesh: MeshView, p: Layout) -> None:
                         mp_policy=mp, shard_placement_fn=placement)
         # the root's parameters (embedding, final norm, head) are needed first in backward: keep them
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, offload_policy=offload, mp_policy=mp)
+    else:
+        return
+    sum_gradients(model)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Every FSDP2 unit under `model` (fully_shard's and replicate's) sums its gradients over its ranks: a divide
+    factor of 1, and SUM as the collectives' op (without it FSDP2 asks for PREMUL_SUM(1), which gloo lacks)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def mixed_precision_policy(bf16_params: bool) -> MixedPrecisionPolicy:

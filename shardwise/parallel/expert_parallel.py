@@ -9,10 +9,10 @@ The ep ranks are drawn from dp_shard x cp (see mesh.py): they see different toke
 Expert weights become DTensors sharded by expert (Shard(0)) over the ep mesh, so checkpoints hold every expert
 under its own index whatever the degree, and FSDP shards them further over the dp_shard x cp / ep ranks left.
 
-Gradient scale: the trainer multiplies each rank's loss by the dp x cp rank count because FSDP averages
-gradients over those ranks (see data_parallel.py). An expert's gradient already holds the tokens of its ep ranks
-(they came to it), and FSDP averages it over only dp x cp / ep ranks, so it would come out ep times too large:
-the expert weights enter the computation through a 1/ep gradient scale.
+Gradient: an expert's gradient on its rank already holds the tokens of all its ep ranks (they came to it), and
+FSDP sums it over the dp x cp / ep ranks that hold the same expert (data_parallel.sum_gradients): together every
+token of the global batch, each rank's loss being its share of the global mean. (Until 2026-12-02 FSDP averaged,
+each rank's loss was multiplied by dp x cp to undo it, and the expert weights took a 1/ep gradient scale.)
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             for name, param in list(module.named_parameters(recurse=False)):
                 placed = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-            module.grad_scale = 1.0 / ep_mesh.size()
             module.dispatch = functools.partial(exchange, group=ep_mesh.get_group())
 
 

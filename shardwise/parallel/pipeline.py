@@ -51,7 +51,6 @@ from shardwise.loss import (
     autocast_forward,
     compute_dtype,
     head_loss_sum,
-    scale_for_gradient_sum,
     token_loss_sum,
 )
 from shardwise.model import Transformer, build_model, materialize
@@ -112,17 +111,17 @@ def build_stage_module(meta: Transformer, layers: range, first: bool, last: bool
     return stage
 
 
-def pipeline_loss(output: torch.Tensor, targets: torch.Tensor, global_tokens: int, grad_scale: int,
+def pipeline_loss(output: torch.Tensor, targets: torch.Tensor, global_tokens: int,
                   head: FusedHead | None = None) -> torch.Tensor:
     """The schedule's loss_fn, per pipeline micro-batch: summed fp32 token cross-entropy / global token count.
 
-    x grad_scale (the data-parallel rank count: data-parallel wrappers average gradients, and we want their
-    sum); the schedule is built with scale_grads=False since the division by the global count is done here.
+    The schedule is built with scale_grads=False since the division by the global count is done here (the
+    data-parallel wrappers sum the ranks' gradients: data_parallel.sum_gradients).
     `output` is the last stage's logits, or with `head` (its output head, fused with the loss here:
     Transformer.head_in_loss) its normalised hidden states.
     """
     loss = token_loss_sum(output, targets) if head is None else head(output, targets)
-    return scale_for_gradient_sum(loss / global_tokens, grad_scale)
+    return loss / global_tokens
 
 
 @dataclass
@@ -265,16 +264,15 @@ def forward_backward(pipe: Pipeline, batches: list[Batch], *, global_tokens: int
     """Forward and backward of one optimizer step's micro-batches; returns the global mean loss on every rank.
 
     The loss contract is the non-pipeline one (see `train_step`): each micro-batch's summed cross-entropy
-    over the global token count, x the data-parallel rank count for the backward only.
+    over the global token count.
     """
     if len(batches) != pipe.accum:
         raise ValueError(f"the schedule takes {pipe.accum} micro-batches per step, got {len(batches)}")
     args, target = _step_inputs(pipe, batches, runtime)
     losses: list[torch.Tensor] = []
-    scale = runtime.grad_reduce_size
     pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                       loss_kwargs={"global_tokens": global_tokens, "grad_scale": scale})
-    total = _known_to_all(pipe, losses, runtime) / scale
+                       loss_kwargs={"global_tokens": global_tokens})
+    total = _known_to_all(pipe, losses, runtime)
     runtime.sum_over_data_ranks(total)
     return total
 
@@ -295,7 +293,7 @@ def evaluate_sums(pipe: Pipeline, batches: list[Batch], runtime: Runtime) -> tup
         args, target = _step_inputs(pipe, group + group[-1:] * (pipe.accum - real), runtime)
         losses: list[torch.Tensor] = []
         pipe.schedule.eval(*args, target=target, losses=losses, return_outputs=False,
-                           loss_kwargs={"global_tokens": 1, "grad_scale": 1})
+                           loss_kwargs={"global_tokens": 1})
         total += _known_to_all(pipe, losses[: real * per_batch], runtime)
         tokens += sum(runtime.shard_sequence(b)[0].targets.numel() for b in group)
     return total, torch.tensor(float(tokens), device=runtime.device)
