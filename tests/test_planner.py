@@ -464,6 +464,19 @@ def test_pruned_search_finds_the_exhaustive_best(model, gpus, gpu, seq_len, batc
     assert ranked[0].time.step_time_s == pytest.approx(best.time.step_time_s, rel=1e-12)
 
 
+def test_search_notes_no_memory_for_a_tp_the_model_cannot_split():
+    # gpt3-175b's 50,257-token vocabulary has no even divisor, so the engine refuses every tp > 1 (config.tp_error)
+    # and so does --plan tp=8; the search used to size those layouts anyway and explained the choice of tp=1 as
+    # "tp=8: out of memory (least 82.6 GiB > 80.0)", a reason that is not why
+    args = preset("gpt3-175b")
+    tr = Training(seq_len=2048, global_batch=1536)
+    cluster = Cluster(accelerator("a100-80gb"), 1024)
+    result = search(args, tr, cluster, top_k=1)
+    assert result.ranked and result.ranked[0].plan.tp == 1
+    assert [v for k, v in result.min_memory_by_knob if k == "tp"] == [1]
+    assert [v for k, v in result.best_by_knob if k == "tp"] == [1]
+
+
 def test_search_prefers_no_parallel_model_split_when_the_model_fits():
     # a 1B model fits one H100 (16 bytes/param = 20 GB): the search should not pay for tp or pp
     args = preset("llama3.2-1b")

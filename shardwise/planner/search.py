@@ -23,6 +23,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+from shardwise.config import tp_error
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs
 from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
@@ -329,6 +330,10 @@ def _choices(fixed: dict, key: str, options: list) -> list:
 
 def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base: Plan, fixed: dict,
                     max_virtual: int, result: SearchResult, fits: list[Evaluation]) -> None:
+    if tp_error(args, base, training.seq_len) is not None:
+        # the engine cannot split this model so (tp not dividing its heads, MLP or vocabulary): no plan runs, and its
+        # memory is not a reason the explanation may give ('tp=8: out of memory' for a 50,257-token vocabulary)
+        return
     limit = budget(cluster)
     local = training.global_batch // base.dp
     schedules = _schedules(args, base, fixed, max_virtual)
