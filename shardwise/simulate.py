@@ -413,7 +413,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
       "with --model, required)")
     a("--rank", type=int, action="append", help="simulate this rank (repeatable; default: rank 0, or the first "
                                                 "rank of the first, a middle and the last pipeline stage)")
-    a("--seq-len", type=int, default=0, help="tokens per sequence (--model: default 4096)")
+    a("--seq-len", type=int, default=0, help="tokens per sequence (--model: default min(4096, model max), as "
+      "`shardwise plan`)")
     a("--micro-batch", type=int, default=0, help="sequences per micro-batch (--model: default 1)")
     a("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="--model: default bf16")
     a("--first-step", action="store_true", help="also simulate the first step from a fresh optimizer (slower; "
@@ -457,7 +458,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
         if args.world:  # data parallelism fills the world, as `train --nproc` fills it
             fit_world(cfg, args.world)
     else:
-        cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len or 4096,
+        cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len,
                                args.micro_batch or 1, args.precision or "bf16")
         if args.overrides:  # the recipe beyond the layout: --set lora.rank=16, --set optim.name=adamw8bit, ...
             cfg = with_overrides(cfg, args.overrides)
@@ -467,7 +468,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
 def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batch: int,
                      precision: str) -> JobConfig:
     """A JobConfig for `--model NAME --plan KEYS`: the layout the keys mean (shardwise.layout's parser and
-    defaults) on the planner's batch split, as `shardwise plan --write-config` writes it (config.layout_tables)."""
+    defaults) on the planner's batch split, as `shardwise plan --write-config` writes it (config.layout_tables).
+    `seq_len` 0: `shardwise plan`'s default, min(4096, the model's max_seq_len)."""
     if not world:
         raise ConfigError("--world", "missing", "give --world N with --model")
     fixed = parse_layout(plan, "--plan")
@@ -476,6 +478,7 @@ def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batc
         args = resolve_model(model)
     except PlannerError as e:
         raise ConfigError(e.field, *str(e).removeprefix(f"{e.field}: ").rsplit("; fix: ", 1)) from None
+    seq_len = seq_len or min(4096, args.max_seq_len)  # as plan's --seq-len, so that both size the same job
     # a pipeline's accumulation is its micro-batches: default one per stage
     accum = fixed.get("grad_accum", layout.pp if layout.pp > 1 else 1)
     tables = layout_tables(layout, micro_batch, accum)

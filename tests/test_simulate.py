@@ -309,3 +309,32 @@ def test_a_simulated_model_is_validated():
     with pytest.raises(ConfigError) as e:
         simulate(cfg, 2)
     assert e.value.field == "model.n_kv_heads"
+
+
+def test_model_plan_default_sequence_is_the_planners():
+    # `simulate --model M --plan P` and `plan --model M --plan P` size one job: without --seq-len both take
+    # min(4096, the model's max_seq_len). simulate took 4096 whatever the model (gpt3-175b: 2,048 in plan, 4,096
+    # here, its max_seq_len raised without a word)
+    import argparse
+
+    from shardwise.planner.cli import add_plan_arguments, build_inputs
+    from shardwise.simulate import add_simulate_arguments, config_from_args
+
+    for model, seq in (("debug", 2048), ("gpt3-175b", 2048), ("llama3-8b", 4096)):
+        parser = argparse.ArgumentParser()
+        add_simulate_arguments(parser)
+        cfg, _ = config_from_args(parser.parse_args(["--model", model, "--world", "2", "--plan", "dp=2"]))
+        assert cfg.data.seq_len == seq and cfg.model.max_seq_len == preset_max(model), model
+        planner = argparse.ArgumentParser()
+        add_plan_arguments(planner)
+        assert build_inputs(planner.parse_args(["--model", model, "--gpus", "2"]))[1].seq_len == seq
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    cfg, _ = config_from_args(parser.parse_args(["--model", "debug", "--world", "2", "--seq-len", "512"]))
+    assert cfg.data.seq_len == 512
+
+
+def preset_max(name: str) -> int:
+    from shardwise.model_args import preset
+
+    return preset(name).max_seq_len
