@@ -459,17 +459,18 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
             fit_world(cfg, args.world)
     else:
         cfg = config_from_plan(args.model, args.plan or "", args.world, args.seq_len,
-                               args.micro_batch or 1, args.precision or "bf16")
+                               args.micro_batch or 1, args.precision or "bf16", beyond_context=False)
         if args.overrides:  # the recipe beyond the layout: --set lora.rank=16, --set optim.name=adamw8bit, ...
             cfg = with_overrides(cfg, args.overrides)
     return cfg, args.world or cfg.parallel.world_size
 
 
 def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batch: int,
-                     precision: str) -> JobConfig:
+                     precision: str, beyond_context: bool = True) -> JobConfig:
     """A JobConfig for `--model NAME --plan KEYS`: the layout the keys mean (shardwise.layout's parser and
     defaults) on the planner's batch split, as `shardwise plan --write-config` writes it (config.layout_tables).
-    `seq_len` 0: `shardwise plan`'s default, min(4096, the model's max_seq_len)."""
+    `seq_len` 0: `shardwise plan`'s default, min(4096, the model's max_seq_len). `beyond_context` False refuses a
+    `seq_len` over the model's max_seq_len, as `plan --seq-len` and `train` do; True raises max_seq_len to it."""
     if not world:
         raise ConfigError("--world", "missing", "give --world N with --model")
     fixed = parse_layout(plan, "--plan")
@@ -479,6 +480,9 @@ def config_from_plan(model: str, plan: str, world: int, seq_len: int, micro_batc
     except PlannerError as e:
         raise ConfigError(e.field, *str(e).removeprefix(f"{e.field}: ").rsplit("; fix: ", 1)) from None
     seq_len = seq_len or min(4096, args.max_seq_len)  # as plan's --seq-len, so that both size the same job
+    if seq_len > args.max_seq_len and not beyond_context:
+        raise ConfigError("--seq-len", f"{seq_len} exceeds the model's max_seq_len {args.max_seq_len}",
+                          "shorten it or use a model config with a longer context")
     # a pipeline's accumulation is its micro-batches: default one per stage
     accum = fixed.get("grad_accum", layout.pp if layout.pp > 1 else 1)
     tables = layout_tables(layout, micro_batch, accum)

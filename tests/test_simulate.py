@@ -317,6 +317,7 @@ def test_model_plan_default_sequence_is_the_planners():
     # here, its max_seq_len raised without a word)
     import argparse
 
+    from shardwise.config import ConfigError
     from shardwise.planner.cli import add_plan_arguments, build_inputs
     from shardwise.simulate import add_simulate_arguments, config_from_args
 
@@ -332,6 +333,10 @@ def test_model_plan_default_sequence_is_the_planners():
     add_simulate_arguments(parser)
     cfg, _ = config_from_args(parser.parse_args(["--model", "debug", "--world", "2", "--seq-len", "512"]))
     assert cfg.data.seq_len == 512
+    # beyond the model's context: refused as plan and train refuse it (it ran, max_seq_len raised without a word)
+    with pytest.raises(ConfigError) as e:
+        config_from_args(parser.parse_args(["--model", "debug", "--world", "2", "--seq-len", "100000"]))
+    assert e.value.field == "--seq-len" and "max_seq_len 2048" in str(e.value)
 
 
 def preset_max(name: str) -> int:
