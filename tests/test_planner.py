@@ -1837,6 +1837,19 @@ def test_one_device_diagnosis_names_the_largest_micro_batch_that_fits():
     assert out["failure"] == "batch too small" and f"at most {largest} of" in out["reason"]
 
 
+def test_one_device_diagnosis_says_its_model_state_holds_the_fixed_overhead():
+    """Llama 3 8B on one H100: 16 bytes x 8,030,261,248 parameters is 119.7 GiB; the reason said "model state alone
+    is 120.7 GiB" without saying that the 1 GiB fixed overhead was in it."""
+    from shardwise.planner.explain import single_device
+
+    args, cluster = preset("llama3-8b"), Cluster(gpus=1, accelerator=accelerator("h100"))
+    out = single_device(args, Training(seq_len=4096, global_batch=1024, precision="bf16"), cluster)
+    assert out["failure"] == "model too big"
+    assert out["model_state_gib"] == pytest.approx(16 * num_params(args) / 2**30 + 1.0)
+    assert "model state alone is 119.7 GiB (8.03B parameters), 120.7 with the 1 GiB fixed overhead, against 79.6 GiB" \
+        in out["reason"], out["reason"]
+
+
 def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_it_priced(capsys):
     """Under --system torchtitan the bf16 column showed shardwise's knob ('autocast') beside a system line naming
     FSDP2's policy, and LoRA/QLoRA were priced as shardwise runs them without a word."""

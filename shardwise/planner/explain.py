@@ -44,8 +44,10 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
            "step_time_s": None}
     if states > limit:
         out["failure"] = "model too big"
-        out["reason"] = (f"model state alone is {states / GiB:.1f} GiB against {limit / GiB:.1f} GiB "
-                         f"({n / 1e9:.2f}B parameters)")
+        # both figures: the model state itself (16 bytes x 8.03B = 119.7 GiB) and with the fixed overhead
+        out["reason"] = (f"model state alone is {states / GiB - training.fixed_overhead_gib:.1f} GiB "
+                         f"({n / 1e9:.2f}B parameters), {states / GiB:.1f} with the "
+                         f"{training.fixed_overhead_gib:g} GiB fixed overhead, against {limit / GiB:.1f} GiB")
         return out
     fixed = {"offload": "none"}
     result = search(args, training, one, fixed=fixed, top_k=1)
