@@ -1745,6 +1745,21 @@ def test_write_config_refuses_a_recipe_the_engine_does_not_run(tmp_path, flag, v
     assert f"--write-config {flag}" in capsys.readouterr().err
 
 
+def test_write_config_names_the_knob_for_the_fsdp_policy(tmp_path, capsys):
+    """--layout fsdp-mp is the recipe the engine runs under parallel.mixed_precision = 'fsdp'; refused as "the
+    engine stores state as torch does, not as fsdp-mp; fix: plan with --layout torch", the user was not told that
+    the engine runs it, nor how to ask for it."""
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--write-config", str(tmp_path / "x.toml"), "--layout", "fsdp-mp"]
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err
+    assert "--write-config --layout" in err and "--plan mixed_precision=fsdp" in err, err
+    assert not (tmp_path / "x.toml").exists()
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--write-config", str(tmp_path / "x.toml"), "--plan",
+            "mixed_precision=fsdp"]
+    assert run_plan(_ns(*argv)) == 0
+    assert 'mixed_precision = "fsdp"' in (tmp_path / "x.toml").read_text()
+
+
 def test_fsdp_mixed_precision_is_a_searched_knob_the_engine_runs(tmp_path, capsys):
     """parallel.mixed_precision = 'fsdp' (the engine's FSDP2 MixedPrecisionPolicy) is a plan knob: the search tries it
     where FSDP shards, in bf16 under the system shardwise, and prices it as the layout 'fsdp-mp' (bf16 gathers, bf16

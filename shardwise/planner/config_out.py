@@ -61,6 +61,8 @@ def _engine_runs(training: Training) -> None:
          f"plan with --system shardwise{' --compile' if training.compile else ''}"),
         (training.precision not in ("fp32", "bf16", "fp16"), "--precision",
          f"the engine trains in fp32, bf16 or fp16, not {training.precision}", "plan with --precision bf16"),
+        (training.layout == "fsdp-mp", "--layout", "the engine runs FSDP2's mixed-precision policy as a plan knob, "
+         "parallel.mixed_precision, not as a --layout", "plan without --layout, with --plan mixed_precision=fsdp"),
         (training.layout != "torch", "--layout", f"the engine stores state as torch does, not as {training.layout}",
          "plan with --layout torch"),
         (not training.fused_attention, "--attention", "the engine's attention is fused (SDPA)",
