@@ -1865,6 +1865,19 @@ def test_one_device_diagnosis_says_its_model_state_holds_the_fixed_overhead():
         in out["reason"], out["reason"]
 
 
+def test_decision_sequence_names_the_offload_a_plan_fits_by(capsys):
+    """Llama 3 8B on one H100 fits only with its state in host memory (offload=full, ZeRO-2 over a mesh of one); the
+    decision sequence said "used: 2 BF16, 4 ZeRO-1/2", which on one GPU shards nothing, and never named offload."""
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "1", "--gpu", "h100")) == 0
+    out = capsys.readouterr().out
+    table_first = out.split("\n")[3]
+    assert " full " in table_first, table_first
+    line = next(s for s in out.splitlines() if s.startswith("Decision sequence"))
+    assert "ZeRO-1/2 + full CPU offload" in line and line.endswith("it stops at step 4."), line
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--gpu", "h100")) == 0
+    assert "offload" not in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("Decision sequence"))
+
+
 def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_it_priced(capsys):
     """Under --system torchtitan the bf16 column showed shardwise's knob ('autocast') beside a system line naming
     FSDP2's policy, and LoRA/QLoRA were priced as shardwise runs them without a word."""

@@ -80,12 +80,15 @@ def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     second = " + ".join(name for name, on in (("BF16", training.mixed),
                                               (f"{p.activation_checkpoint} checkpointing",
                                                p.activation_checkpoint != "none")) if on)
+    offload = f" + {p.offload} CPU offload" if p.offload != "none" else ""
     steps = [
         ("1 LoRA/QLoRA", training.lora_rank > 0),
         (f"2 {second}", bool(second)),
         ("3 DDP", p.dp > 1 and p.zero_stage == 0 or p.dp_replicate > 1),
-        ("4 ZeRO-1/2", p.zero_stage in (1, 2)),
-        ("5 FSDP (ZeRO-3)", p.zero_stage == 3),
+        # offload (ZeRO-Offload; FSDP2's CPUOffloadPolicy) runs with ZeRO-2/3 only: named on that step, or a plan on
+        # one GPU that fits only by offloading read as "4 ZeRO-1/2"
+        ("4 ZeRO-1/2" + offload, p.zero_stage in (1, 2)),
+        ("5 FSDP (ZeRO-3)" + offload, p.zero_stage == 3),
         ("6 tensor parallel", p.tp > 1),
         ("7 pipeline parallel", p.pp > 1),
         ("8 3D parallel", p.tp > 1 and p.pp > 1 and p.dp > 1),
