@@ -1878,6 +1878,22 @@ def test_decision_sequence_names_the_offload_a_plan_fits_by(capsys):
     assert "offload" not in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("Decision sequence"))
 
 
+@pytest.mark.parametrize("key, value", [("activation_checkpoint_every", "2"), ("bucket_mb", "100")])
+def test_plan_refuses_a_layout_key_it_does_not_price(tmp_path, key, value, capsys):
+    """--plan activation_checkpoint_every=2 (or bucket_mb=100) was parsed, priced as 1 (25 MB) and written by
+    --write-config as activation_checkpoint_every = 1 (bucket_mb = 25.0): the knob dropped without a word."""
+    out = tmp_path / "x.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--write-config", str(out),
+            "--plan", f"dp_shard=8,activation_checkpoint=full,{key}={value}"]
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err
+    assert f"--plan {key}" in err and f"parallel.{key}" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    # the defaults themselves are taken
+    default = {"activation_checkpoint_every": "1", "bucket_mb": "25"}[key]
+    assert run_plan(_ns(*argv[:-1], f"dp_shard=8,activation_checkpoint=full,{key}={default}")) == 0
+
+
 def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_it_priced(capsys):
     """Under --system torchtitan the bf16 column showed shardwise's knob ('autocast') beside a system line naming
     FSDP2's policy, and LoRA/QLoRA were priced as shardwise runs them without a word."""

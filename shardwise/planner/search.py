@@ -222,6 +222,15 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("dp", f"dp*tp*pp*cp = {dp * tp * pp * cp} but --gpus is {world}", "make the product the world size")
     if fixed.get("zero_stage", 0) > 3:
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
+    # keys of the layout the planner does not price: its plans (and --write-config) would drop them without a word
+    if fixed.get("activation_checkpoint_every", 1) != 1:
+        bad("activation_checkpoint_every", f"{fixed['activation_checkpoint_every']}: the planner prices "
+            "checkpointing of every block (1) only", "leave it out, and set parallel.activation_checkpoint_every "
+            "in the written config (`shardwise simulate --config` measures it)")
+    if fixed.get("bucket_mb", training.ddp_bucket_mb) != training.ddp_bucket_mb:
+        bad("bucket_mb", f"{fixed['bucket_mb']:g}: the planner prices DDP buckets of {training.ddp_bucket_mb:g} MB "
+            "(Training.ddp_bucket_mb) and its plans carry the engine's default", "leave it out, and set "
+            "parallel.bucket_mb in the written config")
     if fixed.get("offload") == "optimizer":
         bad("offload", "the engine has no optimizer-only offload", "use offload=full or offload=none")
     if fixed.get("mixed_precision", "autocast") != "autocast":
