@@ -81,7 +81,7 @@ def _engine_runs(training: Training) -> None:
 def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan,
                  hf_folder: Path | None = None) -> None:
     """Write the plan's config and check that `shardwise train` accepts it (validation, not a run)."""
-    lines = [f"# written by `shardwise plan`: {plan.world} ranks",
+    lines = [f"# written by `shardwise plan`: {plan.world} rank{'s' if plan.world > 1 else ''}",
              "# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
              "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
     for table, values in plan_tables(args, training, plan, hf_folder).items():
