@@ -268,6 +268,20 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 def has_hf_weights(folder: str | os.PathLike) -> bool:
     return any((Path(folder) / name).is_file() for name in HF_WEIGHT_FILES)
 
+
+def hf_tensor_names(folder: str | os.PathLike) -> list[str]:
+    """The tensor names of a Hugging Face folder's weights: the index's, or the safetensors header's (no torch);
+    [] for files that cannot be read so (their reader says what is wrong with them)."""
+    folder = Path(folder)
+    single, index = (folder / name for name in HF_WEIGHT_FILES)
+    try:
+        if index.is_file():
+            return list(json.loads(index.read_text())["weight_map"])
+        with open(single, "rb") as f:
+            return [k for k in json.loads(f.read(int.from_bytes(f.read(8), "little"))) if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
 CUSTOM_SHAPE = ("dim", "n_layers", "n_heads", "vocab_size")
 """What a model table naming no preset must give: the rest have defaults that fit any shape."""
 
@@ -707,7 +721,7 @@ def _validate_rope_scaling(m: ModelArgs) -> None:
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
     the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
-    from shardwise.model_args import args_from_hf_config, compute_diffs, hf_rope_scaling, network_diffs
+    from shardwise.model_args import args_from_hf_config, compute_diffs, hf_biases, hf_rope_scaling, network_diffs
 
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())
@@ -723,6 +737,13 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
                               "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
                               + " as the folder's config.json says")
 
+    biases = hf_biases(raw)  # or no flag, as Qwen2's q/k/v biases: the tensors say so
+    biases = f"config.json has {biases}" if biases else next(
+        (f"weights hold {k}" for k in hf_tensor_names(folder) if k.endswith(".bias")), None)
+    if biases:
+        raise ConfigError("checkpoint.init_from_hf", f"{folder}'s {biases}: its projections add "
+                          "biases, which the engine's Llama does not have (they would be dropped)",
+                          "fine-tune a Llama whose projections have no biases")
     refuse("holds another model shape", network_diffs(theirs, args))
     # the weights were trained with the folder's norm epsilon, rotary base and scaling: until 2026-11-28 the
     # [model]'s (a custom shape's defaults: rope_theta 10000) replaced them without a word, and the imported model's

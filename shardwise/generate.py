@@ -189,7 +189,7 @@ def load_hf(folder: str | Path) -> Loaded:
     from shardwise.data import HFTokenizer
     from shardwise.hf import import_hf
     from shardwise.model import build_model, materialize
-    from shardwise.model_args import args_from_hf_config, hf_rope_scaling
+    from shardwise.model_args import args_from_hf_config, hf_biases, hf_rope_scaling
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -202,10 +202,21 @@ def load_hf(folder: str | Path) -> Loaded:
         raise ConfigError("--hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, which the engine's "
                           "rotary embedding does not have (its logits would not be the model's)",
                           "use transformers' generate for this model")
-    args = args_from_hf_config(config)
+    biases = hf_biases(config)
+    if biases:
+        raise ConfigError("--hf", f"{folder}/config.json has {biases}: its projections add biases, which the "
+                          "engine's Llama does not have (its logits would not be the model's)",
+                          "use transformers' generate for this model")
+    try:
+        args = args_from_hf_config(config)
+    except ValueError as e:  # a network the engine cannot express: it was a traceback
+        raise ConfigError("--hf", f"{folder}/config.json: {e}", "point it at a Llama or Mixtral folder") from None
     model = build_model(args)
     materialize(model, args, "cuda" if torch.cuda.is_available() else "cpu", seed=0, init_values=False)
-    import_hf([model], folder)  # every parameter: nothing of the uninitialised storage is left
+    try:
+        import_hf([model], folder)  # every parameter: nothing of the uninitialised storage is left
+    except ValueError as e:  # a missing tensor, another shape, biases: it was a traceback
+        raise ConfigError("--hf", str(e).split("; fix: ")[0], "point it at a Llama or Mixtral folder") from None
     prefix = [config["bos_token_id"]] if config.get("bos_token_id") is not None else []
     return Loaded(model.eval(), tokenizer, prefix, _hf_stop_ids(folder, config, tokenizer.eos_id))
 

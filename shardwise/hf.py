@@ -347,7 +347,11 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
                          "fix: build the model from the folder's config (args_from_hf_config)")
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(str(f), framework="pt")) for f in _hf_files(folder)]
-        _copy_into(parts, {key: f for f in files for key in f.keys()}, folder)
+        where = {key: f for f in files for key in f.keys()}
+        biases = sorted(k for k in where if k.endswith(".bias"))
+        if biases:  # a model type whose config has no bias flag (Qwen2's q/k/v): they were dropped without a word
+            raise ValueError(f"{folder} holds biases the engine's Llama does not have ({biases[0]}, ...)")
+        _copy_into(parts, where, folder)
     return theirs
 
 

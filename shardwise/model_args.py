@@ -303,6 +303,13 @@ def hf_rope_scaling(cfg: dict) -> str | None:
     return None if not params or kind == "llama3" else str(kind)
 
 
+def hf_biases(cfg: dict) -> str | None:
+    """The biases a Hugging Face config.json (as a dict) gives the blocks' projections ('attention_bias = true',
+    ...), None without: the engine's Llama has none, and importing such weights dropped them without a word."""
+    flags = [f"{k} = true" for k in ("attention_bias", "mlp_bias") if cfg.get(k)]
+    return " and ".join(flags) or None
+
+
 def _hf_llama3_scaling(cfg: dict) -> dict:
     """ModelArgs' rotary scaling fields from a config whose rope_type is 'llama3' ({} otherwise)."""
     params = _hf_rope_parameters(cfg)

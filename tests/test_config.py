@@ -183,6 +183,35 @@ def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_
     load_config(None, [*base, "model.rope_scaling_factor=32.0"])
 
 
+def test_an_init_from_hf_folder_whose_projections_have_biases_is_refused(tmp_path):
+    """A Llama config with attention_bias / mlp_bias, or weights holding biases under no flag (Qwen2's q/k/v), was
+    imported with its biases dropped, without a word: the fine-tuned and exported model was not the folder's."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from shardwise.hf import hf_config
+
+    folder = hf_config(PRESETS["debug"])
+    (tmp_path / "model.safetensors").write_bytes(b"")  # unreadable: nothing to say about its tensors here
+    base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
+    for flag in ("attention_bias", "mlp_bias"):
+        (tmp_path / "config.json").write_text(json.dumps({**folder, flag: True}))
+        with pytest.raises(ConfigError) as e:
+            load_config(None, base)
+        assert e.value.field == "checkpoint.init_from_hf" and f"{flag} = true" in e.value.problem, e.value
+    (tmp_path / "config.json").write_text(json.dumps(folder))
+    load_config(None, base)
+    save_file({"model.layers.0.self_attn.q_proj.bias": torch.zeros(4), "model.norm.weight": torch.ones(4)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base)
+    assert e.value.field == "checkpoint.init_from_hf" and "q_proj.bias" in e.value.problem, e.value
+    save_file({"model.norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
+    load_config(None, base)
+
+
 def test_lora_targets_in_peft_names_or_repeated_are_refused_with_the_names_to_write():
     """peft's target_modules for Llama (q_proj, v_proj) were refused listing the engine's names without saying which
     is which; a repeated target trained once but was counted twice (FLOPs) and exported twice (target_modules)."""

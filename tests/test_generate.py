@@ -361,6 +361,30 @@ def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_pat
     assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "'yarn' rotary scaling" in err[0]
 
 
+def test_hf_folder_the_engine_cannot_express_is_refused_in_one_line(hf_folder, tmp_path, capsys):
+    """Projections with biases (a config flag, or bias tensors under none) were decoded without them, the logits not
+    the model's; a shape args_from_hf_config refuses (head_dim x heads != hidden) was a ValueError traceback."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((hf_folder[0] / "config.json").read_text())
+    weights = load_file(hf_folder[0] / "model.safetensors")
+    biased = {**weights, "model.layers.0.self_attn.q_proj.bias": torch.ones(config["hidden_size"])}
+    for change, tensors, words in (({"attention_bias": True}, weights, "attention_bias = true"),
+                                   ({"mlp_bias": True}, weights, "mlp_bias = true"),
+                                   ({}, biased, "q_proj.bias"),
+                                   ({"head_dim": 2 * config["hidden_size"] // config["num_attention_heads"]},
+                                    weights, "head_dim")):
+        (tmp_path / "tokenizer.json").write_bytes((hf_folder[0] / "tokenizer.json").read_bytes())
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and words in err[0], err
+
+
 # ---------------------------------------------------------------------------------------------------
 # A run trained on two ranks, generated from in one process
 
