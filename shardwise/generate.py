@@ -211,6 +211,10 @@ def load_hf(folder: str | Path) -> Loaded:
         args = args_from_hf_config(config)
     except ValueError as e:  # a network the engine cannot express: it was a traceback
         raise ConfigError("--hf", f"{folder}/config.json: {e}", "point it at a Llama or Mixtral folder") from None
+    if tokenizer.vocab_size > args.vocab_size:  # its last ids were an IndexError traceback, once a prompt had them
+        raise ConfigError("--hf", f"{folder}/tokenizer.json has {tokenizer.vocab_size} ids, more than the model's "
+                          f"{args.vocab_size} (config.json's vocab_size): it is not this model's tokenizer",
+                          "add the model's own tokenizer.json to the folder")
     model = build_model(args)
     materialize(model, args, "cuda" if torch.cuda.is_available() else "cpu", seed=0, init_values=False)
     try:

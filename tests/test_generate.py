@@ -363,7 +363,8 @@ def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_pat
 
 def test_hf_folder_the_engine_cannot_express_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """Projections with biases (a config flag, or bias tensors under none) were decoded without them, the logits not
-    the model's; a shape args_from_hf_config refuses (head_dim x heads != hidden) was a ValueError traceback."""
+    the model's; a shape args_from_hf_config refuses (head_dim x heads != hidden) was a ValueError traceback, and a
+    tokenizer.json of more ids than the model's vocabulary an IndexError once the prompt held one of them."""
     import json
 
     import torch
@@ -376,7 +377,11 @@ def test_hf_folder_the_engine_cannot_express_is_refused_in_one_line(hf_folder, t
                                    ({"mlp_bias": True}, weights, "mlp_bias = true"),
                                    ({}, biased, "q_proj.bias"),
                                    ({"head_dim": 2 * config["hidden_size"] // config["num_attention_heads"]},
-                                    weights, "head_dim")):
+                                    weights, "head_dim"),
+                                   ({"vocab_size": 256}, {**weights, "model.embed_tokens.weight":
+                                                          weights["model.embed_tokens.weight"][:256],
+                                                          "lm_head.weight": weights["lm_head.weight"][:256]},
+                                    "tokenizer.json has 300 ids")):
         (tmp_path / "tokenizer.json").write_bytes((hf_folder[0] / "tokenizer.json").read_bytes())
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
