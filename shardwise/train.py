@@ -34,7 +34,7 @@ from shardwise.checkpoint import (
     scan_checkpoints,
     set_aside,
 )
-from shardwise.config import ConfigError, JobConfig, TrainConfig, autocast_precision, run_record, to_dict
+from shardwise.config import ConfigError, JobConfig, LoraConfig, TrainConfig, autocast_precision, run_record, to_dict
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
@@ -438,6 +438,11 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             log.warning("checkpoint.enabled = false: this run starts from the initialisation, and the checkpoints "
                         "in %s (steps %s) stay, though they are not this run's: export and generate --run read "
                         "them", cfg.metrics.out_dir, ", ".join(steps))
+    unused = [f"lora.{k}" for k in ("alpha", "dropout", "targets")
+              if getattr(cfg.lora, k) != getattr(LoraConfig(), k)] if not cfg.lora.rank else []
+    if unused and runtime.is_main:  # a [lora] table without its rank was full fine-tuning, without a word
+        log.warning("lora.rank = 0: every weight trains, and %s %s not used; set lora.rank (e.g. 16) to train "
+                    "LoRA adapters", ", ".join(unused), "is" if len(unused) == 1 else "are")
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
 

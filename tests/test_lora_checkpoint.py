@@ -380,3 +380,16 @@ def test_two_fresh_runs_with_adapter_dropout_train_alike(tmp_path):
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
                        if "loss" in json.loads(line)])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_lora_settings_without_a_rank_are_named_as_unused(tmp_path, caplog):
+    """A [lora] table that sets alpha or targets but no rank (0: every weight trains) ran full fine-tuning without
+    a word."""
+    base = ["metrics.progress=false", "metrics.tensorboard=false", "train.steps=1", "train.val_every=0"]
+    for sets, words in ((["lora.alpha=32", "lora.targets=['wq']"], "lora.alpha, lora.targets are not used"),
+                        ([], None)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardwise.train"):
+            train(_cfg([*base, f"metrics.out_dir='{tmp_path / str(len(sets))}'", *sets]))
+        unused = [r.getMessage() for r in caplog.records if "lora.rank = 0" in r.getMessage()]
+        assert (unused and words in unused[0]) if words else not unused, unused
