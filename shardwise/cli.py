@@ -151,6 +151,12 @@ def _run_export(args: argparse.Namespace) -> int:
         # by every resume, export and generate, and the base itself was gone
         raise ConfigError("--out", f"{out} is the run's base (checkpoint.init_from_hf), whose weights this export "
                           "would replace", "give another folder")
+    # transformers (with peft installed) loads a folder's adapter_config.json onto its model: a merged export over
+    # an earlier peft one applied the adapters twice, without a word (a base beside its adapter is peft's layout)
+    if args.format == "merged" and (out / "adapter_config.json").is_file():
+        raise ConfigError("--out", f"{out} holds adapter_config.json of another export, which transformers would "
+                          "apply again on top of the merged weights", "give an empty folder, or remove the "
+                          "adapter's files")
     made = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)  # the first folder made
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -282,6 +282,26 @@ def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
     assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / "merged")]) == 0
 
 
+def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys):
+    """A merged export over an earlier peft export left adapter_config.json beside the merged weights:
+    transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word."""
+    from shardwise.cli import main
+
+    overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.progress=false",
+                 "metrics.tensorboard=false", f"checkpoint.init_from_hf='{hf_base[0]}'", "train.steps=1"]
+    assert train(_cfg(overrides))["first_step"] == 1
+    sets = [a for o in (*ADAMW, *overrides) for a in ("--set", o)]
+    out = tmp_path / "out"
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(out), "--format", "peft"]) == 0
+    capsys.readouterr()
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --out: ") and "adapter_config.json" in err[0], err
+    assert not (out / "model.safetensors").exists()
+    for fmt in ("peft", "base"):  # again, and the base beside its adapter (peft's own layout): written
+        assert main(["export", "--config", CONFIG, *sets, "--out", str(out), "--format", fmt]) == 0
+
+
 def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
     from shardwise.cli import main
 
