@@ -767,13 +767,21 @@ def prepare(cfg: JobConfig, dp_size: int) -> TokenDataset:
     with the data is one line before any rank starts (it was after torchrun had started them, ~18 s in). This
     module imports torch only where batches are made, so the launcher does not load it for this."""
     tokenizer = build_tokenizer(cfg.data, resolve_cache_root(cfg.data))
+    if cfg.checkpoint.init_from_hf:
+        # first: the folder fixes model.vocab_size, so a tokenizer of more ids is the wrong tokenizer, and "set
+        # model.vocab_size >= N" would only be refused next as another shape than the folder's
+        check_hf_tokenizer(tokenizer, cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
+        if tokenizer.vocab_size > cfg.model.vocab_size:  # a folder without its own tokenizer.json
+            raise ConfigError(
+                "data.tokenizer", f"{cfg.data.tokenizer!r} has {tokenizer.vocab_size} ids, more than the "
+                f"{cfg.model.vocab_size} rows of checkpoint.init_from_hf's embeddings",
+                "set data.tokenizer to the tokenizer.json that model was trained with",
+            )
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size", f"{cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size} ids",
             f"set model.vocab_size >= {tokenizer.vocab_size}",
         )
-    if cfg.checkpoint.init_from_hf:
-        check_hf_tokenizer(tokenizer, cfg.data.tokenizer, cfg.checkpoint.init_from_hf)
     dataset = TokenDataset.build(cfg.data, tokenizer)
     DataLoader(dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, dp_size=dp_size)
     _val_samples(dataset)

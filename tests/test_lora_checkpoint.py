@@ -260,6 +260,35 @@ def test_a_run_whose_tokenizer_is_not_the_hugging_face_folders_is_refused(hf_bas
     assert train(_cfg([*run, f"data.tokenizer='{copy}'"]))["first_step"] == 1
 
 
+def test_a_tokenizer_of_more_ids_than_the_hugging_face_folder_names_data_tokenizer(hf_base, tmp_path):
+    """A tokenizer of more ids than the folder's vocabulary was refused as 'set model.vocab_size >= N', whose fix
+    init_from_hf then refused as another shape than the folder's: the wrong tokenizer is the field to name."""
+    import shutil
+
+    import tokenizers
+
+    from shardwise.config import ConfigError
+
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator([Path(json.__file__).read_text()], vocab_size=400, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok.save(str(tmp_path / "big.json"))
+    assert tok.get_vocab_size() > _cfg().model.vocab_size
+    with_tokenizer = tmp_path / "base"  # its own tokenizer.json (300 ids), and one without (hf_base's)
+    shutil.copytree(hf_base[0], with_tokenizer)
+    small = tokenizers.ByteLevelBPETokenizer()
+    small.train_from_iterator([Path(json.__file__).read_text()], vocab_size=300, special_tokens=["<|endoftext|>"],
+                              show_progress=False)
+    small.save(str(with_tokenizer / "tokenizer.json"))
+    for folder in (with_tokenizer, hf_base[0]):
+        run = [*LORA, f"checkpoint.init_from_hf='{folder}'", f"metrics.out_dir='{tmp_path / 'run'}'",
+               "metrics.progress=false", "metrics.tensorboard=false", "train.steps=1",
+               f"data.tokenizer='{tmp_path / 'big.json'}'"]
+        with pytest.raises(ConfigError) as e:
+            train(_cfg(run))
+        assert e.value.field == "data.tokenizer" and "vocab_size" not in e.value.fix, e.value
+
+
 def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
     """`export --out BASE` with BASE the run's checkpoint.init_from_hf replaced the base's weights with the merged
     model: the base was gone and every resume, export and generate of the run's adapters was then refused."""
