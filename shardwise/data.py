@@ -259,9 +259,11 @@ class HFTokenizer:
             raise ConfigError("data.tokenizer", f"{path} has an empty vocabulary", "pass a trained tokenizer.json")
         # A literal "<|endoftext|>" written inside a document stays text: only packing inserts eos.
         self._tok.encode_special_tokens = True
-        self.eos_id = _find_eos(self._tok)
+        self.eos_id, declared = _find_eos(self._tok, Path(path))
         self.vocab_size = max(vocab.values()) + 1
         self.name = f"{kind}-{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+        if declared:  # the id comes from beside the file: a cache of another end-of-text id is not this one's
+            self.name += f"-eos{self.eos_id}"
 
     def encode(self, text: str) -> list[int]:
         # No post-processor tokens (e.g. Llama's BOS): the packed stream is documents and eos, nothing else.
@@ -277,15 +279,35 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def _find_eos(tok: tokenizers.Tokenizer) -> int:
+def _find_eos(tok: tokenizers.Tokenizer, path: Path) -> tuple[int, bool]:
+    """The end-of-text id packing puts between documents: the first of EOS_NAMES the tokenizer has, else the
+    `eos_token` that a tokenizer_config.json beside it declares (a Hugging Face model folder's, as Gemma's `<eos>`);
+    and whether it came from that declaration. Until 2026-12-02 only EOS_NAMES were looked up."""
     for name in EOS_NAMES:
         eos = tok.token_to_id(name)
         if eos is not None:
-            return eos
+            return eos, False
+    declared = _declared_eos(path.parent / "tokenizer_config.json")
+    eos = tok.token_to_id(declared) if declared else None
+    if eos is not None:
+        return eos, True
     raise ConfigError(
-        "data.tokenizer", f"the tokenizer.json has none of the end-of-text tokens {', '.join(EOS_NAMES)}",
-        "use a tokenizer that defines one of them, or 'byte' / 'bpe'",
+        "data.tokenizer", f"the tokenizer.json has none of the end-of-text tokens {', '.join(EOS_NAMES)}"
+        + (f", and tokenizer_config.json's eos_token {declared!r} is not in it" if declared else
+           ", and no tokenizer_config.json beside it names its eos_token"),
+        "put the model's tokenizer_config.json (naming its eos_token) beside the tokenizer.json, or use a tokenizer "
+        "that defines one of them",
     )
+
+
+def _declared_eos(path: Path) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or transformers' {"content": ...} form); None without one."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) and eos else None
 
 
 def build_tokenizer(cfg: DataConfig, cache_root: Path) -> Tokenizer:

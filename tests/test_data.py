@@ -539,3 +539,22 @@ def test_data_errors_under_nproc_are_one_line_before_any_rank_starts(tmp_path, c
                 "vocab": "model.vocab_size: 320 < the tokenizer's 406",
                 "eos": "data.tokenizer: the tokenizer.json has none of the end-of-text tokens"}[case]
     assert err.startswith(f"shardwise: error: {expected}"), err
+
+
+def test_an_end_of_text_token_declared_by_tokenizer_config_json(tmp_path):
+    """A Hugging Face folder whose end-of-text is none of EOS_NAMES (Gemma's `<eos>`) declares it in its
+    tokenizer_config.json: packing uses it (it was refused), and the cache key says so; without that file, or with
+    a declared token the tokenizer lacks, the refusal names tokenizer_config.json."""
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with pytest.raises(ConfigError, match="no tokenizer_config.json beside it names its eos_token"):
+        data.HFTokenizer(path, "file")
+    for declared in ("<eos>", {"content": "<eos>", "special": True}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": declared}))
+        ours = data.HFTokenizer(path, "file")
+        assert ours.eos_id == 1 and ours.name.endswith("-eos1")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</eos>"}))
+    with pytest.raises(ConfigError, match="eos_token '</eos>' is not in it"):
+        data.HFTokenizer(path, "file")
