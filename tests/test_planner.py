@@ -841,7 +841,8 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     path = tmp_path / "plan.toml"
     argv = ["--model", "llama3-8b", "--gpus", "8", "--json", "--write-config", str(path)]
     assert run_plan(_ns(*argv, *(["--plan", plan] if plan else []))) == 0
-    best = json.loads(capsys.readouterr().out)["plans"][0]
+    printed = capsys.readouterr()
+    best = json.loads(printed.out)["plans"][0]
     cfg = load_config(path)
     p = cfg.parallel
     assert (p.dp, p.tp, p.pp, p.cp, p.zero_stage) == tuple(best[k] for k in ("dp", "tp", "pp", "cp", "zero_stage"))
@@ -849,6 +850,10 @@ def test_write_config_is_what_train_runs(tmp_path, plan, capsys):
     assert cfg.parallel.activation_checkpoint == best["activation_checkpoint"]
     sequences = cfg.train.micro_batch * cfg.train.grad_accum * p.dp
     assert sequences == best["micro_batch"] * best["grad_accum"] * best["dp"]
+    # a run of its own that keeps what it trains (it wrote into the demo's runs/demo and saved nothing), and the
+    # command that runs it
+    assert cfg.metrics.out_dir == "runs/plan" and cfg.checkpoint.enabled
+    assert f"run it with: shardwise train --config {path} --nproc 8" in printed.err
 
 
 # ---------------------------------------------------------------------------------------------------

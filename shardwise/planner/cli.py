@@ -253,8 +253,15 @@ def _run(ns: argparse.Namespace) -> int:
         from shardwise.planner.config_out import hf_weights_folder, write_config
 
         write_config(ns.write_config, model, training, plans[0].plan, hf_weights_folder(ns.model))
-        print(f"shardwise plan: wrote plan 1's config ({plans[0].plan.world} ranks) to {ns.write_config}",
-              file=sys.stderr)
+        world, per_node = plans[0].plan.world, cluster.gpus_per_node
+        run = f"shardwise train --config {ns.write_config}" + (f" --nproc {world}" if world > 1 else "")
+        if world > per_node:  # several machines: a scheduler starts them (docs/cluster.md)
+            run = (f"shardwise launch slurm --config {ns.write_config} --nodes {world // per_node} "
+                   f"--gpus-per-node {per_node} --submit (or launch k8s)" if world % per_node == 0 else
+                   f"shardwise launch slurm or k8s --config {ns.write_config} ({world} ranks over several machines: "
+                   "docs/cluster.md)")
+        print(f"shardwise plan: wrote plan 1's config ({world} rank{'s' if world > 1 else ''}) to "
+              f"{ns.write_config}; run it with: {run}", file=sys.stderr)
     if ns.plot:
         from shardwise.planner.plot import plot
 

@@ -84,9 +84,14 @@ def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Pl
     lines = [f"# written by `shardwise plan`: {plan.world} rank{'s' if plan.world > 1 else ''}",
              "# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
              "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
-    for table, values in plan_tables(args, training, plan, hf_folder).items():
-        lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     path = Path(path)
+    tables = plan_tables(args, training, plan, hf_folder)
+    # a run of its own folder that keeps what it trained: a fine-tune has something to export and a long run
+    # something to resume (checkpoint.enabled's default, off, saved nothing, in the demo's runs/demo)
+    tables["metrics"] = {"out_dir": f"runs/{path.stem}"}
+    tables["checkpoint"] = {"enabled": True, **tables.get("checkpoint", {})}
+    for table, values in tables.items():
+        lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     draft = path.with_name(f".{path.name}.draft.toml")
     draft.write_text("\n".join(lines) + "\n")
     try:
