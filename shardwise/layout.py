@@ -127,6 +127,21 @@ def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def layout_text(layout: Layout, micro_batch: int, grad_accum: int) -> str:
+    """The layout string that `parse_layout` and `complete_layout` read back as `layout` and this batch split, and
+    that `shardwise plan --plan` takes as the whole plan (it searches the keys left out): the degrees, ZeRO stage,
+    recompute and offload always, a pipeline's schedule and tp's sequence parallelism where they apply (a schedule
+    without a pipeline is refused, for one), and every other key where it is not the default."""
+    default = Layout()
+    always = ["dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "activation_checkpoint", "offload"]
+    always += ["pp_schedule", "virtual_stages"] if layout.pp > 1 else []
+    always += ["sequence_parallel"] if layout.tp > 1 else []
+    always += ["mixed_precision"] if layout.zero_stage >= 2 else []
+    keys = [k for k in LAYOUT_KEYS if k in always or getattr(layout, k) != getattr(default, k)]
+    return ",".join([*(f"{k}={_text(getattr(layout, k))}" for k in keys),
+                     f"micro_batch={micro_batch}", f"grad_accum={grad_accum}"])
+
+
 def _typed(key: str, value: str, hint, source: str):
     if hint is bool:
         if value.lower() not in ("true", "false", "1", "0"):

@@ -1948,3 +1948,27 @@ def test_offload_is_offered_only_where_the_host_holds_what_it_moves(capsys, tmp_
                                        "offload=full,tp=8,zero_stage=3", "--write-config", str(out)])) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardwise: error: --write-config: the plan's offload needs") and not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["--model", "llama3-8b", "--gpus", "8"], ["--model", "llama3-70b", "--gpus", "64"],
+                                  ["--model", "llama3-8b", "--gpus", "1", "--lora-rank", "16", "--qlora"]])
+def test_plan_prints_its_best_plan_as_keys_that_pin_it(argv, capsys):
+    """`plan` prints #1 as a layout string (the same string simulate --plan and verify --layout take): read back it
+    is #1's layout and batch split, and `plan --plan` with it has no key left to search (the helper who asked found
+    the same string meaning another layout in plan and in simulate, which fill the keys left out differently)."""
+    from shardwise.layout import LAYOUT_KEYS, complete_layout, parse_layout
+
+    argv = [*argv, "--gpu", "h100", "--json"]
+    assert run_plan(_ns(*argv)) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert run_plan(_ns(*argv[:-1])) == 0
+    keys = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("#1 as keys")).split(": ")[1]
+    fixed = parse_layout(keys, "--plan")
+    layout = complete_layout(fixed, world=int(argv[argv.index("--gpus") + 1]))
+    for key in ("tp", "pp", "cp", "zero_stage", "activation_checkpoint", "offload"):
+        assert getattr(layout, key) == best[key], key
+    assert (fixed["micro_batch"], fixed["grad_accum"]) == (best["micro_batch"], best["grad_accum"])
+    assert run_plan(_ns(*argv, "--plan", keys)) == 0
+    pinned = json.loads(capsys.readouterr().out)["plans"]
+    assert len(pinned) == 1 and pinned[0]["step_time_s"] == best["step_time_s"]
+    assert set(LAYOUT_KEYS) >= set(fixed) - {"micro_batch", "grad_accum"}

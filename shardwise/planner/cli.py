@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shardwise.config import ConfigError, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
-from shardwise.layout import Layout, complete_layout, parse_layout
+from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
 from shardwise.model_args import ModelArgs, num_params, projection_shapes
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
@@ -370,7 +370,10 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
         elif training.system.split(" (")[0] == "shardwise":
             notes.append("fp8: torchao's float8 training as torchtitan runs it, priced on shardwise's recipe; "
                          "shardwise's engine trains in fp32, bf16 or fp16 (--write-config refuses fp8)")
-    return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}", *notes])
+    keys = layout_text(Layout(**{k: getattr(best.plan, k) for k in LAYOUT_KEYS}), best.plan.micro_batch,
+                       best.plan.grad_accum)
+    return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}",
+                      f"#1 as keys (plan --plan, simulate --plan, verify --layout): {keys}", *notes])
 
 
 def main(argv: list[str] | None = None) -> int:
