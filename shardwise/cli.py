@@ -78,9 +78,11 @@ def _run_train(args: argparse.Namespace) -> int:
         elastic = rendezvous is not None and rendezvous.elastic
         restarts = args.max_restarts if args.max_restarts is not None else 3 if elastic else 0
         check_restarts(cfg, restarts)
-        from shardwise.data import prepare  # tokenizers and numpy; not torch
+        if rendezvous is None:  # one machine: what is wrong with the data, before any rank starts. (Over several,
+            # every machine's launcher would tokenize the corpus at once: there rank 0 builds it, the others wait)
+            from shardwise.data import prepare  # tokenizers and numpy; not torch
 
-        prepare(cfg, cfg.parallel.dp)  # what is wrong with the data, before any rank starts
+            prepare(cfg, cfg.parallel.dp)
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
                             stopped_exit_code=args.stopped_exit_code)
     from shardwise.train import train  # heavy imports only once the config is known good
