@@ -282,6 +282,7 @@ def hf_tensor_names(folder: str | os.PathLike) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
+
 CUSTOM_SHAPE = ("dim", "n_layers", "n_heads", "vocab_size")
 """What a model table naming no preset must give: the rest have defaults that fit any shape."""
 
