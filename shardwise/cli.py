@@ -120,7 +120,10 @@ def _rendezvous(args: argparse.Namespace) -> Rendezvous | None:
 
 
 def _add_export(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="the run's TOML file (its metrics.out_dir holds the checkpoints)")
+    p.add_argument("--run", dest="run_dir", metavar="DIR",
+                   help="a training run's folder (its metrics.out_dir): exported with the config it was trained with "
+                        "(its job_config.json), as generate --run reads it")
+    p.add_argument("--config", help="the run's TOML file (its metrics.out_dir holds the checkpoints), instead of --run")
     _add_overrides(p)
     p.add_argument("--out", required=True, help="folder to write config.json and safetensors into")
     p.add_argument("--format", choices=("merged", "base", "peft"), default="merged",
@@ -131,7 +134,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _export_config(args)
     cfg.parallel = Layout()  # one process reads any layout's checkpoint
     if args.format != "merged" and not cfg.lora.rank:
         raise ConfigError("--format", f"{args.format} needs a LoRA run's adapters, and lora.rank is 0",
@@ -176,6 +179,44 @@ def _run_export(args: argparse.Namespace) -> int:
     if args.format == "peft" and not cfg.checkpoint.init_from_hf:
         print("the adapters' base is the run's seeded initial model: write it with --format base")
     return 0
+
+
+def _export_config(args: argparse.Namespace):
+    """The config to export with: the run's own (--run), or --config and --set, refused where they differ from the
+    run's job_config.json in what the export reads and the checkpoint does not check. Its meta.json checks the
+    adapters (rank, alpha / rank, targets, NF4) and a Hugging Face base; not the model's hyperparameters, which go
+    to config.json (rope_theta, norm_eps shape no tensor), nor train.seed, which rebuilds a LoRA run's seeded base
+    (its checkpoint holds only the adapters). An export with another --config wrote another model, without a word."""
+    import json
+
+    from shardwise.config import from_dict, run_record, to_dict
+
+    if args.run_dir:
+        if args.config or args.overrides:
+            raise ConfigError("--run", "given with --config or --set", "pass --run DIR alone (the run is exported "
+                              "with the config it was trained with), or --config with its --set overrides")
+        record = Path(args.run_dir) / "job_config.json"
+        if not record.is_file():
+            raise ConfigError("--run", f"{args.run_dir} has no job_config.json", "pass the metrics.out_dir of a "
+                              "training run, or use --config")
+        cfg = from_dict(json.loads(record.read_text()))
+        cfg.metrics.out_dir = str(args.run_dir)  # the folder may have moved since it was trained
+        return cfg
+    cfg = load_config(args.config, args.overrides)
+    record = Path(cfg.metrics.out_dir) / "job_config.json"
+    if not record.is_file():  # no run there: the checkpoint's own error follows
+        return cfg
+    saved, mine = to_dict(from_dict(json.loads(record.read_text()))), run_record(cfg)  # both with defaults filled
+    pairs = [(f"model.{k}", saved["model"][k], mine["model"][k]) for k in mine["model"]]
+    if cfg.lora.rank and not cfg.checkpoint.init_from_hf:
+        pairs.append(("train.seed", saved["train"]["seed"], mine["train"]["seed"]))
+    for name, was, now in pairs:
+        if was != now:
+            raise ConfigError(name, f"{json.dumps(now)} here, {json.dumps(was)} in the run's job_config.json "
+                              f"({cfg.metrics.out_dir}): the export would not be the model that was trained",
+                              f"export with --run {cfg.metrics.out_dir} (the run's own config), or set "
+                              f"{name} = {json.dumps(was)}")
+    return cfg
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:

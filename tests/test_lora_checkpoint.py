@@ -350,6 +350,37 @@ def test_a_failed_export_leaves_no_folder_it_made(capsys, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_export_refuses_a_config_other_than_the_runs_and_run_exports_with_the_runs_own(tmp_path, capsys):
+    """A LoRA checkpoint holds only its adapters: export rebuilt the frozen base from --config, so a run trained from
+    the seeded init and exported with another train.seed wrote adapters merged onto another base; a model field that
+    shapes no tensor (rope_theta) went to config.json as given. Both were written without a word. Now they are
+    refused naming the field, and `export --run DIR` reads the run's own job_config.json."""
+    from shardwise.cli import main
+
+    run = tmp_path / "run"
+    overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{run}'", "metrics.progress=false",
+                 "metrics.tensorboard=false", "train.steps=1", "train.seed=3"]
+    assert train(_cfg(overrides))["first_step"] == 1
+    sets = [a for o in (*ADAMW, *overrides) for a in ("--set", o)]
+    for other, field in (("train.seed=4", "train.seed"), ("model.rope_theta=1234.0", "model.rope_theta")):
+        out = tmp_path / field
+        assert main(["export", "--config", CONFIG, *sets, "--set", other, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"shardwise: error: {field}: ") and "--run" in err[0], err
+        assert not out.exists()
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / "config")]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "run_export")]) == 0
+    exported = [load_file(tmp_path / name / "model.safetensors") for name in ("config", "run_export")]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+    assert (json.loads((tmp_path / "config" / "config.json").read_text())
+            == json.loads((tmp_path / "run_export" / "config.json").read_text()))
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--set", "train.seed=4", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("shardwise: error: --run: ")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Across layouts: saved by one process, resumed by FSDP over two ranks, and back
 
