@@ -258,6 +258,36 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
         (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def write_tokenizer_files(folder: str | os.PathLike, tokenizer_json: str, token_ids: dict[str, int],
+                          max_len: int, base: str | os.PathLike | None = None) -> None:
+    """Beside an exported model: its tokenizer.json, and a tokenizer_config.json naming its beginning and end
+    tokens, which `AutoTokenizer.from_pretrained` reads (without it the tokenizer has no eos_token, and trainers that
+    pad or stop with it, TRL's among them, fail). A run fine-tuned from a Hugging Face folder with that folder's own
+    tokenizer keeps the folder's tokenizer_config.json (its chat template, its special tokens) and
+    generation_config.json; any other run gets one written from `token_ids` (bos_token_id, eos_token_id)."""
+    import tokenizers
+
+    folder = Path(folder)
+    (folder / "tokenizer.json").write_text(tokenizer_json)
+    base = Path(base) if base else None
+    same = (base is not None and (base / "tokenizer.json").is_file()
+            and json.loads((base / "tokenizer.json").read_text()) == json.loads(tokenizer_json))
+    if same and (base / "tokenizer_config.json").is_file():
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (base / name).is_file():
+                (folder / name).write_text((base / name).read_text())
+        return
+    tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
+    for key in ("bos", "eos"):
+        token = tokenizer.id_to_token(token_ids[f"{key}_token_id"]) if token_ids.get(f"{key}_token_id") is not None \
+            else None
+        if token is not None:
+            config[f"{key}_token"] = token
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 

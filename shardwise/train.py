@@ -650,7 +650,7 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
     folder: `fmt` "merged" (the model; a LoRA run's adapters merged into its weights), "base" (a LoRA run's
     frozen base alone) or "peft" (a LoRA run's adapters, in peft's format); the CLI checks "base" and "peft"
     are asked of a LoRA run."""
-    from shardwise.hf import export_hf, export_peft
+    from shardwise.hf import export_hf, export_peft, write_tokenizer_files
 
     runtime = Runtime.create(cfg)
     try:
@@ -672,7 +672,7 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
                 ids = {"bos_token_id": eos, "eos_token_id": eos}
             export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", token_ids=ids)
             if runtime.is_main:
-                (Path(out) / "tokenizer.json").write_text(tokenizer)
+                write_tokenizer_files(out, tokenizer, ids, cfg.model.max_seq_len, cfg.checkpoint.init_from_hf)
     finally:
         runtime.close()
     return path

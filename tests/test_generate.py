@@ -315,8 +315,40 @@ def test_generate_and_export_read_the_tokenizer_the_run_trained_with(tmp_path):
                  f"metrics.out_dir='{tmp_path / 'run'}'", "--set", "model.n_layers=2",
                  "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == trained.read_text()
+    # transformers' AutoTokenizer reads the folder as the run's tokenizer, its end-of-text token named (without a
+    # tokenizer_config.json it had no eos_token, which trainers that pad or stop with it need)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    eos = load_run(tmp_path / "run").tokenizer.eos_id
+    assert theirs(probe)["input_ids"] == ids and theirs.eos_token_id == eos and theirs.bos_token_id == eos
     corpus.unlink()
     assert load_run(tmp_path / "run").tokenizer.encode(probe) == ids
+
+
+def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_folder, tmp_path):
+    """A model fine-tuned with its base's own tokenizer keeps the base's tokenizer_config.json (its chat template,
+    its special tokens) and generation_config.json; the export had neither."""
+    import shutil
+
+    from shardwise.model_args import args_from_hf_config
+
+    base = tmp_path / "base"
+    shutil.copytree(hf_folder[0], base)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                        "chat_template": "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"}
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6}))
+    args = args_from_hf_config(json.loads((base / "config.json").read_text()))
+    model = [f"model.{k}={json.dumps(getattr(args, k))}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                    "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")]
+    sets = [a for o in (*model, "model.name='tiny'", f"checkpoint.init_from_hf='{base}'", "checkpoint.enabled=true",
+                        f"data.tokenizer='{base / 'tokenizer.json'}'", f"metrics.out_dir='{tmp_path / 'run'}'",
+                        "train.steps=1", "train.micro_batch=2", "metrics.progress=false", "metrics.tensorboard=false")
+            for a in ("--set", o)]
+    assert main(["train", "--config", CONFIG, *sets]) == 0
+    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_text() == (base / name).read_text()
 
 
 def test_a_resume_whose_tokenizer_gives_other_ids_is_refused(tmp_path):
