@@ -16,6 +16,7 @@ from shardwise.config import (
     check_restarts,
     fit_nodes,
     has_hf_weights,
+    hf_weights_metadata,
     load_config,
 )
 from shardwise.launch.local import Rendezvous, node_range
@@ -162,6 +163,10 @@ def _run_export(args: argparse.Namespace) -> int:
         raise ConfigError("--out", f"{out} holds adapter_config.json of another export, which transformers would "
                           "apply again on top of the merged weights", "give an empty folder, or remove the "
                           "adapter's files")
+    if args.format == "peft" and hf_weights_metadata(out).get("shardwise_export") == "merged":
+        # the other way round: peft's adapter beside weights that already hold it, applied twice
+        raise ConfigError("--out", f"{out} holds a merged export, which transformers would apply the adapters to "
+                          "again", "give an empty folder, or write the base there first (--format base)")
     made = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)  # the first folder made
     try:
         out.mkdir(parents=True, exist_ok=True)

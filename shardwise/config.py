@@ -269,6 +269,20 @@ def has_hf_weights(folder: str | os.PathLike) -> bool:
     return any((Path(folder) / name).is_file() for name in HF_WEIGHT_FILES)
 
 
+def hf_weights_metadata(folder: str | os.PathLike) -> dict[str, str]:
+    """The `__metadata__` of a Hugging Face folder's weights (model.safetensors, or the first file its index names),
+    read from the header without torch; {} where there is none or it cannot be read."""
+    folder = Path(folder)
+    single, index = (folder / name for name in HF_WEIGHT_FILES)
+    try:
+        if index.is_file():
+            single = folder / next(iter(json.loads(index.read_text())["weight_map"].values()))
+        with open(single, "rb") as f:
+            return dict(json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__") or {})
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return {}
+
+
 def hf_tensor_names(folder: str | os.PathLike) -> list[str]:
     """The tensor names of a Hugging Face folder's weights: the index's, or the safetensors header's (no torch);
     [] for files that cannot be read so (their reader says what is wrong with them)."""

@@ -239,10 +239,14 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
     writes = runtime.writes_stage_files if runtime is not None else True
     main = runtime.is_main if runtime is not None else True
     tensors = _hf_tensors(parts, merge_lora)
+    # what the weights are, in their header: a peft export into this folder refuses a merged model, which
+    # transformers would apply the adapters to a second time
+    adapted = any(is_adapter(n) for part in parts for n, _ in part.named_parameters())
+    kind = ("merged" if merge_lora else "base") if adapted else "model"
     file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         folder.mkdir(parents=True, exist_ok=True)
-        _save_shared(tensors, folder / file)
+        _save_shared(tensors, folder / file, {EXPORT_KIND: kind})
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     mine = ({n: file for n in tensors}, size) if writes else ({}, 0)
     everyone = [mine]
@@ -291,12 +295,17 @@ def write_tokenizer_files(folder: str | os.PathLike, tokenizer_json: str, token_
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-def _save_shared(tensors: dict[str, torch.Tensor], path: Path) -> None:
+EXPORT_KIND = "shardwise_export"
+"""The safetensors metadata key saying what an export's weights are: 'model' (a run without adapters), 'merged' (a
+LoRA run's adapters merged in) or 'base' (a LoRA run's frozen base alone)."""
+
+
+def _save_shared(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file creates its file readable by its owner only (0600); an exported model is for others
     to read, as the config.json beside it is: the mode the process's umask gives a new file."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)

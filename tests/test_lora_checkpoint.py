@@ -313,7 +313,8 @@ def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
 
 def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys):
     """A merged export over an earlier peft export left adapter_config.json beside the merged weights:
-    transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word."""
+    transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word; and
+    a peft export over a merged one did the same."""
     from shardwise.cli import main
 
     overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.progress=false",
@@ -329,6 +330,16 @@ def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys
     assert not (out / "model.safetensors").exists()
     for fmt in ("peft", "base"):  # again, and the base beside its adapter (peft's own layout): written
         assert main(["export", "--config", CONFIG, *sets, "--out", str(out), "--format", fmt]) == 0
+    # the other way round: a peft export over a merged one (the folder's weights say which they are)
+    merged = tmp_path / "merged"
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(merged)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(merged), "--format", "peft"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --out: ") and "merged" in err[0], err
+    assert not (merged / "adapter_config.json").exists()
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(merged), "--format", "base"]) == 0
+    assert main(["export", "--config", CONFIG, *sets, "--out", str(merged), "--format", "peft"]) == 0
 
 
 def test_peft_export_of_a_full_run_names_the_format_flag(capsys, tmp_path):
