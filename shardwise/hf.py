@@ -234,7 +234,7 @@ def export_hf(parts, args: ModelArgs, folder: str | os.PathLike, runtime=None, *
 
     folder = Path(folder)
     config = hf_config(args)  # before any file is written: it refuses mixtures Mixtral cannot express
-    config.update(token_ids or {})  # bos_token_id and eos_token_id, where the caller knows them
+    config.update(token_ids or {})  # bos_token_id and eos_token_id (a base's max_position_embeddings), where known
     pp_rank, pp_size = (runtime.pp_rank, runtime.pp_size) if runtime is not None else (0, 1)
     writes = runtime.writes_stage_files if runtime is not None else True
     main = runtime.is_main if runtime is not None else True
@@ -285,8 +285,9 @@ def write_tokenizer_files(folder: str | os.PathLike, tokenizer_json: str, token_
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False}
     for key in ("bos", "eos"):
-        token = tokenizer.id_to_token(token_ids[f"{key}_token_id"]) if token_ids.get(f"{key}_token_id") is not None \
-            else None
+        ids = token_ids.get(f"{key}_token_id")
+        ids = ids if isinstance(ids, list) else [ids]  # Llama 3's config.json lists its end tokens
+        token = tokenizer.id_to_token(ids[0]) if ids and isinstance(ids[0], int) else None
         if token is not None:
             config[f"{key}_token"] = token
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

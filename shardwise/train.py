@@ -664,7 +664,12 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
             tokenizer = data.run_tokenizer_json(cfg.data, cfg.metrics.out_dir)
             base = Path(cfg.checkpoint.init_from_hf) / "config.json" if cfg.checkpoint.init_from_hf else None
             if base is not None and base.is_file():  # fine-tuned: the base model's own framing
-                ids = {k: v for k, v in json.loads(base.read_text()).items() if k in ("bos_token_id", "eos_token_id")}
+                theirs = json.loads(base.read_text())
+                ids = {k: v for k, v in theirs.items() if k in ("bos_token_id", "eos_token_id")}
+                # and its context: a [model] written without max_seq_len (2048 by default) fine-tunes the base at any
+                # length, and the exported config.json told transformers the model's context was that
+                if isinstance(theirs.get("max_position_embeddings"), int):
+                    ids["max_position_embeddings"] = max(theirs["max_position_embeddings"], cfg.model.max_seq_len)
             else:
                 # trained here: documents are packed between end-of-text tokens, so a text starts after one and
                 # ends with one, the framing `shardwise generate --run` uses
@@ -672,7 +677,8 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
                 ids = {"bos_token_id": eos, "eos_token_id": eos}
             export_hf(parts, cfg.model, out, runtime, merge_lora=fmt == "merged", token_ids=ids)
             if runtime.is_main:
-                write_tokenizer_files(out, tokenizer, ids, cfg.model.max_seq_len, cfg.checkpoint.init_from_hf)
+                write_tokenizer_files(out, tokenizer, ids, ids.get("max_position_embeddings", cfg.model.max_seq_len),
+                                      cfg.checkpoint.init_from_hf)
     finally:
         runtime.close()
     return path
