@@ -235,8 +235,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError("--config", f"{path} is a folder", "pass the path of a TOML file, e.g. configs/demo.toml")
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError("--config", f"{path} is not valid TOML ({e})", "fix the TOML syntax")
-    for item in overrides:
-        _apply_override(raw, item)
+    _apply_overrides(raw, overrides)
     cfg = from_dict(raw)
     validate(cfg)
     return cfg
@@ -325,8 +324,7 @@ def with_overrides(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     """`cfg` with `key=value` overrides applied, type-checked as `load_config` checks them (not validated: a
     simulated job may be larger than any machine here)."""
     raw = to_dict(cfg)
-    for item in overrides:
-        _apply_override(raw, item)
+    _apply_overrides(raw, overrides)
     return from_dict(raw)
 
 
@@ -356,14 +354,32 @@ def layout_tables(layout: Layout, micro_batch: int, grad_accum: int) -> dict[str
     return {"parallel": parallel, "train": {"micro_batch": micro_batch, "grad_accum": grad_accum}}
 
 
+def _apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Apply `key=value` overrides in order. A preset named by one (`model.name`, other than the table's) replaces
+    the model table first: `--set model.name=debug` on a config whose [model] gives a shape (an 8B written from a
+    Hugging Face config.json) built the 8B under the name 'debug', as a preset fills only what the table leaves
+    out. Other `model.*` overrides go on top of the preset, in any order."""
+    named = [_override_value(item) for item in overrides if item.partition("=")[0].strip() == "model.name"]
+    if named and named[-1] in PRESETS and isinstance(raw.get("model"), dict) and raw["model"].get("name") != named[-1]:
+        raw["model"] = {}
+    for item in overrides:
+        _apply_override(raw, item)
+
+
+def _override_value(item: str) -> Any:
+    """The value of a `key=value` override, as TOML reads it (a bare word as a string)."""
+    text = item.partition("=")[2]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
+    key, sep, _ = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError("--set", f"'{item}' is not key=value", "write e.g. --set optim.lr=3e-4")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text  # a bare word: take it as a string
+    value = _override_value(item)
     *parents, leaf = key.strip().split(".")
     node = raw
     for part in parents:

@@ -78,6 +78,24 @@ def test_a_custom_model_name_with_its_shape_is_accepted():
     assert (cfg.model.name, cfg.model.dim, cfg.model.n_layers) == ("mine", 64, 2)
 
 
+def test_a_preset_named_by_set_replaces_the_files_model_table(tmp_path):
+    """A config whose [model] gives an 8B's shape (as one written from a Hugging Face config.json), run with --set
+    model.name=debug, built the 8B under the name 'debug' (and was killed for memory): the preset fills only what a
+    table leaves out. A preset named on the command line replaces the file's table; other --set model.* go on top,
+    whatever their order; the file's own name, set again, keeps the table."""
+    from shardwise.model_args import PRESETS
+
+    path = _write(tmp_path, "[model]\nname = 'llama3-8b'\nn_layers = 4\nvocab_size = 2048\n")
+    assert load_config(path).model.n_layers == 4
+    cfg = load_config(path, ["model.n_layers=3", "model.name='debug'"])
+    assert (cfg.model.dim, cfg.model.vocab_size, cfg.model.n_layers) == (PRESETS["debug"].dim,
+                                                                         PRESETS["debug"].vocab_size, 3)
+    cfg = load_config(path, ["model.name='llama3-8b'"])
+    assert (cfg.model.n_layers, cfg.model.vocab_size) == (4, 2048)
+    custom = _write(tmp_path, "[model]\nname = 'mine'\ndim = 64\nn_layers = 2\nn_heads = 4\nvocab_size = 320\n")
+    assert load_config(custom, ["model.name='debug'"]).model == PRESETS["debug"]
+
+
 BAD_CONFIGS = {
     "heads": ("[model]\ndim = 128\nn_heads = 5\n", "model.n_heads"),
     "negative_lr": ("[optim]\nlr = -0.001\n", "optim.lr"),
