@@ -225,6 +225,7 @@ def test_the_validators_fail_on_a_wrong_field(tmp_path):
     (["--kind", "jobset", "--set", "checkpoint.resume=false"], "checkpoint.resume"),
     (["--max-restarts", "5"], "--max-restarts"),  # a TrainJob's restarts are its runtime's: it was ignored
     (["--cpus-per-node", "0"], "--cpus-per-node"),
+    (["--gpus-per-node", "8", "--nproc-per-node", "16"], "--nproc-per-node"),  # a rank per GPU: 8 without one
     (["--memory-per-node", "512GB"], "--memory-per-node"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, args, field):

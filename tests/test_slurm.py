@@ -107,6 +107,9 @@ def test_the_documented_commands_work_verbatim(monkeypatch, capsys):
     (["--nodes", "1", "--nproc-per-node", "2", "--requeue", "--set", "checkpoint.enabled=true", "--set",
       "checkpoint.resume=false"], "checkpoint.resume"),
     (["--nodes", "1", "--nproc-per-node", "2", "--cpus-per-task", "0"], "--cpus-per-task"),
+    # a rank per GPU (cuda:LOCAL_RANK): ranks 8 to 15 of a node would have none
+    (["--nodes", "2", "--gpus-per-node", "8", "--nproc-per-node", "16", "--set", "parallel.dp_shard=32"],
+     "--nproc-per-node"),
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=exclusive"], "--sbatch"),  # not an option
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--comment=a\n#SBATCH --nodes=9"], "--sbatch"),  # two lines
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--time=1:00"], "--sbatch"),  # launch slurm's --time

@@ -72,6 +72,12 @@ def ranks_per_node(gpus_per_node: int, nproc_per_node: int) -> int:
     if not (nproc_per_node or gpus_per_node):
         raise ConfigError("--nproc-per-node", "a CPU job (--gpus-per-node 0) needs its ranks per node",
                           "set --nproc-per-node, or --gpus-per-node for one rank per GPU")
+    if gpus_per_node and nproc_per_node > gpus_per_node:
+        # each rank takes the GPU of its local rank (cuda:LOCAL_RANK): the ranks past the node's last GPU have none
+        # and fail once the job has waited in the queue and started
+        raise ConfigError("--nproc-per-node", f"{nproc_per_node} processes per node, but each rank runs on a GPU of "
+                          f"its own and a node has {gpus_per_node} (--gpus-per-node)",
+                          f"set --nproc-per-node {gpus_per_node} or less, or --gpus-per-node {nproc_per_node}")
     return nproc_per_node or gpus_per_node
 
 
