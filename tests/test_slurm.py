@@ -20,6 +20,7 @@ import pytest
 from test_resume import CONFIG, FSDP2, _losses, _params, _train
 
 from shardwise.cli import main
+from shardwise.errors import ConfigError
 from shardwise.launch.local import free_port
 from shardwise.metrics import read_sample_log
 
@@ -114,6 +115,11 @@ def test_the_documented_commands_work_verbatim(monkeypatch, capsys):
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--comment=a\n#SBATCH --nodes=9"], "--sbatch"),  # two lines
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--time=1:00"], "--sbatch"),  # launch slurm's --time
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--output=/tmp/x"], "--sbatch"),  # the script's own
+    # sbatch takes a unique beginning of an option's name as the option: these replaced the script's --signal (no
+    # save before the time limit, no requeue), --output and --no-requeue
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--sig=USR2@60"], "--sbatch"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--outp=/tmp/x"], "--sbatch"),
+    (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--no-req"], "--sbatch"),
 ])
 def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, field, tmp_path, capsys):
     script = tmp_path / "job.sh"
@@ -121,6 +127,18 @@ def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, fie
     err = capsys.readouterr().err
     assert err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
     assert not script.exists()
+
+
+@pytest.mark.parametrize("option", ["--gpus=16", "--ntasks=4", "--exclusive", "--qos=high", "--mem=0"])
+def test_sbatch_options_whose_names_begin_the_scripts_own_are_not_abbreviations(option):
+    """getopt_long takes an exact name as itself: --gpus is sbatch's own option, not --gpus-per-node abbreviated."""
+    from shardwise.launch.slurm import _check_sbatch_option
+
+    if option == "--ntasks=4":  # the script's own (one task per node), refused as itself
+        with pytest.raises(ConfigError, match="--ntasks is written"):
+            _check_sbatch_option(option)
+    else:
+        _check_sbatch_option(option)
 
 
 @pytest.mark.parametrize("limit, seconds", [("90", 5400), ("1:30", 90), ("4:00:00", 14400), ("1-12", 129600),

@@ -68,6 +68,10 @@ OWN_OPTIONS = {
     "--signal": "--warn-seconds", "--requeue": "--requeue", "--no-requeue": "--requeue"}
 """The sbatch options the script writes itself, and the flag of `launch slurm` that sets each ("": none, the script
 depends on it): an --sbatch option repeating one is refused rather than left to override it."""
+SBATCH_PREFIXES = ("--gpus", "--ntasks")
+"""sbatch's own options whose names begin one of OWN_OPTIONS' (--gpus of --gpus-per-node): sbatch reads an option
+(an #SBATCH line's too) with getopt_long, which takes an exact name as itself and a unique beginning of one as that
+option (--sig=USR2@60 is --signal), so only these are not read as abbreviations."""
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
@@ -179,11 +183,15 @@ def _check_sbatch_option(option: str) -> None:
     if not option.startswith("--") or len(option) < 3 or any(c in option for c in "\r\n"):
         raise ConfigError("--sbatch", f"{option!r} is not a long sbatch option on one line (an #SBATCH line takes "
                           "one, starting with --)", "write e.g. --sbatch=--exclusive or --sbatch=--qos=high")
-    own = option.split("=", 1)[0].split()[0]
+    given = own = option.split("=", 1)[0].split()[0]
+    if own not in OWN_OPTIONS and own not in SBATCH_PREFIXES:
+        # an abbreviation (getopt_long's): --sig=USR2@60 replaced the script's --signal, --outp= its --output
+        own = next((o for o in OWN_OPTIONS if o.startswith(own)), own)
     if own in OWN_OPTIONS:
         flag = OWN_OPTIONS[own]
-        raise ConfigError("--sbatch", f"{own} is written by the script itself" + ("" if flag else ", which depends "
-                          "on it"), f"use launch slurm's {flag}" if flag else f"leave {own} out")
+        named = own if given == own else f"{given} (sbatch reads it as {own})"
+        raise ConfigError("--sbatch", f"{named} is written by the script itself" + ("" if flag else ", which "
+                          "depends on it"), f"use launch slurm's {flag}" if flag else f"leave {given} out")
 
 
 def script(job: SlurmJob) -> str:
