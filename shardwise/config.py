@@ -520,13 +520,13 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("metrics.out_dir", f"{out} is a file", "name a folder (made if missing)")
 
 
-def check_file_to_write(flag: str, path: str) -> None:
+def check_file_to_write(flag: str, path: str, example: str = "runs/my-run/final.safetensors") -> None:
     """A file a command will write at its end (--save-final): refused now, not after the training, if it names a
-    folder or sits below a file."""
+    folder or sits below a file. `example`: a path of the kind `flag` writes, for the fix."""
     target = Path(path)
     if not path.strip() or target.is_dir():
         raise ConfigError(flag, f"{path!r} is {'a folder' if path.strip() else 'empty'}",
-                          "name a file to write, e.g. runs/my-run/final.safetensors")
+                          f"name a file to write, e.g. {example}")
     blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ConfigError(flag, f"{blocker} is a file, so {path} cannot be made", "name a path in a folder")

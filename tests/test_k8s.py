@@ -197,6 +197,12 @@ def test_the_validators_fail_on_a_wrong_field(tmp_path):
                                      KUBERNETES, strict=True)
 
 
+def test_write_to_a_folder_names_a_manifest_file(tmp_path, capsys):
+    assert main(["launch", "k8s", *BASE, "--write", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: --write: ") and "safetensors" not in err and ".yaml" in err, err
+
+
 @pytest.mark.parametrize("args, field", [
     (["--nodes", "2", "--set", "metrics.out_dir='/scratch/run'"], "metrics.out_dir"),  # not on the claim
     (["--nodes", "2", "--volume-claim", ""], "--volume-claim"),  # several pods, no shared run folder

@@ -279,7 +279,7 @@ def run_k8s(args: argparse.Namespace) -> int:
     per_node = ranks_per_node(args.gpus_per_node, args.nproc_per_node)
     fit_nodes(cfg, per_node, nodes)
     if args.write:
-        check_file_to_write("--write", args.write)
+        check_file_to_write("--write", args.write, "job.yaml")
     text = yaml.safe_dump_all(manifests(args, cfg, nodes), sort_keys=False)
     if not args.write:
         print(text, end="")

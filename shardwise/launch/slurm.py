@@ -157,9 +157,10 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
                           "give 1 or more (the CPUs for the agent and all ranks of a node), or leave it out")
     for option in args.sbatch:
         _check_sbatch_option(option)
-    for flag, path in (("--save-final", args.save_final), ("--write", args.write)):
+    for flag, path, example in (("--save-final", args.save_final, "runs/my-run/final.safetensors"),
+                                ("--write", args.write, "runs/my-run/job.sh")):
         if path:
-            check_file_to_write(flag, path)
+            check_file_to_write(flag, path, example)
     if args.requeue and not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
         field = "checkpoint.enabled" if not cfg.checkpoint.enabled else "checkpoint.resume"
         raise ConfigError(field, "--requeue starts the job again, which goes on from its newest checkpoint only "
