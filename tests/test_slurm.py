@@ -55,6 +55,11 @@ def test_the_script_is_bash_with_the_allocation_and_the_rendezvous(tmp_path):
     assert "--cpus-per-task" not in text  # not asked for: the site's default
     # two nodes and a run folder on this machine's own disk: said, not refused (a cluster may mount it anyway)
     assert "may not see" in done.stderr and not out.exists()  # a dry run writes nothing
+    # sbatch opens --output before the script runs: a job printed for a folder not yet made would fail without a log
+    assert "mkdir -p) before sbatch" in done.stderr and str(out) in done.stderr
+    out.mkdir()
+    again = _launch("--config", CONFIG, "--nodes", "1", "--nproc-per-node", "2", "--set", f"metrics.out_dir='{out}'")
+    assert again.returncode == 0 and "mkdir" not in again.stderr, again.stderr
 
 
 def test_cpus_per_task_and_other_directives_reach_the_script(tmp_path):

@@ -271,6 +271,10 @@ def run_slurm(args: argparse.Namespace) -> int:
               "the checkpoints of a multi-node job must be on shared storage", file=sys.stderr)
     text = script(job)
     if not (args.submit or args.write):
+        if not job.out_dir.is_dir():  # --submit and --write make it
+            print(f"shardwise: warning: the run folder {job.out_dir} does not exist: make it (mkdir -p) before "
+                  "sbatch, which opens the job's log there (--output) before the script runs and fails the job, "
+                  "with no log, without it", file=sys.stderr)
         print(text, end="")
         return 0
     if args.submit and shutil.which("sbatch") is None:
