@@ -180,7 +180,9 @@ def explain_failure(exc: BaseException, env: DistEnv, step: int) -> str | None:
     else:
         who = "every rank checked in (a transient network failure, or a rank that fell behind and recovered)"
     cause = "timed out" if any(w in str(exc).lower() for w in ("timed out", "timeout")) else "lost its peer"
-    return (f"step {step}: {op} {cause} on rank {env.rank} (train.collective_timeout_s = {env.timeout_s:g} s); "
+    # "rank 2's all_reduce lost its peer", not "all_reduce lost its peer on rank 2": that read as if rank 2 were the
+    # one lost, where it is the rank reporting
+    return (f"step {step}: rank {env.rank}'s {op} {cause} (train.collective_timeout_s = {env.timeout_s:g} s); "
             f"{who}. The first error: {_first_line(exc)}")
 
 

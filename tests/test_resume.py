@@ -305,7 +305,7 @@ def test_a_hung_rank_becomes_an_error_naming_the_operation_and_the_rank(tmp_path
         os.kill(hung, signal.SIGKILL)  # torchrun would SIGKILL it too, 30 s after its SIGTERM
         assert proc.wait(timeout=120) != 0
     line = next(x for x in Path(err_file.name).read_text().splitlines() if x.startswith("shardwise: error:"))
-    assert re.search(r"step \d+: (all_reduce|all_gather\w*|reduce_scatter\w*|barrier) timed out on rank 0 ", line), line
+    assert re.search(r"step \d+: rank 0's (all_reduce|all_gather\w*|reduce_scatter\w*|barrier) timed out ", line), line
     assert "rank 1 did not check in" in line and "hung or dead" in line, line
 
 
@@ -353,6 +353,8 @@ def test_a_roll_call_that_torchrun_ends_does_not_claim_it_waited():
     assert time.monotonic() - start < 10
     assert "rank 1 had not checked in when the job was stopped" in line, line
     assert "within" not in line, line
+    # the rank reporting, named as such (it read as if rank 0 were the peer lost)
+    assert line.startswith("step 7: rank 0's ") and "lost its peer (" in line, line
 
 
 def test_the_first_error_is_cut_with_a_mark():

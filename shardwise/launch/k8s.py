@@ -118,7 +118,8 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
         raise ConfigError("--volume-claim", "a job over several pods needs its run folder on storage every pod "
                           "mounts (checkpoints are written by all ranks)", "name a ReadWriteMany PersistentVolumeClaim")
     if args.grace_seconds < 30:
-        raise ConfigError("--grace-seconds", f"{args.grace_seconds} s leaves no time to save", "set 60 or more")
+        raise ConfigError("--grace-seconds", f"{args.grace_seconds} s leaves no time to save",
+                          "set 30 or more (the default, 300, leaves time for a step and a save)")
     name = job_name(args.name, out_dir, high)
     labels = {QUEUE_LABEL: args.queue} if args.queue else {}
     train = _train_command(args, cfg, nodes, per_node)
