@@ -285,3 +285,28 @@ def test_a_slurm_job_saves_at_the_warning_is_requeued_and_ends_like_an_uninterru
     a, b = _params(whole), _params(run)
     assert all((a[k] == b[k]).all() for k in a)  # bitwise
     assert read_sample_log(run) == read_sample_log(whole)  # every sample once, in the same steps
+
+
+@pytest.mark.multiprocess
+def test_a_slurm_job_stopped_at_the_warning_without_requeue_ends_failed_with_its_checkpoint(slurm, tmp_path):
+    """Without --requeue, a job the time-limit warning stopped saved and exited 0: Slurm counted it COMPLETED, and a
+    job depending on it with afterok (an evaluation) started on a half-trained model. It now ends FAILED, exit 75."""
+    from shardwise.checkpoint import latest_checkpoint
+
+    run = tmp_path / "run"
+    sets = [a for s in [*RUN[: len(RUN) - len(FSDP2)], f"metrics.out_dir='{run}'"] for a in ("--set", s)]
+    submitted = _launch(*sets, "--config", CONFIG, "--nodes", "1", "--nproc-per-node", "1", "--cpus-per-task", "1",
+                        "--submit")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    try:
+        _wait(lambda: (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 2, 300, "step 2")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        _wait(lambda: _job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the job's end")
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    log = (run / f"slurm-{job_id}.out").read_text()
+    assert (_job(job_id)["JobState"], _job(job_id)["ExitCode"]) == ("FAILED", "75:0"), log[-3000:]
+    assert "saved before the time limit" in log and "requeueing" not in log, log[-3000:]
+    stopped = int(re.search(r"step (\d+): stopped as asked", log).group(1))
+    assert 2 <= stopped < 24 and latest_checkpoint(run).name == f"step_{stopped}"

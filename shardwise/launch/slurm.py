@@ -32,6 +32,10 @@ from shardwise.errors import ConfigError
 from shardwise.launch.local import ranks_per_node
 
 STOP_SIGNAL = "USR1"
+STOPPED_EXIT_CODE = 75
+"""Without --requeue, the script exits with this (EX_TEMPFAIL, as `launch k8s`'s pods) when the warning stopped the
+run and it saved: Slurm then counts the job FAILED, not COMPLETED (an afterok dependency does not start on a half
+run), as it would have counted it TIMEOUT had it run into the limit."""
 # file systems that every node of a cluster mounts (the run folder of a multi-node job must be on one)
 SHARED_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
                        "wekafs", "9p", "virtiofs", "fuse.juicefs", "fuse.sshfs", "cifs", "smb3")
@@ -217,11 +221,12 @@ def script(job: SlurmJob) -> str:
         "",
         "# torchrun's c10d rendezvous on the allocation's first node, on a port of the job's own",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        "port=$((20000 + SLURM_JOB_ID % 12000))",  # below the kernel's ephemeral ports (32768 on)
         "",
         f"# {STOP_SIGNAL}: the time limit is {job.warn_seconds} s away (or `scancel --signal={STOP_SIGNAL} --batch`):"
         " every process of",
-        "# the step gets it; the ranks finish their step, save and exit 0",
+        "# the step gets it; the ranks finish their step, save and exit 0 (srun --kill-on-bad-exit would kill the",
+        "# other nodes' ranks at the first that exited otherwise)",
         "stopping=0",
         f"stop() {{ stopping=1; echo \"shardwise: {STOP_SIGNAL}: saving and stopping\"; "
         f"scancel --signal={STOP_SIGNAL} \"$SLURM_JOB_ID\"; }}",
@@ -239,6 +244,14 @@ def script(job: SlurmJob) -> str:
             'if [ "$stopping" = 1 ] && [ "$code" = 0 ]; then',
             '    echo "shardwise: saved; requeueing job $SLURM_JOB_ID (it resumes from the newest checkpoint)"',
             '    scontrol requeue "$SLURM_JOB_ID"',
+            "fi",
+        ]
+    else:  # exit 0 would make the job COMPLETED, and an afterok dependency (an evaluation) start on a half run
+        lines += [
+            'if [ "$stopping" = 1 ] && [ "$code" = 0 ]; then',
+            '    echo "shardwise: saved before the time limit; the job ends FAILED (exit code '
+            f'{STOPPED_EXIT_CODE}), not COMPLETED: submit it again to go on from the newest checkpoint"',
+            f"    code={STOPPED_EXIT_CODE}",
             "fi",
         ]
     lines.append('exit "$code"')
