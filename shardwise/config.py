@@ -138,6 +138,12 @@ class TrainConfig:
     """fp16 only: double the loss scale after this many steps without inf/nan."""
     compile: bool = False
     """torch.compile each transformer block."""
+    deterministic: bool = False
+    """Bitwise-repeatable runs (torchtitan's debug.deterministic): torch.use_deterministic_algorithms, cuDNN's
+    deterministic mode without its benchmark, cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). On CPU it also
+    keeps attention on SDPA's kernel: otherwise each rank times the engine's attention forms once per shape and
+    takes the fastest, and two runs whose ranks chose differently differ by rounding. Slower; an op without a
+    deterministic implementation raises."""
     val_every: int = 50
     """Evaluate validation loss every this many steps (and at the end); 0 disables."""
     val_batches: int = 4

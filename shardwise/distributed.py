@@ -80,6 +80,16 @@ def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
+def set_deterministic() -> None:
+    """Deterministic kernels for this process, as torchtitan's `set_determinism` sets them: every operator's
+    deterministic implementation (one without raises), cuDNN's deterministic algorithms without its benchmark, and a
+    fixed cuBLAS workspace (read when cuBLAS starts, so before the first matmul on the GPU)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def init_distributed(device_choice: str = "auto", timeout_s: float = 600.0, group_of_one: bool = False) -> DistEnv:
     """Join the job torchrun started (NCCL on GPU, gloo on CPU); a plain run is a world of one, with a process
     group of its own only when `group_of_one` (FSDP2 on one device, for its CPU offload, needs a mesh)."""

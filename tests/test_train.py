@@ -515,3 +515,29 @@ def test_a_pipeline_stages_autocast_keeps_no_weight_cache():
     assert seen == [(True, False)]
     with autocast_context("bf16", CPU):
         assert torch.is_autocast_cache_enabled()
+
+
+def test_deterministic_runs_take_no_timed_kernel_choice(tmp_path, monkeypatch):
+    """Each rank timed the engine's CPU attention forms once per shape and took the fastest, so two runs of four
+    ranks on a loaded machine differed by rounding from step 5 (measured: grad norm 3.630744218826294 against
+    3.630743980407715). train.deterministic turns on torch's deterministic algorithms, under which nothing is timed;
+    without it the choice is timed (the control)."""
+    from shardwise import model
+
+    timed = []
+
+    def fastest(q, k, v):
+        timed.append(tuple(q.shape))
+        return None
+
+    monkeypatch.setattr(model, "_fastest_cpu_attention", fastest)
+    monkeypatch.setattr(model, "_cpu_attention_forms", {})
+    run = ["model.name='debug'", "data.seq_len=256", "data.max_corpus_mb=1", "train.micro_batch=2", "train.steps=1",
+           "train.val_every=0", "metrics.progress=false", "metrics.tensorboard=false"]
+    try:
+        train(load_config(None, [*run, "train.deterministic=true", f"metrics.out_dir='{tmp_path / 'a'}'"]))
+        assert torch.are_deterministic_algorithms_enabled() and not timed
+    finally:
+        torch.use_deterministic_algorithms(False)
+    train(load_config(None, [*run, f"metrics.out_dir='{tmp_path / 'b'}'"]))
+    assert timed

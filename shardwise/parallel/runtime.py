@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from shardwise.config import ConfigError, JobConfig, fit_world, validate_parallel
 from shardwise.data import Batch
-from shardwise.distributed import DistEnv, init_distributed, shutdown
+from shardwise.distributed import DistEnv, init_distributed, set_deterministic, shutdown
 from shardwise.layout import fsdp_applies
 from shardwise.parallel.mesh import MeshView, build_mesh
 
@@ -38,6 +38,8 @@ class Runtime:
         fit_world(cfg, world)  # replaces cfg.parallel (a frozen Layout): read it only after
         validate_parallel(cfg, world)  # before any process group exists
         p = cfg.parallel
+        if cfg.train.deterministic:
+            set_deterministic()
         env = init_distributed(cfg.train.device, cfg.train.collective_timeout_s, group_of_one=fsdp_applies(p))
         if world == 1 and not fsdp_applies(p):
             return cls(env, cfg, None)
