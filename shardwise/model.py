@@ -582,7 +582,10 @@ class Transformer(nn.Module):
         if targets is not None:
             return head_loss_sum(h, self.output.weight, targets)
         if self.head_in_loss:
-            return h.to_local() if isinstance(h, DTensor) else h
+            # DTensor.to_local() returns a view, on which FSDP2 warns that an in-place op would drop its backward
+            # hook (nothing here writes it in place); the copy is one micro-batch's normalised hidden states, and
+            # the DTensor's own is freed once copied (the norm's backward keeps its input, not its output)
+            return h.to_local().clone() if isinstance(h, DTensor) else h
         return self.output(h) if self.output is not None else h
 
 

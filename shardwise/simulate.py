@@ -384,8 +384,12 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     """The planner's itemised peak for this layout and stage, in the simulator's categories.
 
     Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
+    Empty where the planner does not price the layout: checkpointing every k-th block only (it was printed as if
+    every block were checkpointed).
     """
     p, t = cfg.parallel, cfg.train
+    if p.activation_checkpoint != "none" and p.activation_checkpoint_every != 1:
+        return {}
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch",
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
@@ -536,7 +540,11 @@ def _format_rank(r: RankReport, p: Layout) -> list[str]:
              f"  {'category':24}{unit:>9}  {'planner':>9}  {'ratio':>7}"]
     for k in (*CATEGORIES, "total"):
         measured = peak.peak_bytes if k == "total" else peak.peak[k]
-        lines.append(f"  {k:24}{measured / div:9.3f}  {r.planner.get(k, 0.0) / div:9.3f}  {_ratio(ratios[k])}")
+        planned = f"{r.planner.get(k, 0.0) / div:9.3f}" if r.planner else f"{'-':>9}"
+        lines.append(f"  {k:24}{measured / div:9.3f}  {planned}  {_ratio(ratios[k])}")
+    if not r.planner and p.activation_checkpoint_every != 1:
+        lines.append(f"  planner: not compared (it prices checkpointing of every block, not of "
+                     f"one block in {p.activation_checkpoint_every}: parallel.activation_checkpoint_every)")
     lines.append("  model state (weights and optimizer state kept between steps, largest gradients): " +
                  ", ".join(f"{k} {v / div:.3f} {unit}" for k, v in peak.model_state.items()))
     lines.append(f"  {'collective':24}{'calls':>7}  {'payload ' + unit:>12}  {'wire ' + unit:>9}")

@@ -343,3 +343,33 @@ def preset_max(name: str) -> int:
     from shardwise.model_args import preset
 
     return preset(name).max_seq_len
+
+
+def test_a_pipelines_last_stage_gives_fsdp_no_view_to_warn_about():
+    """A last stage whose head runs in the schedule's loss returned DTensor.to_local() (a view) under tensor
+    parallelism, and FSDP2 warned on every such run that an in-place op on it would drop its backward hook."""
+    import warnings
+
+    from shardwise.simulate import simulate_rank
+
+    cfg = load_config(CONFIG, [*_COMMON, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                               "parallel.dp_shard=2", "parallel.zero_stage=3"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        simulate_rank(cfg, 8, 4)  # the last stage's first rank
+    assert not [w for w in seen if "returned a view tensor" in str(w.message)]
+
+
+def test_checkpointing_every_kth_block_is_not_compared_with_the_planner():
+    """The planner prices checkpointing of every block only; the simulator's planner column priced every block
+    checkpointed for activation_checkpoint_every = 2, and its ratios read as the planner's error."""
+    from shardwise.simulate import format_reports, simulate
+
+    cfg = load_config(CONFIG, [*_COMMON, "parallel.activation_checkpoint='full'",
+                               "parallel.activation_checkpoint_every=2"])
+    (report,) = simulate(cfg, 1)
+    assert report.planner == {} and set(report.ratios().values()) == {None}
+    text = format_reports(cfg, 1, [report], 1.0)
+    assert "planner: not compared" in text and "activation_checkpoint_every" in text
+    every = load_config(CONFIG, [*_COMMON, "parallel.activation_checkpoint='full'"])
+    assert simulate(every, 1)[0].planner["total"] > 0
