@@ -136,6 +136,18 @@ def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_mesh.values())
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """The logger `name` silenced below errors for the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     """The 2-norm of all gradients of the model, however they are split.
 
@@ -144,8 +156,13 @@ def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     """
     squares = []
     for grads in grads_by_mesh(params):
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+        # norms partial over FSDP's and TP's dims are reduced by one all-reduce per dim, for which DTensor logs a
+        # warning on every rank (flatten the dims for one collective); for a few scalars, two all-reduces cost
+        # nothing worth a line, and each gives every rank the same value
+        with _quiet_logger("torch.distributed.tensor._redistribute"):
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm ** 2)
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

@@ -373,3 +373,17 @@ def test_checkpointing_every_kth_block_is_not_compared_with_the_planner():
     assert "planner: not compared" in text and "activation_checkpoint_every" in text
     every = load_config(CONFIG, [*_COMMON, "parallel.activation_checkpoint='full'"])
     assert simulate(every, 1)[0].planner["total"] > 0
+
+
+def test_the_gradient_norm_under_fsdp_and_tp_logs_no_warning(caplog):
+    """The clipped norm, partial over FSDP's and TP's dims, is reduced dim by dim: DTensor logged a warning about
+    it on every rank of every FSDP x TP run."""
+    import logging
+
+    from shardwise.simulate import simulate_rank
+
+    cfg = load_config(CONFIG, [*_COMMON, "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                               "parallel.zero_stage=3"])
+    with caplog.at_level(logging.WARNING):
+        simulate_rank(cfg, 4, 0)
+    assert not [r for r in caplog.records if "sequential all_reduce" in r.getMessage()]
