@@ -1,12 +1,12 @@
 """`shardwise verify`: train the same steps on one device and under each layout, and compare.
 
-The reference reads the same global batch as the layout (the union of what its data-parallel ranks read):
-one device with grad_accum x dp micro-batches. It starts from the same (seed, name) initialisation. Losses
-and gradient norms are compared at every step (the norm catches a gradient scaled wrongly, which Adam's
-update and clipping would hide from the loss); parameters at the end, per tensor as ||p - p_ref|| / ||p_ref||.
-Each layout also reports which parameters its steps changed from their initial values: a parity in which
-nothing trained would prove nothing, and a LoRA run must change its adapters and leave the frozen base bitwise
-as it started.
+The reference reads the same global batch as the layout (the union of what its data-parallel ranks read): one device
+with grad_accum x dp micro-batches (of a pipeline's own size under pp: `reference_batches`). It starts from the same
+(seed, name) initialisation. Losses and gradient norms are compared at every step (the norm catches a gradient
+scaled wrongly, which Adam's update and clipping would hide from the loss); parameters at the end, per tensor as
+||p - p_ref|| / ||p_ref||. Each layout also reports which parameters its steps changed from their initial values: a
+parity in which nothing trained would prove nothing, and a LoRA run must change its adapters and leave the frozen
+base bitwise as it started.
 
 The reference runs in this process, and the layouts of one world size in one launch of that many ranks, which
 train them in turn (`run_jobs`): a few steps of a small model take less than starting the ranks does.
@@ -35,6 +35,16 @@ def layout_overrides(text: str) -> list[str]:
     fixed = parse_layout(text, "--layout")
     return [*layout_settings(complete_layout(fixed, source="--layout")),
             *(f"train.{k}={fixed[k]}" for k in BATCH_KEYS if k in fixed)]
+
+
+def reference_batches(cfg: JobConfig) -> tuple[int, int]:
+    """(train.micro_batch, train.grad_accum) of the one-device reference for the layout `cfg`: the global batch in
+    the micro-batches the layout's forwards see. Under a pipeline a rank's train.micro_batch is one schedule step's
+    sequences, which the schedule cuts into n_microbatches contiguous pipeline micro-batches; the loss does not
+    depend on the cut, but a mixture of experts' capacity (model.capacity_factor) counts per forward."""
+    accum = cfg.train.global_batch // cfg.train.micro_batch or cfg.train.grad_accum * cfg.parallel.dp
+    cut = cfg.parallel.n_microbatches if cfg.parallel.pp > 1 else 1
+    return cfg.train.micro_batch // cut, accum * cut
 
 
 def _quiet(out_dir: Path, steps: int) -> list[str]:
@@ -206,15 +216,16 @@ def run_verify(args: argparse.Namespace) -> int:
     initial = initial_parameters(configs[0][2])  # layouts change how parameters are split, not their values
     results = []
     with tempfile.TemporaryDirectory(prefix="shardwise-verify-") as tmp:
-        refs: dict[int, Path] = {}  # the global batch in micro-batches, as one device reads it -> its run
+        refs: dict[tuple[int, int], Path] = {}  # the global batch's micro-batches, as one device reads them -> its run
         launches: dict[int, list[tuple[list[str], Path]]] = {}  # world size -> its layouts' runs
         outs = []
         for i, (text, extra, cfg) in enumerate(configs):
-            accum = cfg.train.global_batch // cfg.train.micro_batch or cfg.train.grad_accum * cfg.parallel.dp
-            if accum not in refs:
-                refs[accum] = out = Path(tmp) / f"ref-{accum}"
+            split = reference_batches(cfg)
+            if split not in refs:
+                micro_batch, accum = split
+                refs[split] = out = Path(tmp) / f"ref-{micro_batch}x{accum}"
                 _train_here(args.config, [*args.overrides, "train.global_batch=0", f"train.grad_accum={accum}",
-                                          f"train.micro_batch={cfg.train.micro_batch}", *_quiet(out, args.steps)],
+                                          f"train.micro_batch={micro_batch}", *_quiet(out, args.steps)],
                             out / "final.safetensors")
             out = Path(tmp) / f"layout-{i}"
             overrides = [*args.overrides, *extra, *_quiet(out, args.steps)]
@@ -222,7 +233,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 _train_here(args.config, overrides, out / "final.safetensors")
             else:
                 launches.setdefault(cfg.parallel.world_size, []).append((overrides, out / "final.safetensors"))
-            outs.append((refs[accum], out))
+            outs.append((refs[split], out))
         for world, runs in launches.items():
             _train_launched(args.config, runs, world, Path(tmp))
         references = {out: _results(out) for out in refs.values()}

@@ -36,6 +36,19 @@ def test_every_expert_parallel_layout_matches_one_device():
     assert all(r["ok"] for r in rows), rows
 
 
+
+@pytest.mark.multiprocess
+def test_capacity_under_a_pipeline_matches_one_device():
+    """A capacity counts per forward, and a pipeline's forwards are its pipeline micro-batches (train.micro_batch /
+    n_microbatches): the reference reads the global batch in those. Until 2026-12-02 it read train.micro_batch
+    sequences at a time, whose capacity drops other pairs: 8.9e-3 in the parameters at pp 2 x ep 2 after 3 steps."""
+    layouts = ["dp_shard=2,ep=2,pp=2", "pp=2,pp_microbatches=4"]
+    flags = [a for layout in layouts for a in ("--layout", layout)]
+    run = _cli("verify", "--config", CONFIG, "--set", "model.capacity_factor=1.0", "--steps", "3", "--json", *flags)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(run.stdout[run.stdout.index("{"):])["layouts"]
+    assert all(r["ok"] for r in rows), rows
+
 def _routed_exchange(config: str):
     """One forward and backward of the ep=2 model on this rank under the comm counter, and the (token, expert)
     pairs each MoE layer's router sent to the other rank's experts (read from the router's choices)."""
