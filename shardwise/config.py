@@ -699,6 +699,12 @@ def _validate_moe(cfg: JobConfig) -> None:
     if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError("model.top_k", f"{m.top_k} experts per token out of n_experts = {m.n_experts}",
                           f"pick top_k between 1 and {m.n_experts}")
+    if m.top_k == 1 and m.route_norm:
+        # w / w = 1: the one weight carries no gradient, so the loss never reaches the router (Switch Transformer's
+        # top-1 weighs the expert's output by its score)
+        raise ConfigError("model.route_norm", "with top_k = 1 it divides each token's one score by itself: every "
+                          "weight is 1 and the router gets no gradient from the loss",
+                          "set model.route_norm = false, or top_k >= 2")
     if not 0 <= m.n_dense_layers <= m.n_layers:
         raise ConfigError("model.n_dense_layers", f"{m.n_dense_layers} is outside 0..n_layers = {m.n_layers}",
                           f"pick 0 to {m.n_layers}")

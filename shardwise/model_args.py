@@ -67,7 +67,8 @@ class ModelArgs:
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over experts (Mixtral, Qwen3-MoE) or a sigmoid each (DeepSeek-V3)."""
     route_norm: bool = True
-    """Renormalise a token's top-k scores to sum to 1 before they weight the experts' outputs."""
+    """Renormalise a token's top-k scores to sum to 1 before they weight the experts' outputs (refused with top_k = 1:
+    every weight would be 1, and the router would get no gradient)."""
     route_scale: float = 1.0
     """Multiplies the combine weights (DeepSeek-V3's routed scaling factor, 2.5)."""
     capacity_factor: float = 0.0
