@@ -141,6 +141,24 @@ def test_plan_output_shows_total_and_active_parameters(capsys):
     assert "ep" in report["plans"][0] and "ep_comm" in report["plans"][0]["time_s"]
 
 
+
+def test_plan_output_states_the_routing_it_assumes(capsys):
+    """The table's step times rest on a routing load: the line under it says which (dropless or the capacity, and
+    the busiest ep rank's load, derived for an untrained router or as stated), the number the search used."""
+    fixed = "dp_shard=8,ep=8,pp=8,zero_stage=2,micro_batch=1,grad_accum=32,activation_checkpoint=full"
+    flags = ("--model", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--global-batch", "256", "--plan", fixed,
+             "--top-k", "1")
+    assert run_plan(_ns(*flags)) == 0
+    load = init_imbalance(preset("mixtral-8x7b"), 4096, 8)  # micro_batch 1 x seq 4096 tokens per rank
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts of #1"))
+    assert line.startswith(f"experts of #1: dropless; the busiest of the ep 8 ranks routes {load:.3f} x the mean")
+    assert "untrained router" in line
+    assert run_plan(_ns(*flags, "--expert-imbalance", "1.3")) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts of #1"))
+    assert "routes 1.300 x the mean (as stated" in line
+    assert run_plan(_ns(*flags[:-3], "dp_shard=64,zero_stage=3", "--top-k", "1")) == 0
+    assert "ep 1: no routing imbalance" in capsys.readouterr().out
+
 # ---------------------------------------------------------------------------------------------------
 # Activations: what the real MoE block saves for backward
 

@@ -370,10 +370,28 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
         elif training.system.split(" (")[0] == "shardwise":
             notes.append("fp8: torchao's float8 training as torchtitan runs it, priced on shardwise's recipe; "
                          "shardwise's engine trains in fp32, bf16 or fp16 (--write-config refuses fp8)")
+    if moe:
+        notes.append(routing_note(model, training, best.plan))
     keys = layout_text(Layout(**{k: getattr(best.plan, k) for k in LAYOUT_KEYS}), best.plan.micro_batch,
                        best.plan.grad_accum)
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}",
                       f"#1 as keys (plan --plan, simulate --plan, verify --layout): {keys}", *notes])
+
+
+def routing_note(model: ModelArgs, training: Training, plan: Plan) -> str:
+    """What the plan assumes of a mixture of experts' routing: dropless or the capacity, and under expert
+    parallelism the load of the busiest rank, stated or derived (planner.experts)."""
+    from shardwise.planner.experts import imbalance
+
+    kept = (f"at most capacity_factor {model.capacity_factor:g} x the mean per expert" if model.capacity_factor > 0
+            else "dropless")
+    if plan.ep == 1:
+        return f"experts of #1: {kept}, every expert on every rank (ep 1: no routing imbalance between ranks)"
+    load = imbalance(model, training, plan)
+    source = ("as stated (--expert-imbalance)" if training.expert_imbalance else
+              "an untrained router over random tokens; a trained one's measured load goes in --expert-imbalance")
+    return (f"experts of #1: {kept}; the busiest of the ep {plan.ep} ranks routes {load:.3f} x the mean "
+            f"({source})")
 
 
 def main(argv: list[str] | None = None) -> int:
