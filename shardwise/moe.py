@@ -240,6 +240,20 @@ def set_aux_grad_scale(parts: Iterable[nn.Module], scale: float) -> None:
 
 
 @torch.no_grad()
+def max_load(parts: Iterable[nn.Module], group=None) -> torch.Tensor:
+    """The step's busiest expert over the mean, the largest over this rank's MoE layers (0 without any): each layer's
+    (token, expert) pairs per expert, summed over `group` (the ranks that route other tokens). 1 is perfect balance,
+    n_experts / top_k every token on the same experts. Read before `end_of_step` clears the counts."""
+    layers = moe_layers(parts)
+    if not layers:
+        return torch.zeros(())
+    counts = torch.stack([m.tokens_per_expert for m in layers])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    return (counts.amax(-1) / counts.mean(-1).clamp_min(torch.finfo(counts.dtype).tiny)).amax()
+
+
+@torch.no_grad()
 def end_of_step(parts: Iterable[nn.Module], rate: float, group=None) -> torch.Tensor | None:
     """After an optimizer step: move each expert's bias towards the mean load (rate > 0) from the step's routing
     counts, summed over `group` (the ranks that see other tokens), and clear the step's statistics.

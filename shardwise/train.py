@@ -43,7 +43,7 @@ from shardwise.loss import autocast_context, compute_dtype, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
 from shardwise.model import Transformer, build_model, canonical_name, materialize
 from shardwise.model_args import adapter_params, flops_per_token, num_params
-from shardwise.moe import end_of_step, set_aux_grad_scale
+from shardwise.moe import end_of_step, max_load, set_aux_grad_scale
 from shardwise.optim import build_lr_schedule, build_optimizer, effective_lr
 from shardwise.parallel import parallelize
 from shardwise.parallel.comm import CommCounter, uncounted
@@ -232,18 +232,24 @@ def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[
 def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, global_tokens: int,
                    logged: bool) -> dict[str, float]:
     """Move the experts' balancing biases (model.bias_update_rate); on a `logged` step also return its routing
-    metrics: the mean balancing loss per MoE layer and sequence, and the share of (token, expert) pairs capacity
-    dropped (a collective over every rank: each pipeline stage holds other layers)."""
+    metrics: the mean balancing loss per MoE layer and sequence, the share of (token, expert) pairs capacity
+    dropped, and the busiest expert's pairs over the mean (moe.max_load; collectives over every rank: each pipeline
+    stage holds other layers)."""
     group = runtime.mesh.grad_reduce.get_group() if runtime.mesh and runtime.grad_reduce_size > 1 else None
+    # the global batch's load per expert (the counts summed over the data-parallel ranks), the largest over every
+    # rank's layers (pipeline stages hold other layers)
+    load = max_load(parts, group).to(runtime.device) if logged else None
     stats = end_of_step(parts, cfg.model.bias_update_rate, group)
     if not logged:
         return {}
     stats = torch.zeros(3, device=runtime.device) if stats is None else stats
     if runtime.world_size > 1:
         dist.all_reduce(stats)
+        dist.all_reduce(load, op=dist.ReduceOp.MAX)
     aux, dropped, routed = (stats / cfg.parallel.tp).tolist()  # tp ranks route the same tokens
     sequences = global_tokens / cfg.data.seq_len
-    return {"moe/aux_loss": aux / sequences / max(cfg.model.n_moe_layers, 1), "moe/dropped": dropped / max(routed, 1)}
+    return {"moe/aux_loss": aux / sequences / max(cfg.model.n_moe_layers, 1), "moe/dropped": dropped / max(routed, 1),
+            "moe/max_load": load.item()}
 
 
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:

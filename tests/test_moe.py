@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from shardwise.model import TransformerBlock, build_model
 from shardwise.model_args import ModelArgs, num_params, preset
-from shardwise.moe import GroupedExperts, end_of_step, grouped_mm_supported
+from shardwise.moe import GroupedExperts, end_of_step, grouped_mm_supported, max_load
 
 
 def _moe(seed: int = 0, **fields):
@@ -218,6 +218,24 @@ def test_expert_bias_moves_towards_the_mean_load():
     assert stats[2].item() == x.shape[0] * x.shape[1] * args.top_k  # routed pairs
     assert moe.tokens_per_expert.sum().item() == 0  # the step's statistics are cleared
 
+
+
+def test_max_load_is_the_busiest_expert_over_the_mean_of_the_worst_layer():
+    """Counted by hand from each layer's choices: two blocks over different tokens, the larger ratio reported;
+    read before end_of_step clears the counts."""
+    layers = [_moe(seed=s)[0] for s in (0, 1)]
+    args = _moe()[1]
+    ratios = []
+    for i, moe in enumerate(layers):
+        moe.train()
+        x = _tokens(2, 16, seed=10 + i) + 0.3 * i
+        moe(x)
+        load = torch.bincount(torch.tensor(_choices(moe, args, x)).flatten(), minlength=args.n_experts).float()
+        ratios.append((load.max() / load.mean()).item())
+    assert ratios[0] != pytest.approx(ratios[1])
+    assert max_load(layers).item() == pytest.approx(max(ratios))
+    end_of_step(layers, 0.0)
+    assert max_load(layers).item() == 0.0 and max_load([torch.nn.Linear(2, 2)]).item() == 0.0
 
 def test_expert_bias_evens_the_load_over_steps():
     moe, args = _moe(n_experts=4)

@@ -107,8 +107,8 @@ def _logged(out, key="loss"):
 @pytest.mark.multiprocess
 def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
     """4 steps on dp_shard 2 x ep 2, then on with 4 ranks at ep 4 (the same global batch): the same losses and
-    balancing-loss metric as 6 steps at ep 4 throughout (the expert bias, moved every step, is restored with the
-    weights; the metric is summed over ranks whichever layout routes)."""
+    balancing-loss and load metrics as 6 steps at ep 4 throughout (the expert bias, moved every step, is restored
+    with the weights; the metrics are summed over ranks whichever layout routes)."""
     split, whole = tmp_path / "split", tmp_path / "whole"
     first = _train(split, 6, "parallel.dp_shard=2", "parallel.ep=2", "train.stop_after=4", nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
     assert "resumed after step 4" in second.stdout
     reference = _train(whole, 6, "parallel.dp_shard=4", "parallel.ep=4", nproc=4)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    for key in ("loss", "moe/aux_loss"):
+    for key in ("loss", "moe/aux_loss", "moe/max_load"):
         got, want = _logged(split, key), _logged(whole, key)
         assert sorted(got) == sorted(want) == list(range(1, 7))
         assert [got[s] for s in want] == pytest.approx([want[s] for s in want], rel=1e-5)
