@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardwise.config import (
     HF_WEIGHT_FILES,
+    STOPPED_FILE,
     ConfigError,
     check_file_to_write,
     check_restarts,
@@ -85,7 +86,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
             prepare(cfg, cfg.parallel.dp)
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
-                            stopped_exit_code=args.stopped_exit_code)
+                            stopped_exit_code=args.stopped_exit_code,
+                            stopped_marker=Path(cfg.metrics.out_dir) / STOPPED_FILE)
     from shardwise.train import train  # heavy imports only once the config is known good
 
     summary = train(cfg, save_final=args.save_final)

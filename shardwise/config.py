@@ -310,6 +310,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+STOPPED_FILE = "stopped.json"
+"""In the run folder while the run's last attempt stopped before its last step (a signal, train.stop_after): its
+step. Written by the main rank at the stop, removed at each start; launchers read it (the run's outcome, not
+whether they passed on a signal) to exit with --stopped-exit-code, and `launch slurm`'s script to end the job
+FAILED or requeue it."""
+
+
 def run_record(cfg: JobConfig) -> dict[str, Any]:
     """The job as a run folder keeps it (job_config.json, which `generate --run` reads): its file and folder paths
     made absolute, so that the record means the same files from any working folder. Written relative, a run trained

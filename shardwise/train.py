@@ -34,7 +34,16 @@ from shardwise.checkpoint import (
     scan_checkpoints,
     set_aside,
 )
-from shardwise.config import ConfigError, JobConfig, LoraConfig, TrainConfig, autocast_precision, run_record, to_dict
+from shardwise.config import (
+    STOPPED_FILE,
+    ConfigError,
+    JobConfig,
+    LoraConfig,
+    TrainConfig,
+    autocast_precision,
+    run_record,
+    to_dict,
+)
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
 from shardwise.hf import import_hf
@@ -111,6 +120,8 @@ def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradS
         growth_interval=cfg.loss_scale_growth_interval,
         enabled=cfg.precision == "fp16",
     )
+
+
 
 
 def loss_sum(
@@ -474,6 +485,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
                         first_step=first_step, dp_size=runtime.dp_size)
     if runtime.is_main:
         (Path(cfg.metrics.out_dir) / "job_config.json").write_text(json.dumps(run_record(cfg), indent=2))
+        (Path(cfg.metrics.out_dir) / STOPPED_FILE).unlink(missing_ok=True)  # an earlier attempt's
     tokens_per_step = global_batch * cfg.data.seq_len
     writer.print(
         f"model {cfg.model.name}: {num_params(cfg.model) / 1e6:.2f}M params"
@@ -527,10 +539,14 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             summary["val_loss"] = evaluate(model, val, device, autocast_precision(cfg), runtime)
             writer.log(step, {"val_loss": summary["val_loss"]})
             writer.print(f"step {step}: loss {result.loss:.4f}  val_loss {summary['val_loss']:.4f}")
-        if checkpoints.after_step(step):
+        # a stop asked for during the last step is the run's end: it is not reported as a stop (a scheduler told
+        # "stopped" would run the finished job again, or count it failed)
+        if checkpoints.after_step(step) and step < cfg.train.steps:
             writer.print(f"step {step}: stopped as asked (a signal, or train.stop_after); "
                          + ("state saved" if cfg.checkpoint.enabled else "nothing saved (checkpoint.enabled = false)"))
             summary["stopped_at"] = step
+            if runtime.is_main:
+                (Path(cfg.metrics.out_dir) / STOPPED_FILE).write_text(json.dumps({"step": step}) + "\n")
             break
     checkpoints.close()
     writer.close()

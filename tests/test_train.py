@@ -541,3 +541,19 @@ def test_deterministic_runs_take_no_timed_kernel_choice(tmp_path, monkeypatch):
         torch.use_deterministic_algorithms(False)
     train(load_config(None, [*run, f"metrics.out_dir='{tmp_path / 'b'}'"]))
     assert timed
+
+
+def test_a_stop_before_the_last_step_is_marked_in_the_run_folder_and_one_at_it_is_the_runs_end(tmp_path):
+    """Launchers and `launch slurm`'s script read the run's outcome from stopped.json, not from whether they passed
+    on a signal: a Slurm job whose time-limit warning came during the last step ended FAILED (or was requeued),
+    complete."""
+    run = tmp_path / "run"
+    common = ["model.name='debug'", "data.seq_len=32", "data.max_corpus_mb=1", "train.micro_batch=2", "train.steps=3",
+              "train.val_every=0", "checkpoint.enabled=true", f"metrics.out_dir='{run}'", "metrics.progress=false",
+              "metrics.tensorboard=false"]
+    assert train(load_config(None, [*common, "train.stop_after=2"]))["stopped_at"] == 2
+    assert json.loads((run / "stopped.json").read_text()) == {"step": 2}
+    summary = train(load_config(None, common))  # resumed: runs step 3, the last
+    assert "stopped_at" not in summary and not (run / "stopped.json").exists()
+    at_end = train(load_config(None, [*common, "train.steps=4", "train.stop_after=4"]))  # a stop at the last step
+    assert "stopped_at" not in at_end and not (run / "stopped.json").exists()

@@ -82,13 +82,15 @@ def ranks_per_node(gpus_per_node: int, nproc_per_node: int) -> int:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
-                 stopped_exit_code: int = 0) -> int:
+                 stopped_exit_code: int = 0, stopped_marker: Path | None = None) -> int:
     """Re-run this command under torchrun (shardwise.torchrun) with `nproc` processes on this machine; SIGTERM and
     SIGUSR1 (Slurm's warning before the time limit) stop it cleanly.
 
     rendezvous: where the machines meet when the job spans several, each running this (else --standalone).
     stopped_exit_code: the exit code when a signal stopped the job and the ranks saved (what a scheduler that
     only reruns failed work, as a Kubernetes Job does, needs to see instead of 0).
+    stopped_marker: the run folder's STOPPED_FILE: where given, the job counts as stopped only if its ranks wrote it
+    (a signal during the last step ends a run that is complete).
     """
     cmd, env = torchrun_command(nproc, argv, max_restarts, rendezvous)
     torchrun = subprocess.Popen(cmd, env=env)
@@ -113,7 +115,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
                 take_away(torchrun.pid)
                 torchrun.wait()
             raise
-        return stopped_exit_code if code == 0 and stopped else code
+        early = stopped and (stopped_marker is None or stopped_marker.is_file())
+        return stopped_exit_code if code == 0 and early else code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import check_file_to_write, fit_world, load_config, validate_parallel
+from shardwise.config import STOPPED_FILE, check_file_to_write, fit_world, load_config, validate_parallel
 from shardwise.errors import ConfigError
 from shardwise.launch.local import ranks_per_node
 
@@ -239,18 +239,21 @@ def script(job: SlurmJob) -> str:
         "# wait returns early when a trapped signal arrives: wait again until the step has ended",
         'while true; do wait "$step"; code=$?; kill -0 "$step" 2>/dev/null || break; done',
     ]
+    # the ranks write it when they stopped before the last step: a warning during the last step ends a run that is
+    # complete, neither requeued nor failed (train.stop_after alone ends the job as before)
+    stopped = shlex.quote(str(job.out_dir / STOPPED_FILE))
     if job.requeue:
         lines += [
-            'if [ "$stopping" = 1 ] && [ "$code" = 0 ]; then',
+            f'if [ "$stopping" = 1 ] && [ "$code" = 0 ] && [ -f {stopped} ]; then',
             '    echo "shardwise: saved; requeueing job $SLURM_JOB_ID (it resumes from the newest checkpoint)"',
             '    scontrol requeue "$SLURM_JOB_ID"',
             "fi",
         ]
     else:  # exit 0 would make the job COMPLETED, and an afterok dependency (an evaluation) start on a half run
         lines += [
-            'if [ "$stopping" = 1 ] && [ "$code" = 0 ]; then',
-            '    echo "shardwise: saved before the time limit; the job ends FAILED (exit code '
-            f'{STOPPED_EXIT_CODE}), not COMPLETED: submit it again to go on from the newest checkpoint"',
+            f'if [ "$stopping" = 1 ] && [ "$code" = 0 ] && [ -f {stopped} ]; then',
+            '    echo "shardwise: the run stopped before its last step; the job ends FAILED (exit code '
+            f'{STOPPED_EXIT_CODE}), not COMPLETED: submit it again to go on from its newest checkpoint"',
             f"    code={STOPPED_EXIT_CODE}",
             "fi",
         ]
