@@ -373,7 +373,8 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
     Hugging Face config.json) built the 8B under the name 'debug', as a preset fills only what the table leaves
     out. Other `model.*` overrides go on top of the preset, in any order."""
     named = [_override_value(item) for item in overrides if item.partition("=")[0].strip() == "model.name"]
-    if named and named[-1] in PRESETS and isinstance(raw.get("model"), dict) and raw["model"].get("name") != named[-1]:
+    table = raw.get("model")
+    if named and named[-1] in PRESETS and isinstance(table, dict) and table.get("name", ModelArgs.name) != named[-1]:
         raw["model"] = {}
     for item in overrides:
         _apply_override(raw, item)

@@ -83,7 +83,7 @@ def test_a_preset_named_by_set_replaces_the_files_model_table(tmp_path):
     model.name=debug, built the 8B under the name 'debug' (and was killed for memory): the preset fills only what a
     table leaves out. A preset named on the command line replaces the file's table; other --set model.* go on top,
     whatever their order; the file's own name, set again, keeps the table."""
-    from shardwise.model_args import PRESETS
+    from shardwise.model_args import PRESETS, ModelArgs
 
     path = _write(tmp_path, "[model]\nname = 'llama3-8b'\nn_layers = 4\nvocab_size = 2048\n")
     assert load_config(path).model.n_layers == 4
@@ -94,6 +94,8 @@ def test_a_preset_named_by_set_replaces_the_files_model_table(tmp_path):
     assert (cfg.model.n_layers, cfg.model.vocab_size) == (4, 2048)
     custom = _write(tmp_path, "[model]\nname = 'mine'\ndim = 64\nn_layers = 2\nn_heads = 4\nvocab_size = 320\n")
     assert load_config(custom, ["model.name='debug'"]).model == PRESETS["debug"]
+    unnamed = _write(tmp_path, "[model]\nn_layers = 2\n")  # the default preset's name, left out
+    assert load_config(unnamed, [f"model.name='{ModelArgs.name}'"]).model.n_layers == 2
 
 
 BAD_CONFIGS = {
