@@ -139,6 +139,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     cfg = _export_config(args)
     cfg.parallel = Layout()  # one process reads any layout's checkpoint
+    cfg.train.deterministic = False  # a training setting: the export computes nothing it would change
     if args.format != "merged" and not cfg.lora.rank:
         raise ConfigError("--format", f"{args.format} needs a LoRA run's adapters, and lora.rank is 0",
                           "use --format merged (the default) for a run that trains every weight")
@@ -190,13 +191,16 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _export_config(args: argparse.Namespace):
     """The config to export with: the run's own (--run), or --config and --set, refused where they differ from the
-    run's job_config.json in what the export reads and the checkpoint does not check. Its meta.json checks the
-    adapters (rank, alpha / rank, targets, NF4) and a Hugging Face base; not the model's hyperparameters, which go
-    to config.json (rope_theta, norm_eps shape no tensor), nor train.seed, which rebuilds a LoRA run's seeded base
-    (its checkpoint holds only the adapters). An export with another --config wrote another model, without a word."""
+    run's job_config.json in what the export writes and the checkpoint does not check. Its meta.json checks the
+    adapters (rank, alpha / rank, targets, NF4) and a Hugging Face base, and its tensors the shapes; not the model
+    fields config.json gives that shape no tensor (rope_theta, norm_eps), nor train.seed, which rebuilds a LoRA
+    run's seeded base (its checkpoint holds only the adapters). An export with another --config wrote another
+    model, without a word."""
+    import dataclasses
     import json
 
     from shardwise.config import from_dict, run_record, to_dict
+    from shardwise.hf import hf_config
 
     if args.run_dir:
         if args.config or args.overrides:
@@ -213,8 +217,14 @@ def _export_config(args: argparse.Namespace):
     record = Path(cfg.metrics.out_dir) / "job_config.json"
     if not record.is_file():  # no run there: the checkpoint's own error follows
         return cfg
-    saved, mine = to_dict(from_dict(json.loads(record.read_text()))), run_record(cfg)  # both with defaults filled
-    pairs = [(f"model.{k}", saved["model"][k], mine["model"][k]) for k in mine["model"]]
+    saved_cfg = from_dict(json.loads(record.read_text()))
+    saved, mine = to_dict(saved_cfg), run_record(cfg)  # both with defaults filled
+    try:  # the model as config.json gives it: training-only fields (capacity_factor, aux_loss_coeff) do not count
+        written = hf_config(saved_cfg.model)
+        pairs = [(f"model.{k}", saved["model"][k], mine["model"][k]) for k in mine["model"]
+                 if written != hf_config(dataclasses.replace(saved_cfg.model, **{k: mine["model"][k]}))]
+    except (ValueError, TypeError):  # not a Hugging Face model (a peft export writes no config.json)
+        pairs = []
     if cfg.lora.rank and not cfg.checkpoint.init_from_hf:
         pairs.append(("train.seed", saved["train"]["seed"], mine["train"]["seed"]))
     for name, was, now in pairs:

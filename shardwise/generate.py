@@ -175,6 +175,7 @@ def load_run(run_dir: str | Path) -> Loaded:
     cfg.metrics.out_dir = str(run_dir)  # the folder may have moved since it was trained
     cfg.parallel = Layout()  # one process reads any layout's checkpoint
     cfg.train.compile = False  # every step has another length: compiling would only recompile
+    cfg.train.deterministic = False  # a training setting: sampling's CUDA cumsum has no deterministic kernel
     tokenizer = data.run_tokenizer(cfg.data, run_dir)  # the run's copy: the corpus may have changed since
     runtime = Runtime.create(cfg)
     try:

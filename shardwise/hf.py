@@ -268,7 +268,8 @@ def write_tokenizer_files(folder: str | os.PathLike, tokenizer_json: str, token_
     tokens, which `AutoTokenizer.from_pretrained` reads (without it the tokenizer has no eos_token, and trainers that
     pad or stop with it, TRL's among them, fail). A run fine-tuned from a Hugging Face folder with that folder's own
     tokenizer keeps the folder's tokenizer_config.json (its chat template, its special tokens) and
-    generation_config.json; any other run gets one written from `token_ids` (bos_token_id, eos_token_id)."""
+    generation_config.json, where it has them; any other run gets a tokenizer_config.json written from `token_ids`
+    (bos_token_id, eos_token_id: an id, or a list whose first is named, as Llama 3's config.json lists its ends)."""
     import tokenizers
 
     folder = Path(folder)
@@ -276,10 +277,11 @@ def write_tokenizer_files(folder: str | os.PathLike, tokenizer_json: str, token_
     base = Path(base) if base else None
     same = (base is not None and (base / "tokenizer.json").is_file()
             and json.loads((base / "tokenizer.json").read_text()) == json.loads(tokenizer_json))
-    if same and (base / "tokenizer_config.json").is_file():
-        for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if (base / name).is_file():
-                (folder / name).write_text((base / name).read_text())
+    kept = [name for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+            if same and (base / name).is_file()]
+    for name in kept:
+        (folder / name).write_text((base / name).read_text())
+    if "tokenizer_config.json" in kept:
         return
     tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,

@@ -147,16 +147,26 @@ def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_mesh.values())
 
 
+class _WithoutMessage(logging.Filter):
+    """Drops the records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 @contextlib.contextmanager
-def _quiet_logger(name: str):
-    """The logger `name` silenced below errors for the block."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def _without_message(logger_name: str, text: str):
+    """The logger `logger_name` drops records containing `text` for the block (its other records pass)."""
+    logger, drop = logging.getLogger(logger_name), _WithoutMessage(text)
+    logger.addFilter(drop)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(drop)
 
 
 def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
@@ -170,7 +180,7 @@ def total_grad_norm(params: list[torch.Tensor], pp_group=None) -> torch.Tensor:
         # norms partial over FSDP's and TP's dims are reduced by one all-reduce per dim, for which DTensor logs a
         # warning on every rank (flatten the dims for one collective); for a few scalars, two all-reduces cost
         # nothing worth a line, and each gives every rank the same value
-        with _quiet_logger("torch.distributed.tensor._redistribute"):
+        with _without_message("torch.distributed.tensor._redistribute", "sequential all_reduce"):
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm ** 2)

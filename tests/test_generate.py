@@ -470,3 +470,25 @@ def test_generate_from_a_tensor_parallel_run(tmp_path, capsys):
                  "--max-new-tokens", "30"]) == 0
     assert capsys.readouterr().out == written
     assert written.startswith(prompt) and len(written) > len(prompt) + 1
+
+
+def test_a_tokenizer_config_names_the_first_of_a_list_of_end_tokens(hf_folder, tmp_path):
+    """Llama 3's config.json lists its end tokens (eos_token_id: [128001, 128008, 128009]); a base with such a
+    list and no tokenizer_config.json of its own, fine-tuned with its tokenizer, gets one naming the first, and keeps
+    its generation_config.json."""
+    import tokenizers
+
+    from shardwise.hf import write_tokenizer_files
+
+    tokenizer = (hf_folder[0] / "tokenizer.json").read_text()
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_text(tokenizer)
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tokenizer_files(out, tokenizer, {"bos_token_id": 1, "eos_token_id": [2, 3]}, 256, base)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    names = tokenizers.Tokenizer.from_str(tokenizer)
+    assert (config["bos_token"], config["eos_token"]) == (names.id_to_token(1), names.id_to_token(2))
+    assert (out / "generation_config.json").read_text() == (base / "generation_config.json").read_text()

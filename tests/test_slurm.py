@@ -307,6 +307,6 @@ def test_a_slurm_job_stopped_at_the_warning_without_requeue_ends_failed_with_its
         subprocess.run(["scancel", job_id], capture_output=True)
     log = (run / f"slurm-{job_id}.out").read_text()
     assert (_job(job_id)["JobState"], _job(job_id)["ExitCode"]) == ("FAILED", "75:0"), log[-3000:]
-    assert "saved before the time limit" in log and "requeueing" not in log, log[-3000:]
+    assert "the run stopped before its last step" in log and "requeueing" not in log, log[-3000:]
     stopped = int(re.search(r"step (\d+): stopped as asked", log).group(1))
     assert 2 <= stopped < 24 and latest_checkpoint(run).name == f"step_{stopped}"

@@ -532,6 +532,10 @@ def test_deterministic_runs_take_no_timed_kernel_choice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model, "_fastest_cpu_attention", fastest)
     monkeypatch.setattr(model, "_cpu_attention_forms", {})
+    # what set_deterministic changes for the process, put back after the test
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
     run = ["model.name='debug'", "data.seq_len=256", "data.max_corpus_mb=1", "train.micro_batch=2", "train.steps=1",
            "train.val_every=0", "metrics.progress=false", "metrics.tensorboard=false"]
     try:
