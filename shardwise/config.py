@@ -30,6 +30,7 @@ from typing import Any, Literal
 from shardwise.errors import ConfigError
 from shardwise.layout import (
     Layout,
+    capacity_error,
     engine_cannot_run,
     expert_parallel_error,
     fsdp_mixed_precision,
@@ -730,6 +731,7 @@ def _validate_ep(cfg: JobConfig, world_known: bool) -> None:
     p, m = cfg.parallel, cfg.model
     _positive("parallel.ep", p.ep)
     error = expert_parallel_error(p, m.n_experts, f"model {m.name}", ranks_known=world_known)
+    error = error or capacity_error(p, m.capacity_factor if m.n_experts else 0.0)
     if error is not None:
         raise error
 

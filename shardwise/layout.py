@@ -233,6 +233,18 @@ def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
     return None
 
 
+def capacity_error(layout: Layout, capacity_factor: float) -> ConfigError | None:
+    """A mixture of experts with a capacity (GShard's: each expert keeps ceil(capacity_factor x T k / E) of a
+    forward's T tokens) under context parallelism: each cp rank counts the capacity over its own part of every
+    sequence, so it drops other (token, expert) pairs than one device does, and the run differs from it (verify:
+    4.2e-3 in the parameters at cp 2). Refused by the config and not offered by the planner."""
+    if capacity_factor > 0 and layout.cp > 1:
+        return ConfigError("parallel.cp", f"cp={layout.cp} with model.capacity_factor = {capacity_factor:g}: each "
+                           "context-parallel rank applies the capacity to its part of the sequences, so other tokens "
+                           "are dropped than on one device", "set model.capacity_factor = 0 (dropless), or cp = 1")
+    return None
+
+
 def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the model",
                           ranks_known: bool = True) -> ConfigError | None:
     """What the engine refuses of a mixture of experts in this layout, as the error naming the field (None: it

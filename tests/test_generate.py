@@ -343,8 +343,8 @@ def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_
     config["max_position_embeddings"] = 65536  # a long-context base fine-tuned at 256 tokens
     (base / "config.json").write_text(json.dumps(config))
     args = args_from_hf_config(json.loads((base / "config.json").read_text()))
-    model = [f"model.{k}={json.dumps(getattr(args, k))}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-                                                                    "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")]
+    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
+    model = [f"model.{k}={json.dumps(getattr(args, k))}" for k in fields]
     sets = [a for o in (*model, "model.name='tiny'", f"checkpoint.init_from_hf='{base}'", "checkpoint.enabled=true",
                         f"data.tokenizer='{base / 'tokenizer.json'}'", f"metrics.out_dir='{tmp_path / 'run'}'",
                         "train.steps=1", "train.micro_batch=2", "metrics.progress=false", "metrics.tensorboard=false")

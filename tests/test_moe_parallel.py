@@ -129,6 +129,8 @@ def test_checkpoint_reshards_from_ep2_to_ep4_and_resumes(tmp_path):
     (["parallel.dp_replicate=2", "parallel.ep=2"], "parallel.ep"),  # ZeRO-0: no dp_shard to draw from
     (["model.top_k=9"], "model.top_k"),
     (["model.top_k=1"], "model.route_norm"),  # a weight renormalised to 1: the router never learns from the loss
+    # each cp rank applies the capacity to its part of the sequences: other tokens dropped than on one device
+    (["model.capacity_factor=1.0", "parallel.cp=2"], "parallel.cp"),
     (["model.n_experts=0", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep"),
     (["lora.rank=8"], "lora.rank"),
     (["parallel.dp_shard=2", "parallel.ep=2", "parallel.activation_checkpoint='selective'"],

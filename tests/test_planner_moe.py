@@ -415,6 +415,19 @@ def test_expert_degrees_follow_the_engines_rules():
     assert expert_degrees(8, 16, 1, 1) == [1]
 
 
+def test_a_capacity_under_context_parallelism_is_not_offered():
+    """The engine refuses model.capacity_factor with cp > 1 (each cp rank would drop other tokens than one
+    device): the planner does not offer it, and runs the same plan dropless."""
+    from shardwise.planner.plan import Plan, engine_error
+
+    plan = Plan(dp_shard=2, cp=2, ep=2, zero_stage=2, micro_batch=1, grad_accum=8)
+    training = Training(seq_len=4096, global_batch=16)
+    capped = dataclasses.replace(preset("mixtral-8x7b"), capacity_factor=1.25)
+    assert engine_error(plan, training, capped).field == "parallel.cp"
+    assert engine_error(plan, training, dataclasses.replace(capped, capacity_factor=0.0)) is None
+    assert engine_error(dataclasses.replace(plan, cp=1, dp_shard=4), training, capped) is None
+
+
 def test_search_finds_expert_parallel_plans_for_mixtral_on_64_h100s():
     args = preset("mixtral-8x7b")
     result = search(args, Training(seq_len=4096, global_batch=1024), Cluster(H100, 64), top_k=10)

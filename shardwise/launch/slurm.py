@@ -144,7 +144,7 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
     validate_parallel(cfg, world)
     if args.warn_seconds < 1:
         raise ConfigError("--warn-seconds", f"{args.warn_seconds} leaves no time to save",
-                          "set it to 1 or more: a step and a save must fit (the default, 120, is one step of most jobs)")
+                          "set it to 1 or more: a step and a save must fit in it (the default is 120)")
     if args.warn_seconds > MAX_SIGNAL_SECONDS:
         raise ConfigError("--warn-seconds", f"{args.warn_seconds} is more than sbatch's --signal takes "
                           f"({MAX_SIGNAL_SECONDS} s)", f"set it to {MAX_SIGNAL_SECONDS} or less")

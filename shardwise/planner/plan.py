@@ -15,6 +15,7 @@ from shardwise.layout import (
     Offload,
     Recompute,
     Schedule,
+    capacity_error,
     engine_cannot_run,
     expert_parallel_error,
     pipeline_batch_error,
@@ -56,6 +57,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = pipeline_batch_error(plan, plan.grad_accum)
     if error is None and training.qlora:
         error = qlora_error(args, list(projection_shapes(args)), plan)
+    if error is None and args.n_experts:
+        error = capacity_error(plan, args.capacity_factor)
     return error
 
 
