@@ -66,6 +66,10 @@ class ModelArgs:
     """The first blocks keep the dense MLP of ffn_hidden (DeepSeek-V3: 3)."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over experts (Mixtral, Qwen3-MoE) or a sigmoid each (DeepSeek-V3)."""
+    router_dtype: Literal["auto", "fp32"] = "auto"
+    """The router's matmul: 'auto' in the compute dtype (bf16 under bf16 autocast, as torchtitan's gate), or 'fp32'
+    (Megatron-Core's --moe-router-dtype fp32), whose expert choices bf16's rounding of the logits does not move.
+    The scores, the top-k and the weights are fp32 either way."""
     route_norm: bool = True
     """Renormalise a token's top-k scores to sum to 1 before they weight the experts' outputs (refused with top_k = 1:
     every weight would be 1, and the router would get no gradient)."""

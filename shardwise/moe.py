@@ -38,17 +38,23 @@ from shardwise.model_args import ModelArgs
 
 
 class Router(nn.Module):
-    """Scores (tokens, experts) in fp32, and each token's top_k experts with their combine weights."""
+    """Scores (tokens, experts), and each token's top_k experts with their combine weights: the logits' matmul in
+    the compute dtype or in fp32 (ModelArgs.router_dtype), the scores and what follows in fp32."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(args.n_experts, args.dim))
         self.top_k, self.score_func = args.top_k, args.score_func
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
+        self.fp32 = args.router_dtype == "fp32"
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores (T, E) fp32, weights (T, k), experts (T, k)) for x of (T, dim)."""
-        logits = F.linear(x, self.weight).float()
+        if self.fp32:  # outside autocast, on fp32 copies (the weight is bf16 under FSDP2's mixed-precision policy)
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         # the balancing bias steers which experts are chosen, never how much they weigh (DeepSeek-V3 eq. 16)
         chosen = torch.topk(scores + bias, self.top_k, dim=-1, sorted=True).indices

@@ -144,6 +144,27 @@ def test_sigmoid_scores_with_bias_and_route_scale():
         torch.testing.assert_close(moe(x), _naive(moe, args, x), rtol=0, atol=1e-5)
 
 
+def test_an_fp32_router_scores_bf16_tokens_as_fp32_does():
+    """Under bf16 autocast the gate's matmul runs in bf16 (as torchtitan's), its logits rounded before the fp32
+    softmax; router_dtype = 'fp32' (Megatron-Core's --moe-router-dtype fp32) runs it in fp32: the scores are then
+    those of fp32 on the same inputs, bit for bit, and the gradient reaches the router weight in fp32."""
+    moe, _ = _moe()
+    x = _tokens(1, 64).reshape(-1, 32)
+    zero = torch.zeros(8)
+    with torch.no_grad():
+        reference = moe.router(x, zero)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = moe.router(x, zero)[0]
+        fp32_moe, _ = _moe(router_dtype="fp32")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fp32 = fp32_moe.router(x, zero)[0]
+    assert not torch.equal(auto, reference)  # bf16's rounding of the logits shows
+    assert torch.equal(fp32, reference)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_moe.router(x, zero)[0].sum().backward()
+    assert fp32_moe.router.weight.grad.dtype == torch.float32
+
+
 # ---------------------------------------------------------------------------------------------------
 # Capacity
 
