@@ -199,7 +199,7 @@ def _export_config(args: argparse.Namespace):
     import dataclasses
     import json
 
-    from shardwise.config import from_dict, run_record, to_dict
+    from shardwise.config import read_run_record, run_record, to_dict
     from shardwise.hf import hf_config
 
     if args.run_dir:
@@ -210,14 +210,12 @@ def _export_config(args: argparse.Namespace):
         if not record.is_file():
             raise ConfigError("--run", f"{args.run_dir} has no job_config.json", "pass the metrics.out_dir of a "
                               "training run, or use --config")
-        cfg = from_dict(json.loads(record.read_text()))
-        cfg.metrics.out_dir = str(args.run_dir)  # the folder may have moved since it was trained
-        return cfg
+        return read_run_record(args.run_dir)
     cfg = load_config(args.config, args.overrides)
     record = Path(cfg.metrics.out_dir) / "job_config.json"
     if not record.is_file():  # no run there: the checkpoint's own error follows
         return cfg
-    saved_cfg = from_dict(json.loads(record.read_text()))
+    saved_cfg = read_run_record(cfg.metrics.out_dir)
     saved, mine = to_dict(saved_cfg), run_record(cfg)  # both with defaults filled
     try:  # the model as config.json gives it: training-only fields (capacity_factor, aux_loss_coeff) do not count
         written = hf_config(saved_cfg.model)

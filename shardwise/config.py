@@ -275,6 +275,12 @@ def has_hf_weights(folder: str | os.PathLike) -> bool:
     return any((Path(folder) / name).is_file() for name in HF_WEIGHT_FILES)
 
 
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's JSON header (tensor entries and `__metadata__`), read without torch."""
+    with open(file, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
 def hf_weights_metadata(folder: str | os.PathLike) -> dict[str, str]:
     """The `__metadata__` of a Hugging Face folder's weights (model.safetensors, or the first file its index names),
     read from the header without torch; {} where there is none or it cannot be read."""
@@ -283,8 +289,7 @@ def hf_weights_metadata(folder: str | os.PathLike) -> dict[str, str]:
     try:
         if index.is_file():
             single = folder / next(iter(json.loads(index.read_text())["weight_map"].values()))
-        with open(single, "rb") as f:
-            return dict(json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__") or {})
+        return dict(_safetensors_header(single).get("__metadata__") or {})
     except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return {}
 
@@ -297,8 +302,7 @@ def hf_tensor_names(folder: str | os.PathLike) -> list[str]:
     try:
         if index.is_file():
             return list(json.loads(index.read_text())["weight_map"])
-        with open(single, "rb") as f:
-            return [k for k in json.loads(f.read(int.from_bytes(f.read(8), "little"))) if k != "__metadata__"]
+        return [k for k in _safetensors_header(single) if k != "__metadata__"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
@@ -316,6 +320,14 @@ STOPPED_FILE = "stopped.json"
 step. Written by the main rank at the stop, removed at each start; launchers read it (the run's outcome, not
 whether they passed on a signal) to exit with --stopped-exit-code, and `launch slurm`'s script to end the job
 FAILED or requeue it."""
+
+
+def read_run_record(run_dir: str | os.PathLike) -> JobConfig:
+    """The config a run folder recorded (job_config.json, run_record's), its out_dir that folder: the run may have
+    moved since it was trained."""
+    cfg = from_dict(json.loads((Path(run_dir) / "job_config.json").read_text()))
+    cfg.metrics.out_dir = str(run_dir)
+    return cfg
 
 
 def run_record(cfg: JobConfig) -> dict[str, Any]:

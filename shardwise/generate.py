@@ -166,13 +166,12 @@ class Loaded:
 def load_run(run_dir: str | Path) -> Loaded:
     """The newest checkpoint of a training run (any layout) in this one process, with the run's tokenizer."""
     from shardwise import data
-    from shardwise.config import from_dict
+    from shardwise.config import read_run_record
     from shardwise.layout import Layout
     from shardwise.parallel.runtime import Runtime
     from shardwise.train import model_from_checkpoint
 
-    cfg = from_dict(json.loads((Path(run_dir) / "job_config.json").read_text()))
-    cfg.metrics.out_dir = str(run_dir)  # the folder may have moved since it was trained
+    cfg = read_run_record(run_dir)
     cfg.parallel = Layout()  # one process reads any layout's checkpoint
     cfg.train.compile = False  # every step has another length: compiling would only recompile
     cfg.train.deterministic = False  # a training setting: sampling's CUDA cumsum has no deterministic kernel
