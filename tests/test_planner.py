@@ -1731,6 +1731,29 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert ("lora.rank 16" in out.err) == (extra[:1] == ["--lora-rank"])
 
 
+def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
+    """--write-config writes micro_batch x grad_accum (no train.global_batch): planned again from that file, the
+    job's batch (32 sequences here) is the batch, not the 4M-token default (2048 sequences at 2K), also on a world
+    other than the one it was written for; a job that sets no degree runs data parallel over --gpus."""
+    path = tmp_path / "plan.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "32", "--json",
+            "--write-config", str(path)]
+    assert run_plan(_ns(*argv)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for gpus in ("8", "16"):
+        assert run_plan(_ns("--model", str(path), "--gpus", gpus, "--json")) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out)["training"]["global_batch"] == 32, out.err
+        assert "= 32 sequences (--global-batch)" in out.err
+    # a flag given wins
+    assert run_plan(_ns("--model", str(path), "--gpus", "8", "--global-batch", "64", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["global_batch"] == 64
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "debug"\n\n[train]\nmicro_batch = 4\ngrad_accum = 2\n')
+    assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["global_batch"] == 4 * 2 * 2
+
+
 def test_qlora_is_priced_under_every_precision_the_planner_takes(capsys):
     """fp32, bf16 and fp16 are priced; fp8, torchao's float8 training of the linears, which nothing here runs on an
     NF4 base (or under LoRA), is refused in one line naming --precision."""

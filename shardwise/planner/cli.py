@@ -135,7 +135,7 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
     path = Path(ns.model)
     if path.suffix != ".toml" or not path.is_file():
         return ns
-    from shardwise.config import load_config
+    from shardwise.config import fit_world, load_config
 
     job, ns, taken = load_config(path), argparse.Namespace(**vars(ns)), []
     if ns.seq_len is None:
@@ -144,6 +144,15 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
     if ns.global_batch is None and ns.global_batch_tokens is None and job.train.global_batch:
         ns.global_batch = job.train.global_batch
         taken.append(f"train.global_batch {job.train.global_batch} (--global-batch)")
+    elif ns.global_batch is None and ns.global_batch_tokens is None:
+        # no train.global_batch (what --write-config writes): micro_batch x grad_accum x dp, the batch the job
+        # trains, with dp as `shardwise train --nproc` fits a job that sets no data-parallel degree (config.fit_world)
+        fitted = dataclasses.replace(job)
+        fit_world(fitted, ns.gpus)
+        t, dp = fitted.train, fitted.parallel.dp
+        ns.global_batch = t.micro_batch * t.grad_accum * dp
+        taken.append(f"train.micro_batch {t.micro_batch} x grad_accum {t.grad_accum} x dp {dp} = {ns.global_batch} "
+                     "sequences (--global-batch)")
     if not ns.lora_rank and job.lora.rank:
         ns.lora_rank, ns.qlora = job.lora.rank, ns.qlora or job.lora.qlora
         taken.append(f"lora.rank {job.lora.rank}{' with lora.qlora' if job.lora.qlora else ''} (--lora-rank"
