@@ -797,6 +797,18 @@ def test_no_layout_is_not_reported_as_no_memory(capsys):
     assert "No plan fits in memory" not in out
 
 
+def test_no_plan_the_engine_runs_is_not_reported_as_no_memory(capsys):
+    # one sequence on 256 GPUs: tp x cp reach 128 at most, so every layout needs a pipeline, and a pipeline needs
+    # a micro-batch per stage; nothing is sized, and "try more GPUs" would make it worse
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "256", "--global-batch", "1")) == 1
+    out = capsys.readouterr().out
+    assert "No plan the engine runs divides 256 GPUs and the global batch of 1 sequences" in out
+    assert "No plan fits in memory" not in out
+    # a memory problem is still one
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--gpu-memory-gib", "1")) == 1
+    assert "No plan fits in memory" in capsys.readouterr().out
+
+
 def test_write_config_leaves_no_file_the_engine_refuses(tmp_path, monkeypatch):
     from shardwise.planner.config_out import write_config
 

@@ -278,7 +278,10 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(_json(model, training, cluster, plans, expl, result.evaluated, seconds), indent=2))
     else:
-        print(_table(model, training, cluster, plans, seconds, result.evaluated, result.layouts))
+        # nothing sized for memory at all (no least memory noted, no offload left out for the host's): every layout
+        # that divides the GPUs and the batch is one the engine does not run
+        sized = bool(result.min_memory_by_knob) or result.least_host < math.inf
+        print(_table(model, training, cluster, plans, seconds, result.evaluated, result.layouts, sized))
         print()
         print(render(expl, cluster))
     return 0 if plans and plans[0].fits else 1
@@ -345,7 +348,7 @@ def system_summary(training: Training) -> str:
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
-           evaluated: int, layouts: int) -> str:
+           evaluated: int, layouts: int, sized: bool = True) -> str:
     moe = bool(model.n_experts)
     # a mixture of experts stores every expert and runs top_k of them per token (what its FLOPs and MFU count)
     size = (f" ({num_params(model) / 1e9:.2f}B parameters, {num_params(model, active=True) / 1e9:.2f}B active per "
@@ -360,6 +363,11 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
             return head + (f"\nNo layout divides {cluster.gpus} GPUs and the global batch of {training.global_batch} "
                            "sequences (dp must divide the batch; tp the heads and the GPUs of a node; pp is at most "
                            "the layers): use a GPU count or --global-batch that share divisors, or relax --plan.")
+        if not sized:  # "try more GPUs" would make it worse
+            return head + (f"\nNo plan the engine runs divides {cluster.gpus} GPUs and the global batch of "
+                           f"{training.global_batch} sequences (a pipeline needs at least as many micro-batches per "
+                           "step as stages; tp must divide the heads, the KV heads and the GPUs of a node; cp at most "
+                           "16): use fewer GPUs, a larger --global-batch, or relax --plan.")
         return head + "\nNo plan fits in memory (try more GPUs, --lora-rank, or a larger --gpu)."
     columns = MOE_COLUMNS if moe else COLUMNS
     # a knob of shardwise's engine (layout torch); another system's own policy is its summary's
