@@ -159,6 +159,13 @@ def test_plan_output_states_the_routing_it_assumes(capsys):
     assert run_plan(_ns(*flags[:-3], "dp_shard=64,zero_stage=3", "--top-k", "1")) == 0
     assert "ep 1: no routing imbalance" in capsys.readouterr().out
 
+
+def test_expert_imbalance_on_a_dense_model_is_refused(capsys):
+    """A dense model routes nothing: --expert-imbalance changed no number and was accepted without a word."""
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--expert-imbalance", "1.5")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise: error: --expert-imbalance: llama3-8b is a dense model") and "\n" not in err
+
 # ---------------------------------------------------------------------------------------------------
 # Activations: what the real MoE block saves for backward
 

@@ -83,6 +83,9 @@ def build_inputs(ns: argparse.Namespace):
         if value is not None and value < 1:
             raise PlannerError(flag, f"{value} < 1", "pass a positive number, or leave it out for the default")
     model = resolve_model(ns.model)
+    if ns.expert_imbalance and not model.n_experts:  # a dense model routes nothing: the flag would change nothing
+        raise PlannerError("--expert-imbalance", f"{model.name} is a dense model, with no experts to route",
+                           "leave --expert-imbalance out, or plan a mixture of experts (e.g. mixtral-8x7b)")
     ns = _job_defaults(ns)
     seq = ns.seq_len or min(4096, model.max_seq_len)
     if seq > model.max_seq_len:
