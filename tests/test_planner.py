@@ -809,6 +809,15 @@ def test_no_plan_the_engine_runs_is_not_reported_as_no_memory(capsys):
     assert "No plan fits in memory" in capsys.readouterr().out
 
 
+def test_max_tp_below_a_fixed_tp_is_refused(capsys):
+    """--plan tp=2 --max-tp 1 planned tp=2 and dropped --max-tp without a word."""
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--plan", "tp=2", "--max-tp", "1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise: error: --max-tp: 1 is below the tp=2 that --plan fixes") and "\n" not in err
+    assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--plan", "tp=2", "--max-tp", "2", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["plans"][0]["tp"] == 2
+
+
 def test_write_config_leaves_no_file_the_engine_refuses(tmp_path, monkeypatch):
     from shardwise.planner.config_out import write_config
 

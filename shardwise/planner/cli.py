@@ -245,6 +245,9 @@ def _run(ns: argparse.Namespace) -> int:
     check_output(ns.plot, "--plot", (".png", ".svg", ".pdf"))
     model, training, cluster = build_inputs(ns)
     fixed = parse_layout(ns.plan, "--plan") if ns.plan else {}
+    if ns.max_tp is not None and fixed.get("tp", 1) > ns.max_tp:  # one of the two would be dropped without a word
+        raise PlannerError("--max-tp", f"{ns.max_tp} is below the tp={fixed['tp']} that --plan fixes",
+                           "leave out one of the two, or make them agree")
     start = time.perf_counter()
     result = search(model, training, cluster, fixed=fixed, top_k=ns.top_k, max_tp=ns.max_tp)
     seconds = time.perf_counter() - start
