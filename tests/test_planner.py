@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ConfigError
+from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
@@ -619,6 +620,27 @@ def test_bad_bench_flags_are_one_line_before_anything_is_measured(tmp_path, caps
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"shardwise: error: {flag}: ") and "\n" not in err, err
+
+
+@pytest.mark.parametrize("base", [None, "h100"])
+def test_bench_memory_is_the_hosts_share_or_the_base_datasheets(tmp_path, monkeypatch, base):
+    """On a CPU the ranks share the host's memory (RAM / world); with --base the datasheet entry is kept, its memory
+    too (an H100 profile of 2 ranks read 40 GiB, half the card's)."""
+    from shardwise.planner import bench
+
+    rates = {"matmul_fp32": 1e11, "matmul_bf16": 1e11, "attention": 5e10, "mem_bandwidth": 1e10,
+             **{f"attention_{seq}_{hd}": 5e10 for seq, hd in bench.ATTENTION_SHAPES}}
+    coll = {op: {4: 1e-4, 2**16: 1e-3} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    monkeypatch.setattr(bench, "compute_rates", lambda *a, **k: dict(rates))
+    monkeypatch.setattr(bench, "collectives", lambda *a, **k: {**coll, "overlap": {"overlap": 0.5},
+                                                               "sync": {"sync_s": 0.0}})
+    monkeypatch.setattr(bench, "_device_memory", lambda device: 64 * GiB)
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    ns = parser.parse_args(["--out", str(tmp_path / "p.json"), "--world", "2", "--device", "cpu",
+                            *(["--base", base] if base else [])])
+    profile = bench.measure(ns)
+    assert profile["memory_bytes"] == (accelerator(base).memory_bytes if base else 32 * GiB)
 
 
 @pytest.mark.multiprocess

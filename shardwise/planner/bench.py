@@ -607,7 +607,7 @@ def measure(ns: argparse.Namespace) -> dict:
             comm_overlap=comm_overlap, **measured,
             source=f"measured by shardwise bench: one of {ns.world} ranks, {threads} threads each (peaks are "
                    "achieved rates; inter-node = this machine's links)")
-    if device == "cpu":  # the ranks share the host's memory
+    if device == "cpu" and not ns.base:  # the ranks share the host's memory (a --base keeps its datasheet's)
         acc = dataclasses.replace(acc, memory_bytes=acc.memory_bytes / ns.world)
     return {**dataclasses.asdict(acc), "measurements": measurements}
 
