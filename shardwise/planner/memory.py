@@ -1122,7 +1122,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     bwd = acts["block_backward_accumulating" if early_grads and not fsdp else "block_backward"]
     # the fused head's weight gradient was made in forward (an activation until its backward hands it over)
     head_grad = acts["head_weight_grad"]
-    fresh_grads = head_p * grad_bytes - head_grad + bwd["weight_grad"]
+    # (LoRA freezes the head: it makes no weight gradient, as it makes none of the blocks' weights)
+    fresh_grads = (0.0 if training.lora_rank else head_p * grad_bytes) - head_grad + bwd["weight_grad"]
 
     def working(bwd: dict[str, float], accumulating: bool) -> float:
         rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
