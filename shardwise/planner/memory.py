@@ -940,6 +940,27 @@ def gathered_weight_bytes(training: Training) -> float:
     return 4.0 if training.layout == "torch" or not training.mixed else 2.0
 
 
+def gathered_unit_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[float, float]:
+    """Bytes per parameter FSDP gathers for a block and for the root unit (embedding, final norm, head) of pipeline
+    rank `stage`: gathered_weight_bytes, except under LoRA, whose frozen matmul weights FSDP gathers as the engine
+    stores them (shardwise.lora: the compute dtype, QLoRA's NF4 for the adapted projections, which model_state_bytes
+    takes to be all of a block's), while the embedding, the norms and the adapters keep the layout's; a block's
+    adapters are counted per parameter of the block. Pricing every frozen weight at fp32 put a LoRA plan's FSDP
+    buffers at 1.6x the simulator's (Llama 3.2 1B, ZeRO-2 over 2 ranks under autocast)."""
+    g = gathered_weight_bytes(training)
+    if not training.lora_rank:
+        return g, g
+    frozen = min(g, 2.0 if training.mixed else 4.0)
+    block = layer_params(args, plan.tp)
+    linears = block - 2 * args.dim  # the norms are the rest
+    block_bytes = (linears * (QLORA_BITS / 8 if training.qlora else frozen) + (block - linears) * g
+                   + lora_params(args, training.lora_rank, plan.tp) * g)
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    head = args.vocab_size * args.dim / plan.tp if shape.last and not args.tie_embeddings else 0.0
+    root = shape.root
+    return block_bytes / block, ((root - head) * g + head * frozen) / root if root else g
+
+
 def unsharded_grad_bytes(training: Training) -> float:
     """Bytes per parameter of a gradient as backward makes it, before FSDP reduces it: under 'fsdp-mp' the
     gathered weight is in the compute dtype and so is its gradient (FSDP2 casts it to reduce_dtype, fp32, for
@@ -1037,6 +1058,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     keep_unsharded = accum and not training.reduces_every_micro_batch(plan.pp)
     keep_unsharded_early = accum_early and not training.reduces_every_micro_batch(plan.pp)
     fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
+    gathered_block, gathered_root = gathered_unit_bytes(args, training, plan, stage)
     stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
     if shape.moe_layers:
         # experts FSDP does not shard (expert_shard_group 1) are whole on the rank: model state, not gathered; but
@@ -1062,7 +1084,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     if fsdp:
         # (DeepSpeed's and Megatron's ZeRO-2 keep whole weights as model state: nothing is gathered)
         root_held = 0.0 if module_sync else root_p
-        held = held_early = (root_held if plan.zero_stage >= 3 else stage_p if training.fsdp2 else 0.0) * gathered
+        whole_stage = (stage_p - root_p) * gathered_block + root_p * gathered_root
+        held = held_early = (root_held * gathered_root if plan.zero_stage >= 3 else
+                             whole_stage if training.fsdp2 else 0.0)
         held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
@@ -1110,7 +1134,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
             # until the root's post-forward frees it (the fused head runs inside the root's forward; a pipeline's
             # runs in the schedule's loss, after the stage's forward has returned)
             work, cached = (0.0, acts["logits"]), acts["autocast_cache"]
-            last_gather = block_p * gathered if fsdp and plan.pp == 1 else 0.0
+            last_gather = block_p * gathered_block if fsdp and plan.pp == 1 else 0.0
         out["loss_backward"] = {"grads": early_grads, "activations": held_acts + work[1],
                                 "compute_copies": held_copies + cached, "backward_and_logits": work[0],
                                 "fsdp_buffers": held_early + last_gather}
@@ -1134,7 +1158,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # Module-sync: the running linear module and the next in forward order (timing.module_sync_zero3's one module
     # ahead; under full recompute the last module, kept from its recomputation to its backward, is the running
     # one): the largest two neighbours, the last with the next block's first
-    gathering = min(2, shape.layers) * block_p * gathered
+    gathering = min(2, shape.layers) * block_p * gathered_block
     if module_sync:
         mods = block_modules(args, plan.tp)
         gathering = max(a + b for a, b in zip(mods, mods[1:] + mods[:1])) * gathered
@@ -1219,7 +1243,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         # exists yet
         out["end_of_backward"]["grads"] = 0.0
         if plan.zero_stage >= 3:
-            out["end_of_backward"]["fsdp_buffers"] = held + (stage_p - root_p) * gathered
+            out["end_of_backward"]["fsdp_buffers"] = held + (stage_p - root_p) * gathered_block
     if lookup:  # (a micro-batch's: replicate's working copies are still there for the next)
         out["embedding_backward"] = {**out["end_of_backward"], "replica_params": base["replica_params"],
                                      "backward_and_logits": lookup}

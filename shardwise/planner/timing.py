@@ -30,6 +30,7 @@ from shardwise.planner.memory import (
     block_tensor_params,
     expert_params,
     fused_head,
+    gathered_unit_bytes,
     gathered_weight_bytes,
     kv_split,
     layer_activation_bytes,
@@ -320,6 +321,16 @@ def _max_stage_params(args: ModelArgs, training: Training, plan: Plan) -> float:
     return placement(args, plan, training.seq_len).max_params
 
 
+def _gathered_bytes(args: ModelArgs, training: Training, plan: Plan, params: float, blocks: float) -> float:
+    """Bytes FSDP gathers for `params` parameters of which `blocks` are in blocks (memory.gathered_unit_bytes:
+    LoRA's frozen weights as the engine stores them); the root unit's as the first pipeline rank holds it (with
+    the head where there is no pipeline; a pipeline's last rank holds the head in the compute dtype: fewer)."""
+    in_block, in_root = gathered_unit_bytes(args, training, plan, 0)
+    if in_block == in_root:
+        return params * in_block
+    return blocks * in_block + max(0.0, params - blocks) * in_root
+
+
 def _block_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> tuple[dict, dict | None]:
     """layer_times of a dense block and, of a mixture of experts, of an MoE block."""
     moe = layer_times(args, training, plan, acc, moe=True) if args.n_moe_layers else None
@@ -606,8 +617,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
-    # ZeRO paper's and Megatron's layouts
-    gathered = n_params * gathered_weight_bytes(training)
+    # ZeRO paper's and Megatron's layouts; LoRA's frozen weights as the engine stores them (gathered_unit_bytes)
+    gathered = _gathered_bytes(args, training, plan, n_params, where.max_blocks - experts)
     m, z, w = plan.grad_accum, plan.zero_stage, cluster.accelerator.comm_overlap
     bwd = cost.backward_input + cost.backward_weight + cost.recompute
 
@@ -811,8 +822,8 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
         reduced *= plan.grad_accum
     gathered = 0.0
     if plan.zero_stage >= 2:
-        weights = n_params * gathered_weight_bytes(training)
-        blocks = where.max_blocks * weights / n_params
+        weights = _gathered_bytes(args, training, plan, n_params, where.max_blocks)
+        blocks = where.max_blocks * gathered_unit_bytes(args, training, plan, 0)[0]
         # (in a pipeline ZeRO-2 gathers once per step, ZeRO-3 every unit once and the blocks per micro-batch: dp_comm)
         if plan.pp > 1:
             gathered = weights + (plan.grad_accum * blocks if plan.zero_stage == 3 else 0.0)
