@@ -26,7 +26,14 @@ import tempfile
 from pathlib import Path
 
 from shardwise.config import ConfigError, JobConfig, layout_settings, load_config
-from shardwise.layout import BATCH_KEYS, complete_layout, parse_layout
+from shardwise.layout import BATCH_KEYS, Layout, complete_layout, parse_layout
+
+ONE_DEVICE = layout_settings(Layout())
+"""The [parallel] table of the reference (and of the base config verify checks first): one device, whatever the
+config's own [parallel] table says. Each layout replaces that table whole (layout_overrides); a reference that kept
+it ran, under a config written by `plan --write-config`, as the planned job (refused: "the degrees ask for 16 ranks
+but this is a single process; fix: add --nproc 16", which verify lacks), or was refused for the table's
+pp_microbatches, which no run of verify uses."""
 
 
 def layout_overrides(text: str) -> list[str]:
@@ -199,7 +206,7 @@ def check_verify_arguments(args: argparse.Namespace) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     check_verify_arguments(args)
-    base = load_config(args.config, args.overrides)  # the base config first: its errors name its own fields
+    base = load_config(args.config, [*args.overrides, *ONE_DEVICE])  # first: its errors name its own fields
     if base.lora.rank and base.lora.dropout > 0:
         # each rank draws its own masks for its own micro-batches: no layout can draw one device's
         raise ConfigError("lora.dropout", f"{base.lora.dropout} > 0 draws random masks that differ between one "
@@ -224,8 +231,9 @@ def run_verify(args: argparse.Namespace) -> int:
             if split not in refs:
                 micro_batch, accum = split
                 refs[split] = out = Path(tmp) / f"ref-{micro_batch}x{accum}"
-                _train_here(args.config, [*args.overrides, "train.global_batch=0", f"train.grad_accum={accum}",
-                                          f"train.micro_batch={micro_batch}", *_quiet(out, args.steps)],
+                _train_here(args.config, [*args.overrides, *ONE_DEVICE, "train.global_batch=0",
+                                          f"train.grad_accum={accum}", f"train.micro_batch={micro_batch}",
+                                          *_quiet(out, args.steps)],
                             out / "final.safetensors")
             out = Path(tmp) / f"layout-{i}"
             overrides = [*args.overrides, *extra, *_quiet(out, args.steps)]

@@ -163,3 +163,31 @@ def test_verify_says_when_the_data_never_reads_a_tensor_parallel_ranks_embedding
     assert "rows 160-319 are never read" in note and "\n" not in note
     assert unread_embedding_rows(cfg("un café crème brûlée à la façon de là-bas. ", 2), 2)[1] == []
     assert unread_embedding_note("tp=1", cfg("the quick brown fox jumps over the lazy dog. ", 1), 2) is None
+
+
+def test_verify_runs_its_reference_on_one_device_whatever_the_configs_parallel_table(tmp_path, monkeypatch):
+    """A config with a [parallel] table (what `plan --write-config` writes) is verified as each --layout replaces
+    that table; the one-device reference replaced none of it: it was refused as the planned job in one process
+    ("the degrees ask for 8 ranks ...; fix: add --nproc 8", which verify lacks), or, before any run, for the
+    table's pp_microbatches against train.micro_batch, which no run of verify uses (trial, 2026-12-02)."""
+    import shardwise.verify
+    from shardwise.cli import main
+
+    config = tmp_path / "planned.toml"
+    config.write_text(Path(CONFIG).read_text() + "\n[parallel]\ntp = 2\npp = 2\ncp = 2\nsequence_parallel = true\n"
+                      "pp_schedule = 'zero-bubble'\npp_microbatches = 32\nzero_stage = 2\n")
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def train_here(path, overrides, final):
+        started.append(load_config(path, overrides))
+        raise Started
+
+    monkeypatch.setattr(shardwise.verify, "_train_here", train_here)
+    with pytest.raises(Started):
+        main(["verify", "--config", str(config), "--layout", "tp=2,pp=2", "--steps", "1"])
+    (reference,) = started
+    assert reference.parallel == Layout() and reference.parallel.world_size == 1
+    assert reference.train.micro_batch == 8 // 2 and reference.train.grad_accum == 2  # the layout's pipeline cut
