@@ -410,3 +410,22 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert main([*common, "--set=train.steps=3"]) == 0
     out = capsys.readouterr()
     assert "resumed after step 2" in out.out + out.err
+
+
+@pytest.mark.multiprocess
+def test_a_repeated_sigterm_to_the_command_still_saves_and_exits_0(tmp_path):
+    """`shardwise train --nproc` passed every SIGTERM it received on to the ranks: one that came after a rank had
+    saved and put its handlers back (an impatient second `kill`, a scheduler's repeated signal) killed it while it
+    shut down, and the saved run ended with exit 1 and torchrun's ChildFailedError report (trial, 2026-12-02). The
+    ranks are stopping after the first; the command passes that one on."""
+    out = tmp_path / "run"
+    with _reaped(_train(out, 10_000, *FSDP2, nproc=2, popen=True)) as proc:
+        _wait_for_a_step(out, proc, 180)
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline:  # through the save and the ranks' shutdown
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == f"step_{max(_losses(out))}"

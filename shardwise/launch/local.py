@@ -98,8 +98,13 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
     stopped = []
 
     def stop_ranks(signum, frame):
+        # the first of each signal only: the ranks are stopping after it. A repeated one (a second `kill`) reached a
+        # rank that had saved and put its handlers back, or torchrun once the ranks had exited, and the saved job
+        # ended with exit 1 and torchrun's traceback. (A SIGTERM after a SIGUSR1 still goes on: a rank that had not
+        # yet installed its handler ignored the SIGUSR1.)
+        if signum not in stopped:
+            _stop_ranks(torchrun.pid, signum)
         stopped.append(signum)
-        _stop_ranks(torchrun.pid, signum)
 
     previous = {s: signal.signal(s, stop_ranks) for s in stop}
     try:
