@@ -527,7 +527,9 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             summary["comm"] = counter.stats.as_metrics()
         if profiler is not None:
             write_profile(profiler, Path(cfg.metrics.out_dir) / "profile", runtime.env.rank, device)
-        logged = step % cfg.metrics.log_every == 0 or step == cfg.train.steps
+        # a run's last step is logged, and so is the step train.stop_after ends it at: the loss the run's "done" line
+        # reports was missing from metrics.jsonl (and from the resumed run's log) where log_every did not divide it
+        logged = step % cfg.metrics.log_every == 0 or step in (cfg.train.steps, cfg.train.stop_after)
         routing = moe_after_step(parts, cfg, runtime, tokens_per_step, logged) if cfg.model.n_experts else {}
         # the lr this step ran at, as the optimizer held it (float(): torchao's optimizers keep lr as a tensor)
         lr = float(optimizer.param_groups[0]["lr"]) if logged else None

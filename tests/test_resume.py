@@ -142,6 +142,22 @@ def test_a_stop_after_before_the_resumed_step_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
 
 
+def test_the_step_stop_after_ends_a_run_at_is_logged(tmp_path, capsys):
+    """A run stopped by train.stop_after logs its last step as a finished run does: with log_every = 10 the loss of
+    step 3, which the run's "done" line reports, was in no line of metrics.jsonl, and the run resumed after it
+    logged from step 10 on (trial, 2026-12-02)."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=train.val_every=0", "--set=metrics.tensorboard=false", "--set=metrics.progress=false",
+              "--set=metrics.log_every=10", "--set=train.steps=4"]
+    assert main([*common, "--set=train.stop_after=3"]) == 0
+    assert "loss" in capsys.readouterr().out
+    assert sorted(_losses(tmp_path)) == [3]
+    assert main(common) == 0  # resumed: its last step (4) is logged, step 3's line kept
+    assert sorted(_losses(tmp_path)) == [3, 4]
+
+
 @pytest.mark.multiprocess
 def test_nonfinite_loss_stops_with_step_named(tmp_path):
     out = tmp_path / "run"
