@@ -943,6 +943,15 @@ def _validate_tp(cfg: JobConfig) -> None:
         raise error
 
 
+def tied_pipeline_error(model: ModelArgs, layout: Layout) -> ConfigError | None:
+    """A head tied to the embedding in a pipeline: the engine puts them on different stages and does not keep the
+    two copies in step (Megatron all-reduces their gradients between the first and last stage; we do not)."""
+    if layout.pp > 1 and model.tie_embeddings:
+        return ConfigError("model.tie_embeddings", "the embedding and head sit on different pipeline stages",
+                           "set tie_embeddings = false with pp > 1")
+    return None
+
+
 def tp_error(model: ModelArgs, layout: Layout, seq_len: int) -> ConfigError | None:
     """What tensor parallelism cannot split in this model (None: it can): tp must divide the heads, the KV heads,
     the MLP's width and the vocabulary, and under sequence parallelism each cp rank's tokens. The config refuses
@@ -997,9 +1006,8 @@ def _validate_pp(cfg: JobConfig) -> None:
             "model.n_layers", f"{m.n_layers} layers cannot fill pp x stages per rank = {stages} stages",
             f"use at least {stages} layers, or fewer pipeline stages",
         )
-    if m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings", "the embedding and head sit on different pipeline stages",
-                          "set tie_embeddings = false with pp > 1")
+    if error := tied_pipeline_error(m, p):
+        raise error
     n = p.n_microbatches
     if cfg.train.micro_batch % n:
         least = 1 if p.pp_schedule == "gpipe" else p.pp  # every other schedule takes one per stage at least

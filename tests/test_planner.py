@@ -2087,3 +2087,18 @@ def test_the_next_to_last_blocks_backward_under_fsdp_matches_the_simulator():
     assert peak_moment(cfg.model, training, plan, 0) == "late_block_backward"
     assert predicted["total"] == pytest.approx(measured.peak_bytes, rel=0.03)
     assert predicted["gradients"] == pytest.approx(measured.peak["gradients"], rel=0.03)
+
+
+def test_a_tied_head_is_planned_without_a_pipeline_for_the_engine_only():
+    """shardwise's engine refuses tie_embeddings with pp > 1 (config.tied_pipeline_error); the search ranked such
+    plans first for Llama 3.2 1B (tied) on 16 small GPUs, and --write-config then refused plan 1. Megatron, which
+    keeps the two copies in step, still gets them."""
+    args = preset("llama3.2-1b")
+    assert args.tie_embeddings
+    cluster = Cluster(dataclasses.replace(accelerator("h100"), memory_bytes=8 * GiB), 16)
+    training = Training(seq_len=8192, global_batch=64)
+    ranked = search(args, training, cluster, top_k=50).ranked
+    assert ranked and all(ev.plan.pp == 1 for ev in ranked)
+    assert not search(args, training, cluster, fixed={"pp": 2}).ranked
+    megatron = dataclasses.replace(training, layout="megatron")
+    assert search(args, megatron, cluster, fixed={"pp": 2}, top_k=1).ranked

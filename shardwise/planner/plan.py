@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from shardwise.config import qlora_error, tp_error
+from shardwise.config import qlora_error, tied_pipeline_error, tp_error
 from shardwise.errors import ConfigError
 from shardwise.hardware import PlannerError
 from shardwise.layout import (
@@ -48,13 +48,16 @@ def engine_runs(plan: Plan, training, args: ModelArgs) -> bool:
 def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
     (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
-    micro-batches (a plan's grad_accum: config.layout_tables) and of QLoRA on every linear of the model
-    (config.qlora_error; the planner prices adapters on all of them)."""
+    micro-batches (a plan's grad_accum: config.layout_tables), of QLoRA on every linear of the model
+    (config.qlora_error; the planner prices adapters on all of them) and, as shardwise's system (layout 'torch'), of
+    a tied head in a pipeline (config.tied_pipeline_error)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
         error = tp_error(args, plan, training.seq_len)
     if error is None and plan.pp > 1:
         error = pipeline_batch_error(plan, plan.grad_accum)
+    if error is None and training.layout == "torch":  # shardwise's engine; Megatron keeps tied copies in step
+        error = tied_pipeline_error(args, plan)
     if error is None and training.qlora:
         error = qlora_error(args, list(projection_shapes(args)), plan)
     if error is None and args.n_experts:
