@@ -343,6 +343,9 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
     ops or collectives would copy its thread pools half-alive).
     """
     validate_model(cfg)
+    if cfg.parallel.world_size != world:  # (validate_parallel's fix, "launch N processes", is not simulate's)
+        raise ConfigError("--world", f"the config's degrees multiply to {cfg.parallel.world_size} ranks, not {world}",
+                          f"give --world {cfg.parallel.world_size}, or degrees that multiply to {world}")
     validate_parallel(cfg, world)
     _check_simulable(cfg)
     ranks = ranks if ranks is not None else ranks_to_simulate(cfg.parallel, world)

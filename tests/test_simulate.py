@@ -387,3 +387,14 @@ def test_the_gradient_norm_under_fsdp_and_tp_logs_no_warning(caplog):
     with caplog.at_level(logging.WARNING):
         simulate_rank(cfg, 4, 0)
     assert not [r for r in caplog.records if "sequential all_reduce" in r.getMessage()]
+
+
+def test_a_world_the_degrees_do_not_fill_names_world_as_the_fix(capsys):
+    """A 4-rank config simulated at --world 2 said "or launch 4 processes", which simulate does not do."""
+    from shardwise.cli import main
+
+    config = str(Path(__file__).parent / "configs" / "parity.toml")
+    assert main(["simulate", "--config", config, "--set", "parallel.tp=2", "--set", "parallel.dp_replicate=2",
+                 "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--world: the config's degrees multiply to 4 ranks, not 2; fix: give --world 4" in err, err
