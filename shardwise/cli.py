@@ -183,7 +183,8 @@ def _run_export(args: argparse.Namespace) -> int:
         if made is not None:  # a failed export leaves behind no folder that it made
             shutil.rmtree(made, ignore_errors=True)
         raise
-    print(f"exported {path} to {args.out} ({args.format})")
+    kind = args.format if cfg.lora.rank else "the whole model"  # "merged" says adapters where a run has none
+    print(f"exported {path} to {args.out} ({kind})")
     if args.format == "peft" and not cfg.checkpoint.init_from_hf:
         print("the adapters' base is the run's seeded initial model: write it with --format base")
     return 0
