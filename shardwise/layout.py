@@ -196,8 +196,13 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
     elif "dp" in fixed or world is not None:
         dp = fixed.get("dp", default_dp)
         known = given.get("dp_replicate") or given.get("dp_shard")
-        if dp % known:
+        if dp % known and "dp" in fixed:
             raise ConfigError(f"{source} dp", f"{known} does not divide dp={dp}", "give dp or its two factors")
+        if dp % known:  # dp is what the world leaves: name the key the user gave, not a dp they never wrote
+            key = "dp_replicate" if "dp_replicate" in given else "dp_shard"
+            raise ConfigError(f"{source} {key}", f"{known} does not divide the {dp} data-parallel ranks that the "
+                              f"{world} ranks leave besides tp*pp*cp = {tp * pp * cp}",
+                              f"give a {key} that divides {dp}")
         given.setdefault("dp_shard" if "dp_replicate" in given else "dp_replicate", dp // known)
     return Layout(**given)
 

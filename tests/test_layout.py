@@ -191,3 +191,13 @@ def test_verify_runs_its_reference_on_one_device_whatever_the_configs_parallel_t
     (reference,) = started
     assert reference.parallel == Layout() and reference.parallel.world_size == 1
     assert reference.train.micro_batch == 8 // 2 and reference.train.grad_accum == 2  # the layout's pipeline cut
+
+
+def test_a_dp_factor_that_does_not_divide_what_the_world_leaves_names_the_key_given():
+    """`--plan "tp=2,pp=2,cp=2,dp_shard=3"` on 16 GPUs said "--plan dp: 3 does not divide dp=2", a dp never given."""
+    with pytest.raises(ConfigError) as e:
+        complete_layout(parse_layout("tp=2,pp=2,cp=2,dp_shard=3", "--plan"), 16, "--plan")
+    assert e.value.field == "--plan dp_shard" and "the 2 data-parallel ranks" in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        complete_layout(parse_layout("dp=4,dp_replicate=3", "--plan"), 4, "--plan")
+    assert e.value.field == "--plan dp"
