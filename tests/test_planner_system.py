@@ -136,6 +136,19 @@ def test_plan_output_names_the_system(capsys):
     assert "system: torchtitan (layout zero) - layout zero, head materialised" in capsys.readouterr().out
 
 
+def test_the_keys_line_leaves_mixed_precision_to_another_system(capsys):
+    """`mixed_precision` is a knob of shardwise's engine; another system runs its own recipe (torchtitan's FSDP2
+    policy), which the keys line gave as `mixed_precision=autocast`, and `simulate --plan` would have simulated."""
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top-k", "1",
+            "--plan", "dp_shard=8,zero_stage=3"]
+    keys = {}
+    for system in ("shardwise", "torchtitan"):
+        assert run_plan(_ns(*argv, "--system", system)) == 0
+        keys[system] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("#1 as keys"))
+    assert "mixed_precision=" in keys["shardwise"] and "mixed_precision" not in keys["torchtitan"]
+    assert "dp_shard=8" in keys["torchtitan"] and "zero_stage=3" in keys["torchtitan"]
+
+
 def test_another_system_is_not_written_as_a_shardwise_config(tmp_path, capsys):
     argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top-k", "1",
             "--system", "torchtitan", "--write-config", str(tmp_path / "job.toml")]

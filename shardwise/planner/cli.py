@@ -397,6 +397,8 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
         notes.append(routing_note(model, training, best.plan))
     keys = layout_text(Layout(**{k: getattr(best.plan, k) for k in LAYOUT_KEYS}), best.plan.micro_batch,
                        best.plan.grad_accum)
+    if training.layout != "torch":  # mixed precision is the system's own recipe (its summary), not this knob's
+        keys = ",".join(k for k in keys.split(",") if not k.startswith("mixed_precision="))
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}",
                       f"#1 as keys (plan --plan, simulate --plan, verify --layout): {keys}", *notes])
 
