@@ -123,8 +123,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
         early = stopped and (stopped_marker is None or stopped_marker.is_file())
         return stopped_exit_code if code == 0 and early else code
     finally:
+        # after a stop, a repeated stop signal has nothing left to stop: the command is returning its exit code.
+        # Put back, the default handler let one kill the command itself on its way out (exit -15 after a good save)
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if stopped else handler)
 
 
 def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
