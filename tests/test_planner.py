@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -670,6 +671,8 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     m = profile["measurements"]
     assert m["matmul_flops"]["fp32"] > 0 and m["all_reduce_busbw"] > 0 and m["latency_s"] > 0
     assert 0.0 <= profile["comm_overlap"] <= 1.0 and m["threads_per_rank"] >= 1
+    # the 2 ranks share this machine's memory (test_bench_memory_is_the_hosts_share_or_the_base_datasheets: --base)
+    assert profile["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     # every host-side cost is measured on a CPU, each a difference that a wrapper or DTensor only adds to
     from shardwise.planner.bench import OVERHEADS
 
