@@ -914,9 +914,12 @@ class StopSignal:
         self._set = True  # only a flag: the step in flight finishes, then the loop saves
 
     def close(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back, unless a stop came: the process is then on its way out, and a repeated
+        stop signal (a second scancel, `kill -- -PGID` again) killed it after its save, while it closed its process
+        groups, and the saved job ended with a failed rank. They are then ignored: a Python handler left in place
+        would not do, as the interpreter puts the default back when it finalizes."""
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if self._set else handler)
 
     def requested(self, device: torch.device | str = "cpu") -> bool:
         """Whether any rank got the signal; `device` is where the process group's backend reduces (cuda: NCCL)."""

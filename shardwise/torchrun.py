@@ -77,18 +77,21 @@ def _stop_ranks_first(signum: int, frame) -> None:
     finishes its step, saves and exits 0, and the agent then exits 0 too. A SIGTERM to the whole process group
     (Slurm's scancel, a shell's kill -- -PGID) reached this agent with the ranks, and torchrun's own handler raised:
     exit 1 with its SignalException traceback, the ranks SIGKILLed 30 s later whether their save was done or not.
-    Before the ranks exist, and for SIGINT, torchrun's handler (the agent stops them and exits)."""
+    Before the ranks exist, and for SIGINT, torchrun's handler (the agent stops them and exits). A SIGTERM that
+    comes again once the stopped ranks have exited (a second scancel) is ignored: the agent is returning their 0."""
     from shardwise.launch.local import _children
 
     ranks = _children(os.getpid()) if signum == signal.SIGTERM else []
-    if not ranks:
+    if not ranks and not (signum == signal.SIGTERM and _stopped_ranks):
         _TORCHRUN_HANDLER(signum, frame)
+    _stopped_ranks.extend(ranks)
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
 
 
 _TORCHRUN_HANDLER = multiprocessing_api._terminate_process_handler
+_stopped_ranks: list[int] = []  # the ranks a SIGTERM was passed on to
 
 FAILED_GRACE_S = 5
 """How long torchrun waits for the ranks that outlive a failed one to end after its SIGTERM, before it SIGKILLs
@@ -147,6 +150,10 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
         return code
     finally:
+        if _stopped_ranks:
+            # the ranks stopped as asked and this agent is returning: a repeated SIGTERM (a second scancel) is
+            # ignored to the end, as the interpreter puts the default handler back when it finalizes
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.removeFilter(held)
         for record in held.records:
             log.handle(record)

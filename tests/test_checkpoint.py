@@ -513,14 +513,22 @@ def test_sigterm_sets_the_stop_flag():
 
     from shardwise.checkpoint import StopSignal
 
+    previous = signal.getsignal(signal.SIGTERM)
+    unused = StopSignal()
+    unused.close()
+    assert signal.getsignal(signal.SIGTERM) is previous  # no stop came: the handlers are put back
     stop = StopSignal()
     try:
         assert not stop.requested()
         os.kill(os.getpid(), signal.SIGTERM)  # the process survives: the handler only sets a flag
         assert stop.requested()
-    finally:
         stop.close()
-    assert signal.getsignal(signal.SIGTERM) is not stop._handler
+        # after a stop the process is on its way out: a repeated signal is ignored
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for s, handler in stop._previous.items():
+            signal.signal(s, handler)
 
 
 # ---------------------------------------------------------------------------------------------------
