@@ -783,6 +783,10 @@ def _validate_rope_scaling(m: ModelArgs) -> None:
                           "model.rope_high_freq_factor", "use Llama 3.1's 1.0 and 4.0")
 
 
+_SETTABLE = {"expert_hidden": "moe_ffn_hidden"}
+"""network_fields' properties, by the [model] field that sets them (an expert's inner size is moe_ffn_hidden's)."""
+
+
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
     """The folder's weights fit the [model] config: found here, before anything starts, where it was found when
     the weights were read (after checkpoint.resume = false had already moved the earlier checkpoints aside)."""
@@ -799,7 +803,7 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
         if diffs:
             raise ConfigError("checkpoint.init_from_hf", f"{folder} {problem} (folder vs [model]: "
                               + ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs) + ")",
-                              "set " + ", ".join(f"model.{f} = {json.dumps(a)}" for f, a, _ in diffs)
+                              "set " + ", ".join(f"model.{_SETTABLE.get(f, f)} = {json.dumps(a)}" for f, a, _ in diffs)
                               + " as the folder's config.json says")
 
     biases = hf_biases(raw)  # or no flag, as Qwen2's q/k/v biases: the tensors say so

@@ -154,6 +154,24 @@ def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_
     assert e.value.field == "checkpoint.init_from_hf"
 
 
+def test_an_init_from_hf_mixtral_of_another_expert_size_names_the_field_that_sets_it(tmp_path):
+    """The fix said `set model.expert_hidden = 96`, a property no config can set (the field is moe_ffn_hidden);
+    found importing a Mixtral folder into the mixtral-8x7b preset."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    mixtral = dataclasses.replace(PRESETS["debug-moe"], n_shared_experts=0, n_dense_layers=0)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(mixtral)))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    base = ["model.name='debug-moe'", "model.n_shared_experts=0", "model.n_dense_layers=0",
+            f"checkpoint.init_from_hf='{tmp_path}'"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "model.moe_ffn_hidden=64"])
+    assert "expert_hidden 96 vs 64" in e.value.problem and e.value.fix.startswith("set model.moe_ffn_hidden = 96")
+    load_config(None, [*base, "model.moe_ffn_hidden=96"])  # what the fix says is accepted
+
+
 def test_an_init_from_hf_folder_without_weights_is_refused_with_the_config(tmp_path):
     """A folder with a config.json but no safetensors (a PyTorch .bin checkpoint, a half-copied folder) passed the
     config and failed as a FileNotFoundError traceback inside the training processes."""
