@@ -216,6 +216,7 @@ def test_write_to_a_folder_names_a_manifest_file(tmp_path, capsys):
     (["--nodes", "1:"], "--nodes"),  # was read as 1 node
     (["--namespace", "Not Valid"], "--namespace"),
     (["--queue", "q q"], "--queue"),
+    (["--volume-claim", "Runs_1"], "--volume-claim"),  # a name no claim can have: accepted, the pods stayed Pending
     (["--image", "has space"], "--image"),
     (["--kind", "jobset", "--max-restarts", "-2"], "--max-restarts"),
     (["--mount", "/scratch", "--volume-claim", ""], "--mount"),  # without a claim: ignored

@@ -56,6 +56,8 @@ MAX_LABEL = 63
 DEFAULT_RESTARTS = 3
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 """An RFC 1123 label: a namespace's name."""
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""An RFC 1123 subdomain: a PersistentVolumeClaim's name (at most 253 characters)."""
 _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 """An RFC 1035 label: a Service's name, which JobSet gives the job's headless Service (a letter first)."""
 _MEMORY = re.compile(r"(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[kMGTPE])?")
@@ -105,6 +107,10 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
         if value and (not _NAME.fullmatch(value) or len(value) > 63):  # RFC 1123 labels, as Kubernetes names them
             raise ConfigError(flag, f"{value!r} is not a Kubernetes name (at most 63 lowercase letters, digits and "
                               "'-', starting and ending alphanumeric)", f"give the {flag[2:]} as kubectl lists it")
+    if args.volume_claim and (not _SUBDOMAIN.fullmatch(args.volume_claim) or len(args.volume_claim) > 253):
+        raise ConfigError("--volume-claim", f"{args.volume_claim!r} is not a PersistentVolumeClaim's name (lowercase "
+                          "letters, digits, '-' and '.', starting and ending alphanumeric): the pods would never "
+                          "start", "give the claim as `kubectl get pvc` lists it")
     if not args.image.strip() or any(c.isspace() for c in args.image):
         raise ConfigError("--image", f"{args.image!r} is not a container image reference",
                           "give e.g. registry.example.com/shardwise:1.0")
