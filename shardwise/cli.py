@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -328,6 +330,7 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
          "machines it has", add_local_arguments),
     ]:
         scheduler = schedulers.add_parser(name, help=text, description=description)
+        scheduler.set_defaults(command_parser=scheduler)
         scheduler.add_argument("--config", help="the job's TOML file; omitted: the built-in defaults")
         _add_overrides(scheduler)
         add(scheduler)
@@ -375,6 +378,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add) in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text)
+        p.set_defaults(command_parser=p)  # a nested command's own (launch slurm) replaces it
         if command in (None, name):
             add(p)
     return parser
@@ -383,10 +387,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), "")  # the first word; "" lists the commands
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args, unknown = build_parser(command if command in COMMANDS else None).parse_known_args(argv)
     from shardwise.errors import CheckpointError, TrainingError
 
     try:
+        if unknown:
+            raise _unknown_argument(args.command_parser, unknown[0])
         return args.run(args)
     except ConfigError as e:
         # a bad value is the user's to fix: one line naming the field, no traceback
@@ -404,6 +410,15 @@ def main(argv: list[str] | None = None) -> int:
         # when Python flushes stdout at exit (the Python docs' recipe, "Note on SIGPIPE")
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _unknown_argument(parser: argparse.ArgumentParser, given: str) -> ConfigError:
+    """A misspelt flag as one line naming it, the command and the nearest flag (argparse printed the top-level
+    usage, `shardwise [-h]`, and no suggestion)."""
+    flags = re.findall(r"--[a-z][\w-]*", parser.format_usage())
+    near = difflib.get_close_matches(given.split("=", 1)[0], flags, n=1)
+    fix = f"did you mean {near[0]}? " if near else ""
+    return ConfigError(given, f"not an argument of `{parser.prog}`", f"{fix}`{parser.prog} --help` lists them")
 
 
 def _error(e: Exception, exit_code: int) -> int:

@@ -234,6 +234,7 @@ def test_write_to_a_folder_names_a_manifest_file(tmp_path, capsys):
     (["--cpus-per-node", "0"], "--cpus-per-node"),
     (["--gpus-per-node", "8", "--nproc-per-node", "16"], "--nproc-per-node"),  # a rank per GPU: 8 without one
     (["--memory-per-node", "512GB"], "--memory-per-node"),
+    (["--dry-run"], "--dry-run"),  # launch slurm's flag: not one of launch k8s's, which prints without --write
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, args, field):
     out = tmp_path / "job.yaml"

@@ -125,6 +125,8 @@ def test_the_documented_commands_work_verbatim(monkeypatch, capsys):
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--sig=USR2@60"], "--sbatch"),
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--outp=/tmp/x"], "--sbatch"),
     (["--nodes", "1", "--nproc-per-node", "2", "--sbatch=--no-req"], "--sbatch"),
+    # a misspelt flag was argparse's two lines under the top-level usage (`shardwise [-h]`), with no suggestion
+    (["--nodes", "1", "--nproc-per-node", "2", "--partiton", "gpu"], "--partiton"),
 ])
 def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, field, tmp_path, capsys):
     script = tmp_path / "job.sh"
