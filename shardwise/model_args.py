@@ -240,12 +240,23 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None 
     return 4.0 * matmul_params + 6.0 * adapter_params + attention
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+"""config.json keys that make a model a mixture of experts (Mixtral's, Qwen-MoE's and OLMoE's, DeepSeek's)."""
+
+
 def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
     """ModelArgs from a Llama-family or Mixtral config.json (as a dict); ValueError if it describes another network."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if k not in cfg]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
+    experts = next(((k, cfg[k]) for k in _EXPERT_KEYS if cfg.get(k)), None)
+    if experts and cfg.get("model_type") != "mixtral":
+        # Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek: read as a Llama, the model lost its experts without a word (a
+        # Qwen1.5-MoE-A2.7B was planned as a dense 1.9B model (it has 14.3B))
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is a mixture of experts ({experts[0]} = "
+                         f"{experts[1]}) that only a Mixtral config.json maps to here (read as a Llama it would "
+                         "have no experts)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not SwiGLU's silu")
     sizes = (*required, "num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",

@@ -146,6 +146,21 @@ def test_published_mixtral_config_is_the_preset():
     assert again == args
 
 
+@pytest.mark.parametrize("config", ["Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "DeepseekV3Config"])
+def test_another_kind_of_mixture_is_refused_not_read_as_a_dense_llama(config, tmp_path, capsys):
+    """A Qwen-MoE, OLMoE or DeepSeek config.json (as transformers writes it) was read as a Llama without its
+    experts: `plan --model` sized Qwen1.5-MoE-A2.7B as a dense 1.9B model (it has 14.3B), without a word."""
+    from shardwise.cli import main
+
+    raw = getattr(transformers, config)().to_dict()
+    with pytest.raises(ValueError, match="mixture of experts"):
+        args_from_hf_config(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: --model: ") and "mixture of experts" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("override, named", [
     (dict(score_func="sigmoid"), "score_func"), (dict(route_norm=False), "route_norm"),
     (dict(route_scale=2.5), "route_scale"), (dict(n_shared_experts=1), "n_shared_experts"),
