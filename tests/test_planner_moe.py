@@ -21,7 +21,7 @@ from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.moe import GroupedExperts, Router
 from shardwise.planner import Accelerator, Cluster, Plan, PlannerError, Training, accelerator, evaluate, search
 from shardwise.planner.cli import add_plan_arguments, run_plan
-from shardwise.planner.experts import init_imbalance
+from shardwise.planner.experts import imbalance, init_imbalance
 from shardwise.planner.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
@@ -165,6 +165,28 @@ def test_expert_imbalance_on_a_dense_model_is_refused(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--expert-imbalance", "1.5")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardwise: error: --expert-imbalance: llama3-8b is a dense model") and "\n" not in err
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "qwen3-30b-a3b-like"])
+def test_a_stated_imbalance_is_capped_at_what_a_rank_can_take(model, capsys):
+    """moe/max_load (per expert, up to E / k) passed as --expert-imbalance was priced as the busiest ep rank's load
+    whatever ep: Mixtral's 4 at ep 2 made a rank compute 4 x the mean, where its 4 experts take at most every token's
+    2 copies, 2 x the mean. The bound here is counted from the real router's worst case: every token choosing
+    experts 0..k-1, which a contiguous expert split puts on as few ranks as it can."""
+    args = preset(model)
+    tokens = 64
+    chosen = torch.arange(args.top_k).repeat(tokens, 1)
+    for ep in (2, 4, 8):
+        per_rank = torch.bincount(chosen.flatten() // (args.n_experts // ep), minlength=ep).double()
+        worst = (per_rank.max() / per_rank.mean()).item()
+        stated = Training(seq_len=4096, global_batch=8, expert_imbalance=args.n_experts / args.top_k)
+        assert imbalance(args, stated, Plan(ep=ep)) == pytest.approx(worst, rel=1e-12)
+        halfway = Training(seq_len=4096, global_batch=8, expert_imbalance=1 + (worst - 1) / 2)
+        assert imbalance(args, halfway, Plan(ep=ep)) == halfway.expert_imbalance  # below the bound: as stated
+    # above n_experts / top_k no ep can reach: refused
+    assert run_plan(_ns("--model", model, "--gpus", "64", "--expert-imbalance", "99")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardwise: error: --expert-imbalance: 99 > n_experts / top_k") and "\n" not in err
+
 
 # ---------------------------------------------------------------------------------------------------
 # Activations: what the real MoE block saves for backward

@@ -86,6 +86,11 @@ def build_inputs(ns: argparse.Namespace):
     if ns.expert_imbalance and not model.n_experts:  # a dense model routes nothing: the flag would change nothing
         raise PlannerError("--expert-imbalance", f"{model.name} is a dense model, with no experts to route",
                            "leave --expert-imbalance out, or plan a mixture of experts (e.g. mixtral-8x7b)")
+    if model.n_experts and ns.expert_imbalance > model.n_experts / model.top_k:
+        raise PlannerError("--expert-imbalance", f"{ns.expert_imbalance:g} > n_experts / top_k = "
+                           f"{model.n_experts / model.top_k:g}, the load of every token's copies on the same experts",
+                           f"pass a ratio between 1 and {model.n_experts / model.top_k:g} (moe/max_load as a "
+                           "training run logs it)")
     ns = _job_defaults(ns)
     seq = ns.seq_len or min(4096, model.max_seq_len)
     if seq > model.max_seq_len:
@@ -413,7 +418,9 @@ def routing_note(model: ModelArgs, training: Training, plan: Plan) -> str:
     if plan.ep == 1:
         return f"experts of #1: {kept}, every expert on every rank (ep 1: no routing imbalance between ranks)"
     load = imbalance(model, training, plan)
-    source = ("as stated (--expert-imbalance)" if training.expert_imbalance else
+    capped = training.expert_imbalance > load
+    source = (f"--expert-imbalance {training.expert_imbalance:g}, at most {load:g} over {plan.ep} ranks" if capped
+              else "as stated (--expert-imbalance)" if training.expert_imbalance else
               "an untrained router over random tokens; a trained one's measured load goes in --expert-imbalance")
     return (f"experts of #1: {kept}; the busiest of the ep {plan.ep} ranks routes {load:.3f} x the mean "
             f"({source})")

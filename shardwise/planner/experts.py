@@ -88,6 +88,12 @@ def tokens_per_rank(training: Training, plan: Plan) -> float:
     return plan.micro_batch * training.seq_len / plan.cp
 
 
+def max_imbalance(args: ModelArgs, ep: int) -> float:
+    """The busiest ep rank's load over the mean when every token sends as many copies to it as it can take:
+    min(ep, n_experts / top_k) (every token's copies on the same experts)."""
+    return min(ep, args.n_experts / args.top_k)
+
+
 def imbalance(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Routed copies the busiest rank of the ep group computes per MoE layer and micro-batch, over the mean: the
     stated Training.expert_imbalance, or init_imbalance; 1 without expert parallelism (a rank computes all
@@ -95,7 +101,9 @@ def imbalance(args: ModelArgs, training: Training, plan: Plan) -> float:
     if plan.ep == 1 or not args.n_experts:
         return 1.0
     if training.expert_imbalance:
-        return training.expert_imbalance
+        # the stated figure is often moe/max_load, per expert (up to E / k); a rank's load cannot exceed what its
+        # E / e experts can take of each token, min(k, E / e) of its k copies: min(e, E / k) x the mean
+        return min(training.expert_imbalance, max_imbalance(args, plan.ep))
     return init_imbalance(args, tokens_per_rank(training, plan), plan.ep)
 
 
