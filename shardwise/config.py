@@ -509,6 +509,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_lora(cfg.lora)
     _validate_moe(cfg)
     validate_parallel(cfg)
+    _validate_dense_model_has_no_moe_fields(cfg.model)
     _validate_qlora(cfg)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
@@ -737,6 +738,24 @@ def _validate_moe(cfg: JobConfig) -> None:
     if cfg.lora.rank:
         raise ConfigError("lora.rank", "LoRA adapts dense linears and a mixture of experts' experts are 3-D weights "
                           "with no adapters here", "set lora.rank = 0 (full fine-tuning) for an MoE model")
+
+
+_MOE_FIELDS = ("top_k", "moe_ffn_hidden", "n_shared_experts", "n_dense_layers", "score_func", "router_dtype",
+               "route_norm", "route_scale", "capacity_factor", "aux_loss_coeff", "bias_update_rate")
+"""The [model] fields only a mixture of experts reads."""
+
+
+def _validate_dense_model_has_no_moe_fields(m: ModelArgs) -> None:
+    """A mixture's field set on a dense model (a dense preset taken for an MoE one, n_experts forgotten) changed
+    nothing and trained a dense model without a word."""
+    if m.n_experts:
+        return
+    for key in _MOE_FIELDS:
+        if getattr(m, key) != ModelArgs.__dataclass_fields__[key].default:
+            raise ConfigError(f"model.{key}", f"{getattr(m, key)!r} is a mixture of experts' field and model {m.name} "
+                              "is dense (n_experts = 0), so it would change nothing",
+                              f"set model.n_experts for a mixture of experts (or take an MoE preset such as "
+                              f"debug-moe), or remove model.{key}")
 
 
 def _validate_ep(cfg: JobConfig, world_known: bool) -> None:

@@ -172,6 +172,17 @@ def test_an_init_from_hf_mixtral_of_another_expert_size_names_the_field_that_set
     load_config(None, [*base, "model.moe_ffn_hidden=96"])  # what the fix says is accepted
 
 
+@pytest.mark.parametrize("setting", ["model.top_k=4", "model.moe_ffn_hidden=64", "model.aux_loss_coeff=0.01",
+                                     "model.capacity_factor=1.25", "model.score_func='sigmoid'",
+                                     "model.route_norm=false"])
+def test_a_mixture_of_experts_field_on_a_dense_model_is_refused(setting):
+    """Set on a dense preset (n_experts = 0) each trained a dense model without a word, whatever its value."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name='debug'", setting])
+    assert e.value.field == setting.split("=")[0] and "n_experts" in e.value.fix
+    load_config(None, ["model.name='debug'", "model.n_experts=8", setting])  # on a mixture: fine
+
+
 def test_an_init_from_hf_folder_without_weights_is_refused_with_the_config(tmp_path):
     """A folder with a config.json but no safetensors (a PyTorch .bin checkpoint, a half-copied folder) passed the
     config and failed as a FileNotFoundError traceback inside the training processes."""
