@@ -241,7 +241,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", dest="run_dir", metavar="DIR",
                    help="a training run's folder (its metrics.out_dir), with checkpoints")
     p.add_argument("--hf", dest="hf_dir", metavar="DIR",
-                   help="a Hugging Face Llama folder (config.json, safetensors, tokenizer.json)")
+                   help="a Hugging Face Llama or Mixtral folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--prompt", default="", help="text the model continues")
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (or at end-of-text)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (the most likely token each step)")
@@ -361,11 +361,11 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 # which `shardwise plan` (and `--help`) need not wait for.
 COMMANDS = {
     "train": ("train a model from a TOML config", _add_train),
-    "export": ("write the newest checkpoint of a run as a Hugging Face Llama folder", _add_export),
-    "generate": ("write text with a trained run or a Hugging Face Llama folder (KV cache, sampling)",
+    "export": ("write the newest checkpoint of a run as a Hugging Face Llama (or Mixtral) folder", _add_export),
+    "generate": ("write text with a trained run or a Hugging Face Llama or Mixtral folder (KV cache, sampling)",
                  _add_generate),
     "verify": ("prove parallel layouts train exactly like one device", _add_verify),
-    "launch": ("run the job on a cluster's scheduler (Slurm), or as several machines on this one", _add_launch),
+    "launch": ("run the job on a cluster (Slurm, Kubernetes), or as several machines on this one", _add_launch),
     "plan": ("memory and step time of parallel plans, the best one, and why", _add_plan),
     "bench": ("measure this machine's FLOP/s and collective bandwidth (a planner profile)", _add_bench),
     "simulate": ("run one real training step as ranks of a large world, on fake tensors", _add_simulate),

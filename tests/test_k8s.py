@@ -242,3 +242,12 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, args, fi
     err = capsys.readouterr().err
     assert err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_the_command_list_names_kubernetes_and_mixtral():
+    """`shardwise --help` said launch ran jobs on Slurm and export wrote a Llama folder: a newcomer looking for
+    Kubernetes manifests or a Mixtral export was told neither exists."""
+    from shardwise.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "(Slurm, Kubernetes)" in text and "Llama (or Mixtral) folder" in text
