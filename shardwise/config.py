@@ -939,7 +939,8 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
             "parallel.dp_shard", f"sharding over {p.dp_shard} ranks needs zero_stage 2 or 3 (FSDP)",
             "set parallel.zero_stage = 2 or 3, or use parallel.dp_replicate for ZeRO-0/1",
         )
-    if p.zero_stage >= 2 and p.dp_shard * p.cp == 1 and p.dp_replicate > 1:
+    # (with ep > 1 it is ep's own check that names what is wrong: ZeRO-3 is its default, and it needs dp_shard x cp)
+    if p.zero_stage >= 2 and p.dp_shard * p.cp == 1 and p.dp_replicate > 1 and p.ep == 1:
         raise ConfigError(
             "parallel.zero_stage", f"ZeRO-{p.zero_stage} shards over dp_shard, which is 1",
             "set parallel.dp_shard > 1 (HSDP keeps dp_replicate), or use zero_stage 0/1",

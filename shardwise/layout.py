@@ -45,7 +45,7 @@ class Layout:
     dp_shard x cp / ep ranks that remain."""
     zero_stage: int = -1
     """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded. Left
-    unset: 3 when dp_shard > 1 (FSDP's default), else 0."""
+    unset: 3 when dp_shard > 1 (FSDP's default) or ep > 1 (expert parallelism needs FSDP), else 0."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals hold a 1/tp slice of the sequence (Korthikanti et al. 2022)."""
     pp_schedule: Schedule = "1f1b"
@@ -76,7 +76,7 @@ class Layout:
     def __post_init__(self):
         # the defaults that depend on other fields, resolved once so that every reader sees the same layout
         if self.zero_stage == -1:
-            object.__setattr__(self, "zero_stage", 3 if self.dp_shard > 1 else 0)
+            object.__setattr__(self, "zero_stage", 3 if self.dp_shard > 1 or self.ep > 1 else 0)
         if self.virtual_stages == 0:
             interleaved = self.pp > 1 and self.pp_schedule == "interleaved-1f1b"
             object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
@@ -192,7 +192,8 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
     default_dp = world // (tp * pp * cp) if world is not None else 1
     if "dp_replicate" not in given and "dp_shard" not in given:
         dp = fixed.get("dp", default_dp)
-        given["dp_shard" if given.get("zero_stage", 0) >= 2 else "dp_replicate"] = dp
+        # ep draws from dp_shard, so a layout with ep and no zero_stage is sharded (Layout's default)
+        given["dp_shard" if given.get("zero_stage", 3 if given.get("ep", 1) > 1 else 0) >= 2 else "dp_replicate"] = dp
     elif "dp" in fixed or world is not None:
         dp = fixed.get("dp", default_dp)
         known = given.get("dp_replicate") or given.get("dp_shard")

@@ -68,6 +68,29 @@ def test_verify_plan_and_simulate_resolve_one_zero_stage(text, tmp_path):
             expected.zero_stage, expected.dp_replicate, expected.dp_shard), got
 
 
+def test_expert_parallelism_alone_shards_the_data_parallel_ranks_everywhere():
+    """`plan --plan ep=2` on 4 GPUs ran it over dp_shard 4 (ZeRO-3), while `train --nproc 4 --set parallel.ep=2`,
+    `simulate --world 4 --plan ep=2` and `verify --layout ep=2` filled dp_replicate (ZeRO-0) and refused it as
+    'zero_stage is 0': ep draws its ranks from dp_shard, so a layout with ep and no zero_stage is sharded."""
+    from shardwise.config import fit_world
+    from shardwise.planner.cli import complete_plan
+    from shardwise.planner.workload import Training
+    from shardwise.simulate import config_from_plan
+
+    moe = str(Path(CONFIG).parent / "moe.toml")
+    expected = complete_layout(parse_layout("ep=2"), world=4)
+    assert (expected.dp_shard, expected.zero_stage, expected.ep) == (4, 3, 2)
+    trained = load_config(moe, ["parallel.ep=2"])
+    fit_world(trained, 4)
+    simulated = config_from_plan("debug-moe", "ep=2", 4, seq_len=64, micro_batch=2, precision="fp32").parallel
+    planned = complete_plan(parse_layout("ep=2", "--plan"), Training(seq_len=64, global_batch=8), 4, trained.model)
+    for got in (trained.parallel, simulated, planned):
+        assert (got.dp_replicate, got.dp_shard, got.zero_stage, got.ep) == (1, 4, 3, 2), got
+    # an explicit ZeRO-0/1 is still the user's, and refused with ep
+    with pytest.raises(ConfigError, match="zero_stage is 0"):
+        load_config(moe, ["parallel.ep=2", "parallel.zero_stage=0", "parallel.dp_replicate=2"])
+
+
 def test_defaults_are_stated_once():
     assert complete_layout(parse_layout("dp=4")).zero_stage == 0  # data parallel: DDP
     assert complete_layout(parse_layout("dp_shard=4")).zero_stage == 3  # FSDP's default
