@@ -687,6 +687,13 @@ def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer
     if path is None:
         raise CheckpointError(Path(cfg.metrics.out_dir) / "checkpoints", "no complete checkpoint",
                               "train with checkpoint.enabled = true first, or point metrics.out_dir at the run")
+    base = cfg.checkpoint.init_from_hf
+    if cfg.lora.rank and base and not (Path(base) / "config.json").is_file():
+        # the checkpoint holds adapters only; a base moved or deleted since training was a FileNotFoundError
+        # traceback from inside the import (export --run, generate --run)
+        raise ConfigError("checkpoint.init_from_hf", f"{base}, the base this run's LoRA adapters were trained on, "
+                          "has no config.json (moved or deleted since?)",
+                          "put the base back in that folder (a symlink will do): the checkpoint holds only adapters")
     model = build_training_model(cfg, runtime)
     parts = model_parts(model)
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:

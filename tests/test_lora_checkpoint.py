@@ -311,6 +311,31 @@ def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
     assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / "merged")]) == 0
 
 
+def test_export_and_generate_of_a_run_whose_base_moved_name_init_from_hf(hf_base, tmp_path, capsys):
+    """A LoRA checkpoint holds only adapters: with its base folder moved or deleted since training, `export --run`
+    and `generate --run` were a FileNotFoundError traceback from inside the import."""
+    import shutil
+
+    from shardwise.cli import main
+
+    folder = tmp_path / "base"
+    shutil.copytree(hf_base[0], folder)
+    run = tmp_path / "run"
+    overrides = [*LORA, "checkpoint.enabled=true", f"metrics.out_dir='{run}'", "metrics.progress=false",
+                 "metrics.tensorboard=false", f"checkpoint.init_from_hf='{folder}'", "train.steps=1"]
+    assert train(_cfg(overrides))["first_step"] == 1
+    folder.rename(tmp_path / "moved")
+    for command in (["export", "--run", str(run), "--out", str(tmp_path / "merged")],
+                    ["generate", "--run", str(run), "--prompt", "a", "--max-new-tokens", "1"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardwise: error: checkpoint.init_from_hf: "), err
+        assert str(folder.resolve()) in err[0] and "put the base back" in err[0], err
+    assert not (tmp_path / "merged").exists()
+    (tmp_path / "moved").rename(folder)  # back where the run took it from: the export goes through
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "merged")]) == 0
+
+
 def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys):
     """A merged export over an earlier peft export left adapter_config.json beside the merged weights:
     transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word; and
