@@ -274,6 +274,12 @@ def _check_generate(args: argparse.Namespace) -> None:
     missing = [n for n in needs if not (folder / n).exists()]
     if not folder.is_dir():
         raise ConfigError(flag, f"no folder {folder}", "pass the path of an existing folder")
+    if args.hf_dir and (folder / "adapter_config.json").is_file():
+        # peft's layout (an adapter beside its base, as export --format peft then base writes it): transformers
+        # applies the adapter, and the weights read here were the base's alone, decoded without a word
+        raise ConfigError(flag, f"{folder} holds a peft adapter (adapter_config.json), which generate does not apply: "
+                          "its text would be the base model's", "generate from the run (--run DIR), or from a merged "
+                          "export of it (shardwise export --run DIR --out NEW --format merged) in another folder")
     if missing:
         fix = ("train with checkpoint.enabled = true, and pass its metrics.out_dir" if args.run_dir
                else "copy the model's tokenizer.json (and config.json) from where the weights came from")

@@ -383,6 +383,24 @@ def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, c
     assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: ") and "model.safetensors" in err[0], err
 
 
+def test_hf_folder_holding_a_peft_adapter_is_refused_in_one_line(hf_folder, tmp_path, capsys):
+    """`export --format peft` and then `--format base` into one folder is peft's layout, which transformers loads
+    with the adapter applied; `generate --hf` read the base weights alone and wrote the base model's text without a
+    word. An adapter folder alone was told to copy config.json in, after which the same happened."""
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (beside / name).write_bytes((hf_folder[0] / name).read_bytes())
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for folder in (beside, alone):
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+        assert main(["generate", "--hf", str(folder), "--prompt", "x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: "), err
+        assert "adapter_config.json" in err[0] and "--format merged" in err[0], err
+
+
 def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """A folder asking for a rotary scaling the engine does not have (YaRN; Llama 3.1's 'llama3' it has) was
     decoded with plain rotary embeddings, its logits not the model's."""
