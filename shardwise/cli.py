@@ -157,11 +157,13 @@ def _run_export(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file", "give a folder to write into (made if missing)")
     base = cfg.checkpoint.init_from_hf
-    if base and args.format != "peft" and out.resolve() == Path(base).resolve():
-        # it replaced the base's config.json and weights: the run's adapters (which need that base) were then refused
-        # by every resume, export and generate, and the base itself was gone
-        raise ConfigError("--out", f"{out} is the run's base (checkpoint.init_from_hf), whose weights this export "
-                          "would replace", "give another folder")
+    if base and out.resolve() == Path(base).resolve():
+        # merged and base replaced the base's config.json and weights: the run's adapters (which need that base) were
+        # then refused by every resume, export and generate, and the base itself was gone; peft put its adapter beside
+        # the base, which transformers then applies to every load of it and checkpoint.init_from_hf refuses
+        harm = ("whose weights this export would replace" if args.format != "peft" else "which an adapter beside it "
+                "would make load as the adapted model (and which the run's resume would then refuse)")
+        raise ConfigError("--out", f"{out} is the run's base (checkpoint.init_from_hf), {harm}", "give another folder")
     # transformers (with peft installed) loads a folder's adapter_config.json onto its model: a merged export over
     # an earlier peft one applied the adapters twice, without a word (a base beside its adapter is peft's layout)
     if args.format == "merged" and (out / "adapter_config.json").is_file():

@@ -521,6 +521,12 @@ def validate(cfg: JobConfig) -> None:
         # found when the weights were read, it was a traceback from inside the training processes
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no {' and no '.join(HF_WEIGHT_FILES)}",
                           "point it at a folder written by save_pretrained (safetensors weights) or shardwise export")
+    if hf and (Path(hf) / "adapter_config.json").is_file():
+        # peft's layout, an adapter beside its base: transformers applies it, the import read the base alone
+        raise ConfigError("checkpoint.init_from_hf", f"{hf} holds a peft adapter (adapter_config.json) that the "
+                          "import would drop: the run would start from the base alone",
+                          "point it at a merged export of that fine-tune (shardwise export --format merged) in "
+                          "another folder, or at the base alone")
     if hf:
         _validate_hf_shape(cfg.model, hf)
     if not 0 <= cfg.train.stop_after <= cfg.train.steps:

@@ -197,6 +197,25 @@ def test_an_init_from_hf_folder_without_weights_is_refused_with_the_config(tmp_p
     assert e.value.field == "checkpoint.init_from_hf" and "model.safetensors" in e.value.problem
 
 
+def test_an_init_from_hf_folder_holding_a_peft_adapter_is_refused_with_the_config(tmp_path):
+    """An adapter beside its base (peft's layout: export --format peft, then --format base into one folder) loads
+    in transformers with the adapter applied; fine-tuning from it imported the base weights alone and dropped the
+    adapter without a word (the first loss was the base's)."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["debug"])))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    base = ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path}'"]
+    load_config(None, base)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base)
+    assert e.value.field == "checkpoint.init_from_hf" and "adapter_config.json" in e.value.problem
+    assert "--format merged" in e.value.fix
+
+
 def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_path):
     """The folder's rope_theta, rms_norm_eps and rotary scaling were dropped for the [model]'s (a custom shape's
     defaults: rope_theta 10000): the imported model's logits differed from the folder's by 5% (rope_theta 500000)

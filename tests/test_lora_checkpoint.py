@@ -303,11 +303,11 @@ def test_export_refuses_to_write_over_the_runs_base(hf_base, tmp_path, capsys):
                  "metrics.tensorboard=false", f"checkpoint.init_from_hf='{folder}'", "train.steps=1"]
     assert train(_cfg(overrides))["first_step"] == 1
     sets = [a for o in (*ADAMW, *overrides) for a in ("--set", o)]
-    for fmt in ("merged", "base"):
+    for fmt in ("merged", "base", "peft"):  # peft: an adapter beside the base, which init_from_hf then refuses
         assert main(["export", "--config", CONFIG, *sets, "--out", str(folder / "."), "--format", fmt]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("shardwise: error: --out: ") and "init_from_hf" in err[0], err
-    assert (folder / "model.safetensors").read_bytes() == weights
+    assert (folder / "model.safetensors").read_bytes() == weights and not (folder / "adapter_config.json").exists()
     assert main(["export", "--config", CONFIG, *sets, "--out", str(tmp_path / "merged")]) == 0
 
 
