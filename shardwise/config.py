@@ -514,6 +514,9 @@ def validate(cfg: JobConfig) -> None:
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
     hf = cfg.checkpoint.init_from_hf
+    if hf and Path(hf).is_file():  # its config.json or a weight file, given for the folder
+        raise ConfigError("checkpoint.init_from_hf", f"{hf} is a file", f"set it to the folder that holds it "
+                          f"('{Path(hf).parent}'): a Hugging Face model folder (config.json + *.safetensors)")
     if hf and not (Path(hf) / "config.json").is_file():
         raise ConfigError("checkpoint.init_from_hf", f"{hf} has no config.json",
                           "point it at a Hugging Face model folder (config.json + *.safetensors)")
@@ -613,9 +616,11 @@ def _validate_data(d: DataConfig) -> None:
         if not Path(p).exists():
             raise ConfigError("data.paths", f"{p} does not exist", "point data.paths at existing text files or folders")
     if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).is_file():
+        inside = Path(d.tokenizer) / "tokenizer.json"  # a model folder given for its tokenizer
         raise ConfigError(
             "data.tokenizer", f"{d.tokenizer!r} is neither 'byte', 'bpe' nor a file",
-            "use 'byte', 'bpe' or the path of a tokenizer.json",
+            f"set data.tokenizer = '{inside}'" if inside.is_file()
+            else "use 'byte', 'bpe' or the path of a tokenizer.json",
         )
     if d.tokenizer == "bpe" and d.bpe_vocab_size < 260:
         raise ConfigError("data.bpe_vocab_size", f"{d.bpe_vocab_size} is too small",

@@ -216,6 +216,24 @@ def test_an_init_from_hf_folder_holding_a_peft_adapter_is_refused_with_the_confi
     assert "--format merged" in e.value.fix
 
 
+def test_a_file_given_for_the_hugging_face_folder_names_the_folder(tmp_path):
+    """checkpoint.init_from_hf = 'base/config.json' was refused as "base/config.json has no config.json", and
+    data.tokenizer = 'base' (the folder) with no hint of the tokenizer.json inside it."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["debug"])))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.name='debug'", f"checkpoint.init_from_hf='{tmp_path / 'config.json'}'"])
+    assert e.value.field == "checkpoint.init_from_hf" and "is a file" in e.value.problem
+    assert f"'{tmp_path}'" in e.value.fix
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.tokenizer='{tmp_path}'"])
+    assert e.value.field == "data.tokenizer" and e.value.fix == f"set data.tokenizer = '{tmp_path / 'tokenizer.json'}'"
+
+
 def test_an_init_from_hf_folder_with_other_rotary_or_norm_values_is_refused(tmp_path):
     """The folder's rope_theta, rms_norm_eps and rotary scaling were dropped for the [model]'s (a custom shape's
     defaults: rope_theta 10000): the imported model's logits differed from the folder's by 5% (rope_theta 500000)
