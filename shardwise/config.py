@@ -843,17 +843,19 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}'s {biases}: its projections add "
                           "biases, which the engine's Llama does not have (they would be dropped)",
                           "fine-tune a Llama whose projections have no biases")
-    refuse("holds another model shape", network_diffs(theirs, args))
-    # the weights were trained with the folder's norm epsilon, rotary base and scaling: until 2026-11-28 the
-    # [model]'s (a custom shape's defaults: rope_theta 10000) replaced them without a word, and the imported model's
-    # logits were not the folder's
     scaling = hf_rope_scaling(raw)
     if scaling:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, "
                           "which the engine's rotary embedding does not have (its logits would not be the model's)",
                           "fine-tune a model with plain rotary embeddings (rope_type 'default') or Llama 3.1's "
                           "scaling (rope_type 'llama3')")
-    refuse("was trained with other values", compute_diffs(theirs, args))
+    # the weights were trained with the folder's norm epsilon, rotary base and scaling: until 2026-11-28 the
+    # [model]'s (a custom shape's defaults: rope_theta 10000) replaced them without a word, and the imported model's
+    # logits were not the folder's. Shape and values in one line: a [model] written from the shape alone was
+    # refused twice, the second time for the rotary values
+    shape, values = network_diffs(theirs, args), compute_diffs(theirs, args)
+    refuse(" and ".join(p for p, d in (("holds another model shape", shape),
+                                       ("was trained with other values", values)) if d), shape + values)
 
 
 def fit_world(cfg: JobConfig, world_size: int) -> None:

@@ -148,6 +148,10 @@ def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_
         load_config(None, [*base, "model.n_layers=2"])
     assert e.value.field == "checkpoint.init_from_hf" and "n_layers 4 vs 2" in e.value.problem
     assert e.value.fix.startswith("set model.n_layers = 4")
+    with pytest.raises(ConfigError) as e:  # shape and rotary base in one line: it took two refusals to learn both
+        load_config(None, [*base, "model.n_layers=2", "model.rope_theta=500000.0"])
+    assert "n_layers 4 vs 2" in e.value.problem and "rope_theta 10000.0 vs 500000.0" in e.value.problem
+    assert e.value.fix.startswith("set model.n_layers = 4, model.rope_theta = 10000.0")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError) as e:
         load_config(None, base)
