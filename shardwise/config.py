@@ -510,7 +510,6 @@ def validate(cfg: JobConfig) -> None:
     _validate_moe(cfg)
     validate_parallel(cfg)
     _validate_dense_model_has_no_moe_fields(cfg.model)
-    _validate_qlora(cfg)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
     hf = cfg.checkpoint.init_from_hf
@@ -969,6 +968,9 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
     error = engine_cannot_run(p, cfg.train.precision, cfg.train.compile, cfg.optim.name)
     if error is not None:
         raise error
+    # here, not only in validate: `--nproc 3` with zero_stage 3 and no degree set shards the NF4 base over the
+    # world that fit_world fills in, and a base that does not cut into 3 was a traceback from every rank's FSDP
+    _validate_qlora(cfg)
 
 
 def _validate_tp(cfg: JobConfig) -> None:

@@ -191,6 +191,16 @@ def test_qlora_rejects_what_nf4_cannot_hold_before_anything_runs(overrides, prob
     assert e.value.field == "lora.qlora" and problem in e.value.problem
 
 
+def test_qlora_on_the_world_that_nproc_fills_in_is_refused_before_any_rank_starts(capsys):
+    """`train --nproc 3` with zero_stage 3 and no degree set shards the NF4 base over 3 ranks (fit_world), which the
+    config had checked as 1: each rank's FSDP failed on the 128-row wk with a traceback."""
+    from shardwise.cli import main
+
+    assert main(["train", "--config", CONFIG, "--nproc", "3", "--set", "parallel.zero_stage=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: lora.qlora: FSDP cuts") and "3 dim-0" in err[0], err
+
+
 def test_qlora_accepts_the_same_shape_where_the_base_is_not_sharded():
     small = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256"]
     load_config(CONFIG, [*small, "parallel.dp_replicate=2", "parallel.zero_stage=1"])
