@@ -714,12 +714,21 @@ def qlora_error(model: ModelArgs, targets: list[str], layout: Layout) -> ConfigE
             return ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
                                f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "
                                "which NF4 needs", f"drop {target} from lora.targets or change the model's shape")
-        if shards > 1 and (out % shards or out * inp % (unit * shards)):
+        if shards > 1 and not _cuts_into_nf4_shards(out, inp, shards):
+            # the degrees every target cuts into: naming this target's alone, the next target was refused next
+            fits = [n for n in range(1, min(o * i for i, o in shapes.values()) // unit + 1)
+                    if all(_cuts_into_nf4_shards(*shapes[t][::-1], n) for t in targets)]
             return ConfigError("lora.qlora", f"FSDP cuts {target}'s NF4 weight ({out} x {inp}) into {shards} dim-0 "
                                f"chunks (dp_shard x cp), which must each hold a multiple of {unit} weights",
-                               f"pick dp_shard x cp dividing {out} and {out * inp // unit}, drop {target} from "
-                               "lora.targets, or use zero_stage 0/1 (the frozen base is then not sharded)")
+                               f"use dp_shard x cp = {' or '.join(map(str, fits))} (what every adapted weight cuts "
+                               f"into), drop {target} from lora.targets, or use zero_stage 0/1 (the frozen base is "
+                               "then not sharded)")
     return None
+
+
+def _cuts_into_nf4_shards(out: int, inp: int, shards: int) -> bool:
+    """An out x inp NF4 weight cut into `shards` dim-0 chunks of whole scaler blocks each."""
+    return out % shards == 0 and out * inp % (NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE * shards) == 0
 
 
 def _validate_moe(cfg: JobConfig) -> None:

@@ -199,6 +199,9 @@ def test_qlora_on_the_world_that_nproc_fills_in_is_refused_before_any_rank_start
     assert main(["train", "--config", CONFIG, "--nproc", "3", "--set", "parallel.zero_stage=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardwise: error: lora.qlora: FSDP cuts") and "3 dim-0" in err[0], err
+    # every degree that fits all the adapted weights: wq (256 x 256, four scaler blocks) alone would allow 4, and
+    # 4 was then refused for wk (128 x 256, two)
+    assert "fix: use dp_shard x cp = 1 or 2 (what every adapted weight cuts into)" in err[0], err
 
 
 def test_qlora_accepts_the_same_shape_where_the_base_is_not_sharded():
