@@ -482,6 +482,11 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
             log.warning("checkpoint.enabled = false: this run starts from the initialisation, and the checkpoints "
                         "in %s (steps %s) stay, though they are not this run's: export and generate --run read "
                         "them", cfg.metrics.out_dir, ", ".join(steps))
+    if not cfg.checkpoint.enabled and not save_final and cfg.lora.rank and runtime.is_main:
+        # a LoRA fine-tune without checkpoints trained adapters that nothing kept: export and generate then had
+        # nothing of it to read, and the run said nothing until export refused
+        log.warning("checkpoint.enabled = false: the LoRA adapters this run trains are not saved (nothing to export "
+                    "or generate from); set checkpoint.enabled = true to keep them")
     unused = [f"lora.{k}" for k in ("alpha", "dropout", "targets")
               if getattr(cfg.lora, k) != getattr(LoraConfig(), k)] if not cfg.lora.rank else []
     if unused and runtime.is_main:  # a [lora] table without its rank was full fine-tuning, without a word

@@ -509,3 +509,15 @@ def test_lora_settings_without_a_rank_are_named_as_unused(tmp_path, caplog):
             train(_cfg([*base, f"metrics.out_dir='{tmp_path / str(len(sets))}'", *sets]))
         unused = [r.getMessage() for r in caplog.records if "lora.rank = 0" in r.getMessage()]
         assert (unused and words in unused[0]) if words else not unused, unused
+
+
+def test_a_lora_run_that_saves_nothing_says_so(tmp_path, caplog):
+    """A LoRA fine-tune with checkpoint.enabled = false (the default) trained adapters that nothing kept, without a
+    word until `export` found no checkpoint."""
+    base = [*LORA, "metrics.progress=false", "metrics.tensorboard=false", "train.steps=1", "train.val_every=0"]
+    for sets, warned in ((["checkpoint.enabled=false"], True), (["checkpoint.enabled=true"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardwise.train"):
+            train(_cfg([*base, f"metrics.out_dir='{tmp_path / str(warned)}'", *sets]))
+        lines = [r.getMessage() for r in caplog.records if "adapters this run trains are not saved" in r.getMessage()]
+        assert bool(lines) == warned, lines
