@@ -707,6 +707,13 @@ def qlora_error(model: ModelArgs, targets: list[str], layout: Layout) -> ConfigE
     # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
     shards = layout.dp_shard * layout.cp if layout.zero_stage >= 2 else 1
+    if layout.offload == "full" and shards == 1:
+        # offload runs FSDP2 over a mesh of one, whose shortcut (no all-gather) copies only the first of the parts
+        # NF4 gathers (codes, block scales, factor): the first forward failed with a ValueError from torchao
+        return ConfigError("lora.qlora", "with parallel.offload = 'full' and dp_shard x cp = 1, torch's FSDP2 shards "
+                           "over a mesh of one, whose shortcut drops all but the first part of each NF4 weight",
+                           "shard the 4-bit base over 2 ranks or more (parallel.dp_shard = 2, --nproc 2), or set "
+                           "parallel.offload = 'none' (the NF4 base is already a quarter of bf16's bytes)")
     shapes = projection_shapes(model)
     for target in targets:
         inp, out = shapes[target]

@@ -184,6 +184,10 @@ def test_qlora_model_stores_the_planned_bytes():
     # wq is 128 x 128 = one scaler block: it cannot be cut in two
     (["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256", "parallel.dp_shard=2",
       "parallel.zero_stage=3"], "FSDP cuts wq"),
+    # FSDP2 over a mesh of one (offload on one device, or per pipeline stage) gathered only NF4's first part: the
+    # first forward was a ValueError from torchao's fsdp_post_all_gather
+    (["parallel.zero_stage=2", "parallel.offload='full'"], "mesh of one"),
+    (["parallel.pp=2", "parallel.zero_stage=3", "parallel.offload='full'"], "mesh of one"),
 ])
 def test_qlora_rejects_what_nf4_cannot_hold_before_anything_runs(overrides, problem):
     with pytest.raises(ConfigError) as e:
