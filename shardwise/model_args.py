@@ -133,7 +133,8 @@ PRESETS: dict[str, ModelArgs] = {
         # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. Their
         # balancing losses are their config.json's router_aux_loss_coef (0.02 and 0.001). The
         # DeepSeek-V3-like shape (DeepSeek-AI 2024, table of hyper-parameters) has GQA attention in place of MLA.
-        _preset("debug-moe", n_experts=8, top_k=2, moe_ffn_hidden=96, n_shared_experts=1, n_dense_layers=1),
+        _preset("debug-moe", n_experts=8, top_k=2, moe_ffn_hidden=96, n_shared_experts=1, n_dense_layers=1,
+                aux_loss_coeff=0.01),  # Switch Transformer's alpha: without it the demo's bytes go to one expert
         _preset("mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                 ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2, aux_loss_coeff=0.02),
         _preset("qwen3-30b-a3b-like", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
