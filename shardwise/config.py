@@ -858,6 +858,14 @@ def _validate_hf_shape(args: ModelArgs, folder: str) -> None:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}'s {biases}: its projections add "
                           "biases, which the engine's Llama does not have (they would be dropped)",
                           "fine-tune a Llama whose projections have no biases")
+    from shardwise.hf import unread_hf_tensors
+
+    unread = unread_hf_tensors(hf_tensor_names(folder))
+    if unread:
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        raise ConfigError("checkpoint.init_from_hf", f"{folder}'s weights hold {unread[0]}{more}, which the engine's "
+                          "Llama and Mixtral have no place for (they would be dropped, as Qwen3's q_norm and k_norm)",
+                          "fine-tune a Llama, Mistral or Mixtral folder")
     scaling = hf_rope_scaling(raw)
     if scaling:
         raise ConfigError("checkpoint.init_from_hf", f"{folder}/config.json asks for {scaling!r} rotary scaling, "

@@ -105,6 +105,23 @@ def to_peft_name(name: str) -> str:
     return f"base_model.model.{to_hf_name(module + '.weight').removesuffix('.weight')}.{_PEFT_ADAPTERS[adapter]}.weight"
 
 
+_HF_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight")
+
+
+def unread_hf_tensors(names) -> list[str]:
+    """The tensors of a Hugging Face folder (by name) that no parameter of ours is read from: a model type whose
+    config.json reads as a Llama's but whose blocks hold more (Qwen3's q_norm and k_norm) lost them without a word.
+    Rotary's cached inverse frequencies, which older checkpoints hold, are not weights."""
+    ours = {*_LAYER_NAMES.values(), *(name for name, _ in _FUSED_NAMES.values())}
+
+    def read(key: str) -> bool:
+        m = _HF_LAYER.fullmatch(key)
+        return (key in _TOP_NAMES.values() or key.endswith("rotary_emb.inv_freq")
+                or (m is not None and (m.group(2) in ours or _HF_EXPERT.fullmatch(m.group(2)) is not None)))
+
+    return [key for key in names if not read(key)]
+
+
 def from_hf_name(name: str) -> str:
     for ours, theirs in _TOP_NAMES.items():
         if name == theirs:
@@ -393,6 +410,10 @@ def import_hf(parts, folder: str | os.PathLike) -> ModelArgs:
         biases = sorted(k for k in where if k.endswith(".bias"))
         if biases:  # a model type whose config has no bias flag (Qwen2's q/k/v): they were dropped without a word
             raise ValueError(f"{folder} holds biases the engine's Llama does not have ({biases[0]}, ...)")
+        unread = unread_hf_tensors(where)
+        if unread:
+            raise ValueError(f"{folder} holds tensors the engine's Llama and Mixtral have no place for ({unread[0]}, "
+                             "...): they would be dropped")
         _copy_into(parts, where, folder)
     return theirs
 

@@ -300,6 +300,17 @@ def test_an_init_from_hf_folder_whose_projections_have_biases_is_refused(tmp_pat
     assert e.value.field == "checkpoint.init_from_hf" and "q_proj.bias" in e.value.problem, e.value
     save_file({"model.norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
     load_config(None, base)
+    # Qwen3's config.json reads as a Llama's, and its q/k norms were dropped as the biases were
+    save_file({"model.norm.weight": torch.ones(4), "model.layers.0.self_attn.q_norm.weight": torch.ones(4),
+               "model.layers.0.self_attn.k_norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base)
+    assert e.value.field == "checkpoint.init_from_hf" and "_norm.weight and 1 more" in e.value.problem, e.value
+    from shardwise.hf import import_hf  # what generate --hf reads with
+    from shardwise.model import build_model
+
+    with pytest.raises(ValueError, match="k_norm.weight"):
+        import_hf([build_model(PRESETS["debug"])], tmp_path)
 
 
 def test_lora_targets_in_peft_names_or_repeated_are_refused_with_the_names_to_write():
