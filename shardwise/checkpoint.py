@@ -130,27 +130,34 @@ def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
     return Scan(sorted(complete), partial)
 
 
-EARLIER = "checkpoints.earlier"
-"""Where a run started over (checkpoint.resume = false) puts the checkpoints an earlier run left in its folder."""
+EARLIER = "earlier"
+"""Where a run started over (checkpoint.resume = false) puts what an earlier run left in its folder: a run folder
+of its own (its checkpoints and records), which `export --run` and `generate --run` read."""
 
 
-def set_aside(run_dir: str | os.PathLike) -> list[int]:
-    """Move the run folder's checkpoints to <run_dir>/checkpoints.earlier (checkpoints.earlier-2, -3, ... when an
-    earlier start-over is there: nothing is deleted), so that a run started from scratch in the folder never mixes
-    its saves with them and a later resume goes on from its own; the steps moved (collective: rank 0 moves them,
-    every rank waits)."""
+def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = ()) -> list[int]:
+    """Move the run folder's checkpoints to <run_dir>/earlier/checkpoints (earlier-2, -3, ... when an earlier
+    start-over is there: nothing is deleted), with the `records` of the run that saved them (its job_config.json,
+    metrics log, tokenizer: the new run rewrites them, and the checkpoints could no longer be exported), so that a
+    run started from scratch in the folder never mixes its saves with them and a later resume goes on from its own;
+    the steps moved (collective: rank 0 moves them, every rank waits)."""
     root = checkpoint_root(run_dir)
     scan = scan_checkpoints(run_dir)
     steps = [step for step, _ in scan.complete]
     if (steps or scan.partial) and _rank() == 0:
-        earlier = root.with_name(EARLIER)
+        earlier = Path(run_dir) / EARLIER
         n = 1
         while earlier.exists():
             n += 1
-            earlier = root.with_name(f"{EARLIER}-{n}")
-        root.rename(earlier)
+            earlier = earlier.with_name(f"{EARLIER}-{n}")
+        earlier.mkdir()
+        root.rename(earlier / root.name)
+        for name in records:
+            if (Path(run_dir) / name).exists():
+                (Path(run_dir) / name).rename(earlier / name)
         log.warning("checkpoint.resume = false: the run starts over, and the checkpoints of the earlier run in "
-                    "%s (steps %s) are moved to %s", run_dir, ", ".join(map(str, steps)) or "none complete", earlier)
+                    "%s (steps %s) are moved with its records to %s (a run folder: export --run reads it)", run_dir,
+                    ", ".join(map(str, steps)) or "none complete", earlier)
     _barrier()
     return steps
 

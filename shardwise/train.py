@@ -393,6 +393,8 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
         runtime.close()
 
 
+RUN_RECORDS = ("job_config.json", "metrics.jsonl", data.RUN_TOKENIZER, "samples", STOPPED_FILE)
+"""What a run writes of itself beside its checkpoints: moved with them when a run starts over (checkpoint.set_aside)."""
 RUN_LOCK = ".lock"
 """The file in a run folder whose lock rank 0 of the run training there holds (lock_run_folder)."""
 
@@ -659,7 +661,7 @@ class Checkpoints:
         if not self.cfg.checkpoint.resume:
             # a run started over among an earlier run's checkpoints would leave the folder holding both, and a
             # later resume would go on from the newest, whichever run saved it: the earlier ones are set aside
-            set_aside(self.cfg.metrics.out_dir)
+            set_aside(self.cfg.metrics.out_dir, RUN_RECORDS)
             return 0
         return self.checkpointer.resume(self.state)
 

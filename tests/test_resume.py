@@ -410,8 +410,9 @@ def test_a_run_resumed_at_or_past_its_last_step_says_so(tmp_path, capsys):
 
 def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, capsys):
     """checkpoint.resume = false in a folder with checkpoints (the demo's config, run twice) used to save among them:
-    a later resume went on from the earlier run's newest. They are moved to checkpoints.earlier, untouched, and
-    the folder's checkpoints are the new run's."""
+    a later resume went on from the earlier run's newest. They are moved to earlier/checkpoints, untouched, and
+    the folder's checkpoints are the new run's. The earlier run's records go with them: its job_config.json and
+    metrics were overwritten, and its checkpoints could no longer be exported (trial, 2026-12-02)."""
     from shardwise.cli import main
 
     common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
@@ -420,14 +421,17 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert main([*common, "--set=train.steps=4"]) == 0
     before = {p.relative_to(tmp_path / "checkpoints"): p.stat().st_mtime_ns
               for p in (tmp_path / "checkpoints").rglob("*")}
+    records = {name: (tmp_path / name).read_bytes() for name in ("job_config.json", "metrics.jsonl")}
     assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 0
-    assert {p.relative_to(tmp_path / "checkpoints.earlier"): p.stat().st_mtime_ns
-            for p in (tmp_path / "checkpoints.earlier").rglob("*")} == before
+    assert {p.relative_to(tmp_path / "earlier" / "checkpoints"): p.stat().st_mtime_ns
+            for p in (tmp_path / "earlier" / "checkpoints").rglob("*")} == before
+    assert all((tmp_path / "earlier" / name).read_bytes() == kept for name, kept in records.items())
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    assert main(["export", "--run", str(tmp_path / "earlier"), "--out", str(tmp_path / "hf")]) == 0
     # a second start-over keeps the first one's set-aside checkpoints (it deleted them)
     assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 0
-    assert sorted(p.name for p in (tmp_path / "checkpoints.earlier-2").iterdir()) == ["step_2"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints.earlier").iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "earlier-2" / "checkpoints").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (tmp_path / "earlier" / "checkpoints").iterdir()) == ["step_2", "step_4"]
     capsys.readouterr()
     assert main([*common, "--set=train.steps=3"]) == 0
     out = capsys.readouterr()
