@@ -731,10 +731,11 @@ def export_hf_from_checkpoint(cfg: JobConfig, out: str, fmt: str = "merged") -> 
             if base is not None and base.is_file():  # fine-tuned: the base model's own framing
                 theirs = json.loads(base.read_text())
                 ids = {k: v for k, v in theirs.items() if k in ("bos_token_id", "eos_token_id")}
-                # and its context: a [model] written without max_seq_len (2048 by default) fine-tunes the base at any
-                # length, and the exported config.json told transformers the model's context was that
+                # and its context, or the longer sequences it was fine-tuned on: a [model] written without max_seq_len
+                # (2048 by default) fine-tunes the base at any length, and the exported config.json told
+                # transformers the model's context was that
                 if isinstance(theirs.get("max_position_embeddings"), int):
-                    ids["max_position_embeddings"] = max(theirs["max_position_embeddings"], cfg.model.max_seq_len)
+                    ids["max_position_embeddings"] = max(theirs["max_position_embeddings"], cfg.data.seq_len)
             else:
                 # trained here: documents are packed between end-of-text tokens, so a text starts after one and
                 # ends with one, the framing `shardwise generate --run` uses

@@ -325,10 +325,12 @@ def test_generate_and_export_read_the_tokenizer_the_run_trained_with(tmp_path):
     assert load_run(tmp_path / "run").tokenizer.encode(probe) == ids
 
 
-def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_folder, tmp_path):
+@pytest.mark.parametrize("context", [65536, 128])
+def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_folder, tmp_path, context):
     """A model fine-tuned with its base's own tokenizer keeps the base's tokenizer_config.json (its chat template,
     its special tokens), generation_config.json and context length; the export had neither file, and its config.json
-    gave model.max_seq_len (2048 unless set) as the context of a 64K base."""
+    gave model.max_seq_len (2048 unless set) as the context of a 64K base, and then of a 128-token one fine-tuned at
+    64 (the [model] written without max_seq_len)."""
     import shutil
 
     from shardwise.model_args import args_from_hf_config
@@ -340,7 +342,7 @@ def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_
     (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6}))
     config = json.loads((base / "config.json").read_text())
-    config["max_position_embeddings"] = 65536  # a long-context base fine-tuned at 256 tokens
+    config["max_position_embeddings"] = context  # fine-tuned at 64 tokens (CONFIG's data.seq_len)
     (base / "config.json").write_text(json.dumps(config))
     args = args_from_hf_config(json.loads((base / "config.json").read_text()))
     fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
@@ -353,7 +355,7 @@ def test_a_run_fine_tuned_from_a_folder_exports_the_folders_tokenizer_config(hf_
     assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     for name in ("tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "hf" / name).read_text() == (base / name).read_text()
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 65536
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == context
 
 
 def test_a_resume_whose_tokenizer_gives_other_ids_is_refused(tmp_path):
