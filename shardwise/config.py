@@ -930,7 +930,8 @@ def fit_nodes(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:
         except ConfigError as e:
             if low == high:
                 raise
-            raise ConfigError(e.field, f"on {n} machines ({world} ranks): {e.problem}", e.fix) from None
+            on = f"{n} machine{'s' * (n > 1)} ({world} rank{'s' * (world > 1)})"
+            raise ConfigError(e.field, f"on {on}: {e.problem}", e.fix) from None
 
 
 def _elastic_batch(cfg: JobConfig, nproc: int, nodes: tuple[int, int]) -> None:

@@ -171,6 +171,11 @@ def mlp_params(args: ModelArgs, layer: int, *, active: bool = False) -> int:
     return d * args.n_experts + (experts + args.n_shared_experts) * 3 * d * args.expert_hidden
 
 
+def count_text(n: float) -> str:
+    """A parameter count as people write it: 8.03B, 0.92M (a tiny model's was printed as 0.00B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def num_params(args: ModelArgs, *, embedding: bool = True, active: bool = False) -> int:
     """Parameter count; embedding=False leaves out the input embedding table (it does no matmul); active=True
     counts, of a mixture of experts, the parameters one token uses (its top_k experts, not all of them)."""

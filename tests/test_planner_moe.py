@@ -138,6 +138,11 @@ def test_plan_output_shows_total_and_active_parameters(capsys):
     rc = run_plan(_ns("--model", "mixtral-8x7b", "--gpus", "64", "--top-k", "1", "--json"))
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"] == {"total": total, "active": active}
+    # a small mixture's counts in millions: they were printed as "0.00B parameters, 0.00B active"
+    tiny = preset("debug-moe")
+    assert run_plan(_ns("--model", "debug-moe", "--gpus", "2", "--top-k", "1", "--seq-len", "256")) == 0
+    assert (f"({num_params(tiny) / 1e6:.2f}M parameters, {num_params(tiny, active=True) / 1e6:.2f}M active per token"
+            in capsys.readouterr().out)
     assert "ep" in report["plans"][0] and "ep_comm" in report["plans"][0]["time_s"]
 
 

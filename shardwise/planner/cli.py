@@ -17,7 +17,7 @@ from pathlib import Path
 from shardwise.config import ConfigError, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
-from shardwise.model_args import ModelArgs, num_params, projection_shapes
+from shardwise.model_args import ModelArgs, count_text, num_params, projection_shapes
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -362,7 +362,7 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
            evaluated: int, layouts: int, sized: bool = True) -> str:
     moe = bool(model.n_experts)
     # a mixture of experts stores every expert and runs top_k of them per token (what its FLOPs and MFU count)
-    size = (f" ({num_params(model) / 1e9:.2f}B parameters, {num_params(model, active=True) / 1e9:.2f}B active per "
+    size = (f" ({count_text(num_params(model))} parameters, {count_text(num_params(model, active=True))} active per "
             f"token: top {model.top_k} of {model.n_experts} experts)" if moe else "")
     head = (f"{model.name}{size} on {cluster.gpus} x {cluster.accelerator.name} "
             f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "

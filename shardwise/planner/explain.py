@@ -17,7 +17,7 @@ import dataclasses
 import math
 
 from shardwise.hardware import Cluster, GiB
-from shardwise.model_args import ModelArgs, num_params
+from shardwise.model_args import ModelArgs, count_text, num_params
 from shardwise.planner.memory import layer_params, lora_params, model_state_bytes
 from shardwise.planner.search import Evaluation, SearchResult, budget, mixed_precisions, search
 from shardwise.planner.workload import Training
@@ -46,7 +46,7 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
         out["failure"] = "model too big"
         # both figures: the model state itself (16 bytes x 8.03B = 119.7 GiB) and with the fixed overhead
         out["reason"] = (f"model state alone is {states / GiB - training.fixed_overhead_gib:.1f} GiB "
-                         f"({n / 1e9:.2f}B parameters), {states / GiB:.1f} with the "
+                         f"({count_text(n)} parameters), {states / GiB:.1f} with the "
                          f"{training.fixed_overhead_gib:g} GiB fixed overhead, against {limit / GiB:.1f} GiB")
         return out
     fixed = {"offload": "none"}
