@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import math
 import os
@@ -424,8 +425,18 @@ def _unknown_argument(parser: argparse.ArgumentParser, given: str) -> ConfigErro
     """A misspelt flag as one line naming it, the command and the nearest flag (argparse printed the top-level
     usage, `shardwise [-h]`, and no suggestion)."""
     flags = re.findall(r"--[a-z][\w-]*", parser.format_usage())
-    near = difflib.get_close_matches(given.split("=", 1)[0], flags, n=1)
+    name = given.split("=", 1)[0]
+    near = difflib.get_close_matches(name, flags, n=1)
     fix = f"did you mean {near[0]}? " if near else ""
+    if "--set" in flags:  # a config field written as a flag (`train --stpes 5` was told "did you mean --set?")
+        from shardwise.config import JobConfig
+
+        fields = {f"{table}.{f.name}": f.name for table, value in vars(JobConfig()).items()
+                  for f in dataclasses.fields(value)}
+        field = difflib.get_close_matches(name.lstrip("-").replace("-", "_"), fields.values(), n=1, cutoff=0.75)
+        if field:
+            key = next(k for k, v in fields.items() if v == field[0])
+            fix = f"did you mean --set {key}=...? "
     return ConfigError(given, f"not an argument of `{parser.prog}`", f"{fix}`{parser.prog} --help` lists them")
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +97,17 @@ def test_a_preset_named_by_set_replaces_the_files_model_table(tmp_path):
     assert load_config(custom, ["model.name='debug'"]).model == PRESETS["debug"]
     unnamed = _write(tmp_path, "[model]\nn_layers = 2\n")  # the default preset's name, left out
     assert load_config(unnamed, [f"model.name='{ModelArgs.name}'"]).model.n_layers == 2
+
+
+@pytest.mark.parametrize("flag, fix", [("--stpes", "--set train.steps="), ("--lr", "--set optim.lr="),
+                                       ("--micro-batch", "--set train.micro_batch="), ("--nprc", "--nproc?")])
+def test_a_config_field_written_as_a_flag_is_told_its_set(flag, fix, capsys):
+    """`train --stpes 5` was told "did you mean --set?"; a field's name, written as a flag, is now named whole."""
+    from shardwise.cli import main
+
+    assert main(["train", "--config", str(Path(__file__).parents[1] / "configs" / "demo.toml"), flag, "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise: error: {flag}: not an argument") and fix in err and "\n" not in err, err
 
 
 BAD_CONFIGS = {
