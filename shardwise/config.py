@@ -688,17 +688,19 @@ def _validate_lora(lora: LoraConfig) -> None:
         raise ConfigError("lora.targets", f"{', '.join(repeated)} listed more than once", "name each projection once")
 
 
-def _validate_qlora(cfg: JobConfig) -> None:
+def _validate_qlora(cfg: JobConfig, world_known: bool) -> None:
     if cfg.lora.qlora:
-        error = qlora_error(cfg.model, cfg.lora.targets, cfg.parallel)
+        error = qlora_error(cfg.model, cfg.lora.targets, cfg.parallel, ranks_known=world_known)
         if error is not None:
             raise error
 
 
-def qlora_error(model: ModelArgs, targets: list[str], layout: Layout) -> ConfigError | None:
+def qlora_error(model: ModelArgs, targets: list[str], layout: Layout, ranks_known: bool = True) -> ConfigError | None:
     """What QLoRA of `targets` cannot run in this layout (None: it can): the NF4 base must be quantisable whole
     and, under FSDP, split into whole blocks of scalers per rank. The config refuses these jobs and the planner's
-    search leaves these plans out."""
+    search leaves these plans out.
+    `ranks_known` False: a job that sets no data-parallel degree gets dp_shard from its world later (fit_world),
+    so whether FSDP shards over a mesh of one is checked then."""
     if layout.tp > 1:
         return ConfigError("lora.qlora", f"tensor parallelism (tp={layout.tp}) would split NF4 weights along dim 1 "
                            "(row-wise wo/w2), and torchao's NF4 splits only along dim 0",
@@ -707,7 +709,8 @@ def qlora_error(model: ModelArgs, targets: list[str], layout: Layout) -> ConfigE
     # scalers: a weight must hold whole scaler blocks, and each FSDP shard (dim-0 chunk) whole ones too
     unit = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
     shards = layout.dp_shard * layout.cp if layout.zero_stage >= 2 else 1
-    if layout.offload == "full" and shards == 1:
+    # (a job that sets no dp degree: `--nproc 2` gives it dp_shard 2, which fit_world fills in and checks again)
+    if layout.offload == "full" and shards == 1 and (ranks_known or layout.dp > 1):
         # offload runs FSDP2 over a mesh of one, whose shortcut (no all-gather) copies only the first of the parts
         # NF4 gathers (codes, block scales, factor): the first forward failed with a ValueError from torchao
         return ConfigError("lora.qlora", "with parallel.offload = 'full' and dp_shard x cp = 1, torch's FSDP2 shards "
@@ -995,7 +998,7 @@ def validate_parallel(cfg: JobConfig, world_size: int | None = None) -> None:
         raise error
     # here, not only in validate: `--nproc 3` with zero_stage 3 and no degree set shards the NF4 base over the
     # world that fit_world fills in, and a base that does not cut into 3 was a traceback from every rank's FSDP
-    _validate_qlora(cfg)
+    _validate_qlora(cfg, world_size is not None)
 
 
 def _validate_tp(cfg: JobConfig) -> None:

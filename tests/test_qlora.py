@@ -184,15 +184,36 @@ def test_qlora_model_stores_the_planned_bytes():
     # wq is 128 x 128 = one scaler block: it cannot be cut in two
     (["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256", "parallel.dp_shard=2",
       "parallel.zero_stage=3"], "FSDP cuts wq"),
-    # FSDP2 over a mesh of one (offload on one device, or per pipeline stage) gathered only NF4's first part: the
-    # first forward was a ValueError from torchao's fsdp_post_all_gather
-    (["parallel.zero_stage=2", "parallel.offload='full'"], "mesh of one"),
-    (["parallel.pp=2", "parallel.zero_stage=3", "parallel.offload='full'"], "mesh of one"),
 ])
 def test_qlora_rejects_what_nf4_cannot_hold_before_anything_runs(overrides, problem):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, overrides)
     assert e.value.field == "lora.qlora" and problem in e.value.problem
+
+
+@pytest.mark.parametrize("args", [
+    # FSDP2 over a mesh of one (offload on one device, or per pipeline stage) gathered only NF4's first part: the
+    # first forward was a ValueError from torchao's fsdp_post_all_gather
+    ["--set", "parallel.zero_stage=2", "--set", "parallel.offload='full'"],
+    ["--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.zero_stage=3", "--set", "parallel.offload='full'"],
+])
+def test_qlora_with_full_offload_over_a_mesh_of_one_is_refused_before_any_rank_starts(args, capsys):
+    from shardwise.cli import main
+
+    assert main(["train", "--config", CONFIG, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: lora.qlora: ") and "mesh of one" in err[0], err
+
+
+def test_qlora_with_full_offload_over_the_ranks_nproc_fills_in_is_accepted():
+    """`train --nproc 2 --set parallel.zero_stage=3 --set parallel.offload='full'` shards the NF4 base over the 2
+    ranks fit_world fills in (dp_shard 2), as the mesh-of-one refusal's own fix says to; the config refused it,
+    checked before --nproc had filled in dp_shard (a mesh of one)."""
+    from shardwise.config import fit_nodes
+
+    cfg = load_config(CONFIG, ["parallel.zero_stage=3", "parallel.offload='full'"])
+    fit_nodes(cfg, 2, (1, 1))
+    assert (cfg.parallel.dp_shard, cfg.parallel.offload) == (2, "full")
 
 
 def test_qlora_on_the_world_that_nproc_fills_in_is_refused_before_any_rank_starts(capsys):
