@@ -433,11 +433,18 @@ def _unknown_argument(parser: argparse.ArgumentParser, given: str) -> ConfigErro
 
         fields = {f"{table}.{f.name}": f.name for table, value in vars(JobConfig()).items()
                   for f in dataclasses.fields(value)}
-        field = difflib.get_close_matches(name.lstrip("-").replace("-", "_"), fields.values(), n=1, cutoff=0.75)
-        if field:
+        word = name.lstrip("-").replace("-", "_")
+        field = difflib.get_close_matches(word, fields.values(), n=1, cutoff=0.75)
+        # the command's own flag when it is as near (simulate --seqlen is --seq-len, not --set data.seq_len)
+        if field and not (near and _closeness(word, near[0]) >= _closeness(word, field[0])):
             key = next(k for k, v in fields.items() if v == field[0])
             fix = f"did you mean --set {key}=...? "
     return ConfigError(given, f"not an argument of `{parser.prog}`", f"{fix}`{parser.prog} --help` lists them")
+
+
+def _closeness(word: str, flag_or_field: str) -> float:
+    """How near a misspelt flag's name is to a flag or field name, both written as field names are."""
+    return difflib.SequenceMatcher(None, word, flag_or_field.lstrip("-").replace("-", "_")).ratio()
 
 
 def _error(e: Exception, exit_code: int) -> int:

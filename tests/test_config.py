@@ -110,6 +110,19 @@ def test_a_config_field_written_as_a_flag_is_told_its_set(flag, fix, capsys):
     assert err.startswith(f"shardwise: error: {flag}: not an argument") and fix in err and "\n" not in err, err
 
 
+@pytest.mark.parametrize("flag, fix", [("--seqlen", "did you mean --seq-len?"),
+                                       ("--microbatch", "did you mean --micro-batch?"),
+                                       ("--precison", "did you mean --precision?")])
+def test_a_misspelt_flag_of_the_command_is_told_that_flag_not_a_config_field(flag, fix, capsys):
+    """simulate --seqlen was told "did you mean --set data.seq_len=...?", a config field, where simulate has its
+    own --seq-len: the nearest flag of the command is named when it is as near as the field."""
+    from shardwise.cli import main
+
+    assert main(["simulate", flag, "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardwise: error: {flag}: not an argument") and fix in err and "--set" not in err, err
+
+
 BAD_CONFIGS = {
     "heads": ("[model]\ndim = 128\nn_heads = 5\n", "model.n_heads"),
     "negative_lr": ("[optim]\nlr = -0.001\n", "optim.lr"),
