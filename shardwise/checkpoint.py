@@ -135,12 +135,13 @@ EARLIER = "earlier"
 of its own (its checkpoints and records), which `export --run` and `generate --run` read."""
 
 
-def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = ()) -> list[int]:
+def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: tuple[str, ...] = ()) -> list[int]:
     """Move the run folder's checkpoints to <run_dir>/earlier/checkpoints (earlier-2, -3, ... when an earlier
     start-over is there: nothing is deleted), with the `records` of the run that saved them (its job_config.json,
     metrics log, tokenizer: the new run rewrites them, and the checkpoints could no longer be exported), so that a
     run started from scratch in the folder never mixes its saves with them and a later resume goes on from its own;
-    the steps moved (collective: rank 0 moves them, every rank waits)."""
+    the steps moved (collective: rank 0 moves them, every rank waits). A record among the files the new run `read`s
+    (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run found no tokenizer."""
     root = checkpoint_root(run_dir)
     scan = scan_checkpoints(run_dir)
     steps = [step for step, _ in scan.complete]
@@ -152,9 +153,13 @@ def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = ()) -> list
             earlier = earlier.with_name(f"{EARLIER}-{n}")
         earlier.mkdir()
         root.rename(earlier / root.name)
+        inputs = {Path(path).expanduser().resolve() for path in read}
         for name in records:
-            if (Path(run_dir) / name).exists():
-                (Path(run_dir) / name).rename(earlier / name)
+            record = Path(run_dir) / name
+            if record.resolve() in inputs and record.is_file():
+                shutil.copy2(record, earlier / name)
+            elif record.exists():
+                record.rename(earlier / name)
         log.warning("checkpoint.resume = false: the run starts over, and the checkpoints of the earlier run in "
                     "%s (steps %s) are moved with its records to %s (a run folder: export --run reads it)", run_dir,
                     ", ".join(map(str, steps)) or "none complete", earlier)

@@ -661,7 +661,7 @@ class Checkpoints:
         if not self.cfg.checkpoint.resume:
             # a run started over among an earlier run's checkpoints would leave the folder holding both, and a
             # later resume would go on from the newest, whichever run saved it: the earlier ones are set aside
-            set_aside(self.cfg.metrics.out_dir, RUN_RECORDS)
+            set_aside(self.cfg.metrics.out_dir, RUN_RECORDS, read=(self.cfg.data.tokenizer,))
             return 0
         return self.checkpointer.resume(self.state)
 

@@ -438,6 +438,24 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert "resumed after step 2" in out.out + out.err
 
 
+def test_a_run_started_over_that_reads_the_runs_own_tokenizer_keeps_it(tmp_path):
+    """data.tokenizer = '<run>/tokenizer.json' (what a resume refused for other ids is told to set) and
+    checkpoint.resume = false: the start-over moved that file into earlier/ with the records, and the new run failed
+    with a FileNotFoundError traceback writing its tokenizer. It is copied there, and the new run trains."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+              "--set=metrics.progress=false", "--set=train.steps=2"]
+    assert main(common) == 0
+    saved = (tmp_path / "tokenizer.json").read_bytes()
+    own = f"--set=data.tokenizer='{tmp_path / 'tokenizer.json'}'"
+    assert main([*common, own, "--set=checkpoint.resume=false"]) == 0
+    assert (tmp_path / "earlier" / "tokenizer.json").read_bytes() == saved
+    assert (tmp_path / "tokenizer.json").read_bytes() == saved
+    assert sorted(p.name for p in (tmp_path / "earlier" / "checkpoints").iterdir()) == ["step_2"]
+
+
 @pytest.mark.multiprocess
 def test_a_repeated_sigterm_to_the_command_still_saves_and_exits_0(tmp_path):
     """`shardwise train --nproc` passed every SIGTERM it received on to the ranks: one that came after a rank had
