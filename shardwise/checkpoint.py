@@ -910,6 +910,24 @@ def _check_loader(train_state: dict, state: TrainState) -> tuple[str, str] | Non
 # Preemption
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""What stops a run after its step (StopSignal)."""
+
+
+@contextlib.contextmanager
+def stop_signals_restored():
+    """For a run trained in a process that goes on after it (verify's one-device runs): the stop signals' handlers as
+    they were before it. StopSignal.close leaves a stopped run's ignored, for a process on its way out; verify then
+    ignored SIGTERM to the end, and the ranks it launched next inherited the ignore."""
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # None: not installed from Python, nothing to put back
+                signal.signal(s, handler)
+
+
 class StopSignal:
     """Set by SIGTERM (what Slurm and Kubernetes send before a kill) or SIGUSR1 (Slurm's warning before the time
     limit, as `shardwise launch slurm` asks for it): the loop finishes its step, saves, exits.
@@ -918,7 +936,7 @@ class StopSignal:
     deciding to stop, and all stop after the same step.
     """
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self, signals=STOP_SIGNALS):
         self._set = False
         self._previous = {s: signal.signal(s, self._handler) for s in signals}
 

@@ -531,6 +531,28 @@ def test_sigterm_sets_the_stop_flag():
             signal.signal(s, handler)
 
 
+def test_a_stopped_run_in_verifys_process_leaves_its_signal_handlers_as_they_were(tmp_path, monkeypatch):
+    """verify trains its one-device reference in its own process. A SIGTERM that stopped that run left SIGTERM and
+    SIGUSR1 ignored (StopSignal.close, meant for a process on its way out): verify could then no longer be stopped,
+    and the ranks it launched next inherited the ignore."""
+    import shardwise.train as train_module
+    from shardwise import verify
+
+    step = train_module.training_step
+
+    def signalled(*args, **kwargs):  # the scheduler's SIGTERM, arriving while the run trains
+        os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "training_step", signalled)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    config = str(Path(__file__).parent / "configs" / "parity.toml")
+    verify._train_here(config, [f"metrics.out_dir='{tmp_path}'", "train.steps=3", "metrics.progress=false",
+                                "metrics.tensorboard=false", "train.val_every=0"], tmp_path / "final.safetensors")
+    assert (tmp_path / "stopped.json").is_file()  # the signal did stop it
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 # ---------------------------------------------------------------------------------------------------
 # A process killed while it saves
 
