@@ -724,9 +724,12 @@ def qlora_error(model: ModelArgs, targets: list[str], layout: Layout, ranks_know
             return ConfigError("lora.qlora", f"{target}'s weight ({out} x {inp} = {out * inp}) is not a multiple of "
                                f"{unit} ({NF4_BLOCK_SIZE}-weight blocks x {NF4_SCALER_BLOCK_SIZE}-scaler blocks), "
                                "which NF4 needs", f"drop {target} from lora.targets or change the model's shape")
+    # every target whole blocks first: the degrees that fit are then never none (1 always is)
+    for target in targets:
+        inp, out = shapes[target]
         if shards > 1 and not _cuts_into_nf4_shards(out, inp, shards):
             # the degrees every target cuts into: naming this target's alone, the next target was refused next
-            fits = [n for n in range(1, min(o * i for i, o in shapes.values()) // unit + 1)
+            fits = [n for n in range(1, min(shapes[t][0] * shapes[t][1] for t in targets) // unit + 1)
                     if all(_cuts_into_nf4_shards(*shapes[t][::-1], n) for t in targets)]
             return ConfigError("lora.qlora", f"FSDP cuts {target}'s NF4 weight ({out} x {inp}) into {shards} dim-0 "
                                f"chunks (dp_shard x cp), which must each hold a multiple of {unit} weights",

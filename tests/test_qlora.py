@@ -229,6 +229,19 @@ def test_qlora_on_the_world_that_nproc_fills_in_is_refused_before_any_rank_start
     assert "fix: use dp_shard x cp = 1 or 2 (what every adapted weight cuts into)" in err[0], err
 
 
+def test_qlora_sharding_fix_names_degrees_that_fit():
+    """With debug's shape (wk 64 x 128: not whole NF4 blocks at all) and dp_shard 2, wq's FSDP cut was named first
+    with the fix "use dp_shard x cp =  (what every adapted weight cuts into)": no degree, as wk fits none. And with
+    wk not adapted, the degrees were sought among the sizes of every projection, wk's too: none again."""
+    debug = ["model.name='debug'", "lora.rank=4", "lora.qlora=true", "parallel.dp_shard=2", "parallel.zero_stage=3"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, debug)
+    assert e.value.problem.startswith("wk's weight (64 x 128 = 8192) is not a multiple of 16384"), e.value
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*debug, "lora.targets=['w1', 'w3', 'w2']"])
+    assert "FSDP cuts" in e.value.problem and e.value.fix.startswith("use dp_shard x cp = 1 (what"), e.value
+
+
 def test_qlora_accepts_the_same_shape_where_the_base_is_not_sharded():
     small = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=256"]
     load_config(CONFIG, [*small, "parallel.dp_replicate=2", "parallel.zero_stage=1"])
