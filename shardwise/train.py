@@ -393,7 +393,7 @@ def train(cfg: JobConfig, save_final: str | None = None) -> dict:
         runtime.close()
 
 
-RUN_RECORDS = ("job_config.json", "metrics.jsonl", data.RUN_TOKENIZER, "samples", STOPPED_FILE)
+RUN_RECORDS = ("job_config.json", "metrics.jsonl", "tb", data.RUN_TOKENIZER, "samples", STOPPED_FILE)
 """What a run writes of itself beside its checkpoints: moved with them when a run starts over (checkpoint.set_aside)."""
 RUN_LOCK = ".lock"
 """The file in a run folder whose lock rank 0 of the run training there holds (lock_run_folder)."""

@@ -438,6 +438,23 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert "resumed after step 2" in out.out + out.err
 
 
+def test_a_run_started_over_takes_the_earlier_runs_tensorboard_log_along(tmp_path):
+    """The earlier run's TensorBoard events (metrics.tensorboard, on by default) stayed in the folder when its other
+    records moved to earlier/: the new run wrote beside them with purge_step 1, which hides the earlier run's steps,
+    and earlier/ had no TensorBoard log."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=true",
+              "--set=metrics.progress=false", "--set=train.steps=2"]
+    assert main(common) == 0
+    before = sorted(p.name for p in (tmp_path / "tb").iterdir())
+    assert before
+    assert main([*common, "--set=checkpoint.resume=false"]) == 0
+    assert sorted(p.name for p in (tmp_path / "earlier" / "tb").iterdir()) == before
+    assert not set(before) & {p.name for p in (tmp_path / "tb").iterdir()}
+
+
 def test_a_run_started_over_that_reads_the_runs_own_tokenizer_keeps_it(tmp_path):
     """data.tokenizer = '<run>/tokenizer.json' (what a resume refused for other ids is told to set) and
     checkpoint.resume = false: the start-over moved that file into earlier/ with the records, and the new run failed
