@@ -914,20 +914,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What stops a run after its step (StopSignal)."""
 
 
-@contextlib.contextmanager
-def stop_signals_restored():
-    """For a run trained in a process that goes on after it (verify's one-device runs): the stop signals' handlers as
-    they were before it. StopSignal.close leaves a stopped run's ignored, for a process on its way out; verify then
-    ignored SIGTERM to the end, and the ranks it launched next inherited the ignore."""
-    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            if handler is not None:  # None: not installed from Python, nothing to put back
-                signal.signal(s, handler)
-
-
 class StopSignal:
     """Set by SIGTERM (what Slurm and Kubernetes send before a kill) or SIGUSR1 (Slurm's warning before the time
     limit, as `shardwise launch slurm` asks for it): the loop finishes its step, saves, exits.
@@ -936,20 +922,20 @@ class StopSignal:
     deciding to stop, and all stop after the same step.
     """
 
-    def __init__(self, signals=STOP_SIGNALS):
-        self._set = False
+    def __init__(self, signals=STOP_SIGNALS, process_exits: bool = False):
+        self._set, self._process_exits = False, process_exits
         self._previous = {s: signal.signal(s, self._handler) for s in signals}
 
     def _handler(self, signum, frame) -> None:
         self._set = True  # only a flag: the step in flight finishes, then the loop saves
 
     def close(self) -> None:
-        """Put the previous handlers back, unless a stop came: the process is then on its way out, and a repeated
-        stop signal (a second scancel, `kill -- -PGID` again) killed it after its save, while it closed its process
-        groups, and the saved job ended with a failed rank. They are then ignored: a Python handler left in place
-        would not do, as the interpreter puts the default back when it finalizes."""
+        """Put the previous handlers back. In a process that ends with the run (`process_exits`: the command line's)
+        a stop leaves them ignored instead: a repeated stop signal (a second scancel, `kill -- -PGID` again) killed
+        it after its save, while it closed its process groups, and the saved job ended with a failed rank. A Python
+        handler left in place would not do, as the interpreter puts the default back when it finalizes."""
         for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_IGN if self._set else handler)
+            signal.signal(s, signal.SIG_IGN if self._set and self._process_exits else handler)
 
     def requested(self, device: torch.device | str = "cpu") -> bool:
         """Whether any rank got the signal; `device` is where the process group's backend reduces (cuda: NCCL)."""

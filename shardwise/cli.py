@@ -93,7 +93,7 @@ def _run_train(args: argparse.Namespace) -> int:
                             stopped_marker=Path(cfg.metrics.out_dir) / STOPPED_FILE)
     from shardwise.train import train  # heavy imports only once the config is known good
 
-    summary = train(cfg, save_final=args.save_final)
+    summary = train(cfg, save_final=args.save_final, process_exits=True)  # this process ends with the run
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     losses = summary["losses"]

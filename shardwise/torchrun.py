@@ -17,6 +17,7 @@ import time
 import uuid
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
@@ -91,7 +92,17 @@ def _stop_ranks_first(signum: int, frame) -> None:
 
 
 _TORCHRUN_HANDLER = multiprocessing_api._terminate_process_handler
-_stopped_ranks: list[int] = []  # the ranks a SIGTERM was passed on to
+_stopped_ranks: list[int] = []  # the ranks a SIGTERM was passed on to, in this round of them
+
+
+def _restart_forgets_the_stop(self, worker_group) -> None:
+    """torchrun's _restart_workers. The ranks a stop reached failed instead of saving; until the new round runs, a
+    SIGTERM is not a repeat of that stop to ignore but one for torchrun (the agent stops and ends)."""
+    _stopped_ranks.clear()
+    _TORCHRUN_RESTART(self, worker_group)
+
+
+_TORCHRUN_RESTART = agent_api.SimpleElasticAgent._restart_workers
 
 FAILED_GRACE_S = 5
 """How long torchrun waits for the ranks that outlive a failed one to end after its SIGTERM, before it SIGKILLs
@@ -117,6 +128,7 @@ def main(argv: list[str]) -> int:
     # torchrun installs this module global as its handler when it starts the workers (PContext.start)
     multiprocessing_api._terminate_process_handler = _stop_ranks_first
     multiprocessing_api.SubprocessContext._close = _close_failed_sooner
+    agent_api.SimpleElasticAgent._restart_workers = _restart_forgets_the_stop
     args = torchrun.parse_args(argv)
     if args.standalone:  # what torchrun makes of --standalone, for the backend below
         args.standalone = False

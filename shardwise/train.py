@@ -375,13 +375,14 @@ def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Ru
     return optimizer, optimizer
 
 
-def train(cfg: JobConfig, save_final: str | None = None) -> dict:
-    """Run a job from a validated config; returns a summary (losses, final validation loss)."""
+def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool = False) -> dict:
+    """Run a job from a validated config; returns a summary (losses, final validation loss). `process_exits`: this
+    process ends with the run (the command line's), so after a stop it ignores further stop signals (StopSignal)."""
     runtime = Runtime.create(cfg)
     lock = None
     try:
         lock = lock_run_folder(cfg.metrics.out_dir, runtime)
-        return _train(cfg, runtime, save_final)
+        return _train(cfg, runtime, save_final, process_exits)
     except RuntimeError as e:
         explained = explain_failure(e, runtime.env, runtime.step) if runtime.world_size > 1 else None
         if explained is None:
@@ -449,7 +450,7 @@ def _claim(folder: Path):
     return file, None
 
 
-def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
+def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exits: bool = False) -> dict:
     device = runtime.device
     if device.type == "cpu":
         keep_host_memory()  # activations live in host memory: reuse their blocks instead of faulting them in again
@@ -464,7 +465,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None) -> dict:
     schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
     scaler = build_grad_scaler(cfg.train, device)
     parts = model_parts(model)
-    checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device)
+    checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device, process_exits)
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # LoRA checkpoints hold adapters only: the base goes first
     first_step = checkpoints.resume() + 1
@@ -645,14 +646,15 @@ class Checkpoints:
     stop: StopSignal | None
 
     @classmethod
-    def create(cls, cfg: JobConfig, state: TrainState, device: torch.device) -> Checkpoints:
+    def create(cls, cfg: JobConfig, state: TrainState, device: torch.device,
+               process_exits: bool = False) -> Checkpoints:
         if not cfg.checkpoint.enabled:
             # a signal still stops the run cleanly after its step (SIGUSR1's default action killed it), unsaved
-            return cls(cfg, state, device, None, StopSignal())
+            return cls(cfg, state, device, None, StopSignal(process_exits=process_exits))
         base = lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None
         checkpointer = Checkpointer(cfg.metrics.out_dir, cfg.model, layout=to_dict(cfg.parallel),
                                     keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, lora_base=base)
-        return cls(cfg, state, device, checkpointer, StopSignal())
+        return cls(cfg, state, device, checkpointer, StopSignal(process_exits=process_exits))
 
     def resume(self) -> int:
         """The step the newest complete checkpoint was saved at (its state loaded), or 0."""

@@ -62,13 +62,12 @@ def _quiet(out_dir: Path, steps: int) -> list[str]:
 def _train_here(config: str | None, overrides: list[str], final: Path) -> None:
     """One device: `shardwise train`'s own function in this process, which has imported torch already (a process
     of its own would spend most of a few-step run starting up)."""
-    from shardwise.checkpoint import stop_signals_restored
     from shardwise.distributed import release_memory
     from shardwise.train import train
 
     _forget_compiled()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), stop_signals_restored():
+        with contextlib.redirect_stdout(io.StringIO()):
             train(load_config(config, overrides), save_final=str(final))
     finally:
         release_memory()  # not kept beside the ranks launched next

@@ -514,10 +514,16 @@ def test_sigterm_sets_the_stop_flag():
     from shardwise.checkpoint import StopSignal
 
     previous = signal.getsignal(signal.SIGTERM)
-    unused = StopSignal()
-    unused.close()
-    assert signal.getsignal(signal.SIGTERM) is previous  # no stop came: the handlers are put back
-    stop = StopSignal()
+    for process_exits in (False, True):
+        unused = StopSignal(process_exits=process_exits)
+        unused.close()
+        assert signal.getsignal(signal.SIGTERM) is previous  # no stop came: the handlers are put back
+    stopped = StopSignal()  # in a process that goes on after the run (verify's reference)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.requested()
+    stopped.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    stop = StopSignal(process_exits=True)  # the command line's
     try:
         assert not stop.requested()
         os.kill(os.getpid(), signal.SIGTERM)  # the process survives: the handler only sets a flag

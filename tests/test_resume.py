@@ -473,6 +473,24 @@ def test_a_run_started_over_that_reads_the_runs_own_tokenizer_keeps_it(tmp_path)
     assert sorted(p.name for p in (tmp_path / "earlier" / "checkpoints").iterdir()) == ["step_2"]
 
 
+def test_a_sigterm_between_two_rounds_of_ranks_ends_the_agent(monkeypatch):
+    """A SIGTERM that finds the ranks it stopped gone is a repeat, ignored: the agent is returning their 0. Once
+    torchrun restarts them (they failed instead of saving), one that comes before the new round runs is torchrun's
+    again, and the agent ends; it was ignored, and a scheduler's stop dropped (review, 2026-12-02)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import shardwise.launch.local
+    import shardwise.torchrun as agent
+
+    monkeypatch.setattr(shardwise.launch.local, "_children", lambda pid: [])  # the ranks have exited
+    monkeypatch.setattr(agent, "_stopped_ranks", [12345])
+    agent._stop_ranks_first(signal.SIGTERM, None)  # a repeat: ignored
+    monkeypatch.setattr(agent, "_TORCHRUN_RESTART", lambda self, group: None)
+    agent._restart_forgets_the_stop(None, None)
+    with pytest.raises(SignalException):
+        agent._stop_ranks_first(signal.SIGTERM, None)
+
+
 @pytest.mark.multiprocess
 def test_a_repeated_sigterm_to_the_command_still_saves_and_exits_0(tmp_path):
     """`shardwise train --nproc` passed every SIGTERM it received on to the ranks: one that came after a rank had
