@@ -383,8 +383,9 @@ def _check_simulable(cfg: JobConfig) -> None:
                           "be counted as the device's", "simulate with parallel.offload = 'none'")
 
 
-def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
-    """The planner's itemised peak for this layout and stage, in the simulator's categories.
+def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) -> dict[str, float]:
+    """The planner's itemised peak for this layout and stage (or its `moment`, one of memory.MOMENTS), in the
+    simulator's categories.
 
     Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
     Empty where the planner does not price the layout: checkpointing every k-th block only (it was printed as if
@@ -402,7 +403,7 @@ def planner_prediction(cfg: JobConfig, stage: int) -> dict[str, float]:
     n_micro = p.n_microbatches if piped else 1
     plan = Plan(**dataclasses.asdict(p), micro_batch=max(1, t.micro_batch // n_micro),
                 grad_accum=t.grad_accum * n_micro)
-    return simulator_categories(stage_memory(cfg.model, training, plan, stage))
+    return simulator_categories(stage_memory(cfg.model, training, plan, stage, moment))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -800,12 +800,20 @@ def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Pl
     copies = casts_weights(training)
     kept = copies and plan.activation_checkpoint == "none"  # as weight_copy_bytes
     # at the cast the matmul's node is done and has released the gate product it kept; without a cast the
-    # moment is the making of the weight gradient, the gate product still held
+    # moment is the making of the weight gradient, the gate product still held. QLoRA rebuilds w2's base from its
+    # NF4 codes for the input gradient (NF4_DEQUANT_BYTES per weight)
     return {"freed": tokens * f * e if copies else 0.0,
             "working": tokens * (f * e + d * training.stream_bytes + (d * e if autocast else 0.0))
-            + (d * f * e if copies else 0.0),
+            + (d * f * e if copies else 0.0) + (d * f * NF4_DEQUANT_BYTES if training.qlora else 0.0),
             "weight_grad": grad, "pending": pending, "copies_freed": d * f * e if kept else 0.0, "recomputed": 0.0,
             "copies_rebuilt": _recast_copies(args, training, plan, but_w2=True)}
+
+
+NF4_DEQUANT_BYTES = 8 + 3 * 4
+"""Bytes per weight that torchao's NF4Tensor.get_original_weight holds at its largest, the interleaving stack: both
+halves' 4-bit codes widened to int64 indices (8), their looked-up values, those scaled by the blocks' constants and
+the stacked result, each in the dtype the weight was quantised from (shardwise.nf4 quantises the fp32 weights: 4).
+The simulator's tracker measured 20.4 inside Llama 3 8B's w2 backward."""
 
 
 # the fp32 token x d temporaries of the FFN norm's backward at its largest, besides the residual-stream gradient:
@@ -871,9 +879,10 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     are saved by nothing and freed when the forward returns). Fused (fused_head): inside its forward, a block of
     rows (shardwise.loss.head_rows) at its largest: its fp32 logits and log-probabilities; under mixed precision,
     if larger, its fp32 gradient, that gradient in the compute dtype and the block's weight-gradient product in
-    the compute dtype before it is added to the fp32 sum; and under mixed precision the compute-dtype copies of
-    the head's input and weight throughout. A cross-entropy kernel (Training.loss_kernel): the gradient of the
-    logits its backward writes, in the compute dtype."""
+    the compute dtype before it is added to the fp32 sum (none for LoRA's frozen head), or the next block's logits
+    beside the previous block's log-probabilities and gradient; and under mixed precision the compute-dtype copies
+    of the head's input and weight (LoRA stores its frozen head in that dtype) throughout. A cross-entropy kernel
+    (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
         return tokens * loss_vocab(args, training, plan) * training.act_bytes
@@ -884,7 +893,15 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
         gathered = tokens * d * training.stream_bytes if plan.tp > 1 else 0.0
         if not training.mixed:
             return block * (4 + 4) + gathered
-        return max(block * (4 + 4), block * (4 + e) + v * d * e) + (tokens + v) * d * e + gathered
+        # LoRA's frozen head makes no weight-gradient product, and is stored in the compute dtype (apply_lora's
+        # frozen_dtype): no copy of it either, unless it is the (fp32) embedding's weight. Both were counted, 1.8 GiB
+        # too many for Llama 3 8B's head
+        product = 0.0 if training.lora_rank else v * d * e
+        copy = v * d * e if not training.lora_rank or args.tie_embeddings else 0.0
+        # a block's logits are upcast and normalised while the previous block's log-probabilities and gradient in
+        # the compute dtype are still held (the loop's names): what peaks there once no weight-gradient product does
+        previous = block * (4 + e) if tokens > block / v else 0.0
+        return max(block * (4 + 4) + previous, block * (4 + e) + product) + tokens * d * e + copy + gathered
     return tokens * loss_vocab(args, training, plan) * (4 + 4)
 
 
@@ -987,14 +1004,16 @@ MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block
            "end_of_backward", "embedding_backward", "optimizer_step")
 
 
-def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
-    """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory`."""
+def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
+                 moment: str | None = None) -> dict[str, float]:
+    """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory` (or at
+    `moment`, one of MOMENTS)."""
     # a search asks this ~10^5 times: each moment is summed from the items it shares and those it changes, and only
     # the largest is built
     training = recipe_for(training, plan)
     base, changes = _moment_parts(args, training, plan, stage)
     shared = sum(base.values())
-    peak = max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
+    peak = moment or max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
     items = _moment(base, changes, peak)
     dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
     items["fragmentation"] = training.fragmentation * dynamic
