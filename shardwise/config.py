@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import json
 import math
 import os
@@ -114,6 +115,11 @@ class LoraConfig:
     qlora: bool = False
     """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (NF4, torchao; Dettmers et
     al. 2023)."""
+    init_from: str = ""
+    """A peft LoRA adapter folder (adapter_config.json + adapter_model.safetensors, as peft's `save_pretrained` and
+    `shardwise export --format peft` write them) whose adapters the run starts from in place of the seeded ones
+    (B = 0): to go on training an adapter made elsewhere. Its r, lora_alpha and target_modules must be this run's
+    rank, alpha and targets, its tensors this model's shapes. A resumed run takes its adapters from its checkpoint."""
 
 
 @dataclass
@@ -340,7 +346,7 @@ def run_record(cfg: JobConfig) -> dict[str, Any]:
     data["paths"] = [os.path.abspath(p) for p in data["paths"]]
     if data["tokenizer"] not in ("byte", "bpe"):
         data["tokenizer"] = os.path.abspath(os.path.expanduser(data["tokenizer"]))
-    for table, key in ((data, "cache_dir"), (checkpoint, "init_from_hf")):
+    for table, key in ((data, "cache_dir"), (checkpoint, "init_from_hf"), (raw["lora"], "init_from")):
         if table[key]:
             table[key] = os.path.abspath(table[key])
     return raw
@@ -507,6 +513,8 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _validate_lora(cfg.lora)
+    if cfg.lora.init_from:
+        _validate_lora_init(cfg.lora, cfg.model)
     _validate_moe(cfg)
     validate_parallel(cfg)
     _validate_dense_model_has_no_moe_fields(cfg.model)
@@ -686,6 +694,68 @@ def _validate_lora(lora: LoraConfig) -> None:
     repeated = sorted({t for t in lora.targets if lora.targets.count(t) > 1})
     if repeated:  # counted twice by the FLOP count, listed twice in the peft export's target_modules
         raise ConfigError("lora.targets", f"{', '.join(repeated)} listed more than once", "name each projection once")
+
+
+PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# adapter_config.json fields of peft's LoRA that the engine's (W x + alpha/r B A x on whole projections) lacks; those
+# that change which tensors the adapter holds are also found by their keys and shapes
+_PEFT_FEATURES = ("use_dora", "use_rslora", "fan_in_fan_out", "bias", "lora_bias", "modules_to_save", "rank_pattern",
+                  "alpha_pattern", "layers_to_transform", "layer_replication", "exclude_modules", "target_parameters")
+
+
+def _validate_lora_init(lora: LoraConfig, model: ModelArgs) -> None:
+    """lora.init_from: a plain peft LoRA adapter of this run's rank, alpha and targets, holding a tensor of this
+    model's shape for every adapter and nothing else (read from the files' headers, without torch)."""
+    field, folder = "lora.init_from", Path(lora.init_from)
+    missing = [name for name in PEFT_ADAPTER_FILES if not (folder / name).is_file()]
+    if missing:
+        raise ConfigError(field, f"{folder} has no {' and no '.join(missing)}", "point it at a peft adapter folder "
+                          "(peft's save_pretrained, or shardwise export --format peft)")
+    try:
+        adapter = json.loads((folder / "adapter_config.json").read_text())
+        header = _safetensors_header(folder / "adapter_model.safetensors")
+    except (OSError, ValueError) as e:
+        raise ConfigError(field, f"{folder}'s adapter cannot be read ({e})", "write it again with save_pretrained")
+    if adapter.get("peft_type") != "LORA":
+        raise ConfigError(field, f"{folder} holds a {adapter.get('peft_type')} adapter, not LoRA",
+                          "point it at a LoRA adapter")
+    other = [k for k in _PEFT_FEATURES if adapter.get(k) not in (None, False, "none", [], {})]
+    if other:
+        raise ConfigError(field, f"the adapter sets {', '.join(f'{k} = {adapter[k]!r}' for k in other)}, which the "
+                          "engine's LoRA (alpha / r x B A on whole projections) does not have",
+                          "start from a plain LoRA adapter")
+    modules = adapter.get("target_modules")
+    if not isinstance(modules, list) or not modules or any(m not in HF_PROJECTIONS for m in modules):
+        raise ConfigError(field, f"its target_modules {modules!r} are not a list of a Llama block's projections",
+                          f"start from an adapter on some of {', '.join(HF_PROJECTIONS)}")
+    theirs = (adapter.get("r"), adapter.get("lora_alpha"), sorted(HF_PROJECTIONS[m] for m in modules))
+    if theirs != (lora.rank, lora.alpha, sorted(lora.targets)):
+        raise ConfigError(field, f"the adapter has r {theirs[0]}, lora_alpha {theirs[1]} on {','.join(theirs[2])}; "
+                          f"this run rank {lora.rank}, alpha {lora.alpha:g} on {','.join(sorted(lora.targets))}",
+                          f"set lora.rank = {theirs[0]}, lora.alpha = {theirs[1]} and lora.targets = "
+                          f"{[t for t in LORA_TARGETS if t in theirs[2]]}")
+    expected = peft_adapter_shapes(model, lora.rank, lora.targets)
+    held = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    for key in sorted(expected.keys() | held.keys()):
+        if held.get(key) != expected.get(key):
+            what = ("has no tensor " + key if key not in held else f"holds {key} of shape {held[key]}, which this "
+                    "model has no place for" if key not in expected else f"holds {key} of shape {held[key]}, this "
+                    f"model's is {expected[key]}")
+            raise ConfigError(field, f"{folder} {what}", "start from an adapter trained on this model's shape "
+                              "(the base of its base_model_name_or_path)")
+
+
+def peft_adapter_shapes(model: ModelArgs, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
+    """The tensors a peft adapter of `rank` on `targets` holds for `model`, by the key peft saves each under
+    (hf.to_peft_name's): lora_A (rank x in) and lora_B (out x rank) of every adapted projection of every block."""
+    hf_name = {ours: theirs for theirs, ours in HF_PROJECTIONS.items()}
+    shapes = {}
+    for layer, target in itertools.product(range(model.n_layers), targets):
+        module = "self_attn" if target in ("wq", "wk", "wv", "wo") else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{module}.{hf_name[target]}"
+        fan_in, fan_out = projection_shapes(model)[target]
+        shapes[f"{prefix}.lora_A.weight"], shapes[f"{prefix}.lora_B.weight"] = (rank, fan_in), (fan_out, rank)
+    return shapes
 
 
 def _validate_qlora(cfg: JobConfig, world_known: bool) -> None:

@@ -377,6 +377,22 @@ def export_peft(parts, lora: LoraConfig, folder: str | os.PathLike, runtime=None
         (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2))
 
 
+@torch.no_grad()
+def import_peft(parts, folder: str | os.PathLike) -> None:
+    """Give a LoRA model's adapters, in any layout, the values of a peft adapter folder (adapter_model.safetensors;
+    its config and shapes were checked with the job's: config.peft_adapter_shapes). Every rank reads the adapters
+    its parts hold and keeps its local piece, as import_hf does the base."""
+    from safetensors import safe_open
+
+    from shardwise.model import canonical_name, set_full_value
+
+    with safe_open(str(Path(folder) / ADAPTER_FILE), framework="pt") as f:
+        for part in parts:
+            for name, param in list(part.named_parameters()):
+                if is_adapter(name):
+                    set_full_value(part, name, param, f.get_tensor(to_peft_name(canonical_name(name))))
+
+
 def _hf_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
         weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]

@@ -46,7 +46,7 @@ from shardwise.config import (
 )
 from shardwise.distributed import explain_failure, keep_host_memory
 from shardwise.errors import TrainingError
-from shardwise.hf import import_hf
+from shardwise.hf import import_hf, import_peft
 from shardwise.lora import apply_lora, full_value
 from shardwise.loss import autocast_context, compute_dtype, token_loss_sum
 from shardwise.metrics import MetricsWriter, SampleLog, peak_flops, peak_memory_bytes
@@ -497,6 +497,8 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
                     "LoRA adapters", ", ".join(unused), "is" if len(unused) == 1 else "are")
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
+    if first_step == 1 and cfg.lora.init_from:
+        import_peft(parts, cfg.lora.init_from)  # an adapter trained elsewhere, in place of the seeded B = 0
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main, first_step=first_step)
     samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank,

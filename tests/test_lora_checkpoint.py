@@ -336,6 +336,88 @@ def test_export_and_generate_of_a_run_whose_base_moved_name_init_from_hf(hf_base
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "merged")]) == 0
 
 
+@pytest.fixture(scope="module")
+def peft_adapter(hf_base, tmp_path_factory):
+    """An adapter made by peft on hf_base's transformers model (rank 4, alpha 8, every projection, A and B random),
+    saved by peft, and that model's logits with it."""
+    from peft import LoraConfig, get_peft_model
+
+    folder, tokens, _ = hf_base
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(_hf_model(folder), LoraConfig(r=4, lora_alpha=8, target_modules=modules))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    adapter = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(adapter)
+    with torch.no_grad():
+        return adapter, model.eval()(tokens).logits, load_file(adapter / "adapter_model.safetensors")
+
+
+def test_a_lora_run_starts_from_a_peft_adapter_with_peft_s_logits(hf_base, peft_adapter, tmp_path):
+    """lora.init_from: the adapters peft saved go into the model in place of the seeded ones (B = 0), and the model
+    computes what peft's does; a run trains on from them."""
+    folder, tokens, _ = hf_base
+    adapter, peft_logits, peft_tensors = peft_adapter
+    overrides = [*LORA_NO_DROPOUT, f"checkpoint.init_from_hf='{folder}'", f"lora.init_from='{adapter}'"]
+    cfg = _cfg(overrides)
+    model = build_training_model(cfg, Runtime.create(cfg))
+    hf.import_hf([model], folder)
+    hf.import_peft([model], adapter)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), peft_logits, rtol=1e-5, atol=1e-5)
+
+    final = tmp_path / "final.safetensors"  # the trainer's own path: one AdamW step away from the adapter
+    train(_cfg([*overrides, "train.steps=1", f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.progress=false",
+                "metrics.tensorboard=false"]), save_final=str(final))
+    trained = load_file(final)
+    lr = 3e-3  # ADAMW's; an Adam step moves each value by about the lr
+    for name in _adapters([model]):
+        moved = (trained[name] - peft_tensors[hf.to_peft_name(name)]).abs().max()
+        assert 0 < moved < 2 * lr, (name, moved)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"r": 8}, ["r 8", "rank 4", "set lora.rank = 8, lora.alpha = 8 and lora.targets"]),
+    ({"lora_alpha": 16}, ["lora_alpha 16", "set lora.rank = 4, lora.alpha = 16"]),
+    ({"target_modules": ["q_proj", "v_proj"]}, ["on wq,wv", "lora.targets = ['wq', 'wv']"]),
+    ({"use_dora": True}, ["use_dora = True", "plain LoRA"]),
+    ({"target_modules": ".*proj"}, ["target_modules '.*proj'"]),
+    ({"peft_type": "IA3"}, ["IA3 adapter"]),
+])
+def test_a_peft_adapter_of_other_settings_is_refused_in_one_line(peft_adapter, tmp_path, change, words):
+    import shutil
+
+    from shardwise.config import ConfigError
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(peft_adapter[0], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError) as e:
+        _cfg([*LORA_NO_DROPOUT, f"lora.init_from='{adapter}'"])
+    message = str(e.value)
+    assert e.value.field == "lora.init_from" and "\n" not in message and all(w in message for w in words), message
+
+
+def test_a_peft_adapter_of_another_model_shape_is_refused_naming_the_tensor(peft_adapter, tmp_path):
+    """An adapter for another base (here: one layer fewer than the model, a narrower MLP) passes on its config
+    alone: its tensors are read (their headers) before any process starts."""
+    from shardwise.config import ConfigError
+
+    adapter = peft_adapter[0]
+    for other, words in ((["model.n_layers=5"], ["has no tensor base_model.model.model.layers.4."]),
+                         (["model.ffn_hidden=256"], ["down_proj.lora_A.weight of shape (4, 192)", "(4, 256)"])):
+        with pytest.raises(ConfigError) as e:
+            _cfg([*LORA_NO_DROPOUT, f"lora.init_from='{adapter}'", *other])
+        assert e.value.field == "lora.init_from" and all(w in str(e.value) for w in words), e.value
+    with pytest.raises(ConfigError) as e:
+        _cfg([*LORA_NO_DROPOUT, f"lora.init_from='{tmp_path}'"])
+    assert "adapter_config.json and no adapter_model.safetensors" in e.value.problem
+
+
 def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys):
     """A merged export over an earlier peft export left adapter_config.json beside the merged weights:
     transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word; and
@@ -445,8 +527,17 @@ def _resume(run, overrides, export_to=None):
     return {"step": step, "adapters": _adapters(state.parts), "next": _steps(state, cfg, runtime, 2)}
 
 
-def _two_rank_job(saved_by_one, run, export_to):
-    return {"resumed": _resume(saved_by_one, FSDP2, export_to), "saved": _save(run, FSDP2)}
+def _from_adapter(adapter, overrides):
+    """The adapters of a model of this layout given a peft adapter (lora.init_from), as full tensors."""
+    cfg = _cfg([*LORA_NO_DROPOUT, f"lora.init_from='{adapter}'", *overrides])
+    model = build_training_model(cfg, Runtime.create(cfg))
+    hf.import_peft([model], adapter)
+    return _adapters([model])
+
+
+def _two_rank_job(saved_by_one, run, export_to, adapter):
+    return {"resumed": _resume(saved_by_one, FSDP2, export_to), "saved": _save(run, FSDP2),
+            "from_adapter": [_from_adapter(adapter, layout) for layout in (FSDP2, ["parallel.tp=2"])]}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -454,10 +545,14 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.multiprocess
-def test_lora_checkpoint_reshards_between_one_process_and_fsdp2(tmp_path):
+def test_lora_checkpoint_reshards_between_one_process_and_fsdp2(tmp_path, peft_adapter):
     one, two, exported = tmp_path / "one", tmp_path / "two", tmp_path / "exported"
     by_one = _save(one, [])
-    out = run_distributed(_two_rank_job, 2, one, two, exported)[0]
+    out = run_distributed(_two_rank_job, 2, one, two, exported, peft_adapter[0])[0]
+    # a peft adapter goes into every rank's piece of every adapter, under FSDP (A and B split by rows) and tensor
+    # parallelism (A or B split after its base, the other whole)
+    for adapters in out["from_adapter"]:
+        assert _same(adapters, {n: peft_adapter[2][hf.to_peft_name(n)] for n in adapters})
     # one process -> FSDP over 2: every rank's shard of every adapter comes back (the full tensors gather both)
     assert out["resumed"]["step"] == 2 and _same(out["resumed"]["adapters"], by_one["adapters"])
     assert out["resumed"]["next"] == pytest.approx(by_one["next"], rel=1e-5)
