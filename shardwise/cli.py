@@ -245,6 +245,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="a training run's folder (its metrics.out_dir), with checkpoints")
     p.add_argument("--hf", dest="hf_dir", metavar="DIR",
                    help="a Hugging Face Llama or Mixtral folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--adapter", metavar="DIR", help="a peft LoRA adapter folder (adapter_config.json + "
+                   "adapter_model.safetensors) to apply on --hf's model, as peft.PeftModel.from_pretrained does")
     p.add_argument("--prompt", default="", help="text the model continues")
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (or at end-of-text)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (the most likely token each step)")
@@ -258,7 +260,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     _check_generate(args)  # before torch is imported or anything is loaded
     from shardwise.generate import Sampling, complete, load_hf, load_run
 
-    loaded = load_run(args.run_dir) if args.run_dir else load_hf(args.hf_dir)
+    loaded = load_run(args.run_dir) if args.run_dir else load_hf(args.hf_dir, args.adapter)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     text, stopped = complete(loaded, args.prompt, args.max_new_tokens, sampling)
     print(text)
@@ -277,12 +279,15 @@ def _check_generate(args: argparse.Namespace) -> None:
     missing = [n for n in needs if not (folder / n).exists()]
     if not folder.is_dir():
         raise ConfigError(flag, f"no folder {folder}", "pass the path of an existing folder")
-    if args.hf_dir and (folder / "adapter_config.json").is_file():
+    if args.adapter and not args.hf_dir:
+        raise ConfigError("--adapter", "given without --hf", "pass the base model's folder with --hf (a run's "
+                          "adapters are in its checkpoint: --run DIR alone)")
+    if args.hf_dir and (folder / "adapter_config.json").is_file() and not args.adapter:
         # peft's layout (an adapter beside its base, as export --format peft then base writes it): transformers
         # applies the adapter, and the weights read here were the base's alone, decoded without a word
-        raise ConfigError(flag, f"{folder} holds a peft adapter (adapter_config.json), which generate does not apply: "
-                          "its text would be the base model's", "generate from the run (--run DIR), or from a merged "
-                          "export of it (shardwise export --run DIR --out NEW --format merged) in another folder")
+        raise ConfigError(flag, f"{folder} holds a peft adapter (adapter_config.json), which generate applies only "
+                          "when asked: its text would be the base model's", f"pass --adapter {folder} to apply it "
+                          "on the base beside it")
     if missing:
         fix = ("train with checkpoint.enabled = true, and pass its metrics.out_dir" if args.run_dir
                else "copy the model's tokenizer.json (and config.json) from where the weights came from")

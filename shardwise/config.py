@@ -704,9 +704,21 @@ _PEFT_FEATURES = ("use_dora", "use_rslora", "fan_in_fan_out", "bias", "lora_bias
 
 
 def _validate_lora_init(lora: LoraConfig, model: ModelArgs) -> None:
-    """lora.init_from: a plain peft LoRA adapter of this run's rank, alpha and targets, holding a tensor of this
-    model's shape for every adapter and nothing else (read from the files' headers, without torch)."""
-    field, folder = "lora.init_from", Path(lora.init_from)
+    """lora.init_from: a peft adapter this model can hold (peft_adapter_lora), of this run's rank, alpha and
+    targets."""
+    theirs = peft_adapter_lora(lora.init_from, model, "lora.init_from")
+    if (theirs.rank, theirs.alpha, sorted(theirs.targets)) != (lora.rank, lora.alpha, sorted(lora.targets)):
+        raise ConfigError("lora.init_from", f"the adapter has r {theirs.rank}, lora_alpha {theirs.alpha:g} on "
+                          f"{','.join(sorted(theirs.targets))}; this run rank {lora.rank}, alpha {lora.alpha:g} on "
+                          f"{','.join(sorted(lora.targets))}", f"set lora.rank = {theirs.rank}, lora.alpha = "
+                          f"{theirs.alpha:g} and lora.targets = {theirs.targets}")
+
+
+def peft_adapter_lora(folder: str | os.PathLike, model: ModelArgs, field: str) -> LoraConfig:
+    """The LoRA of a peft adapter folder (its r, lora_alpha and target_modules; init_from the folder), checked to be
+    plain LoRA on a Llama block's projections holding a tensor of `model`'s shape for every adapter and nothing
+    else (read from the files' headers, without torch). `field`: what to name in a refusal."""
+    folder = Path(folder)
     missing = [name for name in PEFT_ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
         raise ConfigError(field, f"{folder} has no {' and no '.join(missing)}", "point it at a peft adapter folder "
@@ -728,13 +740,12 @@ def _validate_lora_init(lora: LoraConfig, model: ModelArgs) -> None:
     if not isinstance(modules, list) or not modules or any(m not in HF_PROJECTIONS for m in modules):
         raise ConfigError(field, f"its target_modules {modules!r} are not a list of a Llama block's projections",
                           f"start from an adapter on some of {', '.join(HF_PROJECTIONS)}")
-    theirs = (adapter.get("r"), adapter.get("lora_alpha"), sorted(HF_PROJECTIONS[m] for m in modules))
-    if theirs != (lora.rank, lora.alpha, sorted(lora.targets)):
-        raise ConfigError(field, f"the adapter has r {theirs[0]}, lora_alpha {theirs[1]} on {','.join(theirs[2])}; "
-                          f"this run rank {lora.rank}, alpha {lora.alpha:g} on {','.join(sorted(lora.targets))}",
-                          f"set lora.rank = {theirs[0]}, lora.alpha = {theirs[1]} and lora.targets = "
-                          f"{[t for t in LORA_TARGETS if t in theirs[2]]}")
-    expected = peft_adapter_shapes(model, lora.rank, lora.targets)
+    rank, alpha = adapter.get("r"), adapter.get("lora_alpha")
+    if not (isinstance(rank, int) and rank > 0 and isinstance(alpha, (int, float)) and alpha > 0):
+        raise ConfigError(field, f"its r {rank!r} and lora_alpha {alpha!r} are not a rank and a scale",
+                          "write it again with save_pretrained")
+    targets = [t for t in LORA_TARGETS if t in {HF_PROJECTIONS[m] for m in modules}]
+    expected = peft_adapter_shapes(model, rank, targets)
     held = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
     for key in sorted(expected.keys() | held.keys()):
         if held.get(key) != expected.get(key):
@@ -743,6 +754,7 @@ def _validate_lora_init(lora: LoraConfig, model: ModelArgs) -> None:
                     f"model's is {expected[key]}")
             raise ConfigError(field, f"{folder} {what}", "start from an adapter trained on this model's shape "
                               "(the base of its base_model_name_or_path)")
+    return LoraConfig(rank=rank, alpha=float(alpha), targets=targets, init_from=str(folder))
 
 
 def peft_adapter_shapes(model: ModelArgs, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:

@@ -184,10 +184,13 @@ def load_run(run_dir: str | Path) -> Loaded:
     return Loaded(model.eval(), tokenizer, [tokenizer.eos_id], [tokenizer.eos_id], cfg.train.precision)
 
 
-def load_hf(folder: str | Path) -> Loaded:
-    """A Hugging Face Llama folder (config.json, safetensors, tokenizer.json), as transformers would read it."""
+def load_hf(folder: str | Path, adapter: str | Path | None = None) -> Loaded:
+    """A Hugging Face Llama folder (config.json, safetensors, tokenizer.json), as transformers would read it; with
+    `adapter`, a peft LoRA adapter folder applied on it, as peft's PeftModel.from_pretrained would."""
+    from shardwise.config import peft_adapter_lora
     from shardwise.data import HFTokenizer
-    from shardwise.hf import import_hf
+    from shardwise.hf import import_hf, import_peft
+    from shardwise.lora import apply_lora
     from shardwise.model import build_model, materialize
     from shardwise.model_args import args_from_hf_config, hf_biases, hf_rope_scaling
 
@@ -215,12 +218,20 @@ def load_hf(folder: str | Path) -> Loaded:
         raise ConfigError("--hf", f"{folder}/tokenizer.json has {tokenizer.vocab_size} ids, more than the model's "
                           f"{args.vocab_size} (config.json's vocab_size): it is not this model's tokenizer",
                           "add the model's own tokenizer.json to the folder")
+    lora = peft_adapter_lora(adapter, args, "--adapter") if adapter else None
     model = build_model(args)
+    if lora is not None:
+        if args.n_experts:
+            raise ConfigError("--adapter", "the engine's LoRA adapts dense blocks, and this model is a mixture of "
+                              "experts", "apply the adapter with peft")
+        apply_lora(model, lora)
     materialize(model, args, "cuda" if torch.cuda.is_available() else "cpu", seed=0, init_values=False)
     try:
         import_hf([model], folder)  # every parameter: nothing of the uninitialised storage is left
     except ValueError as e:  # a missing tensor, another shape, biases: it was a traceback
         raise ConfigError("--hf", str(e).split("; fix: ")[0], "point it at a Llama or Mixtral folder") from None
+    if lora is not None:
+        import_peft([model], adapter)
     prefix = [config["bos_token_id"]] if config.get("bos_token_id") is not None else []
     return Loaded(model.eval(), tokenizer, prefix, _hf_stop_ids(folder, config, tokenizer.eos_id))
 

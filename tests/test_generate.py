@@ -1,6 +1,7 @@
 """Sampling: the KV cache against the training forward, transformers' filters and greedy `generate`, seeds, and
 `shardwise generate` on a run trained under a 2-rank layout and on a Hugging Face folder."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -400,7 +401,47 @@ def test_hf_folder_holding_a_peft_adapter_is_refused_in_one_line(hf_folder, tmp_
         assert main(["generate", "--hf", str(folder), "--prompt", "x"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("shardwise: error: --hf: "), err
-        assert "adapter_config.json" in err[0] and "--format merged" in err[0], err
+        assert "adapter_config.json" in err[0] and f"--adapter {folder}" in err[0], err
+    assert main(["generate", "--run", str(beside), "--adapter", str(beside), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --adapter: given without --hf"), err
+
+
+def test_hf_greedy_tokens_with_a_peft_adapter_match_peft_s_generate(hf_folder, tmp_path, capsys):
+    """`generate --hf BASE --adapter DIR` decodes what transformers + peft decode with that adapter on that base,
+    token for token; an adapter of another model's shape is refused naming the flag."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    folder, theirs = hf_folder
+    peft_model = get_peft_model(copy.deepcopy(theirs), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                  "v_proj", "down_proj"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    loaded = load_hf(folder, tmp_path / "adapter")
+    prompt = loaded.prefix + list(loaded.tokenizer.encode("def loads(s, *, cls=None"))
+    ours = generate_ids(loaded.model, prompt, 20, Sampling(temperature=0), loaded.stop_ids)
+    with torch.no_grad():
+        out = peft_model.eval().generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
+                                         eos_token_id=2, pad_token_id=0)
+        base = theirs.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=2,
+                               pad_token_id=0)
+    assert ours == out[0, len(prompt):].tolist() != base[0, len(prompt):].tolist()
+    args = ["generate", "--hf", str(folder), "--prompt", "x", "--adapter", str(tmp_path / "adapter")]
+    assert main(args) == 0
+    capsys.readouterr()
+    other = tmp_path / "other"  # the adapter of a model with another MLP width
+    other_model = get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4)), LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]))
+    other_model.save_pretrained(other)
+    assert main([*args[:-1], str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise: error: --adapter: ") and "down_proj" in err[0], err
 
 
 def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_path, capsys):

@@ -379,15 +379,33 @@ def test_a_lora_run_starts_from_a_peft_adapter_with_peft_s_logits(hf_base, peft_
         assert 0 < moved < 2 * lr, (name, moved)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"r": 8}, ["r 8", "rank 4", "set lora.rank = 8, lora.alpha = 8 and lora.targets"]),
+@pytest.mark.parametrize("peft_settings, words", [
+    ({"r": 8}, ["r 8, lora_alpha 8", "rank 4", "set lora.rank = 8, lora.alpha = 8 and lora.targets"]),
     ({"lora_alpha": 16}, ["lora_alpha 16", "set lora.rank = 4, lora.alpha = 16"]),
-    ({"target_modules": ["q_proj", "v_proj"]}, ["on wq,wv", "lora.targets = ['wq', 'wv']"]),
+    ({"target_modules": ["v_proj", "q_proj"]}, ["on wq,wv", "lora.targets = ['wq', 'wv']"]),
+])
+def test_a_peft_adapter_of_another_rank_alpha_or_targets_names_the_values_to_set(hf_base, tmp_path, peft_settings,
+                                                                                 words):
+    from peft import LoraConfig, get_peft_model
+
+    from shardwise.config import ConfigError
+
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"], **peft_settings}
+    get_peft_model(_hf_model(hf_base[0]), LoraConfig(**settings)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        _cfg([*LORA_NO_DROPOUT, f"lora.init_from='{tmp_path}'"])
+    message = str(e.value)
+    assert e.value.field == "lora.init_from" and "\n" not in message and all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("change, words", [
     ({"use_dora": True}, ["use_dora = True", "plain LoRA"]),
     ({"target_modules": ".*proj"}, ["target_modules '.*proj'"]),
     ({"peft_type": "IA3"}, ["IA3 adapter"]),
 ])
-def test_a_peft_adapter_of_other_settings_is_refused_in_one_line(peft_adapter, tmp_path, change, words):
+def test_a_peft_adapter_with_what_the_engine_s_lora_lacks_is_refused_in_one_line(peft_adapter, tmp_path, change,
+                                                                                   words):
     import shutil
 
     from shardwise.config import ConfigError
