@@ -20,6 +20,7 @@ state also holds the seed, the global batch and the sample count, which a resume
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -51,6 +52,11 @@ JSONL_SUFFIX = ".jsonl"
 """A file with this ending holds one JSON object per line, each a document (torchtune's and `datasets`' JSON Lines)."""
 JSONL_FIELD = "text"
 """The field of a JSON Lines record that holds its text."""
+PROMPT_FIELDS = ("prompt", "completion")
+"""The fields of a JSON Lines record that is a prompt and its completion (TRL's prompt-completion format): the loss
+counts the completion's tokens and the end-of-text after it, not the prompt's (torchtune's train_on_input = False)."""
+IGNORE_INDEX = -100
+"""The target of a token the loss does not count (a prompt's): F.cross_entropy's ignore_index."""
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 """Folders of the standard library left out of the default corpus: tests and tools, not library text."""
 STDLIB_MAX_FILE_BYTES = 1 << 20
@@ -176,13 +182,19 @@ _NOT_UTF8_WARNED: set[Path] = set()
 """Files `_read_text` has warned about in this process (the BPE's training and the packing both read them)."""
 
 
-def _file_documents(path: Path) -> Iterator[str]:
-    """The documents of one corpus file: its whole text, or for a .jsonl file each line's "text" field (blank
-    lines skipped). Until 2026-12-01 a .jsonl file was read as one document of JSON syntax, and skipped in folders."""
+Document = str | tuple[str, str]
+"""A document's text, or a prompt and its completion."""
+
+
+def _file_documents(path: Path) -> Iterator[Document]:
+    """The documents of one corpus file: its whole text, or for a .jsonl file each line's "text" field, or its
+    "prompt" and "completion" (blank lines skipped). Until 2026-12-01 a .jsonl file was read as one document of JSON
+    syntax, and skipped in folders."""
     if path.suffix != JSONL_SUFFIX:
         yield _read_text(path)
         return
-    fix = f'give every line a "{JSONL_FIELD}" string, or take the file out of data.paths'
+    fix = (f'give every line a "{JSONL_FIELD}" string, or "{PROMPT_FIELDS[0]}" and "{PROMPT_FIELDS[1]}" strings, or '
+           "take the file out of data.paths")
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -191,15 +203,26 @@ def _file_documents(path: Path) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError as e:
                 raise ConfigError("data.paths", f"{path} line {n} is not JSON ({e})", fix) from None
-            text = record.get(JSONL_FIELD) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ConfigError("data.paths", f'{path} line {n} has no "{JSONL_FIELD}" string', fix)
-            yield text
+            record = record if isinstance(record, dict) else {}
+            pair = tuple(record.get(key) for key in PROMPT_FIELDS)
+            if isinstance(record.get(JSONL_FIELD), str):
+                yield record[JSONL_FIELD]
+            elif all(isinstance(x, str) for x in pair):
+                yield pair
+            else:
+                raise ConfigError("data.paths", f'{path} line {n} has no "{JSONL_FIELD}" string and no '
+                                  f'"{PROMPT_FIELDS[0]}" and "{PROMPT_FIELDS[1]}" strings', fix)
 
 
-def _documents(files: list[Path]) -> Iterator[str]:
+def _documents(files: list[Path]) -> Iterator[Document]:
     for path in files:
         yield from _file_documents(path)
+
+
+def _texts(files: list[Path]) -> Iterator[str]:
+    """Every document's text (a prompt and its completion as the one text they make): what a BPE learns from."""
+    for document in _documents(files):
+        yield document if isinstance(document, str) else "".join(document)
 
 
 def _packing_rule(files: list[Path]) -> dict:
@@ -439,7 +462,7 @@ def _train_bpe(files: list[Path], vocab_size: int) -> tokenizers.Tokenizer:
         vocab_size=vocab_size, special_tokens=[EOS_NAMES[0]],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(_documents(files), trainer=trainer)
+    tok.train_from_iterator(_texts(files), trainer=trainer)
     return tok
 
 
@@ -482,10 +505,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class _ShardWriter:
-    """Cuts the token stream into files of exactly shard_tokens tokens (the last one shorter)."""
+    """Cuts the token stream (or its loss mask, `kind` "mask") into files of exactly shard_tokens tokens (the last
+    one shorter)."""
 
-    def __init__(self, folder: Path, shard_tokens: int, dtype: np.dtype):
-        self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, dtype
+    def __init__(self, folder: Path, shard_tokens: int, dtype: np.dtype, kind: str = "shard"):
+        self.folder, self.shard_tokens, self.dtype, self.kind = folder, shard_tokens, dtype, kind
         self.counts: list[int] = []
         self._pending: list[np.ndarray] = []
         self._n = 0
@@ -506,43 +530,52 @@ class _ShardWriter:
             self._write(np.concatenate(self._pending))
 
     def _write(self, tokens: np.ndarray) -> None:
-        with open(self.folder / _shard_name(len(self.counts)), "wb") as f:
+        with open(self.folder / _shard_name(len(self.counts), self.kind), "wb") as f:
             tokens.tofile(f)
             f.flush()
             os.fsync(f.fileno())  # the rename that publishes the cache must not outrun the data
         self.counts.append(len(tokens))
 
 
-def _shard_name(index: int) -> str:
-    return f"shard_{index:05d}.bin"
+def _shard_name(index: int, kind: str = "shard") -> str:
+    return f"{kind}_{index:05d}.bin"
 
 
-def _encoded_documents(tokenizer: Tokenizer, files: list[Path]) -> Iterator[Sequence[int] | np.ndarray]:
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    if encode_batch is None:
-        for text in _documents(files):
-            yield tokenizer.encode(text)
-        return
-    batch: list[str] = []
-    for text in _documents(files):
-        batch.append(text)
-        if len(batch) == DOCS_PER_ENCODE_BATCH:
-            yield from encode_batch(batch)
-            batch = []
-    if batch:
-        yield from encode_batch(batch)
+def _encoded_documents(tokenizer: Tokenizer, files: list[Path]) -> Iterator[tuple[np.ndarray, int]]:
+    """Each document's ids, and how many of them lead it as a prompt (0 for a text). A prompt and its completion
+    are encoded apart, so that no token spans the two."""
+    encode_batch = getattr(tokenizer, "encode_batch", lambda texts: [tokenizer.encode(t) for t in texts])
+    documents = _documents(files)
+    while batch := list(itertools.islice(documents, DOCS_PER_ENCODE_BATCH)):
+        pieces = iter(encode_batch([text for doc in batch for text in ([doc] if isinstance(doc, str) else doc)]))
+        for doc in batch:
+            ids = np.asarray(next(pieces), dtype=np.int64)
+            if isinstance(doc, str):
+                yield ids, 0
+            else:
+                yield np.concatenate([ids, np.asarray(next(pieces), dtype=np.int64)]), len(ids)
 
 
-def _pack(files: list[Path], tokenizer: Tokenizer, folder: Path, shard_tokens: int) -> list[int]:
-    """Write every document followed by eos into folder's shards; returns tokens per shard."""
+def _pack(files: list[Path], tokenizer: Tokenizer, folder: Path, shard_tokens: int) -> tuple[list[int], bool]:
+    """Write every document followed by eos into folder's shards; returns tokens per shard, and whether a loss mask
+    was written beside them (mask shards, one byte per token, 0 for a prompt's tokens: as targets they count in
+    no loss; written once the corpus has its first prompt)."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
-    writer = _ShardWriter(folder, shard_tokens, dtype)
-    for ids in _encoded_documents(tokenizer, files):
-        writer.add(np.asarray(ids).astype(dtype, copy=False))
+    writer, masks, written = _ShardWriter(folder, shard_tokens, dtype), None, 0
+    for ids, prompt in _encoded_documents(tokenizer, files):
+        if prompt and masks is None:
+            masks = _ShardWriter(folder, shard_tokens, np.dtype(np.uint8), kind="mask")
+            masks.add(np.ones(written, np.uint8))  # the texts before it count whole
+        writer.add(ids.astype(dtype, copy=False))
         writer.add(eos)
+        if masks is not None:
+            masks.add(np.repeat(np.array([0, 1], np.uint8), [prompt, len(ids) - prompt + 1]))  # + its eos
+        written += len(ids) + 1
     writer.close()
-    return writer.counts
+    if masks is not None:
+        masks.close()
+    return writer.counts, masks is not None
 
 
 def _build_cache(folder: Path, files: list[Path], tokenizer: Tokenizer, shard_tokens: int, corpus: list) -> None:
@@ -558,10 +591,11 @@ def _build_cache(folder: Path, files: list[Path], tokenizer: Tokenizer, shard_to
         raise _cache_folder_error(folder.parent, e) from None
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache_dir from other users
     try:
-        counts = _pack(files, tokenizer, tmp, shard_tokens)
+        counts, masked = _pack(files, tokenizer, tmp, shard_tokens)
         manifest = {
             "format": FORMAT_VERSION, "dtype": token_dtype(tokenizer.vocab_size).name,
             "shards": [{"file": _shard_name(i), "tokens": n} for i, n in enumerate(counts)],
+            "masks": [_shard_name(i, "mask") for i in range(len(counts))] if masked else [],
             "num_tokens": sum(counts), "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id, "shard_tokens": shard_tokens, "corpus": corpus,
         }
@@ -597,7 +631,8 @@ def _load_manifest(folder: Path, tokenizer_name: str) -> dict | None:
     complete = manifest.get("format") == FORMAT_VERSION and manifest.get("tokenizer") == tokenizer_name and all(
         (folder / s["file"]).is_file() and (folder / s["file"]).stat().st_size == s["tokens"] * itemsize
         for s in manifest["shards"]
-    )
+    ) and all((folder / m).is_file() and (folder / m).stat().st_size == s["tokens"]
+              for m, s in zip(manifest.get("masks", []), manifest["shards"]))
     return manifest if complete else None
 
 
@@ -631,6 +666,9 @@ class TokenDataset:
             np.memmap(folder / s["file"], dtype=manifest["dtype"], mode="r", shape=(s["tokens"],))
             for s in manifest["shards"]
         ]
+        self._masks = [np.memmap(folder / m, dtype=np.uint8, mode="r", shape=(s["tokens"],))
+                       for m, s in zip(manifest.get("masks", []), manifest["shards"])]
+        """Per token, 1 where it counts as a target (empty: every token does)."""
         self._offsets = np.cumsum([0] + [s["tokens"] for s in manifest["shards"]])
         self.num_tokens = int(self._offsets[-1])
         self._splits = _split_layout(self.num_tokens, seq_len, val_fraction)
@@ -656,24 +694,39 @@ class TokenDataset:
 
     def sample(self, split: str, index: int) -> np.ndarray:
         """Tokens [i*L, i*L + L + 1) of the split: L inputs and, shifted by one, L targets."""
+        first = self._first(split, index)
+        return self._read(self._shards, first, first + self.seq_len + 1)
+
+    @property
+    def masked(self) -> bool:
+        """Whether some targets count in no loss (the corpus has prompts)."""
+        return bool(self._masks)
+
+    def counted(self, split: str, index: int) -> np.ndarray:
+        """Which of sample i's L targets count in the loss (bool; all of them where the corpus has no prompt)."""
+        first = self._first(split, index)
+        if not self._masks:
+            return np.ones(self.seq_len, bool)
+        return self._read(self._masks, first + 1, first + self.seq_len + 1).astype(bool)
+
+    def _first(self, split: str, index: int) -> int:
         start, n = self._split(split)
         if not 0 <= index < n:
             raise IndexError(f"sample {index} outside the {split} split's {n} samples")
-        first = start + index * self.seq_len
-        return self._read(first, first + self.seq_len + 1)
+        return start + index * self.seq_len
 
     def _split(self, split: str) -> tuple[int, int]:
         if split not in self._splits:
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         return self._splits[split]
 
-    def _read(self, lo: int, hi: int) -> np.ndarray:
-        """Tokens [lo, hi) of the whole stream, copied out of however many shards they span."""
+    def _read(self, shards: list[np.memmap], lo: int, hi: int) -> np.ndarray:
+        """Tokens (or mask values) [lo, hi) of the whole stream, copied out of however many shards they span."""
         k = int(np.searchsorted(self._offsets, lo, side="right")) - 1
         parts = []
         while lo < hi:
             end = min(hi, int(self._offsets[k + 1]))
-            parts.append(self._shards[k][lo - self._offsets[k] : end - self._offsets[k]])
+            parts.append(shards[k][lo - self._offsets[k] : end - self._offsets[k]])
             lo, k = end, k + 1
         return np.concatenate(parts)
 
@@ -690,13 +743,28 @@ class Batch:
     """(b, seq_len) int64: inputs shifted left by one."""
     sample_ids: list[int]
     """Index of each row's sample within its split, to check that every sample is read once."""
+    step_targets: int | None = None
+    """The targets that count in the loss over the whole step (every micro-batch of every data-parallel rank): what
+    the summed loss is divided by. None: every target of the step's batches counts."""
+    masked: bool = False
+    """Whether some targets may be IGNORE_INDEX (the corpus has prompts): the loss must look for them."""
 
 
-def _make_batch(dataset: TokenDataset, split: str, ids: list[int]) -> Batch:
+def _make_batch(dataset: TokenDataset, split: str, ids: list[int], step_targets: int | None = None) -> Batch:
     import torch  # here, not at the top: `prepare` runs in the launcher, before torch is needed (see there)
 
     rows = torch.from_numpy(np.stack([dataset.sample(split, i) for i in ids]).astype(np.int64))
-    return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), sample_ids=ids)
+    targets = rows[:, 1:].contiguous()
+    if dataset.masked:
+        counted = torch.from_numpy(np.stack([dataset.counted(split, i) for i in ids]))
+        targets.masked_fill_(~counted, IGNORE_INDEX)
+    return Batch(inputs=rows[:, :-1].contiguous(), targets=targets, sample_ids=ids, step_targets=step_targets,
+                 masked=dataset.masked)
+
+
+def counted_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many of `targets` count in the loss (those that are not IGNORE_INDEX)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -737,13 +805,17 @@ class DataLoader:
     def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches this rank feeds into the next optimizer step."""
         share = self.global_batch // self.dp_size
-        first = self.step_in_epoch * self.global_batch + self.dp_rank * share
-        ids = self._permutation()[first : first + share].tolist()
+        step = self.step_in_epoch * self.global_batch
+        every = self._permutation()[step : step + self.global_batch].tolist()  # every rank's samples of the step
+        ids = every[self.dp_rank * share : (self.dp_rank + 1) * share]
         self.step_in_epoch += 1
         if self.step_in_epoch == self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        # with a loss mask, what the step's loss is divided by: its counted targets, the same number on every rank
+        counted = int(sum(self.dataset.counted(self.split, i).sum() for i in every)) if self.dataset.masked else None
         mb = self.micro_batch
-        return [_make_batch(self.dataset, self.split, ids[i * mb : (i + 1) * mb]) for i in range(self.grad_accum)]
+        return [_make_batch(self.dataset, self.split, ids[i * mb : (i + 1) * mb], counted)
+                for i in range(self.grad_accum)]
 
     def _permutation(self) -> torch.Tensor:
         import torch

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from shardwise.data import IGNORE_INDEX
 from shardwise.model_args import head_rows
 
 
@@ -52,14 +53,16 @@ def autocast_forward(module: nn.Module, precision: str, device: torch.device) ->
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) token cross-entropy of one micro-batch, in fp32 whatever the logits' dtype.
+    """Summed (not averaged) token cross-entropy of one micro-batch, in fp32 whatever the logits' dtype; targets of
+    IGNORE_INDEX (a prompt's tokens) count in neither the sum nor the gradient.
 
-    Summed so that micro-batches and ranks add up: the caller divides by the global batch's token count.
+    Summed so that micro-batches and ranks add up: the caller divides by the global batch's counted targets.
     """
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignored: bool = False
+                  ) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, targets)` without the logits: the output head and the cross-entropy
     fused, a block of tokens at a time (Liger-Kernel's fused linear cross-entropy, in PyTorch operators).
 
@@ -77,6 +80,11 @@ def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     tokens whose target it holds; the loss is then summed over the ranks, so every rank returns the whole of it.
     The input is gathered whole to every rank (from its sequence slices under sequence parallelism), and its
     gradient, a partial sum over each rank's rows, is reduced back by DTensor on the way.
+
+    `ignored`: some targets may be IGNORE_INDEX (a prompt's tokens), which count in neither the loss nor the
+    gradient (F.cross_entropy's ignore_index). Said by the caller, who knows it from the data without asking the
+    device; False keeps the plain path (such a target then has no loss, but its row's softmax still reaches the
+    gradient).
     """
     device = hidden.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
@@ -85,7 +93,7 @@ def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         hidden, weight, vocab = _vocab_parallel(hidden, weight)
     with torch.autocast(device.type, enabled=False):
         return _HeadLoss.apply(hidden.flatten(0, -2), weight, targets.flatten(), dtype, torch.is_grad_enabled(),
-                               vocab)
+                               vocab, ignored)
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,7 @@ def _log_softmax(logits: torch.Tensor, vocab: _VocabShard | None) -> torch.Tenso
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, dtype, with_grad, vocab):
+    def forward(ctx, hidden, weight, targets, dtype, with_grad, vocab, ignored):
         h, w = hidden.to(dtype), weight.to(dtype)
         grad_h = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad and weight.requires_grad else None
@@ -141,11 +149,12 @@ class _HeadLoss(torch.autograd.Function):
         for start in range(0, h.shape[0], rows):
             h_c, t_c = h[start:start + rows], targets[start:start + rows, None]
             log_p = _log_softmax(torch.mm(h_c, w.t()).float(), vocab)
-            if vocab is None:
+            if vocab is None and not ignored:
                 total -= log_p.gather(1, t_c).sum()
                 one_hot = torch.full(t_c.shape, -1.0, device=t_c.device)
-            else:  # the targets among this rank's rows; the others' loss is another rank's
-                t_c = t_c - vocab.first
+            else:  # the targets among this rank's rows (the others' loss is another rank's) that count in the loss
+                counted = t_c != IGNORE_INDEX
+                t_c = t_c - (vocab.first if vocab is not None else 0)
                 held = (t_c >= 0) & (t_c < w.shape[0])
                 t_c = t_c.masked_fill(~held, 0)
                 total -= log_p.gather(1, t_c).masked_fill(~held, 0.0).sum()
@@ -153,6 +162,8 @@ class _HeadLoss(torch.autograd.Function):
             if grad_h is None and grad_w is None:
                 continue
             grad = log_p.exp_()  # d(-log p_t)/d logits = softmax - one_hot(t)
+            if ignored:
+                grad.mul_(counted)  # none for a target that counts in no loss
             grad.scatter_add_(1, t_c, one_hot)
             grad = grad.to(dtype)
             if grad_h is not None:
@@ -186,4 +197,4 @@ class _HeadLoss(torch.autograd.Function):
         else:  # checked on the device, without waiting for it
             torch._assert_async(ctx.scaled_by == grad_total, "the fused head's backward ran twice with different "
                                 "output gradients")
-        return grad_h, grad_w.to(ctx.weight_dtype) if grad_w is not None else None, None, None, None, None
+        return grad_h, grad_w.to(ctx.weight_dtype) if grad_w is not None else None, None, None, None, None, None

@@ -564,10 +564,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, ignored: bool = False) -> torch.Tensor:
         """Logits for (batch, seq) token ids; `positions` (seq,) selects rotary rows when the sequence is a slice.
         Given `targets` (batch, seq) (only with `fused_loss`): their summed token cross-entropy instead, computed
-        with the output head (`shardwise.loss.head_loss_sum`), so that the logits are never made whole.
+        with the output head (`shardwise.loss.head_loss_sum`), so that the logits are never made whole; `ignored`:
+        some targets are IGNORE_INDEX (a prompt's tokens, counted in no loss).
 
         A pipeline stage may have no embedding (it then takes hidden states) or no output head (it then
         returns hidden states); a last stage whose head runs in the schedule's loss (`head_in_loss`) returns its
@@ -580,7 +581,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if targets is not None:
-            return head_loss_sum(h, self.output.weight, targets)
+            return head_loss_sum(h, self.output.weight, targets, ignored)
         if self.head_in_loss:
             # DTensor.to_local() returns a view, on which FSDP2 warns that an in-place op would drop its backward
             # hook (nothing here writes it in place); the copy is one micro-batch's normalised hidden states, and

@@ -127,14 +127,17 @@ def build_grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradS
 def loss_sum(
     model: nn.Module, batch: data.Batch, device: torch.device, precision: str, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """One micro-batch through `model` under the precision's autocast: its summed fp32 token cross-entropy, the
-    head fused with the loss when the model allows it (Transformer.fused_loss)."""
+    """One micro-batch through `model` under the precision's autocast: its summed fp32 token cross-entropy over the
+    targets that count (Batch.masked), the head fused with the loss when the model allows it
+    (Transformer.fused_loss)."""
     tokens = batch.inputs.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
     fused = getattr(model, "fused_loss", False)
     with autocast_context(precision, device):
-        out = model(tokens, positions, targets=targets if fused else None)
-    return out if fused else token_loss_sum(out, targets)
+        if fused:
+            return model(tokens, positions, targets=targets, ignored=batch.masked)
+        out = model(tokens, positions)
+    return token_loss_sum(out, targets)
 
 
 def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -204,12 +207,12 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, then one optimizer step.
 
-    Each micro-batch's summed loss is divided by the token count of the whole global batch (all micro-batches
-    and all data-parallel ranks), so the accumulated gradient is that of the mean loss over the global batch
-    however it is split: k micro-batches of b/k give the gradient of one batch of b, and data-parallel
-    gradients are summed, not averaged.
+    Each micro-batch's summed loss is divided by the counted targets of the whole global batch (all micro-batches
+    and all data-parallel ranks: `global_tokens`, or the batches' step_targets where a loss mask leaves some out),
+    so the accumulated gradient is that of the mean loss over the global batch however it is split: k
+    micro-batches of b/k give the gradient of one batch of b, and data-parallel gradients are summed, not averaged.
     """
-    global_tokens = global_tokens or sum(b.targets.numel() for b in batches)
+    global_tokens = loss_divisor(batches, global_tokens)
     total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         positions = None
@@ -226,12 +229,21 @@ def train_step(
                           pp_group=runtime.pp_group if runtime else None)
 
 
+def loss_divisor(batches: list[data.Batch], global_tokens: int | None = None) -> int:
+    """What a step's summed token loss is divided by: its counted targets (the loader's step_targets, where a loss
+    mask leaves a prompt's tokens out; at least 1, for a step of prompts alone), else `global_tokens`, else every
+    target of `batches` (one rank's step)."""
+    if batches and batches[0].step_targets is not None:
+        return max(batches[0].step_targets, 1)
+    return global_tokens or sum(b.targets.numel() for b in batches)
+
+
 def pipeline_train_step(
     pipe: Pipeline, optimizer, scaler: torch.amp.GradScaler, batches: list[data.Batch], *, grad_clip: float,
     global_tokens: int, runtime: Runtime,
 ) -> StepResult:
     """`train_step` for a pipeline: the schedule runs every micro-batch of the step, then one optimizer step."""
-    total = forward_backward(pipe, batches, global_tokens=global_tokens, runtime=runtime)
+    total = forward_backward(pipe, batches, global_tokens=loss_divisor(batches, global_tokens), runtime=runtime)
     return optimizer_step(pipe.parameters(), optimizer, scaler, grad_clip, total, pp_group=runtime.pp_group)
 
 
@@ -302,7 +314,8 @@ def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tens
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, precision: str,
              runtime: Runtime | None = None) -> float:
-    """Mean token loss over the validation micro-batches (each data-parallel rank evaluates its share)."""
+    """Mean token loss over the validation micro-batches' counted targets (each data-parallel rank evaluates its
+    share)."""
     if isinstance(model, Pipeline):
         total, tokens = evaluate_sums(model, batches, runtime)
         for stage in model_parts(model):
@@ -318,7 +331,7 @@ def evaluate(model: nn.Module, batches: list[data.Batch], device: torch.device, 
         if runtime is not None:
             batch, positions = runtime.shard_sequence(batch)
         total += loss_sum(model, batch, device, precision, positions)
-        tokens += batch.targets.numel()
+        tokens += data.counted_targets(batch.targets)
     reshard_after_evaluation(model)
     model.train()
     if runtime is not None:

@@ -154,13 +154,62 @@ def test_jsonl_documents_through_a_bpe(tmp_path, bpe_json):
 
 
 @pytest.mark.parametrize("line, problem", [("{bad", "is not JSON"), ('{"content": "x"}', 'has no "text" string'),
-                                           ('["text"]', 'has no "text" string'), ('{"text": 3}', 'has no "text"')])
+                                           ('["text"]', 'has no "text" string'), ('{"text": 3}', 'has no "text"'),
+                                           ('{"prompt": "x"}', 'has no "text" string and no "prompt"')])
 def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, line, problem):
     (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
     cfg = make_cfg(tmp_path / "d.jsonl", tmp_path / "cache")
     with pytest.raises(ConfigError) as e:
         data.TokenDataset.build(cfg, data.ByteTokenizer())
     assert e.value.field == "data.paths" and f"d.jsonl line 2 {problem}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompt_completion_records_count_only_the_completion_and_its_end_of_text(tmp_path):
+    """A "prompt"/"completion" record is one document whose prompt tokens count in no loss (their targets are
+    IGNORE_INDEX); its completion and the eos after it count, as every token of a "text" record and of a text file
+    does. Expected, with bytes as tokens: the stream and, per token as a target, whether it counts."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    records = [{"text": "ab"}, {"prompt": "Q?", "completion": "yes"}, {"prompt": "", "completion": "z"}]
+    (folder / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (folder / "b.txt").write_text("hi")
+    stream, counts = [], []
+    for text, prompt in (("ab", ""), ("Q?yes", "Q?"), ("z", ""), ("hi", "")):
+        stream += [*text.encode(), 256]
+        counts += [False] * len(prompt) + [True] * (len(text) - len(prompt) + 1)
+    cfg = make_cfg(folder, tmp_path / "cache", seq_len=4, val_fraction=0.0)
+    ds = data.TokenDataset.build(cfg, data.ByteTokenizer())
+    np.testing.assert_array_equal(stream_on_disk(ds), stream)
+    assert ds.masked and ds.num_samples("train") == 3
+    for i in range(3):
+        np.testing.assert_array_equal(ds.counted("train", i), counts[4 * i + 1 : 4 * i + 5])
+    batch = data.DataLoader(ds, micro_batch=1, grad_accum=3).next_step()
+    for b in batch:
+        i = b.sample_ids[0]
+        expected = [t if c else data.IGNORE_INDEX for t, c in zip(stream[4 * i + 1 : 4 * i + 5],
+                                                                  counts[4 * i + 1 : 4 * i + 5])]
+        assert b.targets[0].tolist() == expected and b.masked
+        assert b.step_targets == sum(counts[1:13])  # the whole step's counted targets, on every micro-batch
+    text_only = data.TokenDataset.build(make_cfg(folder / "b.txt", tmp_path / "cache", seq_len=2, val_fraction=0.0),
+                                      data.ByteTokenizer())
+    assert not text_only.masked and not text_only.manifest["masks"]  # no mask files for a corpus without prompts
+    assert data.DataLoader(text_only, micro_batch=1, grad_accum=1).next_step()[0].step_targets is None
+
+
+def test_prompt_completion_records_through_a_bpe_are_encoded_apart(tmp_path, bpe_json):
+    """A prompt and its completion are encoded separately (no token spans the two), the prompt's tokens masked."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    record = {"prompt": "def f(x):\n    return", "completion": " x + 1\n"}
+    (folder / "a.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = make_cfg(folder, tmp_path / "cache", tokenizer=str(bpe_json), seq_len=2, val_fraction=0.0)
+    tok = data.build_tokenizer(cfg, tmp_path / "cache")
+    ds = data.TokenDataset.build(cfg, tok, tmp_path / "cache")
+    prompt, completion = tok.encode(record["prompt"]), tok.encode(record["completion"])
+    assert stream_on_disk(ds).tolist() == [*prompt, *completion, tok.eos_id]
+    counted = np.concatenate([ds.counted("train", i) for i in range(ds.num_samples("train"))])
+    expected = [False] * (len(prompt) - 1) + [True] * (len(completion) + 1)  # targets: the stream from token 1
+    assert counted.tolist() == expected[: len(counted)]
 
 
 def test_bytes_that_are_not_utf8_are_replaced_with_a_warning_naming_the_file(tmp_path, caplog):

@@ -165,6 +165,31 @@ def test_fused_head_loss_survives_the_zero_bubble_split_backward():
         torch.autograd.grad(loss * 0.5, [weight])
 
 
+def test_fused_head_loss_leaves_out_ignored_targets_as_torchs_cross_entropy_does():
+    """Targets of IGNORE_INDEX (a prompt's tokens) count in neither the fused loss nor its gradients: torch's
+    cross-entropy on the logits with ignore_index is the reference, in fp32 and under bf16 autocast."""
+    import torch.nn.functional as F
+
+    from shardwise.data import IGNORE_INDEX
+    from shardwise.loss import head_loss_sum
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 16, generator=gen, requires_grad=True)  # several blocks of rows
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (300,), generator=gen)
+    targets[::3] = IGNORE_INDEX
+    targets[:80] = IGNORE_INDEX  # a whole block of rows left out
+    for dtype, tol in ((None, 1e-5), (torch.bfloat16, 2e-2)):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            ref = F.cross_entropy((hidden @ weight.t()).float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)
+            loss = head_loss_sum(hidden, weight, targets, ignored=True)
+        assert loss.item() == pytest.approx(ref.item(), rel=tol)
+        for got, want in zip(torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(ref, [hidden, weight])):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        (grad_h,) = torch.autograd.grad(head_loss_sum(hidden, weight, targets, ignored=True), [hidden])
+        assert grad_h[:80].abs().max() == 0
+
+
 def test_cpu_rmsnorm_is_torchs_to_fp32_rounding_and_its_backward_is_the_derivative():
     """The engine's fp32 CPU RMSNorm (model._RMSNorm) against torch's rms_norm: the same output and gradients to
     fp32 rounding; its hand-written backward against finite differences (float64); a frozen weight gets no

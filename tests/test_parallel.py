@@ -101,6 +101,23 @@ def test_layouts_match_single_device(group):
 
 
 @pytest.mark.multiprocess
+def test_prompt_completion_training_matches_single_device(tmp_path):
+    """A corpus of prompts and completions (the loss over the completions' tokens only, divided by the step's count
+    of them) trains under FSDP with accumulation, TP + SP (the vocabulary-parallel fused loss), a pipeline (the
+    last stage's fused loss) and context parallelism (sequence slices) as on one device."""
+    corpus = tmp_path / "sft.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": f"Q: {i} + {i % 7}?\nA: ", "completion": f"{i + i % 7}"}) + "\n"
+                              for i in range(600)))
+    layouts = ["dp_shard=2,grad_accum=2", "tp=2,sequence_parallel=true", "pp=2", "cp=2"]
+    proc = _shardwise("verify", "--config", CONFIG, "--steps", "3", "--json", f"--set=data.paths=['{corpus}']",
+                      f"--set=data.cache_dir='{tmp_path / 'cache'}'", *[a for x in layouts for a in ("--layout", x)])
+    assert proc.stdout, proc.stderr[-3000:]
+    for row in json.loads(proc.stdout)["layouts"]:
+        assert max(row["loss_rel"], row["grad_norm_rel"], row["param_rel"]) <= 1e-5, row
+    assert proc.returncode == 0
+
+
+@pytest.mark.multiprocess
 def test_a_layout_verifies_the_same_alone_and_after_another_in_its_launch():
     """`verify` trains the layouts of one world size in turn in one launch: with compiled blocks, tp=2 after
     other layouts gives exactly the figures of tp=2 alone (each run compiles for itself; a compile cache kept
@@ -165,7 +182,7 @@ def test_vocab_parallel_embedding_keeps_its_rows_of_the_gradient():
             assert placement_r == (Replicate(),) and shape_r == (1001, 16)
 
 
-def _vocab_parallel_heads():
+def _vocab_parallel_heads(ignored: bool):
     """The fused head and loss (shardwise.loss.head_loss_sum) on one device and split by vocabulary rows over the
     ranks (1001 rows, not divisible by 2; 96 tokens, so the loss runs in blocks), with the input replicated and
     as sequence slices (sequence parallelism): loss, input gradient and weight gradient, gathered whole."""
@@ -174,12 +191,15 @@ def _vocab_parallel_heads():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+    from shardwise.data import IGNORE_INDEX
     from shardwise.loss import head_loss_sum
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     hidden, weight, targets = torch.randn(2, 48, 16), torch.randn(1001, 16) * 0.3, torch.randint(0, 1001, (2, 48))
     targets[0, :3] = torch.tensor([0, 500, 1000])  # the first and last rows of each rank's piece
+    if ignored:
+        targets[1, ::2] = IGNORE_INDEX  # a prompt's tokens: in no rank's loss
     results = []
     for layout in (None, Replicate(), Shard(1)):
         if layout is None:
@@ -189,7 +209,7 @@ def _vocab_parallel_heads():
             # sequence parallelism's norm hands the head a DTensor of sequence slices, otherwise a plain tensor
             h = distribute_tensor(hidden, mesh, [layout]).requires_grad_() if layout == Shard(1) else \
                 hidden.clone().requires_grad_()
-        loss = head_loss_sum(h, w, targets)
+        loss = head_loss_sum(h, w, targets, ignored)
         (loss * 0.5).backward()
         whole = [g.full_tensor() if isinstance(g, DTensor) else g for g in (h.grad, w.grad)]
         results.append((loss.detach(), *whole, getattr(w.grad, "placements", None)))
@@ -199,13 +219,14 @@ def _vocab_parallel_heads():
 @pytest.mark.multiprocess
 def test_vocab_parallel_fused_head_matches_one_device():
     """Under tp the fused head and loss run on each rank's vocabulary rows: the loss (whole on every rank), the
-    input's gradient (reduced over the ranks) and the weight's (each rank its rows) equal the one-device ones."""
+    input's gradient (reduced over the ranks) and the weight's (each rank its rows) equal the one-device ones, with
+    and without ignored targets (a prompt's)."""
     import torch
     from torch.distributed.tensor import Shard
 
     from distributed import run_distributed
 
-    for results in run_distributed(_vocab_parallel_heads, 2):
+    for results in run_distributed(_vocab_parallel_heads, 2, False) + run_distributed(_vocab_parallel_heads, 2, True):
         (loss, grad_h, grad_w, _), *split = results
         for loss_t, grad_h_t, grad_w_t, placements in split:
             torch.testing.assert_close(loss_t, loss, rtol=1e-6, atol=0)

@@ -242,6 +242,39 @@ def test_short_run_on_text_learns(tmp_path):
     assert json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())["traceEvents"]
 
 
+def test_a_prompt_completion_run_averages_its_loss_over_the_completions_tokens(tmp_path):
+    """With prompts in the corpus a step's loss is the mean token cross-entropy over the targets that count in the
+    whole global batch (completions and their end-of-text), however it is cut into micro-batches, and validation's
+    likewise. Reference: torch's cross-entropy with ignore_index on the model's logits, from the same init and
+    samples; a prompt's targets are IGNORE_INDEX, so the mean is not over every token."""
+    import torch.nn.functional as F
+
+    from shardwise.data import IGNORE_INDEX
+    from shardwise.parallel.runtime import Runtime
+    from shardwise.train import build_data, build_training_model, evaluate
+
+    corpus = tmp_path / "sft.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": f"Q: {i} + {i % 7}?\nA: ", "completion": f"{i + i % 7}"}) + "\n"
+                              for i in range(400)))
+    cfg = load_config(None, [
+        "model.name='tiny'", f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'", "data.seq_len=32",
+        "train.micro_batch=2", "train.grad_accum=3", "train.steps=1", "train.val_every=1", "optim.name='sgd'",
+        f"metrics.out_dir='{tmp_path / 'run'}'", "metrics.progress=false", "metrics.tensorboard=false",
+    ])
+    runtime = Runtime.create(cfg)
+    _, loader, val = build_data(cfg, runtime)
+    model = build_training_model(cfg, runtime)  # the run's init, before its step
+    with torch.no_grad():
+        means = []
+        for batches in (loader.next_step(), val):
+            targets = torch.cat([b.targets for b in batches])
+            assert 0 < (targets != IGNORE_INDEX).sum() < targets.numel() / 2  # mostly prompt
+            logits = torch.cat([model(b.inputs) for b in batches])
+            means.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).item())
+    assert evaluate(model, val, CPU, "fp32") == pytest.approx(means[1], rel=1e-5)
+    assert train(cfg)["losses"][0] == pytest.approx(means[0], rel=1e-5)
+
+
 def _logged_peak_memory(rank_gib: list[float]) -> float:
     """On a gloo rank: the peak memory a logged step reports, each rank's own peak being rank_gib[rank]."""
     import types

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import GraphExecGroup
 
 from shardwise.config import JobConfig, autocast_precision
-from shardwise.data import Batch
+from shardwise.data import Batch, counted_targets
 from shardwise.layout import fsdp_mixed_precision, layer_costs, split_layers, stages_of_rank
 from shardwise.lora import apply_lora
 from shardwise.loss import (
@@ -112,15 +112,16 @@ def build_stage_module(meta: Transformer, layers: range, first: bool, last: bool
 
 
 def pipeline_loss(output: torch.Tensor, targets: torch.Tensor, global_tokens: int,
-                  head: FusedHead | None = None) -> torch.Tensor:
+                  head: FusedHead | None = None, ignored: bool = False) -> torch.Tensor:
     """The schedule's loss_fn, per pipeline micro-batch: summed fp32 token cross-entropy / global token count.
 
     The schedule is built with scale_grads=False since the division by the global count is done here (the
     data-parallel wrappers sum the ranks' gradients: data_parallel.sum_gradients).
     `output` is the last stage's logits, or with `head` (its output head, fused with the loss here:
-    Transformer.head_in_loss) its normalised hidden states.
+    Transformer.head_in_loss) its normalised hidden states. `ignored`: some targets count in no loss (a prompt's:
+    shardwise.loss.head_loss_sum).
     """
-    loss = token_loss_sum(output, targets) if head is None else head(output, targets)
+    loss = token_loss_sum(output, targets) if head is None else head(output, targets, ignored)
     return loss / global_tokens
 
 
@@ -135,12 +136,12 @@ class FusedHead:
     device: torch.device
     sequence_parallel: bool
 
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, ignored: bool = False) -> torch.Tensor:
         weight = self.module.weight  # read at each call: FSDP puts the gathered weight there for the forward
         if self.sequence_parallel and isinstance(weight, DTensor):
             hidden = DTensor.from_local(hidden, weight.device_mesh, [Shard(1)], run_check=False)
         with autocast_context(self.precision, self.device):
-            return head_loss_sum(hidden, weight, targets)
+            return head_loss_sum(hidden, weight, targets, ignored)
 
 
 @dataclass
@@ -271,7 +272,7 @@ def forward_backward(pipe: Pipeline, batches: list[Batch], *, global_tokens: int
     args, target = _step_inputs(pipe, batches, runtime)
     losses: list[torch.Tensor] = []
     pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                       loss_kwargs={"global_tokens": global_tokens})
+                       loss_kwargs={"global_tokens": global_tokens, "ignored": batches[0].masked})
     total = _known_to_all(pipe, losses, runtime)
     runtime.sum_over_data_ranks(total)
     return total
@@ -293,7 +294,7 @@ def evaluate_sums(pipe: Pipeline, batches: list[Batch], runtime: Runtime) -> tup
         args, target = _step_inputs(pipe, group + group[-1:] * (pipe.accum - real), runtime)
         losses: list[torch.Tensor] = []
         pipe.schedule.eval(*args, target=target, losses=losses, return_outputs=False,
-                           loss_kwargs={"global_tokens": 1})
+                           loss_kwargs={"global_tokens": 1, "ignored": group[0].masked})
         total += _known_to_all(pipe, losses[: real * per_batch], runtime)
-        tokens += sum(runtime.shard_sequence(b)[0].targets.numel() for b in group)
+        tokens += sum(int(counted_targets(runtime.shard_sequence(b)[0].targets)) for b in group)
     return total, torch.tensor(float(tokens), device=runtime.device)

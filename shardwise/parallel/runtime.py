@@ -118,7 +118,7 @@ class Runtime:
             return batch, None
         cpu_positions = self.positions.cpu()
         return Batch(batch.inputs.index_select(1, cpu_positions), batch.targets.index_select(1, cpu_positions),
-                     batch.sample_ids), self.positions
+                     batch.sample_ids, batch.step_targets, batch.masked), self.positions
 
     def sum_over_data_ranks(self, value: torch.Tensor) -> None:
         """Sum in place over the ranks that see different tokens (data and context parallel)."""
