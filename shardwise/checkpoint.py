@@ -135,13 +135,15 @@ EARLIER = "earlier"
 of its own (its checkpoints and records), which `export --run` and `generate --run` read."""
 
 
-def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: tuple[str, ...] = ()) -> list[int]:
+def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: tuple[str, ...] = (),
+              why: str = "checkpoint.resume = false") -> list[int]:
     """Move the run folder's checkpoints to <run_dir>/earlier/checkpoints (earlier-2, -3, ... when an earlier
     start-over is there: nothing is deleted), with the `records` of the run that saved them (its job_config.json,
     metrics log, tokenizer: the new run rewrites them, and the checkpoints could no longer be exported), so that a
     run started from scratch in the folder never mixes its saves with them and a later resume goes on from its own;
     the steps moved (collective: rank 0 moves them, every rank waits). A record among the files the new run `read`s
-    (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run found no tokenizer."""
+    (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run found no tokenizer. `why`:
+    the setting that makes the run start over, for the warning."""
     root = checkpoint_root(run_dir)
     scan = scan_checkpoints(run_dir)
     steps = [step for step, _ in scan.complete]
@@ -160,8 +162,8 @@ def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: t
                 shutil.copy2(record, earlier / name)
             elif record.exists():
                 record.rename(earlier / name)
-        log.warning("checkpoint.resume = false: the run starts over, and the checkpoints of the earlier run in "
-                    "%s (steps %s) are moved with its records to %s (a run folder: export --run reads it)", run_dir,
+        log.warning("%s: the run starts over, and the checkpoints of the earlier run in %s (steps %s) are moved "
+                    "with its records to %s (a run folder: export --run reads it)", why, run_dir,
                     ", ".join(map(str, steps)) or "none complete", earlier)
     _barrier()
     return steps

@@ -31,7 +31,6 @@ from shardwise.checkpoint import (
     StopSignal,
     TrainState,
     lora_base_identity,
-    scan_checkpoints,
     set_aside,
 )
 from shardwise.config import (
@@ -492,12 +491,6 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
                           f"{cfg.metrics.out_dir} goes on", f"set it to {first_step} or later, or 0")
     # before anything of the run folder is rewritten (metrics, job_config.json); every rank refuses together
     data.keep_run_tokenizer(cfg.data, cfg.metrics.out_dir, resumed=first_step > 1, write=runtime.is_main)
-    if not cfg.checkpoint.enabled and runtime.is_main:
-        steps = [str(step) for step, _ in scan_checkpoints(cfg.metrics.out_dir).complete]
-        if steps:
-            log.warning("checkpoint.enabled = false: this run starts from the initialisation, and the checkpoints "
-                        "in %s (steps %s) stay, though they are not this run's: export and generate --run read "
-                        "them", cfg.metrics.out_dir, ", ".join(steps))
     if not cfg.checkpoint.enabled and not save_final and cfg.lora.rank and runtime.is_main:
         # a LoRA fine-tune without checkpoints trained adapters that nothing kept: export and generate then had
         # nothing of it to read, and the run said nothing until export refused
@@ -673,12 +666,13 @@ class Checkpoints:
 
     def resume(self) -> int:
         """The step the newest complete checkpoint was saved at (its state loaded), or 0."""
-        if self.checkpointer is None:
-            return 0
-        if not self.cfg.checkpoint.resume:
+        if self.checkpointer is None or not self.cfg.checkpoint.resume:
             # a run started over among an earlier run's checkpoints would leave the folder holding both, and a
-            # later resume would go on from the newest, whichever run saved it: the earlier ones are set aside
-            set_aside(self.cfg.metrics.out_dir, RUN_RECORDS, read=(self.cfg.data.tokenizer,))
+            # later resume would go on from the newest, whichever run saved it; a run without checkpoints rewrote
+            # the earlier run's records, and export --run wrote its checkpoints with the new run's config. The
+            # earlier run is set aside
+            why = "checkpoint.resume = false" if self.checkpointer else "checkpoint.enabled = false"
+            set_aside(self.cfg.metrics.out_dir, RUN_RECORDS, read=(self.cfg.data.tokenizer,), why=why)
             return 0
         return self.checkpointer.resume(self.state)
 

@@ -438,6 +438,23 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert "resumed after step 2" in out.out + out.err
 
 
+def test_a_run_without_checkpoints_sets_the_earlier_runs_checkpoints_aside_too(tmp_path):
+    """checkpoint.enabled = false in a folder with another run's checkpoints left them there and rewrote that run's
+    records (job_config.json, metrics.jsonl, tokenizer.json): export --run then wrote its checkpoint with the new
+    run's config (review, 2026-12-02). It starts over as resume = false does: the earlier run goes to earlier/."""
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=train.val_every=0",
+              "--set=metrics.tensorboard=false", "--set=metrics.progress=false", "--set=train.steps=2"]
+    assert main([*common, "--set=checkpoint.enabled=true"]) == 0
+    records = {name: (tmp_path / name).read_bytes() for name in ("job_config.json", "metrics.jsonl")}
+    assert main([*common, "--set=checkpoint.enabled=false", "--set=train.seed=7"]) == 0
+    assert sorted(p.name for p in (tmp_path / "earlier" / "checkpoints").iterdir()) == ["step_2"]
+    assert all((tmp_path / "earlier" / name).read_bytes() == kept for name, kept in records.items())
+    assert not (tmp_path / "checkpoints").exists()
+    assert main(["export", "--run", str(tmp_path / "earlier"), "--out", str(tmp_path / "hf")]) == 0
+
+
 def test_a_run_started_over_takes_the_earlier_runs_tensorboard_log_along(tmp_path):
     """The earlier run's TensorBoard events (metrics.tensorboard, on by default) stayed in the folder when its other
     records moved to earlier/: the new run wrote beside them with purge_step 1, which hides the earlier run's steps,
