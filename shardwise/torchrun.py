@@ -85,14 +85,14 @@ def _stop_ranks_first(signum: int, frame) -> None:
     ranks = _children(os.getpid()) if signum == signal.SIGTERM else []
     if not ranks and not (signum == signal.SIGTERM and _stopped_ranks):
         _TORCHRUN_HANDLER(signum, frame)
-    _stopped_ranks.extend(ranks)
+    _stopped_ranks.update(ranks)  # a set: each repeat finds the same ranks
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
 
 
 _TORCHRUN_HANDLER = multiprocessing_api._terminate_process_handler
-_stopped_ranks: list[int] = []  # the ranks a SIGTERM was passed on to, in this round of them
+_stopped_ranks: set[int] = set()  # the ranks a SIGTERM was passed on to, in this round of them
 
 
 def _restart_forgets_the_stop(self, worker_group) -> None:

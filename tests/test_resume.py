@@ -500,12 +500,27 @@ def test_a_sigterm_between_two_rounds_of_ranks_ends_the_agent(monkeypatch):
     import shardwise.torchrun as agent
 
     monkeypatch.setattr(shardwise.launch.local, "_children", lambda pid: [])  # the ranks have exited
-    monkeypatch.setattr(agent, "_stopped_ranks", [12345])
+    monkeypatch.setattr(agent, "_stopped_ranks", {12345})
     agent._stop_ranks_first(signal.SIGTERM, None)  # a repeat: ignored
     monkeypatch.setattr(agent, "_TORCHRUN_RESTART", lambda self, group: None)
     agent._restart_forgets_the_stop(None, None)
     with pytest.raises(SignalException):
         agent._stop_ranks_first(signal.SIGTERM, None)
+
+
+def test_repeated_sigterms_to_the_agent_keep_one_entry_per_rank(monkeypatch):
+    """Each SIGTERM passed on to the ranks appended them again to what the agent remembers of the stop: a scheduler
+    that repeats its signal grew the list for the whole job (review, 2026-12-02)."""
+    import shardwise.launch.local
+    import shardwise.torchrun as agent
+
+    sent = []
+    monkeypatch.setattr(shardwise.launch.local, "_children", lambda pid: [101, 102])
+    monkeypatch.setattr(agent.os, "kill", lambda pid, signum: sent.append(pid))
+    monkeypatch.setattr(agent, "_stopped_ranks", set())
+    for _ in range(3):
+        agent._stop_ranks_first(signal.SIGTERM, None)
+    assert sent == [101, 102] * 3 and len(agent._stopped_ranks) == 2
 
 
 @pytest.mark.multiprocess
