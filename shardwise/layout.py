@@ -76,7 +76,7 @@ class Layout:
     def __post_init__(self):
         # the defaults that depend on other fields, resolved once so that every reader sees the same layout
         if self.zero_stage == -1:
-            object.__setattr__(self, "zero_stage", 3 if self.dp_shard > 1 or self.ep > 1 else 0)
+            object.__setattr__(self, "zero_stage", default_zero_stage(self.dp_shard, self.ep))
         if self.virtual_stages == 0:
             interleaved = self.pp > 1 and self.pp_schedule == "interleaved-1f1b"
             object.__setattr__(self, "virtual_stages", 2 if interleaved else 1)
@@ -181,6 +181,12 @@ def parse_layout(text: str, source: str = "--layout") -> dict:
     return fixed
 
 
+def default_zero_stage(dp_shard: int, ep: int) -> int:
+    """Layout.zero_stage left unset: 3 when dp_shard > 1 (FSDP's default) or ep > 1 (expert parallelism draws its
+    ranks from dp_shard, which needs FSDP), else 0."""
+    return 3 if dp_shard > 1 or ep > 1 else 0
+
+
 def complete_layout(fixed: dict, world: int | None = None, source: str = "--layout") -> Layout:
     """The Layout a partial one means: tp, pp, cp default to 1; dp to the ranks `world` leaves (1 without a
     world); `dp=N` is dp_shard under ZeRO-2/3 and dp_replicate otherwise; the rest are Layout's defaults."""
@@ -193,7 +199,8 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
     if "dp_replicate" not in given and "dp_shard" not in given:
         dp = fixed.get("dp", default_dp)
         # ep draws from dp_shard, so a layout with ep and no zero_stage is sharded (Layout's default)
-        given["dp_shard" if given.get("zero_stage", 3 if given.get("ep", 1) > 1 else 0) >= 2 else "dp_replicate"] = dp
+        zero_stage = given.get("zero_stage", default_zero_stage(1, given.get("ep", 1)))
+        given["dp_shard" if zero_stage >= 2 else "dp_replicate"] = dp
     elif "dp" in fixed or world is not None:
         dp = fixed.get("dp", default_dp)
         known = given.get("dp_replicate") or given.get("dp_shard")
