@@ -517,6 +517,7 @@ def validate(cfg: JobConfig) -> None:
         _validate_lora_init(cfg.lora, cfg.model)
     _validate_moe(cfg)
     validate_parallel(cfg)
+    # after the layout: an MoE config with n_experts = 0 and ep > 1 is told of ep, which names the dense model
     _validate_dense_model_has_no_moe_fields(cfg.model)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
