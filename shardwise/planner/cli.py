@@ -18,6 +18,7 @@ from shardwise.config import ConfigError, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
 from shardwise.model_args import ModelArgs, count_text, num_params, projection_shapes
+from shardwise.planner.experts import imbalance, max_imbalance
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -86,11 +87,12 @@ def build_inputs(ns: argparse.Namespace):
     if ns.expert_imbalance and not model.n_experts:  # a dense model routes nothing: the flag would change nothing
         raise PlannerError("--expert-imbalance", f"{model.name} is a dense model, with no experts to route",
                            "leave --expert-imbalance out, or plan a mixture of experts (e.g. mixtral-8x7b)")
-    if model.n_experts and ns.expert_imbalance > model.n_experts / model.top_k:
-        raise PlannerError("--expert-imbalance", f"{ns.expert_imbalance:g} > n_experts / top_k = "
-                           f"{model.n_experts / model.top_k:g}, the load of every token's copies on the same experts",
-                           f"pass a ratio between 1 and {model.n_experts / model.top_k:g} (moe/max_load as a "
-                           "training run logs it)")
+    # an expert's own cap (moe/max_load's): the busiest rank's with one expert per rank, n_experts / top_k
+    most = max_imbalance(model, ep=model.n_experts) if model.n_experts else 0.0
+    if model.n_experts and ns.expert_imbalance > most:
+        raise PlannerError("--expert-imbalance", f"{ns.expert_imbalance:g} > n_experts / top_k = {most:g}, the load "
+                           "of every token's copies on the same experts", f"pass a ratio between 1 and {most:g} "
+                           "(moe/max_load as a training run logs it)")
     ns = _job_defaults(ns)
     seq = ns.seq_len or min(4096, model.max_seq_len)
     if seq > model.max_seq_len:
@@ -411,8 +413,6 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
 def routing_note(model: ModelArgs, training: Training, plan: Plan) -> str:
     """What the plan assumes of a mixture of experts' routing: dropless or the capacity, and under expert
     parallelism the load of the busiest rank, stated or derived (planner.experts)."""
-    from shardwise.planner.experts import imbalance
-
     kept = (f"at most capacity_factor {model.capacity_factor:g} x the mean per expert" if model.capacity_factor > 0
             else "dropless")
     if plan.ep == 1:
