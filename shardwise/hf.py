@@ -105,7 +105,8 @@ def to_peft_name(name: str) -> str:
     return f"base_model.model.{to_hf_name(module + '.weight').removesuffix('.weight')}.{_PEFT_ADAPTERS[adapter]}.weight"
 
 
-_HF_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight")
+_HF_EXPERT = re.compile("|".join(re.escape(name).replace(r"\{j\}", r"\d+") for name in _EXPERT_NAMES.values()))
+"""The published Mixtral checkpoints' per-expert tensor names (_EXPERT_NAMES, any expert j)."""
 
 
 def unread_hf_tensors(names) -> list[str]:
