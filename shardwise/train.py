@@ -406,7 +406,7 @@ def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool 
         runtime.close()
 
 
-RUN_RECORDS = ("job_config.json", "metrics.jsonl", "tb", data.RUN_TOKENIZER, "samples", STOPPED_FILE)
+RUN_RECORDS = ("job_config.json", "metrics.jsonl", "tb", data.RUN_TOKENIZER, "samples", "profile", STOPPED_FILE)
 """What a run writes of itself beside its checkpoints: moved with them when a run starts over (checkpoint.set_aside)."""
 RUN_LOCK = ".lock"
 """The file in a run folder whose lock rank 0 of the run training there holds (lock_run_folder)."""

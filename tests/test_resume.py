@@ -419,13 +419,17 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
               "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
               "--set=metrics.progress=false"]
     assert main([*common, "--set=train.steps=4"]) == 0
+    (tmp_path / "profile").mkdir()  # what metrics.profile_step writes (profiled here, it takes a minute)
+    (tmp_path / "profile" / "rank0.txt").write_text("the earlier run's operators")
     before = {p.relative_to(tmp_path / "checkpoints"): p.stat().st_mtime_ns
               for p in (tmp_path / "checkpoints").rglob("*")}
-    records = {name: (tmp_path / name).read_bytes() for name in ("job_config.json", "metrics.jsonl")}
+    records = {name: (tmp_path / name).read_bytes() for name in ("job_config.json", "metrics.jsonl",
+                                                                  "profile/rank0.txt")}
     assert main([*common, "--set=train.steps=2", "--set=checkpoint.resume=false"]) == 0
     assert {p.relative_to(tmp_path / "earlier" / "checkpoints"): p.stat().st_mtime_ns
             for p in (tmp_path / "earlier" / "checkpoints").rglob("*")} == before
     assert all((tmp_path / "earlier" / name).read_bytes() == kept for name, kept in records.items())
+    assert not (tmp_path / "profile").exists()  # the earlier run's trace went with it (it stayed, among the new's)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
     assert main(["export", "--run", str(tmp_path / "earlier"), "--out", str(tmp_path / "hf")]) == 0
     # a second start-over keeps the first one's set-aside checkpoints (it deleted them)
