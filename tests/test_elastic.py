@@ -56,6 +56,13 @@ def test_a_world_the_global_batch_does_not_split_over_is_named():
     assert e.value.field == "train.global_batch" and "on 3 machines (3 ranks)" in e.value.problem
 
 
+def test_a_world_of_one_machine_is_named_in_the_singular():
+    cfg = load_config(CONFIG, ["train.global_batch=16", "checkpoint.enabled=true", "parallel.tp=2"])
+    with pytest.raises(ConfigError) as e:
+        fit_nodes(cfg, 1, (1, 2))  # tp 2 needs 2 ranks: one machine of one process has 1
+    assert e.value.problem.startswith("on 1 machine (1 rank): "), e.value.problem
+
+
 @pytest.mark.parametrize("nodes, nproc, overrides", [
     ((1, 2), 1, []), ((2, 4), 8, []), ((1, 3), 2, ["parallel.tp=2"]), ((3, 5), 1, ["train.grad_accum=3"])])
 def test_an_elastic_job_without_a_global_batch_is_told_one_that_splits_on_every_world(nodes, nproc, overrides):
