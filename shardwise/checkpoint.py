@@ -141,13 +141,14 @@ def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: t
     start-over is there: nothing is deleted), with the `records` of the run that saved them (its job_config.json,
     metrics log, tokenizer: the new run rewrites them, and the checkpoints could no longer be exported), so that a
     run started from scratch in the folder never mixes its saves with them and a later resume goes on from its own;
-    the steps moved (collective: rank 0 moves them, every rank waits). A record among the files the new run `read`s
-    (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run found no tokenizer. `why`:
-    the setting that makes the run start over, for the warning."""
+    the steps moved (collective: rank 0 moves them and returns their steps, every rank waits). A record among the
+    files the new run `read`s (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run
+    found no tokenizer. `why`: the setting that makes the run start over, for the warning."""
     root = checkpoint_root(run_dir)
-    scan = scan_checkpoints(run_dir)
+    # rank 0 alone reads the folder: another rank's scan could list checkpoints/ as rank 0 moved it away
+    scan = scan_checkpoints(run_dir) if _rank() == 0 else Scan([], [])
     steps = [step for step, _ in scan.complete]
-    if (steps or scan.partial) and _rank() == 0:
+    if steps or scan.partial:
         earlier = Path(run_dir) / EARLIER
         n = 1
         while earlier.exists():

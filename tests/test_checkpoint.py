@@ -382,6 +382,21 @@ def test_partial_checkpoints_are_ignored_and_reported(saved_run, tmp_path, caplo
     assert [s for s, _ in scan_checkpoints(run).complete] == [2, 5]
 
 
+def test_only_rank_0_reads_the_run_folder_it_sets_aside(tmp_path, monkeypatch):
+    """A run started over: rank 0 moves checkpoints/ to earlier/ while the others wait. Each other rank scanned the
+    folder too, and one that listed checkpoints/ as it was moved away failed with a FileNotFoundError traceback
+    (review, 2026-12-02); the steps it found were used by nothing."""
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+
+    def scan(run_dir):
+        raise FileNotFoundError(checkpoint.checkpoint_root(run_dir))  # as rank 0's rename left it
+
+    monkeypatch.setattr(checkpoint, "scan_checkpoints", scan)
+    monkeypatch.setattr(checkpoint, "_rank", lambda: 1)
+    assert checkpoint.set_aside(tmp_path) == []
+    assert (tmp_path / "checkpoints" / "step_2").is_dir()  # rank 0's to move
+
+
 def test_a_changed_norm_epsilon_or_rotary_base_resumes_with_a_warning(saved_run, caplog):
     """They fit the same weights (a longer context's rotary base is a reason to change one), but the weights were
     trained with the earlier values: said, where it was silent (loss 4.18 -> 5.49 with norm_eps = 0.1)."""
