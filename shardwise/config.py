@@ -69,9 +69,16 @@ class OptimConfig:
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    """The decay ends at lr * min_lr_ratio at the last step."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
+    decay: Literal["cosine", "linear", "sqrt", "constant"] = "cosine"
+    """The lr's shape from its peak to lr * min_lr_ratio: cosine, linear, sqrt (1 - sqrt of the progress), or
+    constant (no decay: the peak to the end)."""
+    decay_ratio: float = 0.0
+    """The share of train.steps the decay takes, at the end of the run; between warmup and it the lr stays at its
+    peak (warmup-stable-decay: MiniCPM's WSD, torchtitan's lr_scheduler.decay_ratio). 0: every step after warmup
+    decays."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not norms or embeddings)."""
     beta1: float = 0.9
@@ -540,6 +547,12 @@ def validate(cfg: JobConfig) -> None:
                           "another folder, or at the base alone")
     if hf:
         _validate_hf_shape(cfg.model, hf)
+    decaying = round(cfg.optim.decay_ratio * cfg.train.steps)
+    if cfg.optim.decay_ratio > 0 and cfg.optim.decay != "constant" and \
+            cfg.optim.warmup_steps + decaying > cfg.train.steps:
+        raise ConfigError("optim.decay_ratio", f"{cfg.optim.decay_ratio:g} of train.steps = {cfg.train.steps} is "
+                          f"{decaying} steps of decay, which with optim.warmup_steps = {cfg.optim.warmup_steps} is "
+                          "more than the run has", "make optim.decay_ratio or optim.warmup_steps smaller")
     if not 0 <= cfg.train.stop_after <= cfg.train.steps:
         raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is outside 0..train.steps",
                           "use 0, or a step no later than train.steps")
@@ -653,6 +666,9 @@ def _validate_optim(o: OptimConfig) -> None:
     _positive("optim.lr", o.lr)
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", f"{o.min_lr_ratio} outside [0, 1]", "use a ratio such as 0.1")
+    if not 0 <= o.decay_ratio <= 1:
+        raise ConfigError("optim.decay_ratio", f"{o.decay_ratio} outside [0, 1]", "use e.g. 0.2 (the last fifth of "
+                          "the steps decays), or 0 for a decay over every step after warmup")
     for key in ("warmup_steps", "weight_decay", "grad_clip", "momentum"):
         if getattr(o, key) < 0:
             raise ConfigError(f"optim.{key}", f"{getattr(o, key)} is negative", f"set optim.{key} >= 0")

@@ -115,16 +115,33 @@ def _torchao_optimizers():
     return torchao.optim
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, then cosine decay."""
+DECAY_SHAPES = {
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "linear": lambda p: 1.0 - p,
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+    "constant": lambda p: 1.0,
+}
+"""optim.decay: the share of (peak - minimum) left at progress p in [0, 1] through the decay."""
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay: str = "cosine",
+              decay_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, the peak, then the decay's
+    shape down to min_lr_ratio at the last step over its last round(decay_ratio x total_steps) steps (0: every
+    step after warmup, the decay starting at the peak)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if decay_ratio > 0:
+        decay_steps = max(1, round(decay_ratio * total_steps))
+        start = total_steps - 1 - decay_steps
+    else:
+        decay_steps, start = max(1, total_steps - warmup_steps - 1), warmup_steps
+    progress = min(1.0, max(0.0, (step - start) / decay_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * DECAY_SHAPES[decay](progress)
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.decay,
+                                          cfg.decay_ratio)
     )

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -214,6 +215,29 @@ def test_lr_schedule_warmup_and_cosine():
     assert lr_factor(99, 10, 100, 0.1) == pytest.approx(0.1)
     mid = 10 + (100 - 10 - 1) / 2
     assert lr_factor(int(mid), 10, 100, 0.1) == pytest.approx(0.55, abs=0.02)
+
+
+@pytest.mark.parametrize("decay, shape", [("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+                                          ("linear", lambda p: 1 - p), ("sqrt", lambda p: 1 - math.sqrt(p)),
+                                          ("constant", lambda p: 1.0)])
+def test_lr_schedule_warmup_stable_decay(decay, shape):
+    """optim.decay_ratio 0.2 of 100 steps after 10 of warmup: the peak through step 79 (0-based), then the decay's
+    shape over the last 20 steps to min_lr_ratio at step 99 (torchtitan's warmup-stable-decay); without it the
+    decay starts at the peak."""
+    lrs = [lr_factor(s, 10, 100, 0.1, decay, 0.2) for s in range(100)]
+    assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)]) and lrs[10:80] == pytest.approx([1.0] * 70)
+    assert lrs[80:] == pytest.approx([0.1 + 0.9 * shape((s - 79) / 20) for s in range(80, 100)])
+    assert lr_factor(10, 10, 100, 0.1, decay) == 1.0 and lr_factor(99, 10, 100, 0.1, decay) == pytest.approx(
+        0.1 + 0.9 * shape(1.0))
+
+
+def test_a_decay_that_does_not_fit_after_warmup_names_the_ratio():
+    from shardwise.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.steps=100", "optim.warmup_steps=30", "optim.decay_ratio=0.8"])
+    assert e.value.field == "optim.decay_ratio" and "80 steps of decay" in e.value.problem
+    load_config(None, ["train.steps=100", "optim.warmup_steps=30", "optim.decay_ratio=0.7"])
 
 
 def test_short_run_on_text_learns(tmp_path):
