@@ -861,7 +861,8 @@ def _validate_moe(cfg: JobConfig) -> None:
     if not 0 <= m.n_dense_layers <= m.n_layers:
         raise ConfigError("model.n_dense_layers", f"{m.n_dense_layers} is outside 0..n_layers = {m.n_layers}",
                           f"pick 0 to {m.n_layers}")
-    for key in ("moe_ffn_hidden", "n_shared_experts", "capacity_factor", "aux_loss_coeff", "bias_update_rate"):
+    for key in ("moe_ffn_hidden", "n_shared_experts", "capacity_factor", "aux_loss_coeff", "z_loss_coeff",
+                "bias_update_rate"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}", f"{getattr(m, key)} is negative", f"set model.{key} >= 0")
     if m.route_scale <= 0:
@@ -872,7 +873,7 @@ def _validate_moe(cfg: JobConfig) -> None:
 
 
 _MOE_FIELDS = ("top_k", "moe_ffn_hidden", "n_shared_experts", "n_dense_layers", "score_func", "router_dtype",
-               "route_norm", "route_scale", "capacity_factor", "aux_loss_coeff", "bias_update_rate")
+               "route_norm", "route_scale", "capacity_factor", "aux_loss_coeff", "z_loss_coeff", "bias_update_rate")
 """The [model] fields only a mixture of experts reads."""
 
 

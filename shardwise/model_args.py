@@ -80,6 +80,10 @@ class ModelArgs:
     micro-batch tokens in training (GShard, Switch); the rest skip it and are counted as dropped."""
     aux_loss_coeff: float = 0.0
     """Load-balancing loss alpha x n_experts x sum_i f_i P_i (Switch Transformer), per sequence; 0: off."""
+    z_loss_coeff: float = 0.0
+    """Router z-loss: this x the mean over a sequence's tokens of logsumexp(router logits)^2 (ST-MoE, Zoph et al.
+    2022, eq. 5: it keeps the logits small, so the router's softmax stays out of fp32 and bf16 rounding; 1e-3
+    there; Megatron-Core's --moe-z-loss-coeff), per sequence as the balancing loss; 0: off."""
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step an expert's routing bias rises by this much if
     it took fewer tokens than the mean, falls if more; 0: off (the bias stays 0)."""

@@ -25,6 +25,7 @@ all-to-all exchange; the rest of this file does not know about it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -48,8 +49,9 @@ class Router(nn.Module):
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
         self.fp32 = args.router_dtype == "fp32"
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scores (T, E) fp32, weights (T, k), experts (T, k)) for x of (T, dim)."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores (T, E) fp32, weights (T, k), experts (T, k), logits (T, E) fp32) for x of (T, dim)."""
         if self.fp32:  # outside autocast, on fp32 copies (the weight is bf16 under FSDP2's mixed-precision policy)
             with torch.autocast(x.device.type, enabled=False):
                 logits = F.linear(x.float(), self.weight.float())
@@ -61,7 +63,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, chosen)
         if self.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
-        return scores, weights * self.route_scale, chosen
+        return scores, weights * self.route_scale, chosen, logits
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -146,6 +148,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = args.n_experts, args.top_k
         self.capacity_factor, self.aux_loss_coeff = args.capacity_factor, args.aux_loss_coeff
+        self.z_loss_coeff = args.z_loss_coeff
         self.router = Router(args)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden)
         self.shared = shared
@@ -154,21 +157,23 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("z_loss", torch.zeros(()), persistent=False)
         self.aux_grad_scale = 0.0
-        """d(objective)/d(sum of this micro-batch's per-sequence aux losses), set by the trainer each step."""
+        """d(objective)/d(sum of this micro-batch's per-sequence aux losses (balancing and z)), set by the trainer
+        each step."""
         self.stated_load: Callable[[int], list[int]] | None = None
         """The simulator's: (token, expert) pairs -> pairs per expert, in place of the router's choices."""
         self.sequence_group: dist.ProcessGroup | None = None
         """The ranks holding the other pieces of this rank's sequences (context parallelism's), or None."""
 
     def reset_buffers(self) -> None:
-        for buffer in (self.expert_bias, self.tokens_per_expert, self.dropped, self.aux_loss):
+        for buffer in (self.expert_bias, self.tokens_per_expert, self.dropped, self.aux_loss, self.z_loss):
             buffer.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        scores, weights, chosen = self.router(tokens, self.expert_bias)
+        scores, weights, chosen, logits = self.router(tokens, self.expert_bias)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         counts = self._load(flat)
@@ -183,12 +188,18 @@ class MoE(nn.Module):
         if counting:
             self.tokens_per_expert += torch.tensor(counts, dtype=self.tokens_per_expert.dtype, device=x.device)
             self.dropped += flat.shape[0] - kept.shape[0]
+        losses = []  # the router's own losses, which join the gradient beside the block's output
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1), chosen.view(bsz, seq, -1),
-                                                          self.sequence_group)
+            losses.append(self.aux_loss_coeff * sequence_aux_loss(scores.view(bsz, seq, -1),
+                                                                  chosen.view(bsz, seq, -1), self.sequence_group))
             if counting:
-                self.aux_loss += aux.detach()
-            out = _AuxLossGradient.apply(out, aux, self.aux_grad_scale)
+                self.aux_loss += losses[-1].detach()
+        if self.z_loss_coeff > 0 and torch.is_grad_enabled():
+            losses.append(self.z_loss_coeff * sequence_z_loss(logits.view(bsz, seq, -1), self.sequence_group))
+            if counting:
+                self.z_loss += losses[-1].detach()
+        if losses:
+            out = _AuxLossGradient.apply(out, functools.reduce(torch.add, losses), self.aux_grad_scale)
         return out
 
     def _load(self, flat: torch.Tensor) -> list[int]:
@@ -235,6 +246,14 @@ def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor, group: dist.Pr
     return n_experts * (f.detach() * p).sum()
 
 
+def sequence_z_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """sum over sequences of the mean over the sequence's tokens of logsumexp(logits)^2, for router logits (batch,
+    seq, E) (ST-MoE's z-loss, eq. 5). `group`: the ranks holding pieces of every sequence (context parallelism):
+    each sums its own tokens over the whole sequence's length, so the group's results sum to the whole loss."""
+    pieces = 1 if group is None else dist.get_world_size(group)
+    return torch.logsumexp(logits, dim=-1).square().sum() / (logits.shape[1] * pieces)
+
+
 def moe_layers(parts: Iterable[nn.Module]) -> list[MoE]:
     return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
 
@@ -264,13 +283,15 @@ def end_of_step(parts: Iterable[nn.Module], rate: float, group=None) -> torch.Te
     """After an optimizer step: move each expert's bias towards the mean load (rate > 0) from the step's routing
     counts, summed over `group` (the ranks that see other tokens), and clear the step's statistics.
 
-    Returns this rank's per-layer sums [aux loss, dropped pairs, routed pairs] (None without MoE layers).
+    Returns this rank's sums over its layers [aux loss, dropped pairs, routed pairs, z-loss] (None without MoE
+    layers).
     """
     layers = moe_layers(parts)
     if not layers:
         return None
     counts = torch.stack([m.tokens_per_expert for m in layers])
-    stats = torch.stack([torch.stack([m.aux_loss, m.dropped, m.tokens_per_expert.sum()]) for m in layers]).sum(0)
+    stats = torch.stack([torch.stack([m.aux_loss, m.dropped, m.tokens_per_expert.sum(), m.z_loss])
+                         for m in layers]).sum(0)
     if rate > 0:
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
@@ -280,4 +301,5 @@ def end_of_step(parts: Iterable[nn.Module], rate: float, group=None) -> torch.Te
         moe.tokens_per_expert.zero_()
         moe.dropped.zero_()
         moe.aux_loss.zero_()
+        moe.z_loss.zero_()
     return stats

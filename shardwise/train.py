@@ -249,7 +249,7 @@ def pipeline_train_step(
 def training_step(model: nn.Module | Pipeline, optimizer, scaler, batches: list[data.Batch], cfg: JobConfig,
                   runtime: Runtime, global_tokens: int) -> StepResult:
     """One optimizer step of whatever the model is: one module, or this rank's pipeline stages."""
-    if cfg.model.aux_loss_coeff:
+    if cfg.model.aux_loss_coeff or cfg.model.z_loss_coeff:
         # the balancing loss's gradient on the main loss's scale: per sequence of the global batch, x the fp16 loss
         # scale, as the token loss's backward gets them
         loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
@@ -274,14 +274,14 @@ def moe_after_step(parts: list[nn.Module], cfg: JobConfig, runtime: Runtime, glo
     stats = end_of_step(parts, cfg.model.bias_update_rate, group)
     if not logged:
         return {}
-    stats = torch.zeros(3, device=runtime.device) if stats is None else stats
+    stats = torch.zeros(4, device=runtime.device) if stats is None else stats
     if runtime.world_size > 1:
         dist.all_reduce(stats)
         dist.all_reduce(load, op=dist.ReduceOp.MAX)
-    aux, dropped, routed = (stats / cfg.parallel.tp).tolist()  # tp ranks route the same tokens
-    sequences = global_tokens / cfg.data.seq_len
-    return {"moe/aux_loss": aux / sequences / max(cfg.model.n_moe_layers, 1), "moe/dropped": dropped / max(routed, 1),
-            "moe/max_load": load.item()}
+    aux, dropped, routed, z = (stats / cfg.parallel.tp).tolist()  # tp ranks route the same tokens
+    per_layer_sequence = global_tokens / cfg.data.seq_len * max(cfg.model.n_moe_layers, 1)
+    return {"moe/aux_loss": aux / per_layer_sequence, "moe/dropped": dropped / max(routed, 1),
+            "moe/max_load": load.item(), **({"moe/z_loss": z / per_layer_sequence} if cfg.model.z_loss_coeff else {})}
 
 
 def optimizer_step(params, optimizer, scaler, grad_clip: float, loss: torch.Tensor, pp_group=None) -> StepResult:

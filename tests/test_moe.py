@@ -225,6 +225,32 @@ def test_aux_loss_value_and_router_gradient(scale):
     torch.testing.assert_close(moe.router.weight.grad, main_grad + scale * aux_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_router_z_loss_value_and_router_gradient():
+    """ST-MoE's z-loss (eq. 5), per sequence as the balancing loss: beta x the mean over a sequence's tokens of
+    (log sum_i exp(logit_i))^2, summed over sequences, written out one token at a time; with the balancing loss on
+    too, the router's gradient is the main objective's + scale x both losses'."""
+    alpha, beta, scale = 0.1, 0.05, 0.5
+    moe, args = _moe(n_experts=4, aux_loss_coeff=alpha, z_loss_coeff=beta)
+    x = _tokens(3, 8)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)) * 1e-2
+    moe.train()
+    moe.aux_grad_scale = scale
+    (moe(x) * target).sum().backward()
+    weight = moe.router.weight.detach().clone().requires_grad_()
+    z = sum(beta * sum(torch.log(sum(torch.exp(v) for v in weight @ t)) ** 2 for t in sequence) / len(sequence)
+            for sequence in x)
+    aux = _switch_aux_loss(args, weight, x, alpha)
+    main = (_naive(moe, args, x, router_weight=weight) * target).sum()
+    main_grad = torch.autograd.grad(main, weight)[0]
+    z_grad, aux_grad = torch.autograd.grad(z, weight)[0], torch.autograd.grad(aux, weight)[0]
+    assert z_grad.abs().max() > 0.1 * main_grad.abs().max()
+    assert moe.z_loss.item() == pytest.approx(z.item(), rel=1e-6)
+    assert moe.aux_loss.item() == pytest.approx(aux.item(), rel=1e-6)
+    torch.testing.assert_close(moe.router.weight.grad, main_grad + scale * (aux_grad + z_grad), rtol=1e-5, atol=1e-7)
+    stats = end_of_step([moe], 0.0)
+    assert stats[3].item() == pytest.approx(z.item(), rel=1e-6) and moe.z_loss.item() == 0
+
+
 def test_expert_bias_moves_towards_the_mean_load():
     moe, args = _moe(n_experts=4, bias_update_rate=0.1)
     x = _tokens(2, 16)

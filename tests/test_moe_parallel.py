@@ -22,8 +22,8 @@ def _cli(*args, timeout=900):
 @pytest.mark.multiprocess
 def test_every_expert_parallel_layout_matches_one_device():
     """ep 2, ep 4, ep x FSDP, ep x tp (with SP), ep x pp, ep x HSDP and cp (with and without ep), with the
-    balancing loss and the expert bias on (both strong enough to change the routing within the steps), against one
-    device: fp32, 1e-5."""
+    balancing loss, the router z-loss and the expert bias on (strong enough to change the routing within the
+    steps), against one device: fp32, 1e-5."""
     layouts = ["dp_shard=2,ep=2", "dp_shard=4,ep=4", "dp_shard=4,ep=2,activation_checkpoint=full",
                "dp_shard=2,activation_checkpoint=selective",
                "dp_shard=2,ep=2,tp=2,sequence_parallel=true", "dp_shard=2,ep=2,pp=2",

@@ -202,7 +202,8 @@ def test_a_stated_imbalance_is_capped_at_what_a_rank_can_take(model, capsys):
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("moe", [dict(), dict(n_shared_experts=0, route_norm=False),
-                                 dict(score_func="sigmoid", aux_loss_coeff=0.01)])
+                                 dict(score_func="sigmoid", aux_loss_coeff=0.01),
+                                 dict(aux_loss_coeff=0.01, z_loss_coeff=0.001)])
 def test_moe_activation_memory_matches_saved_tensors(mode, precision, moe):
     """A dense block and two MoE blocks (router, 8 experts, top 2, shared expert), fp32 and under CPU bf16 autocast
     (whose weight casts, the experts' included, are the planner's compute_copies)."""
@@ -373,7 +374,8 @@ def test_init_imbalance_is_the_real_routers(n_experts, top_k, ep, dim, tokens):
 
 
 @pytest.mark.parametrize("moe", [dict(), dict(score_func="sigmoid", n_shared_experts=0),
-                                 dict(capacity_factor=1.25, aux_loss_coeff=0.01, route_norm=False)])
+                                 dict(capacity_factor=1.25, aux_loss_coeff=0.01, route_norm=False),
+                                 dict(z_loss_coeff=0.001, n_shared_experts=1)])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_pinned_moe_operator_counts_are_what_the_model_dispatches(moe, gqa):
     from shardwise.planner.opcount import live_op_counts

@@ -543,6 +543,8 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
         terms += [Term(name, shared, "act", "full") for name in swiglu_saved(training, "shared_")]
     if args.aux_loss_coeff > 0:
         terms.append(Term("aux_score_sum", 1, "stat", "full"))
+    if args.z_loss_coeff > 0:  # logsumexp's backward keeps its input and output, the square's its input (the same)
+        terms += [Term("z_logits", args.n_experts, "stat", "full"), Term("z_logsumexp", 1, "stat", "full")]
     return terms
 
 

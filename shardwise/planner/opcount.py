@@ -79,7 +79,7 @@ def tiny_args(args: ModelArgs, n_layers: int = 1) -> ModelArgs:
     if args.n_experts:
         moe = dict(TINY_MOE, n_shared_experts=min(1, args.n_shared_experts), score_func=args.score_func,
                    route_norm=args.route_norm, route_scale=args.route_scale, capacity_factor=args.capacity_factor,
-                   aux_loss_coeff=args.aux_loss_coeff)
+                   aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff)
     return ModelArgs(name="opcount", n_layers=n_layers, n_kv_heads=1 if args.n_kv_heads < args.n_heads else 2,
                      tie_embeddings=args.tie_embeddings, **TINY, **moe)
 
@@ -218,17 +218,17 @@ def live_op_counts(args: ModelArgs) -> OpCounts:
                                tensors_per_moe_block=dense.tensors_per_block + tensors)
 
 
-def _moe_base(args: ModelArgs, structure: tuple[bool, bool, bool, bool]) -> ModelArgs:
-    route_norm, shared, capacity, aux_loss = structure
+def _moe_base(args: ModelArgs, structure: tuple[bool, bool, bool, bool, bool]) -> ModelArgs:
+    route_norm, shared, capacity, aux_loss, z_loss = structure
     return ModelArgs(n_heads=2, n_kv_heads=1 if args.n_kv_heads < args.n_heads else 2,
                      tie_embeddings=args.tie_embeddings, n_experts=TINY_MOE["n_experts"], score_func=args.score_func,
                      route_norm=route_norm, n_shared_experts=int(shared), capacity_factor=1.0 if capacity else 0.0,
-                     aux_loss_coeff=0.01 if aux_loss else 0.0)
+                     aux_loss_coeff=0.01 if aux_loss else 0.0, z_loss_coeff=0.001 if z_loss else 0.0)
 
 
-def moe_op_table() -> dict[tuple[bool, bool, bool, bool], tuple[int, float, int]]:
+def moe_op_table() -> dict[tuple[bool, bool, bool, bool, bool], tuple[int, float, int]]:
     """operators.MOE_OP_COUNTS as counted on this torch and this shardwise.moe (print it to pin it again)."""
-    structures = itertools.product((True, False), repeat=4)
+    structures = itertools.product((True, False), repeat=5)
     return {s: _moe_counts(_moe_base(ModelArgs(n_heads=2, n_kv_heads=1), s)) for s in structures}
 
 

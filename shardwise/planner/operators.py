@@ -101,34 +101,52 @@ ELEMENTWISE: dict[str, Elementwise] = {
 }
 
 
-def moe_structure(args: ModelArgs) -> tuple[bool, bool, bool, bool]:
-    """What sets an MoE block's operators: (route_norm, shared experts, capacity, balancing loss). Softmax and
-    sigmoid scores dispatch as many."""
-    return args.route_norm, args.n_shared_experts > 0, args.capacity_factor > 0, args.aux_loss_coeff > 0
+def moe_structure(args: ModelArgs) -> tuple[bool, bool, bool, bool, bool]:
+    """What sets an MoE block's operators: (route_norm, shared experts, capacity, balancing loss, z-loss). Softmax
+    and sigmoid scores dispatch as many."""
+    return (args.route_norm, args.n_shared_experts > 0, args.capacity_factor > 0, args.aux_loss_coeff > 0,
+            args.z_loss_coeff > 0)
 
 
 # moe_structure -> (operators, operators per routed expert, parameter tensors) an MoE block has beyond a dense block
 # with the same attention: the router, top-k and the combine weights, the sort by expert, the grouped GEMMs
 # (torch._grouped_mm: what a GPU in bf16 and a CPU run; the engine's exact loop over experts is not priced), the scatter
 # back and the combine, the routing counters, the shared experts, the capacity's cut (one slice per expert) and the
-# balancing loss. Counted by opcount.moe_op_table (print it to pin it again after shardwise.moe changes).
-MOE_OP_COUNTS: dict[tuple[bool, bool, bool, bool], tuple[int, float, int]] = {
-    (True, True, True, True): (136, 1.0, 4),
-    (True, True, True, False): (98, 1.0, 4),
-    (True, True, False, True): (135, 0.0, 4),
-    (True, True, False, False): (97, 0.0, 4),
-    (True, False, True, True): (89, 1.0, 1),
-    (True, False, True, False): (51, 1.0, 1),
-    (True, False, False, True): (88, 0.0, 1),
-    (True, False, False, False): (50, 0.0, 1),
-    (False, True, True, True): (125, 1.0, 4),
-    (False, True, True, False): (87, 1.0, 4),
-    (False, True, False, True): (124, 0.0, 4),
-    (False, True, False, False): (86, 0.0, 4),
-    (False, False, True, True): (78, 1.0, 1),
-    (False, False, True, False): (40, 1.0, 1),
-    (False, False, False, True): (77, 0.0, 1),
-    (False, False, False, False): (39, 0.0, 1),
+# balancing loss and the z-loss. Counted by opcount.moe_op_table (print it to pin it again after shardwise.moe
+# changes).
+MOE_OP_COUNTS: dict[tuple[bool, bool, bool, bool, bool], tuple[int, float, int]] = {
+    (True, True, True, True, True): (160, 1.0, 4),
+    (True, True, True, True, False): (136, 1.0, 4),
+    (True, True, True, False, True): (123, 1.0, 4),
+    (True, True, True, False, False): (98, 1.0, 4),
+    (True, True, False, True, True): (159, 0.0, 4),
+    (True, True, False, True, False): (135, 0.0, 4),
+    (True, True, False, False, True): (122, 0.0, 4),
+    (True, True, False, False, False): (97, 0.0, 4),
+    (True, False, True, True, True): (113, 1.0, 1),
+    (True, False, True, True, False): (89, 1.0, 1),
+    (True, False, True, False, True): (76, 1.0, 1),
+    (True, False, True, False, False): (51, 1.0, 1),
+    (True, False, False, True, True): (112, 0.0, 1),
+    (True, False, False, True, False): (88, 0.0, 1),
+    (True, False, False, False, True): (75, 0.0, 1),
+    (True, False, False, False, False): (50, 0.0, 1),
+    (False, True, True, True, True): (149, 1.0, 4),
+    (False, True, True, True, False): (125, 1.0, 4),
+    (False, True, True, False, True): (112, 1.0, 4),
+    (False, True, True, False, False): (87, 1.0, 4),
+    (False, True, False, True, True): (148, 0.0, 4),
+    (False, True, False, True, False): (124, 0.0, 4),
+    (False, True, False, False, True): (111, 0.0, 4),
+    (False, True, False, False, False): (86, 0.0, 4),
+    (False, False, True, True, True): (102, 1.0, 1),
+    (False, False, True, True, False): (78, 1.0, 1),
+    (False, False, True, False, True): (65, 1.0, 1),
+    (False, False, True, False, False): (40, 1.0, 1),
+    (False, False, False, True, True): (101, 0.0, 1),
+    (False, False, False, True, False): (77, 0.0, 1),
+    (False, False, False, False, True): (64, 0.0, 1),
+    (False, False, False, False, False): (39, 0.0, 1),
 }
 
 
