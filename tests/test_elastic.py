@@ -124,6 +124,25 @@ def test_bad_elastic_input_is_one_line_before_any_process(args, field, capsys, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("nodes", ["2", "1:2"])
+def test_launch_local_checks_the_data_before_any_machine_starts(nodes, capsys, tmp_path, monkeypatch):
+    """A corpus too small for one global batch was found by the ranks: each machine printed the error line (again
+    on each of an elastic job's restarts) and the rendezvous' traceback, minutes later."""
+    import shardwise.launch.local
+
+    def no_start(*a, **k):
+        raise AssertionError("a machine was started for a job that cannot run")
+
+    monkeypatch.setattr(shardwise.launch.local, "run_local", no_start)
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("hello world\n")
+    sets = [f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'",
+            f"metrics.out_dir='{tmp_path / 'run'}'", "train.global_batch=16", "checkpoint.enabled=true"]
+    err = _refused(["launch", "local", "--config", CONFIG, "--nnodes", nodes, *[a for s in sets for a in ("--set", s)]],
+                   capsys)
+    assert err.startswith("shardwise: error: train.micro_batch: ") and "0 samples" in err, err
+
+
 def test_leave_counts_the_steps_this_job_logs(tmp_path):
     """--leave MACHINE@STEP waits for STEP in the metrics this job appends: an earlier run's lines in the same
     folder took the machine away before the job had started (and then the job hung, one machine short)."""

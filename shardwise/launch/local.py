@@ -211,6 +211,12 @@ def run_launch_local(args: argparse.Namespace) -> int:
                           "name a step the run passes, e.g. half of train.steps")
     fit_nodes(cfg, args.nproc_per_node, nodes)  # before any machine starts
     check_restarts(cfg, args.max_restarts or 0)
+    # what is wrong with the data, once, before any machine starts (as `train --nproc` on one machine): in the ranks
+    # it was each machine's error line, on every restart, then the rendezvous' traceback. Every machine here shares
+    # this one's files; cfg is fitted to the largest world, and every world of an elastic range has its global batch
+    from shardwise.data import prepare  # tokenizers and numpy; not torch
+
+    prepare(cfg, cfg.parallel.dp)
     return run_local(args, nodes, Path(cfg.metrics.out_dir))
 
 
