@@ -573,8 +573,12 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
             writer.print(f"step {step}: stopped as asked (a signal, or train.stop_after); "
                          + ("state saved" if cfg.checkpoint.enabled else "nothing saved (checkpoint.enabled = false)"))
             summary["stopped_at"] = step
-            if runtime.is_main:
-                (Path(cfg.metrics.out_dir) / STOPPED_FILE).write_text(json.dumps({"step": step}) + "\n")
+            if runtime.env.local_rank == 0:
+                # written on every machine, as its launcher reads it once its own ranks have ended: a signal that
+                # reached one machine (a drained node) stopped all, and the others' launchers exited 0 (a Kubernetes
+                # Job's index done), not --stopped-exit-code
+                stop = {"step": step, "signal": step != cfg.train.stop_after}
+                (Path(cfg.metrics.out_dir) / STOPPED_FILE).write_text(json.dumps(stop) + "\n")
             break
     checkpoints.close()
     writer.close()

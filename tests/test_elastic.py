@@ -5,9 +5,13 @@ has, like a run that changed world size at the same step through a checkpoint, e
 The machines are torchrun agents on this one (`shardwise launch local`); one is killed as a lost node would be.
 """
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from safetensors.torch import load_file
 
 from shardwise.cli import main
 from shardwise.config import ConfigError, fit_nodes, fit_world, load_config
+from shardwise.launch.local import _last_step, free_port
 from shardwise.metrics import read_sample_log, samples_by_step
 
 CONFIG = str(Path(__file__).parent / "configs" / "parity.toml")
@@ -210,3 +215,35 @@ def test_an_elastic_job_that_loses_a_machine_finishes_like_a_world_change_throug
     assert steps == samples_by_step(ref) and list(steps) == list(range(1, 21))
     ids = [i for step in steps.values() for i in step]
     assert len(ids) == 20 * 16 == len(set(ids))  # every sample once
+
+
+# ---------------------------------------------------------------------------------------------------
+# A signal to one machine
+
+
+@pytest.mark.multiprocess
+def test_a_signal_to_one_machine_ends_every_machine_with_the_stopped_exit_code(tmp_path):
+    """A drained Kubernetes node SIGTERMs its pod alone. The ranks agree to stop and all save, but only that pod's
+    launcher exited with --stopped-exit-code: the others exited 0, which a Job counts as their index done, and the
+    drained pod's replacement then waited alone at the rendezvous. Every machine now says the run stopped."""
+    run = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    machines = [subprocess.Popen(
+        [sys.executable, "-m", "shardwise", "train", *_sets(run, "train.steps=10000"), "--nproc", "1", "--nnodes", "2",
+         "--rdzv-endpoint", endpoint, "--rdzv-id", "drain", "--rdzv-conf", f"is_host={int(i == 0)}",
+         "--stopped-exit-code", "75"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for i in range(2)]
+    try:
+        deadline = time.time() + 240
+        while _last_step(run / "metrics.jsonl") < 2:
+            assert time.time() < deadline and all(m.poll() is None for m in machines), machines[0].stderr.read()
+            time.sleep(0.2)
+        machines[1].send_signal(signal.SIGTERM)  # machine 1's launcher, as the kubelet signals the drained pod
+        outputs = [m.communicate(timeout=240) for m in machines]
+    finally:
+        for m in machines:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(m.pid, signal.SIGKILL)
+    assert [m.returncode for m in machines] == [75, 75], outputs[0][1][-3000:]
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert stopped["signal"] and (run / "checkpoints" / f"step_{stopped['step']}" / "meta.json").is_file()

@@ -613,7 +613,7 @@ def test_a_stop_before_the_last_step_is_marked_in_the_run_folder_and_one_at_it_i
               "train.val_every=0", "checkpoint.enabled=true", f"metrics.out_dir='{run}'", "metrics.progress=false",
               "metrics.tensorboard=false"]
     assert train(load_config(None, [*common, "train.stop_after=2"]))["stopped_at"] == 2
-    assert json.loads((run / "stopped.json").read_text()) == {"step": 2}
+    assert json.loads((run / "stopped.json").read_text()) == {"step": 2, "signal": False}  # asked for: exit 0
     summary = train(load_config(None, common))  # resumed: runs step 3, the last
     assert "stopped_at" not in summary and not (run / "stopped.json").exists()
     at_end = train(load_config(None, [*common, "train.steps=4", "train.stop_after=4"]))  # a stop at the last step

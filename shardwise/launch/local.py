@@ -90,7 +90,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
     stopped_exit_code: the exit code when a signal stopped the job and the ranks saved (what a scheduler that
     only reruns failed work, as a Kubernetes Job does, needs to see instead of 0).
     stopped_marker: the run folder's STOPPED_FILE: where given, the job counts as stopped only if its ranks wrote it
-    (a signal during the last step ends a run that is complete).
+    (a signal during the last step ends a run that is complete), and also when it says that a signal to another
+    machine stopped it.
     """
     cmd, env = torchrun_command(nproc, argv, max_restarts, rendezvous)
     torchrun = subprocess.Popen(cmd, env=env)
@@ -121,12 +122,21 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
                 torchrun.wait()
             raise
         early = stopped and (stopped_marker is None or stopped_marker.is_file())
-        return stopped_exit_code if code == 0 and early else code
+        return stopped_exit_code if code == 0 and (early or stopped_by_signal(stopped_marker)) else code
     finally:
         # after a stop, a repeated stop signal has nothing left to stop: the command is returning its exit code.
         # Put back, the default handler let one kill the command itself on its way out (exit -15 after a good save)
         for s, handler in previous.items():
             signal.signal(s, signal.SIG_IGN if stopped else handler)
+
+
+def stopped_by_signal(marker: Path | None) -> bool:
+    """Whether the run's STOPPED_FILE says a signal stopped it before its last step, on whichever machine it arrived:
+    the ranks agree on a stop, so every machine's ranks saved and ended, signalled or not (train.stop_after: False)."""
+    try:
+        return marker is not None and json.loads(marker.read_text()).get("signal", False)
+    except (OSError, ValueError):
+        return False
 
 
 def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
