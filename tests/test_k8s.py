@@ -131,6 +131,25 @@ def test_a_jobset_is_a_valid_jobset_running_a_valid_indexed_job(tmp_path):
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
+def test_an_elastic_jobset_replaces_a_lost_pod_and_a_fixed_one_restarts_every_pod(tmp_path):
+    """An elastic JobSet's Job had backoffLimit 0: its first lost pod failed the Job, and the JobSet restarted every
+    pod, the survivors too, where torchrun's rendezvous would have gone on with them and taken the replacement in."""
+    for nodes, extra in (("2:4", ["--set", "train.global_batch=768"]), ("4", [])):
+        [job_set] = _manifests(tmp_path, "--kind", "jobset", "--nodes", nodes, "--gpus-per-node", "8",
+                               "--max-restarts", "5", *extra)
+        _valid(job_set, JobsetV1alpha2JobSet)
+        spec = job_set["spec"]["replicatedJobs"][0]["template"]["spec"]
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "node"},
+                                      "spec": spec}, KUBERNETES, strict=True)
+        assert spec["parallelism"] == spec["completions"] == 4
+        if nodes == "2:4":  # each pod may be replaced 5 times; the Job's own backoffLimit then defaults to no limit
+            assert spec["backoffLimitPerIndex"] == 5 and "backoffLimit" not in spec
+            assert spec["maxFailedIndexes"] == 2  # more lost for good: below MIN, the Job fails
+            assert "--nnodes 2:4" in spec["template"]["spec"]["containers"][0]["command"][-1]
+        else:
+            assert spec["backoffLimit"] == 0 and "backoffLimitPerIndex" not in spec and "maxFailedIndexes" not in spec
+
+
 @pytest.mark.parametrize("out_dir, nodes, name", [
     ("/data/70b-run", "2", "run-70b-run"),  # was 70b-run: a Service's name starts with a letter
     ("/data/Run_7", "2", "run-7"),

@@ -139,7 +139,7 @@ def manifests(args: argparse.Namespace, cfg: JobConfig, nodes: tuple[int, int]) 
     resources = _resources(args)
     if args.kind == "trainjob":
         return [_train_job(args, name, labels, train, high, per_node, resources, volumes, mounts)]
-    return [_job_set(args, name, labels, train, high, resources, volumes, mounts)]
+    return [_job_set(args, name, labels, train, nodes, resources, volumes, mounts)]
 
 
 def job_name(given: str, out_dir: PurePosixPath, pods: int) -> str:
@@ -252,7 +252,7 @@ def _train_job(args, name, labels, train, nodes, per_node, resources, volumes, m
     }
 
 
-def _job_set(args, name, labels, train, nodes, resources, volumes, mounts) -> dict:
+def _job_set(args, name, labels, train, nodes: tuple[int, int], resources, volumes, mounts) -> dict:
     container = {"name": CONTAINER, "image": args.image, "command": ["/bin/sh", "-c", train],
                  "env": [_job_name_env()], "ports": [{"containerPort": RENDEZVOUS_PORT}]}
     if resources:
@@ -264,7 +264,14 @@ def _job_set(args, name, labels, train, nodes, resources, volumes, mounts) -> di
     # without counting it against maxRestarts: the new pods resume from the save
     stopped = {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
                                                     "values": [STOPPED_EXIT_CODE]}}
-    job = {"parallelism": nodes, "completions": nodes, "completionMode": "Indexed", "backoffLimit": 0,
+    low, high = nodes
+    # a fixed job fails at its first lost pod, and the JobSet restarts every pod. An elastic one goes on without it
+    # (torchrun's rendezvous, down to MIN), and the Job replaces it, up to --max-restarts times a pod: the new pod
+    # joins the rendezvous and the job grows back. With backoffLimit 0 the JobSet restarted every pod instead. Past
+    # MAX - MIN pods lost for good the job is below MIN: the Job fails, and the JobSet restarts it.
+    retries = ({"backoffLimitPerIndex": _restarts(args), "maxFailedIndexes": high - low} if low < high
+               else {"backoffLimit": 0})
+    job = {"parallelism": high, "completions": high, "completionMode": "Indexed", **retries,
            "podFailurePolicy": {"rules": [stopped]}, "template": {"spec": pod}}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
