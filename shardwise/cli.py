@@ -410,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as e:
         # a bad value is the user's to fix: one line naming the field, no traceback
-        return _error(e, 2)
+        return _error(e, 2, final=True)
     except (CheckpointError, TrainingError) as e:
-        return _error(e, 3)
+        # a checkpoint the run cannot load (or write) is the same on a restart; a lost peer or a hang may not be
+        return _error(e, 3, final=isinstance(e, CheckpointError))
     except KeyboardInterrupt:
         # Ctrl-C: stop where it is, without Python's traceback (a run's newest checkpoint is what it resumes from;
         # SIGTERM or train.stop_after save first). Under --nproc every rank gets the signal: one line per machine
@@ -452,13 +453,14 @@ def _closeness(word: str, flag_or_field: str) -> float:
     return difflib.SequenceMatcher(None, word, flag_or_field.lstrip("-").replace("-", "_")).ratio()
 
 
-def _error(e: Exception, exit_code: int) -> int:
+def _error(e: Exception, exit_code: int, final: bool) -> int:
     """Print a shardwise error as one line, once per job: under torchrun every rank meets it, so only rank 0
-    prints it and each rank hands it to the launcher, which prints it when rank 0 did not fail with one."""
+    prints it and each rank hands it to the launcher, which prints it when rank 0 did not fail with one, and does
+    not restart the job for it when it is `final` (every attempt would meet it)."""
     line = f"shardwise: error: {e}"
     from shardwise.distributed import hand_error_to_launcher
 
-    if not hand_error_to_launcher(line, exit_code) or int(os.environ.get("RANK", "0")) == 0:
+    if not hand_error_to_launcher(line, exit_code, final) or int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr)
     return exit_code
 

@@ -291,8 +291,9 @@ _STOPPED_BY_TORCHRUN = (-signal.SIGTERM, -signal.SIGKILL)
 """How ranks that did not fail themselves end when torchrun stops the group around a failed one."""
 
 
-def hand_error_to_launcher(line: str, exit_code: int) -> bool:
-    """Write a shardwise error to this worker's torchelastic error file; False when there is none (not torchrun)."""
+def hand_error_to_launcher(line: str, exit_code: int, final: bool = False) -> bool:
+    """Write a shardwise error to this worker's torchelastic error file; False when there is none (not torchrun).
+    final: every attempt would meet it (see restart_cannot_help)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
@@ -300,7 +301,7 @@ def hand_error_to_launcher(line: str, exit_code: int) -> bool:
     # shows as the failure's cause), and ours under a key of their own
     message = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
     with open(path, "w") as f:
-        json.dump({"message": message, _KEY: {"exit_code": exit_code, "line": line}}, f)
+        json.dump({"message": message, _KEY: {"exit_code": exit_code, "line": line, "final": final}}, f)
     return True
 
 
@@ -318,6 +319,15 @@ def handed_error(failures: dict) -> tuple[int, int, str] | None:
         return None
     rank = 0 if 0 in handed else min(handed, key=lambda r: (failures[r].timestamp, r))
     return rank, handed[rank]["exit_code"], handed[rank]["line"]
+
+
+def restart_cannot_help(failures: dict) -> bool:
+    """Whether the error a failed torchrun job ends with (handed_error's) is one every attempt meets: a config, or a
+    checkpoint, that the user must change. torchrun's restarts (--max-restarts, 3 for an elastic job) each met it
+    again after a new rendezvous: its line once per attempt and machine, minutes of it, and on the machines left
+    when the first one gave up, the rendezvous' traceback."""
+    handed = handed_error(failures)
+    return handed is not None and failures[handed[0]].error_file_data[_KEY].get("final", False)
 
 
 def _entry(rank: int, world: int, port: int, fn, args, results):

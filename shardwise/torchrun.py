@@ -18,13 +18,20 @@ import uuid
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server import api as agent_api
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from shardwise.distributed import ATTEMPT_ENV, handed_error
+from shardwise.distributed import ATTEMPT_ENV, handed_error, restart_cannot_help
 
 _STOPPING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 """torchrun's logger for a failed worker group: "failed (exitcode: 3) local_rank: 0 ..." and "Sending process ...
@@ -104,6 +111,17 @@ def _restart_forgets_the_stop(self, worker_group) -> None:
 
 _TORCHRUN_RESTART = agent_api.SimpleElasticAgent._restart_workers
 
+def _no_restart_that_fails_again(self, worker_group) -> agent_api.RunResult:
+    """torchrun's _monitor_workers. A failure every attempt would meet (a config, a checkpoint: restart_cannot_help)
+    leaves no restarts: the job ends with its line once, not after --max-restarts more rendezvous and lines."""
+    result = _TORCHRUN_MONITOR(self, worker_group)
+    if result.is_failed() and restart_cannot_help(result.failures):
+        self._remaining_restarts = 0
+    return result
+
+
+_TORCHRUN_MONITOR = LocalElasticAgent._monitor_workers
+
 FAILED_GRACE_S = 5
 """How long torchrun waits for the ranks that outlive a failed one to end after its SIGTERM, before it SIGKILLs
 them. Its own wait, 30 s, is time to save, and no save completes without the failed rank. A survivor blocked in a
@@ -129,6 +147,7 @@ def main(argv: list[str]) -> int:
     multiprocessing_api._terminate_process_handler = _stop_ranks_first
     multiprocessing_api.SubprocessContext._close = _close_failed_sooner
     agent_api.SimpleElasticAgent._restart_workers = _restart_forgets_the_stop
+    LocalElasticAgent._monitor_workers = _no_restart_that_fails_again
     args = torchrun.parse_args(argv)
     if args.standalone:  # what torchrun makes of --standalone, for the backend below
         args.standalone = False
@@ -152,6 +171,12 @@ def main(argv: list[str]) -> int:
         # Ctrl-C: torchrun has stopped the ranks, and local rank 0 says "shardwise: interrupted" (cli.main); its own
         # traceback of the signal (20 lines after them) said nothing more
         return 128 + signal.SIGINT
+    except (RendezvousClosedError, RendezvousConnectionError):
+        # the machine that hosts the rendezvous (the first) ended the job, and its log says why; or it never ran it
+        print(f"shardwise: error: --rdzv-endpoint: the job's rendezvous at {args.rdzv_endpoint} is closed or gone: "
+              "the machine that hosts it ended the job (its log says why), or is not running it; fix: see that "
+              "machine's log, and start it first", file=sys.stderr)
+        return 1
     except ChildFailedError as e:
         handed = handed_error(e.failures)
         if handed is None:

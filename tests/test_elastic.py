@@ -217,6 +217,21 @@ def test_an_elastic_job_that_loses_a_machine_finishes_like_a_world_change_throug
     assert len(ids) == 20 * 16 == len(set(ids))  # every sample once
 
 
+@pytest.mark.multiprocess
+def test_an_error_every_attempt_meets_ends_an_elastic_job_at_once(tmp_path):
+    """A run folder whose checkpoint holds another model: each machine's torchrun restarted its rank 3 times, every
+    attempt printing the same line after a new rendezvous (2 minutes here), and the machine left last ended with
+    the rendezvous' traceback. Now each machine says it once and the job ends."""
+    run = tmp_path / "run"
+    _shardwise("train", *_sets(run, "train.steps=2"))
+    done = subprocess.run([sys.executable, "-m", "shardwise", "launch", "local", *_sets(run, "model.n_layers=4"),
+                           "--nnodes", "1:2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("shardwise: error: ")]
+    assert len(lines) <= 2 and "holds a different model" in lines[0], done.stderr[-3000:]  # one per machine at most
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------
 # A signal to one machine
 

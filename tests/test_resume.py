@@ -192,6 +192,24 @@ def test_launcher_picks_the_handed_error_rank_0_first(tmp_path, monkeypatch):
     assert handed_error({0: failure(0, 1, "zero")}) is None  # the error was handed, then something else ended it
 
 
+def test_a_handed_error_every_attempt_meets_is_not_restarted(tmp_path, monkeypatch):
+    """A config or checkpoint error is handed as final: torchrun's restarts met it again, each after a rendezvous."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from shardwise.distributed import hand_error_to_launcher, restart_cannot_help
+
+    def failure(rank, exitcode, final=None):
+        path = tmp_path / f"{rank}-{exitcode}-{final}.json"
+        if final is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            assert hand_error_to_launcher("shardwise: error: x", exitcode, final)
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    assert restart_cannot_help({0: failure(0, 2, True), 1: failure(1, -15)})
+    assert not restart_cannot_help({0: failure(0, 3, False)})  # a lost peer, a hang: a restart may get past it
+    assert not restart_cannot_help({0: failure(0, 2, True), 1: failure(1, 1)})  # a crash beside it: torchrun's way
+
+
 @pytest.mark.multiprocess
 def test_ranks_that_outlive_a_failed_one_are_not_waited_for_30_s(tmp_path):
     """A rank killed in a job of 4 (FSDP 2 x TP 2): a survivor blocked in a collective with it runs no Python signal
