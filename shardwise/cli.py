@@ -386,9 +386,25 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a flag's bad value (`--nodes two`, `--kind pytorchjob`), a missing required flag or two flags
+    that exclude each other said in one line naming the flag, as every other error of the command line is (argparse
+    printed its usage, a screen of it for `launch slurm`, above its own line)."""
+
+    def error(self, message: str):
+        flag, problem = self.prog, message
+        if m := re.fullmatch(r"argument ([^:]+): (.*)", message, re.S):
+            flag, problem = m.groups()
+        elif message.startswith("the following arguments are required: "):
+            flag, problem = message.split(": ", 1)[1], "required"
+        print(f"shardwise: error: {ConfigError(flag, problem, f'`{self.prog} --help` lists the arguments')}",
+              file=sys.stderr)
+        self.exit(2)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with `command`'s arguments (every command's when None) and the other commands listed."""
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__)
+    parser = _Parser(prog="shardwise", description=__doc__)  # its subcommands' parsers are _Parsers too
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add) in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text)

@@ -136,6 +136,23 @@ def test_bad_input_is_one_line_naming_the_field_and_nothing_is_written(args, fie
     assert not script.exists()
 
 
+@pytest.mark.parametrize("args, field", [
+    (["launch", "slurm", "--nodes", "two"], "--nodes"),
+    (["launch", "slurm", "--nproc-per-node", "2"], "--nodes"),  # required
+    (["launch", "slurm", "--nodes", "1", "--submit", "--write", "job.sh"], "--write"),  # one or the other
+    (["launch", "k8s", "--image", "x", "--kind", "pytorchjob"], "--kind"),
+    (["launch", "local", "--nproc-per-node", "1.5"], "--nproc-per-node"),
+    (["train", "--nproc", "two"], "--nproc"),
+])
+def test_a_bad_value_of_a_flag_is_one_line_naming_it(args, field, capsys):
+    """argparse's own errors were its usage (a screen of it for launch slurm) above the line."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"shardwise: error: {field}: ") and err.count("\n") == 1, err
+    assert "--help` lists the arguments" in err
+
+
 @pytest.mark.parametrize("option", ["--gpus=16", "--ntasks=4", "--exclusive", "--qos=high", "--mem=0"])
 def test_sbatch_options_whose_names_begin_the_scripts_own_are_not_abbreviations(option):
     """getopt_long takes an exact name as itself: --gpus is sbatch's own option, not --gpus-per-node abbreviated."""
