@@ -111,6 +111,7 @@ def _restart_forgets_the_stop(self, worker_group) -> None:
 
 _TORCHRUN_RESTART = agent_api.SimpleElasticAgent._restart_workers
 
+
 def _no_restart_that_fails_again(self, worker_group) -> agent_api.RunResult:
     """torchrun's _monitor_workers. A failure every attempt would meet (a config, a checkpoint: restart_cannot_help)
     leaves no restarts: the job ends with its line once, not after --max-restarts more rendezvous and lines."""
@@ -174,8 +175,8 @@ def main(argv: list[str]) -> int:
     except (RendezvousClosedError, RendezvousConnectionError):
         # the machine that hosts the rendezvous (the first) ended the job, and its log says why; or it never ran it
         print(f"shardwise: error: --rdzv-endpoint: the job's rendezvous at {args.rdzv_endpoint} is closed or gone: "
-              "the machine that hosts it ended the job (its log says why), or is not running it; fix: see that "
-              "machine's log, and start it first", file=sys.stderr)
+              "the machine that hosts it ended the job, or is not running it; fix: read that machine's log (the "
+              "first machine's: it says why), and start the job there first", file=sys.stderr)
         return 1
     except ChildFailedError as e:
         handed = handed_error(e.failures)
