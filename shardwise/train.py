@@ -501,6 +501,12 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
     if unused and runtime.is_main:  # a [lora] table without its rank was full fine-tuning, without a word
         log.warning("lora.rank = 0: every weight trains, and %s %s not used; set lora.rank (e.g. 16) to train "
                     "LoRA adapters", ", ".join(unused), "is" if len(unused) == 1 else "are")
+    if cfg.optim.warmup_steps >= cfg.train.steps and runtime.is_main:
+        # the schedule's warmup spans the whole run: the lr never decays, and stays below optim.lr where it is longer
+        reached = cfg.train.steps / cfg.optim.warmup_steps
+        log.warning("optim.warmup_steps = %d >= train.steps = %d: the whole run is warmup, its lr rises to %d%% of "
+                    "optim.lr and never decays; set optim.warmup_steps below train.steps (e.g. %d)",
+                    cfg.optim.warmup_steps, cfg.train.steps, round(100 * reached), max(1, cfg.train.steps // 10))
     if first_step == 1 and cfg.checkpoint.init_from_hf and not cfg.lora.rank:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
     if first_step == 1 and cfg.lora.init_from:

@@ -618,3 +618,21 @@ def test_a_stop_before_the_last_step_is_marked_in_the_run_folder_and_one_at_it_i
     assert "stopped_at" not in summary and not (run / "stopped.json").exists()
     at_end = train(load_config(None, [*common, "train.steps=4", "train.stop_after=4"]))  # a stop at the last step
     assert "stopped_at" not in at_end and not (run / "stopped.json").exists()
+
+
+def test_a_warmup_as_long_as_the_run_is_said(tmp_path, caplog):
+    """optim.warmup_steps (20 by default) at or past train.steps: a short run of one's own trained at a fraction of
+    optim.lr, rising to the end, and never decayed, without a word (trial, 2026-12-02)."""
+    import logging
+
+    base = ["train.steps=2", "train.val_every=0", "metrics.tensorboard=false", "metrics.progress=false"]
+    said = {}
+    for warmup in (4, 1):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardwise.train"):
+            train(load_config("tests/configs/parity.toml", [*base, f"optim.warmup_steps={warmup}",
+                                                            f"metrics.out_dir='{tmp_path / str(warmup)}'"]))
+        said[warmup] = [r.getMessage() for r in caplog.records if "optim.warmup_steps" in r.getMessage()]
+    assert not said[1]
+    assert said[4] and said[4][0].startswith("optim.warmup_steps = 4 >= train.steps = 2: the whole run is warmup, "
+                                             "its lr rises to 50% of optim.lr and never decays"), said[4]
