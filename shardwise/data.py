@@ -422,9 +422,10 @@ def keep_run_tokenizer(cfg: DataConfig, run_dir: str | os.PathLike, resumed: boo
     checkpoint's embeddings are indexed by the saved one's ids."""
     path = Path(run_dir) / RUN_TOKENIZER
     if resumed and path.is_file():
-        saved = _saved_run_tokenizer(cfg, run_dir)
-        if saved and not _same_ids(tokenizers.Tokenizer.from_file(str(saved)),
-                                   tokenizers.Tokenizer.from_str(tokenizer_json(cfg, resolve_cache_root(cfg)))):
+        # whatever data.tokenizer says now: a 'bpe' run resumed as 'byte' went unchecked (a byte run's ids never
+        # change, but the saved ones need not be a byte run's)
+        if not _same_ids(tokenizers.Tokenizer.from_file(str(path)),
+                         tokenizers.Tokenizer.from_str(tokenizer_json(cfg, resolve_cache_root(cfg)))):
             why = " (a BPE trained on data.paths as they are now)" if cfg.tokenizer == "bpe" else ""
             raise ConfigError("data.tokenizer", f"{cfg.tokenizer!r}{why} gives other ids than {path}, the tokenizer "
                               "this run trained with", f"restore the run's data, set data.tokenizer = '{path}', or "

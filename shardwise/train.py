@@ -31,6 +31,7 @@ from shardwise.checkpoint import (
     StopSignal,
     TrainState,
     lora_base_identity,
+    scan_checkpoints,
     set_aside,
 )
 from shardwise.config import (
@@ -480,6 +481,10 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
     checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device, process_exits)
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # LoRA checkpoints hold adapters only: the base goes first
+    if cfg.checkpoint.enabled and cfg.checkpoint.resume and scan_checkpoints(cfg.metrics.out_dir).complete:
+        # the ids before the checkpoint: another tokenizer also gives another sample count, and the loader's refusal
+        # of that named the data's size, not data.tokenizer
+        data.keep_run_tokenizer(cfg.data, cfg.metrics.out_dir, resumed=True, write=False)
     first_step = checkpoints.resume() + 1
     if first_step - 1 > cfg.train.steps:
         raise ConfigError("train.steps", f"{cfg.train.steps} is below step {first_step - 1}, where the run in "

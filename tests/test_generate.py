@@ -377,6 +377,19 @@ def test_a_resume_whose_tokenizer_gives_other_ids_is_refused(tmp_path):
     _bpe_run(tmp_path, corpus, 2, f"data.tokenizer='{tmp_path / 'run' / 'tokenizer.json'}'")  # its own: goes on
 
 
+def test_a_resume_with_another_kind_of_tokenizer_is_refused_naming_it(tmp_path):
+    """A 'bpe' run resumed with the byte tokenizer: the other sample count was refused first, as the data loader's
+    ("read the same data as the run did"), where what changed is data.tokenizer (trial, 2026-12-02)."""
+    from shardwise.config import ConfigError
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n" for i in range(300)))
+    _bpe_run(tmp_path, corpus, 1)
+    with pytest.raises(ConfigError) as e:
+        _bpe_run(tmp_path, corpus, 2, "data.tokenizer='byte'")
+    assert e.value.field == "data.tokenizer" and "this run trained with" in str(e.value)
+
+
 def test_hf_folder_without_weights_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """A folder with config.json and tokenizer.json but no safetensors was a FileNotFoundError traceback."""
     for name in ("config.json", "tokenizer.json"):
