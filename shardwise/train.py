@@ -391,11 +391,15 @@ def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Ru
 def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool = False) -> dict:
     """Run a job from a validated config; returns a summary (losses, final validation loss). `process_exits`: this
     process ends with the run (the command line's), so after a stop it ignores further stop signals (StopSignal)."""
+    # from the start: a stop signal while the rank was still being built (process groups, data, model: a minute on
+    # a busy machine) killed it, and the job ended with torchrun's traceback and nothing saved. It now stops after
+    # the first step, as one during training does
+    stop = StopSignal(process_exits=process_exits)
     runtime = Runtime.create(cfg)
     lock = None
     try:
         lock = lock_run_folder(cfg.metrics.out_dir, runtime)
-        return _train(cfg, runtime, save_final, process_exits)
+        return _train(cfg, runtime, save_final, stop)
     except RuntimeError as e:
         explained = explain_failure(e, runtime.env, runtime.step) if runtime.world_size > 1 else None
         if explained is None:
@@ -404,6 +408,7 @@ def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool 
     finally:
         if lock is not None:
             lock.close()  # releases it
+        stop.close()
         runtime.close()
 
 
@@ -463,7 +468,7 @@ def _claim(folder: Path):
     return file, None
 
 
-def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exits: bool = False) -> dict:
+def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, stop: StopSignal) -> dict:
     device = runtime.device
     if device.type == "cpu":
         keep_host_memory()  # activations live in host memory: reuse their blocks instead of faulting them in again
@@ -478,7 +483,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, process_exi
     schedule = build_lr_schedule(inner, cfg.optim, cfg.train.steps)
     scaler = build_grad_scaler(cfg.train, device)
     parts = model_parts(model)
-    checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device, process_exits)
+    checkpoints = Checkpoints.create(cfg, TrainState(parts, optimizer, schedule, scaler, loader), device, stop)
     if cfg.lora.rank and cfg.checkpoint.init_from_hf:
         import_hf(parts, cfg.checkpoint.init_from_hf)  # LoRA checkpoints hold adapters only: the base goes first
     if cfg.checkpoint.enabled and cfg.checkpoint.resume and scan_checkpoints(cfg.metrics.out_dir).complete:
@@ -666,18 +671,18 @@ class Checkpoints:
     state: TrainState
     device: torch.device
     checkpointer: Checkpointer | None
-    stop: StopSignal | None
+    stop: StopSignal
+    """The run's stop signals (train() installs and closes them)."""
 
     @classmethod
-    def create(cls, cfg: JobConfig, state: TrainState, device: torch.device,
-               process_exits: bool = False) -> Checkpoints:
+    def create(cls, cfg: JobConfig, state: TrainState, device: torch.device, stop: StopSignal) -> Checkpoints:
         if not cfg.checkpoint.enabled:
             # a signal still stops the run cleanly after its step (SIGUSR1's default action killed it), unsaved
-            return cls(cfg, state, device, None, StopSignal(process_exits=process_exits))
+            return cls(cfg, state, device, None, stop)
         base = lora_base_identity(cfg.checkpoint.init_from_hf) if cfg.lora.rank else None
         checkpointer = Checkpointer(cfg.metrics.out_dir, cfg.model, layout=to_dict(cfg.parallel),
                                     keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, lora_base=base)
-        return cls(cfg, state, device, checkpointer, StopSignal(process_exits=process_exits))
+        return cls(cfg, state, device, checkpointer, stop)
 
     def resume(self) -> int:
         """The step the newest complete checkpoint was saved at (its state loaded), or 0."""
@@ -704,7 +709,6 @@ class Checkpoints:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
-        self.stop.close()
 
 
 def model_from_checkpoint(cfg: JobConfig, runtime: Runtime) -> tuple[Transformer | Pipeline, Path]:

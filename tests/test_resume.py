@@ -135,6 +135,32 @@ def test_a_signal_stops_a_run_without_checkpoints_cleanly(tmp_path):
     assert "nothing saved (checkpoint.enabled = false)" in output and not (out / "checkpoints").exists()
 
 
+def test_a_signal_while_the_run_is_built_stops_it_after_its_first_step(tmp_path, monkeypatch):
+    """A stop signal before the loop's handler was installed (while the process groups, data and model were built: a
+    minute on a busy machine) killed the rank, and `shardwise train --nproc` ended with torchrun's traceback and
+    nothing saved (trial, 2026-12-02). It is caught from the start: the run saves after its first step and stops."""
+    import shardwise.train
+    from shardwise.config import load_config
+
+    reached_default = []
+    previous = signal.signal(signal.SIGUSR1, lambda *args: reached_default.append(True))
+    build_data = shardwise.train.build_data
+
+    def signalled_while_built(*args):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return build_data(*args)
+
+    monkeypatch.setattr(shardwise.train, "build_data", signalled_while_built)
+    try:
+        summary = shardwise.train.train(load_config(CONFIG, [
+            f"metrics.out_dir='{tmp_path}'", "train.steps=4", "checkpoint.enabled=true", "train.val_every=0",
+            "metrics.tensorboard=false", "metrics.progress=false"]))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not reached_default and summary.get("stopped_at") == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
 def test_a_stop_after_before_the_resumed_step_is_refused(tmp_path, capsys):
     """train.stop_after = 5 on a run resuming at step 8 never fired: the run trained to its end."""
     from shardwise.cli import main
