@@ -532,6 +532,18 @@ def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[floa
 
 
 @pytest.mark.multiprocess
+def test_torchrun_ended_by_a_signal_is_said_with_a_shells_exit_code(tmp_path, monkeypatch, capsys):
+    """A SIGTERM to `shardwise train --nproc` before the ranks existed reached torchrun, which died of it: the
+    command printed nothing and exited 241 (-15 as a byte), where a shell's code is 143 (trial, 2026-12-02)."""
+    import shardwise.launch.local as local
+
+    killed = "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n"
+    monkeypatch.setattr(local, "torchrun_command", lambda *a, **k: ([sys.executable, "-c", killed], None))
+    assert local.launch_local(2, ["train"]) == 143
+    assert capsys.readouterr().err == "shardwise: torchrun was ended by SIGTERM (nothing trained after that)\n"
+
+
+@pytest.mark.multiprocess
 def test_ctrl_c_under_nproc_returns_once_torchrun_has_stopped_the_ranks(tmp_path, monkeypatch):
     """Ctrl-C reaches the launcher and torchrun's agent together, and the agent then stops the ranks (up to 30 s,
     SIGKILL after). The launcher returned at once: the prompt came back while the ranks still held the run folder's

@@ -121,6 +121,12 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous:
                 take_away(torchrun.pid)
                 torchrun.wait()
             raise
+        if code < 0:
+            # torchrun itself died of a signal (a stop before the ranks existed, which it does not pass on): without
+            # a word, and exit 241 for SIGTERM's -15. A shell's code for it, 128 + the signal, and a line
+            print(f"shardwise: torchrun was ended by {signal.Signals(-code).name} (nothing trained after that)",
+                  file=sys.stderr)
+            return 128 - code
         early = stopped and (stopped_marker is None or stopped_marker.is_file())
         return stopped_exit_code if code == 0 and (early or stopped_by_signal(stopped_marker)) else code
     finally:
