@@ -395,7 +395,11 @@ def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool 
     # a busy machine) killed it, and the job ended with torchrun's traceback and nothing saved. It now stops after
     # the first step, as one during training does
     stop = StopSignal(process_exits=process_exits)
-    runtime = Runtime.create(cfg)
+    try:
+        runtime = Runtime.create(cfg)
+    except BaseException:
+        stop.close()  # the handlers as they were: the process may go on (verify's reference run)
+        raise
     lock = None
     try:
         lock = lock_run_folder(cfg.metrics.out_dir, runtime)
