@@ -930,7 +930,11 @@ class StopSignal:
         self._previous = {s: signal.signal(s, self._handler) for s in signals}
 
     def _handler(self, signum, frame) -> None:
-        self._set = True  # only a flag: the step in flight finishes, then the loop saves
+        self.request()
+
+    def request(self) -> None:
+        """Stop after the step in flight (what a stop signal asks): only a flag, the loop saves then."""
+        self._set = True
 
     def close(self) -> None:
         """Put the previous handlers back. In a process that ends with the run (`process_exits`: the command line's)

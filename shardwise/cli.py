@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -91,9 +92,23 @@ def _run_train(args: argparse.Namespace) -> int:
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
                             stopped_exit_code=args.stopped_exit_code,
                             stopped_marker=Path(cfg.metrics.out_dir) / STOPPED_FILE)
-    from shardwise.train import train  # heavy imports only once the config is known good
+    # a stop signal while this process imports torch (seconds, more on a busy machine) killed it: noted here, it
+    # stops the run after its first step, as one that comes later does (train's StopSignal takes over from this)
+    early: list[int] = []
 
-    summary = train(cfg, save_final=args.save_final, process_exits=True)  # this process ends with the run
+    def note(signum, frame):
+        early.append(signum)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        from shardwise.train import train  # heavy imports only once the config is known good
+
+        # this process ends with the run
+        summary = train(cfg, save_final=args.save_final, process_exits=True, stopped_before=early)
+    finally:
+        for s, handler in previous.items():
+            if signal.getsignal(s) is note:  # (after a stop, StopSignal leaves them ignored: kept so)
+                signal.signal(s, handler)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     losses = summary["losses"]

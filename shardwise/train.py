@@ -388,13 +388,17 @@ def build_optimizer_for(model: nn.Module | Pipeline, cfg: JobConfig, runtime: Ru
     return optimizer, optimizer
 
 
-def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool = False) -> dict:
+def train(cfg: JobConfig, save_final: str | None = None, *, process_exits: bool = False,
+          stopped_before: list[int] = ()) -> dict:
     """Run a job from a validated config; returns a summary (losses, final validation loss). `process_exits`: this
-    process ends with the run (the command line's), so after a stop it ignores further stop signals (StopSignal)."""
+    process ends with the run (the command line's), so after a stop it ignores further stop signals (StopSignal).
+    `stopped_before`: stop signals the caller caught before this (while it imported torch)."""
     # from the start: a stop signal while the rank was still being built (process groups, data, model: a minute on
     # a busy machine) killed it, and the job ended with torchrun's traceback and nothing saved. It now stops after
     # the first step, as one during training does
     stop = StopSignal(process_exits=process_exits)
+    if stopped_before:  # read once StopSignal's handlers are in: a signal between the two is in one or the other
+        stop.request()
     try:
         runtime = Runtime.create(cfg)
     except BaseException:

@@ -161,6 +161,34 @@ def test_a_signal_while_the_run_is_built_stops_it_after_its_first_step(tmp_path,
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
 
+def test_a_signal_while_a_rank_imports_torch_stops_the_run_after_its_first_step(tmp_path, monkeypatch):
+    """The same before train() runs: a rank of `shardwise train --nproc` spends seconds importing torch, and a stop
+    signal then killed it (torchrun's traceback, exit 1; trial, 2026-12-02)."""
+    import shardwise.train
+    from shardwise.cli import main
+
+    reached_default = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGUSR1, lambda *args: reached_default.append(True))
+    train = shardwise.train.train
+
+    def signalled_before(*args, **kwargs):  # as if it came during `from shardwise.train import train`
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(shardwise.train, "train", signalled_before)
+    try:
+        assert main(["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=train.steps=4",
+                     "--set=checkpoint.enabled=true", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+                     "--set=metrics.progress=false"]) == 0
+        assert not reached_default
+    finally:  # the command line's process ends with the run: it leaves them ignored after a stop
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert json.loads((tmp_path / "stopped.json").read_text()) == {"step": 1}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
 def test_a_stop_after_before_the_resumed_step_is_refused(tmp_path, capsys):
     """train.stop_after = 5 on a run resuming at step 8 never fired: the run trained to its end."""
     from shardwise.cli import main
