@@ -715,9 +715,13 @@ def _validate_lora(lora: LoraConfig) -> None:
 
 PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # adapter_config.json fields of peft's LoRA that the engine's (W x + alpha/r B A x on whole projections) lacks; those
-# that change which tensors the adapter holds are also found by their keys and shapes
+# that change which tensors the adapter holds are also found by their keys and shapes, the others only here: aLoRA
+# (alora_invocation_tokens) adds B A x only from its invocation tokens on, with plain LoRA's tensors, and was taken
+# for LoRA on every token until 2026-12-02 (peft 0.21's newer variants are listed with it)
 _PEFT_FEATURES = ("use_dora", "use_rslora", "fan_in_fan_out", "bias", "lora_bias", "modules_to_save", "rank_pattern",
-                  "alpha_pattern", "layers_to_transform", "layer_replication", "exclude_modules", "target_parameters")
+                  "alpha_pattern", "layers_to_transform", "layer_replication", "exclude_modules", "target_parameters",
+                  "alora_invocation_tokens", "use_qalora", "use_bdlora", "kasa_config", "monteclora_config",
+                  "arrow_config", "trainable_token_indices")
 
 
 def _validate_lora_init(lora: LoraConfig, model: ModelArgs) -> None:

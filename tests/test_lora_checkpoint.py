@@ -401,6 +401,8 @@ def test_a_peft_adapter_of_another_rank_alpha_or_targets_names_the_values_to_set
 
 @pytest.mark.parametrize("change, words", [
     ({"use_dora": True}, ["use_dora = True", "plain LoRA"]),
+    # aLoRA: plain LoRA's tensors, applied from the invocation tokens on (it was applied to every token)
+    ({"alora_invocation_tokens": [7, 11]}, ["alora_invocation_tokens = [7, 11]", "plain LoRA"]),
     ({"target_modules": ".*proj"}, ["target_modules '.*proj'"]),
     ({"peft_type": "IA3"}, ["IA3 adapter"]),
 ])
