@@ -880,7 +880,24 @@ def prepare(cfg: JobConfig, dp_size: int) -> TokenDataset:
     dataset = TokenDataset.build(cfg.data, tokenizer)
     DataLoader(dataset, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, dp_size=dp_size)
     _val_samples(dataset)
+    if cfg.train.val_every and dataset.masked:
+        per_batch = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+        _check_val_targets(dataset, cfg.train.val_batches, per_batch)
     return dataset
+
+
+def _check_val_targets(dataset: TokenDataset, val_batches: int, per_batch: int) -> None:
+    """Refuse a validation that reads prompts alone: its val_batches global batches of `per_batch` samples are the
+    val split's first samples, and where no target of theirs counts, their mean loss is 0 / 0 (val_loss was nan at
+    every evaluation until 2026-12-02). The split's last sample always counts: it ends with a completion's eos."""
+    n_val = dataset.num_samples("val")
+    first = next((i for i in range(n_val) if dataset.counted("val", i).any()), n_val)
+    if first >= val_batches * per_batch:
+        raise ConfigError(
+            "train.val_batches", f"its {val_batches} batches read the first {val_batches * per_batch} validation "
+            "samples, which are all prompt: no target counts in their loss (val_loss would be nan)",
+            f"set train.val_batches = {first // per_batch + 1}, or lower data.val_fraction",
+        )
 
 
 def val_batches(dataset: TokenDataset, *, micro_batch: int, n: int, dp_rank: int = 0,

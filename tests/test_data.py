@@ -607,3 +607,29 @@ def test_an_end_of_text_token_declared_by_tokenizer_config_json(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</eos>"}))
     with pytest.raises(ConfigError, match="eos_token '</eos>' is not in it"):
         data.HFTokenizer(path, "file")
+
+
+def test_a_validation_that_reads_prompts_alone_is_refused_naming_the_val_batches_that_reach_a_completion(tmp_path):
+    """val_batches read the val split's first samples; where those are all prompt (a long prompt at the end of the
+    corpus), no target counts and val_loss was 0 / 0 = nan at every evaluation. Expected from a hand-made stream
+    (bytes as tokens): the first val sample with a counted target, and the val_batches that reach it."""
+    from shardwise.config import load_config
+
+    records = [{"prompt": "Q?", "completion": "a"}] * 30 + [{"prompt": "x" * 200, "completion": "y"}]
+    corpus = tmp_path / "sft.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    counts = []
+    for r in records:
+        counts += [False] * len(r["prompt"]) + [True] * (len(r["completion"]) + 1)
+    n_val = round(0.4 * len(counts) / 8)
+    start = len(counts) - (n_val * 8 + 1)
+    first = next(i for i in range(n_val) if any(counts[start + 8 * i + 1 : start + 8 * i + 9]))
+    assert first > 4  # the first four (val_batches 4 of one sample each) are all prompt
+    overrides = ["model.name='debug'", f"data.paths=['{corpus}']", f"data.cache_dir='{tmp_path / 'cache'}'",
+                 "data.seq_len=8", "data.val_fraction=0.4", "train.micro_batch=1", "train.val_batches=4"]
+    with pytest.raises(ConfigError) as e:
+        data.prepare(load_config(None, overrides), dp_size=1)
+    assert e.value.field == "train.val_batches" and f"set train.val_batches = {first + 1}" in str(e.value)
+    assert "\n" not in str(e.value)
+    data.prepare(load_config(None, [*overrides, f"train.val_batches={first + 1}"]), dp_size=1)
+    data.prepare(load_config(None, [*overrides, "train.val_every=0"]), dp_size=1)  # no validation: nothing to refuse
