@@ -228,7 +228,8 @@ def _texts(files: list[Path]) -> Iterator[str]:
 def _packing_rule(files: list[Path]) -> dict:
     """Part of the cache keys: how files become documents, where it is not one file, one document (so a .jsonl
     file's cache from before its lines were documents is not reused; other corpora keep their keys)."""
-    return {"jsonl_field": JSONL_FIELD} if any(p.suffix == JSONL_SUFFIX for p in files) else {}
+    # "prompt": how a prompt and its completion are encoded (see _encoded_documents); caches of "apart" are not this
+    return {"jsonl_field": JSONL_FIELD, "prompt": "joint"} if any(p.suffix == JSONL_SUFFIX for p in files) else {}
 
 
 def _digest(obj: object) -> str:
@@ -543,18 +544,26 @@ def _shard_name(index: int, kind: str = "shard") -> str:
 
 
 def _encoded_documents(tokenizer: Tokenizer, files: list[Path]) -> Iterator[tuple[np.ndarray, int]]:
-    """Each document's ids, and how many of them lead it as a prompt (0 for a text). A prompt and its completion
-    are encoded apart, so that no token spans the two."""
+    """Each document's ids, and how many of them lead it as a prompt (0 for a text).
+
+    A prompt and its completion are encoded as one text where the prompt's own ids lead it (TRL's rule), so that the
+    completion's ids are those that follow the prompt at generation; else (a token would span the two) apart, so
+    that no token is both. Until 2026-12-02 they were always encoded apart: a tokenizer that marks the start of
+    what it encodes (Llama 2's and Mistral's "▁" before the first word) marked every completion's start too, and the
+    model learnt a space that the prompt's text never had."""
     encode_batch = getattr(tokenizer, "encode_batch", lambda texts: [tokenizer.encode(t) for t in texts])
     documents = _documents(files)
     while batch := list(itertools.islice(documents, DOCS_PER_ENCODE_BATCH)):
-        pieces = iter(encode_batch([text for doc in batch for text in ([doc] if isinstance(doc, str) else doc)]))
+        texts = [text for doc in batch for text in ([doc] if isinstance(doc, str) else [*doc, "".join(doc)])]
+        pieces = (np.asarray(ids, dtype=np.int64) for ids in encode_batch(texts))
         for doc in batch:
-            ids = np.asarray(next(pieces), dtype=np.int64)
+            ids = next(pieces)
             if isinstance(doc, str):
                 yield ids, 0
-            else:
-                yield np.concatenate([ids, np.asarray(next(pieces), dtype=np.int64)]), len(ids)
+                continue
+            completion, joint = next(pieces), next(pieces)
+            joined = np.array_equal(joint[: len(ids)], ids)
+            yield (joint if joined else np.concatenate([ids, completion])), len(ids)
 
 
 def _pack(files: list[Path], tokenizer: Tokenizer, folder: Path, shard_tokens: int) -> tuple[list[int], bool]:

@@ -197,7 +197,8 @@ def test_prompt_completion_records_count_only_the_completion_and_its_end_of_text
 
 
 def test_prompt_completion_records_through_a_bpe_are_encoded_apart(tmp_path, bpe_json):
-    """A prompt and its completion are encoded separately (no token spans the two), the prompt's tokens masked."""
+    """A prompt and its completion that meet between words: the same ids encoded apart or as one text (the
+    byte-level BPE starts a word at its space), the prompt's tokens masked."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     record = {"prompt": "def f(x):\n    return", "completion": " x + 1\n"}
@@ -210,6 +211,37 @@ def test_prompt_completion_records_through_a_bpe_are_encoded_apart(tmp_path, bpe
     counted = np.concatenate([ds.counted("train", i) for i in range(ds.num_samples("train"))])
     expected = [False] * (len(prompt) - 1) + [True] * (len(completion) + 1)  # targets: the stream from token 1
     assert counted.tolist() == expected[: len(counted)]
+
+
+def test_a_completion_is_encoded_as_the_prompt_s_continuation_by_a_tokenizer_that_marks_its_start(tmp_path):
+    """Llama 2's tokenizer.json puts "▁" before what it encodes: encoded alone, the completion " blue" was
+    "▁▁blue", a space the text never had before it, which the model then learnt to write. Expected: the
+    tokenizers library's ids of prompt + completion as one text, its prompt's ids masked (TRL's rule); where a
+    token would span the two (a completion that goes on the prompt's last word), the two encoded apart."""
+    from tokenizers import normalizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.train_from_iterator(["the sky is blue", "Q: the sky? A: blue"] * 20, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "</s>"], show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    records = [{"prompt": "Q: the sky? A:", "completion": " blue"}, {"prompt": "Q: bl", "completion": "ue"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = make_cfg(tmp_path / "a.jsonl", tmp_path / "cache", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=2,
+                   val_fraction=0.0)
+    ds = data.TokenDataset.build(cfg, data.build_tokenizer(cfg, tmp_path / "cache"), tmp_path / "cache")
+    ids = [tok.encode(text, add_special_tokens=False).ids for r in records for text in r.values()]
+    joint = tok.encode("Q: the sky? A: blue", add_special_tokens=False).ids
+    assert joint[: len(ids[0])] == ids[0] and joint[len(ids[0]):] != ids[1]  # apart, " blue" was another encoding
+    assert tok.encode("Q: blue", add_special_tokens=False).ids[: len(ids[2])] != ids[2]  # "blue" spans the two
+    eos = tok.token_to_id("</s>")
+    stream = [*joint, eos, *ids[2], *ids[3], eos]
+    counts = [False] * len(ids[0]) + [True] * (len(joint) - len(ids[0]) + 1) + [False] * len(ids[2]) + \
+        [True] * (len(ids[3]) + 1)
+    np.testing.assert_array_equal(stream_on_disk(ds), stream)
+    counted = np.concatenate([ds.counted("train", i) for i in range(ds.num_samples("train"))])
+    assert counted.tolist() == counts[1 : len(counted) + 1]
 
 
 def test_bytes_that_are_not_utf8_are_replaced_with_a_warning_naming_the_file(tmp_path, caplog):
