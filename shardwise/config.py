@@ -520,8 +520,6 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _validate_lora(cfg.lora)
-    if cfg.lora.init_from:
-        _validate_lora_init(cfg.lora, cfg.model)
     _validate_moe(cfg)
     validate_parallel(cfg)
     # after the layout: an MoE config with n_experts = 0 and ep > 1 is told of ep, which names the dense model
@@ -547,6 +545,9 @@ def validate(cfg: JobConfig) -> None:
                           "another folder, or at the base alone")
     if hf:
         _validate_hf_shape(cfg.model, hf)
+    if cfg.lora.init_from:
+        # after the base: an adapter checked against a [model] that is not the base's was refused as another base's
+        _validate_lora_init(cfg.lora, cfg.model)
     decaying = round(cfg.optim.decay_ratio * cfg.train.steps)
     if cfg.optim.decay_ratio > 0 and cfg.optim.decay != "constant" and \
             cfg.optim.warmup_steps + decaying > cfg.train.steps:

@@ -438,6 +438,18 @@ def test_a_peft_adapter_of_another_model_shape_is_refused_naming_the_tensor(peft
     assert "adapter_config.json and no adapter_model.safetensors" in e.value.problem
 
 
+def test_a_model_config_off_its_base_is_refused_naming_the_base_not_the_adapter(hf_base, peft_adapter):
+    """The adapter fits the base it was made on (hf_base); a [model] that is not that base's shape is the [model]'s
+    fault, and the line names the value to set: checked against the [model] first, the adapter was refused as one
+    "trained on another base"."""
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _cfg([*LORA_NO_DROPOUT, f"checkpoint.init_from_hf='{hf_base[0]}'", f"lora.init_from='{peft_adapter[0]}'",
+              "model.ffn_hidden=256"])
+    assert e.value.field == "checkpoint.init_from_hf" and "set model.ffn_hidden = 192" in str(e.value), e.value
+
+
 def test_a_merged_export_is_refused_over_a_peft_export(hf_base, tmp_path, capsys):
     """A merged export over an earlier peft export left adapter_config.json beside the merged weights:
     transformers (peft installed) loaded the adapters onto them, applied twice (logits 7% off), without a word; and
