@@ -166,14 +166,19 @@ def _read_text(path: Path) -> str:
     """A corpus file's text, as UTF-8. Bytes that are not UTF-8 are read as U+FFFD (three bytes each in the byte
     tokenizer's stream), with a warning naming the file and the first such byte, once per file and process: a
     latin-1 corpus was rewritten so without a word (Hugging Face `datasets` and torchtune refuse such a file)."""
-    raw = path.read_bytes()
+    return _utf8(path.read_bytes(), path)
+
+
+def _utf8(raw: bytes, path: Path, line: int = 0) -> str:
+    """`raw`, the whole of `path` or its `line`, read as _read_text says."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         if path not in _NOT_UTF8_WARNED:
             _NOT_UTF8_WARNED.add(path)
-            log.warning("data.paths: %s is not UTF-8 from byte %d on (%s); its invalid bytes are read as U+FFFD. "
-                        "To keep them, convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)", path, e.start,
+            where = f"line {line} byte {e.start}" if line else f"byte {e.start}"
+            log.warning("data.paths: %s is not UTF-8 from %s on (%s); its invalid bytes are read as U+FFFD. "
+                        "To keep them, convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)", path, where,
                         e.reason)
         return raw.decode("utf-8", errors="replace")
 
@@ -199,8 +204,8 @@ def _file_documents(path: Path) -> Iterator[Document]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
+            try:  # a line's bytes that are not UTF-8 are read as a text file's are (they were "not JSON")
+                record = json.loads(_utf8(line, path, n))
             except ValueError as e:
                 raise ConfigError("data.paths", f"{path} line {n} is not JSON ({e})", fix) from None
             record = record if isinstance(record, dict) else {}

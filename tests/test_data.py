@@ -257,6 +257,16 @@ def test_bytes_that_are_not_utf8_are_replaced_with_a_warning_naming_the_file(tmp
         assert tok.decode(stream[: stream.index(tok.eos_id)]) == "caf\ufffd au lait\n"
     warned = [r.getMessage() for r in caplog.records if r.name == "shardwise.data"]
     assert len(warned) == 1 and "latin1.txt is not UTF-8 from byte 3 on" in warned[0]
+    # a JSON Lines file's the same way, per line (it stopped the run as "not JSON", with a fix about its fields)
+    (tmp_path / "latin1.txt").unlink()
+    (tmp_path / "l.jsonl").write_bytes(b'{"text": "ok"}\n{"prompt": "caf\xe9?", "completion": " oui"}\n')
+    caplog.clear()
+    cfg = make_cfg(tmp_path / "l.jsonl", tmp_path / "cache-jsonl", seq_len=2, val_fraction=0.0)
+    with caplog.at_level(logging.WARNING, logger="shardwise.data"):
+        stream = stream_on_disk(data.TokenDataset.build(cfg, data.ByteTokenizer(), tmp_path / "cache-jsonl"))
+    assert stream.tolist() == [*b"ok", 256, *"caf\ufffd? oui".encode(), 256]
+    warned = [r.getMessage() for r in caplog.records if r.name == "shardwise.data"]
+    assert len(warned) == 1 and "l.jsonl is not UTF-8 from line 2 byte 15 on" in warned[0], warned
 
 
 def test_cache_root_resolution(monkeypatch, tmp_path):
