@@ -529,6 +529,10 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, stop: StopS
         import_hf(parts, cfg.checkpoint.init_from_hf)  # fine-tuning: the weights, not the optimizer state
     if first_step == 1 and cfg.lora.init_from:
         import_peft(parts, cfg.lora.init_from)  # an adapter trained elsewhere, in place of the seeded B = 0
+    elif cfg.lora.init_from and runtime.is_main:  # its adapters are the run's own since: the setting went unread
+        log.warning("lora.init_from is not read: the run in %s goes on from its checkpoint of step %d, whose adapters "
+                    "replaced it; to start from %s, use another metrics.out_dir", cfg.metrics.out_dir,
+                    first_step - 1, cfg.lora.init_from)
 
     writer = MetricsWriter(cfg.metrics, cfg.train.steps, enabled=runtime.is_main, first_step=first_step)
     samples = SampleLog(cfg.metrics.out_dir, runtime.dp_rank, cfg.metrics.log_samples and runtime.leads_data_rank,

@@ -379,6 +379,21 @@ def test_a_lora_run_starts_from_a_peft_adapter_with_peft_s_logits(hf_base, peft_
         assert 0 < moved < 2 * lr, (name, moved)
 
 
+def test_a_run_that_goes_on_from_its_checkpoint_says_lora_init_from_is_not_read(hf_base, peft_adapter, tmp_path,
+                                                                                caplog):
+    """A run folder with a checkpoint resumes from it, adapters included: lora.init_from, given again to start anew
+    from an adapter, went unread without a word."""
+    overrides = [*LORA_NO_DROPOUT, f"checkpoint.init_from_hf='{hf_base[0]}'", f"lora.init_from='{peft_adapter[0]}'",
+                 "checkpoint.enabled=true", "checkpoint.every=1", f"metrics.out_dir='{tmp_path / 'run'}'",
+                 "metrics.progress=false", "metrics.tensorboard=false"]
+    with caplog.at_level(logging.WARNING, logger="shardwise.train"):
+        train(_cfg([*overrides, "train.steps=1"]))
+        assert not [r for r in caplog.records if "lora.init_from" in r.getMessage()]  # read at the first step
+        train(_cfg([*overrides, "train.steps=2"]))
+    warned = [r.getMessage() for r in caplog.records if "lora.init_from is not read" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint of step 1" in warned[0], warned
+
+
 @pytest.mark.parametrize("peft_settings, words", [
     ({"r": 8}, ["r 8, lora_alpha 8", "rank 4", "set lora.rank = 8, lora.alpha = 8 and lora.targets"]),
     ({"lora_alpha": 16}, ["lora_alpha 16", "set lora.rank = 4, lora.alpha = 16"]),
