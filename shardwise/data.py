@@ -1,7 +1,8 @@
 """Text corpus -> tokenizer -> packed token shards on disk -> deterministic, resumable batches.
 
 The corpus is a sorted list of text files (by default this Python's own standard-library source). Each
-file is one document (each line of a JSON Lines file, .jsonl, is one: its "text" field); documents are
+file is one document (each line of a JSON Lines file, .jsonl, is one: its "text" field, or its "prompt" and
+"completion", whose prompt tokens count in no loss: a mask shard beside the token shards marks them); documents are
 tokenized, joined with an end-of-text token after each, and the stream is written once as raw shards plus a
 manifest under a cache folder named by a hash of (corpus content, tokenizer, shard size).
 Later runs memory-map the shards and never tokenize again.
@@ -76,7 +77,8 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     files over 1 MiB left out) sorted by path relative to the stdlib folder. Otherwise data.paths are taken
     in the order given: a file is read whatever its ending; a folder is walked recursively, skipping hidden
     names, for files ending in .txt .md .rst .py .jsonl or with no ending and no NUL byte in their first 8 KiB,
-    sorted by relative path. A .jsonl file is one document per line (its "text" field), any other file one.
+    sorted by relative path. A .jsonl file is one document per line (its "text" field, or its "prompt" and
+    "completion"), any other file one.
     """
     files = _user_files(cfg.paths) if cfg.paths else _stdlib_files()
     if not files:
