@@ -243,8 +243,12 @@ def autocast_precision(cfg: JobConfig) -> str:
     return "fp32" if fsdp_mixed_precision(cfg.parallel) else cfg.train.precision
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> JobConfig:
-    """Read a TOML file (or nothing, for the defaults), apply `key=value` overrides, type-check, validate."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), *, sizing: bool = False) -> JobConfig:
+    """Read a TOML file (or nothing, for the defaults), apply `key=value` overrides, type-check, validate.
+
+    sizing=True reads a job to size it (`plan`, `simulate`) before it runs, maybe on another machine: what only the
+    run needs is not checked (data.paths, data.tokenizer and a Hugging Face folder that are not here, the block's
+    MLP being one the engine builds: the planner also sizes GELU MLPs)."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -257,7 +261,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError("--config", f"{path} is not valid TOML ({e})", "fix the TOML syntax")
     _apply_overrides(raw, overrides)
     cfg = from_dict(raw)
-    validate(cfg)
+    validate(cfg, sizing=sizing)
     return cfg
 
 
@@ -513,10 +517,11 @@ def validate_model(cfg: JobConfig) -> None:
     _validate_model(cfg.model, cfg.data)
 
 
-def validate(cfg: JobConfig) -> None:
-    """Raise ConfigError for the first field that cannot work, before anything is built or written."""
-    _validate_model(cfg.model, cfg.data)
-    _validate_data(cfg.data)
+def validate(cfg: JobConfig, *, sizing: bool = False) -> None:
+    """Raise ConfigError for the first field that cannot work, before anything is built or written (sizing: see
+    load_config)."""
+    _validate_model(cfg.model, cfg.data, sizing)
+    _validate_data(cfg.data, sizing)
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _validate_lora(cfg.lora)
@@ -526,7 +531,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_dense_model_has_no_moe_fields(cfg.model)
     for key in ("every", "keep"):
         _positive(f"checkpoint.{key}", getattr(cfg.checkpoint, key))
-    hf = cfg.checkpoint.init_from_hf
+    hf = cfg.checkpoint.init_from_hf if not sizing or Path(cfg.checkpoint.init_from_hf).exists() else ""
     if hf and Path(hf).is_file():  # its config.json or a weight file, given for the folder
         raise ConfigError("checkpoint.init_from_hf", f"{hf} is a file", f"set it to the folder that holds it "
                           f"('{Path(hf).parent}'): a Hugging Face model folder (config.json + *.safetensors)")
@@ -596,8 +601,8 @@ def _positive(name: str, value: float) -> None:
         raise ConfigError(name, f"{value} must be positive", f"set {name} to a value > 0")
 
 
-def _validate_model(m: ModelArgs, data: DataConfig) -> None:
-    if m.mlp != "swiglu":
+def _validate_model(m: ModelArgs, data: DataConfig, sizing: bool = False) -> None:
+    if m.mlp != "swiglu" and not sizing:
         raise ConfigError("model.mlp", f"the engine's block has a SwiGLU MLP, not {m.mlp!r} (that is for "
                           "`shardwise plan` only)", 'remove model.mlp, or set it to "swiglu"')
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -633,11 +638,12 @@ def _validate_model(m: ModelArgs, data: DataConfig) -> None:
         )
 
 
-def _validate_data(d: DataConfig) -> None:
+def _validate_data(d: DataConfig, sizing: bool = False) -> None:
     for p in d.paths:
-        if not Path(p).exists():
+        if not Path(p).exists() and not sizing:
             raise ConfigError("data.paths", f"{p} does not exist", "point data.paths at existing text files or folders")
-    if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).is_file():
+    if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).is_file() and not (
+            sizing and not Path(d.tokenizer).exists()):
         inside = Path(d.tokenizer) / "tokenizer.json"  # a model folder given for its tokenizer
         raise ConfigError(
             "data.tokenizer", f"{d.tokenizer!r} is neither 'byte', 'bpe' nor a file",

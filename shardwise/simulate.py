@@ -459,7 +459,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[JobConfig, int]:
     if args.config or not args.model:
         if args.plan:
             raise ConfigError("--plan", "goes with --model", "give --model NAME --plan ..., or a --config")
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, sizing=True)  # its data need not be on this machine
         if args.seq_len or args.micro_batch or args.precision:
             raise ConfigError("--seq-len", "--seq-len/--micro-batch/--precision go with --model",
                               "use --set data.seq_len=... with --config")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError
+from shardwise.config import ConfigError, load_config
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
@@ -1867,6 +1867,33 @@ def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
     job.write_text('[model]\nname = "debug"\n\n[train]\nmicro_batch = 4\ngrad_accum = 2\n')
     assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["training"]["global_batch"] == 4 * 2 * 2
+
+
+def test_a_job_whose_files_live_elsewhere_is_planned(tmp_path, capsys):
+    """A job's data, tokenizer and Hugging Face folder are the run's, on its cluster: plan sizes the job without them
+    (it refused the config for data.paths until 2026-12-02), while train still refuses it in one line."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "debug"\n\n[data]\npaths = ["/no/such/corpus.jsonl"]\n'
+                   'tokenizer = "/no/such/tokenizer.json"\n\n[checkpoint]\ninit_from_hf = "/no/such/base"\n')
+    assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["parameters"]["total"] == num_params(preset("debug"))
+    with pytest.raises(ConfigError, match="data.paths"):
+        load_config(job)
+
+
+def test_a_gelu_model_in_a_toml_is_planned(tmp_path, capsys):
+    """model.mlp = "gelu" is the planner's (GPT-style blocks); a TOML describing one was refused by the engine's check
+    with "that is for `shardwise plan` only", by `shardwise plan` itself. Its parameters by hand: per block
+    4 d^2 (MHA) + 2 d f + 2 d norms, the final norm, one tied vocabulary matrix."""
+    d, layers, f, vocab = 256, 2, 1024, 1000
+    job = tmp_path / "gpt.toml"
+    job.write_text(f'[model]\nname = "gpt-like"\ndim = {d}\nn_layers = {layers}\nn_heads = 4\nn_kv_heads = 4\n'
+                   f'ffn_hidden = {f}\nvocab_size = {vocab}\nmlp = "gelu"\ntie_embeddings = true\n')
+    assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0, capsys.readouterr().err
+    total = layers * (4 * d * d + 2 * d * f + 2 * d) + d + vocab * d
+    assert json.loads(capsys.readouterr().out)["parameters"]["total"] == total == 1_830_144
+    assert run_plan(_ns("--model", str(job), "--gpus", "2", "--write-config", str(tmp_path / "x.toml"))) == 2
+    assert "model.mlp" in capsys.readouterr().err and not (tmp_path / "x.toml").exists()
 
 
 def test_qlora_is_priced_under_every_precision_the_planner_takes(capsys):

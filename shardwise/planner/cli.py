@@ -147,7 +147,7 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
         return ns
     from shardwise.config import fit_world, load_config
 
-    job, ns, taken = load_config(path), argparse.Namespace(**vars(ns)), []
+    job, ns, taken = load_config(path, sizing=True), argparse.Namespace(**vars(ns)), []
     if ns.seq_len is None:
         ns.seq_len = job.data.seq_len
         taken.append(f"data.seq_len {job.data.seq_len} (--seq-len)")

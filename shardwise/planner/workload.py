@@ -343,7 +343,7 @@ def resolve_model(spec: str | ModelArgs) -> ModelArgs:
     if path.is_file() and path.suffix == ".toml":
         from shardwise.config import load_config
 
-        return load_config(path).model
+        return load_config(path, sizing=True).model
     raise PlannerError("--model", f"{spec!r} is neither a preset nor a config file",
                        f"use one of {', '.join(PRESETS)}, a Hugging Face config.json (or its folder) or a "
                        "shardwise TOML")
