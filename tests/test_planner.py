@@ -2048,6 +2048,15 @@ def test_decision_sequence_names_the_offload_a_plan_fits_by(capsys):
     assert "offload" not in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("Decision sequence"))
 
 
+def test_decision_sequence_names_the_precision_the_plan_trains_in(capsys):
+    """A V100 has no bf16: its plan trains in fp16, and the decision sequence said "used: 2 BF16"."""
+    argv = ["--model", "llama3.2-1b", "--gpus", "1", "--gpu", "v100", "--seq-len", "2048", "--global-batch", "8",
+            "--precision", "fp16"]
+    assert run_plan(_ns(*argv)) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("Decision sequence"))
+    assert line.split("used: ")[1].startswith("2 FP16"), line
+
+
 @pytest.mark.parametrize("key, value", [("activation_checkpoint_every", "2"), ("bucket_mb", "100")])
 def test_plan_refuses_a_layout_key_it_does_not_price(tmp_path, key, value, capsys):
     """--plan activation_checkpoint_every=2 (or bucket_mb=100) was parsed, priced as 1 (25 MB) and written by

@@ -76,8 +76,9 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
 def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     """Which of the decision sequence's eight steps the plan uses, and the last one it needs."""
     p = ev.plan
-    # step 2 names the half (or both) the plan uses: "BF16 + checkpointing" read as recompute on a plan without it
-    second = " + ".join(name for name, on in (("BF16", training.mixed),
+    # step 2 names the half (or both) the plan uses: "BF16 + checkpointing" read as recompute on a plan without it;
+    # the half precision is the plan's own (a V100's fp16 read as "BF16", which it has none of)
+    second = " + ".join(name for name, on in ((training.precision.upper(), training.mixed),
                                               (f"{p.activation_checkpoint} checkpointing",
                                                p.activation_checkpoint != "none")) if on)
     offload = f" + {p.offload} CPU offload" if p.offload != "none" else ""
