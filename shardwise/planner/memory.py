@@ -422,11 +422,12 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         # and every second matmul output in forward order (SwiGLU: wq, wv, w1, w2 kept; wk, wo, w3 recomputed)
         return [Term("block_input", d, "stream", "seq"), *matmuls[0::2], *sdpa]
     if recompute == "selective":
-        # the policy keeps every matmul / SDPA output; the checkpoint keeps the block input
-        attention = [Term("block_input", d, "stream", "seq"), *matmuls[:4], *sdpa]
+        # the policy keeps every matmul / SDPA output, LoRA's adapter matmuls' too; the checkpoint keeps the block input
+        adapters = adapter_output_terms(args, training.lora_rank)
+        attention = [Term("block_input", d, "stream", "seq"), *matmuls[:4], *sdpa, *adapters[:8]]
         if moe:
             return attention + moe_terms(args, training, "selective", routed, ep)
-        return attention + matmuls[4:]
+        return attention + matmuls[4:] + adapters[8:]
     # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
     autocast = training.act_bytes != training.stream_bytes
     terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
@@ -460,6 +461,17 @@ def matmul_output_terms(args: ModelArgs) -> list[Term]:
                "w1": Term("w1_out", f, "act", "tp"), "w3": Term("w3_out", f, "act", "tp"),
                "w2": Term("w2_out", d, "act", "full")}
     return [outputs[name] for name in projection_shapes(args)]
+
+
+def adapter_output_terms(args: ModelArgs, rank: int) -> list[Term]:
+    """The outputs of LoRA's two matmuls on each of a block's linears (shardwise.lora.LoRALinear), in forward order:
+    x A^T, `rank` wide (A replicated beside a column-parallel base, a partial sum beside a row-parallel one: whole
+    on every tp rank), and its product with B^T, as wide and split as the base's output. None without LoRA."""
+    if not rank:
+        return []
+    return [term for out in matmul_output_terms(args)
+            for term in (Term(out.name.replace("_out", "_lora_a_out"), rank, "act", "full"),
+                         replace(out, name=out.name.replace("_out", "_lora_b_out")))]
 
 
 def weight_pass_grad_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
