@@ -619,6 +619,8 @@ def test_plan_output_and_package_text_cite_public_sources(capsys):
     (["--model", "llama3-8b", "--gpus", "12"], "--gpus"),
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "tp=3"], "--plan"),
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "bogus=1"], "--plan"),
+    # a dp that does not divide the GPUs, with a batch it does not divide either, was blamed on micro_batch
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "32", "--plan", "dp=3"], "--plan dp: dp=3"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1000"], "--global-batch-tokens"),
     (["--model", "llama3-8b", "--gpus", "8", "--gpu", "v100", "--precision", "bf16"], "--precision"),
     (["--model", "llama3-8b", "--gpus", "8", "--plan", "offload=optimizer", "--write-config", "x.toml"],

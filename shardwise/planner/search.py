@@ -220,6 +220,11 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     dp = fixed.get("dp", math.prod(degrees) if None not in degrees else None)
     if dp is not None and {"tp", "pp", "cp"} <= set(fixed) and dp * tp * pp * cp != world:
         bad("dp", f"dp*tp*pp*cp = {dp * tp * pp * cp} but --gpus is {world}", "make the product the world size")
+    # a dp no plan can have (the search came back empty, and the given plan's batch split took the blame)
+    if "dp" in fixed and world % (fixed["dp"] * tp * pp * cp):
+        rest = world // (tp * pp * cp)
+        bad("dp", f"dp={fixed['dp']} does not divide the {rest} data-parallel ranks that the {world} GPUs leave "
+            f"besides tp*pp*cp = {tp * pp * cp}", f"give a dp that divides {rest}")
     if fixed.get("zero_stage", 0) > 3:
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
     # keys of the layout the planner does not price: its plans (and --write-config) would drop them without a word
