@@ -2076,9 +2076,23 @@ def test_decision_sequence_names_the_offload_a_plan_fits_by(capsys):
     table_first = out.split("\n")[3]
     assert " full " in table_first, table_first
     line = next(s for s in out.splitlines() if s.startswith("Decision sequence"))
-    assert "ZeRO-1/2 + full CPU offload" in line and line.endswith("it stops at step 4."), line
+    # (ZeRO-3 since 2026-12-02: on one GPU ZeRO-2 keeps all of the model's gathered weights on the device)
+    assert "5 FSDP (ZeRO-3) + full CPU offload" in line and line.endswith("it stops at step 5."), line
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--gpu", "h100")) == 0
     assert "offload" not in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("Decision sequence"))
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_offload_on_one_gpu_still_holds_fsdps_gathered_weights_and_gradients(gpus):
+    """Offload on one GPU is FSDP2 over a mesh of one, which still copies each shard into a gathered buffer of its
+    own (_fsdp_param_group's world_size == 1 path) and accumulates unsharded gradients across micro-batches. The
+    planner counted no FSDP buffer there, and offered Mistral-sized ZeRO-2 plans with 55 GiB left out. ZeRO-2
+    keeps every block gathered from forward to backward: with accumulation, 4 + 4 bytes a parameter (fp32 weights
+    and gradients under autocast) on any number of ranks."""
+    args = preset("llama3.2-1b")
+    plan = Plan(dp_shard=gpus, zero_stage=2, offload="full", micro_batch=1, grad_accum=2, activation_checkpoint="full")
+    ev = evaluate(args, Training(seq_len=2048, global_batch=2 * gpus), plan, Cluster(accelerator("h100"), gpus))
+    assert ev.memory["params"] == 0 and ev.memory["fsdp_buffers"] >= 8 * num_params(args)
 
 
 def test_decision_sequence_names_the_precision_the_plan_trains_in(capsys):

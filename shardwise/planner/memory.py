@@ -1090,7 +1090,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # gradients FSDP keeps unsharded across micro-batches: only where it reduces once per step
     keep_unsharded = accum and not training.reduces_every_micro_batch(plan.pp)
     keep_unsharded_early = accum_early and not training.reduces_every_micro_batch(plan.pp)
-    fsdp, gathered = plan.zero_stage >= 2 and plan.shard_group > 1, gathered_weight_bytes(training)
+    # (a mesh of one too, offload's on one device: FSDP2 still copies each shard into a gathered buffer of its own,
+    # _fsdp_param_group's world_size == 1 path, and keeps the unsharded gradients)
+    fsdp, gathered = plan.zero_stage >= 2, gathered_weight_bytes(training)
     gathered_block, gathered_root = gathered_unit_bytes(args, training, plan, stage)
     stage_p, root_p, block_p = shape.params, shape.root, layer_params(args, plan.tp)
     if shape.moe_layers:
