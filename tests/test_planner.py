@@ -2095,6 +2095,23 @@ def test_offload_on_one_gpu_still_holds_fsdps_gathered_weights_and_gradients(gpu
     assert ev.memory["params"] == 0 and ev.memory["fsdp_buffers"] >= 8 * num_params(args)
 
 
+@pytest.mark.parametrize("zero, gathers", [(2, 1), (3, 2)])
+def test_full_offload_moves_the_shards_as_stored_for_each_gather(zero, gathers):
+    """FSDP2's CPUOffloadPolicy copies a shard to the device as it is stored, fp32 under autocast, before any cast
+    (_fsdp_param.all_gather_inputs), once per micro-batch under ZeRO-2 and twice under ZeRO-3 (backward gathers
+    again), and the reduced fp32 gradients back once per step. With compute that hides nothing, by hand:
+    (4 + accum x gathers x 4) bytes a parameter over the host link. The planner moved 2 bytes (the compute dtype)
+    twice and the weights once more per step."""
+    from shardwise.planner import Accelerator, step_time
+
+    args, accum, host = preset("llama3.2-1b"), 4, 1e9
+    instant = Accelerator("instant", 1e15, {"bf16": 1e30, "fp32": 1e30}, mem_bandwidth=math.inf,
+                          intra_node_bw=1e9, inter_node_bw=1e9, host_bw=host, attention_efficiency=math.inf)
+    plan = Plan(zero_stage=zero, offload="full", micro_batch=1, grad_accum=accum, activation_checkpoint="full")
+    t = step_time(args, Training(seq_len=512, global_batch=accum), plan, Cluster(instant, 1))
+    assert t.offload_s == pytest.approx(num_params(args) * (4 + accum * gathers * 4) / host)
+
+
 def test_decision_sequence_names_the_precision_the_plan_trains_in(capsys):
     """A V100 has no bf16: its plan trains in fp16, and the decision sequence said "used: 2 BF16"."""
     argv = ["--model", "llama3.2-1b", "--gpus", "1", "--gpu", "v100", "--seq-len", "2048", "--global-batch", "8",
@@ -2142,10 +2159,12 @@ def test_offload_is_offered_only_where_the_host_holds_what_it_moves(capsys, tmp_
 
     args, h100 = preset("llama3-405b"), accelerator("h100")
     assert h100.host_memory_bytes == 2048 * GiB / 8  # NVIDIA's DGX H100: 2 TB for 8 GPUs
-    tr = Training(seq_len=4096, global_batch=1024)
+    # a batch of 8: with accumulation FSDP would keep the whole unsharded gradients on the device (4 bytes a
+    # parameter of the rank's tp shard), which no 8-GPU plan of 405B holds
+    tr = Training(seq_len=4096, global_batch=8)
     # FSDP over 8 ranks with everything offloaded: each rank's host holds 1/8 of 4 + 4 + 8 bytes per parameter
     plan = Plan(dp_shard=8, zero_stage=3, offload="full", activation_checkpoint="full", micro_batch=1,
-                grad_accum=128)
+                grad_accum=1)
     assert host_bytes(args, tr, plan) == pytest.approx(16 * num_params(args) / 8, rel=1e-3)
     assert host_bytes(args, tr, dataclasses.replace(plan, offload="none")) == 0
     one_node = Cluster(h100, gpus=8)
@@ -2160,13 +2179,14 @@ def test_offload_is_offered_only_where_the_host_holds_what_it_moves(capsys, tmp_
     # the command line: a note under the table, --host-memory-gib per node, --write-config refusing the host's OOM
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8"])) == 1
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8"])) == 1
     assert "6,048 GiB per node of 2,048 (--host-memory-gib)" in capsys.readouterr().out
-    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--host-memory-gib", "8192"])) == 0
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8",
+                                       "--host-memory-gib", "8192"])) == 0
     assert " full " in capsys.readouterr().out
     out = tmp_path / "job.toml"
-    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--plan",
-                                       "offload=full,tp=8,zero_stage=3", "--write-config", str(out)])) == 2
+    assert run_plan(parser.parse_args(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8",
+                                       "--plan", "offload=full,tp=8,zero_stage=3", "--write-config", str(out)])) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardwise: error: --write-config: the plan's offload needs") and not out.exists()
 

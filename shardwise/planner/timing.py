@@ -870,18 +870,21 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
 
 def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, cost: StageCost) -> float:
     """Exposed host<->device traffic. 'optimizer': gradients down, updated weights up, once per step.
-    'full': also the weights of every block up for forward and for backward of each micro-batch, overlapped
-    with that micro-batch's compute."""
+    'full' (FSDP2's CPUOffloadPolicy): the reduced gradients down once per step, and the weights' shards up for
+    each all-gather, overlapped with the micro-batch's compute: forward's, and backward's under ZeRO-3 (ZeRO-2
+    keeps the gathered weights from forward to backward). FSDP2 copies a shard as it is stored and casts it to its
+    param_dtype on the device: fp32 under autocast and under FSDP2's policy alike (a LoRA model's frozen weights,
+    most of its bytes, in the compute dtype)."""
     if plan.offload == "none":
         return 0.0
     b = state_bytes_per_param(training)
     n_params = local_params(args, training, plan)
     compute_bytes = 2.0 if training.mixed else 4.0
-    step = n_params * (b.grads + compute_bytes) / acc.host_bw
     if plan.offload == "optimizer":
-        return step
-    per_mb = 2 * n_params * compute_bytes / acc.host_bw
-    return step + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
+        return n_params * (b.grads + compute_bytes) / acc.host_bw
+    stored = compute_bytes if training.lora_rank else b.params
+    per_mb = (2 if plan.zero_stage == 3 else 1) * n_params * stored / acc.host_bw
+    return n_params * b.grads / acc.host_bw + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
 def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
