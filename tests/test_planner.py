@@ -2112,6 +2112,26 @@ def test_full_offload_moves_the_shards_as_stored_for_each_gather(zero, gathers):
     assert t.offload_s == pytest.approx(num_params(args) * (4 + accum * gathers * 4) / host)
 
 
+def test_replicates_working_copy_of_a_lora_model_is_its_weights_as_stored():
+    """ZeRO-0/1 is FSDP2's replicate, FSDP over one rank: its working copy of the weights is what it gathers, a
+    LoRA model's frozen projections in the compute dtype, not 4 bytes a parameter. Qwen2.5-7B-like LoRA r16 over
+    cp 8 (a written plan) was 48.7 GiB to the planner and 37.4 in the simulator, parameters 40.7 against 28.7. By
+    hand, Llama 3.2 1B (its head the fp32 embedding) under bf16 autocast: 2 bytes a projection weight, 4 for the
+    embedding, the norms and the adapters."""
+    from shardwise.planner.memory import moment_memory
+
+    args, r = preset("llama3.2-1b"), 16
+    d, kv, f, layers = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_layers
+    projections = layers * (2 * d * d + 2 * d * kv + 3 * d * f)
+    adapters = layers * r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
+    by_hand = 2 * projections + 4 * (args.vocab_size * d + (2 * layers + 1) * d + adapters)
+    tr = Training(seq_len=1024, global_batch=8, precision="bf16", lora_rank=r)
+    plan = Plan(dp_replicate=2, zero_stage=0, micro_batch=1, grad_accum=4, activation_checkpoint="full")
+    moments = moment_memory(args, tr, plan, 0)
+    assert moments["loss_backward"]["replica_params"] == pytest.approx(by_hand)
+    assert moments["end_of_backward"]["replica_params"] == pytest.approx(4 * (args.vocab_size * d + d))
+
+
 def test_decision_sequence_names_the_precision_the_plan_trains_in(capsys):
     """A V100 has no bf16: its plan trains in fp16, and the decision sequence said "used: 2 BF16"."""
     argv = ["--model", "llama3.2-1b", "--gpus", "1", "--gpu", "v100", "--seq-len", "2048", "--global-batch", "8",

@@ -1116,16 +1116,18 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # DeepSpeed's first ZeRO-3 (module-sync) gathers module by module and releases each after use: no root unit
     # stays gathered, and a block's backward holds the running module and the next one prefetched
     module_sync = plan.zero_stage >= 3 and training.zero3_fetch == "module-sync"
+    # the stage's weights as FSDP2 gathers them (a LoRA model's frozen ones as the engine stores them): FSDP's
+    # buffers, and replicate's working copy (FSDP over one rank)
+    whole_stage = (stage_p - root_p) * gathered_block + root_p * gathered_root
     if fsdp:
         # (DeepSpeed's and Megatron's ZeRO-2 keep whole weights as model state: nothing is gathered)
         root_held = 0.0 if module_sync else root_p
-        whole_stage = (stage_p - root_p) * gathered_block + root_p * gathered_root
         held = held_early = (root_held * gathered_root if plan.zero_stage >= 3 else
                              whole_stage if training.fsdp2 else 0.0)
         held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     base = {**state, "buffers": rotary_table_bytes(args),
-            "replica_params": stage_p * 4.0 if replicates(training, plan) else 0.0,
+            "replica_params": whole_stage if replicates(training, plan) else 0.0,
             "ddp_buckets": 0.0}
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
@@ -1270,7 +1272,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     if stage == 0 and accum and training.fsdp2 and not training.lora_rank and (keep_unsharded or not fsdp):
         lookup = args.vocab_size / plan.tp * args.dim * (grad_bytes if fsdp else kept_grad_bytes)
     out["end_of_backward"] = {
-        "replica_params": root_p * 4.0 if base["replica_params"] else 0.0,
+        "replica_params": root_p * gathered_root if base["replica_params"] else 0.0,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
         "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
