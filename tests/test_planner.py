@@ -1900,6 +1900,13 @@ def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
     job.write_text('[model]\nname = "debug"\n\n[train]\nmicro_batch = 4\ngrad_accum = 2\n')
     assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["training"]["global_batch"] == 4 * 2 * 2
+    # a [model] table alone sets neither: the flags' defaults, as for a preset (min(4096, max_seq_len) tokens, 4M
+    # tokens a step), not the config's own (256 tokens, 16 sequences a rank)
+    job.write_text('[model]\nname = "mine"\ndim = 256\nn_layers = 2\nn_heads = 4\nvocab_size = 1000\n'
+                   'max_seq_len = 1024\n')
+    assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["seq_len"], training["global_batch"]) == (1024, 4 * 2**20 // 1024)
 
 
 def test_a_job_whose_files_live_elsewhere_is_planned(tmp_path, capsys):

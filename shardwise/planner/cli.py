@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+import tomllib
 import typing
 from pathlib import Path
 
@@ -148,13 +149,17 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
     from shardwise.config import fit_world, load_config
 
     job, ns, taken = load_config(path, sizing=True), argparse.Namespace(**vars(ns)), []
-    if ns.seq_len is None:
+    # only what the job sets: a [model] table alone is planned at the flags' defaults, as a preset is (it was
+    # planned at the config's own, 256 tokens and 16 sequences a rank)
+    raw = tomllib.loads(path.read_text())
+    data, train = raw.get("data", {}), raw.get("train", {})
+    if ns.seq_len is None and "seq_len" in data:
         ns.seq_len = job.data.seq_len
         taken.append(f"data.seq_len {job.data.seq_len} (--seq-len)")
     if ns.global_batch is None and ns.global_batch_tokens is None and job.train.global_batch:
         ns.global_batch = job.train.global_batch
         taken.append(f"train.global_batch {job.train.global_batch} (--global-batch)")
-    elif ns.global_batch is None and ns.global_batch_tokens is None:
+    elif ns.global_batch is None and ns.global_batch_tokens is None and {"micro_batch", "grad_accum"} & set(train):
         # no train.global_batch (what --write-config writes): micro_batch x grad_accum x dp, the batch the job
         # trains, with dp as `shardwise train --nproc` fits a job that sets no data-parallel degree (config.fit_world)
         fitted = dataclasses.replace(job)
