@@ -185,7 +185,7 @@ def test_a_signal_while_a_rank_imports_torch_stops_the_run_after_its_first_step(
     finally:  # the command line's process ends with the run: it leaves them ignored after a stop
         for s, handler in previous.items():
             signal.signal(s, handler)
-    assert json.loads((tmp_path / "stopped.json").read_text()) == {"step": 1}
+    assert json.loads((tmp_path / "stopped.json").read_text()) == {"step": 1, "signal": True}
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
 
