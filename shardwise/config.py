@@ -438,6 +438,19 @@ MOVED = {"train.activation_checkpoint": "parallel.activation_checkpoint",
 """Keys an earlier version read, and where they are now (activation checkpointing is part of the layout)."""
 
 
+ALIASES = {"model.": {
+    # Hugging Face config.json names (LlamaConfig, MixtralConfig) and torchtitan's / Megatron's, for ours
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_layers": "n_layers",
+    "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "intermediate_size": "ffn_hidden",
+    "ffn_dim": "ffn_hidden", "ffn_hidden_size": "ffn_hidden",
+    "hidden_dim": "ffn_hidden", "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
+    "seq_length": "max_seq_len", "tie_word_embeddings": "tie_embeddings", "num_local_experts": "n_experts",
+    "num_experts": "n_experts", "num_experts_per_tok": "top_k", "moe_intermediate_size": "moe_ffn_hidden",
+    "router_z_loss_coef": "z_loss_coeff", "router_aux_loss_coef": "aux_loss_coeff"}}
+"""Other systems' names for a field, so that the unknown-key error names ours (difflib's nearest name for ffn_dim
+was dim, a different field)."""
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(prefix.rstrip(".") or "config", "expected a table", f"write [{prefix.rstrip('.')}]")
@@ -447,7 +460,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if f"{prefix}{key}" in MOVED:
             raise ConfigError(f"{prefix}{key}", "moved", f"write it as {MOVED[f'{prefix}{key}']}")
         if key not in names:
-            near = difflib.get_close_matches(key, names, n=1)
+            alias = ALIASES.get(prefix, {}).get(key)
+            near = [alias] if alias in names else difflib.get_close_matches(key, names, n=1)
             raise ConfigError(
                 f"{prefix}{key}", "unknown key", (f"did you mean {prefix}{near[0]}? " if near else "")
                 + f"remove it or use one of: {', '.join(sorted(names))}")

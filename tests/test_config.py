@@ -158,6 +158,15 @@ def test_cli_rejects_bad_config_in_one_line(tmp_path, capsys, monkeypatch, case)
         assert not out_dir.exists() and not cache.exists()
 
 
+@pytest.mark.parametrize("key, ours", [("ffn_dim", "ffn_hidden"), ("intermediate_size", "ffn_hidden"),
+                                       ("hidden_size", "dim"), ("num_key_value_heads", "n_kv_heads")])
+def test_another_systems_name_for_a_model_field_is_told_ours(tmp_path, key, ours):
+    """difflib's nearest name for ffn_dim was dim, another field: a Hugging Face or torchtitan name now gets ours."""
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, f"[model]\n{key} = 512\n"), [])
+    assert f"model.{key}: unknown key; fix: did you mean model.{ours}?" in str(e.value)
+
+
 def test_an_init_from_hf_folder_of_another_shape_is_refused_with_the_config(tmp_path):
     """Found when the weights were read, it was a traceback after checkpoint.resume = false had already moved the
     earlier checkpoints aside; now the config is refused first, naming the [model] fields to set."""
