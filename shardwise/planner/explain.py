@@ -19,7 +19,7 @@ import math
 from shardwise.hardware import Cluster, GiB
 from shardwise.model_args import ModelArgs, count_text, num_params
 from shardwise.planner.memory import layer_params, lora_params, model_state_bytes
-from shardwise.planner.search import Evaluation, SearchResult, budget, mixed_precisions, search
+from shardwise.planner.search import TIE, Evaluation, SearchResult, budget, mixed_precisions, search
 from shardwise.planner.workload import Training
 
 EXPLAINED = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "micro_batch",
@@ -110,7 +110,9 @@ def knob_reasons(ev: Evaluation, result: SearchResult, knobs: tuple[str, ...] = 
         parts = []
         for v in alts:
             t = result.best_by_knob.get((knob, v))
-            if t is not None:
+            if t is not None and t <= best_t * (1 + TIE):
+                parts.append(f"{knob}={v}: the same step time (within {TIE:.1%}), no less memory")
+            elif t is not None:
                 parts.append(f"{knob}={v}: {100 * (t / best_t - 1):+.1f}% step time")
             else:
                 m = result.min_memory_by_knob[(knob, v)]
