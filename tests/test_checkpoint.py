@@ -687,6 +687,7 @@ def test_rank_0s_own_writes_refused_during_a_save_are_one_line(saved_run, tmp_pa
     assert latest_checkpoint(run) == good
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_both_raise_rank_0s_refused_write(two_ranks):
     result = two_ranks["refused"]
     for message in result["messages"]:  # rank 0's and rank 1's
