@@ -56,20 +56,31 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from shardwise.errors import CheckpointError
 from shardwise.lora import adapter_spec, is_adapter
 from shardwise.model import canonical_name, cpu_attention_forms, restore_cpu_attention_forms
-from shardwise.model_args import ModelArgs, network_diffs
+from shardwise.model_args import ModelArgs
 from shardwise.parallel.data_parallel import (
     optimizer_load_targets,
     optimizer_name,
     optimizer_state_dict,
     set_optimizer_state,
 )
-
-FORMAT = "shardwise-checkpoint"
-VERSION = 1
-META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
-_STEP_DIR = re.compile(r"step_(\d+)")
-_REPLACED_DIR = re.compile(r"step_(\d+)\.replaced")
-_UNFINISHED_DIR = re.compile(r"step_\d+\.tmp")
+from shardwise.run_folder import (  # noqa: F401 (Scan, checkpoint_root, scan_checkpoints: this module's API too)
+    DCP_METADATA,
+    FORMAT,
+    META,
+    MOVE_ASIDE,
+    REPLACED_DIR,
+    TRAIN_STATE,
+    UNFINISHED_DIR,
+    VERSION,
+    Scan,
+    check_model,
+    check_optimizer,
+    checkpoint_root,
+    loader_fixes,
+    read_checkpoint_json,
+    read_json,
+    scan_checkpoints,
+)
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -92,42 +103,6 @@ class TrainState:
 
 # ---------------------------------------------------------------------------------------------------
 # Finding checkpoints
-
-
-@dataclass
-class Scan:
-    complete: list[tuple[int, Path]]
-    """(step, folder) of every complete checkpoint, oldest first."""
-    partial: list[tuple[Path, str]]
-    """(folder, why) of every partial one: an unfinished write, or a folder missing its metadata."""
-
-
-def checkpoint_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
-    """Complete and partial checkpoints under run_dir/checkpoints (no reading beyond file names)."""
-    root = checkpoint_root(run_dir)
-    complete, partial = [], []
-    for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if not entry.is_dir():
-            continue
-        m = _STEP_DIR.fullmatch(entry.name)
-        replaced = _REPLACED_DIR.fullmatch(entry.name)
-        if replaced is not None and not entry.with_name(f"step_{replaced.group(1)}").exists():
-            m = replaced  # a committed checkpoint whose replacement (the same step saved again) never arrived
-        if m is None:
-            unfinished = _UNFINISHED_DIR.fullmatch(entry.name) or replaced is not None
-            partial.append((entry, "unfinished write (never committed)" if unfinished
-                            else "not a checkpoint's name (step_<N>); left alone"))
-            continue
-        missing = [f for f in (META, TRAIN_STATE, DCP_METADATA) if not (entry / f).is_file()]
-        if missing:
-            partial.append((entry, f"missing {', '.join(missing)}"))
-        else:
-            complete.append((int(m.group(1)), entry))
-    return Scan(sorted(complete), partial)
 
 
 EARLIER = "earlier"
@@ -402,7 +377,7 @@ class Checkpointer:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for folder, _ in scan_checkpoints(self.root.parent).partial:
-                    if _UNFINISHED_DIR.fullmatch(folder.name) or _REPLACED_DIR.fullmatch(folder.name):
+                    if UNFINISHED_DIR.fullmatch(folder.name) or REPLACED_DIR.fullmatch(folder.name):
                         shutil.rmtree(folder)  # unfinished writes of earlier, crashed attempts; replaced copies
                 tmp.mkdir()
                 _fsync_write(tmp / TRAIN_STATE, json.dumps(_plain_json(train_state), indent=1))
@@ -550,57 +525,8 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-MOVE_ASIDE = "move this step's folder out of the run's checkpoints/ folder: the one before it is then the newest"
-"""The fix for a damaged checkpoint: a run resumes from (and export and generate read) the newest complete one."""
-
-
-def _read_json(path: Path, name: str) -> dict:
-    try:
-        return json.loads((path / name).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(path, f"{name} is missing (an unfinished or damaged save)",
-                              MOVE_ASIDE) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"{name} is not valid JSON ({e})", MOVE_ASIDE) from None
-
-
-# what save writes into each JSON file: key -> the types its value may have
-_META_SHAPE = {"format": (str,), "version": (int,), "step": (int,), "model": (dict,), "files": (dict,),
-               "world_size": (int,), "optimizer": (str, type(None)), "lora": (dict, type(None))}
-_TRAIN_STATE_SHAPE = {"step": (int,), "lr_schedule": (dict, type(None)), "grad_scaler": (dict, type(None)),
-                      "data_loader": (dict, type(None)), "optimizer_param_groups": (dict,)}
-
-
-def _check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
-    """A JSON file of the checkpoint holds what save writes (valid JSON can still be damaged or hand-edited)."""
-    if not isinstance(value, dict):
-        problem = f"{name} holds a {type(value).__name__}, not the object save writes"
-    else:
-        wrong = next(((k, v) for k, v in shape.items()
-                      if k not in value or not isinstance(value[k], v) or isinstance(value[k], bool)), None)
-        problem = None if wrong is None else (
-            f"{name} has no {wrong[0]!r}" if wrong[0] not in value else
-            f"{name}'s {wrong[0]!r} is {value[wrong[0]]!r}, not a {' or '.join(t.__name__ for t in wrong[1])}")
-        files = value.get("files") if problem is None and name == META else {}
-        bad = next((f for f, info in files.items() if not isinstance(info, dict) or not all(
-            isinstance(info.get(k), int) and not isinstance(info.get(k), bool) for k in ("bytes", "crc32"))), None)
-        if problem is None and bad is not None:
-            problem = f"{name}'s entry for file {bad} lacks its size or CRC32"
-    if problem:
-        raise CheckpointError(path, f"{problem} (damaged or edited)", MOVE_ASIDE)
-
-
 def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Module]) -> None:
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
-                              f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
-    saved = meta.get("model", {})
-    # a field newer than the checkpoint takes its default there (a dense model's n_experts = 0)
-    written = ModelArgs(**{k: v for k, v in saved.items() if k in ModelArgs.__dataclass_fields__})
-    diffs = [f"{f} {a} vs {b}" for f, a, b in network_diffs(written, model_args)]
-    if diffs:
-        raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
-                              "set the [model] config to the checkpoint's shape, or start a new run folder")
+    written, saved = check_model(path, meta, model_args), meta["model"]
     # the rest (norm epsilon, rotary base and scaling, ...) fits the same weights, and changing it on resume is a
     # technique (a longer context's rotary base), not always a mistake: said, not refused
     changed = [f"model.{f} {getattr(written, f)} -> {getattr(model_args, f)}" for f in ModelArgs.__dataclass_fields__
@@ -775,19 +701,15 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
     leaves the model, optimizer and loader as they were.
     """
     path = Path(path)
-    meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
-    _check_shape(path, META, meta, _META_SHAPE)
-    _check_shape(path, TRAIN_STATE, train_state, _TRAIN_STATE_SHAPE)
+    meta, train_state = read_checkpoint_json(path)
     _check_meta(path, meta, model_args, state.parts)
     if meta.get("lora") is not None and "lora_base" in meta:  # recorded since 2026-11-28
         if not isinstance(meta["lora_base"], (dict, type(None))):
             raise CheckpointError(path, f"{META}'s 'lora_base' is {meta['lora_base']!r} (damaged or edited)",
                                   MOVE_ASIDE)
         _check_lora_base(path, meta["lora_base"], lora_base)
-    if state.optimizer is not None and meta.get("optimizer") != optimizer_name(state.optimizer):
-        saved, mine = meta.get("optimizer"), optimizer_name(state.optimizer)
-        raise CheckpointError(path, f"it holds {saved} state, this run uses {mine}",
-                              f"set optim.name = {_OPTIM_NAMES.get(saved, 'the checkpoint optimizer')}")
+    if state.optimizer is not None:
+        check_optimizer(path, meta.get("optimizer"), optimizer_name(state.optimizer))
     metadata = _read_metadata(path)
     targets, model_live, optim_live = _targets(state, metadata, int(meta.get("world_size", 1)))
     missing = [k for k in _plain_keys(state, optim_live) if k not in train_state.get("optimizer_param_groups", {})]
@@ -808,11 +730,6 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
     if forms:
         restore_cpu_attention_forms(forms[_rank() % len(forms)])
     return int(train_state["step"])
-
-
-_OPTIM_NAMES = {"AdamW": "'adamw'", "SGD": "'sgd' or 'momentum' (torch's SGD, without or with momentum)",
-                "AdamW8bit": "'adamw8bit'", "AdamW4bit": "'adamw4bit'", "Adafactor": "'adafactor'"}
-"""optim.name for each optimizer class a checkpoint names (shardwise.optim.build_optimizer)."""
 
 
 def _targets(state: TrainState, metadata: Metadata, saved_world: int) -> tuple[dict, dict, dict]:
@@ -898,12 +815,7 @@ def _check_loader(train_state: dict, state: TrainState) -> tuple[str, str] | Non
     if state.loader is None or saved is None:
         return None
     mine = state.loader.state_dict()
-    fixes = {"seed": "set train.seed as the run had it",
-             "global_batch": f"set train.global_batch = {saved.get('global_batch')} (sequences per step: the "
-                             "micro-batch and accumulation then follow on any layout)",
-             "num_samples": "read the same data as the run did (data.seq_len, the files and the split decide how many "
-                            "samples there are)"}
-    for key, fix in fixes.items():
+    for key, fix in loader_fixes(saved).items():
         if saved.get(key) != mine.get(key):
             return f"the data loader was saved with {key}={saved.get(key)}, this run has {mine.get(key)}", fix
     return None

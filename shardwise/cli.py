@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import math
@@ -20,12 +21,14 @@ from shardwise.config import (
     check_file_to_write,
     check_restarts,
     fit_nodes,
+    fit_world,
     has_hf_weights,
     hf_weights_metadata,
     load_config,
 )
 from shardwise.launch.local import Rendezvous, node_range
 from shardwise.layout import Layout
+from shardwise.run_folder import check_resume
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
@@ -84,6 +87,7 @@ def _run_train(args: argparse.Namespace) -> int:
         elastic = rendezvous is not None and rendezvous.elastic
         restarts = args.max_restarts if args.max_restarts is not None else 3 if elastic else 0
         check_restarts(cfg, restarts)
+        check_resume(cfg)
         if rendezvous is None:  # one machine: what is wrong with the data, before any rank starts. (Over several,
             # every machine's launcher would tokenize the corpus at once: there rank 0 builds it, the others wait)
             from shardwise.data import prepare  # tokenizers and numpy; not torch
@@ -92,6 +96,10 @@ def _run_train(args: argparse.Namespace) -> int:
         return launch_local(args.nproc, argv, max_restarts=restarts, rendezvous=rendezvous,
                             stopped_exit_code=args.stopped_exit_code,
                             stopped_marker=Path(cfg.metrics.out_dir) / STOPPED_FILE)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # a plain run (torchrun's ranks check it together, in load)
+        fitted = copy.copy(cfg)  # fit_world replaces its tables
+        fit_world(fitted, 1)
+        check_resume(fitted)
     # a stop signal while this process imports torch (seconds, more on a busy machine) killed it: noted here, it
     # stops the run after its first step, as one that comes later does (train's StopSignal takes over from this)
     early: list[int] = []

@@ -64,6 +64,7 @@ from shardwise.parallel.data_parallel import (
 )
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward, model_parts
 from shardwise.parallel.runtime import Runtime
+from shardwise.run_folder import check_steps
 
 log = logging.getLogger("shardwise.train")
 
@@ -499,14 +500,7 @@ def _train(cfg: JobConfig, runtime: Runtime, save_final: str | None, stop: StopS
         # of that named the data's size, not data.tokenizer
         data.keep_run_tokenizer(cfg.data, cfg.metrics.out_dir, resumed=True, write=False)
     first_step = checkpoints.resume() + 1
-    if first_step - 1 > cfg.train.steps:
-        raise ConfigError("train.steps", f"{cfg.train.steps} is below step {first_step - 1}, where the run in "
-                          f"{cfg.metrics.out_dir} has its newest checkpoint",
-                          f"set train.steps above {first_step - 1} to go on, or use another metrics.out_dir for a "
-                          "new run")
-    if 0 < cfg.train.stop_after < first_step:  # it would never fire: the run would train to its end
-        raise ConfigError("train.stop_after", f"{cfg.train.stop_after} is before step {first_step}, where the run in "
-                          f"{cfg.metrics.out_dir} goes on", f"set it to {first_step} or later, or 0")
+    check_steps(cfg, first_step - 1)
     # before anything of the run folder is rewritten (metrics, job_config.json); every rank refuses together
     data.keep_run_tokenizer(cfg.data, cfg.metrics.out_dir, resumed=first_step > 1, write=runtime.is_main)
     if not cfg.checkpoint.enabled and not save_final and cfg.lora.rank and runtime.is_main:

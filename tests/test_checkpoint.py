@@ -490,6 +490,38 @@ def test_another_optimizer_names_the_optim_name_to_set(saved_run, tmp_path):
                     "fix: set optim.name = 'adamw'")
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["model.dim=32", "model.ffn_hidden=96"], "dim 64 vs 32"),
+    (["optim.name='momentum'"], "it holds AdamW state, this run uses SGD"),
+    (["train.micro_batch=4"], "global_batch=8, this run has 4"),
+    (["train.seed=7"], "seed=0, this run has 7"),
+    (["train.steps=1"], "train.steps: 1 is below step 2"),
+    (["train.stop_after=2"], "train.stop_after: 2 is before step 3"),
+], ids=["model", "optimizer", "batch", "seed", "steps", "stop_after"])
+def test_a_resume_the_checkpoint_refuses_is_refused_before_any_process_starts(saved_run, tmp_path, monkeypatch,
+                                                                               capsys, overrides, words):
+    """`train --nproc 2` on a run folder whose newest checkpoint the config cannot resume: the launcher reads the
+    checkpoint's JSON and says what the ranks' load would, before it starts them (they imported torch, built the
+    model and read the data first, then every rank refused); a plain run says it before it imports torch."""
+    from shardwise import cli
+    from shardwise.launch import local
+
+    run, path = _copy(saved_run, tmp_path)
+    monkeypatch.setattr(local, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    sets = [f"--set={o}" for o in [*ADAMW, f"metrics.out_dir='{run}'", "checkpoint.enabled=true", *overrides]]
+    config_error = overrides[0].startswith(("train.steps", "train.stop_after"))  # exit code 2; the checkpoint's: 3
+    for nproc in (["--nproc", "1"], []):
+        assert cli.main(["train", "--config", CONFIG, *nproc, *sets]) == (2 if config_error else 3)
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err and "fix:" in err, err
+    if not config_error:  # the ranks' load: the same line
+        cfg, state, _ = _fresh_state(overrides)
+        with pytest.raises(CheckpointError) as refused:
+            load(path, state, cfg.model)
+        assert err == f"shardwise: error: {refused.value}"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_2"]
+
+
 def test_a_changed_global_batch_names_the_batch_to_set_not_the_folder_to_move(saved_run, tmp_path):
     """The run's data order follows its global batch: resuming with another is the config's to fix, and moving
     the step's folder aside (the fix for damage, which the message gave) finds an older one with the same batch."""

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from shardwise.config import check_file_to_write, check_restarts, fit_nodes, load_config
 from shardwise.errors import ConfigError
+from shardwise.run_folder import check_resume
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ def run_launch_local(args: argparse.Namespace) -> int:
                           "name a step the run passes, e.g. half of train.steps")
     fit_nodes(cfg, args.nproc_per_node, nodes)  # before any machine starts
     check_restarts(cfg, args.max_restarts or 0)
+    check_resume(cfg)
     # what is wrong with the data, once, before any machine starts (as `train --nproc` on one machine): in the ranks
     # it was each machine's error line, on every restart, then the rendezvous' traceback. Every machine here shares
     # this one's files; cfg is fitted to the largest world, and every world of an elastic range has its global batch

@@ -30,6 +30,7 @@ from pathlib import Path
 from shardwise.config import STOPPED_FILE, check_file_to_write, fit_world, load_config, validate_parallel
 from shardwise.errors import ConfigError
 from shardwise.launch.local import ranks_per_node
+from shardwise.run_folder import check_resume
 
 STOP_SIGNAL = "USR1"
 STOPPED_EXIT_CODE = 75
@@ -142,6 +143,7 @@ def slurm_job(args: argparse.Namespace) -> SlurmJob:
                           f"degrees (dp_replicate x dp_shard x tp x pp x cp) multiply to {cfg.parallel.world_size}",
                           f"allocate nodes x processes = {cfg.parallel.world_size}, or change [parallel]")
     validate_parallel(cfg, world)
+    check_resume(cfg)  # the run folder as this machine sees it (a shared file system: as the job will)
     if args.warn_seconds < 1:
         raise ConfigError("--warn-seconds", f"{args.warn_seconds} leaves no time to save",
                           "set it to 1 or more: a step and a save must fit in it (the default is 120)")

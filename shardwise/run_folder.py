@@ -1,0 +1,180 @@
+"""A run folder's checkpoints as files, without torch: which are complete (scan_checkpoints), and what a resumed run
+must agree with in the newest one (check_resume). The launcher reads them before it starts any process, as it reads
+the config: a resume that changed the model, the optimizer, the batch or train.steps was refused by every rank only
+after each had imported torch, built its model and read the data (seconds to minutes; under Slurm, after the queue).
+shardwise.checkpoint.load checks the same things again, with everything else (keys, sizes, checksums), in the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.model_args import ModelArgs, network_diffs
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+META, TRAIN_STATE, DCP_METADATA = "meta.json", "train_state.json", ".metadata"
+STEP_DIR = re.compile(r"step_(\d+)")
+REPLACED_DIR = re.compile(r"step_(\d+)\.replaced")
+UNFINISHED_DIR = re.compile(r"step_\d+\.tmp")
+
+MOVE_ASIDE = "move this step's folder out of the run's checkpoints/ folder: the one before it is then the newest"
+"""The fix for a damaged checkpoint: a run resumes from (and export and generate read) the newest complete one."""
+
+# what save writes into each JSON file: key -> the types its value may have
+META_SHAPE = {"format": (str,), "version": (int,), "step": (int,), "model": (dict,), "files": (dict,),
+              "world_size": (int,), "optimizer": (str, type(None)), "lora": (dict, type(None))}
+TRAIN_STATE_SHAPE = {"step": (int,), "lr_schedule": (dict, type(None)), "grad_scaler": (dict, type(None)),
+                     "data_loader": (dict, type(None)), "optimizer_param_groups": (dict,)}
+
+OPTIMIZER_CLASSES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adafactor": "Adafactor",
+                     "sgd": "SGD", "momentum": "SGD"}
+"""The class each optim.name builds (shardwise.optim.build_optimizer): a checkpoint records its optimizer by it."""
+OPTIMIZER_NAMES = {"AdamW": "'adamw'", "SGD": "'sgd' or 'momentum' (torch's SGD, without or with momentum)",
+                   "AdamW8bit": "'adamw8bit'", "AdamW4bit": "'adamw4bit'", "Adafactor": "'adafactor'"}
+"""optim.name for each optimizer class a checkpoint names."""
+
+
+@dataclass
+class Scan:
+    complete: list[tuple[int, Path]]
+    """(step, folder) of every complete checkpoint, oldest first."""
+    partial: list[tuple[Path, str]]
+    """(folder, why) of every partial one: an unfinished write, or a folder missing its metadata."""
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
+    """Complete and partial checkpoints under run_dir/checkpoints (no reading beyond file names)."""
+    root = checkpoint_root(run_dir)
+    complete, partial = [], []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if not entry.is_dir():
+            continue
+        m = STEP_DIR.fullmatch(entry.name)
+        replaced = REPLACED_DIR.fullmatch(entry.name)
+        if replaced is not None and not entry.with_name(f"step_{replaced.group(1)}").exists():
+            m = replaced  # a committed checkpoint whose replacement (the same step saved again) never arrived
+        if m is None:
+            unfinished = UNFINISHED_DIR.fullmatch(entry.name) or replaced is not None
+            partial.append((entry, "unfinished write (never committed)" if unfinished
+                            else "not a checkpoint's name (step_<N>); left alone"))
+            continue
+        missing = [f for f in (META, TRAIN_STATE, DCP_METADATA) if not (entry / f).is_file()]
+        if missing:
+            partial.append((entry, f"missing {', '.join(missing)}"))
+        else:
+            complete.append((int(m.group(1)), entry))
+    return Scan(sorted(complete), partial)
+
+
+def read_json(path: Path, name: str) -> dict:
+    try:
+        return json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path, f"{name} is missing (an unfinished or damaged save)",
+                              MOVE_ASIDE) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, f"{name} is not valid JSON ({e})", MOVE_ASIDE) from None
+
+
+def check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
+    """A JSON file of the checkpoint holds what save writes (valid JSON can still be damaged or hand-edited)."""
+    if not isinstance(value, dict):
+        problem = f"{name} holds a {type(value).__name__}, not the object save writes"
+    else:
+        wrong = next(((k, v) for k, v in shape.items()
+                      if k not in value or not isinstance(value[k], v) or isinstance(value[k], bool)), None)
+        problem = None if wrong is None else (
+            f"{name} has no {wrong[0]!r}" if wrong[0] not in value else
+            f"{name}'s {wrong[0]!r} is {value[wrong[0]]!r}, not a {' or '.join(t.__name__ for t in wrong[1])}")
+        files = value.get("files") if problem is None and name == META else {}
+        bad = next((f for f, info in files.items() if not isinstance(info, dict) or not all(
+            isinstance(info.get(k), int) and not isinstance(info.get(k), bool) for k in ("bytes", "crc32"))), None)
+        if problem is None and bad is not None:
+            problem = f"{name}'s entry for file {bad} lacks its size or CRC32"
+    if problem:
+        raise CheckpointError(path, f"{problem} (damaged or edited)", MOVE_ASIDE)
+
+
+def read_checkpoint_json(path: Path) -> tuple[dict, dict]:
+    """The checkpoint's meta.json and train_state.json, each checked to hold what save writes."""
+    meta, train_state = read_json(path, META), read_json(path, TRAIN_STATE)
+    check_shape(path, META, meta, META_SHAPE)
+    check_shape(path, TRAIN_STATE, train_state, TRAIN_STATE_SHAPE)
+    return meta, train_state
+
+
+def check_model(path: Path, meta: dict, model_args: ModelArgs) -> ModelArgs:
+    """The checkpoint's format, and a model the weights fit; returns the model it was saved with."""
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(path, f"format {meta.get('format')!r} version {meta.get('version')!r} is not "
+                              f"{FORMAT} version {VERSION}", "load it with the shardwise version that wrote it")
+    saved = meta.get("model", {})
+    # a field newer than the checkpoint takes its default there (a dense model's n_experts = 0)
+    written = ModelArgs(**{k: v for k, v in saved.items() if k in ModelArgs.__dataclass_fields__})
+    diffs = [f"{f} {a} vs {b}" for f, a, b in network_diffs(written, model_args)]
+    if diffs:
+        raise CheckpointError(path, f"it holds a different model (checkpoint vs this run: {', '.join(diffs)})",
+                              "set the [model] config to the checkpoint's shape, or start a new run folder")
+    return written
+
+
+def check_optimizer(path: Path, saved: str | None, mine: str) -> None:
+    """The optimizer the state was saved from (its class name) is the run's."""
+    if saved != mine:
+        raise CheckpointError(path, f"it holds {saved} state, this run uses {mine}",
+                              f"set optim.name = {OPTIMIZER_NAMES.get(saved, 'the checkpoint optimizer')}")
+
+
+def loader_fixes(saved: dict) -> dict[str, str]:
+    """How to give a data loader the order the saved one (its state_dict) had, by the value that differs."""
+    return {"seed": "set train.seed as the run had it",
+            "global_batch": f"set train.global_batch = {saved.get('global_batch')} (sequences per step: the "
+                            "micro-batch and accumulation then follow on any layout)",
+            "num_samples": "read the same data as the run did (data.seq_len, the files and the split decide how "
+                           "many samples there are)"}
+
+
+def check_steps(cfg, step: int) -> None:
+    """train.steps and train.stop_after against the step a resumed run goes on from (`step`: its checkpoint's)."""
+    t, out = cfg.train, cfg.metrics.out_dir
+    if step > t.steps:
+        raise ConfigError("train.steps", f"{t.steps} is below step {step}, where the run in {out} has its newest "
+                          "checkpoint", f"set train.steps above {step} to go on, or use another metrics.out_dir for a "
+                          "new run")
+    if 0 < t.stop_after <= step:  # it would never fire: the run would train to its end
+        raise ConfigError("train.stop_after", f"{t.stop_after} is before step {step + 1}, where the run in {out} "
+                          "goes on", f"set it to {step + 1} or later, or 0")
+
+
+def check_resume(cfg) -> None:
+    """Before any process starts: the run the config resumes (its newest complete checkpoint, when it resumes one)
+    goes on with this config, as far as the checkpoint's JSON tells (the model, the optimizer, the data order, the
+    steps); a mismatch is the one line the ranks' load would raise. `cfg` fitted to its world (config.fit_nodes)."""
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.resume):
+        return
+    complete = scan_checkpoints(cfg.metrics.out_dir).complete
+    if not complete:
+        return
+    path = complete[-1][1]
+    meta, train_state = read_checkpoint_json(path)
+    check_steps(cfg, train_state["step"])
+    check_model(path, meta, cfg.model)
+    if meta["optimizer"] is not None:
+        check_optimizer(path, meta["optimizer"], OPTIMIZER_CLASSES[cfg.optim.name])
+    saved = train_state["data_loader"] or {}
+    mine = {"seed": cfg.train.seed, "global_batch": cfg.train.micro_batch * cfg.train.grad_accum * cfg.parallel.dp}
+    for key, fix in loader_fixes(saved).items():
+        if key in mine and key in saved and saved[key] != mine[key]:
+            raise CheckpointError(path, f"the data loader was saved with {key}={saved[key]}, this run has "
+                                  f"{mine[key]}", fix)
