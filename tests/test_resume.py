@@ -300,8 +300,9 @@ def test_ctrl_c_under_the_launcher_is_no_traceback(tmp_path):
 
 @pytest.mark.multiprocess
 def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
-    """Resuming under 4 ranks a checkpoint saved by 1 (the global batch differs): every rank meets the error, the
-    user sees its line once and exit code 3, without torchrun's report or a traceback."""
+    """Resuming under 4 ranks a checkpoint saved by 1 whose shard is damaged: every rank meets the error, the user
+    sees its line once and exit code 3, without torchrun's report or a traceback. A global batch that differs is the
+    launcher's to refuse, before the ranks start, with the same line and exit code."""
     out = tmp_path / "run"
     assert _train(out, 2).returncode == 0
     proc = _train(out, 4, nproc=4)
@@ -310,6 +311,16 @@ def test_an_error_under_the_launcher_is_one_line_and_its_exit_code(tmp_path):
     assert text.count("shardwise: error:") == 1 and "global_batch=8, this run has 32" in text, text[-3000:]
     # the batch to set, not the damaged checkpoint's fix (which it was under several ranks: "rank 0: ..." != ...)
     assert "fix: set train.global_batch = 8" in text and "move this step's folder" not in text, text[-3000:]
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+
+    shard = next((out / "checkpoints" / "step_2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = _train(out, 4, "train.micro_batch=2", nproc=4)  # the saved global batch of 8, over 4 ranks
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text[-3000:]
+    assert text.count("shardwise: error:") == 1 and "CRC32" in text and "move this step's folder" in text, text[-3000:]
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
 
 
