@@ -26,7 +26,7 @@ from shardwise.config import (
     hf_weights_metadata,
     load_config,
 )
-from shardwise.launch.local import Rendezvous, node_range
+from shardwise.launch.local import LAUNCHED, Rendezvous, node_range
 from shardwise.layout import Layout
 from shardwise.run_folder import check_resume
 
@@ -455,8 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e, 3, final=isinstance(e, CheckpointError))
     except KeyboardInterrupt:
         # Ctrl-C: stop where it is, without Python's traceback (a run's newest checkpoint is what it resumes from;
-        # SIGTERM or train.stop_after save first). Under --nproc every rank gets the signal: one line per machine
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        # SIGTERM or train.stop_after save first). Under --nproc every rank gets the signal, and so does shardwise's
+        # launcher, which says it for its machine (it and local rank 0 both did); under a torchrun started otherwise
+        # (by hand, by a cluster's own launcher) local rank 0 does
+        rank = os.environ.get("LOCAL_RANK")
+        if rank is None or (rank == "0" and LAUNCHED not in os.environ):
             print("shardwise: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -169,7 +169,8 @@ def main(argv: list[str]) -> int:
     except multiprocessing_api.SignalException as e:
         if e.sigval != signal.SIGINT:
             raise
-        # Ctrl-C: torchrun has stopped the ranks, and local rank 0 says "shardwise: interrupted" (cli.main); its own
+        # Ctrl-C: torchrun has stopped the ranks, and shardwise's launcher (or, without it, local rank 0) says
+        # "shardwise: interrupted" (cli.main); its own
         # traceback of the signal (20 lines after them) said nothing more
         return 128 + signal.SIGINT
     except (RendezvousClosedError, RendezvousConnectionError):

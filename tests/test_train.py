@@ -500,10 +500,25 @@ def test_ctrl_c_ends_a_run_with_one_line_not_a_traceback(tmp_path, capsys, monke
     monkeypatch.setattr(shardwise.train, "train", interrupted)
     assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
     assert capsys.readouterr().err == "shardwise: interrupted\n"
-    # under --nproc every rank gets Ctrl-C: only each machine's local rank 0 says so (it was once per rank)
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    # under --nproc every rank gets Ctrl-C, and so does the launcher: it says so for its machine, and no rank does
+    # (it was once per rank, then the launcher's and local rank 0's)
+    import shardwise.launch.local as local
+
+    monkeypatch.setattr(local, "launch_local", interrupted)
+    assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'",
+                 "--nproc", "2"]) == 130
+    assert capsys.readouterr().err == "shardwise: interrupted\n"
+    assert local.torchrun_command(2, ["train"])[1][local.LAUNCHED] == "1"
+    for rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setenv(local.LAUNCHED, "1")
+        assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
+        assert capsys.readouterr().err == ""
+    # under a torchrun started otherwise (by hand, a cluster's own launcher) local rank 0 says it
+    monkeypatch.delenv(local.LAUNCHED)
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["train", "--config", "tests/configs/parity.toml", "--set", f"metrics.out_dir='{tmp_path}'"]) == 130
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "shardwise: interrupted\n"
 
 
 def _interrupted_launch(tmp_path, monkeypatch, agent: str, ctrl_c_at: tuple[float, ...]) -> float:

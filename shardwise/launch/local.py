@@ -146,6 +146,10 @@ def stopped_by_signal(marker: Path | None) -> bool:
         return False
 
 
+LAUNCHED = "SHARDWISE_LAUNCHED"
+"""Set in the ranks' environment by shardwise's launcher (torchrun_command): it speaks for its machine (a Ctrl-C)."""
+
+
 def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0, rendezvous: Rendezvous | None = None,
                      module: str = "shardwise") -> tuple[list[str], dict[str, str]]:
     """The command (and its environment) that runs `python -m module argv` as `nproc` ranks under torchrun
@@ -153,9 +157,10 @@ def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0, rendezv
     where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
     cmd = [sys.executable, "-m", "shardwise.torchrun", *where, f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "-m", module, *argv]
-    env = dict(os.environ)
+    env = dict(os.environ, **{LAUNCHED: "1"})
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return cmd, env
+
 
 
 def _stop_ranks(torchrun_pid: int, signum: int = signal.SIGTERM) -> None:
