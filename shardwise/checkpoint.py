@@ -63,7 +63,7 @@ from shardwise.parallel.data_parallel import (
     optimizer_state_dict,
     set_optimizer_state,
 )
-from shardwise.run_folder import (  # noqa: F401 (Scan, checkpoint_root, scan_checkpoints: this module's API too)
+from shardwise.run_folder import (
     DCP_METADATA,
     FORMAT,
     META,
@@ -78,7 +78,6 @@ from shardwise.run_folder import (  # noqa: F401 (Scan, checkpoint_root, scan_ch
     checkpoint_root,
     loader_fixes,
     read_checkpoint_json,
-    read_json,
     scan_checkpoints,
 )
 

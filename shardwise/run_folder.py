@@ -28,10 +28,10 @@ MOVE_ASIDE = "move this step's folder out of the run's checkpoints/ folder: the 
 """The fix for a damaged checkpoint: a run resumes from (and export and generate read) the newest complete one."""
 
 # what save writes into each JSON file: key -> the types its value may have
-META_SHAPE = {"format": (str,), "version": (int,), "step": (int,), "model": (dict,), "files": (dict,),
-              "world_size": (int,), "optimizer": (str, type(None)), "lora": (dict, type(None))}
-TRAIN_STATE_SHAPE = {"step": (int,), "lr_schedule": (dict, type(None)), "grad_scaler": (dict, type(None)),
-                     "data_loader": (dict, type(None)), "optimizer_param_groups": (dict,)}
+_META_SHAPE = {"format": (str,), "version": (int,), "step": (int,), "model": (dict,), "files": (dict,),
+               "world_size": (int,), "optimizer": (str, type(None)), "lora": (dict, type(None))}
+_TRAIN_STATE_SHAPE = {"step": (int,), "lr_schedule": (dict, type(None)), "grad_scaler": (dict, type(None)),
+                      "data_loader": (dict, type(None)), "optimizer_param_groups": (dict,)}
 
 OPTIMIZER_CLASSES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adafactor": "Adafactor",
                      "sgd": "SGD", "momentum": "SGD"}
@@ -77,7 +77,7 @@ def scan_checkpoints(run_dir: str | os.PathLike) -> Scan:
     return Scan(sorted(complete), partial)
 
 
-def read_json(path: Path, name: str) -> dict:
+def _read_json(path: Path, name: str) -> dict:
     try:
         return json.loads((path / name).read_text())
     except FileNotFoundError:
@@ -87,7 +87,7 @@ def read_json(path: Path, name: str) -> dict:
         raise CheckpointError(path, f"{name} is not valid JSON ({e})", MOVE_ASIDE) from None
 
 
-def check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
+def _check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
     """A JSON file of the checkpoint holds what save writes (valid JSON can still be damaged or hand-edited)."""
     if not isinstance(value, dict):
         problem = f"{name} holds a {type(value).__name__}, not the object save writes"
@@ -108,9 +108,9 @@ def check_shape(path: Path, name: str, value: Any, shape: dict) -> None:
 
 def read_checkpoint_json(path: Path) -> tuple[dict, dict]:
     """The checkpoint's meta.json and train_state.json, each checked to hold what save writes."""
-    meta, train_state = read_json(path, META), read_json(path, TRAIN_STATE)
-    check_shape(path, META, meta, META_SHAPE)
-    check_shape(path, TRAIN_STATE, train_state, TRAIN_STATE_SHAPE)
+    meta, train_state = _read_json(path, META), _read_json(path, TRAIN_STATE)
+    _check_shape(path, META, meta, _META_SHAPE)
+    _check_shape(path, TRAIN_STATE, train_state, _TRAIN_STATE_SHAPE)
     return meta, train_state
 
 
