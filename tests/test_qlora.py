@@ -168,6 +168,35 @@ def test_planner_bits_per_nf4_weight_are_what_torchao_stores():
     assert sum(getattr(half, a).nbytes for a in SHARDED_PARTS) == planned / 2
 
 
+@pytest.mark.parametrize("qlora", [True, False])
+@pytest.mark.parametrize("zero, gathers", [(2, 1), (3, 2)])
+def test_planned_offload_moves_the_adapted_models_shards_as_the_engine_stores_them(qlora, zero, gathers):
+    """Under full offload FSDP2 copies a rank's parameter shards to the device as stored before each all-gather
+    (once per micro-batch under ZeRO-2, twice under ZeRO-3) and the reduced gradients back once a step. The planner
+    priced every frozen weight at the compute dtype (QLoRA's NF4 base is ~0.52 bytes a weight) and a gradient for
+    every parameter (the frozen base has none): 2.0-2.4x these bytes. The reference is the engine's model under bf16
+    (torchao's NF4 parts, the head and LoRA's frozen linears in bf16, the rest fp32) and its adapters' fp32
+    gradients, halved over 2 ranks, on an accelerator whose compute hides no copy."""
+    import math
+
+    from shardwise.planner import Accelerator, Cluster, Plan, step_time
+
+    model = build_model(ARGS)
+    apply_lora(model, LoraConfig(rank=4, qlora=qlora), frozen_dtype=torch.bfloat16)
+    materialize(model, ARGS, CPU, 0)
+    stored = sum(sum(getattr(p, a).nbytes for a in SHARDED_PARTS) if is_nf4(p) else p.numel() * p.element_size()
+                 for p in model.parameters())
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    host, accum = 1e9, 4
+    instant = Accelerator("instant", 1e15, {"bf16": 1e30, "fp32": 1e30}, mem_bandwidth=math.inf,
+                          intra_node_bw=1e9, inter_node_bw=1e9, host_bw=host, attention_efficiency=math.inf)
+    plan = Plan(dp_shard=2, zero_stage=zero, offload="full", micro_batch=1, grad_accum=accum,
+                activation_checkpoint="full")
+    training = Training(seq_len=64, global_batch=2 * accum, lora_rank=4, qlora=qlora)
+    t = step_time(ARGS, training, plan, Cluster(instant, 2))
+    assert t.offload_s == pytest.approx((stored / 2 * accum * gathers + grads / 2) / host, rel=1e-9)
+
+
 def test_qlora_model_stores_the_planned_bytes():
     model = _qlora_model()
     quantized = [p for p in model.parameters() if is_nf4(p)]

@@ -1526,6 +1526,16 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
 _MODEL_STATE: dict[tuple, dict[str, float]] = {}  # a pure function's memo: keys hold every input it reads
 
 
+def offloaded_shards(args: ModelArgs, training: Training, plan: Plan) -> tuple[float, float]:
+    """(parameter bytes, gradient bytes) of one rank's shards under FSDP2's CPUOffloadPolicy, on the pipeline rank
+    holding the most: the parameters as stored, which FSDP2 copies to the device before each all-gather (QLoRA's
+    NF4 base, LoRA's frozen weights in the compute dtype, the rest in their own dtype), and the reduced gradients
+    it copies back once a step (under LoRA the adapters' only: the base has none)."""
+    kept = replace(plan, offload="none")
+    states = [_model_state(args, training, kept, stage) for stage in range(plan.pp)]
+    return max(s["params"] for s in states), max(s["grads"] for s in states)
+
+
 def host_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Bytes of host memory one rank's offload fills, on the stage that holds the most: the model state offload
     moves off the device (FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and the optimizer

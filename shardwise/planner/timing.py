@@ -38,6 +38,7 @@ from shardwise.planner.memory import (
     linear_shapes,
     lora_params,
     moe_shared_params,
+    offloaded_shards,
     placement,
     replicates,
     stage_shape,
@@ -873,18 +874,18 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     'full' (FSDP2's CPUOffloadPolicy): the reduced gradients down once per step, and the weights' shards up for
     each all-gather, overlapped with the micro-batch's compute: forward's, and backward's under ZeRO-3 (ZeRO-2
     keeps the gathered weights from forward to backward). FSDP2 copies a shard as it is stored and casts it to its
-    param_dtype on the device: fp32 under autocast and under FSDP2's policy alike (a LoRA model's frozen weights,
-    most of its bytes, in the compute dtype)."""
+    param_dtype on the device: fp32 under autocast and under FSDP2's policy alike; a LoRA model's frozen weights,
+    most of its bytes, in the compute dtype, QLoRA's in NF4 (memory.offloaded_shards). Under LoRA only the
+    adapters have gradients to copy back."""
     if plan.offload == "none":
         return 0.0
-    b = state_bytes_per_param(training)
-    n_params = local_params(args, training, plan)
-    compute_bytes = 2.0 if training.mixed else 4.0
     if plan.offload == "optimizer":
-        return n_params * (b.grads + compute_bytes) / acc.host_bw
-    stored = compute_bytes if training.lora_rank else b.params
-    per_mb = (2 if plan.zero_stage == 3 else 1) * n_params * stored / acc.host_bw
-    return n_params * b.grads / acc.host_bw + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
+        b = state_bytes_per_param(training)
+        compute_bytes = 2.0 if training.mixed else 4.0
+        return local_params(args, training, plan) * (b.grads + compute_bytes) / acc.host_bw
+    params, grads = offloaded_shards(args, training, plan)
+    per_mb = (2 if plan.zero_stage == 3 else 1) * params / acc.host_bw
+    return grads / acc.host_bw + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
 def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
