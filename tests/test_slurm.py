@@ -307,6 +307,21 @@ def test_a_slurm_job_saves_at_the_warning_is_requeued_and_ends_like_an_uninterru
 
 
 @pytest.mark.multiprocess
+def test_more_nodes_than_the_partition_has_are_refused_before_sbatch(slurm, tmp_path):
+    """Slurm takes a job that asks for more nodes than its partition has and leaves it pending for ever (reason
+    PartitionNodeLimit; `launch slurm --submit` said "submitted job N"). The fixture's partition has one node."""
+    run = tmp_path / "run"
+    queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    done = _launch("--config", CONFIG, "--set", f"metrics.out_dir='{run}'", "--nodes", "2", "--nproc-per-node", "1",
+                   "--submit")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("shardwise: error: --nodes: 2 nodes, but partition debug lets a job have at most 1 ")
+    assert not run.exists()
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == queued
+
+
+@pytest.mark.multiprocess
 def test_a_slurm_job_stopped_at_the_warning_without_requeue_ends_failed_with_its_checkpoint(slurm, tmp_path):
     """Without --requeue, a job the time-limit warning stopped saved and exited 0: Slurm counted it COMPLETED, and a
     job depending on it with afterok (an evaluation) started on a half-trained model. It now ends FAILED, exit 75."""

@@ -282,8 +282,41 @@ def file_system(path: Path) -> str:
     return kind
 
 
+def partition_nodes(partition: str | None) -> tuple[str, int] | None:
+    """(the partitions, the most nodes a job may have in any of them) as `scontrol show partition` reads them: the
+    named ones (a comma-separated list: Slurm runs the job in whichever takes it) or the default; None where
+    scontrol cannot tell (not on PATH, no controller, an unknown partition: sbatch names that itself)."""
+    if shutil.which("scontrol") is None:
+        return None
+    done = subprocess.run(["scontrol", "-o", "show", "partition"], capture_output=True, text=True)
+    if done.returncode:
+        return None
+    shown = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in done.stdout.splitlines()]
+    wanted = partition.split(",") if partition else None
+    limits = {}
+    for fields in shown:
+        name = fields.get("PartitionName")
+        if (name in wanted) if wanted else fields.get("Default") == "YES":
+            total, most = fields.get("TotalNodes", ""), fields.get("MaxNodes", "UNLIMITED")
+            if not total.isdigit():
+                return None
+            limits[name] = int(total) if not most.isdigit() else min(int(total), int(most))
+    if not limits or wanted and len(limits) < len(wanted):
+        return None
+    return ",".join(limits), max(limits.values())
+
+
 def run_slurm(args: argparse.Namespace) -> int:
     job = slurm_job(args)
+    if args.submit:  # Slurm takes a job larger than its partition and leaves it pending (reason PartitionNodeLimit)
+        allowed = partition_nodes(job.partition)
+        if allowed and job.nodes > allowed[1]:
+            names, most = allowed
+            where = f"partitions {names} let" if "," in names else f"partition {names} lets"
+            raise ConfigError("--nodes", f"{job.nodes} nodes, but {where} a job have at most {most} (scontrol show "
+                              "partition): Slurm would leave it pending for ever",
+                              f"ask for at most {most} node{'s' if most > 1 else ''}, or name a larger partition "
+                              "with --partition")
     kind = file_system(job.out_dir)
     if job.nodes > 1 and kind not in SHARED_FILE_SYSTEMS:
         print(f"shardwise: warning: metrics.out_dir {job.out_dir} is on {kind}, which other nodes may not see: "
