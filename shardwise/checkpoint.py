@@ -117,30 +117,39 @@ def set_aside(run_dir: str | os.PathLike, records: tuple[str, ...] = (), read: t
     run started from scratch in the folder never mixes its saves with them and a later resume goes on from its own;
     the steps moved (collective: rank 0 moves them and returns their steps, every rank waits). A record among the
     files the new run `read`s (data.tokenizer set to the run's own tokenizer.json) is copied: moved, the new run
-    found no tokenizer. `why`: the setting that makes the run start over, for the warning."""
+    found no tokenizer. `why`: the setting that makes the run start over, for the warning. A move the file system
+    refuses is a CheckpointError on every rank (until 2026-12-03 rank 0's traceback, the others waiting)."""
     root = checkpoint_root(run_dir)
     # rank 0 alone reads the folder: another rank's scan could list checkpoints/ as rank 0 moved it away
     scan = scan_checkpoints(run_dir) if _rank() == 0 else Scan([], [])
     steps = [step for step, _ in scan.complete]
+    earlier, error = Path(run_dir) / EARLIER, None
     if steps or scan.partial:
-        earlier = Path(run_dir) / EARLIER
         n = 1
         while earlier.exists():
             n += 1
             earlier = earlier.with_name(f"{EARLIER}-{n}")
-        earlier.mkdir()
-        root.rename(earlier / root.name)
-        inputs = {Path(path).expanduser().resolve() for path in read}
-        for name in records:
-            record = Path(run_dir) / name
-            if record.resolve() in inputs and record.is_file():
-                shutil.copy2(record, earlier / name)
-            elif record.exists():
-                record.rename(earlier / name)
-        log.warning("%s: the run starts over, and the checkpoints of the earlier run in %s (steps %s) are moved "
-                    "with its records to %s (a run folder: export --run reads it)", why, run_dir,
-                    ", ".join(map(str, steps)) or "none complete", earlier)
-    _barrier()
+        try:
+            earlier.mkdir()
+            root.rename(earlier / root.name)
+            inputs = {Path(path).expanduser().resolve() for path in read}
+            for name in records:
+                record = Path(run_dir) / name
+                if record.resolve() in inputs and record.is_file():
+                    shutil.copy2(record, earlier / name)
+                elif record.exists():
+                    record.rename(earlier / name)
+        except OSError as e:  # a read-only folder, a full disk: every rank raises one line, none waits
+            error = f"{e} (nothing was deleted; what had moved is in {earlier})"
+        else:
+            log.warning("%s: the run starts over, and the checkpoints of the earlier run in %s (steps %s) are moved "
+                        "with its records to %s (a run folder: export --run reads it)", why, run_dir,
+                        ", ".join(map(str, steps)) or "none complete", earlier)
+    refused = _agree(error)  # also the barrier after rank 0's moves
+    if refused:
+        raise CheckpointError(root, f"{why}: setting the earlier run's checkpoints aside failed: {refused}",
+                              "make metrics.out_dir writable (or free space there) and start again, or use a new "
+                              "metrics.out_dir")
     return steps
 
 

@@ -525,6 +525,34 @@ def test_a_run_started_over_sets_the_earlier_runs_checkpoints_aside(tmp_path, ca
     assert "resumed after step 2" in out.out + out.err
 
 
+def test_a_start_over_the_file_system_refuses_is_one_line_and_moves_nothing_away(tmp_path, capsys, monkeypatch):
+    """A run started over in a folder whose earlier checkpoints cannot be moved (a read-only or full file system)
+    was rank 0's OSError traceback, the other ranks waiting at the barrier after it. It is one line naming the
+    setting, the error and the fix, exit 3, and the earlier checkpoints stay where a resume finds them."""
+    import errno
+    import pathlib
+
+    from shardwise.checkpoint import latest_checkpoint
+    from shardwise.cli import main
+
+    common = ["train", "--config", CONFIG, f"--set=metrics.out_dir='{tmp_path}'", "--set=checkpoint.enabled=true",
+              "--set=checkpoint.every=2", "--set=train.val_every=0", "--set=metrics.tensorboard=false",
+              "--set=metrics.progress=false", "--set=train.steps=2"]
+    assert main(common) == 0
+    newest = latest_checkpoint(tmp_path)
+
+    def refused(self, target):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(pathlib.Path, "rename", refused)
+    capsys.readouterr()
+    assert main([*common, "--set=checkpoint.resume=false"]) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "checkpoint.resume = false: setting the earlier run's checkpoints aside failed: " \
+        "[Errno 30] Read-only file system" in lines[0] and "fix: make metrics.out_dir writable" in lines[0], lines
+    assert latest_checkpoint(tmp_path) == newest
+
+
 def test_a_run_without_checkpoints_sets_the_earlier_runs_checkpoints_aside_too(tmp_path):
     """checkpoint.enabled = false in a folder with another run's checkpoints left them there and rewrote that run's
     records (job_config.json, metrics.jsonl, tokenizer.json): export --run then wrote its checkpoint with the new
