@@ -708,7 +708,7 @@ def test_bench_memory_is_the_hosts_share_or_the_base_datasheets(tmp_path, monkey
 
 
 @pytest.mark.multiprocess
-def test_bench_profile_is_accepted_by_the_planner(tmp_path):
+def test_bench_profile_is_accepted_by_the_planner(tmp_path, capfd):
     from shardwise.planner.bench import add_bench_arguments, run_bench
 
     parser = argparse.ArgumentParser()
@@ -717,6 +717,15 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     ns = parser.parse_args(["--out", str(out), "--world", "2", "--matmul-size", "256", "--comm-mb", "1",
                             "--iters", "2", "--device", "cpu", "--matmul-grid", "64,256"])
     assert run_bench(ns) == 0
+    # where it is, from rank 0 (it printed nothing for minutes on a CPU): here not a terminal, a line a phase
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("shardwise bench:")]
+    from shardwise.planner.bench import ATTENTION_SHAPES, OVERHEADS
+
+    # fp32 and bf16 matmuls, attention, memory, the attention shapes, the grid's 2^3 GEMMs, the host-side costs;
+    # 4 bytes, 64 and 256 KiB (each a factor of 4, up to --comm-mb) and the overlap with compute
+    compute = 2 + 1 + 1 + len(ATTENTION_SHAPES) + 2**3 + len(OVERHEADS)
+    assert said == [f"shardwise bench: measuring compute ({compute} measurements)",
+                    "shardwise bench: measuring collectives (4 measurements)"], said
     profile = json.loads(out.read_text())
     m = profile["measurements"]
     assert m["matmul_flops"]["fp32"] > 0 and m["all_reduce_busbw"] > 0 and m["latency_s"] > 0
@@ -724,8 +733,6 @@ def test_bench_profile_is_accepted_by_the_planner(tmp_path):
     # the 2 ranks share this machine's memory (test_bench_memory_is_the_hosts_share_or_the_base_datasheets: --base)
     assert profile["memory_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     # every host-side cost is measured on a CPU, each a difference that a wrapper or DTensor only adds to
-    from shardwise.planner.bench import OVERHEADS
-
     assert all(profile[k] > 0 for k in OVERHEADS), {k: profile[k] for k in OVERHEADS}
     # busbw is the per-link B of the ring formula: the measured all-reduce time is reproduced by it
     n, t = 2, m["collective_times_s"]["all_reduce"]

@@ -357,13 +357,17 @@ def _compute_worker(rank: int, world: int, init: str, device: str, threads: int,
                  **{f"{kind}_unit_overhead_s": partial(dp_unit_overhead, kind)
                     for kind in ("replicate", "zero2", "zero3")}} if device == "cpu" else {}
     results = {}
-    for name, job in jobs.items():
+    for i, (name, job) in enumerate(jobs.items()):
+        if rank == 0:
+            _progress("compute", i + 1, len(jobs) + len(overheads), name)
         dist.barrier()
         rate = job(iters, SUSTAINED_S if shared else 0.0)
         slowest = torch.tensor([rate], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
         results[name] = slowest.item()
-    for name, job in overheads.items():
+    for i, (name, job) in enumerate(overheads.items(), len(jobs)):
+        if rank == 0:
+            _progress("compute", i + 1, len(jobs) + len(overheads), name)
         dist.barrier()
         slowest = torch.tensor([job(iters, SUSTAINED_S if shared else 0.0)], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -377,7 +381,9 @@ def _collective_worker(rank: int, world: int, init: str, device: str, threads: i
                        out: str):
     dev = _init(rank, world, init, device, threads, "nccl" if device == "cuda" else "gloo")
     results = {}
-    for nbytes in sizes:
+    for i, nbytes in enumerate(sizes):
+        if rank == 0:
+            _progress("collectives", i + 1, len(sizes) + 1, f"{nbytes:,} bytes")
         n = max(1, nbytes // 4)
         n = max(world, n - n % world)
         x = torch.ones(n, device=dev)
@@ -389,11 +395,24 @@ def _collective_worker(rank: int, world: int, init: str, device: str, threads: i
         for name, op in ops.items():
             dist.barrier()
             results.setdefault(name, {})[n * 4] = _max_over_ranks(_timed_collective(op, iters, dev))
+    if rank == 0:
+        _progress("collectives", len(sizes) + 1, len(sizes) + 1, "overlap with compute")
     results["overlap"] = comm_overlap(dev, min(max(sizes), 2**24), iters)
     results["sync"] = collective_sync(dev, iters)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _progress(phase: str, i: int, n: int, what: str) -> None:
+    """Where the measurement is (minutes on a CPU), from rank 0: on a terminal one line rewritten in place, ended
+    after the last of the collectives; elsewhere (a log) a line as each phase starts."""
+    if sys.stderr.isatty():
+        last = phase == "collectives" and i == n
+        print(f"\rshardwise bench: {phase} {i}/{n}: {what}\033[K", end="\n" if last else "", file=sys.stderr,
+              flush=True)
+    elif i == 1:
+        print(f"shardwise bench: measuring {phase} ({n} measurements)", file=sys.stderr, flush=True)
 
 
 COLLECTIVE_SAMPLE_S = 0.05
