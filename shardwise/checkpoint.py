@@ -73,6 +73,8 @@ from shardwise.run_folder import (
     UNFINISHED_DIR,
     VERSION,
     Scan,
+    check_lora,
+    check_lora_base,
     check_model,
     check_optimizer,
     checkpoint_root,
@@ -542,76 +544,7 @@ def _check_meta(path: Path, meta: dict, model_args: ModelArgs, parts: list[nn.Mo
     if changed and _rank() == 0:
         log.warning("resuming %s with a changed model: %s (the weights were trained with the earlier values)",
                     path.name, ", ".join(changed))
-    _check_lora(path, meta.get("lora"), adapter_spec(parts))
-
-
-def _lora_text(spec: dict | None) -> str:
-    if spec is None:
-        return "no LoRA (every weight)"
-    base = {True: " on an NF4 base (QLoRA)", False: " on an unquantised base"}.get(spec.get("qlora"), "")
-    return f"LoRA rank {spec['rank']}, alpha/rank {spec['scale']:g}, targets {','.join(spec['targets'])}{base}"
-
-
-def _check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
-    """An adapter checkpoint resumes only into the same adapters (it holds nothing else), and a full one only
-    into full training (a LoRA run starts from a base through checkpoint.init_from_hf, not through resume)."""
-    if saved is not None and mine is not None and "qlora" not in saved:  # recorded since 2026-11-28
-        mine = {k: v for k, v in mine.items() if k != "qlora"}
-    if saved == mine:
-        return
-    # QLoRA's adapters were trained against the NF4-rounded base: resumed or exported onto the unquantised one (or
-    # the other way), they would adapt other weights, and until 2026-11-28 they did, without a word
-    qlora = f", lora.qlora = {str(saved['qlora']).lower()}" if saved is not None and "qlora" in saved else ""
-    fix = (f"set lora.rank = {saved['rank']}, lora.alpha = {saved['rank'] * saved['scale']:g} and lora.targets = "
-           f"{json.dumps(saved['targets'])}{qlora}, as the checkpoint was saved" if saved is not None else
-           "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
-           "checkpoint.init_from_hf in a new run folder")
-    raise CheckpointError(path, f"it holds {_lora_text(saved)}, this run trains {_lora_text(mine)}", fix)
-
-
-def lora_base_identity(init_from_hf: str) -> dict | None:
-    """What a LoRA run's frozen base is, as its checkpoints record it: None for the seeded init (train.seed is
-    checked with the data loader), else the Hugging Face folder's path, a digest of its config.json, and the size
-    and a digest of both ends of each weight file. An adapter checkpoint holds no base: resumed or exported onto
-    another, it would apply its adapters to weights they were not trained with, silently."""
-    if not init_from_hf:
-        return None
-    folder = Path(init_from_hf).resolve()
-    config = folder / "config.json"
-    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
-    return {"init_from_hf": str(folder),
-            "config_crc32": zlib.crc32(config.read_bytes()) if config.is_file() else None,
-            "weights": {f.name: [f.stat().st_size, _ends_crc32(f)] for f in weights}}
-
-
-def _ends_crc32(file: Path, span: int = 1 << 20) -> int:
-    """CRC32 of a file's first and last MiB: for a weight file, its header and tensors at both ends. Two bases of
-    one architecture (a model and its instruction-tuned version) have the same sizes and often the same
-    config.json, not the same weights; reading whole multi-GB files at every start would be slow."""
-    with file.open("rb") as f:
-        head = f.read(span)
-        f.seek(max(0, file.stat().st_size - span))
-        return zlib.crc32(f.read(span), zlib.crc32(head))
-
-
-def _check_lora_base(path: Path, saved: dict | None, mine: dict | None) -> None:
-    """The adapters resume or export only onto the base they were trained on; a base folder moved elsewhere with
-    the same contents is the same base."""
-    if saved is None and mine is None:
-        return
-    if saved is not None and mine is not None and {k: v for k, v in saved.items() if k != "init_from_hf"} == {
-            k: v for k, v in mine.items() if k != "init_from_hf"}:
-        return
-    if saved is None:
-        raise CheckpointError(path, "its adapters were trained on the seeded base (no checkpoint.init_from_hf), this "
-                              f"run puts them on {mine['init_from_hf']}", "set checkpoint.init_from_hf = ''")
-    where = f"the base in {saved['init_from_hf']}"
-    if mine is None:
-        raise CheckpointError(path, f"its adapters were trained on {where}, this run has no checkpoint.init_from_hf",
-                              f"set checkpoint.init_from_hf = '{saved['init_from_hf']}'")
-    raise CheckpointError(path, f"its adapters were trained on {where}, and {mine['init_from_hf']} holds other "
-                          "weights (config.json or weight files differ)",
-                          f"set checkpoint.init_from_hf to that base ('{saved['init_from_hf']}')")
+    check_lora(path, meta.get("lora"), adapter_spec(parts))
 
 
 def _check_files(path: Path, meta: dict) -> str | None:
@@ -715,7 +648,7 @@ def load(path: str | os.PathLike, state: TrainState, model_args: ModelArgs, lora
         if not isinstance(meta["lora_base"], (dict, type(None))):
             raise CheckpointError(path, f"{META}'s 'lora_base' is {meta['lora_base']!r} (damaged or edited)",
                                   MOVE_ASIDE)
-        _check_lora_base(path, meta["lora_base"], lora_base)
+        check_lora_base(path, meta["lora_base"], lora_base)
     if state.optimizer is not None:
         check_optimizer(path, meta.get("optimizer"), optimizer_name(state.optimizer))
     metadata = _read_metadata(path)

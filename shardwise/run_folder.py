@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,85 @@ def loader_fixes(saved: dict) -> dict[str, str]:
                            "many samples there are)"}
 
 
+def lora_text(spec: dict | None) -> str:
+    if spec is None:
+        return "no LoRA (every weight)"
+    base = {True: " on an NF4 base (QLoRA)", False: " on an unquantised base"}.get(spec.get("qlora"), "")
+    return f"LoRA rank {spec['rank']}, alpha/rank {spec['scale']:g}, targets {','.join(spec['targets'])}{base}"
+
+
+def check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
+    """An adapter checkpoint resumes only into the same adapters (it holds nothing else), and a full one only
+    into full training (a LoRA run starts from a base through checkpoint.init_from_hf, not through resume)."""
+    if saved is not None and mine is not None and "qlora" not in saved:  # recorded since 2026-11-28
+        mine = {k: v for k, v in mine.items() if k != "qlora"}
+    if saved == mine:
+        return
+    # QLoRA's adapters were trained against the NF4-rounded base: resumed or exported onto the unquantised one (or
+    # the other way), they would adapt other weights, and until 2026-11-28 they did, without a word
+    qlora = f", lora.qlora = {str(saved['qlora']).lower()}" if saved is not None and "qlora" in saved else ""
+    fix = (f"set lora.rank = {saved['rank']}, lora.alpha = {saved['rank'] * saved['scale']:g} and lora.targets = "
+           f"{json.dumps(saved['targets'])}{qlora}, as the checkpoint was saved" if saved is not None else
+           "set lora.rank = 0, or export the run (shardwise export) and start a LoRA run on it with "
+           "checkpoint.init_from_hf in a new run folder")
+    raise CheckpointError(path, f"it holds {lora_text(saved)}, this run trains {lora_text(mine)}", fix)
+
+
+def lora_base_identity(init_from_hf: str) -> dict | None:
+    """What a LoRA run's frozen base is, as its checkpoints record it: None for the seeded init (train.seed is
+    checked with the data loader), else the Hugging Face folder's path, a digest of its config.json, and the size
+    and a digest of both ends of each weight file. An adapter checkpoint holds no base: resumed or exported onto
+    another, it would apply its adapters to weights they were not trained with, silently."""
+    if not init_from_hf:
+        return None
+    folder = Path(init_from_hf).resolve()
+    config = folder / "config.json"
+    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    return {"init_from_hf": str(folder),
+            "config_crc32": zlib.crc32(config.read_bytes()) if config.is_file() else None,
+            "weights": {f.name: [f.stat().st_size, _ends_crc32(f)] for f in weights}}
+
+
+def _ends_crc32(file: Path, span: int = 1 << 20) -> int:
+    """CRC32 of a file's first and last MiB: for a weight file, its header and tensors at both ends. Two bases of
+    one architecture (a model and its instruction-tuned version) have the same sizes and often the same
+    config.json, not the same weights; reading whole multi-GB files at every start would be slow."""
+    with file.open("rb") as f:
+        head = f.read(span)
+        f.seek(max(0, file.stat().st_size - span))
+        return zlib.crc32(f.read(span), zlib.crc32(head))
+
+
+def check_lora_base(path: Path, saved: dict | None, mine: dict | None) -> None:
+    """The adapters resume or export only onto the base they were trained on; a base folder moved elsewhere with
+    the same contents is the same base."""
+    if saved is None and mine is None:
+        return
+    if saved is not None and mine is not None and {k: v for k, v in saved.items() if k != "init_from_hf"} == {
+            k: v for k, v in mine.items() if k != "init_from_hf"}:
+        return
+    if saved is None:
+        raise CheckpointError(path, "its adapters were trained on the seeded base (no checkpoint.init_from_hf), this "
+                              f"run puts them on {mine['init_from_hf']}", "set checkpoint.init_from_hf = ''")
+    where = f"the base in {saved['init_from_hf']}"
+    if mine is None:
+        raise CheckpointError(path, f"its adapters were trained on {where}, this run has no checkpoint.init_from_hf",
+                              f"set checkpoint.init_from_hf = '{saved['init_from_hf']}'")
+    raise CheckpointError(path, f"its adapters were trained on {where}, and {mine['init_from_hf']} holds other "
+                          "weights (config.json or weight files differ)",
+                          f"set checkpoint.init_from_hf to that base ('{saved['init_from_hf']}')")
+
+
+def config_adapter_spec(cfg) -> dict | None:
+    """`lora.adapter_spec` of the model `cfg` builds, from the config alone (no torch): apply_lora adapts each of
+    lora.targets in every block, all of them nn.Linear (the config refuses LoRA on a mixture of experts, whose
+    experts are 3-D weights). tests/test_lora.py holds it equal to adapter_spec of built models."""
+    lora = cfg.lora
+    if not lora.rank:
+        return None
+    return {"rank": lora.rank, "scale": lora.alpha / lora.rank, "targets": sorted(lora.targets), "qlora": lora.qlora}
+
+
 def check_steps(cfg, step: int) -> None:
     """train.steps and train.stop_after against the step a resumed run goes on from (`step`: its checkpoint's)."""
     t, out = cfg.train, cfg.metrics.out_dir
@@ -170,6 +250,10 @@ def check_resume(cfg) -> None:
     meta, train_state = read_checkpoint_json(path)
     check_steps(cfg, train_state["step"])
     check_model(path, meta, cfg.model)
+    check_lora(path, meta.get("lora"), config_adapter_spec(cfg))  # in the order load checks them
+    # recorded since 2026-11-28; one that is neither is damaged, which the ranks' load says
+    if meta.get("lora") is not None and isinstance(meta.get("lora_base", 0), (dict, type(None))):
+        check_lora_base(path, meta["lora_base"], lora_base_identity(cfg.checkpoint.init_from_hf))
     if meta["optimizer"] is not None:
         check_optimizer(path, meta["optimizer"], OPTIMIZER_CLASSES[cfg.optim.name])
     saved = train_state["data_loader"] or {}

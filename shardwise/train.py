@@ -30,7 +30,6 @@ from shardwise.checkpoint import (
     Checkpointer,
     StopSignal,
     TrainState,
-    lora_base_identity,
     scan_checkpoints,
     set_aside,
 )
@@ -64,7 +63,7 @@ from shardwise.parallel.data_parallel import (
 )
 from shardwise.parallel.pipeline import Pipeline, build_pipeline, evaluate_sums, forward_backward, model_parts
 from shardwise.parallel.runtime import Runtime
-from shardwise.run_folder import check_steps
+from shardwise.run_folder import check_steps, lora_base_identity
 
 log = logging.getLogger("shardwise.train")
 

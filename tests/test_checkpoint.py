@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.tensor import DTensor
 
-from shardwise import checkpoint, hf
+from shardwise import checkpoint, hf, run_folder
 from shardwise.checkpoint import Checkpointer, CheckpointError, TrainState, latest_checkpoint, load, scan_checkpoints
 from shardwise.config import load_config
 from shardwise.model import build_model, materialize
@@ -497,7 +497,8 @@ def test_another_optimizer_names_the_optim_name_to_set(saved_run, tmp_path):
     (["train.seed=7"], "seed=0, this run has 7"),
     (["train.steps=1"], "train.steps: 1 is below step 2"),
     (["train.stop_after=2"], "train.stop_after: 2 is before step 3"),
-], ids=["model", "optimizer", "batch", "seed", "steps", "stop_after"])
+    (["lora.rank=4"], "it holds no LoRA (every weight), this run trains LoRA rank 4, alpha/rank 4"),
+], ids=["model", "optimizer", "batch", "seed", "steps", "stop_after", "lora"])
 def test_a_resume_the_checkpoint_refuses_is_refused_before_any_process_starts(saved_run, tmp_path, monkeypatch,
                                                                                capsys, overrides, words):
     """`train --nproc 2` on a run folder whose newest checkpoint the config cannot resume: the launcher reads the
@@ -535,8 +536,8 @@ def test_a_changed_global_batch_names_the_batch_to_set_not_the_folder_to_move(sa
 
 def test_an_adapter_checkpoint_names_the_lora_settings_it_was_saved_with(tmp_path):
     with pytest.raises(CheckpointError) as err:
-        checkpoint._check_lora(tmp_path, {"rank": 16, "scale": 2.0, "targets": ["wq", "wv"]},
-                               {"rank": 16, "scale": 1.0, "targets": ["wq", "wv"]})
+        run_folder.check_lora(tmp_path, {"rank": 16, "scale": 2.0, "targets": ["wq", "wv"]},
+                              {"rank": 16, "scale": 1.0, "targets": ["wq", "wv"]})
     assert 'set lora.rank = 16, lora.alpha = 32 and lora.targets = ["wq", "wv"]' in str(err.value)
 
 

@@ -141,3 +141,25 @@ def test_adapter_count_and_lora_flops_against_the_model():
     # (and so do the adapters' A matmuls on block 0's q and v)
     skipped = 2 * (d * d + 2 * d * kv + 2 * d * f + 2 * 4 * d) * tokens
     assert counter.get_total_flops() == pytest.approx(expected - skipped, rel=1e-6)
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("parity.toml", []),
+    ("parity.toml", ["lora.rank=4"]),
+    ("parity.toml", ["lora.rank=8", "lora.alpha=3.0", "lora.targets=['w2', 'wq']"]),
+    ("qlora.toml", []),
+])
+def test_the_launchers_adapter_spec_is_the_built_models(config, overrides):
+    """The launcher checks a resumed run's adapters (rank, alpha, targets, QLoRA) from the config alone, before it
+    imports torch (run_folder.config_adapter_spec); the ranks' load compares what the built model holds
+    (lora.adapter_spec). They must agree, or the launcher would refuse a run the ranks accept (or pass one they
+    refuse)."""
+    from pathlib import Path
+
+    from shardwise.lora import adapter_spec
+    from shardwise.run_folder import config_adapter_spec
+
+    cfg = load_config(str(Path(__file__).parent / "configs" / config), overrides)
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.lora)
+    assert config_adapter_spec(cfg) == adapter_spec([model])

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from shardwise import hf
 from shardwise.checkpoint import Checkpointer, TrainState, _read_metadata, latest_checkpoint, load
 from shardwise.config import LORA_TARGETS
+from shardwise.errors import CheckpointError
 from shardwise.lora import LoRALinear, apply_lora, is_adapter
 from shardwise.model import build_model, materialize
 from shardwise.parallel.runtime import Runtime
@@ -96,6 +97,17 @@ def saved(tmp_path_factory):
 ])
 def test_other_adapter_settings_are_refused_in_one_line(saved, checkpoint, overrides, words):
     _assert_refused(saved[checkpoint], overrides, *words)
+    # before any process starts (train --nproc, launch local and slurm: run_folder.check_resume), the same line;
+    # until 2026-12-03 the adapters were checked only in the ranks, after they had built the model and read the data
+    from shardwise.run_folder import check_resume
+
+    path = saved[checkpoint]
+    cfg = _cfg([*overrides, "checkpoint.enabled=true", f"metrics.out_dir='{path.parent.parent}'"])
+    with pytest.raises(CheckpointError) as early:
+        check_resume(cfg)
+    with pytest.raises(CheckpointError) as late:
+        load(path, _build(cfg, Runtime.create(cfg)), cfg.model)
+    assert str(early.value) == str(late.value)
 
 
 def test_a_lora_model_imports_a_hugging_face_base_and_keeps_its_seeded_adapters(hf_base):
