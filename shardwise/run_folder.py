@@ -160,6 +160,9 @@ def check_lora(path: Path, saved: dict | None, mine: dict | None) -> None:
         mine = {k: v for k, v in mine.items() if k != "qlora"}
     if saved == mine:
         return
+    if saved is not None and not (isinstance(saved.get("rank"), int) and isinstance(saved.get("scale"), (int, float))
+                                  and isinstance(saved.get("targets"), list)):
+        raise CheckpointError(path, f"{META}'s 'lora' is {saved!r} (damaged or edited)", MOVE_ASIDE)
     # QLoRA's adapters were trained against the NF4-rounded base: resumed or exported onto the unquantised one (or
     # the other way), they would adapt other weights, and until 2026-11-28 they did, without a word
     qlora = f", lora.qlora = {str(saved['qlora']).lower()}" if saved is not None and "qlora" in saved else ""

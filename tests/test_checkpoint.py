@@ -471,6 +471,8 @@ def test_missing_metadata_is_refused(saved_run, tmp_path):
     ("meta.json", lambda meta: {k: v for k, v in meta.items() if k != "files"}, "meta.json has no 'files'"),
     ("train_state.json", lambda state: {**state, "step": "x"}, "train_state.json's 'step' is 'x'"),
     ("meta.json", lambda meta: {**meta, "files": {k: {} for k in meta["files"]}}, "lacks its size or CRC32"),
+    # an adapter record without its settings: a KeyError traceback where the fix names them
+    ("meta.json", lambda meta: {**meta, "lora": {"rank": 4}}, "meta.json's 'lora' is {'rank': 4}"),
 ])
 def test_damaged_checkpoint_json_is_refused(saved_run, tmp_path, name, edit, words):
     _, path = _copy(saved_run, tmp_path)
