@@ -203,6 +203,8 @@ def check_lora_base(path: Path, saved: dict | None, mine: dict | None) -> None:
     the same contents is the same base."""
     if saved is None and mine is None:
         return
+    if saved is not None and not isinstance(saved.get("init_from_hf"), str):
+        raise CheckpointError(path, f"{META}'s 'lora_base' is {saved!r} (damaged or edited)", MOVE_ASIDE)
     if saved is not None and mine is not None and {k: v for k, v in saved.items() if k != "init_from_hf"} == {
             k: v for k, v in mine.items() if k != "init_from_hf"}:
         return

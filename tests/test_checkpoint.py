@@ -543,6 +543,15 @@ def test_an_adapter_checkpoint_names_the_lora_settings_it_was_saved_with(tmp_pat
     assert 'set lora.rank = 16, lora.alpha = 32 and lora.targets = ["wq", "wv"]' in str(err.value)
 
 
+def test_an_adapter_checkpoints_base_record_without_its_folder_is_damaged(tmp_path):
+    """The base a LoRA run's adapters were trained on, as meta.json records it, without its folder: the message that
+    names the folder to set was a KeyError traceback."""
+    for mine in (None, {"init_from_hf": "/base", "config_crc32": 1, "weights": {}}):
+        with pytest.raises(CheckpointError) as err:
+            run_folder.check_lora_base(tmp_path, {"config_crc32": 1, "weights": {}}, mine)
+        assert "meta.json's 'lora_base' is {'config_crc32': 1, 'weights': {}} (damaged or edited)" in str(err.value)
+
+
 def test_metadata_pickle_cannot_run_code(saved_run, tmp_path):
     import os
     import pickle
