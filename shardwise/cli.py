@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from shardwise.chat import chat_template
 from shardwise.config import (
     HF_WEIGHT_FILES,
     STOPPED_FILE,
@@ -270,7 +271,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face Llama or Mixtral folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--adapter", metavar="DIR", help="a peft LoRA adapter folder (adapter_config.json + "
                    "adapter_model.safetensors) to apply on --hf's model, as peft.PeftModel.from_pretrained does")
-    p.add_argument("--prompt", default="", help="text the model continues")
+    p.add_argument("--prompt", default="", help="text the model continues (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="an instruction-tuned --hf model: the prompt as the user's turn in the folder's chat template "
+                        "(tokenizer_config.json's chat_template or chat_template.jinja); prints the reply alone")
+    p.add_argument("--system", help="with --chat: a system message before the user's")
     p.add_argument("--max-new-tokens", type=int, default=200, help="stop after this many tokens (or at end-of-text)")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (the most likely token each step)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -285,7 +290,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     loaded = load_run(args.run_dir) if args.run_dir else load_hf(args.hf_dir, args.adapter)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    text, stopped = complete(loaded, args.prompt, args.max_new_tokens, sampling)
+    chat = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+        {"role": "user", "content": args.prompt}] if args.chat else None
+    text, stopped = complete(loaded, args.prompt, args.max_new_tokens, sampling, chat)
     print(text)
     if stopped is not None:  # a short (or empty) answer is the model's, not a failure
         print(f"(the model wrote end-of-text after {stopped} token(s))", file=sys.stderr)
@@ -321,6 +328,15 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.run_dir and not any((folder / "checkpoints").glob("step_*/meta.json")):
         raise ConfigError(flag, f"{folder} has no complete checkpoint", "let the run save one "
                           "(checkpoint.every, or the end of the run)")
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system", "given without --chat", "add --chat (a system message is a turn of a chat)")
+    if args.chat and args.run_dir:
+        raise ConfigError("--chat", "a training run's tokenizer has no chat template", "export the run (shardwise "
+                          "export) into a folder with its base's tokenizer_config.json and pass it with --hf, or "
+                          "drop --chat")
+    if args.chat and chat_template(folder) is None:
+        raise ConfigError("--chat", f"{folder} has no chat template (chat_template.jinja, or tokenizer_config.json's "
+                          "chat_template)", "pass an instruction-tuned model's folder, or drop --chat")
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"{args.max_new_tokens} < 1", "ask for at least one token")
     if not 0 <= args.temperature < math.inf:  # nan too

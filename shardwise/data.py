@@ -300,6 +300,15 @@ class HFTokenizer:
         # No post-processor tokens (e.g. Llama's BOS): the packed stream is documents and eos, nothing else.
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """`text` with its special tokens' text as their ids (a chat template's "<|eot_id|>"), as transformers
+        encodes a rendered chat; `encode` keeps such text as text."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many documents at once on the library's thread pool; the packing path uses this."""
         # encode_batch_fast (tokenizers >= 0.21) skips computing offsets, which packing never uses.

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardwise.chat import chat_template, render_chat, special_tokens
 from shardwise.errors import ConfigError
 from shardwise.loss import autocast_context
 from shardwise.model import Transformer, causal_attention
@@ -161,6 +162,8 @@ class Loaded:
     stop_ids: list[int]
     precision: str = "fp32"
     """The autocast the model runs under: a run's train.precision."""
+    chat: tuple[str, dict[str, str]] | None = None
+    """A Hugging Face folder's chat template and its special tokens by name (bos_token, eos_token, ...)."""
 
 
 def load_run(run_dir: str | Path) -> Loaded:
@@ -233,7 +236,9 @@ def load_hf(folder: str | Path, adapter: str | Path | None = None) -> Loaded:
     if lora is not None:
         import_peft([model], adapter)
     prefix = [config["bos_token_id"]] if config.get("bos_token_id") is not None else []
-    return Loaded(model.eval(), tokenizer, prefix, _hf_stop_ids(folder, config, tokenizer.eos_id))
+    template = chat_template(folder)
+    return Loaded(model.eval(), tokenizer, prefix, _hf_stop_ids(folder, config, tokenizer.eos_id),
+                  chat=(template, special_tokens(folder)) if template else None)
 
 
 def _hf_stop_ids(folder: Path, config: dict, tokenizer_eos: int) -> list[int]:
@@ -244,11 +249,19 @@ def _hf_stop_ids(folder: Path, config: dict, tokenizer_eos: int) -> list[int]:
     return list(eos) if isinstance(eos, list) else [eos]
 
 
-def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Sampling) -> tuple[str, int | None]:
+def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Sampling,
+             chat: list[dict[str, str]] | None = None) -> tuple[str, int | None]:
     """The prompt and what the model writes after it, as text (a stop token ends it and is not shown), and how
-    many tokens it wrote before a stop token (None: it wrote max_new_tokens without one)."""
-    body = list(loaded.tokenizer.encode(prompt))
-    ids = loaded.prefix + [int(i) for i in body]
+    many tokens it wrote before a stop token (None: it wrote max_new_tokens without one). With `chat` (messages,
+    the last one the user's) the prompt is the folder's chat template rendered for them, and the text is the
+    model's reply alone."""
+    if chat is not None:
+        template, special = loaded.chat
+        body = loaded.tokenizer.encode_with_special_tokens(render_chat(template, chat, special))
+        ids = [int(i) for i in body]  # the template writes the start token itself
+    else:
+        body = list(loaded.tokenizer.encode(prompt))
+        ids = loaded.prefix + [int(i) for i in body]
     room = loaded.model.args.max_seq_len
     if not body and not loaded.prefix:
         raise ConfigError("--prompt", "it is empty and this model has no start token", "give some text")
@@ -264,4 +277,4 @@ def complete(loaded: Loaded, prompt: str, max_new_tokens: int, sampling: Samplin
     if new and new[-1] in loaded.stop_ids:
         new = new[:-1]
         stopped = len(new)
-    return loaded.tokenizer.decode(body + new), stopped
+    return loaded.tokenizer.decode(new if chat is not None else body + new), stopped

@@ -566,3 +566,119 @@ def test_a_tokenizer_config_names_the_first_of_a_list_of_end_tokens(hf_folder, t
     names = tokenizers.Tokenizer.from_str(tokenizer)
     assert (config["bos_token"], config["eos_token"]) == (names.id_to_token(1), names.id_to_token(2))
     assert (out / "generation_config.json").read_text() == (base / "generation_config.json").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat templates
+
+# Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template, verbatim
+LLAMA3_TEMPLATE = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+                   "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+                   "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+                   "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+                   "<|end_header_id|>\\n\\n' }}{% endif %}")
+# what the sandbox settings decide: trim_blocks and lstrip_blocks (the indented lines), loop controls, the
+# generation tag, raise_exception, tojson (not HTML-escaped) and strftime_now
+LAYOUT_TEMPLATE = """{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}
+<<SYS>>{{ message['content'] | tojson }} {{ strftime_now('%Y') }}<</SYS>>
+        {% continue %}
+    {% endif %}
+    {% if message['role'] not in ['user', 'assistant'] %}
+        {{ raise_exception('Conversation roles must be system, user or assistant') }}
+    {% endif %}
+    {% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}
+    {% else %}
+[INST] {{ message['content'] }} [/INST]
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"""
+CHAT_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "def loads(s):"}],
+    [{"role": "system", "content": "You write Python <b>&</b> \"JSON\"."},
+     {"role": "user", "content": "  def loads(s):  "}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_folder(hf_folder, tmp_path_factory):
+    """hf_folder with Llama 3's turn markers as special tokens, its chat template, and <|eot_id|> as a stop token."""
+    import shutil
+
+    import tokenizers
+
+    folder = tmp_path_factory.mktemp("chat")
+    for file in hf_folder[0].iterdir():
+        shutil.copy(file, folder)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(CHAT_SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    eot = tok.token_to_id("<|eot_id|>")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast",
+         "chat_template": LLAMA3_TEMPLATE}))
+    # as save_pretrained writes a special token beside it: an AddedToken's fields
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|eot_id|>", "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False}}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eot]}))
+    return folder, hf_folder[1]
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, LAYOUT_TEMPLATE], ids=["llama3", "layout"])
+def test_a_chat_is_the_text_and_ids_transformers_apply_chat_template_gives(chat_folder, tmp_path, template):
+    """`generate --chat` renders the folder's template as transformers' apply_chat_template (add_generation_prompt)
+    does, and encodes the turn markers as their special ids (plain `encode` keeps them as text)."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from shardwise.chat import render_chat, special_tokens
+    from shardwise.data import HFTokenizer
+    from shardwise.errors import ConfigError
+
+    folder = tmp_path / "f"
+    shutil.copytree(chat_folder[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = HFTokenizer(folder / "tokenizer.json", "file")
+    for messages in CONVERSATIONS:
+        text = render_chat(template, messages, special_tokens(folder))
+        assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ours.encode_with_special_tokens(text) == list(ids)
+        assert ours.encode(text) != list(ids)  # the markers' text, byte by byte
+    with pytest.raises(ConfigError) as err:
+        render_chat(LAYOUT_TEMPLATE, [{"role": "tool", "content": "x"}], special_tokens(folder))
+    assert err.value.field == "--chat" and "roles must be system, user or assistant" in err.value.problem
+
+
+def test_generate_chat_replies_as_transformers_generate_on_the_chat_template(chat_folder, capsys):
+    transformers = pytest.importorskip("transformers")
+    folder, model = chat_folder
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "system", "content": "Python only."}, {"role": "user", "content": "def loads(s, *, cls"}]
+    ids = list(theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20, eos_token_id=eos,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    reply = [i for i in out if i not in eos]
+    assert main(["generate", "--hf", str(folder), "--chat", "--system", "Python only.", "--prompt",
+                 "def loads(s, *, cls", "--temperature", "0", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out == theirs.decode(reply) + "\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hf", "H", "--system", "x"], "--system: given without --chat"),
+    (["--hf", "H", "--chat"], "has no chat template"),
+])
+def test_chat_without_what_it_needs_is_one_line(hf_folder, capsys, argv, words):
+    argv = [str(hf_folder[0]) if a == "H" else a for a in argv]
+    assert main(["generate", "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "fix:" in err[0], err
