@@ -331,9 +331,9 @@ def _check_generate(args: argparse.Namespace) -> None:
     if args.system is not None and not args.chat:
         raise ConfigError("--system", "given without --chat", "add --chat (a system message is a turn of a chat)")
     if args.chat and args.run_dir:
-        raise ConfigError("--chat", "a training run's tokenizer has no chat template", "export the run (shardwise "
-                          "export) into a folder with its base's tokenizer_config.json and pass it with --hf, or "
-                          "drop --chat")
+        raise ConfigError("--chat", "a training run's folder holds no chat template", "export the run (shardwise "
+                          "export --run DIR --out OUT: one fine-tuned from a Hugging Face folder keeps its chat "
+                          "template) and pass --hf OUT, or drop --chat")
     if args.chat and chat_template(folder) is None:
         raise ConfigError("--chat", f"{folder} has no chat template (chat_template.jinja, or tokenizer_config.json's "
                           "chat_template)", "pass an instruction-tuned model's folder, or drop --chat")
