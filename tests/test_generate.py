@@ -676,9 +676,13 @@ def test_generate_chat_replies_as_transformers_generate_on_the_chat_template(cha
 @pytest.mark.parametrize("argv, words", [
     (["--hf", "H", "--system", "x"], "--system: given without --chat"),
     (["--hf", "H", "--chat"], "has no chat template"),
+    (["--run", "R", "--chat"], "--chat: a training run's folder holds no chat template"),
 ])
-def test_chat_without_what_it_needs_is_one_line(hf_folder, capsys, argv, words):
-    argv = [str(hf_folder[0]) if a == "H" else a for a in argv]
+def test_chat_without_what_it_needs_is_one_line(hf_folder, tmp_path, capsys, argv, words):
+    (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)  # what generate --run looks for first
+    (tmp_path / "checkpoints" / "step_1" / "meta.json").write_text("{}")
+    (tmp_path / "job_config.json").write_text("{}")
+    argv = [{"H": str(hf_folder[0]), "R": str(tmp_path)}.get(a, a) for a in argv]
     assert main(["generate", "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and "fix:" in err[0], err
