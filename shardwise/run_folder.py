@@ -256,8 +256,8 @@ def check_resume(cfg) -> None:
     check_steps(cfg, train_state["step"])
     check_model(path, meta, cfg.model)
     check_lora(path, meta.get("lora"), config_adapter_spec(cfg))  # in the order load checks them
-    # recorded since 2026-11-28; one that is neither is damaged, which the ranks' load says
-    if meta.get("lora") is not None and isinstance(meta.get("lora_base", 0), (dict, type(None))):
+    # recorded since 2026-11-28; one that is neither a dict nor null is damaged, which the ranks' load says
+    if meta.get("lora") is not None and "lora_base" in meta and isinstance(meta["lora_base"], (dict, type(None))):
         check_lora_base(path, meta["lora_base"], lora_base_identity(cfg.checkpoint.init_from_hf))
     if meta["optimizer"] is not None:
         check_optimizer(path, meta["optimizer"], OPTIMIZER_CLASSES[cfg.optim.name])
