@@ -9,6 +9,7 @@ q, k, v, its output and one fp32 log-sum-exp per head and query) and no dropout.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -19,7 +20,9 @@ from shardwise.planner.experts import kept_share, routed_per_token
 from shardwise.planner.plan import Plan
 from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
-    FULL_PRECISION_STATE_BYTES,
+    LOW_BIT_BLOCK,
+    LOW_BIT_CODE_BOOK,
+    LOW_BIT_MIN_VALUES,
     OPTIMIZER_STATE_BYTES,
     QLORA_BITS,
     Training,
@@ -1518,7 +1521,8 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
             experts["params"] /= plan.expert_shard_group
         if shape.experts:
             items = {k: v + experts[k] for k, v in items.items()}
-        items["optimizer_state"] += _full_precision_embedding_state(args, training, plan, stage)
+        if training.optimizer in LOW_BIT_BLOCK and plan.offload == "none":
+            items["optimizer_state"] = low_bit_state(args, training, plan, stage)
         cached = _remember(_MODEL_STATE, key, items)
     return cached
 
@@ -1548,17 +1552,102 @@ def host_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
                - sum(_model_state(args, training, plan, stage).values()) for stage in range(plan.pp))
 
 
-def _full_precision_embedding_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
-    """The low-bit AdamWs keep the moments of the vocabulary matrices (embedding, head) in fp32: their extra bytes
-    on the ranks holding them (the root parameters but the final norm; split over tp, and over the shard group from
-    ZeRO-1), when they are trained and on the device."""
-    full = FULL_PRECISION_STATE_BYTES.get(training.optimizer)
-    if full is None or training.lora_rank or plan.offload != "none":
-        return 0.0
+class _Trained(NamedTuple):
+    """Tensors of one kind that a rank trains, as the optimizer sees them: `count` of them of `shape` on the rank
+    before data parallelism splits them (tensor- and expert-parallel pieces), split over `ranks` along `dim`
+    (FSDP2's Shard(dim)) or flat (dim None: ZeRO-1's slices), with fp32 moments whatever their size (`fp32`)."""
+
+    count: int
+    shape: tuple[int, ...]
+    fp32: bool = False
+    ranks: int = 1
+    dim: int | None = 0
+
+
+def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """Bytes of a low-bit AdamW's two moments on the data-parallel rank of pipeline rank `stage` holding the most,
+    tensor by tensor as torchao keeps them (shardwise.optim): a rank's piece of a tensor (its DTensor's local
+    tensor under FSDP2 and tensor parallelism, its flat slice under ZeRO-1) is quantised when it has
+    LOW_BIT_MIN_VALUES values or more and is a whole number of blocks, at OPTIMIZER_STATE_BYTES a value plus two
+    code books; otherwise, and always for the embedding and head, both moments are fp32. On a small model, or a
+    LoRA adapter (rank x width) split over many ranks, every piece is fp32: 4x the quantised bytes."""
+    kinds = _trained_kinds(args, training, plan, stage)
+    block, full = LOW_BIT_BLOCK[training.optimizer], OPTIMIZER_STATE_BYTES[training.optimizer]
+    books = 2 * 4 * LOW_BIT_CODE_BOOK[training.optimizer]
+
+    def piece(kind: _Trained, rank: int) -> int:
+        n = math.prod(kind.shape)
+        rows = n if kind.dim is None else kind.shape[kind.dim]
+        chunk = -(-rows // kind.ranks) if rows else 0
+        return max(0, min(chunk, rows - rank * chunk)) * (n // rows if rows else 0)
+
+    def state(kind: _Trained, rank: int) -> float:
+        n = piece(kind, rank)
+        if kind.fp32 or n < LOW_BIT_MIN_VALUES or n % block:
+            return 8.0 * n
+        return full * n + books
+
+    # a kind's piece changes only where its whole chunks end (FSDP2's and ZeRO-1's ceil split): the sum over
+    # kinds is largest on rank 0 or at one of those ranks
+    ranks = {0}
+    for kind in kinds:
+        rows = math.prod(kind.shape) if kind.dim is None else kind.shape[kind.dim]
+        whole = rows // -(-rows // kind.ranks) if rows else 0
+        ranks |= {r for r in (whole, whole + 1) if r < kind.ranks}
+    return max(sum(k.count * state(k, r % k.ranks) for k in kinds) for r in ranks)
+
+
+def _trained_kinds(args: ModelArgs, training: Training, plan: Plan, stage: int) -> list[_Trained]:
+    """The tensors pipeline rank `stage` trains, by kind (_Trained): the blocks' norms, projections and experts, and
+    the root's embedding, final norm and head; under LoRA the adapters alone (lora_a (r, in), lora_b (out, r) on
+    every projection: shardwise.lora, which splits lora_b like a column-parallel base and lora_a like a row-parallel
+    one)."""
+    tp, kvs = plan.tp, kv_split(args, plan.tp)
+    ids = _rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)[stage]
     shape = stage_shape(args, plan, stage, training.seq_len)
-    vocabulary = shape.root - (args.dim if shape.last else 0)
-    shard = plan.shard_group if plan.zero_stage >= 1 else 1
-    return (full - OPTIMIZER_STATE_BYTES[training.optimizer]) * vocabulary / shard
+    flat = plan.zero_stage == 1
+    split = {"ranks": plan.shard_group, "dim": None if flat else 0} if plan.zero_stage >= 1 else {}
+
+    def local(n_in: int, n_out: int, how: str) -> tuple[int, int]:
+        """(out, in) of a projection's piece on a tp rank."""
+        if how == "row":
+            return n_out, n_in // tp
+        return n_out // (kvs if how == "kv" else tp), n_in
+
+    kinds: list[_Trained] = []
+    for moe, blocks in ((False, len(ids) - shape.moe_layers), (True, shape.moe_layers)):
+        if not blocks:
+            continue
+        projections = [p for p in linear_shapes(args) if not moe or p[0] in ("wq", "wk", "wv", "wo")]
+        if training.lora_rank:
+            r = training.lora_rank
+            for _, n_in, n_out, how in projections:
+                out, inp = local(n_in, n_out, how)
+                kinds += [_Trained(blocks, (r, inp), **split), _Trained(blocks, (out, r), **split)]
+            continue
+        kinds.append(_Trained(2 * blocks, (args.dim,), **split))  # the attention and MLP norms
+        kinds += [_Trained(blocks, local(n_in, n_out, how), **split) for _, n_in, n_out, how in projections]
+        if moe:  # the MoE is whole on every tp rank: router, shared experts, and this ep rank's routed experts
+            kinds.append(_Trained(blocks, (args.n_experts, args.dim), **split))
+            if args.n_shared_experts:
+                hidden = args.n_shared_experts * args.expert_hidden
+                kinds += [_Trained(2 * blocks, (hidden, args.dim), **split),
+                          _Trained(blocks, (args.dim, hidden), **split)]
+            experts = args.n_experts // plan.ep
+            ranks = plan.shard_group if flat else plan.expert_shard_group
+            # FSDP2 splits them by expert when they divide evenly, else along dim 1 (data_parallel._expert_placement)
+            dim = None if flat else 0 if experts % ranks == 0 else 1
+            routed = {"ranks": ranks, "dim": dim} if split else {}
+            kinds += [_Trained(2 * blocks, (experts, args.expert_hidden, args.dim), **routed),
+                      _Trained(blocks, (experts, args.dim, args.expert_hidden), **routed)]
+    if not training.lora_rank:
+        vocabulary = (-(-args.vocab_size // tp), args.dim)  # vocabulary-parallel: rank 0 holds the most rows
+        matrices = (stage == 0) + (shape.last and not (args.tie_embeddings and plan.pp == 1))
+        if matrices:
+            kinds.append(_Trained(matrices, vocabulary, fp32=True, **split))
+        if shape.last:
+            kinds.append(_Trained(1, (args.dim,), **split))
+    return kinds
 
 
 def rotary_table_bytes(args: ModelArgs) -> float:

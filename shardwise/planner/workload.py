@@ -35,15 +35,21 @@ FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 # Bytes per parameter of optimizer state beyond the master weights, as the engine's optimizers keep it:
 # - torch's AdamW two fp32 moments (exp_avg, exp_avg_sq), momentum SGD one velocity (momentum_buffer), SGD nothing;
 # - torchao's AdamW8bit both moments as uint8 codes plus an fp32 scale per block of 256 (2 x (1 + 4/256) = 2.03125),
-#   AdamW4bit both as packed 4-bit codes plus an fp32 scale per block of 128 (2 x (0.5 + 4/128) = 1.0625); a
-#   256-entry (16-entry) fp32 code book per tensor is not counted. The embedding and head keep fp32 moments under
-#   both (shardwise.optim.FULL_PRECISION_STATE), counted by memory.py; so do tensors under 4096 values, not;
+#   AdamW4bit both as packed 4-bit codes plus an fp32 scale per block of 128 (2 x (0.5 + 4/128) = 1.0625), and
+#   each moment of each tensor its own 256-entry (16-entry) fp32 code book. torchao quantises a tensor only when a
+#   rank's piece of it has 4096 values or more and is a whole number of blocks (bitsandbytes' rule): other pieces,
+#   and the embedding and head (shardwise.optim.FULL_PRECISION_STATE), keep fp32 moments. memory.low_bit_state
+#   counts that tensor by tensor;
 # - torch's Adafactor no first moment and a second moment factored into fp32 row and column means, 4(r + c) bytes
 #   for an r x c matrix: 0.0078 B/param at 1024 x 1024, 0.002 at 4096 x 4096, counted as 0.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
                          "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
-FULL_PRECISION_STATE_BYTES = {"adamw8bit": 8.0, "adamw4bit": 8.0}
-"""Optimizers whose state for the embedding and head is fp32 AdamW's (8 B/param), not OPTIMIZER_STATE_BYTES's."""
+LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
+"""Values per fp32 scale of torchao's low-bit AdamWs (their default block sizes, which the engine keeps)."""
+LOW_BIT_CODE_BOOK = {"adamw8bit": 256, "adamw4bit": 16}
+"""fp32 entries of the code book each quantised moment keeps (torchao makes one per moment of every tensor)."""
+LOW_BIT_MIN_VALUES = 4096
+"""A rank's piece of a tensor with fewer values keeps fp32 moments under the low-bit AdamWs."""
 
 # QLoRA stores the frozen base weights in 4-bit NormalFloat with double-quantised block constants (Dettmers et al.
 # 2023, section 3), as torchao's NF4Tensor holds them for the engine's fp32 weights (shardwise/nf4.py): a 4-bit
