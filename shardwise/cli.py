@@ -442,7 +442,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser with `command`'s arguments (every command's when None) and the other commands listed."""
+    """The parser with `command`'s arguments (every command's when None, none for "") and the other commands
+    listed."""
     parser = _Parser(prog="shardwise", description=__doc__)  # its subcommands' parsers are _Parsers too
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add) in COMMANDS.items():
@@ -456,7 +457,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), "")  # the first word; "" lists the commands
-    args, unknown = build_parser(command if command in COMMANDS else None).parse_known_args(argv)
+    # no command (`shardwise --help`) or an unknown one: the list of commands needs none's arguments, and bench's and
+    # simulate's import torch (5 s of `shardwise --help`)
+    args, unknown = build_parser(command if command in COMMANDS else "").parse_known_args(argv)
     from shardwise.errors import CheckpointError, TrainingError
 
     try:
