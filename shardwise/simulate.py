@@ -396,7 +396,7 @@ def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) ->
         return {}
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch",
-                        lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora,
+                        lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora, lora_targets=tuple(cfg.lora.targets),
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer
     piped = p.pp > 1

@@ -1,15 +1,18 @@
 """LoRA on one device: the transform, its start (B = 0), what it trains and what it leaves alone."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_train import _batch
 
-from shardwise.config import LoraConfig, OptimConfig, load_config
+from shardwise.config import LORA_TARGETS, LoraConfig, OptimConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.lora import LoRALinear, apply_lora
 from shardwise.loss import compute_dtype
 from shardwise.model import build_model, materialize
 from shardwise.model_args import preset
+from shardwise.nf4 import SHARDED_PARTS, is_nf4
 from shardwise.optim import build_optimizer
 from shardwise.train import build_grad_scaler, train_step
 
@@ -102,19 +105,27 @@ def test_mixed_precision_stores_frozen_projections_in_the_compute_dtype_with_the
         assert torch.equal(kept(tokens), halved(tokens))
 
 
+@pytest.mark.parametrize("qlora", [False, True])
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("wq", "wv", "w2")], ids=["all", "some"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_planner_parameter_bytes_equal_the_engines_lora_model(precision):
-    """The planner's LoRA parameter bytes against the bytes of the model the engine builds (one rank)."""
+def test_planner_parameter_bytes_equal_the_engines_lora_model(precision, targets, qlora):
+    """The planner's LoRA parameter bytes against the bytes of the model the engine builds (one rank): the frozen
+    projections in the compute dtype, the adapted ones' base in NF4 under QLoRA, and the adapters on the targets
+    alone (the planner priced adapters and NF4 on every projection whatever lora.targets said)."""
     from shardwise.planner.memory import stage_memory
     from shardwise.planner.plan import Plan
     from shardwise.planner.workload import Training
 
-    args = preset("tiny")
+    args = preset("tiny") if not qlora else dataclasses.replace(preset("tiny"), dim=256, n_heads=4, n_kv_heads=2,
+                                                                 ffn_hidden=512)  # whole NF4 blocks
     model = build_model(args)
-    apply_lora(model, LoraConfig(rank=4), frozen_dtype=compute_dtype(precision))
+    apply_lora(model, LoraConfig(rank=4, targets=list(targets), qlora=qlora), frozen_dtype=compute_dtype(precision))
     materialize(model, args, CPU, 0)
-    measured = sum(p.numel() * p.element_size() for p in model.parameters())
-    training = Training(seq_len=32, global_batch=1, precision=precision, lora_rank=4)
+    # an NF4 weight's codes, scalers and factors; its per-tensor constants (a mean, the 16-entry table) are not priced
+    measured = sum(sum(getattr(p, a).nbytes for a in SHARDED_PARTS) if is_nf4(p) else p.numel() * p.element_size()
+                   for p in model.parameters())
+    training = Training(seq_len=32, global_batch=1, precision=precision, lora_rank=4, qlora=qlora,
+                        lora_targets=tuple(targets))
     assert stage_memory(args, training, Plan(), 0)["params"] == pytest.approx(measured, rel=1e-9)
 
 

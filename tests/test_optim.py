@@ -70,6 +70,7 @@ LOW_BIT_LAYOUTS = [
     (CONFIG, ["parallel.pp=2"]),  # stage 0 holds the embedding, stage 1 the norm and head
     (CONFIG, ["lora.rank=64", "parallel.dp_shard=2", "parallel.zero_stage=2"]),
     (CONFIG, ["lora.rank=64", "parallel.tp=2"]),
+    (CONFIG, ["lora.rank=64", "lora.targets=['wk', 'w1']", "parallel.dp_shard=2", "parallel.zero_stage=3"]),
     (MOE, ["parallel.dp_shard=2", "parallel.zero_stage=3"]),
     (MOE, ["parallel.ep=2", "parallel.dp_shard=2", "parallel.zero_stage=3"]),
     (MOE, ["model.n_experts=3", "parallel.dp_shard=2", "parallel.zero_stage=3"]),
@@ -113,7 +114,7 @@ def test_low_bit_state_per_rank_equals_the_planners(name):
         layout, t, _, _ = per_rank[0]
         training = Training(seq_len=cfg.data.seq_len, global_batch=t["micro_batch"] * t["grad_accum"],
                             precision=t["precision"], optimizer=name, layout="torch", lora_rank=cfg.lora.rank,
-                            fragmentation=0.0, fixed_overhead_gib=0.0)
+                            lora_targets=tuple(cfg.lora.targets), fragmentation=0.0, fixed_overhead_gib=0.0)
         plan = Plan(**layout, micro_batch=t["micro_batch"], grad_accum=t["grad_accum"])
         for stage in {stage for _, _, stage, _ in per_rank}:
             # the planner's figure is the rank of the stage holding the most (3 experts' router: 2 rows and 1)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import LORA_TARGETS, ConfigError, load_config
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
@@ -823,6 +823,8 @@ def test_every_plan_the_search_may_return_is_a_config_the_engine_accepts(tmp_pat
 
 @pytest.mark.parametrize("flags, flag", [
     (["--lora-rank", "-4"], "--lora-rank"),
+    (["--lora-rank", "8", "--lora-targets", "q_proj,v_proj"], "--lora-targets"),  # the engine's names: wq, wv
+    (["--lora-targets", "wq"], "--lora-targets"),  # without --lora-rank it would be dropped
     (["--seq-len", "4098", "--global-batch", "16", "--plan", "cp=2"], "--plan cp"),  # 2 cp chunks per sequence
     (["--plan", ",".join(("tp=2", "tp=4"))], "--plan tp"),  # joined: tests/test_layout.py reads quoted layouts
     (["--plan", "zero_stage=-1"], "--plan zero_stage"),
@@ -1243,9 +1245,14 @@ ADAPTED = [
     (CONFIGS / "parity.toml", ["lora.rank=4", "optim.name='adamw'"]),
     (CONFIGS / "qlora.toml", []),  # the NF4 base: each rank stores half of the 4-bit codes, scalers and factors
 ]
+# some projections adapted (peft's default for Llama is q_proj and v_proj): the others frozen in the compute dtype,
+# and under QLoRA not in NF4
+SOME_TARGETS = "lora.targets=['wq', 'wv', 'w2']"
 
 
-@pytest.mark.parametrize("config, overrides", ADAPTED, ids=["lora", "qlora"])
+@pytest.mark.parametrize("config, overrides", [*ADAPTED, (ADAPTED[0][0], [*ADAPTED[0][1], SOME_TARGETS]),
+                                               (ADAPTED[1][0], [SOME_TARGETS])],
+                         ids=["lora", "qlora", "lora-some-targets", "qlora-some-targets"])
 def test_adapter_model_state_matches_the_simulator_under_fsdp(config, overrides):
     """Bytes per rank of weights (frozen base, NF4 storage, adapters), adapter gradients and optimizer state,
     as the simulator's tracker sees the engine keep them between steps, against the planner's model state."""
@@ -1258,7 +1265,8 @@ def test_adapter_model_state_matches_the_simulator_under_fsdp(config, overrides)
     t = cfg.train
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * 2, precision=t.precision,
                         optimizer=cfg.optim.name, layout="torch", lora_rank=cfg.lora.rank,
-                        qlora=cfg.lora.qlora, fragmentation=0.0, fixed_overhead_gib=0.0)
+                        qlora=cfg.lora.qlora, lora_targets=tuple(cfg.lora.targets), fragmentation=0.0,
+                        fixed_overhead_gib=0.0)
     layout = Plan(**dataclasses.asdict(cfg.parallel), micro_batch=t.micro_batch, grad_accum=t.grad_accum)
     state = moment_memory(cfg.model, training, layout, 0)["optimizer_step"]  # model state and nothing else
     predicted = {"parameters": state["params"], "gradients": state["grads"],
@@ -1267,8 +1275,9 @@ def test_adapter_model_state_matches_the_simulator_under_fsdp(config, overrides)
         assert value > 0 and measured[category] == pytest.approx(value, rel=0.05), category
 
 
-@pytest.mark.parametrize("config, overrides, zero", [(*ADAPTED[0], 2), (*ADAPTED[0], 3), (*ADAPTED[1], 2)],
-                         ids=["lora-zero2", "lora-zero3", "qlora-zero2"])
+@pytest.mark.parametrize("config, overrides, zero", [(*ADAPTED[0], 2), (*ADAPTED[0], 3), (*ADAPTED[1], 2),
+                                                   (ADAPTED[1][0], [SOME_TARGETS], 2)],
+                         ids=["lora-zero2", "lora-zero3", "qlora-zero2", "qlora-some-targets-zero2"])
 def test_adapter_fsdp_buffers_match_the_simulator_under_autocast(config, overrides, zero):
     """What FSDP gathers of a LoRA model under bf16 autocast: the frozen projections as the engine stores them
     (bf16, or QLoRA's NF4 codes), the embedding, norms and adapters in fp32. The planner priced every gathered
@@ -1288,7 +1297,8 @@ def test_adapter_fsdp_buffers_match_the_simulator_under_autocast(config, overrid
 
 
 @pytest.mark.parametrize("model, sets", [("llama3-8b", []), ("llama3-8b", ["lora.qlora=true"]),
-                                         ("llama3.2-1b", [])], ids=["lora", "qlora", "lora-tied-head"])
+                                         ("llama3.2-1b", []), ("llama3-8b", ["lora.qlora=true", SOME_TARGETS])],
+                         ids=["lora", "qlora", "lora-tied-head", "qlora-some-targets"])
 def test_an_adapted_models_peak_matches_the_simulator(model, sets):
     """LoRA under bf16 autocast on one device, two blocks of the model: the peak's activations and temporaries, and
     the total, within 5% of the simulator. The planner counted a frozen head's weight-gradient product and its
@@ -1888,7 +1898,7 @@ def test_pinned_qlora_dequantisation_is_what_the_engines_block_dispatches(precis
 
 
 @pytest.mark.parametrize("extra", [[], ["--lora-rank", "16"], ["--lora-rank", "16", "--qlora"],
-                                   ["--optimizer", "adamw8bit"]])
+                                   ["--lora-rank", "16", "--lora-targets", "wq,wv"], ["--optimizer", "adamw8bit"]])
 def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_path, extra, capsys):
     """Llama 3 8B on one H100: the plan the search picks (offload, LoRA, QLoRA, 8-bit state) is written as a config
     that the engine's validation accepts unchanged, with the recipe's knobs in it, not silently dropped."""
@@ -1902,6 +1912,7 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert cfg.parallel.offload == best["offload"] and cfg.parallel.world_size == 1
     assert cfg.lora.rank == (16 if extra[:1] == ["--lora-rank"] else 0)
     assert cfg.lora.qlora == ("--qlora" in extra)
+    assert cfg.lora.targets == (["wq", "wv"] if "--lora-targets" in extra else list(LORA_TARGETS))
     assert cfg.optim.name == (extra[1] if extra[:1] == ["--optimizer"] else "adamw")
     # planned again from the written config (a new user's round trip): the same job, so the same plan; its
     # sequence length and adapters came from [model] alone before (full fine-tuning at the default length)
@@ -1913,6 +1924,30 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert {k: json.loads(out.out)["plans"][0][k] for k in keys} == {k: best[k] for k in keys}
     assert f"--model {path}: its [model], data.seq_len 4096" in out.err
     assert ("lora.rank 16" in out.err) == (extra[:1] == ["--lora-rank"])
+    assert ("lora.targets wq,wv (--lora-targets)" in out.err) == ("--lora-targets" in extra)
+
+
+def test_a_jobs_lora_targets_are_planned_and_its_dropout_is_said_unpriced(tmp_path, capsys):
+    """`plan --model job.toml` takes lora.targets (adapters, NF4 and activations on those projections alone) and
+    says that lora.dropout is not priced; it took lora.rank alone and priced every projection, silently."""
+    from shardwise.planner.memory import lora_params
+
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "llama3-8b"\n[lora]\nrank = 16\ndropout = 0.05\ntargets = ["wq", "wv"]\n')
+    assert run_plan(_ns("--model", str(path), "--gpus", "1", "--gpu", "h100", "--json")) == 0
+    out = capsys.readouterr()
+    assert "lora.targets wq,wv (--lora-targets)" in out.err and "lora.dropout 0.05 is not priced" in out.err
+    some = Training(seq_len=4096, global_batch=1, lora_rank=16, lora_targets=("wq", "wv"))
+    every = Training(seq_len=4096, global_batch=1, lora_rank=16)
+    args = preset("llama3-8b")
+    assert lora_params(args, some) == 16 * (2 * 4096 + 4096 + 1024) < lora_params(args, every) / 5
+    assert run_plan(_ns("--model", str(path), "--gpus", "1", "--gpu", "h100", "--json", "--lora-targets",
+                        ",".join(LORA_TARGETS))) == 0
+    # the adapters' fp32 bytes with the frozen base (one GPU: nothing sharded)
+    some_gib, every_gib = (json.loads(text)["plans"][0]["memory_gib"]["params"] for text in
+                           (out.out, capsys.readouterr().out))
+    assert every_gib - some_gib == pytest.approx(32 * (lora_params(args, every) - lora_params(args, some)) * 4 / GiB,
+                                                 abs=0.002)
 
 
 def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):

@@ -38,8 +38,8 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan, hf_folder: Path
     out = {"model": model, "data": {"seq_len": training.seq_len}, "optim": {"name": training.optimizer},
            "train": {"precision": training.precision, **tables["train"],
                      **({"compile": True} if training.compile else {})}, "parallel": tables["parallel"]}
-    if training.lora_rank:  # the planner prices adapters on every linear of every block: the engine's default targets
-        out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora}
+    if training.lora_rank:
+        out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora, "targets": list(training.lora_targets)}
     if hf_folder is not None:  # planned from the folder, the run fine-tunes its weights (it trained a random init)
         if (hf_folder / "tokenizer.json").is_file():
             out["data"]["tokenizer"] = str(hf_folder / "tokenizer.json")

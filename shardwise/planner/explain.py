@@ -18,7 +18,7 @@ import math
 
 from shardwise.hardware import Cluster, GiB
 from shardwise.model_args import ModelArgs, count_text, num_params
-from shardwise.planner.memory import layer_params, lora_params, model_state_bytes
+from shardwise.planner.memory import adapted_base_params, layer_params, lora_params, model_state_bytes
 from shardwise.planner.search import TIE, Evaluation, SearchResult, budget, mixed_precisions, search
 from shardwise.planner.workload import Training
 
@@ -35,10 +35,11 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
     n = num_params(args)
     trainable = None
     if training.lora_rank:
-        trainable = args.n_layers * lora_params(args, training.lora_rank)
+        trainable = args.n_layers * lora_params(args, training)
     linears = args.n_layers * (layer_params(args) - 2 * args.dim)
+    adapted = args.n_layers * adapted_base_params(args, training)
     matmul = linears + (0 if args.tie_embeddings else args.vocab_size * args.dim)
-    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable, linears, matmul).values())
+    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable, adapted, matmul).values())
     states += training.fixed_overhead_gib * GiB
     out = {"model_state_gib": states / GiB, "budget_gib": limit / GiB, "fits": False, "max_micro_batch": 0,
            "step_time_s": None}

@@ -289,9 +289,21 @@ def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, sched
     return tuple(sorted({*ends, *first_with.values()}))
 
 
-def lora_params(args: ModelArgs, rank: int, tp: int = 1) -> float:
-    """Trainable adapter parameters per block: r (in + out) on each linear, split by tp like the linear."""
-    return sum(rank * (n_in + n_out) / tp for _, n_in, n_out, _ in linear_shapes(args))
+def adapted_shapes(args: ModelArgs, training: Training) -> list[tuple[str, int, int, str]]:
+    """linear_shapes of the projections LoRA adapts (Training.lora_targets; those the block has: a GELU MLP has no
+    w3, which the engine then skips)."""
+    return [shape for shape in linear_shapes(args) if shape[0] in training.lora_targets]
+
+
+def lora_params(args: ModelArgs, training: Training, tp: int = 1) -> float:
+    """Trainable adapter parameters per block: r (in + out) on each adapted linear, split by tp like the linear."""
+    return sum(training.lora_rank * (n_in + n_out) / tp for _, n_in, n_out, _ in adapted_shapes(args, training))
+
+
+def adapted_base_params(args: ModelArgs, training: Training, tp: int = 1) -> float:
+    """Frozen base weights of a block's adapted linears on one tp rank (QLoRA stores these in NF4)."""
+    return sum(n_in * n_out / (kv_split(args, tp) if split == "kv" else tp)
+               for _, n_in, n_out, split in adapted_shapes(args, training))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -426,23 +438,38 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         return [Term("block_input", d, "stream", "seq"), *matmuls[0::2], *sdpa]
     if recompute == "selective":
         # the policy keeps every matmul / SDPA output, LoRA's adapter matmuls' too; the checkpoint keeps the block input
-        adapters = adapter_output_terms(args, training.lora_rank)
-        attention = [Term("block_input", d, "stream", "seq"), *matmuls[:4], *sdpa, *adapters[:8]]
+        adapters = adapter_output_terms(args, training)
+        on_attention = [t for t in adapters if t.name.split("_")[0] in ATTENTION]
+        attention = [Term("block_input", d, "stream", "seq"), *matmuls[:4], *sdpa, *on_attention]
         if moe:
             return attention + moe_terms(args, training, "selective", routed, ep)
-        return attention + matmuls[4:] + adapters[8:]
-    # autocast (fp32 stream, low-precision matmuls) casts the norm output once per consuming linear
-    autocast = training.act_bytes != training.stream_bytes
-    terms = _norm_terms("attention_norm", d, training, autocast_copies=3 if autocast else 1)
+        return attention + matmuls[4:] + [t for t in adapters if t not in on_attention]
+    terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv")))
     terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if moe:
         return terms + moe_terms(args, training, "none", routed, ep)
     if args.mlp == "gelu":  # GELU's input (w1's output) and its output (w2's input)
-        terms += _norm_terms("ffn_norm", d, training, autocast_copies=1)
-        return terms + [Term("w1_out", f, "act", "tp"), Term("gelu_out", f, "act", "tp")]
-    terms += _norm_terms("ffn_norm", d, training, autocast_copies=2 if autocast else 1)
-    return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)]
+        terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1",)))
+        return terms + [Term(name, f, "act", "tp") for name in ("w1_out", "gelu_out") if w2_input_kept(training)
+                        or name != "gelu_out"]
+    terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1", "w3")))
+    return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)
+                    if w2_input_kept(training) or name != "swiglu_out"]
+
+
+def input_copies(training: Training, consumers: tuple[str, ...]) -> int:
+    """Copies of a norm's output that the linears it feeds (`consumers`) keep for backward: under autocast (fp32
+    stream, low-precision matmuls) each casts its own, else they share the tensor. Under LoRA only the adapted
+    linears keep one (their adapter's A needs it): autograd keeps a matmul's input for its weight's gradient,
+    which a frozen weight does not have."""
+    n = sum(c in training.lora_targets for c in consumers) if training.lora_rank else len(consumers)
+    return n if training.act_bytes != training.stream_bytes else min(n, 1)
+
+
+def w2_input_kept(training: Training) -> bool:
+    """Whether w2 keeps its input (the gate product, GELU's output) for backward: trained, or adapted under LoRA."""
+    return not training.lora_rank or "w2" in training.lora_targets
 
 
 def swiglu_saved(training: Training, prefix: str = "") -> list[str]:
@@ -466,13 +493,14 @@ def matmul_output_terms(args: ModelArgs) -> list[Term]:
     return [outputs[name] for name in projection_shapes(args)]
 
 
-def adapter_output_terms(args: ModelArgs, rank: int) -> list[Term]:
-    """The outputs of LoRA's two matmuls on each of a block's linears (shardwise.lora.LoRALinear), in forward order:
-    x A^T, `rank` wide (A replicated beside a column-parallel base, a partial sum beside a row-parallel one: whole
-    on every tp rank), and its product with B^T, as wide and split as the base's output. None without LoRA."""
+def adapter_output_terms(args: ModelArgs, training: Training) -> list[Term]:
+    """The outputs of LoRA's two matmuls on each of a block's adapted linears (shardwise.lora.LoRALinear), in forward
+    order: x A^T, `rank` wide (A replicated beside a column-parallel base, a partial sum beside a row-parallel one:
+    whole on every tp rank), and its product with B^T, as wide and split as the base's output. None without LoRA."""
+    rank = training.lora_rank
     if not rank:
         return []
-    return [term for out in matmul_output_terms(args)
+    return [term for out in matmul_output_terms(args) if out.name.removesuffix("_out") in training.lora_targets
             for term in (Term(out.name.replace("_out", "_lora_a_out"), rank, "act", "full"),
                          replace(out, name=out.name.replace("_out", "_lora_b_out")))]
 
@@ -810,18 +838,22 @@ def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Pl
     d, f, e = args.dim, args.ffn_hidden / plan.tp, training.act_bytes
     autocast = training.act_bytes != training.stream_bytes
     grad = 0.0 if training.lora_rank else d * f * unsharded_grad_bytes(training)
+    kept_input = w2_input_kept(training)
+    # QLoRA rebuilds an NF4 weight of the MLP (d x f, whichever of w1, w3, w2 is adapted) in its backward: priced
+    # here, inside w2's, the MLP's first (for w1 or w3 alone an upper bound: w2's gate product is freed by theirs)
+    nf4 = training.qlora and any(t in training.lora_targets for t in ("w1", "w3", "w2"))
     # autograd adds a new gradient to the one there (torch's engines: layouts torch and fsdp-mp); Megatron's
     # gradient-accumulation fusion makes the weight gradient's GEMM add into main_grad, and DeepSpeed's layout
     # reduces in every micro-batch: no second gradient there
     pending = grad if training.layout in ("torch", "fsdp-mp") else 0.0
     copies = casts_weights(training)
     kept = copies and plan.activation_checkpoint == "none"  # as weight_copy_bytes
-    # at the cast the matmul's node is done and has released the gate product it kept; without a cast the
-    # moment is the making of the weight gradient, the gate product still held. QLoRA rebuilds w2's base from its
-    # NF4 codes for the input gradient (NF4_DEQUANT_BYTES per weight)
-    return {"freed": tokens * f * e if copies else 0.0,
+    # at the cast the matmul's node is done and has released the gate product it kept (if it kept it: trained or
+    # adapted); without a cast the moment is the making of the weight gradient, the gate product still held. QLoRA
+    # rebuilds w2's base from its NF4 codes for the input gradient (NF4_DEQUANT_BYTES per weight)
+    return {"freed": tokens * f * e if copies and kept_input else 0.0,
             "working": tokens * (f * e + d * training.stream_bytes + (d * e if autocast else 0.0))
-            + (d * f * e if copies else 0.0) + (d * f * NF4_DEQUANT_BYTES if training.qlora else 0.0),
+            + (d * f * e if copies else 0.0) + (d * f * NF4_DEQUANT_BYTES if nf4 else 0.0),
             "weight_grad": grad, "pending": pending, "copies_freed": d * f * e if kept else 0.0, "recomputed": 0.0,
             "copies_rebuilt": _recast_copies(args, training, plan, but_w2=True)}
 
@@ -849,8 +881,8 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     tokens = plan.micro_batch * training.seq_len / plan.cp
     d, f, e = args.dim, args.ffn_hidden / plan.tp, training.act_bytes
     saved, weights = (2, 2) if args.mlp == "gelu" else (4, 3)
-    autocast = training.act_bytes != training.stream_bytes
-    copies = 1 if args.mlp == "gelu" or not autocast else 2
+    saved -= not w2_input_kept(training)
+    copies = input_copies(training, ("w1",) if args.mlp == "gelu" else ("w1", "w3"))
     output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
     seq = plan.tp if plan.sequence_parallel else 1
     temps = NORM_BACKWARD_TEMPS[training.fused_rmsnorm]
@@ -977,18 +1009,19 @@ def gathered_weight_bytes(training: Training) -> float:
 def gathered_unit_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[float, float]:
     """Bytes per parameter FSDP gathers for a block and for the root unit (embedding, final norm, head) of pipeline
     rank `stage`: gathered_weight_bytes, except under LoRA, whose frozen matmul weights FSDP gathers as the engine
-    stores them (shardwise.lora: the compute dtype, QLoRA's NF4 for the adapted projections, which model_state_bytes
-    takes to be all of a block's), while the embedding, the norms and the adapters keep the layout's; a block's
-    adapters are counted per parameter of the block. Pricing every frozen weight at fp32 put a LoRA plan's FSDP
-    buffers at 1.6x the simulator's (Llama 3.2 1B, ZeRO-2 over 2 ranks under autocast)."""
+    stores them (shardwise.lora: the compute dtype, QLoRA's NF4 for the adapted projections), while the embedding,
+    the norms and the adapters keep the layout's; a block's adapters are counted per parameter of the block.
+    Pricing every frozen weight at fp32 put a LoRA plan's FSDP buffers at 1.6x the simulator's (Llama 3.2 1B,
+    ZeRO-2 over 2 ranks under autocast)."""
     g = gathered_weight_bytes(training)
     if not training.lora_rank:
         return g, g
     frozen = min(g, 2.0 if training.mixed else 4.0)
     block = layer_params(args, plan.tp)
     linears = block - 2 * args.dim  # the norms are the rest
-    block_bytes = (linears * (QLORA_BITS / 8 if training.qlora else frozen) + (block - linears) * g
-                   + lora_params(args, training.lora_rank, plan.tp) * g)
+    adapted = adapted_base_params(args, training, plan.tp)
+    block_bytes = (adapted * (QLORA_BITS / 8 if training.qlora else frozen) + (linears - adapted) * frozen
+                   + (block - linears) * g + lora_params(args, training, plan.tp) * g)
     shape = stage_shape(args, plan, stage, training.seq_len)
     head = args.vocab_size * args.dim / plan.tp if shape.last and not args.tie_embeddings else 0.0
     root = shape.root
@@ -1507,13 +1540,14 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
     if cached is None:
         shape = stage_shape(args, plan, stage, training.seq_len)
         layers = shape.layers
-        trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else None
+        trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
+        adapted = layers * adapted_base_params(args, training, plan.tp)
         head = args.vocab_size * args.dim / plan.tp if stage == head_rank(plan) and not args.tie_embeddings else 0.0
         # the routed experts are sharded over expert_shard_group (the dp_shard x cp / ep ranks holding the same
         # experts; all of shard_group without expert parallelism), everything else over shard_group
         items = model_state_bytes(shape.params - shape.experts, training, plan.zero_stage, plan.shard_group,
-                                  plan.offload, trainable, linears, linears + head)
+                                  plan.offload, trainable, adapted, linears + head)
         experts = model_state_bytes(shape.experts, training, plan.zero_stage, plan.expert_shard_group, plan.offload)
         if training.fsdp2 and plan.zero_stage == 2 and plan.offload != "full":
             # FSDP2 keeps the shard; the gathered copy is an FSDP buffer
@@ -1618,10 +1652,10 @@ def _trained_kinds(args: ModelArgs, training: Training, plan: Plan, stage: int) 
     for moe, blocks in ((False, len(ids) - shape.moe_layers), (True, shape.moe_layers)):
         if not blocks:
             continue
-        projections = [p for p in linear_shapes(args) if not moe or p[0] in ("wq", "wk", "wv", "wo")]
+        projections = [p for p in linear_shapes(args) if not moe or p[0] in ATTENTION]
         if training.lora_rank:
             r = training.lora_rank
-            for _, n_in, n_out, how in projections:
+            for _, n_in, n_out, how in adapted_shapes(args, training):
                 out, inp = local(n_in, n_out, how)
                 kinds += [_Trained(blocks, (r, inp), **split), _Trained(blocks, (out, r), **split)]
             continue

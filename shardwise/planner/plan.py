@@ -48,8 +48,8 @@ def engine_runs(plan: Plan, training, args: ModelArgs) -> bool:
 def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
     (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
-    micro-batches (a plan's grad_accum: config.layout_tables), of QLoRA on every linear of the model
-    (config.qlora_error; the planner prices adapters on all of them) and, as shardwise's system (layout 'torch'), of
+    micro-batches (a plan's grad_accum: config.layout_tables), of QLoRA on the adapted linears of the model
+    (config.qlora_error) and, as shardwise's system (layout 'torch'), of
     a tied head in a pipeline (config.tied_pipeline_error)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
@@ -59,7 +59,7 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     if error is None and training.layout == "torch":  # shardwise's engine; Megatron keeps tied copies in step
         error = tied_pipeline_error(args, plan)
     if error is None and training.qlora:
-        error = qlora_error(args, list(projection_shapes(args)), plan)
+        error = qlora_error(args, [t for t in training.lora_targets if t in projection_shapes(args)], plan)
     if error is None and args.n_experts:
         error = capacity_error(plan, args.capacity_factor)
     return error

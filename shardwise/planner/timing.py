@@ -24,6 +24,8 @@ from shardwise.planner.comm import (
 )
 from shardwise.planner.experts import counts_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
+    adapted_base_params,
+    adapted_shapes,
     attention_params,
     block_modules,
     block_params,
@@ -433,9 +435,9 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
         return 0.0, 0.0, 0.0
     # fp8 recipes dequantise to bf16 as well (the fp8 cast of the matmul input comes after, priced with the matmul)
     cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
-    weights = layers * (layer_params(args, plan.tp) - 2 * args.dim)
+    weights = layers * adapted_base_params(args, training, plan.tp)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
-    ops = layers * len(projection_shapes(args)) * (cost.forward_ops + cost.backward_ops)
+    ops = layers * len(adapted_shapes(args, training)) * (cost.forward_ops + cost.backward_ops)
     return weights * cost.forward_bytes / bandwidth, weights * cost.backward_bytes / bandwidth, ops
 
 
@@ -615,7 +617,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     experts, moe_layers = (where.max_experts, where.max_moe_layers) if plan.ep > 1 else (0.0, 0)
     n_params = _max_stage_params(args, training, plan) - experts
     layers = where.max_layers
-    trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
+    trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
     grads = trainable * b.grads
     # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
     # ZeRO paper's and Megatron's layouts; LoRA's frozen weights as the engine stores them (gathered_unit_bytes)
@@ -667,9 +669,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
                            for n in block_tensor_params(args, plan.tp, moe, plan.ep))
 
             if training.lora_rank:
-                # an A and a B adapter on each of the block's linears (taken as equal)
-                adapters = 2 * len(projection_shapes(args))
-                blocks = layers * adapters * all_gather(lora_params(args, training.lora_rank, plan.tp) / adapters * 4.0,
+                # an A and a B adapter on each of the block's adapted linears (taken as equal)
+                adapters = 2 * len(adapted_shapes(args, training))
+                blocks = layers * adapters * all_gather(lora_params(args, training, plan.tp) / adapters * 4.0,
                                                         sh_n, sh_link, after_compute=False)
             else:
                 moe = where.max_moe_layers
@@ -817,7 +819,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     n_params = _max_stage_params(args, training, plan)
     where = placement(args, plan, training.seq_len)
     layers = where.max_layers
-    trainable = layers * lora_params(args, training.lora_rank, plan.tp) if training.lora_rank else n_params
+    trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
     if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2:
         reduced *= plan.grad_accum
@@ -847,8 +849,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     b = state_bytes_per_param(training)
     n_params = local_params(args, training, plan)
     if training.lora_rank:
-        n_params = placement(args, plan, training.seq_len).max_layers * lora_params(
-            args, training.lora_rank, plan.tp)
+        n_params = placement(args, plan, training.seq_len).max_layers * lora_params(args, training, plan.tp)
         if plan.zero_stage >= 1:
             n_params /= plan.shard_group
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
@@ -937,7 +938,7 @@ def local_params(args: ModelArgs, training: Training, plan: Plan) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _flops_per_token(args: ModelArgs, training: Training) -> float:
-    adapters = adapter_params(args, training.lora_rank) if training.lora_rank else None
+    adapters = adapter_params(args, training.lora_rank, training.lora_targets) if training.lora_rank else None
     return flops_per_token(args, training.seq_len, adapters)
 
 

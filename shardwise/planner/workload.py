@@ -18,7 +18,7 @@ from shardwise.config import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 from shardwise.frozen import hashed_once
 from shardwise.hardware import PlannerError
 from shardwise.layout import fsdp_shards
-from shardwise.model_args import PRESETS, ModelArgs, args_from_hf_config
+from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit", "adamw4bit", "adafactor"]
@@ -124,9 +124,12 @@ class Training:
     clear_lp_grads=False: memory.model_state_bytes); and after every micro-batch's backward it adds them into
     that buffer, one pass over the stage's gradients (timing.bf16_accumulation_seconds)."""
     lora_rank: int = 0
-    """LoRA rank on every linear of every block (0 = full training)."""
+    """LoRA rank on the `lora_targets` linears of every block (0 = full training)."""
     qlora: bool = False
-    """Store the frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
+    """Store the adapted linears' frozen base weights in 4-bit NF4 (needs lora_rank > 0)."""
+    lora_targets: tuple[str, ...] = PROJECTIONS
+    """The projections LoRA adapts in every block, by the engine's names (lora.targets; default all of them): the
+    others stay frozen in the compute dtype, without adapters or NF4."""
     fused_rmsnorm: bool = True
     """RMSNorm saves (input, rstd): torch's fused kernel on a GPU, the engine's own on a CPU (shardwise.model.RMSNorm);
     False for torch's composite form (a GPU before torch 2.8, as torchtitan's 2024 runs), which also saves x*rstd."""
@@ -225,6 +228,10 @@ class Training:
                                "use a positive rank such as 16, or leave it out to train every weight")
         if self.qlora and self.lora_rank < 1:
             raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
+        unknown = [t for t in self.lora_targets if t not in PROJECTIONS]
+        if unknown or not self.lora_targets:
+            raise PlannerError("--lora-targets", f"{unknown or 'none'} names no projection of a block",
+                               f"name some of {', '.join(PROJECTIONS)}")
         if self.precision == "fp8" and self.lora_rank:
             raise PlannerError("--precision", "fp8 is float8 training of the linears, which nothing here "
                                f"runs under {'QLoRA (NF4 base weights)' if self.qlora else 'LoRA adapters'}",
