@@ -344,8 +344,14 @@ def _entry(rank: int, world: int, port: int, fn, args, results, environ: dict[st
         shutdown()
 
 
-_PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "shardwise.train"]
-"""What run_distributed's fork server imports before it forks any rank."""
+def fork_server():
+    """multiprocessing's fork-server context, its server importing torch and shardwise before it forks anything
+    (set here, read when the server starts: the first use in the process). A process it forks starts with them
+    imported, and with nothing run: no thread pools, no process groups (a fork of a process that has run torch
+    ops would copy its thread pools half-alive; a spawned one imports them again, ~4-5 s of CPU)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch._dynamo", "shardwise.train"])
+    return ctx
 
 
 def run_distributed(fn, world: int, *args) -> list:
@@ -358,8 +364,7 @@ def run_distributed(fn, world: int, *args) -> list:
     nothing: no threads, no process group) and forks every later call's ranks from there: a spawned rank spent
     ~4 s of CPU importing them, most of a small test's time. Each rank takes the caller's environment.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
+    ctx = fork_server()
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(_entry, args=(world, free_port(), fn, args, results, dict(os.environ)), nprocs=world,

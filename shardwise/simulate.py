@@ -42,7 +42,7 @@ from shardwise.config import (
     with_overrides,
 )
 from shardwise.data import Batch
-from shardwise.distributed import DistEnv
+from shardwise.distributed import DistEnv, fork_server
 from shardwise.layout import Layout, complete_layout, parse_layout
 from shardwise.model import materialize
 from shardwise.moe import moe_layers
@@ -330,7 +330,7 @@ def ranks_to_simulate(p: Layout, world: int) -> list[int]:
 
 
 def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_step: bool = False,
-             processes: int = 1, start_method: str = "spawn", announce: bool = False) -> list[RankReport]:
+             processes: int = 1, start_method: str = "forkserver", announce: bool = False) -> list[RankReport]:
     """Simulate the given ranks (default: `ranks_to_simulate`) and attach the planner's prediction to each
     (`announce`: say on stderr what is about to run, before the wait).
 
@@ -338,9 +338,10 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
     independent simulations); worth it for large models, where a rank takes far longer than starting Python.
     processes = 0: all of them at once. On 2 cores, 3 ranks of 30 s each end after ~50 s that way, and after
     ~60 s two at a time (the third waits for a whole rank). start_method: how those processes start
-    (multiprocessing's): "spawn" imports torch and shardwise again in each (~5 s of CPU apiece); the CLI,
-    a fresh process that has run nothing yet, forks them instead (a fork of a process that has run torch
-    ops or collectives would copy its thread pools half-alive).
+    (multiprocessing's): "forkserver" (shardwise.distributed.fork_server: forked from a server that imported
+    torch and shardwise once and ran nothing), "spawn" imports them again in each (~5 s of CPU apiece); the CLI,
+    a fresh process that has run nothing yet, forks them itself (a fork of a process that has run torch ops or
+    collectives would copy its thread pools half-alive).
     """
     validate_model(cfg)
     if cfg.parallel.world_size != world:  # (validate_parallel's fix, "launch N processes", is not simulate's)
@@ -361,7 +362,7 @@ def simulate(cfg: JobConfig, world: int, ranks: list[int] | None = None, first_s
               "fake tensors...", file=sys.stderr, flush=True)
     processes = processes or len(ranks)
     if processes > 1 and len(ranks) > 1:
-        context = multiprocessing.get_context(start_method)
+        context = fork_server() if start_method == "forkserver" else multiprocessing.get_context(start_method)
         with ProcessPoolExecutor(min(processes, len(ranks)), mp_context=context) as pool:
             reports = list(pool.map(simulate_rank, *zip(*[(cfg, world, r, first_step) for r in ranks])))
     else:
