@@ -1597,6 +1597,20 @@ class _Trained(NamedTuple):
     ranks: int = 1
     dim: int | None = 0
 
+    @property
+    def rows(self) -> int:
+        """The length of the split dimension (every value when flat)."""
+        return math.prod(self.shape) if self.dim is None else self.shape[self.dim]
+
+    @property
+    def chunk(self) -> int:
+        """Rows per rank: FSDP2's and ZeRO-1's ceil split (the last ranks hold fewer, or none)."""
+        return -(-self.rows // self.ranks)
+
+    def piece(self, rank: int) -> int:
+        """Values of one tensor on data-parallel rank `rank`."""
+        return max(0, min(self.chunk, self.rows - rank * self.chunk)) * (math.prod(self.shape) // self.rows)
+
 
 def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
     """Bytes of a low-bit AdamW's two moments on the data-parallel rank of pipeline rank `stage` holding the most,
@@ -1609,14 +1623,8 @@ def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     block, full = LOW_BIT_BLOCK[training.optimizer], OPTIMIZER_STATE_BYTES[training.optimizer]
     books = 2 * 4 * LOW_BIT_CODE_BOOK[training.optimizer]
 
-    def piece(kind: _Trained, rank: int) -> int:
-        n = math.prod(kind.shape)
-        rows = n if kind.dim is None else kind.shape[kind.dim]
-        chunk = -(-rows // kind.ranks) if rows else 0
-        return max(0, min(chunk, rows - rank * chunk)) * (n // rows if rows else 0)
-
     def state(kind: _Trained, rank: int) -> float:
-        n = piece(kind, rank)
+        n = kind.piece(rank)
         if kind.fp32 or n < LOW_BIT_MIN_VALUES or n % block:
             return 8.0 * n
         return full * n + books
@@ -1625,8 +1633,7 @@ def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     # kinds is largest on rank 0 or at one of those ranks
     ranks = {0}
     for kind in kinds:
-        rows = math.prod(kind.shape) if kind.dim is None else kind.shape[kind.dim]
-        whole = rows // -(-rows // kind.ranks) if rows else 0
+        whole = kind.rows // kind.chunk
         ranks |= {r for r in (whole, whole + 1) if r < kind.ranks}
     return max(sum(k.count * state(k, r % k.ranks) for k in kinds) for r in ranks)
 
