@@ -15,6 +15,7 @@ layers, embedding, head and numbers of micro-batches in flight).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardwise.config import (
     ConfigError,
@@ -233,7 +235,7 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
         model, optimizer, scaler, batches = build_step_inputs(cfg, runtime, fakes)
         gc.enable()
         gc.freeze()
-        with fakes, unanimous_pipeline_vote():
+        with fakes, unanimous_pipeline_vote(), gpu_dropout():
             if not first_step:
                 allocate_optimizer_state(model, optimizer)
                 if isinstance(model, Pipeline):
@@ -250,6 +252,27 @@ def simulate_rank(cfg: JobConfig, world: int, rank: int, first_step: bool = Fals
         gc.unfreeze()
         dist.destroy_process_group()
         forget_sharding_caches()
+
+
+@contextlib.contextmanager
+def gpu_dropout():
+    """Dropout as the GPU job runs it. On CUDA, at::dropout takes the fused kernel (native_dropout: its
+    is_fused_kernel_acceptable), whose backward keeps a one-byte mask; on a CPU it multiplies by a noise tensor in
+    the input's dtype and keeps that (four bytes an element of an fp32 input). The simulator measures the GPU job,
+    so nn.Dropout (F.dropout: LoRA's lora.dropout) runs native_dropout here, as on the GPU."""
+    cpu_dropout = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or not 0 < p < 1 or input.numel() == 0:  # what CUDA leaves to at::dropout's other path
+            return cpu_dropout(input, p, training, inplace)
+        out = torch.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = cpu_dropout
 
 
 @torch.no_grad()
@@ -398,6 +421,7 @@ def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) ->
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch",
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora, lora_targets=tuple(cfg.lora.targets),
+                        lora_dropout=cfg.lora.dropout if cfg.lora.rank else 0.0,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer
     piped = p.pp > 1

@@ -387,7 +387,7 @@ class Term:
     """One tensor a block saves for backward: elements per token, its dtype class, how parallelism splits it.
 
     kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics), 'index'
-    (int64 indices), 'f8' (a float8 copy, Transformer Engine's).
+    (int64 indices), 'f8' (a float8 copy, Transformer Engine's), 'mask' (a dropout mask: bool, one byte).
     split: 'seq' (sequence-parallel tensors: / tp with SP), 'full' (the whole hidden vector on every tp rank),
     'tp' (heads or MLP columns: / tp), 'kv' (KV heads: / min(tp, n_kv)).
     """
@@ -447,8 +447,10 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
     terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv")))
     terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
+    terms += lora_dropout_terms(args, training, ATTENTION)
     if moe:
         return terms + moe_terms(args, training, "none", routed, ep)
+    terms += lora_dropout_terms(args, training, ("w1", "w3", "w2"))
     if args.mlp == "gelu":  # GELU's input (w1's output) and its output (w2's input)
         terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1",)))
         return terms + [Term(name, f, "act", "tp") for name in ("w1_out", "gelu_out") if w2_input_kept(training)
@@ -458,13 +460,52 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
                     if w2_input_kept(training) or name != "swiglu_out"]
 
 
+def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ...]) -> list[Term]:
+    """What LoRA's dropout (Training.lora_dropout) adds to a block's saved tensors on the adapted linears among
+    `names`: dropout(x) A^T B^T keeps dropout's mask, one byte an element of x (a GPU's fused kernel,
+    native_dropout: shardwise.simulate.gpu_dropout), and A's matmul keeps the dropped x in place of x. The dropped
+    copies of a norm's output are input_copies' (one per adapter, autocast or not), of w2's input the gate product
+    w2_input_kept keeps; the dropped copy of wo's input is kept beside the attention's output, which the attention
+    keeps for its own backward."""
+    if not (training.lora_rank and training.lora_dropout):
+        return []
+    d, f = args.dim, args.ffn_hidden
+    norm_split = "seq" if training.layout == "megatron" else "full"  # as _norm_terms' output
+    inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (d, "tp"),
+              "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
+    adapted = [n for n in names if n in training.lora_targets and n in projection_shapes(args)]
+    terms = [Term(f"{n}_lora_dropout_mask", elems, "mask", split) for n in adapted for elems, split in [inputs[n]]]
+    return terms + [Term("wo_lora_dropped_input", d, "act", "tp")] * ("wo" in adapted)
+
+
+def first_block_unkept_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """The dropout masks (lora_dropout_terms) the model's first block does not keep, per micro-batch: autograd
+    records an operation only when an input needs a gradient, and under LoRA the first block's input (the frozen
+    embedding's output) needs none, nor its frozen norms' outputs; an adapter's output first does. So its q, k
+    and v adapters keep no mask, wo's only after an adapter on q, k or v, the MLP's only after one before them;
+    and where wo's input needs no gradient the attention does not keep it, so wo's dropped copy takes its place.
+    (What else the first block does not keep before its first adapter is not priced: docs/finetuning.md.)"""
+    if not (training.lora_rank and training.lora_dropout) or plan.activation_checkpoint != "none" \
+            or args.n_experts and args.is_moe_layer(0):
+        return 0.0
+    adapted = [n for n in projection_shapes(args) if n in training.lora_targets]
+    needs_grad = {"wo": bool({"wq", "wk", "wv"} & set(adapted)), "w1": bool(set(ATTENTION) & set(adapted)),
+                  "w3": bool(set(ATTENTION) & set(adapted))}
+    needs_grad["w2"] = bool(set(adapted) - {"w2"})
+    unkept = [t for t in lora_dropout_terms(args, training, tuple(adapted)) if not needs_grad.get(t.name[:2], False)]
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    return tokens * sum(term_bytes(t, args, training, plan) for t in unkept)
+
+
 def input_copies(training: Training, consumers: tuple[str, ...]) -> int:
     """Copies of a norm's output that the linears it feeds (`consumers`) keep for backward: under autocast (fp32
     stream, low-precision matmuls) each casts its own, else they share the tensor. Under LoRA only the adapted
     linears keep one (their adapter's A needs it): autograd keeps a matmul's input for its weight's gradient,
     which a frozen weight does not have."""
     n = sum(c in training.lora_targets for c in consumers) if training.lora_rank else len(consumers)
-    return n if training.act_bytes != training.stream_bytes else min(n, 1)
+    # under LoRA's dropout each adapter keeps its own dropped copy (lora_dropout_terms)
+    own = training.act_bytes != training.stream_bytes or bool(training.lora_rank and training.lora_dropout)
+    return n if own else min(n, 1)
 
 
 def w2_input_kept(training: Training) -> bool:
@@ -605,7 +646,7 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
     return terms
 
 
-TERM_BYTES = {"stat": 4, "index": 8, "f8": 1}
+TERM_BYTES = {"stat": 4, "index": 8, "f8": 1, "mask": 1}
 
 
 def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -1361,7 +1402,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             per_mb += shape.moe_layers * layer_activation_bytes(args, training, plan, moe=True)
         head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
-            per_mb += embedding_activation_bytes(training, plan)
+            per_mb += embedding_activation_bytes(training, plan) - first_block_unkept_bytes(args, training, plan)
         copies = weight_copy_bytes(args, training, plan, stage)
         head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes \
             if last and copies and not fused_head(training, plan) else 0.0
@@ -1393,7 +1434,8 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
         moe = sum(map(args.is_moe_layer, ids))
         kinds = ((len(ids) - moe, False), (moe, True))
         a = sum(n * layer_activation_bytes(args, training, plan, moe=k) for n, k in kinds if n)
-        a += embedding_activation_bytes(training, plan) if s == 0 else 0.0
+        a += embedding_activation_bytes(training, plan) - first_block_unkept_bytes(args, training, plan) \
+            if s == 0 else 0.0
         last = s == 2 * plan.pp - 1
         a += acts["head"] if last else 0.0
         copies = (acts["copies"] - acts["head_copy"]) * len(ids) / layers + (acts["head_copy"] if last else 0.0)

@@ -130,6 +130,9 @@ class Training:
     lora_targets: tuple[str, ...] = PROJECTIONS
     """The projections LoRA adapts in every block, by the engine's names (lora.targets; default all of them): the
     others stay frozen in the compute dtype, without adapters or NF4."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapted linear's input before its adapter (lora.dropout; peft's lora_dropout): each adapter
+    keeps a one-byte mask and its own dropped copy of its input for backward (memory.lora_dropout_terms)."""
     fused_rmsnorm: bool = True
     """RMSNorm saves (input, rstd): torch's fused kernel on a GPU, the engine's own on a CPU (shardwise.model.RMSNorm);
     False for torch's composite form (a GPU before torch 2.8, as torchtitan's 2024 runs), which also saves x*rstd."""
@@ -228,6 +231,12 @@ class Training:
                                "use a positive rank such as 16, or leave it out to train every weight")
         if self.qlora and self.lora_rank < 1:
             raise PlannerError("--qlora", "QLoRA trains LoRA adapters", "also pass --lora-rank R")
+        if not 0 <= self.lora_dropout < 1:  # nan too
+            raise PlannerError("--lora-dropout", f"{self.lora_dropout} is outside [0, 1)",
+                               "pass a probability such as 0.05, or 0 for none")
+        if self.lora_dropout and self.lora_rank < 1:
+            raise PlannerError("--lora-dropout", "it drops LoRA adapters' inputs, and no --lora-rank is given",
+                               "also pass --lora-rank R")
         unknown = [t for t in self.lora_targets if t not in PROJECTIONS]
         if unknown or not self.lora_targets:
             raise PlannerError("--lora-targets", f"{unknown or 'none'} names no projection of a block",
