@@ -375,8 +375,12 @@ def toml_value(value: Any) -> str:
     """A value as TOML writes it (and `--set` reads it)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
+    if isinstance(value, str):  # a JSON string is a TOML basic string, quotes and backslashes escaped
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(toml_value, value))}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.config import LORA_TARGETS, ConfigError, load_config
+from shardwise.config import LORA_TARGETS, ConfigError, fit_world, load_config
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model import build_model, materialize
@@ -664,6 +664,8 @@ def test_plan_output_and_package_text_cite_public_sources(capsys):
     # a shape NF4 cannot block in any layout (debug's wk: 64 x 128 weights, under one 64 x 256 block of blocks)
     # was a search that left every plan out, reported as activations too large for one sequence
     (["--model", "debug", "--gpus", "1", "--lora-rank", "8", "--qlora"], "--qlora: wk's weight"),
+    (["--model", "llama3-8b", "--gpus", "8", "--lora-rank", "16", "--lora-dropout", "1"], "--lora-dropout: 1.0 is"),
+    (["--model", "llama3-8b", "--gpus", "8", "--lora-dropout", "0.05"], "--lora-dropout: it drops"),
 ])
 def test_cli_bad_inputs_name_the_flag(argv, flag, capsys):
     assert run_plan(_ns(*argv)) == 2
@@ -1915,9 +1917,9 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert cfg.lora.targets == (["wq", "wv"] if "--lora-targets" in extra else list(LORA_TARGETS))
     assert cfg.optim.name == (extra[1] if extra[:1] == ["--optimizer"] else "adamw")
     # planned again from the written config (a new user's round trip): the same job, so the same plan; its
-    # sequence length and adapters came from [model] alone before (full fine-tuning at the default length)
-    optimizer = extra if extra[:1] == ["--optimizer"] else []  # not in [model], [data] nor [lora]
-    again = ["--model", str(path), "--gpus", "1", "--gpu", "h100", "--json", *optimizer]
+    # sequence length, adapters and optimizer came from [model] alone before (full fine-tuning at the default
+    # length, with AdamW)
+    again = ["--model", str(path), "--gpus", "1", "--gpu", "h100", "--json"]
     assert run_plan(_ns(*again)) == 0
     out = capsys.readouterr()
     keys = ("dp", "tp", "pp", "zero_stage", "micro_batch", "grad_accum", "activation_checkpoint", "offload")
@@ -1925,18 +1927,24 @@ def test_one_gpu_plans_are_written_with_every_knob_and_train_accepts_them(tmp_pa
     assert f"--model {path}: its [model], data.seq_len 4096" in out.err
     assert ("lora.rank 16" in out.err) == (extra[:1] == ["--lora-rank"])
     assert ("lora.targets wq,wv (--lora-targets)" in out.err) == ("--lora-targets" in extra)
+    assert "optim.name adamw" in out.err
 
 
-def test_a_jobs_lora_targets_are_planned_and_its_dropout_is_said_unpriced(tmp_path, capsys):
+def test_a_jobs_lora_targets_and_dropout_are_planned(tmp_path, capsys):
     """`plan --model job.toml` takes lora.targets (adapters, NF4 and activations on those projections alone) and
-    says that lora.dropout is not priced; it took lora.rank alone and priced every projection, silently."""
+    lora.dropout (its masks and dropped copies); it took lora.rank alone and priced every projection, silently, and
+    until 2026-12-03 said that dropout was not priced."""
     from shardwise.planner.memory import lora_params
 
     path = tmp_path / "job.toml"
     path.write_text('[model]\nname = "llama3-8b"\n[lora]\nrank = 16\ndropout = 0.05\ntargets = ["wq", "wv"]\n')
     assert run_plan(_ns("--model", str(path), "--gpus", "1", "--gpu", "h100", "--json")) == 0
     out = capsys.readouterr()
-    assert "lora.targets wq,wv (--lora-targets)" in out.err and "lora.dropout 0.05 is not priced" in out.err
+    assert "lora.targets wq,wv (--lora-targets), lora.dropout 0.05 (--lora-dropout)" in out.err
+    assert json.loads(out.out)["training"]["lora_dropout"] == 0.05
+    # the table's first line says the recipe (it said "bf16 adamw", as for full training)
+    assert run_plan(_ns("--model", str(path), "--gpus", "1", "--gpu", "h100")) == 0
+    assert "bf16 adamw, LoRA r16 on wq,wv, dropout 0.05;" in capsys.readouterr().out.splitlines()[0]
     some = Training(seq_len=4096, global_batch=1, lora_rank=16, lora_targets=("wq", "wv"))
     every = Training(seq_len=4096, global_batch=1, lora_rank=16)
     args = preset("llama3-8b")
@@ -1948,6 +1956,33 @@ def test_a_jobs_lora_targets_are_planned_and_its_dropout_is_said_unpriced(tmp_pa
                            (out.out, capsys.readouterr().out))
     assert every_gib - some_gib == pytest.approx(32 * (lora_params(args, every) - lora_params(args, some)) * 4 / GiB,
                                                  abs=0.002)
+
+
+@pytest.mark.parametrize("precision, targets, plan", [
+    ("bf16", LORA_TARGETS, "dp=1"), ("fp32", LORA_TARGETS, "dp=1"), ("bf16", ["wq", "wv", "w2"], "dp=1"),
+    ("bf16", ["wo"], "dp=1"), ("fp32", ["w2"], "dp=1"), ("bf16", LORA_TARGETS, "tp=2,sequence_parallel=true")],
+    ids=["all-bf16", "all-fp32", "qv2", "wo", "w2-fp32", "tp-sp"])
+def test_lora_dropout_adds_what_the_simulator_measures(precision, targets, plan):
+    """What lora.dropout = 0.05 adds to a step's peak activations, planner against simulator (the engine's LoRA
+    step on fake tensors, dropout as a GPU runs it: simulate.gpu_dropout), Llama 3 8B cut to 2 blocks, 2,048
+    tokens: each adapter keeps a one-byte mask of its input and its own dropped copy (under bf16 autocast a cast it
+    kept anyway; in fp32 the norm's output, shared before, once per adapter; wo's beside the attention's output),
+    none of it where the input needs no gradient (the first block's q, k and v: its input comes from the frozen
+    embedding). Equal to the byte but for the fake process group's rounding (within 0.5 MiB)."""
+    from shardwise.config import with_overrides
+    from shardwise.simulate import config_from_plan, planner_prediction, simulate_rank
+
+    world = 2 if "tp" in plan else 1
+    added = []
+    for dropout in (0.0, 0.05):
+        cfg = with_overrides(config_from_plan("llama3-8b", plan, world, seq_len=2048, micro_batch=1,
+                                              precision=precision),
+                             ["lora.rank=16", f"lora.targets={list(targets)!r}", f"lora.dropout={dropout}"])
+        cfg.model = dataclasses.replace(cfg.model, n_layers=2)
+        measured = simulate_rank(cfg, world, 0).peak_step
+        added.append((measured.peak["activations"], planner_prediction(cfg, 0)["activations"]))
+    simulator, planner = (added[1][i] - added[0][i] for i in (0, 1))
+    assert simulator > 0 and planner == pytest.approx(simulator, abs=2**19)
 
 
 def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
@@ -1978,6 +2013,99 @@ def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
     assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
     training = json.loads(capsys.readouterr().out)["training"]
     assert (training["seq_len"], training["global_batch"]) == (1024, 4 * 2**20 // 1024)
+
+
+JOB = """[model]
+name = "llama3-8b"
+
+[data]
+paths = ["/no/such/corpus \\"v2\\".jsonl"]
+seq_len = 2048
+
+[optim]
+name = "adamw8bit"
+lr = 2e-4
+warmup_steps = 100
+
+[train]
+steps = 5000
+micro_batch = 2
+global_batch = 64
+precision = "fp16"
+compile = true
+val_every = 250
+
+[lora]
+rank = 16
+alpha = 32.0
+dropout = 0.05
+targets = ["wq", "wv"]
+
+[metrics]
+out_dir = "runs/my-lora"
+"""
+
+
+def test_a_config_written_from_a_job_keeps_the_jobs_settings(tmp_path, capsys):
+    """`plan --model job.toml --write-config` writes the job with the plan's layout, batch split, precision, compile,
+    sequence length, optimizer and adapter shape put in: it wrote a config of its own, which trained the defaults'
+    learning rate, schedule, steps, data and lora.alpha/dropout (0.0: the job's 0.05 dropped without a word). The job
+    is planned at its own precision, optimizer and compile (it was planned at bf16 AdamW whatever it trained), and
+    its data, on the cluster it runs on, is said not to be here."""
+    job, out = tmp_path / "job.toml", tmp_path / "planned.toml"
+    job.write_text(JOB)
+    assert run_plan(_ns("--model", str(job), "--gpus", "8", "--json", "--write-config", str(out))) == 0
+    printed = capsys.readouterr()
+    planned = json.loads(printed.out)
+    assert {k: planned["training"][k] for k in ("precision", "optimizer", "compile", "seq_len", "global_batch")} == \
+        {"precision": "fp16", "optimizer": "adamw8bit", "compile": True, "seq_len": 2048, "global_batch": 64}
+    assert "data.paths is not on this machine" in printed.err
+    with pytest.raises(ConfigError, match="data.paths"):
+        load_config(out)
+    ours, theirs = load_config(out, sizing=True), load_config(job, sizing=True)
+    plan = planned["plans"][0]
+    assert {k: getattr(ours.parallel, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage")} == \
+        {k: plan[k] for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage")}
+    # all but the layout is the job's: its batch as it gave it (global_batch, the accumulation it decides)
+    assert dataclasses.replace(ours, parallel=theirs.parallel, checkpoint=theirs.checkpoint,
+                               train=dataclasses.replace(ours.train, micro_batch=2)) == theirs
+    assert ours.checkpoint.enabled and ours.train.global_batch == 64
+    # planned again, the written config is the same job and the same plan
+    assert run_plan(_ns("--model", str(out), "--gpus", "8", "--json")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["training"] == planned["training"] and again["plans"][0] == plan
+    # a flag given wins, and writes what it planned
+    assert run_plan(_ns("--model", str(job), "--gpus", "8", "--precision", "bf16", "--no-compile",
+                        "--write-config", str(out))) == 0
+    capsys.readouterr()
+    ours = load_config(out, sizing=True)
+    assert (ours.train.precision, ours.train.compile, ours.lora.dropout) == ("bf16", False, 0.05)
+    assert run_plan(_ns("--model", str(job), "--gpus", "8", "--lora-dropout", "0", "--write-config", str(out))) == 0
+    assert load_config(out, sizing=True).lora.dropout == 0.0
+
+
+@pytest.mark.parametrize("parallel, train", [
+    ("tp = 2\ndp_shard = 4\nzero_stage = 3\n", "micro_batch = 2\ngrad_accum = 4\n"),
+    ("pp = 2\ntp = 2\npp_microbatches = 4\nactivation_checkpoint = \"full\"\n", "micro_batch = 8\n")],
+    ids=["fsdp-tp", "pipeline"])
+def test_a_jobs_own_layout_is_named_for_plan(tmp_path, parallel, train, capsys):
+    """A job's [parallel] is searched over (the planner's job), and plan says so with the --plan that sizes the
+    job's own layout (it searched silently): passed back, that --plan is the job's degrees and batch split, a
+    pipeline's micro-batches as its accumulation."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\nname = "llama3-8b"\n[data]\nseq_len = 2048\n[train]\n{train}[parallel]\n{parallel}')
+    assert run_plan(_ns("--model", str(job), "--gpus", "8", "--json")) == 0
+    hint = re.search(r'its own layout: --plan "([^"]+)"', capsys.readouterr().err)
+    assert hint, "no --plan named"
+    assert run_plan(_ns("--model", str(job), "--gpus", "8", "--json", "--plan", hint[1])) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    cfg = load_config(job)
+    fit_world(cfg, 8)
+    degrees = ("dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "activation_checkpoint")
+    assert {k: best[k] for k in degrees} == {k: getattr(cfg.parallel, k) for k in degrees}
+    micro = cfg.parallel.n_microbatches if cfg.parallel.pp > 1 else 1
+    assert (best["micro_batch"] * best["grad_accum"], best["grad_accum"]) == \
+        (cfg.train.micro_batch * cfg.train.grad_accum, cfg.train.grad_accum * micro)
 
 
 def test_a_job_whose_files_live_elsewhere_is_planned(tmp_path, capsys):

@@ -15,7 +15,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from shardwise.config import ConfigError, qlora_error
+from shardwise.config import ConfigError, fit_world, load_config, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
 from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params, projection_shapes
@@ -39,11 +39,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step")
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    a("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "fp8"],
-      help="matmul precision (default bf16; fp8: float8 training of the blocks' linears as the system runs it, "
-           "torchao's (torchtitan, shardwise) or Transformer Engine's (megatron-core), attention and the output "
-           "head in bf16, MFU over the bf16 peak; shardwise's engine trains in fp32, bf16 or fp16)")
-    a("--optimizer", default="adamw", choices=list(typing.get_args(Optimizer)))
+    a("--precision", default=None, choices=["fp32", "bf16", "fp16", "fp8"],
+      help="matmul precision (default bf16, or a --model job's train.precision; fp8: float8 training of the "
+           "blocks' linears as the system runs it, torchao's (torchtitan, shardwise) or Transformer Engine's "
+           "(megatron-core), attention and the output head in bf16, MFU over the bf16 peak; shardwise's engine "
+           "trains in fp32, bf16 or fp16)")
+    a("--optimizer", default=None, choices=list(typing.get_args(Optimizer)),
+      help="default adamw, or a --model job's optim.name")
     a("--system", default="shardwise",
       help=f"the engine the plan is for: {', '.join(SYSTEMS)}, or a TOML file describing one (docs/planner.md, "
            "'Systems'); its choices are the defaults of --layout, --attention, --dropout and --compile")
@@ -63,6 +65,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--qlora", action="store_true", help="4-bit NF4 base weights (with --lora-rank)")
     a("--lora-targets", default=None, metavar="NAMES",
       help=f"the projections LoRA adapts, comma-separated (lora.targets; default all: {','.join(PROJECTIONS)})")
+    a("--lora-dropout", type=float, default=None, metavar="P",
+      help="dropout on the adapted linears' inputs (lora.dropout; default 0): its masks and dropped copies are kept")
     a("--expert-imbalance", type=float, default=0.0,
       help="mixture of experts: routed tokens on the busiest expert-parallel rank over the mean (default: derived "
            "for a randomly initialised router, see docs/planner.md)")
@@ -115,8 +119,9 @@ def build_inputs(ns: argparse.Namespace):
         raise PlannerError("--lora-targets", "it says which projections LoRA adapts, and no --lora-rank is given",
                            "also pass --lora-rank R")
     targets = PROJECTIONS if ns.lora_targets is None else tuple(t.strip() for t in ns.lora_targets.split(","))
-    training = Training(seq_len=seq, global_batch=batch, precision=ns.precision, optimizer=ns.optimizer,
-                        lora_rank=ns.lora_rank, qlora=ns.qlora, lora_targets=targets,
+    training = Training(seq_len=seq, global_batch=batch, precision=ns.precision or "bf16",
+                        optimizer=ns.optimizer or "adamw", lora_rank=ns.lora_rank, qlora=ns.qlora,
+                        lora_targets=targets, lora_dropout=ns.lora_dropout or 0.0,
                         expert_imbalance=ns.expert_imbalance, **system.training_fields())
     if training.qlora:
         # NF4 needs each linear's weight in whole blocks whatever the layout (FSDP's chunks only add to that): a
@@ -147,13 +152,12 @@ def build_inputs(ns: argparse.Namespace):
 
 
 def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
-    """With a shardwise TOML config as --model, its job's sequence length, global batch and adapters for the
-    flags not given (a config --write-config wrote plans again as the job it holds), said on stderr."""
+    """With a shardwise TOML config as --model, its job's sequence length, global batch, precision, optimizer,
+    compile and adapters for the flags not given (a config --write-config wrote plans again as the job it holds),
+    said on stderr."""
     path = Path(ns.model)
     if path.suffix != ".toml" or not path.is_file():
         return ns
-    from shardwise.config import fit_world, load_config
-
     job, ns, taken = load_config(path, sizing=True), argparse.Namespace(**vars(ns)), []
     # only what the job sets: a [model] table alone is planned at the flags' defaults, as a preset is (it was
     # planned at the config's own, 256 tokens and 16 sequences a rank)
@@ -174,23 +178,48 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
         ns.global_batch = t.micro_batch * t.grad_accum * dp
         taken.append(f"train.micro_batch {t.micro_batch} x grad_accum {t.grad_accum} x dp {dp} = {ns.global_batch} "
                      "sequences (--global-batch)")
+    if ns.precision is None and "precision" in train:
+        ns.precision = job.train.precision
+        taken.append(f"train.precision {job.train.precision} (--precision)")
+    if ns.optimizer is None and "name" in raw.get("optim", {}):
+        ns.optimizer = job.optim.name
+        taken.append(f"optim.name {job.optim.name} (--optimizer)")
+    if getattr(ns, "compile", None) is None and "compile" in train:
+        ns.compile = job.train.compile
+        taken.append(f"train.compile {str(job.train.compile).lower()} (--{'' if job.train.compile else 'no-'}compile)")
     if not ns.lora_rank and job.lora.rank:
         ns.lora_rank, ns.qlora = job.lora.rank, ns.qlora or job.lora.qlora
         taken.append(f"lora.rank {job.lora.rank}{' with lora.qlora' if job.lora.qlora else ''} (--lora-rank"
                      f"{', --qlora' if job.lora.qlora else ''})")
+    if ns.lora_rank and job.lora.rank:  # the job's adapters, at its rank or the one given
         if ns.lora_targets is None and tuple(job.lora.targets) != PROJECTIONS:
             ns.lora_targets = ",".join(job.lora.targets)
             taken.append(f"lora.targets {ns.lora_targets} (--lora-targets)")
+        if ns.lora_dropout is None and job.lora.dropout:
+            ns.lora_dropout = job.lora.dropout
+            taken.append(f"lora.dropout {job.lora.dropout:g} (--lora-dropout)")
     print(f"shardwise plan: --model {path}: its [model]" + "".join(f", {t}" for t in taken)
-          + "; a flag given overrides each, and the rest (cluster, precision, optimizer) are the flags'",
+          + "; a flag given overrides each, and the rest (the cluster, the layout) are the flags'",
           file=sys.stderr)
-    if ns.lora_rank and job.lora.dropout:
-        # the adapters' dropout keeps its noise and a dropped copy of adapted inputs: Llama 3 8B, 2 blocks at 2048
-        # tokens, lora.dropout 0.05 on every projection: 1,524 MiB of activations in the simulator against 1,124
-        print(f"shardwise plan: lora.dropout {job.lora.dropout} is not priced: the planner's activations leave out "
-              "what the adapters' dropout keeps (about a third more on Llama 3 8B in `shardwise simulate`); "
-              "simulate the written config for its peak", file=sys.stderr)
+    if "parallel" in raw and ns.plan is None:
+        _own_layout_hint(job, ns.gpus)
     return ns
+
+
+def _own_layout_hint(job, gpus: int) -> None:
+    """A job's [parallel] is searched over, not taken: say how to size the job's own layout (on --gpus ranks)."""
+    fitted = dataclasses.replace(job)
+    try:
+        fit_world(fitted, gpus)
+    except ConfigError:  # its batch does not split on --gpus: the search says what does
+        return
+    p, t = fitted.parallel, fitted.train
+    if p.world_size != gpus:
+        return
+    n_micro = p.n_microbatches if p.pp > 1 else 1  # the planner's split: a pipeline's micro-batches accumulate
+    keys = layout_text(p, max(1, t.micro_batch // n_micro), t.grad_accum * n_micro)
+    print(f"shardwise plan: its [parallel] is searched over, not taken; its own layout: --plan \"{keys}\"",
+          file=sys.stderr)
 
 
 def system_of(ns: argparse.Namespace) -> System:
@@ -294,7 +323,8 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.write_config and plans:
         from shardwise.planner.config_out import hf_weights_folder, write_config
 
-        write_config(ns.write_config, model, training, plans[0].plan, hf_weights_folder(ns.model))
+        job = Path(ns.model) if Path(ns.model).suffix == ".toml" else None  # (build_inputs read it as a job)
+        note = write_config(ns.write_config, model, training, plans[0].plan, hf_weights_folder(ns.model), job)
         world, per_node = plans[0].plan.world, cluster.gpus_per_node
         run = f"shardwise train --config {ns.write_config}" + (f" --nproc {world}" if world > 1 else "")
         if world > per_node:  # several machines: a scheduler starts them (docs/cluster.md)
@@ -303,7 +333,7 @@ def _run(ns: argparse.Namespace) -> int:
                    f"shardwise launch slurm or k8s --config {ns.write_config} ({world} ranks over several machines: "
                    "docs/cluster.md)")
         print(f"shardwise plan: wrote plan 1's config ({world} rank{'s' if world > 1 else ''}) to "
-              f"{ns.write_config}; run it with: {run}", file=sys.stderr)
+              f"{ns.write_config}; run it with: {run}" + (f" ({note})" if note else ""), file=sys.stderr)
     if ns.plot:
         from shardwise.planner.plot import plot
 
@@ -355,6 +385,15 @@ def _row(i: int, ev: Evaluation, moe: bool = False, bf16: bool = True) -> list[s
             f"{100 * t.mfu:.1f}%", f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
 
 
+def _adapters(training: Training) -> str:
+    """The recipe's adapters for the table's first line ('' for full training)."""
+    if not training.lora_rank:
+        return ""
+    where = "" if training.lora_targets == PROJECTIONS else f" on {','.join(training.lora_targets)}"
+    dropout = f", dropout {training.lora_dropout:g}" if training.lora_dropout else ""
+    return f", {'QLoRA' if training.qlora else 'LoRA'} r{training.lora_rank}{where}{dropout}"
+
+
 def _adapter_note(training: Training) -> str:
     """Adapters are priced as shardwise's engine runs them, whichever system the rest describes."""
     if not training.lora_rank or training.system.split(" (")[0] == "shardwise":
@@ -391,7 +430,8 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     head = (f"{model.name}{size} on {cluster.gpus} x {cluster.accelerator.name} "
             f"({cluster.accelerator.memory_bytes / GiB:.0f} GiB), seq {training.seq_len}, global batch "
             f"{training.global_batch} seqs ({training.global_batch * training.seq_len:,} tokens), "
-            f"{training.precision} {training.optimizer}; {evaluated} plans sized in {seconds:.2f} s\n"
+            f"{training.precision} {training.optimizer}{_adapters(training)}; {evaluated} plans sized in "
+            f"{seconds:.2f} s\n"
             f"system: {training.system} - {system_summary(training)}" + _adapter_note(training))
     if not plans:
         if not layouts:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
-from shardwise.config import has_hf_weights, layout_tables, load_config, toml_value
+from shardwise.config import ConfigError, has_hf_weights, layout_tables, load_config, toml_value
 from shardwise.hardware import PlannerError
 from shardwise.layout import LAYOUT_KEYS, Layout
 from shardwise.model_args import PRESETS, ModelArgs
@@ -39,7 +40,8 @@ def plan_tables(args: ModelArgs, training: Training, plan: Plan, hf_folder: Path
            "train": {"precision": training.precision, **tables["train"],
                      **({"compile": True} if training.compile else {})}, "parallel": tables["parallel"]}
     if training.lora_rank:
-        out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora, "targets": list(training.lora_targets)}
+        out["lora"] = {"rank": training.lora_rank, "qlora": training.qlora, "targets": list(training.lora_targets),
+                       **({"dropout": training.lora_dropout} if training.lora_dropout else {})}
     if hf_folder is not None:  # planned from the folder, the run fine-tunes its weights (it trained a random init)
         if (hf_folder / "tokenizer.json").is_file():
             out["data"]["tokenizer"] = str(hf_folder / "tokenizer.json")
@@ -78,25 +80,69 @@ def _engine_runs(training: Training) -> None:
             raise PlannerError(f"--write-config {flag}", problem, fix)
 
 
+def job_tables(job: dict, planned: dict[str, dict], training: Training) -> dict[str, dict]:
+    """A job's own tables (`plan --model job.toml`) with what the plan decides put in: the whole [parallel], the
+    batch split, train.precision, train.compile, data.seq_len, optim.name and the adapters' rank, NF4, targets and
+    dropout. The rest is the job's (its data, learning rate and schedule, lora.alpha, steps, checkpoints,
+    metrics): the config written for a 1-GPU job kept none of it, and trained the defaults."""
+    out = {table: dict(values) if isinstance(values, dict) else values for table, values in job.items()}
+    for table, values in planned.items():
+        if table == "parallel" or table not in out:
+            out[table] = dict(values)
+        elif table != "model":  # the job's [model] is what was planned, as the job wrote it
+            out[table].update(values)
+    train = out["train"]
+    if not training.compile:  # (plan_tables writes the knobs that are on)
+        train.pop("compile", None)
+    if not training.lora_dropout and "lora" in out:
+        out["lora"].pop("dropout", None)
+    if "global_batch" in train:  # the job's way of giving its batch, which also fixes it on an elastic world
+        dp = out["parallel"]["dp_replicate"] * out["parallel"]["dp_shard"]
+        train["global_batch"] = train["micro_batch"] * train.pop("grad_accum") * dp
+    return out
+
+
 def write_config(path: str | Path, args: ModelArgs, training: Training, plan: Plan,
-                 hf_folder: Path | None = None) -> None:
-    """Write the plan's config and check that `shardwise train` accepts it (validation, not a run)."""
-    lines = [f"# written by `shardwise plan`: {plan.world} rank{'s' if plan.world > 1 else ''}",
-             "# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
-             "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
+                 hf_folder: Path | None = None, job: Path | None = None) -> str:
+    """Write the plan's config and check that `shardwise train` accepts it (validation, not a run); with `job`
+    (the shardwise TOML planned), the job's own settings with the plan's put in (job_tables). Returns a note for
+    the user ('' when there is none)."""
     path = Path(path)
     tables = plan_tables(args, training, plan, hf_folder)
     # a run of its own folder that keeps what it trained: a fine-tune has something to export and a long run
-    # something to resume (checkpoint.enabled's default, off, saved nothing, in the demo's runs/demo)
-    tables["metrics"] = {"out_dir": f"runs/{path.stem}"}
-    tables["checkpoint"] = {"enabled": True, **tables.get("checkpoint", {})}
+    # something to resume (checkpoint.enabled's default, off, saved nothing, in the demo's runs/demo); a job's own
+    # settings of either win
+    defaults = {"metrics": {"out_dir": f"runs/{path.stem}"}, "checkpoint": {"enabled": True}}
+    lines = [f"# written by `shardwise plan`: {plan.world} rank{'s' if plan.world > 1 else ''}"]
+    if job is None:
+        lines += ["# [data] reads the standard library's Python files with the byte tokenizer unless set (data.paths,",
+                  "# data.tokenizer); a fine-tuning run names its Hugging Face weights with checkpoint.init_from_hf"]
+    else:
+        tables = job_tables(tomllib.loads(job.read_text()), tables, training)
+        lines += [f"# planned from {job}: its settings, with the plan's [parallel], batch split, precision,",
+                  "# compile, data.seq_len, optim.name and adapters"]
+    for table, values in defaults.items():
+        tables[table] = {**values, **tables.get(table, {})}
     for table, values in tables.items():
         lines += ["", f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     draft = path.with_name(f".{path.name}.draft.toml")
     draft.write_text("\n".join(lines) + "\n")
+    note = ""
     try:
-        load_config(draft)  # raises ConfigError naming the field if the engine would refuse it
+        try:
+            load_config(draft)  # raises ConfigError naming the field if the engine would refuse it
+        except ConfigError as e:
+            if job is None or e.field not in ELSEWHERE:
+                raise
+            # the job's files are its cluster's (as `plan` sized it): the rest is checked as train would
+            load_config(draft, sizing=True)
+            note = f"{e.field} is not on this machine ({e.problem}): the run's machines need it"
     except BaseException:
         draft.unlink()  # nothing is left at `path` that `shardwise train` would refuse
         raise
     draft.replace(path)
+    return note
+
+
+ELSEWHERE = ("data.paths", "data.tokenizer", "checkpoint.init_from_hf")
+"""Fields naming files that a job planned here may keep on the cluster it runs on."""
