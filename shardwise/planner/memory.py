@@ -447,10 +447,10 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
     terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv")))
     terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
-    terms += lora_dropout_terms(args, training, ATTENTION)
+    terms += lora_kept_terms(args, training, ATTENTION)
     if moe:
         return terms + moe_terms(args, training, "none", routed, ep)
-    terms += lora_dropout_terms(args, training, ("w1", "w3", "w2"))
+    terms += lora_kept_terms(args, training, ("w1", "w3", "w2"))
     if args.mlp == "gelu":  # GELU's input (w1's output) and its output (w2's input)
         terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1",)))
         return terms + [Term(name, f, "act", "tp") for name in ("w1_out", "gelu_out") if w2_input_kept(training)
@@ -458,6 +458,14 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
     terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1", "w3")))
     return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)
                     if w2_input_kept(training) or name != "swiglu_out"]
+
+
+def lora_kept_terms(args: ModelArgs, training: Training, names: tuple[str, ...]) -> list[Term]:
+    """What the adapters on the linears among `names` keep beyond their inputs: B's matmul keeps its input, x A^T
+    (adapter_output_terms' first), for B's gradient; and what LoRA's dropout keeps (lora_dropout_terms)."""
+    outputs = [t for t in adapter_output_terms(args, training) if t.name.endswith("_lora_a_out")
+               and t.name.split("_")[0] in names]
+    return outputs + lora_dropout_terms(args, training, names)
 
 
 def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ...]) -> list[Term]:
@@ -479,22 +487,31 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
 
 
 def first_block_unkept_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """The dropout masks (lora_dropout_terms) the model's first block does not keep, per micro-batch: autograd
-    records an operation only when an input needs a gradient, and under LoRA the first block's input (the frozen
-    embedding's output) needs none, nor its frozen norms' outputs; an adapter's output first does. So its q, k
-    and v adapters keep no mask, wo's only after an adapter on q, k or v, the MLP's only after one before them;
-    and where wo's input needs no gradient the attention does not keep it, so wo's dropped copy takes its place.
-    (What else the first block does not keep before its first adapter is not priced: docs/finetuning.md.)"""
-    if not (training.lora_rank and training.lora_dropout) or plan.activation_checkpoint != "none" \
-            or args.n_experts and args.is_moe_layer(0):
+    """What the model's first block does not keep under LoRA, per micro-batch, of what block_terms prices for every
+    block: autograd records an operation only when an input needs a gradient, and the first block's input (the
+    frozen embedding's output) needs none, nor its frozen norms' outputs; an adapter's output first does. So its
+    attention norm keeps nothing; the attention (q, k, v, its output and statistics) only after an adapter on q, k
+    or v (its output also as wo's adapter's input); the MLP's norm only after an adapter in the attention; SiLU
+    and the gate product their inputs only where w1's (w3's) output needs a gradient; and LoRA's dropout no mask
+    where the adapter's input needs none (lora_dropout_terms; where wo's input needs none the attention does not
+    keep it, and wo's dropped copy takes its place). What an adapter's own matmuls keep is kept: they train."""
+    if not training.lora_rank or plan.activation_checkpoint != "none" or args.n_experts and args.is_moe_layer(0):
         return 0.0
-    adapted = [n for n in projection_shapes(args) if n in training.lora_targets]
-    needs_grad = {"wo": bool({"wq", "wk", "wv"} & set(adapted)), "w1": bool(set(ATTENTION) & set(adapted)),
-                  "w3": bool(set(ATTENTION) & set(adapted))}
-    needs_grad["w2"] = bool(set(adapted) - {"w2"})
-    unkept = [t for t in lora_dropout_terms(args, training, tuple(adapted)) if not needs_grad.get(t.name[:2], False)]
+    adapted = {n for n in projection_shapes(args) if n in training.lora_targets}
+    qkv, attention = bool({"wq", "wk", "wv"} & adapted), bool(set(ATTENTION) & adapted)
+    gate, up = attention or "w1" in adapted, attention or "w3" in adapted  # w1's, w3's output needs a gradient
+    needs_grad = {"wq": False, "wk": False, "wv": False, "wo": qkv, "w1": attention, "w3": attention,
+                  "w2": bool(adapted - {"w2"})}
+    unkept = {"attention_norm_input", "attention_norm_rstd"}
+    unkept |= set() if qkv else {"q_rotated", "k_rotated", "v", "sdpa_lse"} | (set() if "wo" in adapted else
+                                                                                 {"sdpa_out"})
+    unkept |= set() if attention else {"ffn_norm_input", "ffn_norm_rstd"}
+    if training.swiglu != "fused":  # SiLU keeps w1's output, the product each factor for the other's gradient
+        unkept |= (set() if gate else {"w1_out", "w3_out"}) | (set() if up or args.mlp == "gelu" else {"silu_out"})
+    terms = [t for t in block_terms(args, training, "none", plan.zero_stage) if t.name in unkept]
+    terms += [t for t in lora_dropout_terms(args, training, tuple(adapted)) if not needs_grad[t.name[:2]]]
     tokens = plan.micro_batch * training.seq_len / plan.cp
-    return tokens * sum(term_bytes(t, args, training, plan) for t in unkept)
+    return tokens * sum(term_bytes(t, args, training, plan) for t in terms)
 
 
 def input_copies(training: Training, consumers: tuple[str, ...]) -> int:
@@ -979,8 +996,9 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     if fused_head(training, plan):
         v, d, e = args.vocab_size / plan.tp, args.dim, training.act_bytes
         block = head_rows(int(tokens), d, int(v)) * v
-        # under tp, the head's input gathered whole to every rank (from its sequence slices with sequence parallelism)
-        gathered = tokens * d * training.stream_bytes if plan.tp > 1 else 0.0
+        # the head's input, whole on every rank throughout: the final norm's output, which nothing saves (the fused
+        # head keeps its gradient instead), or under tp its gather (from its sequence slices with sequence parallelism)
+        gathered = tokens * d * training.stream_bytes
         if not training.mixed:
             return block * (4 + 4) + gathered
         # LoRA's frozen head makes no weight-gradient product, and is stored in the compute dtype (apply_lora's
@@ -998,8 +1016,18 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
 def casts_weights(training: Training) -> bool:
     """The engine casts its fp32 weights to low-precision copies for the matmuls (autocast; an MoE's routed experts
     cast themselves): shardwise's layout 'torch' under mixed precision, unless the weights are LoRA's frozen base
-    (the adapters' copies are negligible)."""
+    (adapter_copy_bytes: the adapters' own)."""
     return training.mixed and training.layout == "torch" and not training.lora_rank
+
+
+def adapter_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """LoRA under autocast: the compute-dtype copies of a stage's fp32 adapters, which autocast casts at their first
+    use in a forward and caches (they are leaves that train), and their matmuls save for the input's gradient
+    (Llama 3 8B r=16: 2.5 MiB a block)."""
+    if not (training.lora_rank and training.mixed and training.layout == "torch"):
+        return 0.0
+    layers = stage_shape(args, plan, stage, training.seq_len).layers
+    return layers * lora_params(args, training, plan.tp) * training.act_bytes
 
 
 def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
@@ -1012,7 +1040,7 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     casts (each forward), all saved by their matmuls: every weight of the rank's experts.
     """
     if not casts_weights(training):
-        return 0.0
+        return adapter_copy_bytes(args, training, plan, stage) if plan.activation_checkpoint == "none" else 0.0
     n = 0.0
     if plan.activation_checkpoint == "none":
         shape = stage_shape(args, plan, stage, training.seq_len)
@@ -1031,10 +1059,11 @@ def autocast_cache_bytes(args: ModelArgs, training: Training, plan: Plan, stage:
     cached. None without recompute (the matmuls keep them anyway), where autocast does not cast (fp32,
     other layouts, LoRA's frozen weights), or in a pipeline (the schedule's loss runs the fused head after the
     stage's forward has left its autocast context)."""
-    if not casts_weights(training) or plan.activation_checkpoint == "none":
+    if plan.activation_checkpoint == "none" or plan.pp > 1:
+        # (a pipeline runs the fused head in the schedule's loss, after the stage's autocast exits)
         return 0.0
-    if plan.pp > 1:  # a pipeline runs the fused head in the schedule's loss, after the stage's autocast exits
-        return 0.0
+    if not casts_weights(training):
+        return adapter_copy_bytes(args, training, plan, stage)
     shape = stage_shape(args, plan, stage, training.seq_len)
     dense = shape.layers - shape.moe_layers
     return (dense * (layer_params(args, plan.tp) - 2 * args.dim)
@@ -1405,7 +1434,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             per_mb += embedding_activation_bytes(training, plan) - first_block_unkept_bytes(args, training, plan)
         copies = weight_copy_bytes(args, training, plan, stage)
         head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes \
-            if last and copies and not fused_head(training, plan) else 0.0
+            if last and casts_weights(training) and copies and not fused_head(training, plan) else 0.0
         cached = _remember(_ACTIVATIONS, key, {
             "activations": per_mb + head, "head": head, "copies": copies,
             "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
