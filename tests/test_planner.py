@@ -2029,7 +2029,9 @@ def test_a_written_config_plans_again_with_the_batch_it_holds(tmp_path, capsys):
     job = tmp_path / "job.toml"
     job.write_text('[model]\nname = "debug"\n\n[train]\nmicro_batch = 4\ngrad_accum = 2\n')
     assert run_plan(_ns("--model", str(job), "--gpus", "2", "--json")) == 0
-    assert json.loads(capsys.readouterr().out)["training"]["global_batch"] == 4 * 2 * 2
+    training = json.loads(capsys.readouterr().out)["training"]
+    # a job trains at its precision, the engine's fp32 where it sets none (it was planned at bf16)
+    assert (training["global_batch"], training["precision"]) == (4 * 2 * 2, "fp32")
     # a [model] table alone sets neither: the flags' defaults, as for a preset (min(4096, max_seq_len) tokens, 4M
     # tokens a step), not the config's own (256 tokens, 16 sequences a rank)
     job.write_text('[model]\nname = "mine"\ndim = 256\nn_layers = 2\nn_heads = 4\nvocab_size = 1000\n'

@@ -178,9 +178,10 @@ def _job_defaults(ns: argparse.Namespace) -> argparse.Namespace:
         ns.global_batch = t.micro_batch * t.grad_accum * dp
         taken.append(f"train.micro_batch {t.micro_batch} x grad_accum {t.grad_accum} x dp {dp} = {ns.global_batch} "
                      "sequences (--global-batch)")
-    if ns.precision is None and "precision" in train:
+    if ns.precision is None and "train" in raw:  # a job trains at its precision, the config's default if unset
         ns.precision = job.train.precision
-        taken.append(f"train.precision {job.train.precision} (--precision)")
+        taken.append(f"train.precision {job.train.precision}{'' if 'precision' in train else ' (unset: its default)'}"
+                     " (--precision)")
     if ns.optimizer is None and "name" in raw.get("optim", {}):
         ns.optimizer = job.optim.name
         taken.append(f"optim.name {job.optim.name} (--optimizer)")
