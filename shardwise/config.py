@@ -401,6 +401,14 @@ def layout_tables(layout: Layout, micro_batch: int, grad_accum: int) -> dict[str
     return {"parallel": parallel, "train": {"micro_batch": micro_batch, "grad_accum": grad_accum}}
 
 
+def planner_split(layout: Layout, micro_batch: int, grad_accum: int) -> tuple[int, int]:
+    """layout_tables read back: a job's train.micro_batch and train.grad_accum as the planner's (micro_batch,
+    grad_accum). Under a pipeline a schedule step's sequences are cut into its pipeline micro-batches, which the
+    planner counts as accumulation."""
+    cut = layout.n_microbatches if layout.pp > 1 else 1
+    return max(1, micro_batch // cut), grad_accum * cut
+
+
 def _apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
     """Apply `key=value` overrides in order. A preset named by one (`model.name`, other than the table's) replaces
     the model table first: `--set model.name=debug` on a config whose [model] gives a shape (an 8B written from a

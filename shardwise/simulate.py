@@ -39,6 +39,7 @@ from shardwise.config import (
     fit_world,
     layout_tables,
     load_config,
+    planner_split,
     validate_model,
     validate_parallel,
     with_overrides,
@@ -424,10 +425,8 @@ def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) ->
                         lora_dropout=cfg.lora.dropout if cfg.lora.rank else 0.0,
                         ddp_bucket_mb=p.bucket_mb, fragmentation=0.0, fixed_overhead_gib=0.0,
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer
-    piped = p.pp > 1
-    n_micro = p.n_microbatches if piped else 1
-    plan = Plan(**dataclasses.asdict(p), micro_batch=max(1, t.micro_batch // n_micro),
-                grad_accum=t.grad_accum * n_micro)
+    micro_batch, grad_accum = planner_split(p, t.micro_batch, t.grad_accum)
+    plan = Plan(**dataclasses.asdict(p), micro_batch=micro_batch, grad_accum=grad_accum)
     return simulator_categories(stage_memory(cfg.model, training, plan, stage, moment))
 
 

@@ -15,7 +15,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from shardwise.config import ConfigError, fit_world, load_config, qlora_error
+from shardwise.config import ConfigError, fit_world, load_config, planner_split, qlora_error
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
 from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params, projection_shapes
@@ -217,8 +217,7 @@ def _own_layout_hint(job, gpus: int) -> None:
     p, t = fitted.parallel, fitted.train
     if p.world_size != gpus:
         return
-    n_micro = p.n_microbatches if p.pp > 1 else 1  # the planner's split: a pipeline's micro-batches accumulate
-    keys = layout_text(p, max(1, t.micro_batch // n_micro), t.grad_accum * n_micro)
+    keys = layout_text(p, *planner_split(p, t.micro_batch, t.grad_accum))
     print(f"shardwise plan: its [parallel] is searched over, not taken; its own layout: --plan \"{keys}\"",
           file=sys.stderr)
 

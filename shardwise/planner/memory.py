@@ -478,7 +478,7 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
     if not (training.lora_rank and training.lora_dropout):
         return []
     d, f = args.dim, args.ffn_hidden
-    norm_split = "seq" if training.layout == "megatron" else "full"  # as _norm_terms' output
+    norm_split = norm_output_split(training)
     inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (d, "tp"),
               "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
     adapted = [n for n in names if n in training.lora_targets and n in projection_shapes(args)]
@@ -656,11 +656,16 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
     terms = [Term(f"{name}_input", d, "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
     if not training.fused_rmsnorm and not training.lora_rank:
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
-    # the output feeds column-parallel linears: torch (DTensor) saves their all-gathered, full-sequence input;
-    # Megatron saves the sequence-parallel shard and gathers it again in backward (Korthikanti et al., 4.2.2)
-    split = output_split or ("seq" if training.layout == "megatron" else "full")
+    split = output_split or norm_output_split(training)
     terms.append(Term(f"{name}_output", d, "act", split, copies=autocast_copies))
     return terms
+
+
+def norm_output_split(training: Training) -> str:
+    """How a norm's kept output is split: it feeds column-parallel linears, and torch (DTensor) saves their
+    all-gathered, full-sequence input; Megatron saves the sequence-parallel shard and gathers it again in backward
+    (Korthikanti et al., 4.2.2)."""
+    return "seq" if training.layout == "megatron" else "full"
 
 
 TERM_BYTES = {"stat": 4, "index": 8, "f8": 1, "mask": 1}
