@@ -22,6 +22,9 @@ but for the number of steps and the run folder, so it also checks that the plann
             each, and the adapters' against full fine-tuning's.
   issue 19  Llama 3.2 1B (bf16, seq 2048) on one GPU, eager and with each block compiled (train.compile):
             tokens/s and MFU, measured and planned.
+  the micro-batch study ("mb" in --only): the 1B model at 1 x 8 and 8 x 1, eager and compiled, the last step of
+            each profiled (metrics.profile_step; <out>/profiles/<case>.txt), after the planner's 1 x 8 plans ran at
+            0.54-0.65 of its tokens/s on an H200 (2026-12-04, docs/finetuning.md).
 The plan is for the GPU the machine has (the catalogue entry of its name; --gpu overrides). The table goes to
 stdout and to <out>/gpu_checks.md, the figures to <out>/gpu_checks.json, the runs' output to <out>/gpu_checks.log;
 the table and the JSON are rewritten after each case, so a run stopped at the call's limit keeps what it finished.
@@ -42,13 +45,15 @@ tests fail only after it, and pass alone), and the planner's pinned operator cou
 
     python benchmarks/gpu_checks.py --smoke --out /tmp/gpu   # the same plumbing on this machine's CPU, small model
 
-Both GPU scripts in one device call, 8B cases first: benchmarks/gpu_session.sh.
+Both GPU scripts in one device call: benchmarks/gpu_session.sh (it says what has run and what is left).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +81,9 @@ class Case:
     timeout_s: int = 240
     baseline: str = ""
     """the case whose tokens/s this one's is set against (full fine-tuning for adapters, eager for compile)"""
+    profile: bool = False
+    """profile the last step (metrics.profile_step; left out of tokens/s): its operator tables come back as
+    <out>/profiles/<case>.txt, host time and device time per operator"""
     result: dict = field(default_factory=dict)
 
 
@@ -87,7 +95,9 @@ def cases(smoke: bool) -> list[Case]:
                 Case("small, QLoRA r8", 15, small, ["--lora-rank", "8", "--qlora", *batch], steps=3, discard=1,
                      baseline="small, full FT"),
                 Case("small, compiled blocks", 19, small, ["--compile", *batch], steps=3, discard=1,
-                     baseline="small, full FT")]
+                     baseline="small, full FT"),
+                Case("small, mb 2 x 2", 19, small, ["--plan", "micro_batch=2", *batch], steps=4, discard=1,
+                     profile=True)]
     return [
         Case("8B QLoRA r16", 15, "llama3-8b", ["--lora-rank", "16", "--qlora", *batch]),
         Case("8B LoRA r16", 15, "llama3-8b", ["--lora-rank", "16", *batch]),
@@ -99,6 +109,13 @@ def cases(smoke: bool) -> list[Case]:
         Case("1B eager", 19, "llama3.2-1b", batch),
         Case("1B compiled blocks", 19, "llama3.2-1b", ["--compile", *batch], steps=8, discard=4, timeout_s=420,
              baseline="1B eager"),
+        # the micro-batch study (2026-12-04: the planner prices 1 x 8 and 8 x 1 alike, the GPU ran the planner's
+        # 1 x 8 at 0.54-0.65 of its tokens/s and 8 x 1 at 0.80-0.88): where each one's step goes, host and device
+        Case("1B eager, mb 1 x 8", 19, "llama3.2-1b", ["--plan", "micro_batch=1", *batch], steps=7, profile=True),
+        Case("1B eager, mb 8 x 1", 19, "llama3.2-1b", ["--plan", "micro_batch=8", *batch], steps=7, profile=True,
+             baseline="1B eager, mb 1 x 8"),
+        Case("1B compiled blocks, mb 8 x 1", 19, "llama3.2-1b", ["--compile", "--plan", "micro_batch=8", *batch],
+             steps=9, discard=4, timeout_s=420, profile=True, baseline="1B eager, mb 8 x 1"),
     ]
 
 
@@ -120,7 +137,7 @@ def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-def measure(case: Case, work: Path, gpu: str, log) -> dict:
+def measure(case: Case, work: Path, gpu: str, log, out: Path) -> dict:
     """Plan the case, write its config, train it; the planner's figures beside the run's."""
     model = case.model
     if "\n" in model:
@@ -137,17 +154,21 @@ def measure(case: Case, work: Path, gpu: str, log) -> dict:
         return {"error": f"plan: no plan fits ({best['memory_gib']['total']:.1f} GiB)", "plan": best}
     memory = best["memory_gib"]
     started = time.time()
+    profile = ["--set", f"metrics.profile_step={case.steps}"] if case.profile else []
     trained = run([sys.executable, "-m", "shardwise", "train", "--config", str(config),
                    "--set", f"train.steps={case.steps}", "--set", "train.val_every=0",
                    "--set", f"metrics.out_dir='{run_dir}'", "--set", "metrics.log_every=1",
-                   "--set", "metrics.tensorboard=false"], log, case.timeout_s)
+                   "--set", "metrics.tensorboard=false", *profile], log, case.timeout_s)
     if trained.returncode != 0:
         return {"error": "train: " + (trained.stderr.strip().splitlines() or ["?"])[-1], "plan": best}
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "tokens_per_s" in s]
     if not steps:
         return {"error": "train: no step logged tokens/s", "plan": best}
-    kept = steps[case.discard:] or steps
+    kept = steps[case.discard:-1 if case.profile else None] or steps  # a profiled step runs slower
+    if case.profile and (run_dir / "profile" / "rank0.txt").exists():
+        (out / "profiles").mkdir(exist_ok=True)
+        shutil.copy(run_dir / "profile" / "rank0.txt", out / "profiles" / f"{slug(case.name)}.txt")
     result = {
         "plan": {k: best[k] for k in ("micro_batch", "grad_accum", "activation_checkpoint", "offload", "zero_stage")},
         "planned_allocated_gib": memory["total"] - memory["fragmentation"] - memory["fixed_overhead"],
@@ -162,6 +183,10 @@ def measure(case: Case, work: Path, gpu: str, log) -> dict:
         "wall_s": round(time.time() - started, 1),
     }
     return result
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
 def table(done: list[Case]) -> str:
@@ -223,7 +248,7 @@ def main() -> None:
             else:
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
-                        case.result = measure(case, Path(tmp), gpu, log)
+                        case.result = measure(case, Path(tmp), gpu, log, args.out)
                     except subprocess.TimeoutExpired as e:
                         case.result = {"error": f"timed out after {e.timeout:.0f} s"}
                     except Exception as e:  # one case's failure is its row; the others still run
