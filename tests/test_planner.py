@@ -2499,3 +2499,90 @@ def test_a_tied_head_is_planned_without_a_pipeline_for_the_engine_only():
     assert not search(args, training, cluster, fixed={"pp": 2}).ranked
     megatron = dataclasses.replace(training, layout="megatron")
     assert search(args, megatron, cluster, fixed={"pp": 2}, top_k=1).ranked
+
+
+@pytest.mark.parametrize("precision,recompute", [("bf16", "none"), ("bf16", "full"), ("bf16", "selective"),
+                                                 ("fp32", "none")])
+def test_weight_traffic_is_what_the_engines_step_does_to_weights(precision, recompute):
+    """What a micro-batch moves over weights and their gradients (timing.weight_traffic_bytes), counted on the
+    engine's own step of two accumulated micro-batches: autocast casts each block matmul weight once a forward
+    (again in a recompute, full or selective: the cast is not a saved operator) and casts its gradient back once;
+    the fused head makes its fp32 weight gradient as zeros, adds to it once per block of rows (head_gradient_blocks:
+    3 here) and scales it in backward; the second micro-batch adds every gradient into .grad. The planner's bytes
+    are those operators' tensors, at the sizes of the elements."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.activation_checkpoint import apply_activation_checkpointing
+    from shardwise.loss import autocast_context
+    from shardwise.model import fuse_head_loss
+    from shardwise.planner.timing import head_gradient_blocks, weight_traffic_bytes
+
+    args = ModelArgs(name="traffic", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=256,
+                     max_seq_len=150)
+    model = build_model(args)
+    materialize(model, args, "cpu", 0)
+    fuse_head_loss(model)
+    if recompute != "none":
+        apply_activation_checkpointing(model, recompute)
+    params = dict(model.named_parameters())
+    matrices = {tuple(p.shape) for n, p in params.items() if n.startswith("layers.") and p.dim() == 2}
+    head = tuple(params["output.weight"].shape)
+
+    class Weights(TorchDispatchMode):
+        """(operator, [(shape, dtype) of its tensor arguments], [(shape, dtype) of its outputs])"""
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, a=(), kwargs=None):
+            out = func(*a, **(kwargs or {}))
+            tensors = [(tuple(t.shape), t.dtype) for t in a if isinstance(t, torch.Tensor)]
+            outs = [(tuple(t.shape), t.dtype) for t in (out if isinstance(out, (list, tuple)) else (out,))
+                    if isinstance(t, torch.Tensor)]
+            self.seen.append((func.overloadpacket.__name__, tensors, outs))
+            return out
+
+    low = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    with Weights():
+        for _ in range(2):
+            tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+            with autocast_context(precision, torch.device("cpu")):
+                loss = model(tokens, targets=tokens)
+            loss.backward()
+    seen = Weights.seen
+
+    def count(name, inputs, outputs=None):
+        return sum(1 for op, ins, outs in seen if op == name and ins == inputs and (outputs is None or outs == outputs))
+
+    f32 = torch.float32
+    casts = sum(count("_to_copy", [(s, f32)], [(s, low)]) for s in matrices) if precision == "bf16" else 0
+    grad_casts = sum(count("_to_copy", [(s, low)], [(s, f32)]) for s in matrices) if precision == "bf16" else 0
+    block_weights = args.n_layers * 7
+    plan = Plan(micro_batch=2, grad_accum=2, activation_checkpoint=recompute)
+    training = Training(seq_len=args.max_seq_len, global_batch=4, precision=precision)
+    blocks = head_gradient_blocks(args, training, plan)
+    assert blocks == 3
+    if precision == "bf16":
+        # the forward's casts and the recompute's (the head's is counted apart: no block weight has its shape)
+        assert casts == 2 * block_weights * (2 if recompute != "none" else 1)
+        assert grad_casts == 2 * block_weights
+        assert count("_to_copy", [(head, f32)], [(head, low)]) == 2
+        head_adds = count("add_", [(head, f32), (head, low)])
+    else:
+        head_adds = sum(1 for op, ins, _ in seen if op == "addmm_" and ins[:1] == [(head, f32)])
+    assert head_adds == 2 * blocks
+    # made as zeros in each forward, scaled in place by the loss's gradient in each backward
+    assert count("zeros_like", [(head, f32)], [(head, f32)]) == 2
+    assert count("mul_", [(head, f32), ((), f32)]) == 2
+    # the second micro-batch's accumulation: one fp32 add of each parameter's gradient
+    shapes = {tuple(p.shape) for p in params.values()}
+    accumulated = sum(1 for op, ins, _ in seen if op == "add_" and len(ins) == 2 and ins[0] == ins[1]
+                      and ins[0][1] == f32 and ins[0][0] in shapes)
+    assert accumulated == len(params)
+
+    n_block_matrix = sum(p.numel() for n, p in params.items() if n.startswith("layers.") and p.dim() == 2)
+    n_head, n_all = params["output.weight"].numel(), sum(p.numel() for p in params.values())
+    mixed = precision == "bf16"
+    forward = (n_block_matrix * 6 if mixed else 0) + n_head * (4 + blocks * (12 if mixed else 8) + (6 if mixed else 0))
+    again = n_block_matrix * 6 if mixed and recompute != "none" else 0
+    backward = (n_block_matrix * 6 if mixed else 0) + n_head * 8 + n_all * 12 / 2
+    assert weight_traffic_bytes(args, training, plan, 0) == pytest.approx((forward, again, backward), rel=1e-12)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardwise.hardware import Accelerator, Cluster, PlannerError
-from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, projection_shapes
+from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, head_rows, projection_shapes
 from shardwise.planner.comm import (
     all_gather,
     all_reduce,
@@ -30,6 +30,7 @@ from shardwise.planner.memory import (
     block_modules,
     block_params,
     block_tensor_params,
+    casts_weights,
     expert_params,
     fused_head,
     gathered_unit_bytes,
@@ -376,6 +377,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     if dequant_fwd:  # QLoRA: the NF4 base is dequantised in forward, in a recompute, and for input gradients
         recomputes = plan.activation_checkpoint != "none"
         fwd, bwd_in, recompute = fwd + dequant_fwd, bwd_in + dequant_bwd, recompute + recomputes * dequant_fwd
+    weights_fwd, weights_recompute, weights_bwd = weight_traffic_seconds(args, training, plan, acc, stage)
+    fwd, recompute, bwd_w = fwd + weights_fwd, recompute + weights_recompute, bwd_w + weights_bwd
     bwd_w += bf16_accumulation_seconds(training, plan, acc, shape.params)
     replayed = _weight_pass_replay(args, training, plan, stage)
     bwd_w += replayed * recompute  # in the deferred weight pass, with its own time slot
@@ -388,6 +391,71 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
+
+
+CAST_BYTES = 4 + 2
+"""Bytes per element of autocast's cast of an fp32 weight to the compute dtype (the weight read, the copy written),
+and of that cast's backward, which turns the weight's compute-dtype gradient into fp32 (2 read, 4 written)."""
+ACCUMULATE_BYTES = 4 + 4 + 4
+"""Bytes per element of autograd's AccumulateGrad adding a micro-batch's fp32 gradient into `.grad` in place."""
+
+
+def head_gradient_blocks(args: ModelArgs, training: Training, plan: Plan) -> int:
+    """Blocks of rows the fused head runs one micro-batch in (shardwise.loss.head_loss_sum, model_args.head_rows:
+    its whole input, this rank's vocabulary rows)."""
+    tokens = plan.micro_batch * training.seq_len // plan.cp
+    vocab = -(-args.vocab_size // plan.tp)
+    return -(-tokens // head_rows(tokens, args.dim, vocab))
+
+
+def weight_traffic_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int
+                         ) -> tuple[float, float, float]:
+    """(forward, recompute, backward) bytes one micro-batch moves over a rank's weights and weight gradients in
+    shardwise's engine (layout 'torch'), which the per-token elementwise count leaves out
+    (opcount.block_elementwise_bytes: what does not scale with tokens drops out there):
+
+    - autocast's casts (casts_weights; float8 linears cast their own, priced with them): each fp32 matmul weight
+      of the rank's blocks is cast to the compute dtype in forward (again in a recompute, full or selective: the
+      cast is not an operator selective checkpointing keeps), and its gradient is cast back to fp32 in backward
+      (CAST_BYTES each);
+    - the fused head (memory.fused_head), on the head's rank when the head trains: its fp32 weight gradient is
+      made in the loss's forward, as zeros (4 bytes an element), and added to once per block of rows
+      (head_gradient_blocks): under mixed precision each block's product is written in the compute dtype and
+      then added (2 + 2 + 4 + 4), in fp32 one addmm_ reads and writes it (4 + 4); under mixed precision the
+      weight is cast once (CAST_BYTES). The backward scales it in place by the loss's gradient (4 + 4). The
+      product's GEMM is priced by its FLOPs elsewhere, but with as few rows as a block has it is bound by these
+      writes;
+    - gradient accumulation: every micro-batch after a step's first adds its fp32 gradients into `.grad`
+      (ACCUMULATE_BYTES), over the rank's trainable parameters (unsharded: under FSDP the engine syncs gradients
+      once a step), charged as (m - 1) / m of it to each of the m micro-batches.
+    """
+    if training.layout != "torch":
+        return 0.0, 0.0, 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len)
+    fwd = recompute = bwd = 0.0
+    if casts_weights(training) and training.precision != "fp8":  # float8 linears cast their own (float8_cast_seconds)
+        cast = (shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers
+                else shape.layers * (layer_params(args, plan.tp) - 2 * args.dim))
+        fwd += cast * CAST_BYTES
+        recompute += cast * CAST_BYTES if plan.activation_checkpoint != "none" else 0.0
+        bwd += cast * CAST_BYTES
+    if shape.last and fused_head(training, plan) and not training.lora_rank:
+        head = args.vocab_size * args.dim / plan.tp
+        per_block = 2 + 2 + 4 + 4 if training.mixed else 4 + 4
+        fwd += head * (4 + head_gradient_blocks(args, training, plan) * per_block
+                       + (CAST_BYTES if training.mixed else 0))
+        bwd += head * (4 + 4)
+    m = plan.grad_accum
+    trainable = shape.layers * lora_params(args, training, plan.tp) if training.lora_rank else shape.params
+    bwd += (m - 1) / m * trainable * ACCUMULATE_BYTES
+    return fwd, recompute, bwd
+
+
+def weight_traffic_seconds(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                           stage: int) -> tuple[float, float, float]:
+    """weight_traffic_bytes at the elementwise bandwidth."""
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    return tuple(b / bandwidth for b in weight_traffic_bytes(args, training, plan, stage))
 
 
 BF16_ACCUMULATION_BYTES = 2 + 4 + 4 + 4 + 4
