@@ -15,9 +15,9 @@
 # cases, the 1B eager comparison with torchtitan, shardwise's compiled 1B at the planner's 1 x 8. Still to run, and
 # so the default now: the compiled comparison at the same batch (issue 19; that day's call skipped shardwise's run
 # on a too-cautious estimate, since lowered), then the micro-batch study (benchmarks/gpu_checks.py's "mb" cases:
-# the 1B model at 1 x 8 and 8 x 1, eager and compiled, each with its last step profiled, host and device time per
-# operator: why the planner's 1 x 8 ran at 0.54-0.65 of its tokens/s). PEER_CASES and CHECKS choose others, e.g.
-# PEER_CASES="eager" CHECKS="8B" for the first session's order. Each script rewrites its table after every case or
+# LoRA at 1 x 8 and the 1B model at 1 x 8 and 8 x 1, eager and compiled, each with its last step profiled, host
+# and device time per operator: why the planner's 1 x 8 ran at 0.54-0.65 of its tokens/s). PEER_CASES and CHECKS
+# choose others, e.g. PEER_CASES="eager" CHECKS="8B" for the first session's order. Each script rewrites its table after every case or
 # run, so what finished comes back even if the rest runs out of time. At most 8 files come back from $OUT: the two
 # tables, the two JSON files, the checks' log, the comparison's logs and the profiles in an archive each.
 #
