@@ -304,7 +304,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # memoised: a search asks again for every dp split and ZeRO stage. The key holds the model, recipe and cluster
     # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
     key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
-           plan.micro_batch, plan.activation_checkpoint, plan.sequence_parallel, plan.ep,
+           plan.micro_batch, plan.grad_accum, plan.activation_checkpoint, plan.sequence_parallel, plan.ep,
            te_weight_cast_share(training, plan), training.bf16_optimizer_active(plan.zero_stage, plan.offload))
     cost = _STAGE_COSTS.get(key)
     if cost is None:
