@@ -1405,6 +1405,58 @@ def test_block_operator_count_is_the_blocks_own_forward_and_backward():
     assert block_op_calls(block, args) == op_counts(args).block
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_operator_counts_are_what_the_lora_model_dispatches(dropout):
+    """LoRA's operator counts are read from a table (operators.LORA_OPS), counted on one and seven adapters a block;
+    counted again they are the table's, and they give the operators of a LoRA block with another number of
+    adapters, at another size, counted on that block alone (its input needs a gradient, as inside the model)
+    exactly, and of a whole LoRA model within what its first block's backward may skip (LoraOps.rest). The
+    planner charges them: a LoRA step's per-operator time is its blocks' and the rest's count times the cost per
+    operator, and its optimizer steps over the adapters' tensors only."""
+    from shardwise.config import LoraConfig
+    from shardwise.lora import apply_lora
+    from shardwise.model import Transformer
+    from shardwise.planner.opcount import OpCounter, lora_op_counts, micro_batch
+    from shardwise.planner.operators import LORA_OPS, op_counts, optimizer_ops
+
+    lora = LORA_OPS[dropout > 0]
+    assert lora_op_counts(dropout > 0) == lora
+    args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=32)
+    dense = op_counts(args)
+    for targets in (("wk", "wo", "w3"), ("w2",)):
+        model = Transformer(dataclasses.replace(args, n_layers=3))
+        apply_lora(model, LoraConfig(rank=4, dropout=dropout, targets=list(targets)), torch.float32)
+        materialize(model, model.args, "cpu", 0)
+        block = dense.block - lora.frozen_block + len(targets) * lora.per_adapter
+        assert block_op_calls(model.layers["1"], args) == block
+        micro_batch(model, model.args)  # warm-up
+        with OpCounter() as whole:
+            micro_batch(model, model.args)
+        assert abs(whole.calls - (3 * block + dense.rest + lora.rest)) <= 60
+
+    model, plan = preset("tiny"), Plan(micro_batch=8)
+    base = dataclasses.replace(accelerator("h100"), op_overhead_s=0.0, optimizer_op_overhead_s=0.0,
+                               launch_async=False)
+    targets = ("wq", "wv")
+    train = Training(seq_len=128, global_batch=8, precision="fp32", lora_rank=8, lora_targets=targets,
+                     lora_dropout=dropout)
+
+    def time(**kw):
+        return evaluate(model, train, plan, Cluster(dataclasses.replace(base, **kw), 1)).time
+
+    per_op = 1e-5
+    ops = model.n_layers * (dense.block - lora.frozen_block + 2 * lora.per_adapter) + dense.rest + lora.rest
+    assert time(op_overhead_s=per_op).step_time_s - time().step_time_s == pytest.approx(ops * per_op)
+    extra = time(optimizer_op_overhead_s=per_op).optimizer_s - time().optimizer_s
+    assert extra == pytest.approx(optimizer_ops(dense, model.n_layers * 2 * len(targets), looped=True) * per_op)
+    # under tp each projection runs on DTensors: the two adapted ones with their adapters, the five others frozen
+    tp = Plan(tp=2, micro_batch=8)
+    step = [evaluate(model, train, tp, Cluster(dataclasses.replace(base, dtensor_op_overhead_s=s), 2)).time
+            for s in (0.0, per_op)]
+    projections = 2 * lora.adapted_linear + 5 * lora.frozen_linear
+    assert step[1].step_time_s - step[0].step_time_s == pytest.approx(model.n_layers * projections * per_op)
+
+
 def test_optimizer_traffic_per_parameter_holds_at_another_size():
     """opcount counts the bytes the engine's optimizer step (gradient norm, clipping, fused AdamW, zero_grad)
     reads and writes per parameter on one extra tiny block; a whole model of another shape, counted directly,

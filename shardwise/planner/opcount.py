@@ -25,7 +25,7 @@ from shardwise.loss import token_loss_sum
 from shardwise.model import RMSNorm, Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
-from shardwise.planner.operators import Elementwise, OpCounts, moe_structure
+from shardwise.planner.operators import Elementwise, LoraOps, OpCounts, moe_structure
 
 
 class OpCounter(TorchDispatchMode):
@@ -162,6 +162,53 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
                     optimizer_fixed=opt_counts[0].per_tensor - per_tensor * (tensors_block + tensors_rest),
                     tensors_per_block=tensors_block, tensors_rest=tensors_rest,
                     optimizer_bytes_per_param=bytes_per_param)
+
+
+@functools.cache
+def lora_op_counts(dropout: bool) -> LoraOps:
+    """What LoRA (shardwise.lora) changes in the operators of a micro-batch's forward + backward, counted as
+    OP_COUNTS are (fp32, a block as a 2-block model less a 1-block one) on the engine's model with one projection a
+    block adapted and with all seven: the difference is six adapters' operators, and what the block loses with its
+    frozen weights follows. `dropout`: adapters with dropout on their input (lora.dropout > 0)."""
+    from shardwise.config import LoraConfig
+    from shardwise.lora import LoRALinear, apply_lora
+    from shardwise.model import materialize
+    from shardwise.model_args import PROJECTIONS
+
+    base = ModelArgs(n_heads=2, n_kv_heads=1)
+    p = 0.1 if dropout else 0.0
+
+    def counts(targets: tuple[str, ...]) -> tuple[int, int]:
+        """(block, rest) of a LoRA model adapting `targets` in every block."""
+        calls = []
+        for n_layers in (1, 2):
+            args = tiny_args(base, n_layers)
+            torch.manual_seed(0)
+            model = Transformer(args)
+            apply_lora(model, LoraConfig(rank=2, dropout=p, targets=list(targets)), torch.float32)
+            materialize(model, args, "cpu", 0)
+            micro_batch(model, args)  # warm-up
+            calls.append(_count(lambda: micro_batch(model, args)).calls)
+        return calls[1] - calls[0], 2 * calls[0] - calls[1]
+
+    (one, _), (seven, rest) = counts(("wq",)), counts(PROJECTIONS)
+    per_adapter = (seven - one) // 6
+    dense = _counts(True, False)
+
+    def linear_calls(module: torch.nn.Module) -> int:
+        x = torch.randn(1, 8, TINY["dim"], requires_grad=True)
+        module(x).sum().backward()  # warm-up
+        return _count(lambda: module(x).sum().backward()).calls - _count(lambda: x.sum().backward()).calls
+
+    torch.manual_seed(0)
+    adapted = LoRALinear(TINY["dim"], TINY["dim"], rank=2, alpha=16.0, dropout=p)
+    with torch.no_grad():
+        for param in adapted.parameters():
+            param.normal_()
+    adapted.weight.requires_grad_(False)
+    frozen = torch.nn.Linear(TINY["dim"], TINY["dim"], bias=False).requires_grad_(False)
+    return LoraOps(per_adapter=per_adapter, frozen_block=dense.block - (one - per_adapter), rest=rest - dense.rest,
+                   adapted_linear=linear_calls(adapted), frozen_linear=linear_calls(frozen))
 
 
 @functools.cache

@@ -50,6 +50,34 @@ OP_COUNTS: dict[tuple[bool, bool], OpCounts] = {
 
 
 @dataclass(frozen=True)
+class LoraOps:
+    """What LoRA changes in a micro-batch's operators (opcount.lora_op_counts): a LoRA model's block dispatches
+    `block - frozen_block + adapters x per_adapter`, its embedding, head and loss `rest + this rest`."""
+
+    per_adapter: int
+    """Operators one adapted linear adds: its two adapter matmuls, the scale and the add forward, their backwards
+    and the adapters' gradients (with dropout: its mask and product forward, and the product's backward)."""
+    frozen_block: int
+    """Operators a block loses when its weights are frozen: every weight's gradient (matmuls, norms' reductions)
+    and its accumulation."""
+    rest: int
+    """The same outside the blocks (embedding and head frozen, and the first block's backward stops at its first
+    adapter), counted with every projection adapted; with fewer adapters it can lose up to a block's backward
+    more (the first block's, when the earliest adapter is its last projection), under 60 operators."""
+    adapted_linear: int
+    """Operators of one adapted linear's forward + backward (what tensor parallelism runs on DTensors)."""
+    frozen_linear: int
+    """The same of a frozen plain linear (a projection LoRA does not adapt)."""
+
+
+# lora.dropout > 0 -> what LoRA changes (counted by opcount.lora_op_counts on torch 2.13)
+LORA_OPS: dict[bool, LoraOps] = {
+    False: LoraOps(per_adapter=30, frozen_block=43, rest=-49, adapted_linear=38, frozen_linear=8),
+    True: LoraOps(per_adapter=35, frozen_block=43, rest=-52, adapted_linear=43, frozen_linear=8),
+}
+
+
+@dataclass(frozen=True)
 class Dequant:
     """What QLoRA's NF4 base adds to one adapted linear's forward and backward (opcount.qlora_dequant_counts):
     torchao dequantises the weight with a chain of eager kernels each time it is used, in forward (and in a

@@ -48,7 +48,7 @@ from shardwise.planner.memory import (
     state_bytes_per_param,
     zero_bubble_chunks,
 )
-from shardwise.planner.operators import ELEMENTWISE, QLORA_DEQUANT, op_counts, optimizer_ops
+from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training, recipe_for
 
@@ -382,7 +382,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     bwd_w += bf16_accumulation_seconds(training, plan, acc, shape.params)
     replayed = _weight_pass_replay(args, training, plan, stage)
     bwd_w += replayed * recompute  # in the deferred weight pass, with its own time slot
-    overhead = op_overhead(args, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops, moe)
+    overhead = op_overhead(args, training, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops,
+                           moe)
     tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last, moe)
     if replayed:  # the replayed forward's collectives
         bare = _tp_comm(args, training, replace(plan, activation_checkpoint="none"), cluster, layers, stage == 0,
@@ -509,21 +510,29 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     return weights * cost.forward_bytes / bandwidth, weights * cost.backward_bytes / bandwidth, ops
 
 
-def op_overhead(args: ModelArgs, plan: Plan, acc: Accelerator, layers: int, head: bool, compute: float,
-                extra_ops: float = 0.0, moe_layers: int = 0) -> float:
+def op_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, layers: int, head: bool,
+                compute: float, extra_ops: float = 0.0, moe_layers: int = 0) -> float:
     """Seconds of fixed per-operator cost in one micro-batch's forward + backward on a rank, beyond `compute`.
 
     Operators: the blocks' (`moe_layers` of them MoE blocks; and, on the head's rank, embedding, head and loss)
-    counted in our model (opcount); under tp the 7 projections of each dense block (the 4 of an MoE block's
+    counted in our model (opcount); a LoRA model's blocks lose their frozen weights' gradient operators and gain
+    each adapter's (operators.LORA_OPS); under tp the 7 projections of each dense block (the 4 of an MoE block's
     attention: the MoE is plain tensors) run on DTensors and pay `dtensor_op_overhead_s` more per operator.
     On a CPU the cost adds to the arithmetic (the same cores do both); where launches are asynchronous (a GPU)
     it hides behind the kernels: only max(0, overhead - compute) is exposed. Recomputed forwards are not counted.
     """
     c = op_counts(args)
-    blocks = (layers - moe_layers) * c.block + moe_layers * c.moe_block
-    t = (blocks + (c.rest if head else 0) + extra_ops) * acc.op_overhead_s
+    block, rest = c.block, c.rest
+    projections = len(projection_shapes(args)) * c.linear
+    if training.lora_rank:  # the config refuses LoRA on a mixture of experts
+        lora, adapters = LORA_OPS[training.lora_dropout > 0], len(adapted_shapes(args, training))
+        block += adapters * lora.per_adapter - lora.frozen_block
+        rest += lora.rest
+        projections = adapters * lora.adapted_linear + (len(projection_shapes(args)) - adapters) * lora.frozen_linear
+    blocks = (layers - moe_layers) * block + moe_layers * c.moe_block
+    t = (blocks + (rest if head else 0) + extra_ops) * acc.op_overhead_s
     if plan.tp > 1:
-        t += (layers * len(projection_shapes(args)) - moe_layers * 3) * c.linear * acc.dtensor_op_overhead_s
+        t += ((layers - moe_layers) * projections + moe_layers * 4 * c.linear) * acc.dtensor_op_overhead_s
     return max(0.0, t - compute) if acc.launch_async else t
 
 
@@ -931,6 +940,8 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     where = placement(args, plan, training.seq_len)
     tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
         c.tensors_per_moe_block - c.tensors_per_block)
+    if training.lora_rank:  # only the adapters are in the optimizer: A and B of each adapted linear
+        tensors = where.max_layers * 2 * len(adapted_shapes(args, training))
     per_op = acc.optimizer_op_overhead_s
     if training.fsdp2 and plan.tp * plan.dp * plan.cp > 1:
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
