@@ -70,6 +70,9 @@ REFERENCE = "1 device, 1 core"
 SMALL = ModelArgs(name="planner-bench-small", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192,
                   vocab_size=320, max_seq_len=128)
 SMALL_JOBS = [("small model, 1 core", Plan(micro_batch=2), 1), ("small model, 1 core, LoRA r8", Plan(micro_batch=2), 1)]
+JOBS = {name: (SMALL, Training(seq_len=SEQ_LEN, global_batch=2, precision="fp32", optimizer="adamw", lora_rank=rank))
+        for (name, _, _), rank in zip(SMALL_JOBS, (0, 8))}
+"""The model and recipe of each layout that does not train MODEL at GLOBAL_BATCH x SEQ_LEN (`training()`)."""
 
 
 def threads_of(plan: Plan, threads: int | None) -> int:
@@ -81,11 +84,8 @@ def training() -> Training:
 
 
 def job(name: str) -> tuple[ModelArgs, Training]:
-    """The model and recipe a layout trains: MODEL at 8 x 128 tokens, or SMALL at 2 x 128 (with LoRA r8)."""
-    if not name.startswith("small model"):
-        return MODEL, training()
-    lora = 8 if name.endswith("LoRA r8") else 0
-    return SMALL, Training(seq_len=SEQ_LEN, global_batch=2, precision="fp32", optimizer="adamw", lora_rank=lora)
+    """The model and recipe the layout `name` trains."""
+    return JOBS.get(name, (MODEL, training()))
 
 
 def calibrate_profiles(kinds: set[tuple[int, int]], out_dir: Path, iters: int) -> dict[tuple[int, int], Path]:

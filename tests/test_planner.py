@@ -1421,6 +1421,8 @@ def test_lora_operator_counts_are_what_the_lora_model_dispatches(dropout):
 
     lora = LORA_OPS[dropout > 0]
     assert lora_op_counts(dropout > 0) == lora
+    # counted on a lone module, an adapted linear is a frozen one plus what an adapter adds to a whole block
+    assert lora.adapted_linear == lora.frozen_linear + lora.per_adapter
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=32)
     dense = op_counts(args)
     for targets in (("wk", "wo", "w3"), ("w2",)):

@@ -523,16 +523,17 @@ def op_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     """
     c = op_counts(args)
     block, rest = c.block, c.rest
-    projections = len(projection_shapes(args)) * c.linear
+    projection_ops = len(projection_shapes(args)) * c.linear  # of a dense block, what tp runs on DTensors
     if training.lora_rank:  # the config refuses LoRA on a mixture of experts
         lora, adapters = LORA_OPS[training.lora_dropout > 0], len(adapted_shapes(args, training))
         block += adapters * lora.per_adapter - lora.frozen_block
         rest += lora.rest
-        projections = adapters * lora.adapted_linear + (len(projection_shapes(args)) - adapters) * lora.frozen_linear
+        projection_ops = (adapters * lora.adapted_linear
+                          + (len(projection_shapes(args)) - adapters) * lora.frozen_linear)
     blocks = (layers - moe_layers) * block + moe_layers * c.moe_block
     t = (blocks + (rest if head else 0) + extra_ops) * acc.op_overhead_s
     if plan.tp > 1:
-        t += ((layers - moe_layers) * projections + moe_layers * 4 * c.linear) * acc.dtensor_op_overhead_s
+        t += ((layers - moe_layers) * projection_ops + moe_layers * 4 * c.linear) * acc.dtensor_op_overhead_s
     return max(0.0, t - compute) if acc.launch_async else t
 
 
