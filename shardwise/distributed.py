@@ -3,6 +3,7 @@ the launcher, and a spawner of functions on N local gloo ranks (for tests and be
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -340,6 +341,13 @@ def _entry(rank: int, world: int, port: int, fn, args, results, environ: dict[st
         results[rank] = ("ok", fn(*args))
     except BaseException:  # report every rank's failure to the parent, whatever it is
         results[rank] = ("error", traceback.format_exc())
+    else:
+        # Rank 0's process hosts the store every group is made through. A rank whose fn ends with no collective
+        # (making its own one-rank groups, say) could exit while another still uses the store: that rank's
+        # "Broken pipe". A failed rank skips this: its exit ends the barrier with an error, and its own report
+        # is the one that counts.
+        with contextlib.suppress(Exception):
+            dist.barrier()
     finally:
         shutdown()
 

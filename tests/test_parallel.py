@@ -257,6 +257,45 @@ def test_no_gloo_thread_outlives_a_job(tmp_path):
     assert run_distributed(_gloo_threads_after_training, 2, str(tmp_path / "run")) == [[], []]
 
 
+def _groups_of_one_after_the_other_rank_is_done(groups: int) -> int:
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # the other rank has nothing left to do with this one
+    for _ in range(groups):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return dist.get_rank()
+
+
+def _rank_one_fails() -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one's own error")
+    return "done"
+
+
+@pytest.mark.multiprocess
+def test_a_rank_still_making_groups_when_another_is_done_keeps_the_store():
+    """Rank 0's process hosts the store the test ranks make their groups through. A rank whose function ended with
+    no collective (here: one-rank groups, as a mesh's size-1 dims are made) used to exit while the other was still
+    making its own: that rank's "Broken pipe" (a CI failure of test_optim's low-bit layouts)."""
+    from distributed import run_distributed
+
+    assert run_distributed(_groups_of_one_after_the_other_rank_is_done, 2, 10) == [0, 1]
+
+
+@pytest.mark.multiprocess
+def test_a_failed_test_rank_is_reported_with_its_own_error():
+    """The rank that raised is reported, not a rank whose wait for it ended with an error."""
+    from distributed import run_distributed
+
+    with pytest.raises(AssertionError, match="(?s)rank 1 failed:.*rank one's own error"):
+        run_distributed(_rank_one_fails, 2)
+
+
 def test_verify_refuses_fsdp_mixed_precision_before_any_process(capsys, monkeypatch):
     """FSDP2's bf16 policy computes from bf16 weights and one device from autocast's fp32 ones: verify cannot hold
     them to a tolerance, and says so in one line naming the key, nothing started."""
