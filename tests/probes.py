@@ -118,19 +118,27 @@ def measure_saved(model, run, mode: str, exclude=(), alternate: bool = False) ->
     return sum(kept.values())
 
 
-def block_op_calls(block: torch.nn.Module, args, seq: int = 32) -> int:
-    """Operators one forward and backward of a TransformerBlock dispatches (after a warm-up), less those of the
-    input's own backward: what the planner's operator count says a block costs."""
+def block_op_calls(block: torch.nn.Module, args, seq: int = 32, precision: str = "fp32") -> int:
+    """Operators one forward and backward of a TransformerBlock dispatches under the precision's autocast (after a
+    warm-up), less those of the input's own backward: what the planner's operator count says a block costs."""
+    from shardwise.loss import autocast_context
     from shardwise.model import rotary_table
     from shardwise.planner.opcount import OpCounter
 
-    x = torch.randn(2, seq, args.dim, requires_grad=True)
+    leaf = torch.randn(2, seq, args.dim, requires_grad=True)
     rope = rotary_table(args, seq)
-    block(x, rope).sum().backward()  # warm-up
+
+    def run(block):
+        x = leaf.clone()  # an activation, as inside the model: autocast caches its casts of leaves (weights) only
+        with autocast_context(precision, torch.device("cpu")):
+            y = block(x, rope) if block is not None else x
+        y.sum().backward()
+
+    run(block)  # warm-up
     with OpCounter() as with_block:
-        block(x, rope).sum().backward()
+        run(block)
     with OpCounter() as without:
-        x.sum().backward()
+        run(None)
     return with_block.calls - without.calls
 
 

@@ -1393,61 +1393,72 @@ def test_pipeline_time_follows_the_rank_with_the_most_blocks():
 # Per-operator overhead and per-collective bandwidths
 
 
-def test_block_operator_count_is_the_blocks_own_forward_and_backward():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_block_operator_count_is_the_blocks_own_forward_and_backward(precision):
     # opcount takes a block's operators as the difference between a 2-block and a 1-block model; counted here on
-    # a lone block instead (its input needs a gradient, as inside the model), at another size
+    # a lone block instead (its input needs a gradient, as inside the model), at another size; under bf16's
+    # autocast each of the 7 projections casts its input and weight, and backward their gradients
     from shardwise.model import TransformerBlock
     from shardwise.model_args import ModelArgs
     from shardwise.planner.operators import op_counts
 
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
     block = TransformerBlock(args)
-    assert block_op_calls(block, args) == op_counts(args).block
+    assert block_op_calls(block, args, precision=precision) == op_counts(args, precision != "fp32").block
+    if precision != "fp32":
+        assert op_counts(args, True).block == op_counts(args).block + 7 * 4
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_lora_operator_counts_are_what_the_lora_model_dispatches(dropout):
+def test_lora_operator_counts_are_what_the_lora_model_dispatches(dropout, precision):
     """LoRA's operator counts are read from a table (operators.LORA_OPS), counted on one and seven adapters a block;
     counted again they are the table's, and they give the operators of a LoRA block with another number of
     adapters, at another size, counted on that block alone (its input needs a gradient, as inside the model)
     exactly, and of a whole LoRA model within what its first block's backward may skip (LoraOps.rest). The
     planner charges them: a LoRA step's per-operator time is its blocks' and the rest's count times the cost per
-    operator, and its optimizer steps over the adapters' tensors only."""
+    operator, and its optimizer steps over the adapters' tensors only. Under bf16's autocast an adapter on a
+    norm's fp32 output (wq, wk, wv, w1, w3) casts that input again, forward and backward."""
     from shardwise.config import LoraConfig
     from shardwise.lora import apply_lora
     from shardwise.model import Transformer
     from shardwise.planner.opcount import OpCounter, lora_op_counts, micro_batch
     from shardwise.planner.operators import LORA_OPS, op_counts, optimizer_ops
 
-    lora = LORA_OPS[dropout > 0]
-    assert lora_op_counts(dropout > 0) == lora
-    # counted on a lone module, an adapted linear is a frozen one plus what an adapter adds to a whole block
-    assert lora.adapted_linear == lora.frozen_linear + lora.per_adapter
+    autocast = precision != "fp32"
+    lora = LORA_OPS[dropout > 0, autocast]
+    assert lora_op_counts(dropout > 0, precision) == lora
+    assert lora.input_cast == (2 if autocast else 0)
+    # counted on a lone module (an fp32 input), an adapted linear is a frozen one plus what an adapter on an fp32
+    # input adds to a whole block
+    assert lora.adapted_linear == lora.frozen_linear + lora.per_adapter + lora.input_cast
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, max_seq_len=32)
-    dense = op_counts(args)
-    for targets in (("wk", "wo", "w3"), ("w2",)):
+    dense = op_counts(args, autocast)
+    for targets, casts in ((("wk", "wo", "w3"), 2), (("w2",), 0)):
         model = Transformer(dataclasses.replace(args, n_layers=3))
         apply_lora(model, LoraConfig(rank=4, dropout=dropout, targets=list(targets)), torch.float32)
         materialize(model, model.args, "cpu", 0)
-        block = dense.block - lora.frozen_block + len(targets) * lora.per_adapter
-        assert block_op_calls(model.layers["1"], args) == block
-        micro_batch(model, model.args)  # warm-up
+        block = dense.block - lora.frozen_block + len(targets) * lora.per_adapter + casts * lora.input_cast
+        assert block_op_calls(model.layers["1"], args, precision=precision) == block
+        micro_batch(model, model.args, precision)  # warm-up
         with OpCounter() as whole:
-            micro_batch(model, model.args)
+            micro_batch(model, model.args, precision)
         assert abs(whole.calls - (3 * block + dense.rest + lora.rest)) <= 60
 
     model, plan = preset("tiny"), Plan(micro_batch=8)
     base = dataclasses.replace(accelerator("h100"), op_overhead_s=0.0, optimizer_op_overhead_s=0.0,
                                launch_async=False)
     targets = ("wq", "wv")
-    train = Training(seq_len=128, global_batch=8, precision="fp32", lora_rank=8, lora_targets=targets,
+    train = Training(seq_len=128, global_batch=8, precision=precision, lora_rank=8, lora_targets=targets,
                      lora_dropout=dropout)
 
     def time(**kw):
         return evaluate(model, train, plan, Cluster(dataclasses.replace(base, **kw), 1)).time
 
     per_op = 1e-5
-    ops = model.n_layers * (dense.block - lora.frozen_block + 2 * lora.per_adapter) + dense.rest + lora.rest
+    # wq and wv take the attention norm's output
+    ops = (model.n_layers * (dense.block - lora.frozen_block + 2 * (lora.per_adapter + lora.input_cast))
+           + dense.rest + lora.rest)
     assert time(op_overhead_s=per_op).step_time_s - time().step_time_s == pytest.approx(ops * per_op)
     extra = time(optimizer_op_overhead_s=per_op).optimizer_s - time().optimizer_s
     assert extra == pytest.approx(optimizer_ops(dense, model.n_layers * 2 * len(targets), looped=True) * per_op)
@@ -1867,16 +1878,20 @@ def test_bloom_layout_search_out_of_memory_rows_do_not_fit(name):
     assert not published.given_plan(run)[1]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied):
+def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied, precision):
     """The planner reads operator counts from a table (it imports no torch); counted again on the real model and
-    optimizer step under this torch, they are the table's."""
+    optimizer step under this torch (and the precision's autocast), they are the table's; the planner counts the
+    engine's casts (layout 'torch') in bf16 and fp16 only, and another system's bf16 weights need none."""
     from shardwise.planner.opcount import live_op_counts
     from shardwise.planner.operators import op_counts
 
     args = ModelArgs(n_heads=4, n_kv_heads=2 if gqa else 4, tie_embeddings=tied)
-    assert live_op_counts(args) == op_counts(args)
+    assert live_op_counts(args, precision) == op_counts(args, precision != "fp32")
+    assert Training(precision=precision).autocasts == (precision != "fp32")
+    assert not Training(precision=precision, layout="fsdp-mp").autocasts
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -21,11 +21,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
 from shardwise.config import OptimConfig
-from shardwise.loss import token_loss_sum
+from shardwise.loss import autocast_context, token_loss_sum
 from shardwise.model import RMSNorm, Transformer, fuse_head_loss
 from shardwise.model_args import ModelArgs
 from shardwise.optim import build_optimizer
-from shardwise.planner.operators import Elementwise, LoraOps, OpCounts, moe_structure
+from shardwise.planner.operators import CAST_INPUTS, Elementwise, LoraOps, OpCounts, moe_structure
 
 
 class OpCounter(TorchDispatchMode):
@@ -84,15 +84,15 @@ def tiny_args(args: ModelArgs, n_layers: int = 1) -> ModelArgs:
                      tie_embeddings=args.tie_embeddings, **TINY, **moe)
 
 
-def micro_batch(model: Transformer, args: ModelArgs) -> None:
-    """One forward + backward as the engine runs it (summed token cross-entropy; the head fused with it, as the
-    engine runs a plain head: shardwise.model.fuse_head_loss)."""
+def micro_batch(model: Transformer, args: ModelArgs, precision: str = "fp32") -> None:
+    """One forward + backward as the engine runs it (shardwise.train.loss_sum: summed token cross-entropy, the head
+    fused with it, as the engine runs a plain head: shardwise.model.fuse_head_loss), under the precision's
+    autocast."""
     tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
     fuse_head_loss(model)
-    if model.fused_loss:
-        model(tokens, targets=tokens).backward()
-    else:
-        token_loss_sum(model(tokens), tokens).backward()
+    with autocast_context(precision, torch.device("cpu")):
+        out = model(tokens, targets=tokens) if model.fused_loss else model(tokens)
+    (out if model.fused_loss else token_loss_sum(out, tokens)).backward()
 
 
 def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer) -> None:
@@ -133,18 +133,36 @@ def _moe_counts(base: ModelArgs) -> tuple[int, float, int]:
             len(list(one.layers["0"].parameters())) - dense.tensors_per_block)
 
 
+def linear_calls(module: torch.nn.Module, precision: str = "fp32") -> int:
+    """Operators of one forward + backward of a linear `module` (of TINY's width) on an fp32 activation under the
+    precision's autocast."""
+    leaf = torch.randn(1, 8, TINY["dim"], requires_grad=True)
+
+    def run(module: torch.nn.Module | None):
+        x = leaf.clone()  # an activation, as in a block: autocast caches its casts of leaves (weights) only
+        with autocast_context(precision, torch.device("cpu")):
+            y = module(x) if module is not None else x
+        y.sum().backward()
+
+    run(module)  # warm-up
+    return _count(lambda: run(module)).calls - _count(lambda: run(None)).calls
+
+
 @functools.cache
-def _counts(gqa: bool, tied: bool) -> OpCounts:
+def _counts(gqa: bool, tied: bool, precision: str = "fp32") -> OpCounts:
+    """OpCounts of the structure: the micro-batch's under the precision's autocast (with bf16, each matmul casts its
+    input and its fp32 weight, and backward casts their gradients back); the optimizer's, outside autocast as the
+    engine steps, the same in every precision."""
     base = ModelArgs(n_heads=2, n_kv_heads=1 if gqa else 2, tie_embeddings=tied)
     torch.manual_seed(0)
     one, two = (Transformer(tiny_args(base, n)) for n in (1, 2))
-    micro_batch(one, one.args)  # warm-up: first calls take one-off paths
-    n1 = _count(lambda: micro_batch(one, one.args)).calls
-    n2 = _count(lambda: micro_batch(two, two.args)).calls
+    micro_batch(one, one.args, precision)  # warm-up: first calls take one-off paths
+    n1 = _count(lambda: micro_batch(one, one.args, precision)).calls
+    n2 = _count(lambda: micro_batch(two, two.args, precision)).calls
     block = n2 - n1
-    linear = torch.nn.Linear(16, 16, bias=False)
-    x = torch.randn(1, 8, 16, requires_grad=True)
-    lin = _count(lambda: linear(x).sum().backward()).calls - _count(lambda: x.sum().backward()).calls
+    lin = linear_calls(torch.nn.Linear(TINY["dim"], TINY["dim"], bias=False), precision)
+    if precision != "fp32":
+        return dataclasses.replace(_counts(gqa, tied), block=block, rest=n1 - block, linear=lin)
     tensors_block = len(list(one.layers["0"].parameters()))
     tensors_rest = len(list(one.parameters())) - tensors_block
     opt_counts = []
@@ -165,11 +183,12 @@ def _counts(gqa: bool, tied: bool) -> OpCounts:
 
 
 @functools.cache
-def lora_op_counts(dropout: bool) -> LoraOps:
+def lora_op_counts(dropout: bool, precision: str = "fp32") -> LoraOps:
     """What LoRA (shardwise.lora) changes in the operators of a micro-batch's forward + backward, counted as
-    OP_COUNTS are (fp32, a block as a 2-block model less a 1-block one) on the engine's model with one projection a
-    block adapted and with all seven: the difference is six adapters' operators, and what the block loses with its
-    frozen weights follows. `dropout`: adapters with dropout on their input (lora.dropout > 0)."""
+    OP_COUNTS are (a block as a 2-block model less a 1-block one, under the precision's autocast) on the engine's
+    model with one projection a block adapted (wo, then wq: the difference is an fp32 input's cast,
+    operators.CAST_INPUTS) and with all seven: the difference is six adapters' operators, and what the block
+    loses with its frozen weights follows. `dropout`: adapters with dropout on their input (lora.dropout > 0)."""
     from shardwise.config import LoraConfig
     from shardwise.lora import LoRALinear, apply_lora
     from shardwise.model import materialize
@@ -187,18 +206,15 @@ def lora_op_counts(dropout: bool) -> LoraOps:
             model = Transformer(args)
             apply_lora(model, LoraConfig(rank=2, dropout=p, targets=list(targets)), torch.float32)
             materialize(model, args, "cpu", 0)
-            micro_batch(model, args)  # warm-up
-            calls.append(_count(lambda: micro_batch(model, args)).calls)
+            micro_batch(model, args, precision)  # warm-up
+            calls.append(_count(lambda: micro_batch(model, args, precision)).calls)
         return calls[1] - calls[0], 2 * calls[0] - calls[1]
 
-    (one, _), (seven, rest) = counts(("wq",)), counts(PROJECTIONS)
-    per_adapter = (seven - one) // 6
-    dense = _counts(True, False)
-
-    def linear_calls(module: torch.nn.Module) -> int:
-        x = torch.randn(1, 8, TINY["dim"], requires_grad=True)
-        module(x).sum().backward()  # warm-up
-        return _count(lambda: module(x).sum().backward()).calls - _count(lambda: x.sum().backward()).calls
+    (one, _), (cast, _), (seven, rest) = counts(("wo",)), counts(("wq",)), counts(PROJECTIONS)
+    input_cast = cast - one
+    per_adapter, uneven = divmod(seven - one - input_cast * len(CAST_INPUTS), len(PROJECTIONS) - 1)
+    assert not uneven, "the adapters of a block differ in more than their inputs' casts"
+    dense = _counts(True, False, precision)
 
     torch.manual_seed(0)
     adapted = LoRALinear(TINY["dim"], TINY["dim"], rank=2, alpha=16.0, dropout=p)
@@ -207,8 +223,9 @@ def lora_op_counts(dropout: bool) -> LoraOps:
             param.normal_()
     adapted.weight.requires_grad_(False)
     frozen = torch.nn.Linear(TINY["dim"], TINY["dim"], bias=False).requires_grad_(False)
-    return LoraOps(per_adapter=per_adapter, frozen_block=dense.block - (one - per_adapter), rest=rest - dense.rest,
-                   adapted_linear=linear_calls(adapted), frozen_linear=linear_calls(frozen))
+    return LoraOps(per_adapter=per_adapter, input_cast=input_cast, frozen_block=dense.block - (one - per_adapter),
+                   rest=rest - dense.rest,
+                   adapted_linear=linear_calls(adapted, precision), frozen_linear=linear_calls(frozen, precision))
 
 
 @functools.cache
@@ -254,10 +271,11 @@ def qlora_dequant_counts(precision: str, dim: int = 256) -> tuple[float, float, 
     return (qfc - fc) / 7, (qfb - fb) / weights, (qbc - bc) / 7, (qbb - bb) / weights
 
 
-def live_op_counts(args: ModelArgs) -> OpCounts:
-    """Operator counts of `args`'s structure, counted now on this torch (once per structure, a fraction of a
-    second); the planner reads the same numbers from operators.OP_COUNTS (and MOE_OP_COUNTS) without torch."""
-    dense = _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings)
+def live_op_counts(args: ModelArgs, precision: str = "fp32") -> OpCounts:
+    """Operator counts of `args`'s structure under the precision's autocast, counted now on this torch (once per
+    structure, a fraction of a second); the planner reads the same numbers from operators.OP_COUNTS (and
+    MOE_OP_COUNTS, counted in fp32) without torch."""
+    dense = _counts(args.n_kv_heads < args.n_heads, args.tie_embeddings, precision)
     if not args.n_experts:
         return dense
     ops, per_expert, tensors = _moe_counts(_moe_base(args, moe_structure(args)))

@@ -40,23 +40,39 @@ class OpCounts:
     """Of a mixture of experts, parameter tensors of one MoE block (0 for a dense model)."""
 
 
-# (grouped-query attention, tied embeddings) -> counts
-OP_COUNTS: dict[tuple[bool, bool], OpCounts] = {
-    (False, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
-    (False, True): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
-    (True, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
-    (True, True): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
+# (grouped-query attention, tied embeddings, autocast) -> counts. Under autocast (the engine in bf16 or fp16: fp32
+# weights, Training.autocasts) each projection casts its input and weight, and backward casts their gradients back:
+# 4 operators more each (counted in bf16; fp16 casts alike). The optimizer steps outside autocast: the same counts.
+OP_COUNTS: dict[tuple[bool, bool, bool], OpCounts] = {
+    (False, False, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
+    (False, True, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
+    (True, False, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
+    (True, True, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
+    (False, False, True): OpCounts(*(240, 58, 17, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
+    (False, True, True): OpCounts(*(240, 58, 17, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
+    (True, False, True): OpCounts(*(240, 58, 17, 22, 3.0, 18.0, 9, 3, 44.10787671232877)),
+    (True, True, True): OpCounts(*(240, 58, 17, 22, 3.0, 18.0, 9, 2, 44.10787671232877)),
 }
+
+
+CAST_INPUTS = ("wq", "wk", "wv", "w1", "w3")
+"""The projections whose input is a norm's fp32 output (the engine's residual stream is fp32): under autocast every
+matmul that takes it casts it again, an adapter's too. wo and w2 take their block's bf16 attention output and gated
+product."""
 
 
 @dataclass(frozen=True)
 class LoraOps:
     """What LoRA changes in a micro-batch's operators (opcount.lora_op_counts): a LoRA model's block dispatches
-    `block - frozen_block + adapters x per_adapter`, its embedding, head and loss `rest + this rest`."""
+    `lora_block_ops`, its embedding, head and loss `rest + this rest`."""
 
     per_adapter: int
     """Operators one adapted linear adds: its two adapter matmuls, the scale and the add forward, their backwards
-    and the adapters' gradients (with dropout: its mask and product forward, and the product's backward)."""
+    and the adapters' gradients (with dropout: its mask and product forward, and the product's backward); under
+    autocast, the casts of the adapters' weights and their gradients."""
+    input_cast: int
+    """Operators an adapter on one of CAST_INPUTS adds besides: under autocast its fp32 input's own cast, forward
+    and backward (0 in fp32)."""
     frozen_block: int
     """Operators a block loses when its weights are frozen: every weight's gradient (matmuls, norms' reductions)
     and its accumulation."""
@@ -65,16 +81,28 @@ class LoraOps:
     adapter), counted with every projection adapted; with fewer adapters it can lose up to a block's backward
     more (the first block's, when the earliest adapter is its last projection), under 60 operators."""
     adapted_linear: int
-    """Operators of one adapted linear's forward + backward (what tensor parallelism runs on DTensors)."""
+    """Operators of one adapted linear's forward + backward, on an fp32 input (what tensor parallelism runs on
+    DTensors)."""
     frozen_linear: int
     """The same of a frozen plain linear (a projection LoRA does not adapt)."""
 
 
-# lora.dropout > 0 -> what LoRA changes (counted by opcount.lora_op_counts on torch 2.13)
-LORA_OPS: dict[bool, LoraOps] = {
-    False: LoraOps(per_adapter=30, frozen_block=43, rest=-49, adapted_linear=38, frozen_linear=8),
-    True: LoraOps(per_adapter=35, frozen_block=43, rest=-52, adapted_linear=43, frozen_linear=8),
+# (lora.dropout > 0, autocast) -> what LoRA changes (counted by opcount.lora_op_counts on torch 2.13; autocast in bf16)
+LORA_OPS: dict[tuple[bool, bool], LoraOps] = {
+    (False, False): LoraOps(per_adapter=30, input_cast=0, frozen_block=43, rest=-49, adapted_linear=38,
+                            frozen_linear=8),
+    (True, False): LoraOps(per_adapter=35, input_cast=0, frozen_block=43, rest=-52, adapted_linear=43,
+                           frozen_linear=8),
+    (False, True): LoraOps(per_adapter=34, input_cast=2, frozen_block=50, rest=-56, adapted_linear=47,
+                           frozen_linear=11),
+    (True, True): LoraOps(per_adapter=39, input_cast=2, frozen_block=50, rest=-59, adapted_linear=52,
+                          frozen_linear=11),
 }
+
+
+def lora_block_ops(block: int, lora: LoraOps, targets) -> int:
+    """Operators of a LoRA block adapting the projections `targets`, from its dense count `block`."""
+    return block - lora.frozen_block + sum(lora.per_adapter + lora.input_cast * (t in CAST_INPUTS) for t in targets)
 
 
 @dataclass(frozen=True)
@@ -178,9 +206,10 @@ MOE_OP_COUNTS: dict[tuple[bool, bool, bool, bool, bool], tuple[int, float, int]]
 }
 
 
-def op_counts(args: ModelArgs) -> OpCounts:
-    """Operator counts of `args`'s structure."""
-    dense = OP_COUNTS[args.n_kv_heads < args.n_heads, args.tie_embeddings]
+def op_counts(args: ModelArgs, autocast: bool = False) -> OpCounts:
+    """Operator counts of `args`'s structure; `autocast`: as the engine dispatches them in bf16 or fp16
+    (Training.autocasts). The MoE's own operators are counted in fp32 (a grouped GEMM's casts are not)."""
+    dense = OP_COUNTS[args.n_kv_heads < args.n_heads, args.tie_embeddings, autocast]
     if not args.n_experts:
         return dense
     return _with_moe(dense, MOE_OP_COUNTS[moe_structure(args)], args.n_experts)

@@ -48,7 +48,7 @@ from shardwise.planner.memory import (
     state_bytes_per_param,
     zero_bubble_chunks,
 )
-from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, op_counts, optimizer_ops
+from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, lora_block_ops, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
 from shardwise.planner.workload import Training, recipe_for
 
@@ -515,19 +515,20 @@ def op_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     """Seconds of fixed per-operator cost in one micro-batch's forward + backward on a rank, beyond `compute`.
 
     Operators: the blocks' (`moe_layers` of them MoE blocks; and, on the head's rank, embedding, head and loss)
-    counted in our model (opcount); a LoRA model's blocks lose their frozen weights' gradient operators and gain
-    each adapter's (operators.LORA_OPS); under tp the 7 projections of each dense block (the 4 of an MoE block's
+    counted in our model (opcount), with autocast's casts where the engine runs under it (Training.autocasts); a
+    LoRA model's blocks lose their frozen weights' gradient operators and gain each adapter's (operators.LORA_OPS);
+    under tp the 7 projections of each dense block (the 4 of an MoE block's
     attention: the MoE is plain tensors) run on DTensors and pay `dtensor_op_overhead_s` more per operator.
     On a CPU the cost adds to the arithmetic (the same cores do both); where launches are asynchronous (a GPU)
     it hides behind the kernels: only max(0, overhead - compute) is exposed. Recomputed forwards are not counted.
     """
-    c = op_counts(args)
+    c = op_counts(args, training.autocasts)
     block, rest = c.block, c.rest
     projection_ops = len(projection_shapes(args)) * c.linear  # of a dense block, what tp runs on DTensors
     if training.lora_rank:  # the config refuses LoRA on a mixture of experts
-        lora, adapters = LORA_OPS[training.lora_dropout > 0], len(adapted_shapes(args, training))
-        block += adapters * lora.per_adapter - lora.frozen_block
-        rest += lora.rest
+        lora = LORA_OPS[training.lora_dropout > 0, training.autocasts]
+        adapted = [name for name, *_ in adapted_shapes(args, training)]
+        block, rest, adapters = lora_block_ops(block, lora, adapted), rest + lora.rest, len(adapted)
         projection_ops = (adapters * lora.adapted_linear
                           + (len(projection_shapes(args)) - adapters) * lora.frozen_linear)
     blocks = (layers - moe_layers) * block + moe_layers * c.moe_block

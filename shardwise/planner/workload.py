@@ -251,6 +251,12 @@ class Training:
         return self.precision != "fp32"
 
     @property
+    def autocasts(self) -> bool:
+        """Whether the step runs under torch's autocast on fp32 weights (layout 'torch' in bf16 or fp16: shardwise's
+        engine), which dispatches a cast of each matmul's inputs and of their gradients (operators.OP_COUNTS)."""
+        return self.layout == "torch" and self.precision in ("bf16", "fp16")
+
+    @property
     def loss_kernel(self) -> bool:
         """The cross-entropy over materialised logits is one kernel over the compute-dtype logits (memory.py): a
         kernel the system calls (`ce_kernel`), or the loss compiled with the blocks (`compile_loss`)."""
