@@ -41,8 +41,9 @@ class OpCounts:
 
 
 # (grouped-query attention, tied embeddings, autocast) -> counts. Under autocast (the engine in bf16 or fp16: fp32
-# weights, Training.autocasts) each projection casts its input and weight, and backward casts their gradients back:
-# 4 operators more each (counted in bf16; fp16 casts alike). The optimizer steps outside autocast: the same counts.
+# weights, Training.autocasts) a block casts its 7 weights and 5 fp32 matmul inputs (the norms' outputs) to bf16 and
+# backward their gradients back, RoPE's 2 tables, and in backward the gradients of wo's and w2's bf16 outputs added
+# into the fp32 residual stream: 28 operators more (counted in bf16; fp16 casts alike). The optimizer steps outside.
 OP_COUNTS: dict[tuple[bool, bool, bool], OpCounts] = {
     (False, False, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 3, 44.09722222222222)),
     (False, True, False): OpCounts(*(212, 53, 13, 22, 3.0, 18.0, 9, 2, 44.09722222222222)),
