@@ -540,7 +540,8 @@ def torchao_runs() -> list[Run]:
 # multi-head attention, tied embedding, vocabulary 50,368; d_model / n_heads / n_layers from
 # scripts/train/yamls/pretrain/mpt-*.yaml, d_head 128 everywhere but 125m and 350m) trained with Composer's FSDP
 # (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, one unit per block), mixed precision DEFAULT (bf16 compute, fp32
-# reduction) or PURE, attn_impl flash, activation checkpointing of whole blocks or none, a few steps each. The
+# reduction) or PURE, attn_impl flash (triton in the 8-64 GPU H100 table: docs/planner.md), activation checkpointing
+# of whole blocks or none, a few steps each. The
 # columns kept, in the source's order: Model, SeqLen, # GPUs, GPU, MFU, MicroBatchSize, GradAccum,
 # GlobalBatchSize, Throughput (T/s/GPU), MP Mode, Sharding Strategy, Activation Checkpointing; tables "H100 80GB
 # BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
