@@ -136,6 +136,13 @@ class Run:
     """Megatron's --distribute-checkpointed-activations (Training.distribute_checkpoints), where the source ran it."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer keeping the bf16 gradients (Training.keeps_bf16_grads), where the run used it."""
+    pipeline_split: str = "cost"
+    """How the run cut its pipeline stages (Training.pipeline_split): 'slots' for DeepSpeed's partition over
+    `type:transformer|embedding`."""
+    embedding_norm: bool = False
+    """A LayerNorm on the embedding's output (Training.embedding_norm: BLOOM's)."""
+    fixed_overhead_gib: float | None = None
+    """The CUDA context and libraries, where the source measured them (Training.fixed_overhead_gib)."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -315,12 +322,15 @@ def mtnlg_runs() -> list[Run]:
 # 2022-02-28): the same 48 Jean Zay nodes (384 A100 80GB) and code as BLOOM's run above (Megatron-DeepSpeed, the BF16
 # optimizer "just written to accumulate gradients in fp32" with its own ZeRO-1, keeping the bf16 gradients too, as
 # above, DeepSpeed's pipeline, full recompute, unfused attention), batch 2,048 x 2,048, vocabulary 250k,
-# "--pp-partition-method 'type:transformer|embedding'" (each embedding a block's slot; not modelled: the planner
-# cuts its own cost-balanced split, one block more on the first stage). Each table is one model (hidden x layers)
+# "--pp-partition-method 'type:transformer|embedding'" (each embedding a block's slot: Training.pipeline_split
+# 'slots'), BLOOM's embedding LayerNorm (Training.embedding_norm), the CUDA context the document measured, and the
+# BF16 optimizer's two large transients (memory.bf16_optimizer_segments). Each table is one model (hidden x layers)
 # under several layouts and head counts: "Sec/it" measured at iteration 2, "Mem" the "max memory used by the first
 # (last) nodes" read with nvidia-smi (taken as GiB: nvidia-smi prints MiB, and "67GB" read as thousands of MiB would
 # be 2.4% less), "OOM" where it did not fit. Every row of the section's tables is kept. Rows: hidden, layers, dp, tp,
 # pp, micro-batch, heads, memory GB (None: OOM), seconds per iteration, TFLOPs as printed.
+BLOOM_CONTEXT_GIB = 1573 / 1024
+"""The CUDA context as the same document measured it on an A100 ("40GB A100 takes 1573MiB for cuda kernels")."""
 BLOOM_PREQUEL = ("bigscience, train/tr11-176B-ml/chronicles-prequel.md, \"Rebalancing layers\", "
                  "https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/chronicles-prequel.md")
 BLOOM_PREQUEL_ROWS = [
@@ -347,7 +357,8 @@ def bloom_prequel_runs() -> list[Run]:
                         f"NHIDDEN={h} NLAYERS={l}: DP {dp} TP {tp} PP {pp} MBS {mb} NHEADS {heads} | "
                         + (f"{mem}GB | {sec} s/it | {tflops} TFLOPs" if sec else "OOM"),
                         step_s=sec, tflops=tflops, flops="bloom", fitted=sec is not None,
-                        mem_gib=mem, inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True, search=False))
+                        mem_gib=mem, inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True, search=False,
+                        pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB))
     return runs
 
 
@@ -387,7 +398,8 @@ def bloom_runs() -> list[Run]:
     return [Run("BLOOM 176B n=384", model, 384, 2048, 2048,
                 "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,activation_checkpoint=full,sequence_parallel=false,"
                 "pp_schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
-                step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True)]
+                step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True,
+                pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -855,7 +867,9 @@ def training_of(run: Run) -> Training:
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
                     fused_attention=run.fused_attention, dropout=not run.fused_attention,
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
-                    distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads)
+                    distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,
+                    pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
+                    **({} if run.fixed_overhead_gib is None else {"fixed_overhead_gib": run.fixed_overhead_gib}))
 
 
 def given_plan(run: Run):

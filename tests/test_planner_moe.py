@@ -220,7 +220,7 @@ def test_moe_activation_memory_matches_saved_tensors(mode, precision, moe):
     training = Training(seq_len=s, global_batch=b, precision=precision)
     plan = Plan(micro_batch=b, activation_checkpoint=mode)
     blocks = layer_activation_bytes(args, training, plan) + 2 * layer_activation_bytes(args, training, plan, moe=True)
-    predicted = (blocks + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan)
+    predicted = (blocks + head_activation_bytes(args, training, plan) + embedding_activation_bytes(args, training, plan)
                  + weight_copy_bytes(args, training, plan, 0))
     # (the grouped GEMM's int32 group offsets, 32 bytes a layer, are left out)
     assert predicted == pytest.approx(measured, rel=2e-4)

@@ -74,7 +74,7 @@ def test_alternate_matmul_policy_matches_saved_tensors():
                         selective="alternate-matmuls")
     plan = Plan(micro_batch=b, activation_checkpoint="selective")
     predicted = (args.n_layers * layer_activation_bytes(args, training, plan)
-                 + head_activation_bytes(args, training, plan) + embedding_activation_bytes(training, plan))
+                 + head_activation_bytes(args, training, plan) + embedding_activation_bytes(args, training, plan))
     assert predicted == pytest.approx(measured, rel=0.10)
 
 

@@ -418,6 +418,7 @@ def system_summary(training: Training) -> str:
             f"{', the loss one kernel over the logits' if training.loss_kernel and not training.fuses_head else ''}"
             f"{f', float8 {training.float8}' if training.float8 != 'torchao' else ''}"
             f"{', checkpoints split over tp' if training.distribute_checkpoints else ''}"
+            f"{', stages cut as DeepSpeed (embeddings as slots)' if training.pipeline_split == 'slots' else ''}"
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}")
 
 

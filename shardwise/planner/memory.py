@@ -148,16 +148,17 @@ class StageShape(NamedTuple):
         return self.params - self.root
 
 
-def stage_shape(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> StageShape:
-    """StageShape of pipeline rank `stage`; memoised, since a search asks for it under every batch split, ZeRO
-    stage and recompute policy of the same degrees."""
-    return _stage_shape(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage, plan.ep)
+def stage_shape(args: ModelArgs, plan: Plan, stage: int, seq_len: int, split: str = "cost") -> StageShape:
+    """StageShape of pipeline rank `stage` under the system's pipeline split (Training.pipeline_split); memoised,
+    since a search asks for it under every batch split, ZeRO stage and recompute policy of the same degrees."""
+    return _stage_shape(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, stage, plan.ep,
+                        split)
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_shape(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
-                 stage: int, ep: int = 1) -> StageShape:
-    ids = _rank_layers(args, seq_len, pp, per_rank, schedule)[stage]
+                 stage: int, ep: int = 1, split: str = "cost") -> StageShape:
+    ids = _rank_layers(args, seq_len, pp, per_rank, schedule, split)[stage]
     layers, moe_layers = len(ids), sum(map(args.is_moe_layer, ids))
     last = stage == _head_rank(pp, per_rank, schedule)
     emb = args.vocab_size * args.dim / tp  # vocab-parallel embedding and head
@@ -185,64 +186,84 @@ class Placement(NamedTuple):
     """The most routed-expert parameters any rank holds."""
 
 
-def placement(args: ModelArgs, plan: Plan, seq_len: int) -> Placement:
-    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, plan.ep)
+def placement(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> Placement:
+    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, plan.ep, split)
 
 
 @functools.lru_cache(maxsize=4096)
 def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
-               ep: int = 1) -> Placement:
-    ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule)
-    shapes = [_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r, ep) for r in ranks]
-    return Placement(ranks, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule)),
+               ep: int = 1, split: str = "cost") -> Placement:
+    ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule, split)
+    shapes = [_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r, ep, split) for r in ranks]
+    return Placement(ranks, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule, split)),
                      max(s.params for s in shapes),
                      max(blocks_params(args, tp, ep, s.layers, s.moe_layers) for s in shapes),
                      max(s.moe_layers for s in shapes), max(s.experts for s in shapes))
 
 
-def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> float:
+def stage_params(args: ModelArgs, plan: Plan, stage: int, seq_len: int, split: str = "cost") -> float:
     """Parameters one rank of pipeline stage `stage` holds: its blocks, plus embedding (first) / norm+head (the rank
     holding the last stage)."""
-    return stage_shape(args, plan, stage, seq_len).params
+    return stage_shape(args, plan, stage, seq_len, split).params
 
 
-def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
-    """Blocks on each pipeline rank, as the engine cuts and places them: `split_layers` over its own
-    `layer_costs` (the cost-balanced split, which gives the stage with the output head fewer blocks), each rank
-    holding the stages `stages_of_rank` gives it (a loop, or a V for zero-bubble)."""
-    return _pipeline_layers(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
-
-
-@functools.lru_cache(maxsize=4096)
-def _pipeline_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
-    return tuple(map(len, _rank_layers(args, seq_len, pp, per_rank, schedule)))
+def pipeline_layers(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> tuple[int, ...]:
+    """Blocks on each pipeline rank, as the system cuts and places them (`split`: Training.pipeline_split): the
+    engine's `split_layers` over its own `layer_costs` (the cost-balanced split, which gives the stage with the
+    output head fewer blocks), or DeepSpeed's `slot_split`; each rank holding the stages `stages_of_rank` gives
+    it (a loop, or a V for zero-bubble)."""
+    return _pipeline_layers(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[tuple[int, ...], ...]:
+def _pipeline_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str,
+                     split: str = "cost") -> tuple[int, ...]:
+    return tuple(map(len, _rank_layers(args, seq_len, pp, per_rank, schedule, split)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str,
+                 split: str = "cost") -> tuple[tuple[int, ...], ...]:
     """The blocks (layer indices) each pipeline rank holds."""
-    split = _split(args, seq_len, pp * per_rank)
-    return tuple(tuple(i for s in stages_of_rank(schedule, pp, rank, per_rank) for i in split[s]) for rank in range(pp))
+    stages = _split(args, seq_len, pp * per_rank, split)
+    return tuple(tuple(i for s in stages_of_rank(schedule, pp, rank, per_rank) for i in stages[s])
+                 for rank in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(args: ModelArgs, seq_len: int, n_stages: int) -> list[range]:
+def _split(args: ModelArgs, seq_len: int, n_stages: int, split: str = "cost") -> list[range]:
     # the split depends on the number of stages only, not on how they are placed; a search meets each count
     # under several (pp, virtual stages) pairs, and the engine's dynamic program is the costly part
     if n_stages == 1:
         return [range(args.n_layers)]
+    if split == "slots":
+        slots = slot_split(args.n_layers, n_stages)
+        if all(slots):  # else DeepSpeed's cut leaves a stage without a block: the engine's split
+            return slots
     return split_layers(layer_costs(args, seq_len), n_stages)
 
 
-def zero_bubble_chunks(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> tuple[range, range]:
+def slot_split(n_layers: int, n_stages: int) -> list[range]:
+    """DeepSpeed's pipeline partition over `type:transformer|embedding` (Megatron-DeepSpeed's --pp-partition-method,
+    BLOOM's): the input embedding and the tied output embedding each take a block's slot, and
+    `partition_balanced` cuts the n_layers + 2 slots, each of weight 1, greedily from the first into parts of the
+    smallest bottleneck, ceil(slots / stages) (deepspeed/runtime/utils.py, `_lprobe`). The blocks of each stage;
+    a stage can be left with none (the last, when the parts run out)."""
+    per = -(-(n_layers + 2) // n_stages)
+    # slot 0 is the embedding, slot i the block i - 1, slot n_layers + 1 the output embedding
+    return [range(min(max(k * per - 1, 0), n_layers), min((k + 1) * per - 1, n_layers)) for k in range(n_stages)]
+
+
+def zero_bubble_chunks(args: ModelArgs, plan: Plan, stage: int, seq_len: int,
+                       split: str = "cost") -> tuple[range, range]:
     """The blocks of a zero-bubble rank's two stages: chunk 0 (stage `stage`) and chunk 1 (stage 2P - 1 - stage)."""
-    split = _split(args, seq_len, 2 * plan.pp)
-    return split[stage], split[2 * plan.pp - 1 - stage]
+    stages = _split(args, seq_len, 2 * plan.pp, split)
+    return stages[stage], stages[2 * plan.pp - 1 - stage]
 
 
-def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int) -> int:
+def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int, split: str = "cost") -> int:
     """Blocks on pipeline rank `stage` (see pipeline_layers)."""
-    return stage_shape(args, plan, stage, seq_len).layers
+    return stage_shape(args, plan, stage, seq_len, split).layers
 
 
 def head_rank(plan: Plan) -> int:
@@ -257,17 +278,18 @@ def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
     return next(r for r in range(pp) if last in stages_of_rank(schedule, pp, r, per_rank))
 
 
-def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int) -> tuple[int, ...]:
+def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> tuple[int, ...]:
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight), the one with the head, and the first rank with each block count (among ranks with equal
     blocks the earlier one holds at least as many micro-batches in flight; under zero-bubble the last one too);
     of a mixture of experts, each count of blocks and MoE blocks."""
-    return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)
+    return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)
 
 
 @functools.lru_cache(maxsize=4096)
-def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str) -> tuple[int, ...]:
-    ranks = _rank_layers(args, seq_len, pp, per_rank, schedule)
+def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str,
+                    split: str = "cost") -> tuple[int, ...]:
+    ranks = _rank_layers(args, seq_len, pp, per_rank, schedule, split)
     kinds = [(len(ids), sum(map(args.is_moe_layer, ids))) for ids in ranks]
     first_with = {n: kinds.index(n) for n in set(kinds)}
     ends = {0, _head_rank(pp, per_rank, schedule)}
@@ -778,9 +800,38 @@ def loss_vocab(args: ModelArgs, training: Training, plan: Plan) -> float:
     return args.vocab_size / plan.tp if training.loss_parallel else args.vocab_size
 
 
-def embedding_activation_bytes(training: Training, plan: Plan, seq_len: int | None = None) -> float:
-    """First stage: the embedding's backward needs only the int64 token ids."""
-    return 8 * plan.micro_batch * (seq_len or training.seq_len) / plan.cp
+def embedding_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_len: int | None = None) -> float:
+    """First stage: the embedding's backward needs only the int64 token ids; with a LayerNorm on the embedding's
+    output (Training.embedding_norm, BLOOM's), which no block's checkpoint covers, also its input in the compute
+    dtype and its fp32 statistics, and Megatron's dropout after it keeps its one-byte mask."""
+    tokens = plan.micro_batch * (seq_len or training.seq_len) / plan.cp
+    if not training.embedding_norm:
+        return 8 * tokens
+    width = args.dim / plan.tp if plan.sequence_parallel else args.dim
+    return tokens * (8 + width * (training.act_bytes + (1 if training.dropout else 0)) + 8)
+
+
+def bf16_optimizer_segments(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """Bytes of the two transients DeepSpeed's BF16_Optimizer (Training.keeps_bf16_grads) makes that no cached block
+    can hold, as the code BLOOM ran had it (DeepSpeed's bf16 branch of 2022-02-27 to 03-01, Megatron-DeepSpeed
+    00f5f889; docs/planner.md, "BLOOM's layout search"): each takes a new segment, which the caching allocator then
+    keeps, so it adds to the memory the device shows (an inference about the allocator, not measured):
+    - after every micro-batch's backward, update_hp_grads adds each bf16 gradient into the fp32 buffer through an
+      fp32 copy of it: 4 bytes times the stage's largest parameter (the vocabulary-parallel embedding, on the
+      first and last stages);
+    - once a step, the pipeline engine all-reduces each fp32 gradient group through a bf16 copy of the whole group
+      (communication_data_type bf16 under bf16; every group larger than its 5e8-element bucket): 2 bytes times
+      the largest of Megatron-DeepSpeed's groups, whose weight-decay list (the embeddings, an embedding norm's
+      weight, each block's four weight matrices, in model order) is cut into two halves by count."""
+    if not training.bf16_optimizer_active(plan.zero_stage, plan.offload):
+        return 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
+    emb = args.vocab_size * args.dim / plan.tp
+    first = [emb] + ([float(args.dim)] if training.embedding_norm else []) if stage == 0 else []
+    last = [emb] if shape.last and not (stage == 0 and args.tie_embeddings) else []
+    weights = first + block_modules(args, plan.tp) * (shape.layers - shape.moe_layers) + last
+    half = len(weights) // 2
+    return 4 * max(weights) + 2 * max(sum(weights[:half]), sum(weights[half:]))
 
 
 def in_flight(plan: Plan, stage: int) -> float:
@@ -1031,7 +1082,7 @@ def adapter_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: i
     (Llama 3 8B r=16: 2.5 MiB a block)."""
     if not (training.lora_rank and training.mixed and training.layout == "torch"):
         return 0.0
-    layers = stage_shape(args, plan, stage, training.seq_len).layers
+    layers = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
     return layers * lora_params(args, training, plan.tp) * training.act_bytes
 
 
@@ -1048,7 +1099,7 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
         return adapter_copy_bytes(args, training, plan, stage) if plan.activation_checkpoint == "none" else 0.0
     n = 0.0
     if plan.activation_checkpoint == "none":
-        shape = stage_shape(args, plan, stage, training.seq_len)
+        shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
         n += shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers else \
             shape.layers * (layer_params(args, plan.tp) - 2 * args.dim)
     if stage == head_rank(plan) and not fused_head(training, plan):  # the fused head's copy is not saved
@@ -1069,7 +1120,7 @@ def autocast_cache_bytes(args: ModelArgs, training: Training, plan: Plan, stage:
         return 0.0
     if not casts_weights(training):
         return adapter_copy_bytes(args, training, plan, stage)
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     dense = shape.layers - shape.moe_layers
     return (dense * (layer_params(args, plan.tp) - 2 * args.dim)
             + shape.moe_layers * attention_params(args, plan.tp)) * training.act_bytes
@@ -1097,7 +1148,7 @@ def gathered_unit_bytes(args: ModelArgs, training: Training, plan: Plan, stage: 
     adapted = adapted_base_params(args, training, plan.tp)
     block_bytes = (adapted * (QLORA_BITS / 8 if training.qlora else frozen) + (linears - adapted) * frozen
                    + (block - linears) * g + lora_params(args, training, plan.tp) * g)
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     head = args.vocab_size * args.dim / plan.tp if shape.last and not args.tie_embeddings else 0.0
     root = shape.root
     return block_bytes / block, ((root - head) * g + head * frozen) / root if root else g
@@ -1142,6 +1193,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
     items = _moment(base, changes, peak)
     dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
     items["fragmentation"] = training.fragmentation * dynamic
+    items["allocator_segments"] = bf16_optimizer_segments(args, training, plan, stage)
     items["fixed_overhead"] = training.fixed_overhead_gib * GiB
     items["total"] = sum(items.values())
     return items
@@ -1196,7 +1248,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # micro-batches in flight, and with gradients already there only if forwards remain after it (more
     # micro-batches than in flight: accumulation without a pipeline, a pipeline's steady state); a pipeline
     # with M <= its warm-up (GPipe; 1F1B's first stages at small M) holds its gradients only as activations go
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     last, accum, accum_early = shape.last, plan.grad_accum > 1, plan.grad_accum > m
     # gradients FSDP keeps unsharded across micro-batches: only where it reduces once per step
     keep_unsharded = accum and not training.reduces_every_micro_batch(plan.pp)
@@ -1418,7 +1470,7 @@ def p2p_buffer_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int
         x /= plan.tp
     if not training.fsdp2:
         return 4 * x
-    return stage_shape(args, plan, stage, training.seq_len).boundaries * plan.grad_accum * x
+    return stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).boundaries * plan.grad_accum * x
 
 
 def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
@@ -1430,13 +1482,13 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     cached = _ACTIVATIONS.get(key)
     if cached is None:
         last = stage == head_rank(plan)
-        shape = stage_shape(args, plan, stage, training.seq_len)
+        shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
         per_mb = (shape.layers - shape.moe_layers) * layer_activation_bytes(args, training, plan)
         if shape.moe_layers:
             per_mb += shape.moe_layers * layer_activation_bytes(args, training, plan, moe=True)
         head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
-            per_mb += embedding_activation_bytes(training, plan) - first_block_unkept_bytes(args, training, plan)
+            per_mb += embedding_activation_bytes(args, training, plan) - first_block_unkept_bytes(args, training, plan)
         copies = weight_copy_bytes(args, training, plan, stage)
         head_copy = args.vocab_size * args.dim / plan.tp * training.act_bytes \
             if last and casts_weights(training) and copies and not fused_head(training, plan) else 0.0
@@ -1462,13 +1514,14 @@ def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, st
     block its input pass runs first (its last), and the share of the rank's parameters whose hooks run last in
     its input pass (its first block and the head); see _zero_bubble_held."""
     chunks = []
-    layers = stage_shape(args, plan, stage, training.seq_len).layers
+    layers = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
     emb = args.vocab_size * args.dim / plan.tp  # vocab-parallel embedding and head (as _stage_shape)
-    for s, ids in zip((stage, 2 * plan.pp - 1 - stage), zero_bubble_chunks(args, plan, stage, training.seq_len)):
+    blocks = zero_bubble_chunks(args, plan, stage, training.seq_len, training.pipeline_split)
+    for s, ids in zip((stage, 2 * plan.pp - 1 - stage), blocks):
         moe = sum(map(args.is_moe_layer, ids))
         kinds = ((len(ids) - moe, False), (moe, True))
         a = sum(n * layer_activation_bytes(args, training, plan, moe=k) for n, k in kinds if n)
-        a += embedding_activation_bytes(training, plan) - first_block_unkept_bytes(args, training, plan) \
+        a += embedding_activation_bytes(args, training, plan) - first_block_unkept_bytes(args, training, plan) \
             if s == 0 else 0.0
         last = s == 2 * plan.pp - 1
         a += acts["head"] if last else 0.0
@@ -1614,7 +1667,7 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
            plan.shard_group, plan.offload, stage, plan.ep)
     cached = _MODEL_STATE.get(key)
     if cached is None:
-        shape = stage_shape(args, plan, stage, training.seq_len)
+        shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
         layers = shape.layers
         trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
@@ -1720,8 +1773,9 @@ def _trained_kinds(args: ModelArgs, training: Training, plan: Plan, stage: int) 
     every projection: shardwise.lora, which splits lora_b like a column-parallel base and lora_a like a row-parallel
     one)."""
     tp, kvs = plan.tp, kv_split(args, plan.tp)
-    ids = _rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule)[stage]
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    ids = _rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule,
+                       training.pipeline_split)[stage]
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     flat = plan.zero_stage == 1
     split = {"ranks": plan.shard_group, "dim": None if flat else 0} if plan.zero_stage >= 1 else {}
 
@@ -1796,7 +1850,7 @@ def peak_memory(args: ModelArgs, training: Training, plan: Plan,
     each block count of the engine's split. `first` passes stage 0's breakdown if already computed."""
     first = first or stage_memory(args, training, plan, 0)
     best = (0, first)
-    for rank in ranks_to_check(args, plan, training.seq_len)[1:]:
+    for rank in ranks_to_check(args, plan, training.seq_len, training.pipeline_split)[1:]:
         items = stage_memory(args, training, plan, rank)
         if items["total"] > best[1]["total"]:
             best = (rank, items)

@@ -11,7 +11,7 @@ from shardwise.planner.timeline import simulate
 
 ITEMS = ("params", "buffers", "replica_params", "grads", "master_weights", "optimizer_state", "compute_copies",
          "activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets", "p2p_buffers", "fragmentation",
-         "fixed_overhead")
+         "allocator_segments", "fixed_overhead")
 MAX_TIMELINE_MICROBATCHES = 32  # beyond this the bars are too thin to read; the drawing keeps the first 32
 
 

@@ -25,6 +25,7 @@ from shardwise.planner.workload import (
     ATTENTION_KERNELS,
     FLOAT8_RECIPES,
     LAYOUTS,
+    PIPELINE_SPLITS,
     SELECTIVE,
     ZERO3_FETCH,
     Layout,
@@ -77,6 +78,8 @@ class System:
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
+    pipeline_split: str = "cost"
+    """How the blocks are cut into pipeline stages: 'cost' or DeepSpeed's 'slots' (Training.pipeline_split)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -85,7 +88,8 @@ class System:
                   ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
-                  ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES))
+                  ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
+                  ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -103,7 +107,8 @@ class System:
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
                 "float8": self.float8,
-                "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads}
+                "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
+                "pipeline_split": self.pipeline_split}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (

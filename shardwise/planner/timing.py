@@ -308,7 +308,7 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
            te_weight_cast_share(training, plan), training.bf16_optimizer_active(plan.zero_stage, plan.offload))
     cost = _STAGE_COSTS.get(key)
     if cost is None:
-        ranks = placement(args, plan, training.seq_len).ranks
+        ranks = placement(args, plan, training.seq_len, training.pipeline_split).ranks
         times = _block_times(args, training, plan, cluster.accelerator)
         cost = max((_stage_cost(args, training, plan, cluster, s, times) for s in ranks), key=lambda c: c.total)
         if len(_STAGE_COSTS) >= 100_000:
@@ -322,7 +322,7 @@ _STAGE_COSTS: dict[tuple, StageCost] = {}
 
 def _max_stage_params(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Parameters on the pipeline rank holding the most (it sets the pace of gradient reduction and the optimizer)."""
-    return placement(args, plan, training.seq_len).max_params
+    return placement(args, plan, training.seq_len, training.pipeline_split).max_params
 
 
 def _gathered_bytes(args: ModelArgs, training: Training, plan: Plan, params: float, blocks: float) -> float:
@@ -345,7 +345,7 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
                 times: tuple[dict, dict | None] | None = None) -> StageCost:
     acc = cluster.accelerator
     t, t_moe = times or _block_times(args, training, plan, acc)
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     layers, moe = shape.layers, shape.moe_layers
     # (blocks, their times): the dense blocks, and a mixture of experts' MoE blocks
     kinds = [(layers - moe, t)] + ([(moe, t_moe)] if moe else [])
@@ -432,7 +432,7 @@ def weight_traffic_bytes(args: ModelArgs, training: Training, plan: Plan, stage:
     """
     if training.layout != "torch":
         return 0.0, 0.0, 0.0
-    shape = stage_shape(args, plan, stage, training.seq_len)
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     fwd = recompute = bwd = 0.0
     if casts_weights(training) and training.precision != "fp8":  # float8 linears cast their own (float8_cast_seconds)
         cast = (shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers
@@ -482,7 +482,7 @@ def _weight_pass_replay(args: ModelArgs, training: Training, plan: Plan, stage: 
         return 0.0
     if stage != 0:
         return 1.0
-    first, last = zero_bubble_chunks(args, plan, stage, training.seq_len)
+    first, last = zero_bubble_chunks(args, plan, stage, training.seq_len, training.pipeline_split)
     return len(last) / (len(first) + len(last))
 
 
@@ -691,7 +691,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     if red_n == 1:
         return 0.0, 0.0
     b = state_bytes_per_param(training)
-    where = placement(args, plan, training.seq_len)
+    where = placement(args, plan, training.seq_len, training.pipeline_split)
     # without expert parallelism the experts travel with their block (one unit)
     experts, moe_layers = (where.max_experts, where.max_moe_layers) if plan.ep > 1 else (0.0, 0)
     n_params = _max_stage_params(args, training, plan) - experts
@@ -896,7 +896,7 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
         return 0.0
     b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
-    where = placement(args, plan, training.seq_len)
+    where = placement(args, plan, training.seq_len, training.pipeline_split)
     layers = where.max_layers
     trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
     reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
@@ -928,7 +928,8 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     b = state_bytes_per_param(training)
     n_params = local_params(args, training, plan)
     if training.lora_rank:
-        n_params = placement(args, plan, training.seq_len).max_layers * lora_params(args, training, plan.tp)
+        n_params = (placement(args, plan, training.seq_len, training.pipeline_split).max_layers
+                    * lora_params(args, training, plan.tp))
         if plan.zero_stage >= 1:
             n_params /= plan.shard_group
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
@@ -939,7 +940,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
         touched = max(touched, c.optimizer_bytes_per_param)
     memory = n_params * touched / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     # fixed cost per operator of the step (gradient norm, AdamW, zero_grad) over the rank's tensors
-    where = placement(args, plan, training.seq_len)
+    where = placement(args, plan, training.seq_len, training.pipeline_split)
     tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
         c.tensors_per_moe_block - c.tensors_per_block)
     if training.lora_rank:  # only the adapters are in the optimizer: A and B of each adapted linear
@@ -977,13 +978,13 @@ def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     Where launches are asynchronous the host runs ahead of the device: 0."""
     if not training.fsdp2 or acc.launch_async:
         return 0.0
-    layers = placement(args, plan, training.seq_len).max_layers
+    layers = placement(args, plan, training.seq_len, training.pipeline_split).max_layers
     if plan.zero_stage >= 2:
         if plan.shard_group == 1:
             return 0.0
         per_unit = acc.zero3_unit_overhead_s if plan.zero_stage == 3 else acc.zero2_unit_overhead_s
         # under expert parallelism each MoE block's experts are a unit of their own
-        experts = placement(args, plan, training.seq_len).max_moe_layers if plan.ep > 1 else 0
+        experts = placement(args, plan, training.seq_len, training.pipeline_split).max_moe_layers if plan.ep > 1 else 0
         return (layers + 1 + experts) * per_unit
     if plan.dp * plan.cp == 1:
         return 0.0
@@ -1007,7 +1008,7 @@ def local_params(args: ModelArgs, training: Training, plan: Plan) -> float:
     n_params = _max_stage_params(args, training, plan)
     if plan.zero_stage < 1:
         return n_params
-    experts = placement(args, plan, training.seq_len).max_experts
+    experts = placement(args, plan, training.seq_len, training.pipeline_split).max_experts
     if not experts:
         return n_params / plan.shard_group
     return (n_params - experts) / plan.shard_group + experts / plan.expert_shard_group
@@ -1050,7 +1051,8 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     opt = optimizer_time(args, training, plan, acc)
     off = offload_time(args, training, plan, acc, cost)
     copies = sharding_copies(args, training, plan, acc)
-    scalars = step_scalars(plan, cluster, args, placement(args, plan, training.seq_len).max_moe_layers)
+    where = placement(args, plan, training.seq_len, training.pipeline_split)
+    scalars = step_scalars(plan, cluster, args, where.max_moe_layers)
     hooks = m * dp_unit_overhead(args, training, plan, acc)
     total = pipe + dp_exposed + copies + opt + off + scalars + hooks
     tokens = training.global_batch * training.seq_len

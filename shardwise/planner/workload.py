@@ -29,6 +29,8 @@ SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
+PipelineSplit = Literal["cost", "slots"]
+PIPELINE_SPLITS: tuple[str, ...] = ("cost", "slots")
 Float8Recipe = Literal["torchao", "te-delayed", "te-current"]
 FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 
@@ -123,6 +125,15 @@ class Training:
     buffer, 2 bytes a parameter, not sharded, until the next backward frees them (backward() with
     clear_lp_grads=False: memory.model_state_bytes); and after every micro-batch's backward it adds them into
     that buffer, one pass over the stage's gradients (timing.bf16_accumulation_seconds)."""
+    embedding_norm: bool = False
+    """The model normalises the embedding's output (BLOOM's --embed-layernorm): the first stage keeps the norm's
+    input and statistics, and a dropout's mask after it, for every micro-batch in flight
+    (memory.embedding_activation_bytes)."""
+    pipeline_split: PipelineSplit = "cost"
+    """How the system cuts the blocks into pipeline stages: 'cost', the engine's cost-balanced split
+    (layout.split_layers over layer_costs: fewer blocks on the stages with the embedding and the head; shardwise,
+    torchtitan), or 'slots', DeepSpeed's partition over `type:transformer|embedding` (memory.slot_split: each
+    embedding takes a block's slot; Megatron-DeepSpeed's --pp-partition-method, as BLOOM ran it)."""
     lora_rank: int = 0
     """LoRA rank on the `lora_targets` linears of every block (0 = full training)."""
     qlora: bool = False
@@ -201,6 +212,9 @@ class Training:
             raise PlannerError("--precision", f"unknown precision {self.precision!r}", "use fp32, bf16, fp16 or fp8")
         if self.layout not in LAYOUTS:
             raise PlannerError("--layout", f"unknown layout {self.layout!r}", f"use one of {', '.join(LAYOUTS)}")
+        if self.pipeline_split not in PIPELINE_SPLITS:
+            raise PlannerError("--system pipeline_split", f"unknown split {self.pipeline_split!r}",
+                               f"use one of {', '.join(PIPELINE_SPLITS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise PlannerError("--system attention_kernel", f"unknown kernel {self.attention_kernel!r}",
                                f"use one of {', '.join(ATTENTION_KERNELS)}")
