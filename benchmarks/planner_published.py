@@ -141,8 +141,9 @@ class Run:
     `type:transformer|embedding`."""
     embedding_norm: bool = False
     """A LayerNorm on the embedding's output (Training.embedding_norm: BLOOM's)."""
-    fixed_overhead_gib: float | None = None
-    """The CUDA context and libraries, where the source measured them (Training.fixed_overhead_gib)."""
+    fixed_overhead_gib: float = Training.fixed_overhead_gib
+    """The CUDA context and libraries (Training.fixed_overhead_gib): the planner's default, or what the source
+    measured."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -869,7 +870,7 @@ def training_of(run: Run) -> Training:
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
                     distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,
                     pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
-                    **({} if run.fixed_overhead_gib is None else {"fixed_overhead_gib": run.fixed_overhead_gib}))
+                    fixed_overhead_gib=run.fixed_overhead_gib)
 
 
 def given_plan(run: Run):

@@ -1917,11 +1917,18 @@ def test_deepspeeds_split_gives_each_embedding_a_blocks_slot(layers, stages):
     assert sum(map(len, expected)) == layers
     if (layers, stages) == (106, 12):
         assert [len(r) for r in expected] == [8] + [9] * 10 + [8]
-    args = preset("tiny")
+    # the planner's stages follow the system's split: a large vocabulary makes the engine's cost split put 7 of 8
+    # blocks on the first stage, DeepSpeed's 4; the first stage's fp32 weights are the embedding and its blocks
+    from shardwise.planner.memory import layer_params
+
+    args = ModelArgs(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_hidden=256, vocab_size=32000, max_seq_len=128)
     plan = Plan(pp=2, micro_batch=1, grad_accum=8)
-    training = Training(seq_len=128, global_batch=8, pipeline_split="slots")
-    assert pipeline_layers(args, plan, 128, "slots") == tuple(map(len, slot_split(args.n_layers, 2)))
-    assert evaluate(args, training, plan, Cluster(accelerator("h100"), 2)).memory["total"] > 0
+    assert pipeline_layers(args, plan, 128) == (7, 1)
+    assert pipeline_layers(args, plan, 128, "slots") == tuple(map(len, slot_split(args.n_layers, 2))) == (4, 4)
+    for split, blocks in (("cost", 7), ("slots", 4)):
+        training = Training(seq_len=128, global_batch=8, pipeline_split=split)
+        held = stage_memory(args, training, plan, 0)["params"]
+        assert held == 4 * (args.vocab_size * args.dim + blocks * layer_params(args)), split
 
 
 def test_bf16_optimizer_segments_are_the_largest_parameter_and_group():
