@@ -284,17 +284,27 @@ CATALOGUE: dict[str, Accelerator] = {
         _gpu("v100", 32, None, 125.0, None, 15.7, 0.9, 150, 12.5, 16, "NVIDIA V100 datasheet, SXM2 32GB"),
     ]
 }
-# Fused attention, forward + backward, as a share of the 16-bit peak, by kernel and GPU generation, from the kernels'
-# papers (midpoints of the ranges they state): FlashAttention-2 (Dao 2023, arXiv 2307.08691, abstract):
-# FlashAttention "reaching only 25-40% of the theoretical maximum FLOPs/s" on A100, FlashAttention-2 "50-73%";
-# FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, abstract): FlashAttention-2 "achieving only 35%
-# utilization on the H100 GPU". torch's SDPA flash backend is FlashAttention-2. FlashAttention-1 on Hopper is
-# published nowhere we found; it is derived: both kernels are written for Ampere (mma.sync tensor-core
-# instructions, no Hopper wgmma or TMA), so Hopper's peak is out of both kernels' reach alike, and FlashAttention-1
-# keeps on Hopper the share of its Ampere figure that FlashAttention-2 keeps of its own: 0.325 x 0.35 / 0.615.
+# Fused attention, forward + backward, as a share of the 16-bit peak, by kernel and GPU generation.
+# Ampere, from the FlashAttention-2 paper (Dao 2023, arXiv 2307.08691, abstract; midpoints of the ranges it states):
+# FlashAttention "reaching only 25-40% of the theoretical maximum FLOPs/s" on A100, FlashAttention-2 "50-73%".
+# Hopper, FlashAttention-2 measured on an H100 in the shape the planner's rows run (causal, head dimension 128,
+# sequence 8,192), by flash-attention's own hopper/benchmark_attn.py as printed in Dao-AILab/flash-attention PR
+# #1791 (2025-07-31, "Results of python benchmark_attn.py", main): "Fav2 fwd: 1.935ms, 284.1 TFLOPS", "Fav2 bwd:
+# 4.788ms, 287.1 TFLOPS" (causal FLOPs halved, as the planner counts them; backward 2.5 x forward). Forward and
+# backward together: 3.5 / (1/284.1 + 2.5/287.1) = 286.2 TFLOP/s, 0.289 of the SXM's 989.4. FlashAttention-3's
+# abstract says FlashAttention-2 reaches "only 35% utilization on the H100": its best forward (no mask, long
+# sequences: 369.9 TFLOP/s in the same run), which causal training does not reach. torch's SDPA flash backend is
+# FlashAttention-2. FlashAttention-1 on Hopper is published nowhere we found; it is derived: both kernels are
+# written for Ampere (mma.sync tensor-core instructions, no Hopper wgmma or TMA), so Hopper's peak is out of both
+# kernels' reach alike, and FlashAttention-1 keeps on Hopper the share of its Ampere figure that FlashAttention-2
+# keeps of its own: 0.325 x 0.289 / 0.615.
 # Not stated for a kernel or GPU (FlashAttention-3's forward + backward, cuDNN's): attention_efficiency.
+FLASH2_H100_TFLOPS = (284.1, 287.1)
+"""FlashAttention-2 on an H100, causal, head dimension 128, sequence 8,192: forward and backward TFLOP/s (PR #1791)."""
+FLASH2_HOPPER = round(3.5 / (1 / FLASH2_H100_TFLOPS[0] + 2.5 / FLASH2_H100_TFLOPS[1]) * 1e12
+                      / CATALOGUE["h100"].peak_flops["bf16"], 3)
 KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615},
-                     "hopper": {"flash1": 0.325 * 0.35 / 0.615, "flash2": 0.35}}
+                     "hopper": {"flash1": 0.325 * FLASH2_HOPPER / 0.615, "flash2": FLASH2_HOPPER}}
 for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h100", "hopper"),
                            ("h100-pcie", "hopper"), ("h200", "hopper")):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])

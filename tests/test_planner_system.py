@@ -558,10 +558,12 @@ def test_llm_foundry_a100_runs_median_error():
     assert len(errors) == 61 and statistics.median(errors) <= 0.06
 
 
-def test_flash_attention_1_on_hopper_reproduces_llm_foundrys_long_sequence_runs():
-    # llm-foundry's H100 runs at 16K-65K tokens, where attention is most of the work: with FlashAttention-1's share
-    # derived from FlashAttention-2's own A100 -> H100 loss (hardware.KERNEL_EFFICIENCY) every one is within 10% of
-    # its published throughput (at the 0.45 assumed before, 1.7 to 2.1 times optimistic)
+def test_flash_attention_1_on_hopper_prices_llm_foundrys_long_sequence_runs_within_17_percent():
+    # llm-foundry's H100 runs at 16K-65K tokens, where attention is most of the work. They ran llm-foundry's Triton
+    # kernel (its --attn_impl default), priced as FlashAttention-1, whose Hopper share is derived from
+    # FlashAttention-2's own A100 -> H100 loss in training's shape (hardware.KERNEL_EFFICIENCY). Every one is
+    # pessimistic, by 5% to 16% (at the 0.45 assumed before the derivation, 1.7 to 2.1 times optimistic; with
+    # FlashAttention-2's Hopper share taken from FlashAttention-3's abstract, 0.35, within 10% either way)
     published = _published_module()
     ratios = {}
     for run in published.foundry_runs():
@@ -570,7 +572,7 @@ def test_flash_attention_1_on_hopper_reproduces_llm_foundrys_long_sequence_runs(
             assert fits, run.name
             ratios[run.name] = run.published_step() / ev.time.step_time_s
     assert len(ratios) == 12
-    assert all(abs(r - 1) <= 0.10 for r in ratios.values()), ratios
+    assert all(0.83 <= r < 1.0 for r in ratios.values()), ratios
 
 
 # ---------------------------------------------------------------------------------------------------
