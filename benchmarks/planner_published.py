@@ -1,10 +1,10 @@
 """The planner against published large-scale training runs: the layout as given (`--plan`), and the search.
 
-    python benchmarks/planner_published.py [--nccl-channels]
+    python benchmarks/planner_published.py [--no-nccl-sms]
 
---nccl-channels prices the SMs NCCL's kernels hold while a hidden collective runs (Accelerator.nccl_channels: the
-channel counts of NCCL's init logs, BOARD_NCCL_CHANNELS below), which the catalogue leaves out (docs/planner.md,
-"NCCL's SMs").
+--no-nccl-sms leaves out the SMs NCCL's kernels hold while a hidden collective runs (Accelerator.nccl_channels, the
+channel counts of NCCL's init logs: hardware.NCCL_BOARD_CHANNELS), which the catalogue prices since 2026-12-05
+(docs/planner.md, "NCCL's SMs"): the run the figures before that date come from.
 
 For each published run: the planner's step time for the layout the source states (knobs the source does not state
 are completed by the search: the fastest completion that fits), its throughput in the source's own FLOP
@@ -825,18 +825,13 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
 # --------------------------------------------------------------------------------------------------
 
 
-BOARD_NCCL_CHANNELS = {"h100": 32, "a100-80gb": 24, "a100-40gb": 24}
-"""NCCL's channels for a ring inside one 8-GPU board, as its init logs print them: "32 coll channels" on H100
-boards (NCCL 2.2x logs quoted in NVIDIA/nccl and nccl-tests issues), "Channel 23/24" on an HGX A100 (nccl-tests
-issue 100). Used with --nccl-channels only."""
-
-NCCL_SMS_MODELLED = False  # --nccl-channels
+NCCL_SMS_MODELLED = True  # --no-nccl-sms: False
 
 
 def cluster_of(run: Run) -> Cluster:
     acc = accelerator(run.gpu)
-    if NCCL_SMS_MODELLED:
-        acc = dataclasses.replace(acc, nccl_channels=BOARD_NCCL_CHANNELS.get(run.gpu, 0))
+    if not NCCL_SMS_MODELLED:
+        acc = dataclasses.replace(acc, nccl_channels=0)
     # DeepSpeed's ZeRO-3 of 2021 gathered parameter by parameter, synchronously, with a copy after each gather
     # (DeepSpeed issue #1174, "ZeRO3 is slow, even with nvlink for all-gather", and PR #1188, both June 2021), and
     # Narayanan et al.'s ZeRO-3 times do not fall from 768 to 1,536 GPUs: its rings are taken as bound to one NIC
@@ -956,9 +951,10 @@ W = max(len(run.name) for run in RUNS)
 def main() -> None:
     global NCCL_SMS_MODELLED
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nccl-channels", action="store_true",
-                        help="price the SMs NCCL's kernels take from hidden compute (BOARD_NCCL_CHANNELS)")
-    NCCL_SMS_MODELLED = parser.parse_args().nccl_channels
+    parser.add_argument("--no-nccl-sms", action="store_true",
+                        help="leave out the SMs NCCL's kernels take from hidden compute (the catalogue's "
+                             "nccl_channels), as the planner did before 2026-12-05")
+    NCCL_SMS_MODELLED = not parser.parse_args().no_nccl_sms
     start_all = time.perf_counter()
     check_mapping()
     print()

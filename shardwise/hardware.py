@@ -71,11 +71,11 @@ class Accelerator:
     leaves it out: docs/planner.md, "Compute by shape"."""
     nccl_channels: int = 0
     """NCCL's channels for a ring inside one node, as its init log prints them ("32 coll channels" on H100 boards,
-    24 on an HGX A100). Each runs as one CTA that holds an SM for the collective's whole run and never shares it with
-    a compute kernel (NCCL issue 689), so a collective hidden behind compute still takes those SMs from it
-    (planner.comm.group_link, Link.sm_share). 0 (the catalogue's default): not modelled. Why the catalogue leaves it
-    out, and what it would change: docs/planner.md, "NCCL's SMs". A comm_overlap measured on a GPU already includes
-    it: leave this 0 in such a profile."""
+    24 on an HGX A100: NCCL_BOARD_CHANNELS). Each runs as one CTA that holds an SM for the collective's whole run and
+    never shares it with a compute kernel (NCCL issue 689), so a collective hidden behind compute still takes those
+    SMs from it (planner.comm.group_link, Link.sm_share). 0: not modelled (a GPU whose count no source gives). What
+    it changes: docs/planner.md, "NCCL's SMs". A comm_overlap measured on a GPU already includes it: a profile that
+    sets comm_overlap over a base GPU gets 0 unless it sets this too (load_profile)."""
     attention_efficiency: float = 0.45
     """Share of peak that fused attention (forward + backward) reaches, for a kernel attention_by_kernel does not
     name (a stated assumption between the published figures below)."""
@@ -324,6 +324,14 @@ for _name in ("h100", "h200", "b200"):
 # Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
 # give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
 # 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
+NCCL_BOARD_CHANNELS = {"h100": 32, "h200": 32, "a100-80gb": 24, "a100-40gb": 24}
+"""NCCL's channels for a ring inside one 8-GPU board, as its init logs print them: "32 coll channels" on H100 boards
+(NCCL 2.2x logs quoted in NVIDIA/nccl and nccl-tests issues), "Channel 23/24" on an HGX A100 (nccl-tests issue 100).
+The H200 is taken as the H100: the same GH100 die (132 SMs) on the same NVLink 4 switch board, which is what NCCL's
+ring search sizes its channels by (inferred, no H200 log read). The others are not given: 0, not modelled."""
+for _name, _channels in NCCL_BOARD_CHANNELS.items():
+    CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], nccl_channels=_channels)
+
 HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128}
 for _name, _gib in HOST_GIB_PER_GPU.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
@@ -408,6 +416,8 @@ def load_profile(path: str | Path) -> Accelerator:
     if base is not None:
         if "attention_efficiency" in raw:  # a measured or stated share replaces the catalogue's per-kernel ones
             raw.setdefault("attention_by_kernel", None)
+        if "comm_overlap" in raw:  # a measured overlap already holds NCCL's SMs: not counted twice
+            raw.setdefault("nccl_channels", 0)
         return dataclasses.replace(accelerator(base), **raw)
     missing = {f.name for f in dataclasses.fields(Accelerator) if f.default is dataclasses.MISSING} - set(raw)
     if missing:

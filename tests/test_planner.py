@@ -792,8 +792,9 @@ def test_without_overlap_step_time_is_compute_plus_communication(plan):
     assert t.step_time_s == pytest.approx(t.compute_s + t.recompute_s + t.comm_total_s + t.optimizer_s
                                           + t.detail["sharding_copies_s"], rel=1e-12)
     assert t.exposed_comm_s == pytest.approx(t.comm_total_s, rel=1e-12)
-    if plan.zero_stage == 0:
-        overlapped = evaluate(args, tr, plan, Cluster(accelerator("h100"), 8)).time
+    if plan.zero_stage == 0:  # NCCL's SMs left out: what they add to hidden traffic is tested on its own
+        overlapped = evaluate(args, tr, plan, Cluster(dataclasses.replace(accelerator("h100"), nccl_channels=0),
+                                                      8)).time
         # the step's scalar all-reduces (loss, gradient norm) wait for the backward: exposed either way
         scalars = t.detail["step_scalars_s"]
         assert scalars > 0

@@ -89,11 +89,30 @@ def test_nccl_ctas_by_ring_topology():
     # rings bound to one NIC (rail_collectives False) take 4 however many members a node holds
     bound = Cluster(h100, 128, rail_collectives=False)
     assert group_link(128, 1, bound, spread=True).sm_share == pytest.approx(4 / 132)
-    # a profile's own SM count wins over the catalogue's; the catalogue itself models none
+    # a profile's own SM count wins over the catalogue's
     assert group_link(8, 1, Cluster(dataclasses.replace(h100, sms=100), 8), spread=True).sm_share == pytest.approx(0.32)
-    for name in ("h100", "a100-80gb", "h200", "b200", "mi300x"):
-        assert accelerator(name).nccl_channels == 0
-        assert group_link(8, 1, Cluster(accelerator(name), 8), spread=True).sm_share == 0.0
+    # the catalogue: NCCL's init logs' channel counts over the whitepapers' SMs where a source gives them, else none
+    for name, share in (("h100", 32 / 132), ("h200", 32 / 132), ("a100-80gb", 24 / 108), ("a100-40gb", 24 / 108),
+                        ("b200", 0.0), ("mi300x", 0.0), ("h100-pcie", 0.0)):
+        assert group_link(8, 1, Cluster(accelerator(name), 8), spread=True).sm_share == pytest.approx(share), name
+
+
+def test_a_measured_overlap_is_not_charged_nccls_sms_twice(tmp_path):
+    # shardwise bench measures comm_overlap with matmuls beside a collective on the GPU, NCCL's SMs included: a
+    # profile over a catalogue GPU that gives its own overlap drops the catalogue's channels unless it sets them
+    import json
+
+    from shardwise.hardware import load_profile
+
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"base": "h100", "comm_overlap": 0.8}))
+    assert load_profile(measured).nccl_channels == 0
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"base": "h100", "comm_overlap": 0.8, "nccl_channels": 16}))
+    assert load_profile(both).nccl_channels == 16
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"base": "h100", "matmul_efficiency": 0.6}))
+    assert load_profile(plain).nccl_channels == 32
 
 
 @pytest.mark.parametrize("layout, fields", [
@@ -114,8 +133,8 @@ def test_hidden_data_parallel_traffic_pays_its_sm_share(layout, fields):
     args = preset("llama3-8b")
     plan = Plan(micro_batch=1, grad_accum=2, activation_checkpoint="full", **fields)
     training = recipe_for(Training(seq_len=4096, global_batch=16, layout=layout), plan)
-    plain = Cluster(accelerator("h100"), 8)
-    modelled = Cluster(dataclasses.replace(accelerator("h100"), nccl_channels=32), 8)
+    plain = Cluster(dataclasses.replace(accelerator("h100"), nccl_channels=0), 8)
+    modelled = Cluster(accelerator("h100"), 8)  # the catalogue's 32
     cost = stage_cost(args, training, plan, plain)
     total, exposed = dp_comm(args, training, plan, plain, cost)
     total2, exposed2 = dp_comm(args, training, plan, modelled, cost)
@@ -139,7 +158,8 @@ def test_nccl_channels_without_an_sm_count_are_refused():
 def test_fsdp_at_more_gpus_is_slower_per_gpu_with_nccl_sms():
     # llm-foundry's MPT-70B on 128, 256 and 512 H100s (benchmarks/planner_published.py: published 1,058, 1,035 and
     # 1,007 tokens/s per GPU): the same work per GPU, its collectives all hidden. Without NCCL's SMs the planner
-    # ties the three; with them, the longer rings of more ranks take the SMs for longer: the published order
+    # ties the three; with them (the catalogue's H100), the longer rings of more ranks take the SMs for longer: the
+    # published order
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import planner_published as pp
 
@@ -150,8 +170,8 @@ def test_fsdp_at_more_gpus_is_slower_per_gpu_with_nccl_sms():
     for run in runs:
         ev, fits = pp.given_plan(run)
         assert fits
-        plain.append(ev.time.step_time_s)
-        acc = dataclasses.replace(pp.cluster_of(run).accelerator, nccl_channels=32)
-        modelled.append(evaluate(run.model, pp.training_of(run), ev.plan, Cluster(acc, run.gpus)).time.step_time_s)
+        modelled.append(ev.time.step_time_s)
+        acc = dataclasses.replace(pp.cluster_of(run).accelerator, nccl_channels=0)
+        plain.append(evaluate(run.model, pp.training_of(run), ev.plan, Cluster(acc, run.gpus)).time.step_time_s)
     assert max(plain) - min(plain) < 1e-3 * min(plain)
     assert modelled[0] > modelled[1] > modelled[2] > plain[2]

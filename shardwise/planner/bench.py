@@ -614,7 +614,7 @@ def measure(ns: argparse.Namespace) -> dict:
             attention_efficiency=min(1.0, attn / acc.peak(attn_dtype)),
             attention_by_shape={k: min(1.0, r / acc.peak(attn_dtype)) for k, r in attn_shapes.items()},
             bandwidth_efficiency=min(1.0, bw / acc.mem_bandwidth), intra_node_bw=busbw["all_reduce"],
-            comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap, **measured,
+            comm_efficiency=1.0, intra_node_latency=latency, comm_overlap=comm_overlap, nccl_channels=0, **measured,
             source=f"{acc.source}; efficiencies by shardwise bench")
     else:
         acc = Accelerator(
