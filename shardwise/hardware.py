@@ -321,9 +321,6 @@ for _name in ("h100", "h200", "b200"):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
         Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))
 
-# Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
-# give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
-# 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
 NCCL_BOARD_CHANNELS = {"h100": 32, "h200": 32, "a100-80gb": 24, "a100-40gb": 24}
 """NCCL's channels for a ring inside one 8-GPU board, as its init logs print them: "32 coll channels" on H100 boards
 (NCCL 2.2x logs quoted in NVIDIA/nccl and nccl-tests issues), "Channel 23/24" on an HGX A100 (nccl-tests issue 100).
@@ -332,6 +329,9 @@ ring search sizes its channels by (inferred, no H200 log read). The others are n
 for _name, _channels in NCCL_BOARD_CHANNELS.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], nccl_channels=_channels)
 
+# Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
+# give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
+# 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
 HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128}
 for _name, _gib in HOST_GIB_PER_GPU.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
@@ -414,11 +414,14 @@ def load_profile(path: str | Path) -> Accelerator:
         if raw.get(field_name):
             _check_grid(path, field_name, raw[field_name], dims)
     if base is not None:
+        based = accelerator(base)
         if "attention_efficiency" in raw:  # a measured or stated share replaces the catalogue's per-kernel ones
             raw.setdefault("attention_by_kernel", None)
         if "comm_overlap" in raw:  # a measured overlap already holds NCCL's SMs: not counted twice
             raw.setdefault("nccl_channels", 0)
-        return dataclasses.replace(accelerator(base), **raw)
+        if raw.get("name", based.name) != based.name and "sms" not in raw:  # another GPU on the base's figures:
+            raw.setdefault("nccl_channels", 0)  # its board's channels and SMs are the profile's to give
+        return dataclasses.replace(based, **raw)
     missing = {f.name for f in dataclasses.fields(Accelerator) if f.default is dataclasses.MISSING} - set(raw)
     if missing:
         raise PlannerError("--gpu", f"profile {path} lacks {sorted(missing)}", 'add them or give "base": "<gpu>"')

@@ -113,6 +113,18 @@ def test_a_measured_overlap_is_not_charged_nccls_sms_twice(tmp_path):
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"base": "h100", "matmul_efficiency": 0.6}))
     assert load_profile(plain).nccl_channels == 32
+    # another GPU described on an H100's figures: its board's channels and SMs are its own to give; without them it
+    # prices none (the H100's channels with no SM count would refuse every multi-GPU group)
+    renamed = tmp_path / "renamed.json"
+    renamed.write_text(json.dumps({"base": "h100-sxm", "name": "my-h100"}))
+    acc = load_profile(renamed)
+    assert acc.nccl_channels == 0 and group_link(8, 1, Cluster(acc, 8), spread=True).sm_share == 0.0
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"base": "h100-sxm", "name": "h100"}))  # an alias of the name it keeps
+    assert load_profile(same).nccl_channels == 32
+    counted = tmp_path / "counted.json"
+    counted.write_text(json.dumps({"base": "h100", "name": "my-h100", "sms": 132, "nccl_channels": 16}))
+    assert group_link(8, 1, Cluster(load_profile(counted), 8), spread=True).sm_share == pytest.approx(16 / 132)
 
 
 @pytest.mark.parametrize("layout, fields", [

@@ -505,8 +505,9 @@ def _published_module():
 
 def test_megatron_core_scaling_table_from_70b_up():
     # Megatron-LM README's scaling table (H100, GPT 70B to 462B on TP 8 and PP 2-16): per-GPU throughput within
-    # 10% of the published figure (|predicted / published - 1|, the benchmark's measure), described as megatron-core
-    # (the smaller rows are further off: docs/planner.md)
+    # 10% of the published figure (|predicted / published - 1| of throughput, the benchmark's and the issue's
+    # measure; 70B on 768 GPUs is the closest, at 0.905), described as megatron-core (the smaller rows are further
+    # off: docs/planner.md)
     published = _published_module()
     for run in published.mcore_runs():
         if run.model.dim >= 8192:
@@ -519,7 +520,7 @@ def test_narayanan_gpt3_zero3_runs_as_deepspeed_2021_fetched_them():
     # and 44 TFLOP/s per GPU). Described as DeepSpeed v0.3.13 fetched weights (module by module, synchronised,
     # gathered again for the recomputed forward and for backward beyond the reuse distance) the predicted over the
     # published throughput is 0.85 to 1.02 (the more GPUs, the more pessimistic: NCCL's ring latency over 1,536
-    # ranks); as FSDP prefetches, all three are more than 20% optimistic (1.25 to 1.27).
+    # ranks); as FSDP prefetches, all three are more than 24% optimistic (1.249 to 1.268).
     published = _published_module()
     runs = [run for run in published.RUNS if run.name.startswith("N21 T2 ZeRO-3 gpt3-175b")]
     assert len(runs) == 3 and all(run.system == "deepspeed-2021" for run in runs)
@@ -528,7 +529,7 @@ def test_narayanan_gpt3_zero3_runs_as_deepspeed_2021_fetched_them():
         assert fits and 0.84 <= run.published_step() / ev.time.step_time_s <= 1.05, run.name
         prefetched = evaluate(run.model, dataclasses.replace(published.training_of(run), zero3_fetch="prefetch"),
                               ev.plan, published.cluster_of(run))
-        assert run.published_step() / prefetched.time.step_time_s > 1.20, run.name
+        assert run.published_step() / prefetched.time.step_time_s > 1.24, run.name
 
 
 def test_narayanan_530b_zero3_fits_on_640_gpus_and_not_on_560():
