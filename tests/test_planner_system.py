@@ -8,7 +8,9 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
+from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.hardware import GiB
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
@@ -20,13 +22,14 @@ from shardwise.planner.memory import (
     gathered_weight_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    linear_shapes,
     logits_bytes,
     moment_memory,
     term_bytes,
     weight_copy_bytes,
 )
 from shardwise.planner.system import SYSTEMS, resolve_system
-from shardwise.planner.timing import recomputed_matmul_share
+from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
 
 from probes import engine_loss, measure_saved
 
@@ -83,6 +86,64 @@ def test_recomputed_matmul_share_by_hand():
     d, kv, f = 4096, 1024, 14336
     assert recomputed_matmul_share(args, 1) == pytest.approx((d * kv + d * d + d * f) / (2 * d * d + 2 * d * kv
                                                                                          + 3 * d * f))
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """FLOPs of the 2-D matmuls (the linears) dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmul_flops(model, tokens) -> tuple[int, int]:
+    """(forward, backward) linear FLOPs of one step of `model` on `tokens`."""
+    with _MatmulFlops() as fwd:
+        logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    with _MatmulFlops() as bwd:
+        loss.backward()
+    return fwd.flops, bwd.flops
+
+
+def test_full_recompute_runs_all_but_the_last_linear_again_as_the_planner_prices_it():
+    # torch's non-reentrant checkpoint (this engine's full recompute) stops at the block's last saved tensor: w2's
+    # input. Measured on the engine's blocks: the extra backward matmul FLOPs are the blocks' forward linears but
+    # w2's, which is what the planner leaves out of a recompute that stops early (Training.checkpoint_early_stop)
+    args, s = preset("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=160, vocab_size=128), 32
+    tokens = torch.randint(0, args.vocab_size, (2, s))
+    flops = {}
+    for policy in ("none", "full"):
+        model = build_model(args)
+        materialize(model, args, "cpu", 0)
+        apply_activation_checkpointing(model, policy)
+        flops[policy] = _backward_matmul_flops(model, tokens)
+    recomputed = flops["full"][1] - flops["none"][1]
+    per_token = {name: 2 * n_in * n_out for name, n_in, n_out, _ in linear_shapes(args)}
+    assert recomputed == 2 * s * args.n_layers * (sum(per_token.values()) - per_token["w2"])
+    assert flops["full"][0] == flops["none"][0]
+    # the planner: a recompute that stops early costs the forward less the last linear's share
+    training, plan, acc = _training("shardwise"), Plan(activation_checkpoint="full"), accelerator("h100")
+    t = layer_times(args, training, plan, acc)
+    assert t["matmul_last"] == pytest.approx(layer_times(args, training, plan, acc)["matmul"]
+                                             * per_token["w2"] / sum(per_token.values()), rel=0.2)
+    early = stage_cost(args, training, plan, Cluster(acc, 1))
+    replay = stage_cost(args, dataclasses.replace(training, checkpoint_early_stop=False), plan, Cluster(acc, 1))
+    assert replay.recompute - early.recompute == pytest.approx(args.n_layers * t["matmul_last"])
+
+
+def test_reentrant_systems_replay_the_whole_forward():
+    # Megatron's and DeepSpeed's CheckpointFunction replay the whole forward; torch's non-reentrant checkpoint
+    # (this engine, torchtitan's checkpoint_wrapper, llm-foundry's activation_checkpointing_reentrant false) stops
+    stops = {name: system.checkpoint_early_stop for name, system in SYSTEMS.items()}
+    assert stops == {"shardwise": True, "torchtitan": True, "megatron-core": False, "megatron-lm-2021": False,
+                     "llm-foundry": True, "deepspeed": False, "deepspeed-2021": False}
 
 
 @pytest.mark.parametrize("gpus, published_gib", [(8, 82.4), (128, 67.0)])

@@ -70,6 +70,10 @@ class System:
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
     compile_loss: bool = False
     """Under compile, the loss function is compiled too (Training.compile_loss)."""
+    checkpoint_early_stop: bool = True
+    """Full recompute stops at the block's last saved tensor, its last linear not run again (torch's non-reentrant
+    checkpoint since torch 2.1, or a compiled block); False: the whole forward is replayed (a reentrant checkpoint:
+    Megatron's, DeepSpeed's). Training.checkpoint_early_stop."""
     float8: str = "torchao"
     """How --precision fp8 runs the linears: torchao, te-delayed or te-current (Training.float8)."""
     distribute_checkpoints: bool = False
@@ -106,7 +110,7 @@ class System:
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
-                "float8": self.float8,
+                "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "pipeline_split": self.pipeline_split}
 
@@ -129,13 +133,13 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
                   "components/loss.py build_cross_entropy_loss (torch.compile(loss_fn) under compile, since "
-                  "April 2025: PR 1033)"),
+                  "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, --precision fp8 through Transformer Engine",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
-           elementwise="fused", swiglu="fused", float8="te-delayed",
+           elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
@@ -144,7 +148,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
-           elementwise="fused",
+           elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core",
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4"),
@@ -157,17 +161,18 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; setup.py at "
                   "v0.3.0: flash-attn==1.0.9; scripts/train/benchmarking/submit_benchmarks.py (#543): "
-                  "pip_install -e .[gpu]"),
+                  "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false "
+                  "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, materialised logits and an fp32 loss, fused attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
-           elementwise="fused",
+           elementwise="fused", checkpoint_early_stop=False,
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
-           grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync",
+           grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
                   "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2"),
@@ -197,7 +202,8 @@ def resolve_system(spec: str | System) -> System:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
-                                   "distribute_checkpoints", "keeps_bf16_grads") else str
+                                   "checkpoint_early_stop", "distribute_checkpoints",
+                                   "keeps_bf16_grads") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

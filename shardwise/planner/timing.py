@@ -106,6 +106,8 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         mm = mm_in = mm_w = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
     else:
         mm, mm_in, mm_w = linear_times(args, training, plan, acc, q_tokens)
+    # the last linear's forward, which a recompute that stops early leaves out (an MoE block's is not modelled)
+    tail = 0.0 if moe else linear_times(args, training, plan, acc, q_tokens, last_only=True)[0]
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     if training.fused_attention:
         # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with
@@ -138,8 +140,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
                                                  moe=moe) / bandwidth
         elementwise_bwd = 2 * elementwise
-    return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "attention": attn,
-            "attention_bwd": attn_bwd, "elementwise": elementwise, "elementwise_bwd": elementwise_bwd}
+    return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
+            "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
+            "elementwise_bwd": elementwise_bwd}
 
 
 def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan,
@@ -261,7 +264,7 @@ def te_weight_cast_share(training: Training, plan: Plan) -> int:
 
 
 def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
-                 tokens: float) -> tuple[float, float, float]:
+                 tokens: float, last_only: bool = False) -> tuple[float, float, float]:
     """Seconds of a dense block's linears on one tp rank over `tokens` rows: (forward, input gradients, weight
     gradients). Each linear of (in, out) features, split by tp as linear_shapes says, is three GEMMs: forward
     (tokens x in) @ (in x out), input gradient (tokens x out) @ (out x in), weight gradient (out x tokens) @
@@ -269,13 +272,14 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     In float8 (precision fp8) the GEMMs run at the fp8 peak (at the same share of it as bf16's at the same shape:
     torchao's roofline assumes one achievable share for both) and the casts are added at the elementwise
     bandwidth: torchao's per linear (float8_cast_seconds; their amax passes fused where the block is compiled), or
-    Transformer Engine's per module (te_float8_cast_seconds, Training.float8)."""
+    Transformer Engine's per module (te_float8_cast_seconds, Training.float8). `last_only`: the block's last
+    linear alone (w2, which a recompute that stops early does not run again: Training.checkpoint_early_stop)."""
     dtype = training.linear_dtype
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     te = dtype == "fp8" and training.float8 != "torchao"
     fwd = bwd_in = bwd_w = 0.0
     modules: dict[str, tuple[float, float, float]] = {}
-    for name, n_in, n_out, split in linear_shapes(args):
+    for name, n_in, n_out, split in linear_shapes(args)[-1:] if last_only else linear_shapes(args):
         if split == "row":
             n_in /= plan.tp
         else:
@@ -361,7 +365,9 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + t["elementwise_bwd"]) + head_in
     bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor
     if plan.activation_checkpoint == "full":
-        recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"])
+        # the forward again, but for the last linear where the checkpoint stops early (Training.checkpoint_early_stop)
+        recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]
+                           - (t["matmul_last"] if training.checkpoint_early_stop else 0.0))
     elif plan.activation_checkpoint == "selective":
         # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
         # kernel's backward recomputes that anyway, and selective then means the cheap elementwise tensors;
@@ -554,7 +560,9 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
     column-parallel inputs); with sequence parallelism each all-reduce is an all-gather + reduce-scatter pair.
     Full recompute replays the forward's two, after all-gathering the block's saved input where it was split
-    over the tp ranks (Training.distribute_checkpoints, without sequence parallelism). The embedding's rank
+    over the tp ranks (Training.distribute_checkpoints, without sequence parallelism); a recompute that stops
+    early (Training.checkpoint_early_stop) stops before the last linear, whose output's reduction (the all-reduce,
+    or the reduce-scatter of the pair) it leaves out. The embedding's rank
     reduces the partial lookups once; the head's rank reduces the head's input gradient once and, unless the loss
     runs on vocabulary-parallel logits (`loss_parallel`, or shardwise's fused head: memory.fused_head),
     all-gathers the logits to every tp rank in forward (shardwise's engine does where its head is not fused: LoRA
@@ -568,8 +576,12 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     tokens = plan.micro_batch * training.seq_len / plan.cp
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    total = (layers - moe_layers) * (6 if plan.activation_checkpoint == "full" else 4) * one \
-        + (one if embedding else 0.0)
+    replayed = 0.0
+    if plan.activation_checkpoint == "full":
+        replayed = 2 * one
+        if training.checkpoint_early_stop:
+            replayed -= reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
+    total = (layers - moe_layers) * (4 * one + replayed) + (one if embedding else 0.0)
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
         total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
     if moe_layers:

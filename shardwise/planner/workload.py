@@ -173,6 +173,13 @@ class Training:
     block's elementwise operators, which are then priced as `elementwise` 'fused' whatever that field says. Memory
     is counted as the eager block keeps it (what inductor's partitioner saves instead is not modelled: torchtitan's
     benchmark measured 5 GiB less with compile on Llama 3.1 8B)."""
+    checkpoint_early_stop: bool = True
+    """Full recompute replays a block's forward only as far as its last tensor saved for backward: torch's
+    non-reentrant torch.utils.checkpoint stops there (early stop, on by default since torch 2.1: pytorch PR 96866,
+    March 2023), and a compiled block's partitioner recomputes only what its backward reads. The block's last
+    linear (w2), whose output no backward reads, then does not run again, nor the tensor-parallel reduction of its
+    output (timing). Measured on this engine's block: 4 of 5 linears run again (tests/test_planner_system.py).
+    False: a reentrant checkpoint replays the whole forward (Megatron's CheckpointFunction, DeepSpeed's)."""
     compile_loss: bool = False
     """Under `compile`, the loss function is compiled too (torchtitan since April 2025: components/loss.py
     build_cross_entropy_loss wraps cross_entropy(pred.float(), ...) in torch.compile when compile is on; its code
