@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode  # no public equivalent; documented in torch's docs
 
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.hardware import GiB
@@ -31,7 +30,7 @@ from shardwise.planner.memory import (
 from shardwise.planner.system import SYSTEMS, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
 
-from probes import engine_loss, measure_saved
+from probes import MatmulFlops, engine_loss, measure_saved
 
 
 def _training(system: str, **kw) -> Training:
@@ -88,26 +87,12 @@ def test_recomputed_matmul_share_by_hand():
                                                                                          + 3 * d * f))
 
 
-class _MatmulFlops(TorchDispatchMode):
-    """FLOPs of the 2-D matmuls (the linears) dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            a, b = args[-2], args[-1]
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_matmul_flops(model, tokens) -> tuple[int, int]:
     """(forward, backward) linear FLOPs of one step of `model` on `tokens`."""
-    with _MatmulFlops() as fwd:
+    with MatmulFlops() as fwd:
         logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-    with _MatmulFlops() as bwd:
+    with MatmulFlops() as bwd:
         loss.backward()
     return fwd.flops, bwd.flops
 
