@@ -59,6 +59,19 @@ class LiveBytes(TorchDispatchMode):
         return sum(n for key, (ref, n) in self.refs.items() if not ref.expired() and key not in self.skip)
 
 
+class PeakBytes(LiveBytes):
+    """LiveBytes, and the most of it alive after any operator (`peak`)."""
+
+    def __init__(self, module: torch.nn.Module | None = None):
+        super().__init__(module if module is not None else torch.nn.Module())
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak = max(self.peak, self.total)
+        return out
+
+
 SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default,

@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardwise.activation_checkpoint import apply_activation_checkpointing
 from shardwise.hardware import GiB
@@ -17,6 +19,7 @@ from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator
 from shardwise.planner.cli import add_plan_arguments, run_plan
 from shardwise.planner.memory import (
     block_terms,
+    dtensor_loss_parallel,
     embedding_activation_bytes,
     gathered_weight_bytes,
     head_activation_bytes,
@@ -30,7 +33,7 @@ from shardwise.planner.memory import (
 from shardwise.planner.system import SYSTEMS, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
 
-from probes import MatmulFlops, engine_loss, measure_saved
+from probes import MatmulFlops, PeakBytes, engine_loss, measure_saved
 
 
 def _training(system: str, **kw) -> Training:
@@ -121,6 +124,35 @@ def test_full_recompute_runs_all_but_the_last_linear_again_as_the_planner_prices
     early = stage_cost(args, training, plan, Cluster(acc, 1))
     replay = stage_cost(args, dataclasses.replace(training, checkpoint_early_stop=False), plan, Cluster(acc, 1))
     assert replay.recompute - early.recompute == pytest.approx(args.n_layers * t["matmul_last"])
+
+
+@pytest.fixture
+def one_rank_mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mesh):
+    # torchtitan's loss under tp is torch's loss_parallel: its backward is the composite function the DTensor
+    # handler calls on each rank's vocabulary shard (torch.distributed.tensor.parallel.loss), measured here on one
+    # rank: three fp32 tensors of the log-probabilities' size at once, beside them, where one kernel makes two
+    from torch.distributed.tensor.parallel.loss import _nll_loss_and_log_softmax_backward
+
+    n, v = 256, 1024
+    log_probs = torch.randn(n, v).log_softmax(-1)
+    targets = torch.randint(0, v, (n,))
+    with PeakBytes() as peak:
+        _nll_loss_and_log_softmax_backward(torch.tensor(1.0), log_probs, targets, None, 1, -100,
+                                           torch.tensor(float(n)), log_probs.shape, 1, one_rank_mesh, 0)
+    copies = peak.peak / log_probs.nbytes
+    assert copies == pytest.approx(3, abs=0.05)
+    args, tokens = preset("llama3-70b"), 2 * 8192
+    plan = Plan(tp=8, dp_shard=4, zero_stage=3, micro_batch=2, sequence_parallel=True)
+    titan, mcore = _training("torchtitan", seq_len=8192), _training("megatron-core", seq_len=8192)
+    assert dtensor_loss_parallel(titan, plan) and not dtensor_loss_parallel(mcore, plan)
+    assert logits_bytes(args, titan, plan) == tokens * args.vocab_size / 8 * 4 * round(copies)
+    assert logits_bytes(args, mcore, plan) == tokens * args.vocab_size / 8 * 4 * 2
 
 
 def test_reentrant_systems_replay_the_whole_forward():

@@ -1045,7 +1045,8 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     the compute dtype before it is added to the fp32 sum (none for LoRA's frozen head), or the next block's logits
     beside the previous block's log-probabilities and gradient; and under mixed precision the compute-dtype copies
     of the head's input and weight (LoRA stores its frozen head in that dtype) throughout. A cross-entropy kernel
-    (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype."""
+    (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype. torch's loss
+    parallel (dtensor_loss_parallel) holds a third fp32 tensor in that backward."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
         return tokens * loss_vocab(args, training, plan) * training.act_bytes
@@ -1066,7 +1067,18 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
         # the compute dtype are still held (the loop's names): what peaks there once no weight-gradient product does
         previous = block * (4 + e) if tokens > block / v else 0.0
         return max(block * (4 + 4) + previous, block * (4 + e) + product) + tokens * d * e + copy + gathered
-    return tokens * loss_vocab(args, training, plan) * (4 + 4)
+    return tokens * loss_vocab(args, training, plan) * 4 * (3 if dtensor_loss_parallel(training, plan) else 2)
+
+
+def dtensor_loss_parallel(training: Training, plan: Plan) -> bool:
+    """The loss runs on vocabulary-parallel DTensor logits under torch's loss_parallel (torchtitan under tp, whose
+    layouts are fsdp-mp, or torch where FSDP does not shard). Its backward
+    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward) is composite: it makes
+    zeros_like(log-probabilities), adds exp(log-probabilities) to it and multiplies the sum by the incoming
+    gradient, so three fp32 tensors of the logits' size are live beside the saved log-probabilities where one
+    kernel's backward makes two (tests/test_planner_system.py measures the three). Megatron's vocab-parallel
+    cross-entropy is its own autograd function (layouts megatron and zero)."""
+    return training.loss_parallel and plan.tp > 1 and training.layout in ("torch", "fsdp-mp")
 
 
 def casts_weights(training: Training) -> bool:
