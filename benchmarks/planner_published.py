@@ -125,6 +125,9 @@ class Run:
     compile_loss: bool | None = None
     """Whether the system compiled its loss with the blocks (Training.compile_loss), where its code of the time
     differs from the system's preset (torchtitan before April 2025: not)."""
+    cp_repeats_kv: bool | None = None
+    """Whether context parallelism carried K and V repeated to every query head (Training.cp_repeats_kv), where its
+    code of the time differs from the system's preset (torchtitan before January 2026: it did)."""
     precision: str = "bf16"
     """The matmul precision (Training.precision): fp8 for torchao's float8 training of the blocks' linears."""
     fused_rmsnorm: bool = True
@@ -425,7 +428,9 @@ def bloom_runs() -> list[Run]:
 # forward to avoid per-microbatch all-gathers", apply_fsdp): there it is what the planner calls ZeRO-2; context
 # parallelism is torch's ring attention, load-balanced, sharding the weights with the dp_shard ranks; the loss was
 # not compiled with the blocks (train.py at 9dec370: "# if job_config.training.compile: loss_fn =
-# torch.compile(loss_fn)", commented out), so it ran eager on fp32 logits (compile_loss=False).
+# torch.compile(loss_fn)", commented out), so it ran eager on fp32 logits (compile_loss=False); its model repeated K
+# and V to every query head before scaled_dot_product_attention (repeat_kv, until PR 2259 of January 2026), so the
+# context-parallel exchange carried them repeated (cp_repeats_kv=True).
 # Not modelled: asynchronous TP (AsyncTP, tables 4-6: TP's collectives are priced on the critical path).
 TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
               "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
@@ -490,7 +495,7 @@ def torchtitan_runs() -> list[Run]:
                         tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
                         gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK,
                         search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
-                        compile_loss=False, precision="fp8" if float8 else "bf16"))
+                        compile_loss=False, cp_repeats_kv=True, precision="fp8" if float8 else "bf16"))
     return runs
 
 
@@ -856,6 +861,8 @@ def training_of(run: Run) -> Training:
             fields["float8"] = run.float8
         if run.compile_loss is not None:
             fields["compile_loss"] = run.compile_loss
+        if run.cp_repeats_kv is not None:
+            fields["cp_repeats_kv"] = run.cp_repeats_kv
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits

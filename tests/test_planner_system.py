@@ -256,6 +256,37 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32")
 
 
+def test_torch_context_parallel_exchange_by_hand(tmp_path):
+    # torch's context_parallel as torchtitan runs it: K and V all-gathered in forward, in the recomputed forward
+    # and in backward, dK and dV handed on in fp32 at each of the cp steps; compiled blocks expose all of it.
+    # Under its model of 2024 (repeat_kv before SDPA) the K and V are every query head's: n_rep times the bytes
+    from shardwise.planner.comm import all_gather, axis_link, p2p
+    from shardwise.planner.timing import _cp_exposed
+
+    args, cp, seq = preset("llama3-8b"), 4, 131072
+    plan = Plan(cp=cp, dp_shard=2, zero_stage=3, micro_batch=1, activation_checkpoint="full")
+    cluster = Cluster(accelerator("h100"), 8)
+    n, link = axis_link(plan, ("cp",), cluster)
+    exposed = {}
+    for repeats in (False, True):
+        training = dataclasses.replace(_training("torchtitan", seq_len=seq), compile=True, cp_repeats_kv=repeats)
+        heads = args.n_heads if repeats else args.n_kv_heads
+        chunk = seq / cp * 2 * heads * args.head_dim
+        by_hand = args.n_layers * (3 * all_gather(cp * chunk * 2, n, link) + cp * p2p(chunk * 4, link))
+        exposed[repeats] = _cp_exposed(args, training, plan, cluster, args.n_layers, 1.0, 2.5)
+        assert exposed[repeats] == pytest.approx(by_hand)
+    assert exposed[True] > 3 * exposed[False]
+    # eager blocks overlap it with the attention it serves, as the ring does; the ring is the default elsewhere
+    eager = dataclasses.replace(_training("torchtitan", seq_len=seq), cp_repeats_kv=True)
+    assert _cp_exposed(args, eager, plan, cluster, args.n_layers, 1.0, 2.5) < exposed[True]
+    assert (SYSTEMS["torchtitan"].cp_exchange, SYSTEMS["megatron-core"].cp_exchange) == ("torch", "ring")
+    path = tmp_path / "titan-2024.toml"
+    path.write_text('base = "torchtitan"\ncp_repeats_kv = true\n')
+    assert resolve_system(str(path)).cp_repeats_kv
+    with pytest.raises(PlannerError, match="--system cp_exchange"):
+        Training(cp_exchange="allgather")
+
+
 @pytest.mark.parametrize("fields", [{"layout": "torch"}, {"layout": "zero", "lora_rank": 16}])
 def test_module_by_module_fetch_is_deepspeeds_zero3_only(fields):
     with pytest.raises(PlannerError, match="--system zero3_fetch") as e:

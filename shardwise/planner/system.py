@@ -23,6 +23,7 @@ from pathlib import Path
 from shardwise.hardware import PlannerError
 from shardwise.planner.workload import (
     ATTENTION_KERNELS,
+    CP_EXCHANGES,
     FLOAT8_RECIPES,
     LAYOUTS,
     PIPELINE_SPLITS,
@@ -70,6 +71,11 @@ class System:
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
     compile_loss: bool = False
     """Under compile, the loss function is compiled too (Training.compile_loss)."""
+    cp_exchange: str = "ring"
+    """How context parallelism moves K and V: 'ring' or torch's context_parallel, 'torch' (Training.cp_exchange)."""
+    cp_repeats_kv: bool = False
+    """K and V repeated to every query head before the CP exchange (Training.cp_repeats_kv: torchtitan until
+    January 2026)."""
     checkpoint_early_stop: bool = True
     """Full recompute stops at the block's last saved tensor, its last linear not run again (torch's non-reentrant
     checkpoint since torch 2.1, or a compiled block); False: the whole forward is replayed (a reentrant checkpoint:
@@ -93,7 +99,8 @@ class System:
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
-                  ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS))
+                  ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
+                  ("cp_exchange", self.cp_exchange, CP_EXCHANGES))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -111,6 +118,7 @@ class System:
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
+                "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "pipeline_split": self.pipeline_split}
 
@@ -128,12 +136,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "torch.compile; with --compile each block and the loss are compiled, the loss one pass over the bf16 "
            "logits)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
-           grad_sync="micro-batch", compile_loss=True,
+           grad_sync="micro-batch", compile_loss=True, cp_exchange="torch",
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
                   "components/loss.py build_cross_entropy_loss (torch.compile(loss_fn) under compile, since "
-                  "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant)"),
+                  "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant), context "
+                  "parallelism through torch's context_parallel (rotate method allgather: PR 728; K and V as the "
+                  "model's GQA heads since PR 2259, January 2026)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, --precision fp8 through Transformer Engine",
@@ -202,7 +212,7 @@ def resolve_system(spec: str | System) -> System:
             raise PlannerError(f"--system {path}", f"unknown key {key!r} (the file's name names the system)",
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
-                                   "checkpoint_early_stop", "distribute_checkpoints",
+                                   "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",

@@ -612,15 +612,27 @@ def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
                 attention: float, attention_bwd: float) -> float:
     """Ring attention passes each rank's K and V round the cp ring (cp - 1 hops) in forward, and K, V, dK, dV in
-    backward; each hop overlaps with the attention compute of the block it serves."""
+    backward; each hop overlaps with the attention compute of the block it serves. torch's context_parallel
+    (Training.cp_exchange 'torch') all-gathers K and V in forward, in a recomputed forward and in backward, and
+    hands dK and dV (fp32) on at each of its cp steps; compiled blocks wait on each collective where it is issued,
+    so all of it is exposed, and eager ones overlap it as the ring's."""
     if plan.cp == 1:
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
+    w = cluster.accelerator.comm_overlap
+    if training.cp_exchange == "torch":
+        heads = args.n_heads / plan.tp if training.cp_repeats_kv else args.n_kv_heads / kv_split(args, plan.tp)
+        chunk = plan.micro_batch * training.seq_len / plan.cp * 2 * heads * args.head_dim  # this rank's K and V
+        gather = all_gather(n * chunk * training.act_bytes, n, link)
+        grads = n * p2p(chunk * 4, link)
+        passes = 2 if plan.activation_checkpoint == "full" else 1
+        if training.compile:
+            return layers * (passes * gather + gather + grads)
+        return layers * (passes * exposed_part(gather, attention, w) + exposed_part(gather + grads, attention_bwd, w))
     kv = plan.micro_batch * training.seq_len / plan.cp * 2 * args.n_kv_heads * args.head_dim
     kv = kv / kv_split(args, plan.tp) * training.act_bytes
     fwd = (n - 1) * p2p(kv, link)
     bwd = (n - 1) * p2p(2 * kv, link)
-    w = cluster.accelerator.comm_overlap
     exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w)
     if plan.activation_checkpoint == "full":
         exposed += exposed_part(fwd, attention, w)

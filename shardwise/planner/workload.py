@@ -27,6 +27,8 @@ LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
 Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
 SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
+CpExchange = Literal["ring", "torch"]
+CP_EXCHANGES: tuple[str, ...] = ("ring", "torch")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
 PipelineSplit = Literal["cost", "slots"]
@@ -180,6 +182,18 @@ class Training:
     linear (w2), whose output no backward reads, then does not run again, nor the tensor-parallel reduction of its
     output (timing). Measured on this engine's block: 4 of 5 linears run again (tests/test_planner_system.py).
     False: a reentrant checkpoint replays the whole forward (Megatron's CheckpointFunction, DeepSpeed's)."""
+    cp_exchange: CpExchange = "ring"
+    """How context parallelism moves K and V (timing._cp_exposed): 'ring', each rank's K and V passed round the cp
+    ranks, dK and dV back, in the compute dtype, each hop behind the attention it serves; or 'torch', torch's
+    context_parallel (torch.distributed.tensor.experimental._attention, as torchtitan runs it): K and V
+    all-gathered once before the first of the cp attention steps (rotate method 'allgather', torchtitan's
+    default), the gathered K and V again in backward, and dK and dV handed on at each of the cp steps in fp32
+    (accumulated in fp32: convert_to_f32); under `compile` each collective is waited on where it is issued
+    (inductor does not move the wait), so none of it hides behind the attention."""
+    cp_repeats_kv: bool = False
+    """Under context parallelism the K and V the exchange carries are repeated to every query head (torchtitan's
+    model called repeat_kv before scaled_dot_product_attention until January 2026, its PR 2259): n_heads / tp
+    heads, not n_kv_heads'."""
     compile_loss: bool = False
     """Under `compile`, the loss function is compiled too (torchtitan since April 2025: components/loss.py
     build_cross_entropy_loss wraps cross_entropy(pred.float(), ...) in torch.compile when compile is on; its code
@@ -222,6 +236,9 @@ class Training:
         if self.pipeline_split not in PIPELINE_SPLITS:
             raise PlannerError("--system pipeline_split", f"unknown split {self.pipeline_split!r}",
                                f"use one of {', '.join(PIPELINE_SPLITS)}")
+        if self.cp_exchange not in CP_EXCHANGES:
+            raise PlannerError("--system cp_exchange", f"{self.cp_exchange!r} is not one of {', '.join(CP_EXCHANGES)}",
+                               f"use one of {', '.join(CP_EXCHANGES)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise PlannerError("--system attention_kernel", f"unknown kernel {self.attention_kernel!r}",
                                f"use one of {', '.join(ATTENTION_KERNELS)}")
