@@ -180,7 +180,7 @@ class Training:
     non-reentrant torch.utils.checkpoint stops there (early stop, on by default since torch 2.1: pytorch PR 96866,
     March 2023), and a compiled block's partitioner recomputes only what its backward reads. The block's last
     linear (w2), whose output no backward reads, then does not run again, nor the tensor-parallel reduction of its
-    output (timing). Measured on this engine's block: 4 of 5 linears run again (tests/test_planner_system.py).
+    output (timing). Measured on this engine's blocks: every linear but w2 runs again (tests/test_planner_system.py).
     False: a reentrant checkpoint replays the whole forward (Megatron's CheckpointFunction, DeepSpeed's)."""
     cp_exchange: CpExchange = "ring"
     """How context parallelism moves K and V (timing._cp_exposed): 'ring', each rank's K and V passed round the cp
@@ -193,7 +193,7 @@ class Training:
     cp_repeats_kv: bool = False
     """Under context parallelism the K and V the exchange carries are repeated to every query head (torchtitan's
     model called repeat_kv before scaled_dot_product_attention until January 2026, its PR 2259): n_heads / tp
-    heads, not n_kv_heads'."""
+    heads a rank, not the KV heads."""
     compile_loss: bool = False
     """Under `compile`, the loss function is compiled too (torchtitan since April 2025: components/loss.py
     build_cross_entropy_loss wraps cross_entropy(pred.float(), ...) in torch.compile when compile is on; its code
