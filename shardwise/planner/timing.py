@@ -615,7 +615,8 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     backward; each hop overlaps with the attention compute of the block it serves. torch's context_parallel
     (Training.cp_exchange 'torch') all-gathers K and V in forward, in a recomputed forward and in backward, and
     hands dK and dV (fp32) on at each of its cp steps; compiled blocks wait on each collective where it is issued,
-    so all of it is exposed, and eager ones overlap it as the ring's."""
+    so all of it is exposed. Eager ones wait at first use: the gather behind the first step's attention (the
+    rank's own diagonal block, 1/cp of its attention), each step's dK and dV behind the next step's."""
     if plan.cp == 1:
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
@@ -628,7 +629,9 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         passes = 2 if plan.activation_checkpoint == "full" else 1
         if training.compile:
             return layers * (passes * gather + gather + grads)
-        return layers * (passes * exposed_part(gather, attention, w) + exposed_part(gather + grads, attention_bwd, w))
+        step, step_bwd = attention / n, attention_bwd / n
+        return layers * (passes * exposed_part(gather, step, w) + exposed_part(gather, step_bwd, w)
+                         + n * exposed_part(grads / n, step_bwd, w))
     kv = plan.micro_batch * training.seq_len / plan.cp * 2 * args.n_kv_heads * args.head_dim
     kv = kv / kv_split(args, plan.tp) * training.act_bytes
     fwd = (n - 1) * p2p(kv, link)

@@ -189,7 +189,8 @@ class Training:
     all-gathered once before the first of the cp attention steps (rotate method 'allgather', torchtitan's
     default), the gathered K and V again in backward, and dK and dV handed on at each of the cp steps in fp32
     (accumulated in fp32: convert_to_f32); under `compile` each collective is waited on where it is issued
-    (inductor does not move the wait), so none of it hides behind the attention."""
+    (inductor does not move the wait), so none of it hides behind the attention; eager, each is waited on at its
+    first use, one attention step later."""
     cp_repeats_kv: bool = False
     """Under context parallelism the K and V the exchange carries are repeated to every query head (torchtitan's
     model called repeat_kv before scaled_dot_product_attention until January 2026, its PR 2259): n_heads / tp
