@@ -868,9 +868,11 @@ def training_of(run: Run) -> Training:
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     # (layout 'torch' is shardwise's engine, eager elementwise operators included). These stacks recompute with a
     # reentrant checkpoint that replays the whole forward (Megatron-LM's and DeepSpeed's CheckpointFunction,
-    # metaseq's fairscale checkpoint_wrapper); Meta's of Llama 3 is not published: the same assumed
+    # metaseq's fairscale checkpoint_wrapper); Meta's of Llama 3 is not published: the same assumed. Llama 3's
+    # context parallelism all-gathers K and V, whose exposed latency its paper calls small under GQA: priced as the
+    # ring's hops behind the attention (cp_exchange 'ring'), not as shardwise's blocking all-gather
     return Training(seq_len=run.seq, global_batch=run.batch, layout=run.layout, loss_parallel=run.layout != "torch",
-                    checkpoint_early_stop=False,
+                    checkpoint_early_stop=False, cp_exchange="ring",
                     fused_attention=run.fused_attention, dropout=not run.fused_attention,
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
                     distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,

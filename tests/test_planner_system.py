@@ -280,11 +280,20 @@ def test_torch_context_parallel_exchange_by_hand(tmp_path):
     eager = dataclasses.replace(_training("torchtitan", seq_len=seq), cp_repeats_kv=True)
     assert _cp_exposed(args, eager, plan, cluster, args.n_layers, 1.0, 2.5) < exposed[True]
     assert (SYSTEMS["torchtitan"].cp_exchange, SYSTEMS["megatron-core"].cp_exchange) == ("torch", "ring")
+    # shardwise's own (parallel.context_parallel): K and V at the KV heads all-gathered, in forward and in the
+    # recomputed forward, their gradients reduce-scattered, all blocking
+    from shardwise.planner.comm import reduce_scatter
+
+    ours = _training("shardwise", seq_len=seq)
+    gathered = seq * 2 * args.n_kv_heads * args.head_dim * 2
+    assert ours.cp_exchange == "allgather"
+    assert _cp_exposed(args, ours, plan, cluster, args.n_layers, 1.0, 2.5) == pytest.approx(
+        args.n_layers * (2 * all_gather(gathered, n, link) + reduce_scatter(gathered, n, link)))
     path = tmp_path / "titan-2024.toml"
     path.write_text('base = "torchtitan"\ncp_repeats_kv = true\n')
     assert resolve_system(str(path)).cp_repeats_kv
     with pytest.raises(PlannerError, match="--system cp_exchange"):
-        Training(cp_exchange="allgather")
+        Training(cp_exchange="ulysses")
 
 
 @pytest.mark.parametrize("fields", [{"layout": "torch"}, {"layout": "zero", "lora_rank": 16}])

@@ -71,8 +71,9 @@ class System:
     """Each block compiled with torch.compile (Training.compile; `shardwise plan --compile`)."""
     compile_loss: bool = False
     """Under compile, the loss function is compiled too (Training.compile_loss)."""
-    cp_exchange: str = "ring"
-    """How context parallelism moves K and V: 'ring' or torch's context_parallel, 'torch' (Training.cp_exchange)."""
+    cp_exchange: str = "allgather"
+    """How context parallelism moves K and V: all-gathered and exposed ('allgather', this engine's), passed round
+    a ring behind the attention ('ring') or torch's context_parallel ('torch') (Training.cp_exchange)."""
     cp_repeats_kv: bool = False
     """K and V repeated to every query head before the CP exchange (Training.cp_repeats_kv: torchtitan until
     January 2026)."""
@@ -150,6 +151,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
+           cp_exchange="ring",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
@@ -159,7 +161,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
-           selective="attention-core",
+           selective="attention-core", cp_exchange="ring",
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT or PURE: fp32 shards, bf16 gathers and "
@@ -167,7 +169,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "FlashAttention-1 (flash-attn 1.0.9, its [gpu] extra at v0.3.0, which its benchmarks installed)",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused",
-           attention_kernel="flash1",
+           attention_kernel="flash1", cp_exchange="ring",
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; setup.py at "
                   "v0.3.0: flash-attn==1.0.9; scripts/train/benchmarking/submit_benchmarks.py (#543): "
@@ -176,13 +178,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, materialised logits and an fp32 loss, fused attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
-           elementwise="fused", checkpoint_early_stop=False,
+           elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring",
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
+           cp_exchange="ring",
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
                   "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2"),

@@ -611,8 +611,11 @@ def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
                 attention: float, attention_bwd: float) -> float:
-    """Ring attention passes each rank's K and V round the cp ring (cp - 1 hops) in forward, and K, V, dK, dV in
-    backward; each hop overlaps with the attention compute of the block it serves. torch's context_parallel
+    """Context parallelism's K/V traffic on the critical path, by Training.cp_exchange. 'allgather' (this engine's):
+    the K and V of every rank all-gathered before the attention (again in a recomputed forward) and their gradients
+    reduce-scattered after, none of it hidden. Ring attention passes each rank's K and V round the cp ring (cp - 1
+    hops) in forward, and K, V, dK, dV in backward; each hop overlaps with the attention compute of the block it
+    serves. torch's context_parallel
     (Training.cp_exchange 'torch') all-gathers K and V in forward, in a recomputed forward and in backward, and
     hands dK and dV (fp32) on at each of its cp steps; compiled blocks wait on each collective where it is issued,
     so all of it is exposed. Eager ones wait at first use: the gather behind the first step's attention (the
@@ -621,6 +624,13 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
     w = cluster.accelerator.comm_overlap
+    if training.cp_exchange == "allgather":
+        # every rank's K and V at its KV heads gathered (again in a recomputed forward), their gradients
+        # reduce-scattered, each blocking the compute stream
+        gathered = plan.micro_batch * training.seq_len * 2 * args.n_kv_heads / kv_split(args, plan.tp) \
+            * args.head_dim * training.act_bytes
+        passes = 2 if plan.activation_checkpoint == "full" else 1
+        return layers * (passes * all_gather(gathered, n, link) + reduce_scatter(gathered, n, link))
     if training.cp_exchange == "torch":
         heads = args.n_heads / plan.tp if training.cp_repeats_kv else args.n_kv_heads / kv_split(args, plan.tp)
         chunk = plan.micro_batch * training.seq_len / plan.cp * 2 * heads * args.head_dim  # this rank's K and V

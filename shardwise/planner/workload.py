@@ -27,8 +27,8 @@ LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
 Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
 SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
-CpExchange = Literal["ring", "torch"]
-CP_EXCHANGES: tuple[str, ...] = ("ring", "torch")
+CpExchange = Literal["allgather", "ring", "torch"]
+CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
 PipelineSplit = Literal["cost", "slots"]
@@ -182,9 +182,13 @@ class Training:
     linear (w2), whose output no backward reads, then does not run again, nor the tensor-parallel reduction of its
     output (timing). Measured on this engine's blocks: every linear but w2 runs again (tests/test_planner_system.py).
     False: a reentrant checkpoint replays the whole forward (Megatron's CheckpointFunction, DeepSpeed's)."""
-    cp_exchange: CpExchange = "ring"
-    """How context parallelism moves K and V (timing._cp_exposed): 'ring', each rank's K and V passed round the cp
-    ranks, dK and dV back, in the compute dtype, each hop behind the attention it serves; or 'torch', torch's
+    cp_exchange: CpExchange = "allgather"
+    """How context parallelism moves K and V (timing._cp_exposed): 'allgather', every rank's K and V (its KV heads,
+    in the compute dtype) all-gathered before the attention and their gradients reduce-scattered after its
+    backward, each on the critical path (shardwise's engine: parallel.context_parallel, blocking collectives);
+    'ring', each rank's K and V passed round
+    the cp ranks, dK and dV back, in the compute dtype, each hop behind the attention it serves (Transformer
+    Engine's ring under Megatron-Core); or 'torch', torch's
     context_parallel (torch.distributed.tensor.experimental._attention, as torchtitan runs it): K and V
     all-gathered once before the first of the cp attention steps (rotate method 'allgather', torchtitan's
     default), the gathered K and V again in backward, and dK and dV handed on at each of the cp steps in fp32
