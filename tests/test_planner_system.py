@@ -155,6 +155,33 @@ def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mes
     assert logits_bytes(args, mcore, plan) == tokens * args.vocab_size / 8 * 4 * 2
 
 
+def test_cp_allgather_moves_what_the_engines_context_parallel_attention_moves(one_rank_mesh):
+    # shardwise's CP attention (parallel.context_parallel), run on one rank under the comm counter: one all-gather
+    # of K and V (the KV heads) in forward, one reduce-scatter of their gradients in backward, each of the bytes
+    # the planner's 'allgather' exchange prices (counted here on a group of one, which moves nothing)
+    from shardwise.parallel.comm import CommCounter, CommStats
+    from shardwise.parallel.context_parallel import context_parallel_attention
+    from shardwise.planner.timing import cp_kv_elements
+
+    class EveryGroup(CommStats):
+        def add(self, kind, payload, group_size, wire=None):
+            self.calls[kind] += 1
+            self.payload[kind] += payload
+
+    args = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=1, vocab_size=128)
+    b, s = 2, 32
+    q = torch.randn(b, args.n_heads, s, args.head_dim, requires_grad=True)
+    k, v = (torch.randn(b, args.n_kv_heads, s, args.head_dim, requires_grad=True) for _ in range(2))
+    with CommCounter() as counter:
+        counter.stats = EveryGroup()
+        context_parallel_attention(q, k, v, group=one_rank_mesh.get_group()).sum().backward()
+    training, plan = Training(seq_len=s, global_batch=b, precision="fp32"), Plan(micro_batch=b)
+    assert training.cp_exchange == "allgather"
+    expected = cp_kv_elements(args, training, plan) * training.act_bytes
+    assert dict(counter.stats.calls) == {"all_gather": 1, "reduce_scatter": 1}
+    assert dict(counter.stats.payload) == {"all_gather": expected, "reduce_scatter": expected}
+
+
 def test_reentrant_systems_replay_the_whole_forward():
     # Megatron's and DeepSpeed's CheckpointFunction replay the whole forward; torch's non-reentrant checkpoint
     # (this engine, torchtitan's checkpoint_wrapper, llm-foundry's activation_checkpointing_reentrant false) stops

@@ -624,32 +624,29 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
     w = cluster.accelerator.comm_overlap
-    if training.cp_exchange == "allgather":
-        # every rank's K and V at its KV heads gathered (again in a recomputed forward), their gradients
-        # reduce-scattered, each blocking the compute stream
-        gathered = plan.micro_batch * training.seq_len * 2 * args.n_kv_heads / kv_split(args, plan.tp) \
-            * args.head_dim * training.act_bytes
-        passes = 2 if plan.activation_checkpoint == "full" else 1
+    kv = cp_kv_elements(args, training, plan)
+    passes = 2 if plan.activation_checkpoint == "full" else 1  # the forward, and a recomputed one
+    if training.cp_exchange == "allgather":  # each blocking the compute stream
+        gathered = n * kv * training.act_bytes
         return layers * (passes * all_gather(gathered, n, link) + reduce_scatter(gathered, n, link))
     if training.cp_exchange == "torch":
-        heads = args.n_heads / plan.tp if training.cp_repeats_kv else args.n_kv_heads / kv_split(args, plan.tp)
-        chunk = plan.micro_batch * training.seq_len / plan.cp * 2 * heads * args.head_dim  # this rank's K and V
-        gather = all_gather(n * chunk * training.act_bytes, n, link)
-        grads = n * p2p(chunk * 4, link)
-        passes = 2 if plan.activation_checkpoint == "full" else 1
+        gather = all_gather(n * kv * training.act_bytes, n, link)
+        grads = n * p2p(kv * 4, link)
         if training.compile:
             return layers * (passes * gather + gather + grads)
         step, step_bwd = attention / n, attention_bwd / n
         return layers * (passes * exposed_part(gather, step, w) + exposed_part(gather, step_bwd, w)
                          + n * exposed_part(grads / n, step_bwd, w))
-    kv = plan.micro_batch * training.seq_len / plan.cp * 2 * args.n_kv_heads * args.head_dim
-    kv = kv / kv_split(args, plan.tp) * training.act_bytes
-    fwd = (n - 1) * p2p(kv, link)
-    bwd = (n - 1) * p2p(2 * kv, link)
-    exposed = exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w)
-    if plan.activation_checkpoint == "full":
-        exposed += exposed_part(fwd, attention, w)
-    return layers * exposed
+    fwd = (n - 1) * p2p(kv * training.act_bytes, link)
+    bwd = (n - 1) * p2p(2 * kv * training.act_bytes, link)
+    return layers * (passes * exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w))
+
+
+def cp_kv_elements(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """Elements of K and V one cp rank holds for one block and micro-batch (its tp slice of the heads): the KV
+    heads, or every query head's where the model repeats them first (Training.cp_repeats_kv)."""
+    heads = args.n_heads / plan.tp if training.cp_repeats_kv else args.n_kv_heads / kv_split(args, plan.tp)
+    return plan.micro_batch * training.seq_len / plan.cp * 2 * heads * args.head_dim
 
 
 def exposed_part(comm: float, compute: float, overlap: float) -> float:
