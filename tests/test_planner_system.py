@@ -182,6 +182,49 @@ def test_cp_allgather_moves_what_the_engines_context_parallel_attention_moves(on
     assert dict(counter.stats.payload) == {"all_gather": expected, "reduce_scatter": expected}
 
 
+def test_float8_tensor_parallel_gathers_what_torchaos_styles_redistribute(one_rank_mesh, monkeypatch):
+    # torchtitan's float8 TP: torchao's PrepareFloat8ModuleInput, Float8ColwiseParallel and Float8RowwiseParallel on
+    # a float8 MLP, forward and backward on one rank, recording every DTensor redistribution (a group of one moves
+    # nothing, but the tensors handed over are the ones a wider group would move): the sequence all-gathers carry
+    # float8 (e4m3 in forward, e5m2 gradients in backward), the reduce-scatters bf16, as the planner prices them
+    redistribute = pytest.importorskip("torch.distributed.tensor._redistribute")
+    pytest.importorskip("torchao.float8")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from shardwise.planner.timing import tp_block_bytes
+
+    moved = {"all_gather": set(), "reduce_scatter": set()}
+    original = redistribute.redistribute_local_tensor
+
+    def recorded(local, current, target, *args, **kwargs):
+        kind = {(Shard, Replicate): "all_gather"}.get((type(current.placements[0]), type(target.placements[0])),
+                                                      "reduce_scatter" if current.placements[0].is_partial() else None)
+        if kind:
+            moved[kind].add(getattr(local, "_data", local).element_size())
+        return original(local, current, target, *args, **kwargs)
+
+    monkeypatch.setattr(redistribute, "redistribute_local_tensor", recorded)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.ReLU(),
+                              torch.nn.Linear(128, 64, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(mlp)
+    parallelize_module(mlp, one_rank_mesh, {
+        "": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "0": Float8ColwiseParallel(), "2": Float8RowwiseParallel(output_layouts=Shard(1))})
+    mlp(torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+    assert moved == {"all_gather": {1}, "reduce_scatter": {2}}
+    fp8 = _training("torchtitan", precision="fp8")
+    assert tp_block_bytes(fp8) == (1, 2)
+    assert tp_block_bytes(_training("torchtitan")) == (2, 2)
+    assert tp_block_bytes(_training("megatron-core", precision="fp8")) == (2, 2)  # TE's: not modelled in float8
+
+
 def test_reentrant_systems_replay_the_whole_forward():
     # Megatron's and DeepSpeed's CheckpointFunction replay the whole forward; torch's non-reentrant checkpoint
     # (this engine, torchtitan's checkpoint_wrapper, llm-foundry's activation_checkpointing_reentrant false) stops

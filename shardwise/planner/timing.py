@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from shardwise.hardware import Accelerator, Cluster, PlannerError
+from shardwise.hardware import DTYPE_BYTES, Accelerator, Cluster, PlannerError
 from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, head_rows, projection_shapes
 from shardwise.planner.comm import (
     all_gather,
@@ -555,6 +555,19 @@ def _head_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
             gemm_seconds(vocab, args.dim, tokens, training, acc) + loss)
 
 
+def tp_block_bytes(training: Training) -> tuple[int, int]:
+    """Bytes an element of a block's sequence-parallel all-gathers and of its reduce-scatters carry. The compute
+    dtype both, except under torchao's float8 tensor parallelism, as torchtitan applies it to float8 linears
+    (torchao.float8.float8_tensor_parallel, 2025): PrepareFloat8ModuleInput and Float8ColwiseParallel cast the
+    sequence-sharded input to float8 "before the all-gather (i.e. Shard -> Replicate)", and Float8RowwiseParallel
+    casts its output's gradient to float8 (NoopFwToFloat8BwDynamic) before the backward of its reduce-scatter, an
+    all-gather; the reduce-scatters carry the matmuls' outputs and input gradients in the compute dtype.
+    Transformer Engine's sequence-parallel gathers are priced in the compute dtype (not modelled in float8)."""
+    if training.linear_dtype == "fp8" and training.float8 == "torchao":
+        return DTYPE_BYTES["fp8"], training.act_bytes
+    return training.act_bytes, training.act_bytes
+
+
 def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int, embedding: bool,
              head: bool, moe_layers: int = 0) -> float:
     """Per block: forward 2 all-reduces of the hidden activations (after wo and w2), backward 2 more (for the
@@ -569,19 +582,24 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     or NF4 on the head).
     An MoE block (`moe_layers` of the `layers`) has only its attention's pair: every tp rank runs the whole MoE on
     replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
-    the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced)."""
+    the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced).
+    Under torchao's float8 tensor parallelism a block's all-gathers carry float8 (tp_block_bytes)."""
     if plan.tp == 1:
         return 0.0
     n, link = axis_link(plan, ("tp",), cluster, spread=True)
     tokens = plan.micro_batch * training.seq_len / plan.cp
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
+    block = one  # a block's pair, its all-gather in float8 where the linears cast before it (tp_block_bytes)
+    if plan.sequence_parallel:
+        gathered, scattered = (tokens * args.dim * b for b in tp_block_bytes(training))
+        block = all_gather(gathered, n, link) + reduce_scatter(scattered, n, link)
     replayed = 0.0
     if plan.activation_checkpoint == "full":
-        replayed = 2 * one
+        replayed = 2 * block
         if training.checkpoint_early_stop:
             replayed -= reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    total = (layers - moe_layers) * (4 * one + replayed) + (one if embedding else 0.0)
+    total = (layers - moe_layers) * (4 * block + replayed) + (one if embedding else 0.0)
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
         total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
     if moe_layers:
