@@ -225,6 +225,104 @@ def test_float8_tensor_parallel_gathers_what_torchaos_styles_redistribute(one_ra
     assert tp_block_bytes(_training("megatron-core", precision="fp8")) == (2, 2)  # TE's: not modelled in float8
 
 
+TORCHTITAN_SAVE_LIST = ("mm", "_scaled_dot_product_flash_attention_for_cpu", "_c10d_functional.reduce_scatter_tensor",
+                        "max")
+"""torchtitan's op-level selective policy (models/llama3/parallelize_llama.py at 820504e, June 2025: `_save_list`),
+by op name: every op's output kept but every second mm's and all the ops outside the list (its attention ops are
+the GPU kernels; the CPU's flash kernel stands in for them here)."""
+
+
+def _tensor_parallel_replays(layers: int) -> dict:
+    """On each of 2 gloo ranks: the engine's model split over tp 2, with and without sequence parallelism, under
+    each checkpoint policy (the engine's none, selective and full, and torchtitan's op-level policy applied to the
+    same blocks): the collectives of one forward and backward, by kind."""
+    from collections import Counter, defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from shardwise.parallel.comm import CommCounter, CommStats
+    from shardwise.parallel.tensor_parallel import apply_tensor_parallel
+
+    saved = {getattr(getattr(torch.ops, "_c10d_functional" if "." in name else "aten"),
+                     name.split(".")[-1]).default for name in TORCHTITAN_SAVE_LIST}
+
+    def torchtitan_policy(block: torch.nn.Module) -> None:
+        inner = block.forward
+
+        def policy(counts):
+            def decide(ctx, func, *args, **kwargs):
+                key = "recompute" if ctx.is_recompute else "forward"
+                counts[key] += func == torch.ops.aten.mm.default
+                keep = func in saved and not (func == torch.ops.aten.mm.default and counts[key] % 2 == 0)
+                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            return decide
+
+        def forward(*args, **kwargs):
+            counts = defaultdict(int)
+            return checkpoint(inner, *args, use_reentrant=False,
+                              context_fn=lambda: create_selective_checkpoint_contexts(policy(counts)), **kwargs)
+        block.forward = forward
+
+    class Calls(CommStats):
+        def add(self, kind, payload, group_size, wire=None):
+            self.calls[kind] += 1
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    args = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers, vocab_size=128)
+    out = {}
+    for sp in (False, True):
+        for policy in ("none", "selective", "full", "torchtitan"):
+            model = build_model(args)
+            apply_tensor_parallel(model, mesh, sp)
+            if policy == "torchtitan":
+                for block in model.layers.values():
+                    torchtitan_policy(block)
+            else:
+                apply_activation_checkpointing(model, policy)
+            materialize(model, args, "cpu", seed=0)
+            with CommCounter() as counter:
+                counter.stats = Calls()
+                model(torch.randint(0, args.vocab_size, (2, 32))).float().sum().backward()
+            out[sp, policy] = Counter(counter.stats.calls)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_selective_recompute_replays_the_collectives_its_policy_does_not_keep():
+    # the engine's tensor-parallel model on 2 ranks: what each checkpoint policy adds to a forward and backward's
+    # collectives, against what the planner adds, on a link where every collective takes its latency (1 s a ring
+    # step, no bandwidth term): a block replays its all-gathers and the first reduce-scatter (or, without sequence
+    # parallelism, the first all-reduce) under the engine's selective policy as under full recompute, and only
+    # the all-gathers under torchtitan's, which keeps the reduce-scatters' outputs
+    from distributed import run_distributed
+
+    from shardwise.planner.timing import _tp_comm
+
+    layers = 2
+    measured = run_distributed(_tensor_parallel_replays, 2, layers)[0]
+    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=float("inf"), intra_node_latency=1.0,
+                               intra_node_fabric="")
+    args = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers, vocab_size=128)
+    for sp in (False, True):
+        none = measured[sp, "none"]
+        for policy in ("selective", "full", "torchtitan"):
+            extra = measured[sp, policy] - none
+            system = "torchtitan" if policy == "torchtitan" else "shardwise"
+            recompute = "selective" if policy == "torchtitan" else policy
+            training = _training(system, seq_len=32, global_batch=2, precision="fp32")
+            plan = Plan(tp=2, micro_batch=2, sequence_parallel=sp, activation_checkpoint=recompute)
+            cluster = Cluster(unit, 2)
+            planned = (_tp_comm(args, training, plan, cluster, layers, False, False)
+                       - _tp_comm(args, training, dataclasses.replace(plan, activation_checkpoint="none"), cluster,
+                                  layers, False, False))
+            # a ring step a gather or scatter over 2 ranks, two an all-reduce (the planner's tree: 2 log2 2)
+            assert planned == pytest.approx(extra["all_gather"] + extra["reduce_scatter"] + 2 * extra["all_reduce"]), \
+                (sp, policy, dict(extra))
+            expected = ({"all_gather": 2, "reduce_scatter": 0 if policy == "torchtitan" else 1} if sp else
+                        {"all_reduce": 1})
+            assert dict(extra) == {kind: layers * count for kind, count in expected.items() if count}, (sp, policy)
+
+
 def test_reentrant_systems_replay_the_whole_forward():
     # Megatron's and DeepSpeed's CheckpointFunction replay the whole forward; torch's non-reentrant checkpoint
     # (this engine, torchtitan's checkpoint_wrapper, llm-foundry's activation_checkpointing_reentrant false) stops

@@ -575,7 +575,11 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     Full recompute replays the forward's two, after all-gathering the block's saved input where it was split
     over the tp ranks (Training.distribute_checkpoints, without sequence parallelism); a recompute that stops
     early (Training.checkpoint_early_stop) stops before the last linear, whose output's reduction (the all-reduce,
-    or the reduce-scatter of the pair) it leaves out. The embedding's rank
+    or the reduce-scatter of the pair) it leaves out. Selective recompute by torch's checkpoint (the policies
+    'matmuls' and 'alternate-matmuls') replays the collectives its policy does not keep, as early-stopping full
+    recompute does; torchtitan's policy keeps the reduce-scatters' outputs, so under sequence parallelism it
+    replays the two all-gathers only; Megatron's ('attention-core', and every policy over unfused attention)
+    replays none. The embedding's rank
     reduces the partial lookups once; the head's rank reduces the head's input gradient once and, unless the loss
     runs on vocabulary-parallel logits (`loss_parallel`, or shardwise's fused head: memory.fused_head),
     all-gathers the logits to every tp rank in forward (shardwise's engine does where its head is not fused: LoRA
@@ -591,14 +595,20 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     x = tokens * args.dim * training.act_bytes
     one = all_gather(x, n, link) + reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
     block = one  # a block's pair, its all-gather in float8 where the linears cast before it (tp_block_bytes)
+    gathered, scattered = (tokens * args.dim * b for b in tp_block_bytes(training))
     if plan.sequence_parallel:
-        gathered, scattered = (tokens * args.dim * b for b in tp_block_bytes(training))
         block = all_gather(gathered, n, link) + reduce_scatter(scattered, n, link)
     replayed = 0.0
+    last = reduce_scatter(scattered, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
     if plan.activation_checkpoint == "full":
-        replayed = 2 * block
-        if training.checkpoint_early_stop:
-            replayed -= reduce_scatter(x, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
+        replayed = 2 * block - (last if training.checkpoint_early_stop else 0.0)
+    elif (plan.activation_checkpoint == "selective" and training.fused_attention
+          and training.selective != "attention-core"):
+        # torch's selective checkpoint (non-reentrant, so it stops early) keeps its policy's ops and replays the
+        # rest: the collectives too, but the reduce-scatters where torchtitan's policy keeps them
+        replayed = 2 * block - last
+        if training.selective == "alternate-matmuls" and plan.sequence_parallel:
+            replayed -= reduce_scatter(scattered, n, link)
     total = (layers - moe_layers) * (4 * block + replayed) + (one if embedding else 0.0)
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
         total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
