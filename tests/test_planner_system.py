@@ -1177,8 +1177,8 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, tp, pp, cp and interleaving as printed). Every run that ran is
     # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (with
-    # torchao's recipe in its place, which casts per linear and saves bf16, it was 17%, every row pessimistic
-    # but one)
+    # torchao's recipe in its place, which casts per linear and saves bf16, it is 15%, every row pessimistic
+    # but one; 17% before torchao's TP gathers were priced in float8)
     published = _published_module()
     runs = published.nemo_runs()
     assert len(runs) == 15
@@ -1191,7 +1191,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         ev_ao, _ = published.given_plan(ao)
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
     assert sorted(errors)[len(errors) // 2] < 0.10
-    assert sorted(before)[len(before) // 2] > 0.15
+    assert sorted(before)[len(before) // 2] > 0.14
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():
