@@ -1180,7 +1180,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # torchao's recipe in its place, which casts per linear and saves bf16, it is 15%, every row pessimistic
     # but one; 17% before torchao's TP gathers were priced in float8)
     published = _published_module()
-    runs = published.nemo_runs()
+    runs = [run for run in published.nemo_runs() if run.gpu == "h100"]
     assert len(runs) == 15
     errors, before = [], []
     for run in runs:
