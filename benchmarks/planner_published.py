@@ -837,9 +837,9 @@ NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
              ("26.02", "llama3-70b", 64, 256, 1, 8192, 0, 4, 8, 1, 5, 1621),
              ("26.02", "llama3-405b", 1024, 1536, 1, 8192, 0, 8, 8, 2, 8, 311)]
 # Megatron Bridge 25.11 on DGX-B200 (the same summary, "System: DGX-B200"), its two dense rows in FP8-CS (the
-# parenthesised FP8-MX figures are another recipe, left out): Llama 3 8B on 8 GPUs and Llama 3.1 405B on 128. The
-# DGX B200 datasheet gives 1,440 GB of GPU memory for 8 GPUs, 180 GB each (the catalogue's B200 has the announced
-# 192). Added on 2026-12-05 and evaluated first as the planner stood: held out (docs/planner.md, "NeMo in float8").
+# parenthesised FP8-MX figures are another recipe, left out): Llama 3 8B on 8 GPUs and Llama 3.1 405B on 128, on the
+# catalogue's B200 (179.1 GiB as nvidia-smi prints it; the DGX B200 datasheet: 1,440 GB of GPU memory for 8). Added
+# on 2026-12-05 and evaluated first as the planner stood: held out (docs/planner.md, "NeMo in float8").
 NEMO_B200_ROWS = [("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 30624),
                   ("25.11", "llama3-405b", 128, 64, 1, 8192, 0, 4, 8, 2, 8, 661)]
 
@@ -865,7 +865,6 @@ def nemo_runs() -> list[Run]:
                         model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
                         f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
-                        gpu_memory_gib=180 if gpu == "b200" else None,
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current"))
     return runs
 

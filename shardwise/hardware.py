@@ -266,9 +266,10 @@ CATALOGUE: dict[str, Accelerator] = {
         _gpu("a100-40gb", 40, 312.0, 312.0, None, 19.5, 1.555, 300, 25, 32, "NVIDIA A100 datasheet, SXM 40GB"),
         _gpu("a100-80gb", 80, 312.0, 312.0, None, 19.5, 2.039, 300, 25, 32, "NVIDIA A100 datasheet, SXM 80GB"),
         # NVIDIA Blackwell / HGX B200 datasheet: FP16/BF16 4.5 PF sparse (2.25 dense), FP8 9 PF sparse, FP32 80 TF
-        # (approx.), HBM3e 8 TB/s, NVLink 5 1.8 TB/s. Memory: 192 GB as announced; shipping HGX
-        # B200 boards expose 180 GB, pass --gpu-memory-gib to use that.
-        _gpu("b200", 192, 2250.0, 2250.0, 4500.0, 80.0, 8.0, 900, 50, 64, "NVIDIA HGX B200 datasheet"),
+        # (approx.), HBM3e 8 TB/s, NVLink 5 1.8 TB/s. Memory: 192 GB was announced; shipping boards expose 180 GB
+        # (DGX B200 datasheet: 1,440 GB of GPU memory for 8), and nvidia-smi prints 183359 MiB (179.1 GiB) on a B200
+        # (its output as quoted in public repositories' logs).
+        _gpu("b200", 179.1, 2250.0, 2250.0, 4500.0, 80.0, 8.0, 900, 50, 64, "NVIDIA HGX B200 datasheet"),
         # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16/FP16 1307.4 TF dense, FP8 2614.9, FP32
         # 163.4 TF; Infinity Fabric 7 links x 64 GB/s per direction to the 7 peers (448 GB/s); PCIe Gen5 host.
         _gpu("mi300x", 192, 1307.4, 1307.4, 2614.9, 163.4, 5.3, 448, 50, 64, "AMD Instinct MI300X datasheet"),

@@ -187,6 +187,8 @@ def test_float8_tensor_parallel_gathers_what_torchaos_styles_redistribute(one_ra
     # a float8 MLP, forward and backward on one rank, recording every DTensor redistribution (a group of one moves
     # nothing, but the tensors handed over are the ones a wider group would move): the sequence all-gathers carry
     # float8 (e4m3 in forward, e5m2 gradients in backward), the reduce-scatters bf16, as the planner prices them
+    from collections import Counter
+
     redistribute = pytest.importorskip("torch.distributed.tensor._redistribute")
     pytest.importorskip("torchao.float8")
     from torch.distributed.tensor import Replicate, Shard
@@ -200,14 +202,14 @@ def test_float8_tensor_parallel_gathers_what_torchaos_styles_redistribute(one_ra
 
     from shardwise.planner.timing import tp_block_bytes
 
-    moved = {"all_gather": set(), "reduce_scatter": set()}
+    moved = Counter()
     original = redistribute.redistribute_local_tensor
 
     def recorded(local, current, target, *args, **kwargs):
         kind = {(Shard, Replicate): "all_gather"}.get((type(current.placements[0]), type(target.placements[0])),
                                                       "reduce_scatter" if current.placements[0].is_partial() else None)
         if kind:
-            moved[kind].add(getattr(local, "_data", local).element_size())
+            moved[kind, getattr(local, "_data", local).element_size()] += 1
         return original(local, current, target, *args, **kwargs)
 
     monkeypatch.setattr(redistribute, "redistribute_local_tensor", recorded)
@@ -218,11 +220,26 @@ def test_float8_tensor_parallel_gathers_what_torchaos_styles_redistribute(one_ra
         "": PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "0": Float8ColwiseParallel(), "2": Float8RowwiseParallel(output_layouts=Shard(1))})
     mlp(torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
-    assert moved == {"all_gather": {1}, "reduce_scatter": {2}}
+    assert moved == {("all_gather", 1): 2, ("reduce_scatter", 2): 2}  # forward and backward, one of each
     fp8 = _training("torchtitan", precision="fp8")
     assert tp_block_bytes(fp8) == (1, 2)
     assert tp_block_bytes(_training("torchtitan")) == (2, 2)
     assert tp_block_bytes(_training("megatron-core", precision="fp8")) == (2, 2)  # TE's: not modelled in float8
+    # and a block's collectives carry them: priced with one kind's stand-in returning the bytes it is given and the
+    # other's nothing, _tp_comm returns the bytes of that kind
+    from shardwise.planner import timing
+
+    args, plan = preset("llama3-8b"), Plan(tp=8, micro_batch=1, sequence_parallel=True)
+    moved_by = {}
+    for training in (fp8, _training("torchtitan")):
+        for kind, other in (("all_gather", "reduce_scatter"), ("reduce_scatter", "all_gather")):
+            monkeypatch.setattr(timing, kind, lambda size, *_: size)
+            monkeypatch.setattr(timing, other, lambda *_: 0.0)
+            moved_by[training.precision, kind] = timing._tp_comm(args, training, plan, Cluster(accelerator("h100"), 8),
+                                                                 1, False, False)
+    x = 4096 * args.dim  # one micro-batch's tokens x d: two gathers and two scatters a block, forward and backward
+    assert moved_by == {("fp8", "all_gather"): 4 * x, ("fp8", "reduce_scatter"): 4 * 2 * x,
+                        ("bf16", "all_gather"): 4 * 2 * x, ("bf16", "reduce_scatter"): 4 * 2 * x}
 
 
 TORCHTITAN_SAVE_LIST = ("mm", "_scaled_dot_product_flash_attention_for_cpu", "_c10d_functional.reduce_scatter_tensor",
@@ -235,7 +252,8 @@ the GPU kernels; the CPU's flash kernel stands in for them here)."""
 def _tensor_parallel_replays(layers: int) -> dict:
     """On each of 2 gloo ranks: the engine's model split over tp 2, with and without sequence parallelism, under
     each checkpoint policy (the engine's none, selective and full, and torchtitan's op-level policy applied to the
-    same blocks): the collectives of one forward and backward, by kind."""
+    same blocks): the collectives of one forward and backward, by kind, and the bytes of the reduce-scatters'
+    outputs torchtitan's policy keeps, with and without sequence parallelism."""
     from collections import Counter, defaultdict
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -246,7 +264,7 @@ def _tensor_parallel_replays(layers: int) -> dict:
     saved = {getattr(getattr(torch.ops, "_c10d_functional" if "." in name else "aten"),
                      name.split(".")[-1]).default for name in TORCHTITAN_SAVE_LIST}
 
-    def torchtitan_policy(block: torch.nn.Module) -> None:
+    def torchtitan_policy(block: torch.nn.Module, sp: bool, moe_blocks: bool) -> None:
         inner = block.forward
 
         def policy(counts):
@@ -254,6 +272,8 @@ def _tensor_parallel_replays(layers: int) -> dict:
                 key = "recompute" if ctx.is_recompute else "forward"
                 counts[key] += func == torch.ops.aten.mm.default
                 keep = func in saved and not (func == torch.ops.aten.mm.default and counts[key] % 2 == 0)
+                if keep and key == "forward" and func == torch.ops._c10d_functional.reduce_scatter_tensor.default:
+                    kept[sp] += ctx.op_output.nbytes * (not moe_blocks)
                 return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
             return decide
 
@@ -268,59 +288,67 @@ def _tensor_parallel_replays(layers: int) -> dict:
             self.calls[kind] += 1
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    args = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers, vocab_size=128)
-    out = {}
-    for sp in (False, True):
+    dense = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers, vocab_size=128)
+    moe = preset("debug-moe", dim=64, n_layers=layers, n_dense_layers=0, vocab_size=128)
+    out, kept = {}, {False: 0, True: 0}
+    for args, sp in ((dense, False), (dense, True), (moe, True)):
         for policy in ("none", "selective", "full", "torchtitan"):
             model = build_model(args)
             apply_tensor_parallel(model, mesh, sp)
             if policy == "torchtitan":
                 for block in model.layers.values():
-                    torchtitan_policy(block)
+                    torchtitan_policy(block, sp, args.n_experts > 0)
             else:
                 apply_activation_checkpointing(model, policy)
             materialize(model, args, "cpu", seed=0)
             with CommCounter() as counter:
                 counter.stats = Calls()
                 model(torch.randint(0, args.vocab_size, (2, 32))).float().sum().backward()
-            out[sp, policy] = Counter(counter.stats.calls)
-    return out
+            out[args.n_experts > 0, sp, policy] = Counter(counter.stats.calls)
+    return out, kept
 
 
 @pytest.mark.multiprocess
-def test_selective_recompute_replays_the_collectives_its_policy_does_not_keep():
+def test_selective_recompute_replays_the_collectives_its_policy_does_not_keep(monkeypatch):
     # the engine's tensor-parallel model on 2 ranks: what each checkpoint policy adds to a forward and backward's
-    # collectives, against what the planner adds, on a link where every collective takes its latency (1 s a ring
-    # step, no bandwidth term): a block replays its all-gathers and the first reduce-scatter (or, without sequence
-    # parallelism, the first all-reduce) under the engine's selective policy as under full recompute, and only
-    # the all-gathers under torchtitan's, which keeps the reduce-scatters' outputs
+    # collectives, against what the planner adds, each of the planner's collectives counted by kind (its all-gather,
+    # reduce-scatter and all-reduce stand-ins return 1, 1e3 and 1e6): a block replays its all-gathers and the first
+    # reduce-scatter (without sequence parallelism, the first all-reduce) under the engine's selective policy as
+    # under full recompute, and only the all-gathers under torchtitan's, which keeps the reduce-scatters' outputs:
+    # those are the bytes the planner adds to its activations
+    from shardwise.planner import timing
+    from shardwise.planner.memory import kept_reduce_scatter_bytes
+
     from distributed import run_distributed
 
-    from shardwise.planner.timing import _tp_comm
-
     layers = 2
-    measured = run_distributed(_tensor_parallel_replays, 2, layers)[0]
-    unit = dataclasses.replace(accelerator("h100"), intra_node_bw=float("inf"), intra_node_latency=1.0,
-                               intra_node_fabric="")
-    args = preset("debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers, vocab_size=128)
-    for sp in (False, True):
-        none = measured[sp, "none"]
+    measured, kept = run_distributed(_tensor_parallel_replays, 2, layers)[0]
+    monkeypatch.setattr(timing, "all_gather", lambda *_: 1.0)
+    monkeypatch.setattr(timing, "reduce_scatter", lambda *_: 1e3)
+    monkeypatch.setattr(timing, "all_reduce", lambda *_: 1e6)
+    cluster = Cluster(accelerator("h100"), 2)
+    for moe, sp in ((False, False), (False, True), (True, True)):
+        args = preset("debug-moe" if moe else "debug", dim=64, n_heads=4, n_kv_heads=2, n_layers=layers,
+                      vocab_size=128, **({"n_dense_layers": 0} if moe else {}))
+        none = measured[moe, sp, "none"]
         for policy in ("selective", "full", "torchtitan"):
-            extra = measured[sp, policy] - none
+            extra = measured[moe, sp, policy] - none
             system = "torchtitan" if policy == "torchtitan" else "shardwise"
-            recompute = "selective" if policy == "torchtitan" else policy
             training = _training(system, seq_len=32, global_batch=2, precision="fp32")
-            plan = Plan(tp=2, micro_batch=2, sequence_parallel=sp, activation_checkpoint=recompute)
-            cluster = Cluster(unit, 2)
-            planned = (_tp_comm(args, training, plan, cluster, layers, False, False)
-                       - _tp_comm(args, training, dataclasses.replace(plan, activation_checkpoint="none"), cluster,
-                                  layers, False, False))
-            # a ring step a gather or scatter over 2 ranks, two an all-reduce (the planner's tree: 2 log2 2)
-            assert planned == pytest.approx(extra["all_gather"] + extra["reduce_scatter"] + 2 * extra["all_reduce"]), \
-                (sp, policy, dict(extra))
+            plan = Plan(tp=2, micro_batch=2, sequence_parallel=sp,
+                        activation_checkpoint="selective" if policy == "torchtitan" else policy)
+            planned = (timing._tp_comm(args, training, plan, cluster, layers, False, False, layers * moe)
+                       - timing._tp_comm(args, training, dataclasses.replace(plan, activation_checkpoint="none"),
+                                         cluster, layers, False, False, layers * moe))
+            assert planned == extra["all_gather"] + 1e3 * extra["reduce_scatter"] + 1e6 * extra["all_reduce"], \
+                (moe, sp, policy, dict(extra))
             expected = ({"all_gather": 2, "reduce_scatter": 0 if policy == "torchtitan" else 1} if sp else
                         {"all_reduce": 1})
-            assert dict(extra) == {kind: layers * count for kind, count in expected.items() if count}, (sp, policy)
+            assert dict(extra) == {kind: layers * count for kind, count in expected.items() if count}, \
+                (moe, sp, policy)
+            if policy == "torchtitan" and not moe:
+                assert kept[sp] == layers * kept_reduce_scatter_bytes(args, training, plan, 32), (sp, kept)
+    assert kept[True] > 0
 
 
 def test_reentrant_systems_replay_the_whole_forward():

@@ -727,6 +727,8 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     if core:
         recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
+    if recompute == "selective":
+        total += kept_reduce_scatter_bytes(args, training, plan, seq, moe)
     if core and not unfused:
         # a fused kernel's output and log-sum-exp are what its checkpoint drops (Megatron-Core's selective
         # recompute of core_attn): the forward kernel runs again in backward from the kept q, k, v
@@ -736,6 +738,17 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
         # and for k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch
         total += 2 * seq / plan.cp * args.head_dim * training.act_bytes
     return total
+
+
+def kept_reduce_scatter_bytes(args: ModelArgs, training: Training, plan: Plan, seq: int, moe: bool = False) -> float:
+    """Bytes of the reduce-scatters' outputs a block keeps under selective recompute with sequence parallelism:
+    torchtitan's op-level policy keeps them (`_c10d_functional.reduce_scatter_tensor` is in its `_save_list`),
+    wo's and w2's (an MoE block's attention has the one), each a rank's slice of the sequence; the engine's policy
+    and Megatron's keep none."""
+    if not (training.selective == "alternate-matmuls" and training.fused_attention and plan.tp > 1
+            and plan.sequence_parallel):
+        return 0.0
+    return (1 if moe else 2) * plan.micro_batch * seq / plan.cp * args.dim * training.act_bytes / plan.tp
 
 
 def _per_token(args: ModelArgs, training: Training, plan: Plan, recompute: str, moe: bool = False) -> float:

@@ -586,7 +586,9 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     or NF4 on the head).
     An MoE block (`moe_layers` of the `layers`) has only its attention's pair: every tp rank runs the whole MoE on
     replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
-    the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced).
+    the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced); a
+    recompute, full or selective, replays all three of its forward's collectives (less the reduce-scatter
+    torchtitan's policy keeps).
     Under torchao's float8 tensor parallelism a block's all-gathers carry float8 (tp_block_bytes)."""
     if plan.tp == 1:
         return 0.0
@@ -598,23 +600,25 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     gathered, scattered = (tokens * args.dim * b for b in tp_block_bytes(training))
     if plan.sequence_parallel:
         block = all_gather(gathered, n, link) + reduce_scatter(scattered, n, link)
+    # torch's selective checkpoint (non-reentrant, so it stops early) keeps its policy's ops and replays the rest,
+    # collectives too, but the reduce-scatters where torchtitan's policy keeps them
+    selective = (plan.activation_checkpoint == "selective" and training.fused_attention
+                 and training.selective != "attention-core")
+    kept_scatter = reduce_scatter(scattered, n, link) if (
+        selective and training.selective == "alternate-matmuls" and plan.sequence_parallel) else 0.0
     replayed = 0.0
     last = reduce_scatter(scattered, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
     if plan.activation_checkpoint == "full":
         replayed = 2 * block - (last if training.checkpoint_early_stop else 0.0)
-    elif (plan.activation_checkpoint == "selective" and training.fused_attention
-          and training.selective != "attention-core"):
-        # torch's selective checkpoint (non-reentrant, so it stops early) keeps its policy's ops and replays the
-        # rest: the collectives too, but the reduce-scatters where torchtitan's policy keeps them
-        replayed = 2 * block - last
-        if training.selective == "alternate-matmuls" and plan.sequence_parallel:
-            replayed -= reduce_scatter(scattered, n, link)
+    elif selective:
+        replayed = 2 * block - last - kept_scatter
     total = (layers - moe_layers) * (4 * block + replayed) + (one if embedding else 0.0)
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
         total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
-    if moe_layers:
-        passes = 3 if plan.activation_checkpoint == "full" else 2
-        total += moe_layers * passes * (one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0))
+    if moe_layers:  # an MoE block's recompute needs all three of its forward's collectives (the MoE's input too)
+        moe_pass = one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0)
+        moe_replayed = moe_pass - kept_scatter if plan.activation_checkpoint == "full" or selective else 0.0
+        total += moe_layers * (2 * moe_pass + moe_replayed)
     if head:
         total += one
         if not (training.loss_parallel or fused_head(training, plan)):  # the fused loss is vocabulary-parallel
