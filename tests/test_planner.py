@@ -428,6 +428,33 @@ def test_zero_bubble_prices_a_second_rebuild_in_the_weight_pass():
         assert cost.recompute > 0
 
 
+def test_zero_bubble_weight_pass_replays_its_collectives_in_its_own_slot():
+    """Under tp the weight pass's rebuild replays the forward's collectives too (_tp_comm's full-recompute replay,
+    once more on every rank but the first stage's share); ZB-H1's bubble, (P-1)(F + B - W) (Qi et al. 2024),
+    counts them in W's slot, where the pass runs them, not in F's and B's."""
+    from shardwise.hardware import Cluster, accelerator
+    from shardwise.planner.memory import stage_shape
+    from shardwise.planner.timing import _stage_cost, _tp_comm, pipeline_time
+
+    args = preset("llama3-8b")
+    training = Training(seq_len=4096, global_batch=64, precision="bf16")
+    cluster = Cluster(accelerator("h100"), 64)
+    zb = Plan(pp=4, tp=2, dp_shard=8, zero_stage=2, grad_accum=8, pp_schedule="zero-bubble",
+              activation_checkpoint="full", sequence_parallel=True)
+    cost = _stage_cost(args, training, zb, cluster, 1)  # a middle stage: its blocks rebuilt twice
+    layers = stage_shape(args, zb, 1, 4096).layers
+    replay = (_tp_comm(args, training, zb, cluster, layers, False, False)
+              - _tp_comm(args, training, dataclasses.replace(zb, activation_checkpoint="none"), cluster, layers,
+                         False, False))
+    assert replay > 0 and cost.tp_comm_weight == pytest.approx(replay)
+    f = cost.forward + (cost.tp_comm - cost.tp_comm_weight + cost.pp_p2p + cost.cp_exposed + cost.ep_comm) / 2
+    b = cost.backward_input + cost.recompute + (cost.tp_comm - cost.tp_comm_weight + cost.pp_p2p
+                                                 + cost.cp_exposed + cost.ep_comm) / 2
+    w = cost.backward_weight + cost.tp_comm_weight
+    assert pipeline_time(cost, zb) == pytest.approx(8 * cost.total + 3 * max(0.0, f + b - w))
+    assert pipeline_time(cost, zb) < pipeline_time(dataclasses.replace(cost, tp_comm_weight=0.0), zb)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Plans, search, CLI
 

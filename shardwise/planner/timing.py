@@ -78,6 +78,9 @@ class StageCost:
     """Fixed per-operator cost (dispatch, launch) not hidden behind the arithmetic (see `op_overhead`)."""
     ep_comm: float = 0.0
     """Expert parallelism's all-to-alls (on the critical path: each is a barrier between routing and experts)."""
+    tp_comm_weight: float = 0.0
+    """Of tp_comm, the collectives of the forward the deferred weight pass replays (zero-bubble under full
+    recompute: `_weight_pass_replay`): they run in W's slot, not in F's or B's."""
 
     @property
     def total(self) -> float:
@@ -391,13 +394,15 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     overhead = op_overhead(args, training, plan, acc, layers, shape.last, fwd + bwd_in + bwd_w + recompute, dequant_ops,
                            moe)
     tp_comm = _tp_comm(args, training, plan, cluster, layers, stage == 0, shape.last, moe)
-    if replayed:  # the replayed forward's collectives
+    tp_comm_weight = 0.0
+    if replayed:  # the replayed forward's collectives, in the weight pass
         bare = _tp_comm(args, training, replace(plan, activation_checkpoint="none"), cluster, layers, stage == 0,
                         shape.last, moe)
-        tp_comm += replayed * (tp_comm - bare)
-    return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm,
+        tp_comm_weight = replayed * (tp_comm - bare)
+    return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm + tp_comm_weight,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
-                     _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe))
+                     _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe),
+                     tp_comm_weight)
 
 
 CAST_BYTES = 4 + 2
@@ -726,10 +731,11 @@ def pipeline_time(cost: StageCost, plan: Plan) -> float:
     if plan.pp_schedule == "interleaved-1f1b":
         return (m + (p - 1) / v) * t
     if plan.pp_schedule == "zero-bubble":
-        fwd = cost.forward + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2 + cost.ep_comm / 2
-        bwd_in = (cost.backward_input + cost.recompute + cost.tp_comm / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
+        tp = cost.tp_comm - cost.tp_comm_weight
+        fwd = cost.forward + tp / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2 + cost.ep_comm / 2
+        bwd_in = (cost.backward_input + cost.recompute + tp / 2 + cost.pp_p2p / 2 + cost.cp_exposed / 2
                   + cost.ep_comm / 2)
-        return m * t + (p - 1) * max(0.0, fwd + bwd_in - cost.backward_weight)
+        return m * t + (p - 1) * max(0.0, fwd + bwd_in - cost.backward_weight - cost.tp_comm_weight)
     return (m + p - 1) * t
 
 
