@@ -612,10 +612,10 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     kept_scatter = reduce_scatter(scattered, n, link) if (
         selective and training.selective == "alternate-matmuls" and plan.sequence_parallel) else 0.0
     replayed = 0.0
-    last = reduce_scatter(scattered, n, link) if plan.sequence_parallel else all_reduce(x, n, link)
-    if plan.activation_checkpoint == "full":
-        replayed = 2 * block - (last if training.checkpoint_early_stop else 0.0)
-    elif selective:
+    if plan.activation_checkpoint == "full" or selective:
+        stops_early = selective or training.checkpoint_early_stop  # before the last linear's reduction
+        last = (reduce_scatter(scattered, n, link) if plan.sequence_parallel else all_reduce(x, n, link)) \
+            if stops_early else 0.0
         replayed = 2 * block - last - kept_scatter
     total = (layers - moe_layers) * (4 * block + replayed) + (one if embedding else 0.0)
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
