@@ -152,7 +152,45 @@ def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mes
     titan, mcore = _training("torchtitan", seq_len=8192), _training("megatron-core", seq_len=8192)
     assert dtensor_loss_parallel(titan, plan) and not dtensor_loss_parallel(mcore, plan)
     assert logits_bytes(args, titan, plan) == tokens * args.vocab_size / 8 * 4 * round(copies)
-    assert logits_bytes(args, mcore, plan) == tokens * args.vocab_size / 8 * 4 * 2
+    assert logits_bytes(args, mcore, plan) == tokens * args.vocab_size / 8 * 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_megatron_cross_entropy_writes_its_gradient_into_the_saved_softmax(one_rank_mesh, fused):
+    # Megatron-Core's own vocab-parallel cross-entropy (megatron-core 0.12, both implementations), on one gloo rank
+    # from bf16 logits: its forward keeps an fp32 softmax of the logits' size, and its backward adds only the bf16
+    # gradient autograd casts it to; torch's log_softmax + nll_loss adds two fp32 tensors there. The planner sizes
+    # Megatron's loss so: the fp32 row among the head's saved tensors, the compute dtype's as its working set
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    parallel_state.initialize_model_parallel(1)
+    try:
+        group = parallel_state.get_tensor_model_parallel_group()
+        s, v = 256, 1024
+        logits = torch.randn(s, 1, v, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, v, (s, 1))
+        with PeakBytes() as peak:
+            loss = fused_vocab_parallel_cross_entropy(logits, target, group) if fused \
+                else vocab_parallel_cross_entropy(logits, target)
+            kept = peak.total
+            peak.peak = 0
+            loss.sum().backward()
+        assert logits.grad.dtype == torch.bfloat16
+    finally:
+        parallel_state.destroy_model_parallel()
+    per_logit = s * v
+    assert kept / per_logit == pytest.approx(4, abs=0.05)  # the softmax, fp32 (and the targets)
+    working = (peak.peak - kept) / per_logit
+    assert working == pytest.approx(2, abs=0.05)
+    args = preset("llama3-8b")
+    plan = Plan(tp=2, micro_batch=1, sequence_parallel=True)
+    mcore = _training("megatron-core", seq_len=4096)
+    tokens, columns = 4096, args.vocab_size / 2
+    assert logits_bytes(args, mcore, plan) == pytest.approx(tokens * columns * working, rel=0.03)
+    assert head_activation_bytes(args, mcore, plan) == pytest.approx(
+        tokens * (columns * kept / per_logit + 2 * args.dim / 2 + 4 + 8), rel=0.03)
 
 
 def test_cp_allgather_moves_what_the_engines_context_parallel_attention_moves(one_rank_mesh):

@@ -1059,7 +1059,8 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     beside the previous block's log-probabilities and gradient; and under mixed precision the compute-dtype copies
     of the head's input and weight (LoRA stores its frozen head in that dtype) throughout. A cross-entropy kernel
     (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype. torch's loss
-    parallel (dtensor_loss_parallel) holds a third fp32 tensor in that backward."""
+    parallel (dtensor_loss_parallel) holds a third fp32 tensor in that backward; Megatron's (megatron_cross_entropy)
+    one tensor in the compute dtype."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
         return tokens * loss_vocab(args, training, plan) * training.act_bytes
@@ -1080,7 +1081,21 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
         # the compute dtype are still held (the loop's names): what peaks there once no weight-gradient product does
         previous = block * (4 + e) if tokens > block / v else 0.0
         return max(block * (4 + 4) + previous, block * (4 + e) + product) + tokens * d * e + copy + gathered
+    if megatron_cross_entropy(training):
+        # the gradient it writes into its saved fp32 softmax, cast by autograd to the logits' dtype (none in fp32)
+        return tokens * loss_vocab(args, training, plan) * (training.act_bytes if training.act_bytes < 4 else 0.0)
     return tokens * loss_vocab(args, training, plan) * 4 * (3 if dtensor_loss_parallel(training, plan) else 2)
+
+
+def megatron_cross_entropy(training: Training) -> bool:
+    """The loss is Megatron's vocab-parallel cross-entropy (megatron.core.tensor_parallel.cross_entropy and its fused
+    twin; Megatron-LM's and Megatron-DeepSpeed's before them): an autograd function whose forward upcasts the logits
+    to an fp32 copy that it normalises in place and saves as the softmax (head_activation_bytes' fp32 row), and
+    whose backward writes the logits' gradient into that same tensor; autograd casts it back to the logits' dtype.
+    Beside the saved softmax the loss's working set is one tensor in the compute dtype, where torch's log_softmax
+    and nll_loss make two fp32 ones (tests/test_planner_system.py runs megatron-core's two implementations). The
+    layouts megatron and zero under a vocab-parallel loss."""
+    return training.loss_parallel and training.layout in ("megatron", "zero")
 
 
 def dtensor_loss_parallel(training: Training, plan: Plan) -> bool:
