@@ -490,6 +490,37 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32")
 
 
+
+def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
+    # NeMo 2's performance recipes set the precision plugin's grad_reduce_in_fp32=False, which overrides the DDP
+    # config's (nemo/lightning/pytorch/plugins/mixed_precision.py): Megatron-Core's main-gradient buffer is then bf16,
+    # 2 bytes a parameter where Megatron-LM's --accumulate-allreduce-grads-in-fp32 keeps 4, and its data-parallel
+    # reduce-scatter carries bf16
+    from shardwise.planner.comm import axis_link, reduce_scatter
+    from shardwise.planner.memory import stage_memory
+
+    args = preset("llama3-8b")
+    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=1)
+    fp32 = _training("megatron-core", global_batch=8)
+    bf16 = dataclasses.replace(fp32, grads_in_fp32=False)
+    n = num_params(args)
+    assert stage_memory(args, fp32, plan, 0)["grads"] == pytest.approx(4 * n)
+    assert stage_memory(args, bf16, plan, 0)["grads"] == pytest.approx(2 * n)
+    cluster = Cluster(accelerator("h100"), 8)
+    ranks, link = axis_link(plan, ("dp_replicate",), cluster)
+    saved = (evaluate(args, fp32, plan, cluster).time.detail["dp_comm_s"]
+             - evaluate(args, bf16, plan, cluster).time.detail["dp_comm_s"])
+    assert saved == pytest.approx(reduce_scatter(4 * n, ranks, link) - reduce_scatter(2 * n, ranks, link), rel=0.1)
+    # a system file says so; any other layout keeps its gradients as it keeps them, and says why
+    path = tmp_path / "nemo-perf.toml"
+    path.write_text('base = "megatron-core"\ngrads_in_fp32 = false\n')
+    training = Training(seq_len=4096, global_batch=8, **resolve_system(str(path)).training_fields())
+    assert not training.grads_in_fp32
+    from shardwise.planner.cli import system_summary
+    assert system_summary(training).endswith(", main gradients in the weights dtype")
+    with pytest.raises(PlannerError, match="grads_in_fp32"):
+        dataclasses.replace(_training("torchtitan"), grads_in_fp32=False)
+
 def test_torch_context_parallel_exchange_by_hand(tmp_path):
     # torch's context_parallel as torchtitan runs it: K and V all-gathered in forward, in the recomputed forward
     # and in backward, dK and dV handed on in fp32 at each of the cp steps; compiled blocks expose all of it.

@@ -350,18 +350,18 @@ def state_bytes_per_param(training: Training) -> StateBytes:
     'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
     (see transient_bytes). fp32 training: 4+4+states, no master.
     """
-    return _state_bytes(training.optimizer, training.mixed, training.layout)
+    return _state_bytes(training.optimizer, training.mixed, training.layout, training.grads_in_fp32)
 
 
 @functools.lru_cache(maxsize=64)
-def _state_bytes(optimizer: str, mixed: bool, layout: str) -> StateBytes:
+def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool = True) -> StateBytes:
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if not mixed:
         return StateBytes(4.0, 4.0, 0.0, opt)
     if layout == "zero":
         return StateBytes(2.0, 2.0, 4.0, opt)
     if layout == "megatron":
-        return StateBytes(2.0, 4.0, 4.0, opt)
+        return StateBytes(2.0, 4.0 if grads_in_fp32 else 2.0, 4.0, opt)
     return StateBytes(4.0, 4.0, 0.0, opt)
 
 

@@ -86,6 +86,9 @@ class System:
     distribute_checkpoints: bool = False
     """Megatron-LM's --distribute-checkpointed-activations: under full recompute without sequence parallelism the
     saved block inputs are split over tp (Training.distribute_checkpoints)."""
+    grads_in_fp32: bool = True
+    """Megatron's main gradients (and their data-parallel reduction) in fp32, or in the weights' dtype
+    (Training.grads_in_fp32: NeMo 2's performance recipes); layout 'megatron' only."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
@@ -121,6 +124,7 @@ class System:
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
+                "grads_in_fp32": self.grads_in_fp32,
                 "pipeline_split": self.pipeline_split}
 
 
@@ -216,7 +220,7 @@ def resolve_system(spec: str | System) -> System:
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
-                                   "keeps_bf16_grads") else str
+                                   "keeps_bf16_grads", "grads_in_fp32") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

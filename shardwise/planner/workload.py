@@ -121,6 +121,11 @@ class Training:
     """Under full recompute without sequence parallelism, each block's saved input is split over the tp ranks and
     all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
     before sequence parallelism; metaseq ran OPT-175B with it). memory.block_terms, timing._tp_comm."""
+    grads_in_fp32: bool = True
+    """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
+    Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
+    dtype, as NeMo 2's performance recipes run it (the precision plugin's grad_reduce_in_fp32=False overrides the
+    DDP config, nemo/lightning/pytorch/plugins/mixed_precision.py). memory.state_bytes_per_param."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
@@ -256,6 +261,10 @@ class Training:
         if self.zero3_fetch not in ZERO3_FETCH:
             raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
                                f"use one of {', '.join(ZERO3_FETCH)}")
+        if not self.grads_in_fp32 and self.layout != "megatron":
+            raise PlannerError("--system grads_in_fp32", f"false describes Megatron's main-gradient buffer, not "
+                               f"the layout {self.layout}",
+                               'use layout megatron (base = "megatron-core"), or leave it true')
         if self.zero3_fetch == "module-sync" and (self.layout != "zero" or self.lora_rank):
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
                                f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
