@@ -135,6 +135,12 @@ class Run:
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
     float8: str | None = None
     """The float8 recipe (Training.float8), where it is not the system's default (NeMo's FP8-CS: te-current)."""
+    grads_in_fp32: bool | None = None
+    """Megatron's main gradients in fp32 (Training.grads_in_fp32), where the run's code differs from the system's
+    preset (NeMo 2's performance recipes: bf16)."""
+    dropout: bool | None = None
+    """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
+    GPT-3 175B config)."""
     distribute_checkpoints: bool = False
     """Megatron's --distribute-checkpointed-activations (Training.distribute_checkpoints), where the source ran it."""
     keeps_bf16_grads: bool = False
@@ -844,6 +850,72 @@ NEMO_B200_ROWS = [("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 30624),
                   ("25.11", "llama3-405b", 128, 64, 1, 8192, 0, 4, 8, 2, 8, 661)]
 
 
+# NVIDIA's DGX Cloud benchmarking recipes, release 25.04.01 (github.com/NVIDIA/dgxc-benchmarking, commit 85380ff:
+# llama3.1/README.md, nemotron/README.md, nemo_megatron/README_175b.md and each folder's launch.sh): NeMo 25.02.01
+# (NeMo 2.0's performance recipes, pretrain_recipe(performance_mode=True)) for Llama 3.1 and Nemotron-4, NeMo 24.12
+# (its GPT-3 175B hydra config) for GPT-3, pre-training on DGX-H100 in BF16 and in FP8 (bf16_with_fp8_mixed and
+# fp8_hybrid with an amax history of 1024: Transformer Engine's delayed scaling). Each table states the layout and
+# "Training step time (seconds per step)", the last of 50 or 100 steps; every table grows GBS with the GPUs (weak
+# scaling) and its step times move by under 6% from the smallest count to the largest, so the smallest and the
+# largest are kept (the 405B proxies with fewer layers, below 512 GPUs, are left out). Nemotron-4 15B is the technical
+# report's shape (arXiv 2402.16819: 32 layers, hidden 6,144, 48 heads, 8 KV heads, squared-ReLU MLP of 24,576 priced
+# as the GELU MLP of that shape, vocabulary 256,000, untied); its README's table prints VP "NA" for the 340B and
+# launch.sh sets 12. Added on 2026-12-05 and evaluated first as the planner stood: held out (docs/planner.md, "NVIDIA's
+# DGX Cloud recipes, held out").
+DGXC = ("NVIDIA DGX Cloud benchmarking recipes 25.04.01, https://github.com/NVIDIA/dgxc-benchmarking (commit 85380ff), "
+        "llama3.1/README.md, nemotron/README.md, nemo_megatron/README_175b.md")
+NEMOTRON4_15B = ModelArgs(name="nemotron4-15b", dim=6144, n_heads=48, n_kv_heads=8, n_layers=32, vocab_size=256000,
+                          ffn_hidden=24576, mlp="gelu", max_seq_len=4096, tie_embeddings=False)
+# NeMo, model, precision, GPUs, GBS, MBS, sequence, TP, PP, CP, VP, seconds per step
+DGXC_ROWS = [("25.02.01", "llama3-8b", "bf16", 8, 128, 1, 8192, 1, 1, 2, 1, 12.27),
+             ("25.02.01", "llama3-8b", "bf16", 128, 2048, 1, 8192, 1, 1, 2, 1, 12.33),
+             ("25.02.01", "llama3-8b", "fp8", 8, 128, 1, 8192, 1, 1, 2, 1, 9.33),
+             ("25.02.01", "llama3-8b", "fp8", 128, 2048, 1, 8192, 1, 1, 2, 1, 9.54),
+             ("25.02.01", "llama3-70b", "bf16", 64, 128, 1, 8192, 4, 4, 2, 5, 14.66),
+             ("25.02.01", "llama3-70b", "bf16", 2048, 4096, 1, 8192, 4, 4, 2, 5, 14.66),
+             ("25.02.01", "llama3-70b", "fp8", 64, 128, 1, 8192, 4, 8, 1, 5, 9.86),
+             ("25.02.01", "llama3-70b", "fp8", 2048, 4096, 1, 8192, 4, 8, 1, 5, 10.15),
+             ("25.02.01", "llama3-405b", "bf16", 512, 256, 1, 8192, 8, 8, 2, 8, 19.78),
+             ("25.02.01", "llama3-405b", "bf16", 2048, 1024, 1, 8192, 8, 8, 2, 8, 19.87),
+             ("25.02.01", "llama3-405b", "fp8", 512, 256, 1, 8192, 8, 8, 2, 8, 12.37),
+             ("25.02.01", "llama3-405b", "fp8", 2048, 1024, 1, 8192, 8, 8, 2, 8, 12.56),
+             ("25.02.01", "nemotron4-15b", "bf16", 16, 64, 2, 4096, 2, 1, 1, 1, 2.66),
+             ("25.02.01", "nemotron4-15b", "bf16", 2048, 8192, 2, 4096, 2, 1, 1, 1, 2.78),
+             ("25.02.01", "nemotron4-15b", "fp8", 16, 64, 2, 4096, 2, 1, 1, 1, 1.98),
+             ("25.02.01", "nemotron4-15b", "fp8", 2048, 8192, 2, 4096, 2, 1, 1, 1, 2.09),
+             ("25.02.01", "nemotron4-340b", "bf16", 256, 64, 1, 4096, 8, 8, 1, 12, 4.36),
+             ("25.02.01", "nemotron4-340b", "bf16", 2048, 512, 1, 4096, 8, 8, 1, 12, 4.43),
+             ("25.02.01", "nemotron4-340b", "fp8", 256, 64, 1, 4096, 8, 8, 1, 12, 2.93),
+             ("25.02.01", "nemotron4-340b", "fp8", 2048, 512, 1, 4096, 8, 8, 1, 12, 3.05),
+             ("24.12", "gpt3-175b", "bf16", 128, 256, 1, 2048, 4, 8, 1, 6, 8.309),
+             ("24.12", "gpt3-175b", "bf16", 2048, 4096, 1, 2048, 4, 8, 1, 6, 8.49),
+             ("24.12", "gpt3-175b", "fp8", 128, 256, 1, 2048, 4, 8, 1, 6, 5.626),
+             ("24.12", "gpt3-175b", "fp8", 2048, 4096, 1, 2048, 4, 8, 1, 6, 5.96)]
+
+
+def dgxc_runs() -> list[Run]:
+    runs = []
+    for nemo, name, precision, n, gbs, mbs, seq, tp, pp, cp, vp, step_s in DGXC_ROWS:
+        if name in NEMO_GPT:
+            model = gpt(name, *NEMO_GPT[name], vocab=50304, seq=seq)
+        else:
+            model = {"nemotron4-15b": NEMOTRON4_15B, "nemotron4-340b": NEMOTRON4_340B}.get(name) or preset(name)
+            model = dataclasses.replace(model, max_seq_len=max(seq, model.max_seq_len))
+        dp = n // (tp * pp * cp)
+        plan = f"tp={tp},pp={pp},cp={cp},dp_replicate={dp},zero_stage=1,micro_batch={mbs},activation_checkpoint=none"
+        if pp > 1:
+            plan += f",pp_schedule=interleaved-1f1b,virtual_stages={vp}" if vp > 1 else ",pp_schedule=1f1b"
+        row = (f"{name} {precision.upper()} | {n} GPUs | GBS {gbs} | MBS {mbs} | {seq} | TP {tp} | PP {pp} | CP {cp} | "
+               f"VP {vp} | {step_s} s per step")
+        tflops = gbs * seq * flops_per_token(model, seq) / (step_s * n * 1e12)
+        short = name.removeprefix("gpt3-").upper() if "gpt3" in name else name
+        runs.append(Run(f"DGXC {nemo} {short} {precision.upper()} n={n}", model, n, seq, gbs, plan, DGXC,
+                        f"NeMo {nemo}, DGX-H100: {row}", tflops=tflops, step_s=step_s, gpu="h100",
+                        system="megatron-core", search=False, precision=precision,
+                        float8="te-delayed" if precision == "fp8" else None, grads_in_fp32=False,
+                        dropout=name in NEMO_GPT))
+    return runs
+
 def nemo_runs() -> list[Run]:
     runs = []
     for release, name, n, gbs, mbs, seq, fsdp, tp, pp, cp, vp, tps, gpu in (
@@ -872,7 +944,7 @@ def nemo_runs() -> list[Run]:
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
-        + foundry_runs() + mcore_runs() + nemo_runs())
+        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -911,6 +983,10 @@ def training_of(run: Run) -> Training:
             fields["compile_loss"] = run.compile_loss
         if run.cp_repeats_kv is not None:
             fields["cp_repeats_kv"] = run.cp_repeats_kv
+        if run.grads_in_fp32 is not None:
+            fields["grads_in_fp32"] = run.grads_in_fp32
+        if run.dropout is not None:
+            fields["dropout"] = run.dropout
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
@@ -1077,7 +1153,7 @@ def main() -> None:
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
                          ("OPT", "OPT"), ("BLOOM's layout search", "BigScience"),
                          ("torchtitan", "torchtitan"), ("torchao's float8 (torchtitan)", "torchao"),
-                         ("Megatron-Core", "MCore"), ("NeMo FP8", "NeMo"),
+                         ("Megatron-Core", "MCore"), ("NeMo FP8", "NeMo"), ("NVIDIA DGXC", "DGXC"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
@@ -1088,6 +1164,9 @@ def main() -> None:
             groups["  CP"] = [x for x in titan if " CP " in x[0]]
         if name == "NeMo FP8":
             groups["  on B200"] = [x for x in groups[name] if " B200 " in x[0]]
+        if name == "NVIDIA DGXC":
+            groups["  BF16"] = [x for x in groups[name] if " BF16 " in x[0]]
+            groups["  FP8"] = [x for x in groups[name] if " FP8 " in x[0]]
     print("timed runs whose given plan fits (ratio = predicted/published throughput):")
     for name, rs in groups.items():
         if rs:
