@@ -517,9 +517,41 @@ def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
     training = Training(seq_len=4096, global_batch=8, **resolve_system(str(path)).training_fields())
     assert not training.grads_in_fp32
     from shardwise.planner.cli import system_summary
-    assert system_summary(training).endswith(", main gradients in the weights dtype")
+    assert ", main gradients in the weights dtype" in system_summary(training)
     with pytest.raises(PlannerError, match="grads_in_fp32"):
         dataclasses.replace(_training("torchtitan"), grads_in_fp32=False)
+
+
+def test_megatron_core_overlaps_the_interleaved_steady_states_pipeline_sends():
+    # Megatron-Core's interleaved schedule with --overlap-p2p-communication (Megatron-LM's default there, NeMo's
+    # wherever virtual stages > 1) waits on a steady-state chunk's send and receive only after the next chunk's
+    # compute; its warm-up forwards and cool-down backwards send and receive blocking. On pipeline rank r the
+    # warm-up is (p - r - 1) 2 + (v - 1) p of the m v chunks (schedules.py, num_warmup_microbatches, core_r0.11)
+    from shardwise.planner.timing import _pp_p2p, _pp_p2p_bytes_time, pp_overlap_share
+
+    args = preset("llama3-70b")
+    mcore = _training("megatron-core", seq_len=8192, global_batch=64)
+    titan = _training("torchtitan", seq_len=8192, global_batch=64)
+    assert mcore.pp_overlap_p2p and not titan.pp_overlap_p2p
+    cluster = Cluster(accelerator("h100"), 256)
+    plan = Plan(tp=8, pp=8, virtual_stages=5, pp_schedule="interleaved-1f1b", dp_replicate=4, micro_batch=1,
+                grad_accum=16, sequence_parallel=True)
+    whole = _pp_p2p_bytes_time(args, mcore, plan, cluster)
+    for rank in (0, 7):
+        warmup = (8 - rank - 1) * 2 + (5 - 1) * 8
+        assert pp_overlap_share(mcore, plan, rank) == pytest.approx(warmup / (16 * 5))
+        assert _pp_p2p(args, mcore, plan, cluster, rank) == pytest.approx(whole * warmup / 80)
+    # fewer micro-batches than the warm-up holds: every send blocks; 1F1B and the other systems' schedules block
+    few = dataclasses.replace(plan, grad_accum=4)
+    assert pp_overlap_share(mcore, few, 0) == 1.0
+    assert pp_overlap_share(mcore, dataclasses.replace(plan, pp_schedule="1f1b", virtual_stages=1), 0) == 1.0
+    assert pp_overlap_share(titan, plan, 0) == 1.0
+    assert _pp_p2p(args, titan, plan, cluster, 0) == pytest.approx(_pp_p2p_bytes_time(args, titan, plan, cluster))
+    # and the step prices it so: the rank it costs (the heaviest) pays its warm-up's share
+    step = evaluate(args, mcore, plan, cluster).time.detail["pp_p2p_s"]
+    blocking = evaluate(args, dataclasses.replace(mcore, pp_overlap_p2p=False), plan, cluster).time.detail["pp_p2p_s"]
+    assert step < blocking / 2
+    assert any(step == pytest.approx(blocking * pp_overlap_share(mcore, plan, rank)) for rank in range(8))
 
 def test_torch_context_parallel_exchange_by_hand(tmp_path):
     # torch's context_parallel as torchtitan runs it: K and V all-gathered in forward, in the recomputed forward
@@ -1273,9 +1305,10 @@ def test_a_float8_plan_names_its_recipe(tmp_path, capsys):
 def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, tp, pp, cp and interleaving as printed). Every run that ran is
-    # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (with
-    # torchao's recipe in its place, which casts per linear and saves bf16, it is 15%, every row pessimistic
-    # but one; 17% before torchao's TP gathers were priced in float8)
+    # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (6.7%;
+    # with torchao's recipe in its place, which casts per linear and saves bf16, it is 11.8%, and 15% before
+    # Megatron-Core's interleaved pipeline sends were overlapped, 17% before torchao's TP gathers were priced in
+    # float8)
     published = _published_module()
     runs = [run for run in published.nemo_runs() if run.gpu == "h100"]
     assert len(runs) == 15
@@ -1288,7 +1321,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         ev_ao, _ = published.given_plan(ao)
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
     assert sorted(errors)[len(errors) // 2] < 0.10
-    assert sorted(before)[len(before) // 2] > 0.14
+    assert sorted(before)[len(before) // 2] > 0.10
     assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2] + 0.05  # TE's recipe is the one
 
 

@@ -86,6 +86,8 @@ class System:
     distribute_checkpoints: bool = False
     """Megatron-LM's --distribute-checkpointed-activations: under full recompute without sequence parallelism the
     saved block inputs are split over tp (Training.distribute_checkpoints)."""
+    pp_overlap_p2p: bool = False
+    """Megatron-Core's overlapped interleaved schedule (Training.pp_overlap_p2p)."""
     grads_in_fp32: bool = True
     """Megatron's main gradients (and their data-parallel reduction) in fp32, or in the weights' dtype
     (Training.grads_in_fp32: NeMo 2's performance recipes); layout 'megatron' only."""
@@ -124,7 +126,7 @@ class System:
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
-                "grads_in_fp32": self.grads_in_fp32,
+                "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "pipeline_split": self.pipeline_split}
 
 
@@ -151,13 +153,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "model's GQA heads since PR 2259, January 2026)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
-           "selective recompute of the attention core, --precision fp8 through Transformer Engine",
+           "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
+           "overlapped, --precision fp8 through Transformer Engine",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
-           cp_exchange="ring",
+           cp_exchange="ring", pp_overlap_p2p=True,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
+                  "--overlap-p2p-communication (on by default under the interleaved schedule), "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
                   "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
                   "weights cached over a step), --fp8-recipe delayed by default"),
@@ -220,7 +224,7 @@ def resolve_system(spec: str | System) -> System:
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
-                                   "keeps_bf16_grads", "grads_in_fp32") else str
+                                   "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

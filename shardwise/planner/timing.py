@@ -401,8 +401,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         tp_comm_weight = replayed * (tp_comm - bare)
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm + tp_comm_weight,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
-                     _pp_p2p(args, training, plan, cluster), overhead, _ep_comm(args, training, plan, cluster, moe),
-                     tp_comm_weight)
+                     _pp_p2p(args, training, plan, cluster, stage), overhead,
+                     _ep_comm(args, training, plan, cluster, moe), tp_comm_weight)
 
 
 CAST_BYTES = 4 + 2
@@ -693,12 +693,32 @@ def exposed_part(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
-def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> float:
+def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int = 0) -> float:
     """Each micro-batch crosses the rank's boundaries once forward (activations) and once backward (their
     gradient), v times with interleaving; under sequence parallelism only the rank's sequence shard travels, and
-    so it does in Megatron's layout (its scatter/gather optimisation)."""
+    so it does in Megatron's layout (its scatter/gather optimisation). Megatron-Core's interleaved schedule with
+    Training.pp_overlap_p2p waits on a steady-state chunk's sends and receives only after the next chunk's compute
+    (megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving): what stays on
+    the critical path is the warm-up's forwards and the cool-down's backwards, which send and receive blocking,
+    (p - 1 - r) 2 + (v - 1) p chunks each on pipeline rank r of the m v (pp_overlap_share)."""
     if plan.pp == 1:
         return 0.0
+    return _pp_p2p_bytes_time(args, training, plan, cluster) * pp_overlap_share(training, plan, stage)
+
+
+def pp_overlap_share(training: Training, plan: Plan, stage: int) -> float:
+    """The share of a pipeline rank's sends and receives on its critical path: 1, or under Megatron-Core's
+    overlapped interleaved schedule (Training.pp_overlap_p2p) its warm-up (and as many cool-down) chunks of the m v,
+    as the schedule counts them (num_warmup_microbatches: (p - r - 1) 2 + (v - 1) p, its micro-batch group per
+    virtual stage being p by default; at most m v)."""
+    if not (training.pp_overlap_p2p and plan.pp_schedule == "interleaved-1f1b" and plan.virtual_stages > 1):
+        return 1.0
+    chunks = plan.grad_accum * plan.virtual_stages
+    warmup = (plan.pp - stage - 1) * 2 + (plan.virtual_stages - 1) * plan.pp
+    return min(chunks, warmup) / chunks
+
+
+def _pp_p2p_bytes_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> float:
     _, link = axis_link(plan, ("pp",), cluster)
     x = plan.micro_batch * training.seq_len / plan.cp * args.dim * training.stream_bytes  # the residual stream
     if plan.sequence_parallel:

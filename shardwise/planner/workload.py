@@ -121,6 +121,10 @@ class Training:
     """Under full recompute without sequence parallelism, each block's saved input is split over the tp ranks and
     all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
     before sequence parallelism; metaseq ran OPT-175B with it). memory.block_terms, timing._tp_comm."""
+    pp_overlap_p2p: bool = False
+    """Megatron-Core's interleaved schedule overlaps the steady state's pipeline sends and receives with the next
+    chunk's compute (--overlap-p2p-communication: Megatron-LM's default under interleaving, NeMo's wherever virtual
+    stages > 1); its warm-up and cool-down send and receive blocking (timing.pp_overlap_share)."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
