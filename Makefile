@@ -13,10 +13,10 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base
+$(VENV)/.test: $(VENV)/.base Makefile
 	$(PIP) install -e '.[test]'
 	# Megatron-Core's own loss, run by tests/test_planner_system.py against the planner's sizing of it: its modules
-	# need only torch, and its declared dependencies (nvidia-modelopt, wandb, zarr, ...) are not wanted here
+	# need only torch and packaging, and its declared dependencies (nvidia-modelopt, wandb, zarr, ...) are not wanted
 	$(PIP) install --no-deps megatron-core==0.12.0
 	touch $@
 

@@ -490,7 +490,6 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32")
 
 
-
 def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
     # NeMo 2's performance recipes set the precision plugin's grad_reduce_in_fp32=False, which overrides the DDP
     # config's (nemo/lightning/pytorch/plugins/mixed_precision.py): Megatron-Core's main-gradient buffer is then bf16,
@@ -506,6 +505,13 @@ def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
     n = num_params(args)
     assert stage_memory(args, fp32, plan, 0)["grads"] == pytest.approx(4 * n)
     assert stage_memory(args, bf16, plan, 0)["grads"] == pytest.approx(2 * n)
+    # at the step the optimizer upcasts them for its fp32 master (DistributedOptimizer: main_grad.float()): a
+    # transient of the master's size, which fp32 main gradients do not need
+    from shardwise.planner.memory import moment_memory
+    step32 = moment_memory(args, fp32, plan, 0)["optimizer_step"]
+    step16 = moment_memory(args, bf16, plan, 0)["optimizer_step"]
+    assert step32["backward_and_logits"] == 0.0
+    assert step16["backward_and_logits"] == pytest.approx(step16["master_weights"]) == pytest.approx(4 * n / 8)
     cluster = Cluster(accelerator("h100"), 8)
     ranks, link = axis_link(plan, ("dp_replicate",), cluster)
     saved = (evaluate(args, fp32, plan, cluster).time.detail["dp_comm_s"]
@@ -546,12 +552,15 @@ def test_megatron_core_overlaps_the_interleaved_steady_states_pipeline_sends():
     assert pp_overlap_share(mcore, few, 0) == 1.0
     assert pp_overlap_share(mcore, dataclasses.replace(plan, pp_schedule="1f1b", virtual_stages=1), 0) == 1.0
     assert pp_overlap_share(titan, plan, 0) == 1.0
+    with pytest.raises(PlannerError, match="pp_overlap_p2p"):  # torch's pipelining schedules block
+        dataclasses.replace(titan, pp_overlap_p2p=True)
     assert _pp_p2p(args, titan, plan, cluster, 0) == pytest.approx(_pp_p2p_bytes_time(args, titan, plan, cluster))
     # and the step prices it so: the rank it costs (the heaviest) pays its warm-up's share
     step = evaluate(args, mcore, plan, cluster).time.detail["pp_p2p_s"]
     blocking = evaluate(args, dataclasses.replace(mcore, pp_overlap_p2p=False), plan, cluster).time.detail["pp_p2p_s"]
     assert step < blocking / 2
     assert any(step == pytest.approx(blocking * pp_overlap_share(mcore, plan, rank)) for rank in range(8))
+
 
 def test_torch_context_parallel_exchange_by_hand(tmp_path):
     # torch's context_parallel as torchtitan runs it: K and V all-gathered in forward, in the recomputed forward
@@ -1306,7 +1315,8 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, tp, pp, cp and interleaving as printed). Every run that ran is
     # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (6.7%;
-    # with torchao's recipe in its place, which casts per linear and saves bf16, it is 11.8%, and 15% before
+    # with torchao's recipe in its place, which casts per linear and saves bf16, it is 11.8%, 1.75 times as far off,
+    # and 15% before
     # Megatron-Core's interleaved pipeline sends were overlapped, 17% before torchao's TP gathers were priced in
     # float8)
     published = _published_module()
@@ -1322,7 +1332,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
     assert sorted(errors)[len(errors) // 2] < 0.10
     assert sorted(before)[len(before) // 2] > 0.10
-    assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2] + 0.05  # TE's recipe is the one
+    assert sorted(before)[len(before) // 2] > 1.5 * sorted(errors)[len(errors) // 2]  # TE's recipe is the one
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():

@@ -354,7 +354,7 @@ def state_bytes_per_param(training: Training) -> StateBytes:
 
 
 @functools.lru_cache(maxsize=64)
-def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool = True) -> StateBytes:
+def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool) -> StateBytes:
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if not mixed:
         return StateBytes(4.0, 4.0, 0.0, opt)
@@ -1493,6 +1493,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
     out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)
+    if training.layout == "megatron" and training.mixed and not training.grads_in_fp32:
+        # Megatron's optimizer hands its fp32 master weights an fp32 copy of their bf16 main gradients
+        # (DistributedOptimizer: shard_main_param.grad = shard_model_grad.float()): the master's size, transient
+        out["optimizer_step"]["backward_and_logits"] = state["master_weights"]
     if plan.pp > 1:
         out["optimizer_step"]["p2p_buffers"] = 0.0
     return base, out

@@ -269,6 +269,10 @@ class Training:
             raise PlannerError("--system grads_in_fp32", f"false describes Megatron's main-gradient buffer, not "
                                f"the layout {self.layout}",
                                'use layout megatron (base = "megatron-core"), or leave it true')
+        if self.pp_overlap_p2p and self.layout != "megatron":
+            raise PlannerError("--system pp_overlap_p2p", f"true describes Megatron-Core's interleaved schedule, not "
+                               f"the layout {self.layout}'s pipeline",
+                               'use layout megatron (base = "megatron-core"), or leave it false')
         if self.zero3_fetch == "module-sync" and (self.layout != "zero" or self.lora_rank):
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
                                f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
