@@ -1315,10 +1315,9 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, tp, pp, cp and interleaving as printed). Every run that ran is
     # predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10% (6.7%;
-    # with torchao's recipe in its place, which casts per linear and saves bf16, it is 11.8%, 1.75 times as far off,
-    # and 15% before
-    # Megatron-Core's interleaved pipeline sends were overlapped, 17% before torchao's TP gathers were priced in
-    # float8)
+    # with torchao's recipe in its place, which casts per linear and saves bf16, it is 11.8%, 5 points clear; 15%
+    # before Megatron-Core's interleaved pipeline sends were overlapped, 17% before torchao's TP gathers were priced
+    # in float8)
     published = _published_module()
     runs = [run for run in published.nemo_runs() if run.gpu == "h100"]
     assert len(runs) == 15
@@ -1332,7 +1331,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
     assert sorted(errors)[len(errors) // 2] < 0.10
     assert sorted(before)[len(before) // 2] > 0.10
-    assert sorted(before)[len(before) // 2] > 1.5 * sorted(errors)[len(errors) // 2]  # TE's recipe is the one
+    assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2] + 0.05  # TE's recipe is the one
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():

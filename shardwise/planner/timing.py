@@ -693,7 +693,7 @@ def exposed_part(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
-def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int = 0) -> float:
+def _pp_p2p(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int) -> float:
     """Each micro-batch crosses the rank's boundaries once forward (activations) and once backward (their
     gradient), v times with interleaving; under sequence parallelism only the rank's sequence shard travels, and
     so it does in Megatron's layout (its scatter/gather optimisation). Megatron-Core's interleaved schedule with
