@@ -350,16 +350,21 @@ def state_bytes_per_param(training: Training) -> StateBytes:
     'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
     (see transient_bytes). fp32 training: 4+4+states, no master.
     """
-    return _state_bytes(training.optimizer, training.mixed, training.layout, training.grads_in_fp32)
+    return _state_bytes(training.optimizer, training.mixed, training.layout, training.grads_in_fp32,
+                        training.optimizer_dtype, training.precision == "fp8")
 
 
 @functools.lru_cache(maxsize=64)
-def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool) -> StateBytes:
+def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool, optimizer_dtype: str = "fp32",
+                 fp8: bool = False) -> StateBytes:
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if not mixed:
         return StateBytes(4.0, 4.0, 0.0, opt)
     if layout == "zero":
         return StateBytes(2.0, 2.0, 4.0, opt)
+    if layout == "megatron" and optimizer_dtype == "bf16":
+        # Apex's distributed Adam in bf16 (Training.optimizer_dtype): bf16 moments; a bf16 master only for fp8
+        return StateBytes(2.0, 4.0 if grads_in_fp32 else 2.0, 2.0 if fp8 else 0.0, opt / 2)
     if layout == "megatron":
         return StateBytes(2.0, 4.0 if grads_in_fp32 else 2.0, 4.0, opt)
     return StateBytes(4.0, 4.0, 0.0, opt)
@@ -1493,7 +1498,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
     out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)
-    if training.layout == "megatron" and training.mixed and not training.grads_in_fp32:
+    if training.layout == "megatron" and training.mixed and not training.grads_in_fp32 and (
+            training.optimizer_dtype == "fp32"):
         # Megatron's optimizer hands its fp32 master weights an fp32 copy of their bf16 main gradients
         # (DistributedOptimizer: shard_main_param.grad = shard_model_grad.float()): the master's size, transient
         out["optimizer_step"]["backward_and_logits"] = state["master_weights"]

@@ -88,9 +88,15 @@ class System:
     saved block inputs are split over tp (Training.distribute_checkpoints)."""
     pp_overlap_p2p: bool = False
     """Megatron-Core's overlapped interleaved schedule (Training.pp_overlap_p2p)."""
+    overlap_param_gather: bool = False
+    """Megatron-Core's distributed optimizer gathers the updated weights behind the next forward
+    (Training.overlap_param_gather); layout 'megatron' only."""
     grads_in_fp32: bool = True
     """Megatron's main gradients (and their data-parallel reduction) in fp32, or in the weights' dtype
     (Training.grads_in_fp32: NeMo 2's performance recipes); layout 'megatron' only."""
+    optimizer_dtype: str = "fp32"
+    """AdamW's moments (and master, where one is kept) in bf16 as Apex's distributed Adam keeps them
+    (Training.optimizer_dtype); layout 'megatron' only."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
@@ -106,7 +112,8 @@ class System:
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
-                  ("cp_exchange", self.cp_exchange, CP_EXCHANGES))
+                  ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
+                  ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -127,6 +134,7 @@ class System:
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
+                "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
                 "pipeline_split": self.pipeline_split}
 
 
@@ -154,14 +162,17 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
-           "overlapped, --precision fp8 through Transformer Engine",
+           "overlapped, the updated weights gathered behind the next forward (--overlap-param-gather), "
+           "--precision fp8 through Transformer Engine",
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
-           cp_exchange="ring", pp_overlap_p2p=True,
+           cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
+                  "--overlap-param-gather (as its README's scaling runs and NeMo's recipes set it: "
+                  "distributed/param_and_grad_buffer.py finish_param_sync), "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
                   "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
                   "weights cached over a step), --fp8-recipe delayed by default"),
@@ -224,7 +235,8 @@ def resolve_system(spec: str | System) -> System:
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
-                                   "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p") else str
+                                   "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
+                                   "overlap_param_gather") else str
         if type(value) is not expected:
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

@@ -860,9 +860,14 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # backward at ZeRO-2 and 3, which keep only the shard.
     n_rs = m if training.reduces_every_micro_batch(plan.pp) and z >= 2 else 1
     if z == 1 or z == 2 and not training.fsdp2:
-        # the updated weights are all-gathered after the step, before the next forward (exposed)
+        # the updated weights are all-gathered after the step, before the next forward: exposed, or under
+        # Megatron-Core's --overlap-param-gather bucket by bucket, each bucket's gather waited on by the forward
+        # pre-hook of its first module, which then starts the next bucket's (finish_param_sync): one gather in
+        # flight behind the forward, the first exposed (taken as one block's weights: NeMo's 128M-element buckets
+        # are 0.6 of a Llama 3 8B block, and every virtual stage past the first is a bucket of its own)
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
-        return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag
+        ag_exposed = ag - w_sh * min(ag - ag / layers, cost.forward) if training.overlap_param_gather else ag
+        return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag_exposed
     if z == 3 and training.zero3_fetch == "module-sync":
         if where.max_moe_layers:
             raise PlannerError("--system zero3_fetch", "module-sync prices a dense block's four linear modules, and "

@@ -125,11 +125,24 @@ class Training:
     """Megatron-Core's interleaved schedule overlaps the steady state's pipeline sends and receives with the next
     chunk's compute (--overlap-p2p-communication: Megatron-LM's default under interleaving, NeMo's wherever virtual
     stages > 1); its warm-up and cool-down send and receive blocking (timing.pp_overlap_share)."""
+    overlap_param_gather: bool = False
+    """Under the layout 'megatron' with its distributed optimizer (zero_stage 1), the updated weights are
+    all-gathered bucket by bucket behind the next step's forward (--overlap-param-gather: a forward pre-hook waits
+    on a bucket's gather and starts the next one's, megatron/core/distributed/param_and_grad_buffer.py
+    finish_param_sync), not all at once after the optimizer step. Off by default in Megatron-LM; the published
+    Megatron-Core runs set it, and NeMo does wherever data parallelism is over 1 (and Apex's distributed Adam in
+    NeMo 1, overlap_param_sync). timing.dp_comm."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
     dtype, as NeMo 2's performance recipes run it (the precision plugin's grad_reduce_in_fp32=False overrides the
     DDP config, nemo/lightning/pytorch/plugins/mixed_precision.py). memory.state_bytes_per_param."""
+    optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Under the layout 'megatron', the dtype of AdamW's state as Apex's DistributedFusedAdam keeps it (its `dtype`,
+    NeMo 1's optim.dtype, which its Nemotron-4 340B configs set to bf16): 'bf16' keeps both moments in bf16 and,
+    as NeMo sets store_params (megatron_base_model.py, v2.0.0rc0), no master copy in a bf16 run (the optimizer's
+    dtype is the weights': the update goes to the bf16 weight shards) and a bf16 one where float8 weights need it
+    (fp8_params). memory.state_bytes_per_param."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
@@ -272,6 +285,18 @@ class Training:
         if self.pp_overlap_p2p and self.layout != "megatron":
             raise PlannerError("--system pp_overlap_p2p", f"true describes Megatron-Core's interleaved schedule, not "
                                f"the layout {self.layout}'s pipeline",
+                               'use layout megatron (base = "megatron-core"), or leave it false')
+        if self.optimizer_dtype not in ("fp32", "bf16"):
+            raise PlannerError("--system optimizer_dtype", f"unknown optimizer dtype {self.optimizer_dtype!r}",
+                               "use fp32 or bf16")
+        if self.optimizer_dtype == "bf16" and (self.layout != "megatron" or self.optimizer != "adamw"
+                                               or not self.mixed):
+            raise PlannerError("--system optimizer_dtype", "bf16 describes Apex's distributed Adam under the layout "
+                               f"megatron in mixed precision, not {self.optimizer} under {self.layout} in "
+                               f"{self.precision}", 'use layout megatron, adamw and bf16 or fp8, or leave it fp32')
+        if self.overlap_param_gather and self.layout != "megatron":
+            raise PlannerError("--system overlap_param_gather", "true describes Megatron-Core's distributed "
+                               f"optimizer, not the layout {self.layout}",
                                'use layout megatron (base = "megatron-core"), or leave it false')
         if self.zero3_fetch == "module-sync" and (self.layout != "zero" or self.lora_rank):
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
