@@ -138,6 +138,9 @@ class Run:
     grads_in_fp32: bool | None = None
     """Megatron's main gradients in fp32 (Training.grads_in_fp32), where the run's code differs from the system's
     preset (NeMo 2's performance recipes: bf16)."""
+    optimizer_dtype: str | None = None
+    """AdamW's state in bf16 as Apex's distributed Adam keeps it (Training.optimizer_dtype), where the run's config
+    sets it (NeMo 1's Nemotron-4 340B configs: optim.dtype bf16)."""
     dropout: bool | None = None
     """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
     GPT-3 175B config)."""
@@ -814,8 +817,12 @@ def mcore_runs() -> list[Run]:
 #   Megatron-Core's own FSDP (ZeRO-3 here), FSDP 0 its DDP with the distributed optimizer (ZeRO-1). The
 #   mixture-of-experts rows and the other GPUs are left out.
 # Recompute is not stated: the search completes it, as the micro-batch count and ZeRO stage where a row leaves
-# them free. NeMo's H100 recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does
-# not model (as torchtitan's AsyncTP).
+# them free, except for Nemotron-4 340B in 24.07, whose config in NeMo's launcher of that release
+# (launcher_scripts/conf/training/nemotron/nemotron_340b.yaml at tag 24.07) sets selective recompute of the
+# attention core, Apex's distributed Adam with its state in bf16 (optim.dtype bf16: Training.optimizer_dtype) and
+# bf16 gradient reduction (grad_sync_dtype bf16); the other models' configs there set none of these. NeMo's H100
+# recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as torchtitan's
+# AsyncTP).
 NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07, "
         "https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_summary.md")
 BRIDGE = ("NVIDIA Megatron Bridge performance summary, "
@@ -897,9 +904,13 @@ DGXC_ROWS = [("25.02.01", "llama3-8b", "bf16", 8, 128, 1, 8192, 1, 1, 2, 1, 12.2
 # (megatron_gpt_pretraining.py) in nemo:24.09 (Llama 3.1, Nemotron-4) and nemo:24.05 (GPT-3), Apex's distributed
 # Adam over dp x cp with grad_sync_dtype bf16, no recompute, TE's delayed scaling, other layouts than 25.04.01's:
 # Llama 3.1 70B FP8 on its BF16 layout, 405B on t8 p9 c2 v7 as a proxy (16 KV groups, the GPT-2 vocabulary padded to
-# 51,200: its yaml), Nemotron-4 15B on t4 with micro-batch 4, GPT-3 175B on v12. Nemotron-4 340B is left out: its
-# yaml keeps Adam's moments in bf16 and no fp32 master (optim.dtype bf16), which the planner has no knob for. Added on
-# 2026-12-05 after the changes the 25.04.01 rows led to, and evaluated with nothing changed after it (held out).
+# 51,200: its yaml), Nemotron-4 15B on t4 with micro-batch 4, GPT-3 175B on v12. Added on 2026-12-05 after the
+# changes the 25.04.01 rows led to, and evaluated with nothing changed after it (held out). Nemotron-4 340B
+# (nemotron/README_340b.md, t8 p8 v12, 128 to 2,048 GPUs) was left out then: its yaml (nemotron4-340b-synth.yaml)
+# keeps Adam's state in bf16 (optim.dtype bf16), which the planner had no knob for, and recomputes the attention core
+# (activations_checkpoint_granularity selective). Its four rows were added once Training.optimizer_dtype was read
+# from NeMo's and Apex's code (on the same day, after the Megatron-Core weight-gather overlap), and evaluated before
+# anything else changed (held out: docs/heldout-2026-12-05/dgxc-24.11.1-nemotron4-340b-held-out.txt).
 DGXC_2411 = ("NVIDIA DGX Cloud benchmarking recipes 24.11.1, https://github.com/NVIDIA/dgxc-benchmarking (commit "
              "35a9aec), llama3.1/README_{8b,70b,405b}.md, nemotron/README_15b.md, nemo_megatron/README_175b.md")
 LLAMA31_405B_PROXY = ModelArgs(name="llama31-405b-proxy", dim=16384, n_heads=128, n_kv_heads=16, n_layers=126,
@@ -923,7 +934,11 @@ DGXC_2411_ROWS = [("24.09", "llama3-8b", "bf16", 8, 128, 1, 8192, 1, 1, 2, 1, 12
                   ("24.05", "gpt3-175b", "bf16", 128, 256, 1, 2048, 4, 8, 1, 12, 8.91),
                   ("24.05", "gpt3-175b", "bf16", 2048, 4096, 1, 2048, 4, 8, 1, 12, 9.02),
                   ("24.05", "gpt3-175b", "fp8", 128, 256, 1, 2048, 4, 8, 1, 12, 5.92),
-                  ("24.05", "gpt3-175b", "fp8", 2048, 4096, 1, 2048, 4, 8, 1, 12, 6.24)]
+                  ("24.05", "gpt3-175b", "fp8", 2048, 4096, 1, 2048, 4, 8, 1, 12, 6.24),
+                  ("24.09", "nemotron4-340b", "bf16", 128, 32, 1, 4096, 8, 8, 1, 12, 4.61),
+                  ("24.09", "nemotron4-340b", "bf16", 2048, 512, 1, 4096, 8, 8, 1, 12, 4.84),
+                  ("24.09", "nemotron4-340b", "fp8", 128, 32, 1, 4096, 8, 8, 1, 12, 3.16),
+                  ("24.09", "nemotron4-340b", "fp8", 2048, 512, 1, 4096, 8, 8, 1, 12, 3.49)]
 
 
 def dgxc_runs() -> list[Run]:
@@ -942,7 +957,9 @@ def _dgxc_run(source: str, nemo: str, name: str, precision: str, n: int, gbs: in
                  "llama31-405b-proxy": LLAMA31_405B_PROXY}.get(name) or preset(name)
         model = dataclasses.replace(model, max_seq_len=max(seq, model.max_seq_len))
     dp = n // (tp * pp * cp)
-    plan = f"tp={tp},pp={pp},cp={cp},dp_replicate={dp},zero_stage=1,micro_batch={mbs},activation_checkpoint=none"
+    nemotron_1 = nemo == "24.09" and name == "nemotron4-340b"  # NeMo 1's 340B yaml: bf16 Adam, selective recompute
+    plan = (f"tp={tp},pp={pp},cp={cp},dp_replicate={dp},zero_stage=1,micro_batch={mbs},"
+            f"activation_checkpoint={'selective' if nemotron_1 else 'none'}")
     if pp > 1:
         plan += f",pp_schedule=interleaved-1f1b,virtual_stages={vp}" if vp > 1 else ",pp_schedule=1f1b"
     row = (f"{name} {precision.upper()} | {n} GPUs | GBS {gbs} | MBS {mbs} | {seq} | TP {tp} | PP {pp} | CP {cp} | "
@@ -952,7 +969,8 @@ def _dgxc_run(source: str, nemo: str, name: str, precision: str, n: int, gbs: in
     return Run(f"DGXC {nemo} {short} {precision.upper()} n={n}", model, n, seq, gbs, plan, source,
                f"NeMo {nemo}, DGX-H100: {row}", tflops=tflops, step_s=step_s, gpu="h100",
                system="megatron-core", search=False, precision=precision,
-               float8="te-delayed" if precision == "fp8" else None, grads_in_fp32=False, dropout=name in NEMO_GPT)
+               float8="te-delayed" if precision == "fp8" else None, grads_in_fp32=False, dropout=name in NEMO_GPT,
+               optimizer_dtype="bf16" if nemotron_1 else None)
 
 
 def nemo_runs() -> list[Run]:
@@ -967,6 +985,9 @@ def nemo_runs() -> list[Run]:
         dp = n // (tp * pp * cp)
         dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
         plan = f"tp={tp},pp={pp},cp={cp},{dp_knobs},micro_batch={mbs}"
+        nemotron_1 = release == "24.07" and name == "nemotron4-340b"  # its launcher config (above)
+        if nemotron_1:
+            plan += ",activation_checkpoint=selective"
         if pp > 1:
             plan += f",pp_schedule=interleaved-1f1b,virtual_stages={vp}" if vp > 1 else ",pp_schedule=1f1b"
         row = (f"{name} | {n} | GBS {gbs} | MBS {mbs} | {seq} | FSDP {fsdp} | TP {tp} | PP {pp} | CP {cp} | VP {vp} | "
@@ -976,7 +997,8 @@ def nemo_runs() -> list[Run]:
                         model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
                         f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
-                        search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current"))
+                        search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
+                        optimizer_dtype="bf16" if nemotron_1 else None, grads_in_fp32=False if nemotron_1 else None))
     return runs
 
 
@@ -1026,10 +1048,12 @@ def training_of(run: Run) -> Training:
             fields["grads_in_fp32"] = run.grads_in_fp32
         if run.dropout is not None:
             fields["dropout"] = run.dropout
+        if run.optimizer_dtype is not None:
+            fields["optimizer_dtype"] = run.optimizer_dtype
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
-    assert run.grads_in_fp32 is None and run.dropout is None, run.name
+    assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     # (layout 'torch' is shardwise's engine, eager elementwise operators included). These stacks recompute with a
     # reentrant checkpoint that replays the whole forward (Megatron-LM's and DeepSpeed's CheckpointFunction,
