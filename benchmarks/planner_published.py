@@ -831,6 +831,15 @@ BRIDGE = ("NVIDIA Megatron Bridge performance summary, "
 NEMO_GPT = {"gpt3-5b": (4096, 32, 24), "gpt3-20b": (6144, 48, 44), "gpt3-175b": (12288, 96, 96)}
 LLAMA2_13B = ModelArgs(name="llama2-13b", dim=5120, n_heads=40, n_kv_heads=40, n_layers=40, vocab_size=32000,
                        ffn_hidden=13824, max_seq_len=4096, tie_embeddings=False)
+# Nemotron-8B and -22B as NeMo's launcher of 24.07 configures them (launcher_scripts/conf/training/nemotron/
+# nemotron_{8b,22b}.yaml): multi-head attention, squared-ReLU MLP of 4h (two matrices, as GELU's), no bias, untied
+# embeddings, Nemotron's 256,000-token SentencePiece vocabulary. Their two rows of the 24.07 table were added on
+# 2026-12-05, after the Megatron-Core weight-gather overlap and the bf16 optimizer state, and evaluated before
+# anything else changed (held out: docs/heldout-2026-12-05/nemo-24.07-nemotron-8b-22b-held-out.txt).
+NEMOTRON_8B = ModelArgs(name="nemotron-8b", dim=4096, n_heads=32, n_kv_heads=32, n_layers=32, vocab_size=256000,
+                        ffn_hidden=16384, mlp="gelu", max_seq_len=4096, tie_embeddings=False)
+NEMOTRON_22B = ModelArgs(name="nemotron-22b", dim=6144, n_heads=48, n_kv_heads=48, n_layers=40, vocab_size=256000,
+                         ffn_hidden=24576, mlp="gelu", max_seq_len=4096, tie_embeddings=False)
 NEMOTRON4_340B = ModelArgs(name="nemotron4-340b", dim=18432, n_heads=96, n_kv_heads=8, n_layers=96, vocab_size=256000,
                            ffn_hidden=73728, mlp="gelu", max_seq_len=4096, tie_embeddings=False)
 # release, model, GPUs, GBS, MBS, sequence, FSDP, TP, PP, CP, VP, tokens/s per GPU
@@ -841,6 +850,8 @@ NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
              ("24.07", "llama2-7b", 8, 128, 1, 4096, 0, 1, 1, 1, 1, 16847),
              ("24.07", "llama2-13b", 16, 128, 1, 4096, 0, 1, 4, 1, 10, 8646),
              ("24.07", "llama2-70b", 64, 128, 1, 4096, 0, 4, 4, 1, 20, 1707),
+             ("24.07", "nemotron-8b", 64, 256, 4, 4096, 0, 2, 1, 1, 1, 12701),
+             ("24.07", "nemotron-22b", 64, 256, 2, 4096, 0, 2, 4, 1, 10, 4256),
              ("24.07", "nemotron4-340b", 128, 32, 1, 4096, 0, 8, 8, 1, 12, 322),
              ("24.07", "llama3-8b", 8, 128, 1, 8192, 0, 1, 1, 2, 1, 12036),
              ("24.07", "llama3-70b", 64, 128, 1, 8192, 0, 4, 4, 2, 5, 1533),
@@ -980,7 +991,8 @@ def nemo_runs() -> list[Run]:
         if name in NEMO_GPT:
             model = gpt(name, *NEMO_GPT[name], vocab=50304, seq=seq)
         else:
-            model = {"llama2-13b": LLAMA2_13B, "nemotron4-340b": NEMOTRON4_340B}.get(name) or preset(name)
+            model = {"llama2-13b": LLAMA2_13B, "nemotron4-340b": NEMOTRON4_340B, "nemotron-8b": NEMOTRON_8B,
+                     "nemotron-22b": NEMOTRON_22B}.get(name) or preset(name)
             model = dataclasses.replace(model, max_seq_len=max(seq, model.max_seq_len))
         dp = n // (tp * pp * cp)
         dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
