@@ -40,12 +40,13 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, search, timing
-from shardwise.planner.system import SYSTEMS
+from shardwise.planner.system import resolve_system
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
              "https://arxiv.org/abs/2104.04473")
@@ -153,6 +154,9 @@ class Run:
     `type:transformer|embedding`."""
     embedding_norm: bool = False
     """A LayerNorm on the embedding's output (Training.embedding_norm: BLOOM's)."""
+    offload: str | None = None
+    """What the run kept in host memory (Plan.offload) where shardwise's engine cannot (DeepSpeed's ZeRO-Offload of
+    the optimizer, 'optimizer'): the search does not offer it, so the completed plan is priced with it."""
     fixed_overhead_gib: float = Training.fixed_overhead_gib
     """The CUDA context and libraries (Training.fixed_overhead_gib): the planner's default, or what the source
     measured."""
@@ -1014,10 +1018,62 @@ def nemo_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# Bekman, "Machine Learning Engineering", insights/when-to-upgrade-gpus/README.md (github.com/stas00/ml-engineering,
+# commit 744d01e, August 2026), with its scripts: Llama-3.1-8B, Hugging Face's model (transformers 5.14.1), trained
+# by DeepSpeed 0.19.2 on 8 H200s (torch 2.13.0 / CUDA 13.0, FlashAttention-3 3.0.0 through attn_implementation),
+# batch 1 sequence per GPU, random tokens, AdamW, gradient clipping 1.0, bf16, every rank a data-parallel rank.
+# * The sweep (benchmark.py as run_sweep.sh runs it): ZeRO-3 with overlap_comm and contiguous_gradients, the
+#   optimizer offloaded to the CPU (pinned), activation checkpointing (gradient_checkpointing_enable with
+#   use_reentrant False), Liger-Kernel; "steady-state TFLOPS/GPU" and "Peak memory (max_memory_reserved, worst
+#   rank)" at 8K to 256K tokens. TFLOPS are benchmark.py's estimate_tflos over the step: 6 N tokens + 6 s^2 d_head
+#   heads layers (causal), N the blocks' linears and one V x d (the head), so the step is that count over them.
+# * The 8K step decomposition (bench_decompose.py's defaults: ZeRO-2, no checkpointing, no offload, no Liger):
+#   461 TFLOPS in all; and "Liger-Kernel ... cuts peak memory ~20% (99 -> 80GiB)" at that 8K ZeRO-2 step.
+# Described as two system files (benchmarks/systems/deepspeed-hf*.toml). Added on 2026-12-05 and evaluated first as
+# the planner stood (held out: docs/heldout-2026-12-05/bekman-h200-deepspeed-held-out.txt).
+BEKMAN = ("Bekman, Machine Learning Engineering, insights/when-to-upgrade-gpus (H200 rows), "
+          "https://github.com/stas00/ml-engineering/blob/master/insights/when-to-upgrade-gpus/README.md")
+BEKMAN_SWEEP = [(8, 141, 16.3), (32, 324, 25.8), (64, 391, 37.5), (128, 420, 66.5), (192, 422, 95.7),
+                (256, 419, 124.5)]
+
+
+def bekman_step(model: ModelArgs, seq: int, tflops: float) -> float:
+    """Seconds per step implied by benchmark.py's estimate_tflos for one sequence and the TFLOPS it printed."""
+    head_dim = model.dim // model.n_heads
+    linears = model.dim * model.ffn_hidden * 3 + model.dim * (2 * model.dim + 2 * model.n_kv_heads * head_dim)
+    dense = linears * model.n_layers + model.vocab_size * model.dim
+    attention = 6 * seq ** 2 * head_dim * model.n_heads * model.n_layers
+    return (6 * dense * seq + attention) / (tflops * 1e12)
+
+
+def bekman_runs() -> list[Run]:
+    runs = []
+    for k, tflops, mem in BEKMAN_SWEEP:
+        seq = k * 1024
+        model = dataclasses.replace(preset("llama3-8b"), max_seq_len=max(seq, 8192))
+        step = bekman_step(model, seq, tflops)
+        runs.append(Run(f"Bekman H200 8B ZeRO-3 offload AC Liger s={k}K", model, 8, seq, 8,
+                        "dp_shard=8,zero_stage=3,micro_batch=1,activation_checkpoint=full", BEKMAN,
+                        f"{k}K | {tflops} TFLOPS | {mem} GiB", tflops=tflops, step_s=step, mem_gib=mem, gpu="h200",
+                        system="deepspeed-hf-liger.toml", search=False, offload="optimizer"))
+    model = preset("llama3-8b")
+    zero2 = "dp_shard=8,zero_stage=2,micro_batch=1,activation_checkpoint=none"
+    runs.append(Run("Bekman H200 8B ZeRO-2 s=8K", model, 8, 8192, 8, zero2, BEKMAN,
+                    "step decomposition @ 8k, total | 461 TFLOPS; without Liger 99 GiB",
+                    tflops=461, step_s=bekman_step(model, 8192, 461), mem_gib=99, gpu="h200",
+                    system="deepspeed-hf.toml",
+                    search=False))
+    runs.append(Run("Bekman H200 8B ZeRO-2 Liger s=8K (memory)", model, 8, 8192, 8, zero2, BEKMAN,
+                    "Liger-Kernel cuts peak memory 99 -> 80GiB", mem_gib=80, gpu="h200",
+                    system="deepspeed-hf-liger.toml", search=False))
+    return runs
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
-        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs())
+        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1047,9 +1103,17 @@ def cluster_of(run: Run) -> Cluster:
     return Cluster(acc, run.gpus, rail_collectives=rails)
 
 
+SYSTEM_FILES = Path(__file__).parent / "systems"
+
+
+def system_of(run: Run):
+    """The run's system: a preset by name, or a TOML file under benchmarks/systems (as `--system FILE`)."""
+    return resolve_system(str(SYSTEM_FILES / run.system) if run.system.endswith(".toml") else run.system)
+
+
 def training_of(run: Run) -> Training:
     if run.system is not None:
-        fields = {**SYSTEMS[run.system].training_fields(), "compile": run.compile}
+        fields = {**system_of(run).training_fields(), "compile": run.compile}
         if run.float8 is not None:
             fields["float8"] = run.float8
         if run.compile_loss is not None:
@@ -1086,14 +1150,19 @@ def given_plan(run: Run):
     full recompute and 2 virtual stages where left free, evaluated regardless of memory. Returns (evaluation,
     fits)."""
     args, training, cluster = run.model, training_of(run), cluster_of(run)
-    fixed = {"offload": "none", **parse_layout(run.plan, "--plan")}  # no published run offloaded
+    # the search completes the plan without offload (it offers what shardwise's engine runs: Run.offload)
+    fixed = {"offload": "none", **parse_layout(run.plan, "--plan")}
     ranked = search(args, training, cluster, fixed=fixed, top_k=1).ranked
+    if ranked and run.offload:
+        ev = evaluate(args, training, dataclasses.replace(ranked[0].plan, offload=run.offload), cluster)
+        return ev, ev.fits
     if ranked:
         return ranked[0], True
     local = run.batch // (fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1))
     mb = fixed.get("micro_batch", 1)
     plan = Plan(**{"micro_batch": mb, "grad_accum": local // mb, "activation_checkpoint": "full",
-                   "sequence_parallel": fixed.get("tp", 1) > 1, **{k: v for k, v in fixed.items() if k != "dp"}})
+                   "sequence_parallel": fixed.get("tp", 1) > 1, **{k: v for k, v in fixed.items() if k != "dp"},
+                   **({"offload": run.offload} if run.offload else {})})
     ev = evaluate(args, training, plan, cluster)
     return ev, ev.fits
 
@@ -1102,7 +1171,8 @@ def describe(p: Plan) -> str:
     sched = {"none": "-", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb",
              "interleaved-1f1b": f"i{p.virtual_stages}"}
     return (f"t{p.tp} p{p.pp} c{p.cp} d{p.dp_replicate}x{p.dp_shard} z{p.zero_stage} mb{p.micro_batch} "
-            f"{sched[p.pp_schedule]} rc={p.activation_checkpoint[:3]}{' sp' if p.sequence_parallel else ''}")
+            f"{sched[p.pp_schedule]} rc={p.activation_checkpoint[:3]}{' sp' if p.sequence_parallel else ''}"
+            f"{f' offload={p.offload}' if p.offload != 'none' else ''}")
 
 
 def check_mapping() -> None:
@@ -1256,7 +1326,7 @@ def main() -> None:
                          ("torchtitan", "torchtitan"), ("torchao's float8 (torchtitan)", "torchao"),
                          ("Megatron-Core", "MCore"), ("NeMo FP8", "NeMo"), ("NVIDIA DGXC", "DGXC"),
                          ("llm-foundry H100", "foundry h100"),
-                         ("llm-foundry A100", "foundry a100")):
+                         ("llm-foundry A100", "foundry a100"), ("DeepSpeed + HF on H200 (Bekman)", "Bekman")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
