@@ -299,13 +299,24 @@ CATALOGUE: dict[str, Accelerator] = {
 # written for Ampere (mma.sync tensor-core instructions, no Hopper wgmma or TMA), so Hopper's peak is out of both
 # kernels' reach alike, and FlashAttention-1 keeps on Hopper the share of its Ampere figure that FlashAttention-2
 # keeps of its own: 0.325 x 0.289 / 0.615.
-# Not stated for a kernel or GPU (FlashAttention-3's forward + backward, cuDNN's): attention_efficiency.
+# FlashAttention-3 (Hopper only: wgmma and TMA), measured on an H100 in the same shape class, bf16, causal, head
+# dimension 128, sequence 8,192 (batch 4, 48 heads), by TritonBench against its own kernel (meta-pytorch/tritonbench
+# PR #1267, 2026-09-15, "Performance on H100 BF16, B=4, H=48, D=128", FA3 column): forward 4,817.44 us, backward
+# 15,308.16 us. Over the planner's causal FLOPs (2 B H s^2 d forward, 2.5 x that backward), 3.5 x 3.30 TFLOP over
+# 20.13 ms: 574 TFLOP/s, 0.580 of the SXM's 989.4.
+# Not stated for a kernel or GPU (cuDNN's forward + backward; FlashAttention-3 on other GPUs): attention_efficiency.
 FLASH2_H100_TFLOPS = (284.1, 287.1)
 """FlashAttention-2 on an H100, causal, head dimension 128, sequence 8,192: forward and backward TFLOP/s (PR #1791)."""
 FLASH2_HOPPER = round(3.5 / (1 / FLASH2_H100_TFLOPS[0] + 2.5 / FLASH2_H100_TFLOPS[1]) * 1e12
                       / CATALOGUE["h100"].peak_flops["bf16"], 3)
+FLASH3_H100_US = (4817.44, 15308.16)
+"""FlashAttention-3 on an H100, causal, head dimension 128, sequence 8,192, batch 4 x 48 heads: forward and backward
+microseconds (TritonBench PR #1267)."""
+FLASH3_HOPPER = round(3.5 * 2 * 4 * 48 * 8192 ** 2 * 128 / (sum(FLASH3_H100_US) * 1e-6)
+                      / CATALOGUE["h100"].peak_flops["bf16"], 3)
 KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615},
-                     "hopper": {"flash1": 0.325 * FLASH2_HOPPER / 0.615, "flash2": FLASH2_HOPPER}}
+                     "hopper": {"flash1": 0.325 * FLASH2_HOPPER / 0.615, "flash2": FLASH2_HOPPER,
+                                "flash3": FLASH3_HOPPER}}
 for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h100", "hopper"),
                            ("h100-pcie", "hopper"), ("h200", "hopper")):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])
