@@ -547,8 +547,10 @@ def test_apex_distributed_adam_state_in_bf16(tmp_path):
         assert state["params"] == pytest.approx(2 * n) and state["grads"] == pytest.approx(2 * n)
         assert state["master_weights"] == pytest.approx(master * n / d), training.precision
         assert state["optimizer_state"] == pytest.approx(moments * n / d), training.precision
-    # Apex's kernel updates in place: no fp32 copy of the gradients at the step (Megatron's optimizer makes one)
-    assert moment_memory(args, bf16, plan, 0)["optimizer_step"]["backward_and_logits"] == 0.0
+    # Apex's kernel updates in place: no fp32 copy of the gradients at the step, even beside fp8's bf16 master
+    # (Megatron's optimizer makes one of the master's size, which fp32 state still gets)
+    assert moment_memory(args, fp8, plan, 0)["optimizer_step"]["backward_and_logits"] == 0.0
+    assert moment_memory(args, fp32, plan, 0)["optimizer_step"]["backward_and_logits"] == pytest.approx(4 * n / d)
     # a system file says so; anything but Megatron's layout with AdamW in mixed precision is refused, naming it
     path = tmp_path / "nemo1-340b.toml"
     path.write_text('base = "megatron-core"\noptimizer_dtype = "bf16"\n')
@@ -556,10 +558,13 @@ def test_apex_distributed_adam_state_in_bf16(tmp_path):
     assert edited.optimizer_dtype == "bf16"
     from shardwise.planner.cli import system_summary
     assert ", AdamW state in bf16 (Apex)" in system_summary(edited)
-    for wrong in (_training("torchtitan"), dataclasses.replace(fp32, optimizer="adamw8bit"),
-                  dataclasses.replace(fp32, precision="fp32")):
-        with pytest.raises(PlannerError, match="optimizer_dtype"):
+    for wrong, flag in ((_training("torchtitan"), "--system optimizer_dtype"),
+                        (dataclasses.replace(fp32, optimizer="adamw8bit"), "--optimizer"),
+                        (dataclasses.replace(fp32, precision="fp32"), "--precision"),
+                        (dataclasses.replace(fp32, precision="fp16"), "--precision")):
+        with pytest.raises(PlannerError, match="optimizer_dtype") as refused:
             dataclasses.replace(wrong, optimizer_dtype="bf16")
+        assert refused.value.field == flag
     path.write_text('base = "megatron-core"\noptimizer_dtype = "fp16"\n')
     with pytest.raises(PlannerError, match="optimizer_dtype"):
         resolve_system(str(path))
@@ -1352,7 +1357,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, Nemotron 8B to 340B, tp, pp, cp and interleaving as printed). Every run
     # that ran is predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10%
-    # (6.1%; with torchao's recipe in its place, which casts per linear and saves bf16, it is 10.3%, every row slower;
+    # (6.0%; with torchao's recipe in its place, which casts per linear and saves bf16, it is 10.3%, every row slower;
     # 11.8% before Megatron-Core's weight gathers hid behind the forward, 15% before its interleaved pipeline
     # sends were overlapped, 17% before torchao's TP gathers were priced in float8)
     published = _published_module()
@@ -1366,8 +1371,9 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         ao = dataclasses.replace(run, float8="torchao")
         ev_ao, _ = published.given_plan(ao)
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
+        assert ev_ao.time.step_time_s > ev.time.step_time_s, run.name  # TE casts once per module and weight
     assert sorted(errors)[len(errors) // 2] < 0.10
-    assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2] + 0.03  # TE's recipe is the one
+    assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2]  # TE's recipe is the one
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():
@@ -1501,26 +1507,32 @@ def test_megatron_core_gathers_the_updated_weights_behind_the_next_forward(tmp_p
     # wherever dp > 1): the forward pre-hook of a bucket's first module waits on that bucket's all-gather and starts
     # the next one's (param_and_grad_buffer.py finish_param_sync, core_r0.11), so one gather is in flight behind
     # the forward and only the first waits; without it the optimizer step gathers every weight before the next
-    # forward. Llama 3 8B, bf16 weights on dp 8 (one H100 node), ZeRO-1: by hand from the collective's price
+    # forward. Buckets hold the parameters in reverse order (distributed_data_parallel.py), so the forward's first
+    # holds the input embedding and the end of the first block: priced as the embedding and one block's weights.
+    # Llama 3 8B, bf16 weights, ZeRO-1, by hand from the collective's price: on dp 8 (one H100 node) the forward hides
+    # the rest of the gather; at 1,024 tokens a rank on dp 64 (8 nodes) it hides only the forward's length of it
     from shardwise.planner.comm import all_gather, axis_link
 
     args = preset("llama3-8b")
-    mcore = _training("megatron-core", seq_len=8192, global_batch=64)
-    assert mcore.overlap_param_gather and not _training("torchtitan").overlap_param_gather
-    cluster = Cluster(accelerator("h100"), 8)
-    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=8)
-    exposed = evaluate(args, mcore, plan, cluster).time.detail["dp_exposed_s"]
-    blocking = evaluate(args, dataclasses.replace(mcore, overlap_param_gather=False), plan, cluster).time.detail
-    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
-    assert n == 8
-    ag = all_gather(num_params(args) * 2, n, link)  # bf16 weights
-    forward = stage_cost(args, mcore, plan, cluster).forward
-    assert ag < forward  # the forward hides all but the first bucket (one block's weights)
-    # NCCL's CTAs hold their SMs from the compute they hide behind (Link.sm_share): that share stays exposed
-    hidden = cluster.accelerator.comm_overlap * (1 - link.sm_share) * (ag - ag / args.n_layers)
-    assert 0 < link.sm_share < 0.5
-    assert blocking["dp_exposed_s"] - exposed == pytest.approx(hidden, rel=1e-9)
-    assert blocking["dp_comm_s"] == pytest.approx(evaluate(args, mcore, plan, cluster).time.detail["dp_comm_s"])
+    assert _training("megatron-core").overlap_param_gather and not _training("torchtitan").overlap_param_gather
+    embedding = args.vocab_size * args.dim
+    for gpus, seq in ((8, 8192), (64, 1024)):
+        mcore = _training("megatron-core", seq_len=seq, global_batch=gpus * 8)
+        cluster = Cluster(accelerator("h100"), gpus)
+        plan = Plan(dp_replicate=gpus, zero_stage=1, micro_batch=1, grad_accum=8)
+        exposed = evaluate(args, mcore, plan, cluster).time.detail
+        blocking = evaluate(args, dataclasses.replace(mcore, overlap_param_gather=False), plan, cluster).time.detail
+        n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
+        assert n == gpus
+        ag = all_gather(num_params(args) * 2, n, link)  # bf16 weights
+        first = ag / args.n_layers + ag * embedding / num_params(args)
+        forward = stage_cost(args, mcore, plan, cluster).forward
+        assert (ag - first < forward) == (gpus == 8)
+        # NCCL's CTAs hold their SMs from the compute they hide behind (Link.sm_share): that share stays exposed
+        hidden = cluster.accelerator.comm_overlap * (1 - link.sm_share) * min(ag - first, forward)
+        assert 0 < link.sm_share < 0.5
+        assert blocking["dp_exposed_s"] - exposed["dp_exposed_s"] == pytest.approx(hidden, rel=1e-9)
+        assert blocking["dp_comm_s"] == pytest.approx(exposed["dp_comm_s"])
     # other layouts gather as their systems do, and are refused the knob; a system file can turn it off
     with pytest.raises(PlannerError, match="overlap_param_gather"):
         dataclasses.replace(_training("torchtitan"), overlap_param_gather=True)
@@ -1530,7 +1542,8 @@ def test_megatron_core_gathers_the_updated_weights_behind_the_next_forward(tmp_p
     assert not edited.overlap_param_gather
     from shardwise.planner.cli import system_summary
     assert "gathered behind the next forward" in system_summary(mcore)  # the preset's own summary
-    assert ", weights gathered behind the forward" in system_summary(dataclasses.replace(mcore, system="edited"))
+    assert ", the updated weights gathered behind the next forward" in system_summary(
+        dataclasses.replace(mcore, system="edited"))
 
 
 
@@ -1539,7 +1552,9 @@ def test_deepspeed_with_hugging_face_llama_on_h200s_long_sequences():
     # the optimizer on the CPU, checkpointing, Liger-Kernel and FlashAttention-3 on 8 H200s, 8K to 256K tokens,
     # described by benchmarks/systems/deepspeed-hf-liger.toml. From 32K up, where attention is most of the step, each
     # row is within 10% once FlashAttention-3 is priced at its measured Hopper share (with FlashAttention-2's, as
-    # held out, they were 0.51-0.80), and from 64K up its peak reserved memory within 5%
+    # held out, they were 0.51-0.80), and from 64K up its peak reserved memory within 5%. Left out, and documented
+    # as gaps (docs/planner.md, "Known gaps"): the 8K step (1.34: the CPU's Adam, priced at host memory bandwidth)
+    # and the memory at 8K and 32K (0.77, 0.84: DeepSpeed's buckets, not counted)
     published = _published_module()
     runs = [run for run in published.bekman_runs() if "ZeRO-3" in run.name]
     assert [run.seq // 1024 for run in runs] == [8, 32, 64, 128, 192, 256]

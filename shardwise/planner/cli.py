@@ -422,7 +422,7 @@ def system_summary(training: Training) -> str:
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}"
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
-            f"{', weights gathered behind the forward' if training.overlap_param_gather else ''}"
+            f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}")
 
 

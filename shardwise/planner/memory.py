@@ -346,7 +346,8 @@ def state_bytes_per_param(training: Training) -> StateBytes:
     """Bytes/param of weights, gradients, fp32 master copy and optimizer state for a recipe.
 
     'zero': fp16/bf16 weights and gradients, fp32 master + moments in the optimizer (Rajbhandari et al.: 2+2+K,
-    K=12 for Adam -> 16 bytes). 'megatron': bf16 weights, fp32 gradient accumulation buffer (2+4+12 = 18).
+    K=12 for Adam -> 16 bytes). 'megatron': bf16 weights, fp32 gradient accumulation buffer (2+4+12 = 18; bf16
+    under grads_in_fp32 False, and under optimizer_dtype bf16 Apex's bf16 Adam state: 2+2+4 in bf16, 2+2+2+4 in fp8).
     'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
     (see transient_bytes). fp32 training: 4+4+states, no master.
     """

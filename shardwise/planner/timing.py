@@ -863,10 +863,15 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # the updated weights are all-gathered after the step, before the next forward: exposed, or under
         # Megatron-Core's --overlap-param-gather bucket by bucket, each bucket's gather waited on by the forward
         # pre-hook of its first module, which then starts the next bucket's (finish_param_sync): one gather in
-        # flight behind the forward, the first exposed (taken as one block's weights: NeMo's 128M-element buckets
-        # are 0.6 of a Llama 3 8B block, and every virtual stage past the first is a bucket of its own)
+        # flight behind the forward, the first exposed. Buckets take the parameters in reverse (backward) order, so
+        # the forward's first holds the input embedding and the end of the first block: taken as the embedding and
+        # one block's weights (NeMo's buckets of 128M elements are 0.6 of a Llama 3 8B block). In a pipeline every
+        # virtual stage is a bucket of its own, the first stage's gathered beside the optimizer step in NeMo's
+        # recipes (overlap_param_gather_with_optimizer_step): one block's weights
         ag = all_gather(trainable * b.params, sh_n, sh_link) + expert_units(all_gather, b.params, ex_n, ex_link)
-        ag_exposed = ag - w_sh * min(ag - ag / layers, cost.forward) if training.overlap_param_gather else ag
+        first = ag / layers + (ag * args.vocab_size * args.dim / plan.tp / n_params if plan.pp == 1 else 0.0)
+        hides = training.overlap_param_gather and z == 1  # the distributed optimizer's (Megatron-FSDP's not read)
+        ag_exposed = ag - w_sh * min(ag - first, cost.forward) if hides else ag
         return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag_exposed
     if z == 3 and training.zero3_fetch == "module-sync":
         if where.max_moe_layers:

@@ -126,7 +126,8 @@ class Training:
     chunk's compute (--overlap-p2p-communication: Megatron-LM's default under interleaving, NeMo's wherever virtual
     stages > 1); its warm-up and cool-down send and receive blocking (timing.pp_overlap_share)."""
     overlap_param_gather: bool = False
-    """Under the layout 'megatron' with its distributed optimizer (zero_stage 1), the updated weights are
+    """Under the layout 'megatron' with its distributed optimizer (zero_stage 1; Megatron-FSDP's ZeRO-2/3 keep their
+    own pricing), the updated weights are
     all-gathered bucket by bucket behind the next step's forward (--overlap-param-gather: a forward pre-hook waits
     on a bucket's gather and starts the next one's, megatron/core/distributed/param_and_grad_buffer.py
     finish_param_sync), not all at once after the optimizer step. Off by default in Megatron-LM; the published
@@ -142,7 +143,8 @@ class Training:
     NeMo 1's optim.dtype, which its Nemotron-4 340B configs set to bf16): 'bf16' keeps both moments in bf16 and,
     as NeMo sets store_params (megatron_base_model.py, v2.0.0rc0), no master copy in a bf16 run (the optimizer's
     dtype is the weights': the update goes to the bf16 weight shards) and a bf16 one where float8 weights need it
-    (fp8_params). memory.state_bytes_per_param."""
+    (fp8_params: taken to go with --precision fp8, as NeMo's float8 recipes set it). Precision bf16 or fp8 only.
+    memory.state_bytes_per_param."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
@@ -289,11 +291,18 @@ class Training:
         if self.optimizer_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system optimizer_dtype", f"unknown optimizer dtype {self.optimizer_dtype!r}",
                                "use fp32 or bf16")
-        if self.optimizer_dtype == "bf16" and (self.layout != "megatron" or self.optimizer != "adamw"
-                                               or not self.mixed):
-            raise PlannerError("--system optimizer_dtype", "bf16 describes Apex's distributed Adam under the layout "
-                               f"megatron in mixed precision, not {self.optimizer} under {self.layout} in "
-                               f"{self.precision}", 'use layout megatron, adamw and bf16 or fp8, or leave it fp32')
+        if self.optimizer_dtype == "bf16":
+            if self.layout != "megatron":
+                raise PlannerError("--system optimizer_dtype", "bf16 describes Apex's distributed Adam under the "
+                                   f"layout megatron, not {self.layout}",
+                                   'use layout megatron (base = "megatron-core"), or leave it fp32')
+            if self.optimizer != "adamw":
+                raise PlannerError("--optimizer", f"{self.optimizer} with the system's optimizer_dtype bf16 (Apex's "
+                                   "distributed Adam)", "pass --optimizer adamw, or set optimizer_dtype fp32")
+            if self.precision not in ("bf16", "fp8"):
+                raise PlannerError("--precision", f"{self.precision} with the system's optimizer_dtype bf16 (Apex's "
+                                   "bf16 Adam state: no master in bf16, a bf16 one in fp8)",
+                                   "pass --precision bf16 or fp8, or set optimizer_dtype fp32")
         if self.overlap_param_gather and self.layout != "megatron":
             raise PlannerError("--system overlap_param_gather", "true describes Megatron-Core's distributed "
                                f"optimizer, not the layout {self.layout}",
