@@ -127,12 +127,11 @@ class Training:
     stages > 1); its warm-up and cool-down send and receive blocking (timing.pp_overlap_share)."""
     overlap_param_gather: bool = False
     """Under the layout 'megatron' with its distributed optimizer (zero_stage 1; Megatron-FSDP's ZeRO-2/3 keep their
-    own pricing), the updated weights are
-    all-gathered bucket by bucket behind the next step's forward (--overlap-param-gather: a forward pre-hook waits
-    on a bucket's gather and starts the next one's, megatron/core/distributed/param_and_grad_buffer.py
-    finish_param_sync), not all at once after the optimizer step. Off by default in Megatron-LM; the published
-    Megatron-Core runs set it, and NeMo does wherever data parallelism is over 1 (and Apex's distributed Adam in
-    NeMo 1, overlap_param_sync). timing.dp_comm."""
+    own pricing), the updated weights are all-gathered bucket by bucket behind the next step's forward
+    (--overlap-param-gather: a forward pre-hook waits on a bucket's gather and starts the next one's,
+    megatron/core/distributed/param_and_grad_buffer.py finish_param_sync), not all at once after the optimizer step.
+    Off by default in Megatron-LM; the published Megatron-Core runs set it, and NeMo does wherever data parallelism
+    is over 1 (and Apex's distributed Adam in NeMo 1, overlap_param_sync). timing.dp_comm."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
