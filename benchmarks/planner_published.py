@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -1108,7 +1109,13 @@ SYSTEM_FILES = Path(__file__).parent / "systems"
 
 def system_of(run: Run):
     """The run's system: a preset by name, or a TOML file under benchmarks/systems (as `--system FILE`)."""
-    return resolve_system(str(SYSTEM_FILES / run.system) if run.system.endswith(".toml") else run.system)
+    return _system(run.system)
+
+
+@functools.lru_cache(maxsize=None)
+def _system(spec: str):
+    """resolve_system, each file read once (training_of is asked for every run and search key)."""
+    return resolve_system(str(SYSTEM_FILES / spec) if spec.endswith(".toml") else spec)
 
 
 def training_of(run: Run) -> Training:

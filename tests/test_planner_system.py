@@ -1357,7 +1357,8 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, Nemotron 8B to 340B, tp, pp, cp and interleaving as printed). Every run
     # that ran is predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10%
-    # (6.0%; with torchao's recipe in its place, which casts per linear and saves bf16, it is 10.3%, every row slower;
+    # (6.0%; with torchao's recipe in its place, which casts per linear and saves bf16, it is 10.3%, 1.7 times as
+    # far off, every row slower;
     # 11.8% before Megatron-Core's weight gathers hid behind the forward, 15% before its interleaved pipeline
     # sends were overlapped, 17% before torchao's TP gathers were priced in float8)
     published = _published_module()
@@ -1373,7 +1374,7 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
         before.append(abs(run.published_step() / ev_ao.time.step_time_s - 1))
         assert ev_ao.time.step_time_s > ev.time.step_time_s, run.name  # TE casts once per module and weight
     assert sorted(errors)[len(errors) // 2] < 0.10
-    assert sorted(before)[len(before) // 2] > sorted(errors)[len(errors) // 2]  # TE's recipe is the one
+    assert sorted(before)[len(before) // 2] > 1.5 * sorted(errors)[len(errors) // 2]  # TE's recipe is the one
 
 
 def test_torchtitan_405b_pipelines_within_10_percent():
