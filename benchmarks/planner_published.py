@@ -143,6 +143,9 @@ class Run:
     optimizer_dtype: str | None = None
     """AdamW's state in bf16 as Apex's distributed Adam keeps it (Training.optimizer_dtype), where the run's config
     sets it (NeMo 1's Nemotron-4 340B configs: optim.dtype bf16)."""
+    reduce_dtype: str | None = None
+    """FSDP's gradient reduction in bf16 (Training.reduce_dtype), where the run's code differs from the system's
+    preset (llm-foundry's PURE, and its DEFAULT under Composer 0.14-0.16)."""
     dropout: bool | None = None
     """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
     GPT-3 175B config)."""
@@ -611,9 +614,9 @@ def torchao_runs() -> list[Run]:
 # llm-foundry's MPT throughput tables (scripts/train/benchmarking/README.md): MPT models (GPT-style: GELU MLP of 4h,
 # multi-head attention, tied embedding, vocabulary 50,368; d_model / n_heads / n_layers from
 # scripts/train/yamls/pretrain/mpt-*.yaml, d_head 128 everywhere but 125m and 350m) trained with Composer's FSDP
-# (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, one unit per block), mixed precision DEFAULT (bf16 compute, fp32
-# reduction) or PURE, attn_impl flash (triton in the 8-64 GPU H100 table: docs/planner.md), activation checkpointing
-# of whole blocks or none, a few steps each. The
+# (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, one unit per block), mixed precision DEFAULT or PURE (below),
+# attn_impl flash (triton in the 8-64 GPU H100 table: docs/planner.md), activation checkpointing of whole blocks
+# or none, a few steps each. The
 # columns kept, in the source's order: Model, SeqLen, # GPUs, GPU, MFU, MicroBatchSize, GradAccum,
 # GlobalBatchSize, Throughput (T/s/GPU), MP Mode, Sharding Strategy, Activation Checkpointing; tables "H100 80GB
 # BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
@@ -623,6 +626,12 @@ def torchao_runs() -> list[Run]:
 # docs/heldout-2026-12-05/). It is the oldest table (in the README at llm-foundry's first commits, May 2023; its
 # sweep.sh: image mosaicml/pytorch:1.13.1, Composer 0.14, submit_benchmarks.py's --fsdp_config_mixed_precision
 # default PURE and --attn_impl default triton).
+# The gradients' reduction dtype, from Composer's mosaic_fsdp.py of each table's version: PURE is FSDP1's
+# MixedPrecision(param_dtype, reduce_dtype, buffer_dtype all bf16) in every version; DEFAULT sets param_dtype bf16
+# and no reduce_dtype in Composer 0.14-0.16, which FSDP1 then "takes on the param_dtype value, still running
+# gradient reduction in low precision" (torch's MixedPrecision docstring), and reduce_dtype fp32 from 0.17. So the
+# A100 tables and the 8-64 GPU H100 table (Composer 0.14 and 0.16) reduce in bf16, the large-scale H100 table
+# (Composer 0.17) in fp32 (Training.reduce_dtype; until 2026-12-05 every row was priced with fp32 reduction).
 FOUNDRY = ("llm-foundry, scripts/train/benchmarking/README.md, "
            "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md")
 MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
@@ -858,11 +867,13 @@ def foundry_runs() -> list[Run]:
         zero = 3 if sharding == "FULL_SHARD" else 2
         recompute = "full" if ac == "True" else "none"
         tag, accelerator = FOUNDRY_GPUS[gpu]
+        composer_17 = gpu == "h100_80gb" and n >= 128  # the large-scale table
+        reduce_dtype = "bf16" if mode == "PURE" or not composer_17 else None
         runs.append(Run(f"foundry {tag} {size} s={seq} n={n} mb={mb}", model, n, seq, batch,
                         f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage={zero},micro_batch={mb},grad_accum={accum},"
                         f"activation_checkpoint={recompute}", FOUNDRY,
                         f"{line.strip()} (MFU %, T/s/GPU)", tflops=tps * flops_per_token(model, seq) / 1e12,
-                        gpu=accelerator, system="llm-foundry", search=False))
+                        gpu=accelerator, system="llm-foundry", search=False, reduce_dtype=reduce_dtype))
     return runs
 
 
@@ -1224,10 +1235,13 @@ def training_of(run: Run) -> Training:
             fields["dropout"] = run.dropout
         if run.optimizer_dtype is not None:
             fields["optimizer_dtype"] = run.optimizer_dtype
+        if run.reduce_dtype is not None:
+            fields["reduce_dtype"] = run.reduce_dtype
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
+    assert run.reduce_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     # (layout 'torch' is shardwise's engine, eager elementwise operators included). These stacks recompute with a
     # reentrant checkpoint that replays the whole forward (Megatron-LM's and DeepSpeed's CheckpointFunction,

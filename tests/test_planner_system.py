@@ -33,6 +33,7 @@ from shardwise.planner.memory import (
 from shardwise.planner.system import SYSTEMS, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
 
+from distributed import run_distributed
 from probes import MatmulFlops, PeakBytes, engine_loss, measure_saved
 
 
@@ -357,8 +358,6 @@ def test_selective_recompute_replays_the_collectives_its_policy_does_not_keep(mo
     from shardwise.planner import timing
     from shardwise.planner.memory import kept_reduce_scatter_bytes
 
-    from distributed import run_distributed
-
     layers = 2
     measured, kept = run_distributed(_tensor_parallel_replays, 2, layers)[0]
     monkeypatch.setattr(timing, "all_gather", lambda *_: 1.0)
@@ -568,6 +567,60 @@ def test_apex_distributed_adam_state_in_bf16(tmp_path):
     path.write_text('base = "megatron-core"\noptimizer_dtype = "fp16"\n')
     with pytest.raises(PlannerError, match="optimizer_dtype"):
         resolve_system(str(path))
+
+
+def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype]:
+    # FSDP1 as Composer wraps a unit: the dtype its gradient is reduced in, and the sharded gradient's dtype
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    unit = FullyShardedDataParallel(torch.nn.Linear(8, 8), mixed_precision=MixedPrecision(**mixed),
+                                    device_id=torch.device("cpu"))
+    unit(torch.randn(4, 8)).float().sum().backward()
+    return unit._handle._reduce_dtype, next(unit.parameters()).grad.dtype
+
+
+@pytest.mark.multiprocess
+def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default(tmp_path):
+    # Composer's FSDP mixed precision (composer/trainer/mosaic_fsdp.py): PURE sets param, reduce and buffer dtypes to
+    # bf16; DEFAULT sets param and buffer dtypes in 0.14-0.16 and no reduce dtype, which FSDP1 takes from the param
+    # dtype; 0.17 sets reduce_dtype fp32. Torch's own FSDP1 on one gloo rank resolves them so, the sharded gradient
+    # staying fp32; the planner's reduce_dtype bf16 (llm-foundry's tables but the large-scale H100 one) moves each
+    # reduce-scatter in 2 bytes a parameter and keeps the 4-byte gradient state
+    from shardwise.planner.comm import axis_link, reduce_scatter
+    from shardwise.planner.memory import layer_params, stage_memory
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    default_016 = {"param_dtype": bf16, "buffer_dtype": bf16}
+    measured = run_distributed(_fsdp1_reduce_dtypes, 1, default_016)[0]
+    assert measured == (bf16, fp32)
+    assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32)
+
+    args = ModelArgs(name="mpt-13b-like", dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=50368,
+                     mlp="gelu", ffn_hidden=4 * 5120, tie_embeddings=True, max_seq_len=2048)
+    composer_017 = _training("llm-foundry", seq_len=2048, global_batch=128)
+    composer_016 = dataclasses.replace(composer_017, reduce_dtype="bf16")
+    plan = Plan(dp_shard=64, zero_stage=3, micro_batch=2)
+    cluster = Cluster(accelerator("h100"), 64)
+    times = [evaluate(args, t, plan, cluster).time.detail["dp_comm_s"] for t in (composer_017, composer_016)]
+    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
+    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
+    by_hand = sum(count * (reduce_scatter(4 * p, n, link) - reduce_scatter(2 * p, n, link))
+                  for count, p in ((args.n_layers, block), (1, root)))
+    assert times[0] - times[1] == pytest.approx(by_hand, rel=1e-9)
+    assert stage_memory(args, composer_016, plan, 0)["grads"] == stage_memory(args, composer_017, plan, 0)["grads"]
+    # FSDP's mixed-precision layout in a mixed-precision run has it (torchtitan's too: its mixed_precision_reduce),
+    # and a system file may set it; the other layouts and an fp32 run are refused, naming the field
+    assert dataclasses.replace(_training("torchtitan"), reduce_dtype="bf16").reduce_dtype == "bf16"
+    path = tmp_path / "llm-foundry-composer-0.16.toml"
+    path.write_text('base = "llm-foundry"\nreduce_dtype = "bf16"\n')
+    assert resolve_system(str(path)).training_fields()["reduce_dtype"] == "bf16"
+    from shardwise.planner.cli import system_summary
+    assert ", gradients reduced in bf16" in system_summary(composer_016)
+    for wrong in (_training("shardwise"), _training("megatron-core"), _training("deepspeed"),
+                  dataclasses.replace(composer_017, precision="fp32")):
+        with pytest.raises(PlannerError, match="reduce_dtype") as refused:
+            dataclasses.replace(wrong, reduce_dtype="bf16")
+        assert refused.value.field == "--system reduce_dtype"
 
 
 def test_megatron_core_overlaps_the_interleaved_steady_states_pipeline_sends():

@@ -423,7 +423,8 @@ def system_summary(training: Training) -> str:
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
-            f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}")
+            f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
+            f"{', gradients reduced in bf16' if training.reduce_dtype == 'bf16' else ''}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,

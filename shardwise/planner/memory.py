@@ -1207,6 +1207,12 @@ def unsharded_grad_bytes(training: Training) -> float:
     return 2.0 if training.layout == "fsdp-mp" and training.mixed else state_bytes_per_param(training).grads
 
 
+def reduce_grad_bytes(training: Training) -> float:
+    """Bytes per parameter of a gradient as data parallelism reduces it: the compute dtype's under FSDP's bf16
+    reduction (Training.reduce_dtype), otherwise the stored gradient's."""
+    return 2.0 if training.reduce_dtype == "bf16" else state_bytes_per_param(training).grads
+
+
 def replicates(training: Training, plan: Plan) -> bool:
     """ZeRO-0/1 in shardwise's engine (and DDP in torchtitan's): FSDP2's `replicate` over more than one rank."""
     return training.fsdp2 and plan.zero_stage <= 1 and plan.dp * plan.cp > 1
@@ -1315,8 +1321,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         stage_p -= shape.experts if whole else 0.0
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = unsharded_grad_bytes(training) if fsdp else state_bytes_per_param(training).grads
-    # gradients kept unsharded across micro-batches are accumulated in the reduce dtype (FSDP2 upcasts them)
-    kept_grad_bytes = state_bytes_per_param(training).grads
+    # gradients kept unsharded across micro-batches are accumulated in the reduce dtype (FSDP2 upcasts them), which
+    # is also the reduce-scatter input's
+    kept_grad_bytes = reduce_grad_bytes(training)
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch (shardwise's

@@ -97,6 +97,8 @@ class System:
     optimizer_dtype: str = "fp32"
     """AdamW's moments (and master, where one is kept) in bf16 as Apex's distributed Adam keeps them
     (Training.optimizer_dtype); layout 'megatron' only."""
+    reduce_dtype: str = "fp32"
+    """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
@@ -113,7 +115,8 @@ class System:
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
-                  ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")))
+                  ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
+                  ("reduce_dtype", self.reduce_dtype, ("fp32", "bf16")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
@@ -135,6 +138,7 @@ class System:
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
+                "reduce_dtype": self.reduce_dtype,
                 "pipeline_split": self.pipeline_split}
 
 

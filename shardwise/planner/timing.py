@@ -43,6 +43,7 @@ from shardwise.planner.memory import (
     moe_shared_params,
     offloaded_shards,
     placement,
+    reduce_grad_bytes,
     replicates,
     stage_shape,
     state_bytes_per_param,
@@ -789,7 +790,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     n_params = _max_stage_params(args, training, plan) - experts
     layers = where.max_layers
     trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
-    grads = trainable * b.grads
+    reduced = reduce_grad_bytes(training)  # per parameter, as the reduction moves it (Training.reduce_dtype)
+    grads = trainable * reduced
     # weights travel as FSDP holds them (memory.gathered_weight_bytes): fp32 in shardwise's engine, bf16 in the
     # ZeRO paper's and Megatron's layouts; LoRA's frozen weights as the engine stores them (gathered_unit_bytes)
     gathered = _gathered_bytes(args, training, plan, n_params, where.max_blocks - experts)
@@ -851,9 +853,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
             ag = blocks + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
                            else 0.0) + sh_link.sync
         return comm + ag, behind_backward(comm, w_red) + ag
-    hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, b.grads / ex_n, rep_n,
+    hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, reduced / ex_n, rep_n,
                                                                               rep_link)
-    rs = by_unit(reduce_scatter, grads, sh_n, sh_link) + expert_units(reduce_scatter, b.grads, ex_n, ex_link)
+    rs = by_unit(reduce_scatter, grads, sh_n, sh_link) + expert_units(reduce_scatter, reduced, ex_n, ex_link)
     # How often gradients are reduced: shardwise's engine (layout torch) once per step, in the last micro-batch's
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
     # which accumulates them in its buffer. DeepSpeed (layout zero) reduce-scatters in every micro-batch's
@@ -996,12 +998,11 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     Megatron's layout keeps gradients in one contiguous buffer: no copies."""
     if not training.fsdp2 or plan.dp * plan.cp == 1:
         return 0.0
-    b = state_bytes_per_param(training)
     n_params = _max_stage_params(args, training, plan)
     where = placement(args, plan, training.seq_len, training.pipeline_split)
     layers = where.max_layers
     trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
-    reduced = 2 * trainable * b.grads  # packed in, reduced result out (a shard of it under ZeRO-2/3: at most)
+    reduced = 2 * trainable * reduce_grad_bytes(training)  # packed in, reduced out (a shard under ZeRO-2/3: at most)
     if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2:
         reduced *= plan.grad_accum
     gathered = 0.0
