@@ -1122,6 +1122,41 @@ def nemo_runs() -> list[Run]:
 
 
 # --------------------------------------------------------------------------------------------------
+# NeMo's long-sequence performance (docs/source/performance/performance_long_sequence.md of NVIDIA/NeMo, in its
+# documentation from October 2024 to May 2025; the "Batch Size" column from commit 14d427f575, April 2025): Llama 2
+# 7B in FP8 on DGX-H100, NeMo 24.03.01, sequence 4K to 1M tokens on as many GPUs as thousands of tokens, a global
+# batch of 4M tokens, and the layout "with CP" stated (TP, PP, DP, CP; the GPUs are their product in every row):
+# model TFLOPS per GPU. NeMo's model FLOPs (nemo/utils/flops_formulas.py llama2: 12 + 12 g/a + 18 f/h + 12 s/h +
+# 6 V/(L h), times the batch's tokens, L and h^2) are the planner's flops_per_token term for term (the attention at
+# 12 L h s, without the causal mask's saving), so the published throughput converts to tokens exactly. Described as
+# `--system megatron-core` with Transformer Engine's delayed scaling (the default then); the micro-batch, the
+# recompute and the virtual stages are not stated (completed by the search). The "without CP" column states no
+# layout, and the same file's DGX-B200 table (Llama 3 8B, NeMo 25.04) prints TP x PP x DP x CP a quarter of its GPU
+# count in every row: both left out. Added on 2026-12-05 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-05/).
+NEMO_LONG = ("NVIDIA NeMo, long sequence performance (docs/source/performance/performance_long_sequence.md), "
+             "https://github.com/NVIDIA/NeMo/blob/r2.3.0/docs/source/performance/performance_long_sequence.md")
+# sequence (K), GPUs, global batch, TP, PP, DP, CP, TFLOPS / GPU with CP
+NEMO_LONG_ROWS = [(4, 4, 1024, 1, 1, 4, 1, 768), (8, 8, 512, 1, 2, 4, 1, 730), (16, 16, 256, 2, 1, 8, 1, 660),
+                  (32, 32, 128, 2, 1, 8, 2, 610), (64, 64, 64, 4, 1, 8, 2, 574), (128, 128, 32, 4, 1, 8, 4, 555),
+                  (256, 256, 16, 4, 1, 8, 8, 549), (512, 512, 8, 8, 1, 4, 16, 549), (1024, 1024, 4, 8, 1, 4, 32, 536)]
+
+
+def nemo_long_runs() -> list[Run]:
+    runs = []
+    for k, n, gbs, tp, pp, dp, cp, tflops in NEMO_LONG_ROWS:
+        assert tp * pp * dp * cp == n
+        seq = k * 1024
+        model = dataclasses.replace(preset("llama2-7b"), max_seq_len=seq)
+        plan = f"tp={tp},pp={pp},cp={cp},dp_replicate={dp},zero_stage=1" + (",pp_schedule=1f1b" if pp > 1 else "")
+        row = f"{k} | {n} | {gbs} | TP {tp} | PP {pp} | DP {dp} | CP {cp} | {tflops} TFLOPS/GPU"
+        runs.append(Run(f"NeMoCP 24.03 Llama2-7B {k}K n={n}", model, n, seq, gbs, plan, NEMO_LONG,
+                        f"LLAMA2-7B (FP8), NeMo 24.03.01, DGX-H100: {row}", tflops=tflops, gpu="h100",
+                        system="megatron-core", search=False, precision="fp8", float8="te-delayed"))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
 # Bekman, "Machine Learning Engineering", insights/when-to-upgrade-gpus/README.md (github.com/stas00/ml-engineering,
 # commit 744d01e, August 2026), with its scripts: Llama-3.1-8B, Hugging Face's model (transformers 5.14.1), trained
 # by DeepSpeed 0.19.2 on 8 H200s (torch 2.13.0 / CUDA 13.0, FlashAttention-3 3.0.0 through attn_implementation),
@@ -1176,7 +1211,7 @@ def bekman_runs() -> list[Run]:
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
-        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs())
+        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1336,6 +1371,8 @@ def sweep_of(run: Run) -> str | None:
         return f"torchtitan {run.quote.split(' row')[0]}"
     if run.name.startswith("BigScience"):
         return f"BLOOM's layout search {run.name.split()[1]}"
+    if run.source == NEMO_LONG:
+        return "NeMo long sequence Llama 2 7B"
     return None
 
 
@@ -1436,7 +1473,8 @@ def main() -> None:
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
                          ("OPT", "OPT"), ("BLOOM's layout search", "BigScience"),
                          ("torchtitan", "torchtitan"), ("torchao's float8 (torchtitan)", "torchao"),
-                         ("Megatron-Core", "MCore"), ("NeMo FP8", "NeMo"), ("NVIDIA DGXC", "DGXC"),
+                         ("Megatron-Core", "MCore"), ("NeMo FP8", "NeMo "),
+                         ("NeMo long sequence (CP)", "NeMoCP"), ("NVIDIA DGXC", "DGXC"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100 "), ("llm-foundry A100 40GB", "foundry a100-40gb"),
                          ("DeepSpeed + HF on H200 (Bekman)", "Bekman")):
