@@ -304,7 +304,13 @@ CATALOGUE: dict[str, Accelerator] = {
 # PR #1267, 2026-09-15, "Performance on H100 BF16, B=4, H=48, D=128", FA3 column): forward 4,817.44 us, backward
 # 15,308.16 us. Over the planner's causal FLOPs (2 B H s^2 d forward, 2.5 x that backward), 3.5 x 3.30 TFLOP over
 # 20.13 ms: 574 TFLOP/s, 0.580 of the SXM's 989.4.
-# Not stated for a kernel or GPU (cuDNN's forward + backward; FlashAttention-3 on other GPUs): attention_efficiency.
+# cuDNN's fused (flash) attention, Transformer Engine's FusedAttention sub-backend 1, measured on an "NVIDIA H100 80GB
+# HBM3" by Transformer Engine's own benchmarks/attention/benchmark_attention.py, as its attention tutorial prints the
+# run (docs/examples/attention/attention.ipynb: TE 1.10.0.dev, cuDNN 9.3.0, flash-attn 2.4.2), case test_3: batch
+# 2, 32 heads in 4 groups, head dimension 128, sequence 8,192, causal, bf16: "cuDNN fwd+bwd (ms) 7.4875",
+# flash-attn 11.8879. Over the planner's causal FLOPs (3.5 x 2 B H s^2 d = 3.85 TFLOP): 514 TFLOP/s, 0.519 of the
+# SXM's 989.4 (flash-attn in the same run: 0.327, beside the 0.289 above).
+# Not stated for a kernel or GPU (cuDNN on Ampere; FlashAttention-3 on other GPUs): attention_efficiency.
 FLASH2_H100_TFLOPS = (284.1, 287.1)
 """FlashAttention-2 on an H100, causal, head dimension 128, sequence 8,192: forward and backward TFLOP/s (PR #1791)."""
 FLASH2_HOPPER = round(3.5 / (1 / FLASH2_H100_TFLOPS[0] + 2.5 / FLASH2_H100_TFLOPS[1]) * 1e12
@@ -314,9 +320,14 @@ FLASH3_H100_US = (4817.44, 15308.16)
 microseconds (TritonBench PR #1267)."""
 FLASH3_HOPPER = round(3.5 * 2 * 4 * 48 * 8192 ** 2 * 128 / (sum(FLASH3_H100_US) * 1e-6)
                       / CATALOGUE["h100"].peak_flops["bf16"], 3)
+CUDNN_H100_MS = 7.4875
+"""cuDNN 9.3's attention on an H100, forward + backward, causal, head dimension 128, sequence 8,192, batch 2 x 32
+heads (Transformer Engine's attention tutorial, benchmark_attention.py test_3)."""
+CUDNN_HOPPER = round(3.5 * 2 * 2 * 32 * 8192 ** 2 * 128 / (CUDNN_H100_MS * 1e-3)
+                     / CATALOGUE["h100"].peak_flops["bf16"], 3)
 KERNEL_EFFICIENCY = {"ampere": {"flash1": 0.325, "flash2": 0.615},
                      "hopper": {"flash1": 0.325 * FLASH2_HOPPER / 0.615, "flash2": FLASH2_HOPPER,
-                                "flash3": FLASH3_HOPPER}}
+                                "flash3": FLASH3_HOPPER, "cudnn": CUDNN_HOPPER}}
 for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h100", "hopper"),
                            ("h100-pcie", "hopper"), ("h200", "hopper")):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], attention_by_kernel=KERNEL_EFFICIENCY[_generation])
