@@ -1167,7 +1167,8 @@ def nemo_long_runs() -> list[Run]:
 #   rank)" at 8K to 256K tokens. TFLOPS are benchmark.py's estimate_tflos over the step: 6 N tokens + 6 s^2 d_head
 #   heads layers (causal), N the blocks' linears and one V x d (the head), so the step is that count over them.
 # * The 8K step decomposition (bench_decompose.py's defaults: ZeRO-2, no checkpointing, no offload, no Liger):
-#   461 TFLOPS in all; and "Liger-Kernel ... cuts peak memory ~20% (99 -> 80GiB)" at that 8K ZeRO-2 step.
+#   461 TFLOPS in all; and "Liger-Kernel ... cuts peak memory ~20% (99 -> 80GiB)" at that 8K ZeRO-2 step. Without
+#   Liger the norms are Hugging Face's LlamaRMSNorm, composite in fp32 (fused_rmsnorm False, since 2026-12-05).
 # Described as two system files (benchmarks/systems/deepspeed-hf*.toml). Added on 2026-12-05 and evaluated first as
 # the planner stood (held out: docs/heldout-2026-12-05/bekman-h200-deepspeed-held-out.txt).
 BEKMAN = ("Bekman, Machine Learning Engineering, insights/when-to-upgrade-gpus (H200 rows), "
@@ -1200,8 +1201,7 @@ def bekman_runs() -> list[Run]:
     runs.append(Run("Bekman H200 8B ZeRO-2 s=8K", model, 8, 8192, 8, zero2, BEKMAN,
                     "step decomposition @ 8k, total | 461 TFLOPS; without Liger 99 GiB",
                     tflops=461, step_s=bekman_step(model, 8192, 461), mem_gib=99, gpu="h200",
-                    system="deepspeed-hf.toml",
-                    search=False))
+                    system="deepspeed-hf.toml", search=False, fused_rmsnorm=False))
     runs.append(Run("Bekman H200 8B ZeRO-2 Liger s=8K (memory)", model, 8, 8192, 8, zero2, BEKMAN,
                     "Liger-Kernel cuts peak memory 99 -> 80GiB", mem_gib=80, gpu="h200",
                     system="deepspeed-hf-liger.toml", search=False))

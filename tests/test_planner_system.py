@@ -569,6 +569,78 @@ def test_apex_distributed_adam_state_in_bf16(tmp_path):
         resolve_system(str(path))
 
 
+def test_deepspeed_gradient_buckets_by_hand(tmp_path):
+    # DeepSpeed's contiguous_gradients buckets (zero/config.py: reduce_bucket_size 5e8 elements by default): ZeRO-3
+    # allocates one per dtype at initialisation and keeps it (stage3.py, ipg_buckets' buffer: 1 GB in bf16), ZeRO-1 and
+    # 2 one at the first gradient hook of each backward, two under overlap_comm, freed at the backward's end
+    # (stage_1_and_2.py setup_buckets, _release_ipg_buffers). Every moment but the loss's backward (before any
+    # gradient) and the optimizer step holds ZeRO-2's; every moment ZeRO-3's. DeepSpeed of 2021 (contiguous_gradients
+    # off then) and the other layouts have none, and a system file asking for them elsewhere is refused
+    from shardwise.planner.memory import moment_memory, zero_bucket_bytes
+
+    args = preset("llama3-8b")
+    ds = _training("deepspeed", seq_len=2048, global_batch=8)
+    assert ds.reduce_bucket_size == 5e8 and not ds.overlap_comm
+    bucket = 5e8 * 2
+    assert zero_bucket_bytes(ds, Plan(dp_shard=8, zero_stage=0)) == (0.0, 0.0)  # plain data parallelism: torch's DDP
+    for stage, overlap, kept, in_backward in ((3, False, bucket, 0.0), (2, False, 0.0, bucket),
+                                              (2, True, 0.0, 2 * bucket), (1, True, 0.0, 2 * bucket)):
+        training = dataclasses.replace(ds, overlap_comm=overlap)
+        plan = Plan(dp_shard=8, zero_stage=stage, micro_batch=1, grad_accum=1, activation_checkpoint="full")
+        moments = moment_memory(args, training, plan, 0)
+        for name, items in moments.items():
+            during = name not in ("loss_backward", "optimizer_step")
+            assert items["ddp_buckets"] == kept + (in_backward if during else 0.0), (stage, overlap, name)
+    old = dataclasses.replace(_training("deepspeed-2021"), seq_len=2048)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=1, activation_checkpoint="full")
+    assert old.reduce_bucket_size == 0
+    assert all(m["ddp_buckets"] == 0 for m in moment_memory(args, old, plan, 0).values())
+    path = tmp_path / "deepspeed-hf.toml"
+    path.write_text('base = "deepspeed"\noverlap_comm = true\nreduce_bucket_size = 200000000\n')
+    system = resolve_system(str(path))
+    assert (system.reduce_bucket_size, system.overlap_comm) == (2e8, True)
+    for wrong in (_training("torchtitan"), _training("megatron-core")):
+        with pytest.raises(PlannerError, match="reduce_bucket_size") as refused:
+            dataclasses.replace(wrong, reduce_bucket_size=5e8)
+        assert refused.value.field == "--system reduce_bucket_size"
+
+
+def _composite_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    # torch's CompositeImplicitAutograd rms_norm before its fused kernel (aten/src/ATen/native/layer_norm.cpp, torch
+    # 2.4-2.7), written out: "upcast is needed for fp16 and bf16"
+    upcast = x.to(torch.float32)
+    rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+    return (upcast * rstd).type_as(x) * weight
+
+
+def test_composite_rmsnorm_saves_its_fp32_upcast():
+    # the planner's composite norm (fused_rmsnorm False: torchtitan's 2024 runs, Hugging Face's Llama without
+    # Liger-Kernel) against what autograd saves, measured: Hugging Face's LlamaRMSNorm and torch's composite
+    # rms_norm each keep the fp32 input, the fp32 rstd and x * rstd in bf16, 6 bytes an element beside the
+    # fused kernel's bf16 input (the norm's output, which the next linear keeps, is counted with that linear)
+    transformers_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from shardwise.planner.memory import _norm_terms
+
+    d, tokens = 64, 16
+    x = torch.randn(1, tokens, d, dtype=torch.bfloat16, requires_grad=True)
+    hf = transformers_llama.LlamaRMSNorm(d).to(torch.bfloat16)
+    weight = torch.ones(d, dtype=torch.bfloat16, requires_grad=True)
+    plan = Plan(micro_batch=1)
+    for norm in (hf, lambda t: _composite_rms_norm(t, weight)):
+        saved = {}
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.setdefault((t.data_ptr(), t.dtype, t.shape), t.numel() * t.element_size()) and t,
+                lambda t: t):
+            norm(x).float().sum().backward()
+        per_token = sum(b for (_, _, shape), b in saved.items() if shape[:2] == (1, tokens)) / tokens
+        for composite in (True, False):
+            training = dataclasses.replace(_training("deepspeed"), fused_rmsnorm=not composite)
+            terms = [t for t in _norm_terms("norm", d, training, autocast_copies=1) if not t.name.endswith("output")]
+            planned = sum(term_bytes(t, preset("debug"), training, plan) for t in terms)
+            assert planned == (per_token if composite else 2 * d + 4), (norm, composite)
+        assert per_token == 6 * d + 4
+
+
 def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype]:
     # FSDP1 as Composer wraps a unit: the dtype its gradient is reduced in, and the sharded gradient's dtype
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision

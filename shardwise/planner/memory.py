@@ -414,8 +414,9 @@ def model_state_bytes(n_params: float, training: Training, zero_stage: int, shar
 class Term:
     """One tensor a block saves for backward: elements per token, its dtype class, how parallelism splits it.
 
-    kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics), 'index'
-    (int64 indices), 'f8' (a float8 copy, Transformer Engine's), 'mask' (a dropout mask: bool, one byte).
+    kind: 'stream' (residual-stream dtype), 'act' (matmul-activation dtype), 'stat' (fp32 statistics), 'f32' (an
+    fp32 tensor whatever the run's dtypes), 'index' (int64 indices), 'f8' (a float8 copy, Transformer Engine's),
+    'mask' (a dropout mask: bool, one byte).
     split: 'seq' (sequence-parallel tensors: / tp with SP), 'full' (the whole hidden vector on every tp rank),
     'tp' (heads or MLP columns: / tp), 'kv' (KV heads: / min(tp, n_kv)).
     """
@@ -680,9 +681,13 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
 def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
                 output_split: str | None = None) -> list[Term]:
     # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad,
-    # which a frozen weight (LoRA) does not have
-    terms = [Term(f"{name}_input", d, "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
-    if not training.fused_rmsnorm and not training.lora_rank:
+    # which a frozen weight (LoRA) does not have. The composite form computes in fp32 ("upcast is needed for fp16
+    # and bf16": torch's CompositeImplicitAutograd rms_norm before its fused kernel, and Hugging Face's
+    # LlamaRMSNorm): its square and its product with rstd save the upcast input, 4 bytes an element whatever the
+    # stream's dtype, and the weight's product saves x * rstd cast back to the stream's
+    composite = not training.fused_rmsnorm
+    terms = [Term(f"{name}_input", d, "f32" if composite else "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
+    if composite and not training.lora_rank:
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
     split = output_split or norm_output_split(training)
     terms.append(Term(f"{name}_output", d, "act", split, copies=autocast_copies))
@@ -696,7 +701,7 @@ def norm_output_split(training: Training) -> str:
     return "seq" if training.layout == "megatron" else "full"
 
 
-TERM_BYTES = {"stat": 4, "index": 8, "f8": 1, "mask": 1}
+TERM_BYTES = {"stat": 4, "f32": 4, "index": 8, "f8": 1, "mask": 1}
 
 
 def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -1219,10 +1224,25 @@ def replicates(training: Training, plan: Plan) -> bool:
 
 
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
-    """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight."""
-    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2:
+    """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight. DeepSpeed's ZeRO-1
+    uses its own (zero_bucket_bytes)."""
+    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2 or any(zero_bucket_bytes(training, plan)):
         return 0.0
     return 2 * training.ddp_bucket_mb * 2**20
+
+
+def zero_bucket_bytes(training: Training, plan: Plan) -> tuple[float, float]:
+    """DeepSpeed's contiguous gradient buckets (Training.reduce_bucket_size elements each, in the weights' dtype),
+    as (kept for the whole run, held from a backward's first gradient to its end). ZeRO-3 allocates one at
+    initialisation and keeps it (stage3.py: each ipg bucket's buffer); ZeRO-1 and 2 one at the first gradient hook
+    of each backward, two under overlap_comm, and free them when the backward ends (stage_1_and_2.py
+    process_gradients -> setup_buckets, _release_ipg_buffers)."""
+    if training.layout != "zero" or not training.reduce_bucket_size or plan.zero_stage < 1:
+        return 0.0, 0.0
+    bucket = training.reduce_bucket_size * state_bytes_per_param(training).params
+    if plan.zero_stage >= 3:
+        return bucket, 0.0
+    return 0.0, bucket * (2 if training.overlap_comm else 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1342,9 +1362,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                              whole_stage if training.fsdp2 else 0.0)
         held += stage_p * kept_grad_bytes if keep_unsharded and not training.lora_rank else 0.0
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
+    kept_buckets, backward_buckets = zero_bucket_bytes(training, plan)
     base = {**state, "buffers": rotary_table_bytes(args),
             "replica_params": whole_stage if replicates(training, plan) else 0.0,
-            "ddp_buckets": 0.0}
+            "ddp_buckets": kept_buckets}
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
     # Megatron-LM's data-parallel wrapper allocates every parameter's main_grad in one contiguous buffer when the
@@ -1429,7 +1450,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
         "activations": saved(bwd)[0], "compute_copies": saved(bwd)[1],
         "backward_and_logits": working(bwd, bool(early_grads) and not fsdp) + (fresh_grads if fsdp else 0.0),
-        "fsdp_buffers": held_early + (gathering if plan.zero_stage >= 3 and fsdp else 0.0)}
+        "fsdp_buffers": held_early + (gathering if plan.zero_stage >= 3 and fsdp else 0.0),
+        "ddp_buckets": kept_buckets + backward_buckets}
     if zero_bubble and plan.activation_checkpoint == "full":
         # the end of a weight pass that rebuilt its chunk's blocks (_zero_bubble_held)
         w_acts, w_copies, w_other, w_done = zero_bubble["weight_pass"]
@@ -1490,7 +1512,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     out["end_of_backward"] = {
         "replica_params": root_p * gathered_root if base["replica_params"] else 0.0,
         "activations": held_acts * (m - 1) / m, "compute_copies": held_copies * (m - 1) / m,
-        "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan),
+        "backward_and_logits": 0.0, "ddp_buckets": ddp_bucket_bytes(training, plan) + kept_buckets + backward_buckets,
         "fsdp_buffers": held + (root_p * grad_bytes if fsdp and not keep_unsharded else 0.0)}
     if plan.pp > 1 and fsdp and training.fsdp2 and keep_unsharded:
         # torch.distributed.pipelining keeps an FSDP stage gathered after every backward but the step's last
@@ -1506,6 +1528,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
     out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)
+    out["optimizer_step"]["ddp_buckets"] = kept_buckets
     if training.layout == "megatron" and training.mixed and not training.grads_in_fp32 and (
             training.optimizer_dtype == "fp32"):
         # Megatron's optimizer hands its fp32 master weights an fp32 copy of their bf16 main gradients

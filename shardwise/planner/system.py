@@ -97,6 +97,10 @@ class System:
     optimizer_dtype: str = "fp32"
     """AdamW's moments (and master, where one is kept) in bf16 as Apex's distributed Adam keeps them
     (Training.optimizer_dtype); layout 'megatron' only."""
+    reduce_bucket_size: float = 0.0
+    """DeepSpeed's contiguous gradient buckets, elements (Training.reduce_bucket_size); layout 'zero' only."""
+    overlap_comm: bool = False
+    """DeepSpeed's overlap_comm: ZeRO-2's second gradient bucket (Training.overlap_comm); layout 'zero' only."""
     reduce_dtype: str = "fp32"
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     keeps_bf16_grads: bool = False
@@ -138,7 +142,8 @@ class System:
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
-                "reduce_dtype": self.reduce_dtype,
+                "reduce_dtype": self.reduce_dtype, "reduce_bucket_size": self.reduce_bucket_size,
+                "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split}
 
 
@@ -199,10 +204,13 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false "
                   "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
-           "optimizer, materialised logits and an fp32 loss, fused attention",
+           "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
+           "attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
-           elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring",
-           source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter"),
+           elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
+           source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
+                  "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
+                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
@@ -240,8 +248,9 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
-                                   "overlap_param_gather") else str
-        if type(value) is not expected:
+                                   "overlap_param_gather", "overlap_comm") else \
+            float if key == "reduce_bucket_size" else str
+        if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
     if path.stem in SYSTEMS:
