@@ -409,6 +409,8 @@ def system_summary(training: Training) -> str:
     known = SYSTEMS.get(training.system)
     if known is not None and known.training_fields() == {k: getattr(training, k) for k in known.training_fields()}:
         return known.summary
+    size = training.reduce_bucket_size
+    buckets = f", DeepSpeed gradient buckets of {size:.0f} elements" if size else ""
     return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
@@ -424,7 +426,9 @@ def system_summary(training: Training) -> str:
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
-            f"{', gradients reduced in bf16' if training.reduce_dtype == 'bf16' else ''}")
+            f"{', gradients reduced in bf16' if training.reduce_dtype == 'bf16' else ''}"
+            f"{buckets}"
+            f"{', overlap_comm' if training.overlap_comm else ''}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,
