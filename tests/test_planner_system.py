@@ -614,7 +614,7 @@ def _composite_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
 
 
 def test_composite_rmsnorm_saves_its_fp32_upcast():
-    # the planner's composite norm (fused_rmsnorm False: torchtitan's 2024 runs, Hugging Face's Llama without
+    # the planner's composite norm (fused_rmsnorm False: torchtitan's 2024 eager runs, Hugging Face's Llama without
     # Liger-Kernel) against what autograd saves, measured: Hugging Face's LlamaRMSNorm and torch's composite
     # rms_norm each keep the fp32 input, the fp32 rstd and x * rstd in bf16, 6 bytes an element beside the
     # fused kernel's bf16 input (the norm's output, which the next linear keeps, is counted with that linear)
@@ -639,6 +639,17 @@ def test_composite_rmsnorm_saves_its_fp32_upcast():
             planned = sum(term_bytes(t, preset("debug"), training, plan) for t in terms)
             assert planned == (per_token if composite else 2 * d + 4), (norm, composite)
         assert per_token == 6 * d + 4
+    # compiled, the composite norm is one generated kernel: the partitioner keeps the bf16 input and rstd, as the
+    # fused kernel does, and recomputes the upcast (torchtitan's compiled rows)
+    saved = {}
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.setdefault((t.data_ptr(), t.dtype, t.shape), t.numel() * t.element_size()) and t,
+            lambda t: t):
+        torch.compile(_composite_rms_norm)(x, weight).float().sum().backward()
+    per_token = sum(b for (_, _, shape), b in saved.items() if shape[:2] == (1, tokens)) / tokens
+    compiled = dataclasses.replace(_training("torchtitan"), fused_rmsnorm=False, compile=True)
+    terms = [t for t in _norm_terms("norm", d, compiled, autocast_copies=1) if not t.name.endswith("output")]
+    assert per_token == sum(term_bytes(t, preset("debug"), compiled, plan) for t in terms) == 2 * d + 4
 
 
 def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype]:

@@ -684,8 +684,9 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
     # which a frozen weight (LoRA) does not have. The composite form computes in fp32 ("upcast is needed for fp16
     # and bf16": torch's CompositeImplicitAutograd rms_norm before its fused kernel, and Hugging Face's
     # LlamaRMSNorm): its square and its product with rstd save the upcast input, 4 bytes an element whatever the
-    # stream's dtype, and the weight's product saves x * rstd cast back to the stream's
-    composite = not training.fused_rmsnorm
+    # stream's dtype, and the weight's product saves x * rstd cast back to the stream's. A compiled block's norm is
+    # one generated kernel, which keeps what the fused one does (the partitioner recomputes the upcast)
+    composite = not training.fused_rmsnorm and not training.compile
     terms = [Term(f"{name}_input", d, "f32" if composite else "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
     if composite and not training.lora_rank:
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
