@@ -1129,11 +1129,11 @@ def nemo_runs() -> list[Run]:
 # model TFLOPS per GPU. NeMo's model FLOPs (nemo/utils/flops_formulas.py llama2: 12 + 12 g/a + 18 f/h + 12 s/h +
 # 6 V/(L h), times the batch's tokens, L and h^2) are the planner's flops_per_token term for term (the attention at
 # 12 L h s, without the causal mask's saving), so the published throughput converts to tokens exactly. Described as
-# `--system megatron-core` with Transformer Engine's delayed scaling (the default then); the micro-batch, the
-# recompute and the virtual stages are not stated (completed by the search). The "without CP" column states no
-# layout, and the same file's DGX-B200 table (Llama 3 8B, NeMo 25.04) prints TP x PP x DP x CP a quarter of its GPU
-# count in every row: both left out. Added on 2026-12-05 and evaluated first as the planner stood (held out:
-# docs/heldout-2026-12-05/).
+# `--system megatron-core` with Transformer Engine's delayed scaling (the default then); the micro-batch and the
+# recompute are not stated (completed by the search), nor the 8K row's schedule (taken as 1F1B). The "without CP"
+# column states no layout, and the same file's DGX-B200 table (Llama 3 8B, NeMo 25.04) prints TP x PP x DP x CP a
+# quarter of its GPU count in every row: both left out. Added on 2026-12-05 and evaluated first as the planner stood
+# (held out: docs/heldout-2026-12-05/).
 NEMO_LONG = ("NVIDIA NeMo, long sequence performance (docs/source/performance/performance_long_sequence.md), "
              "https://github.com/NVIDIA/NeMo/blob/r2.3.0/docs/source/performance/performance_long_sequence.md")
 # sequence (K), GPUs, global batch, TP, PP, DP, CP, TFLOPS / GPU with CP

@@ -591,10 +591,18 @@ def test_deepspeed_gradient_buckets_by_hand(tmp_path):
         for name, items in moments.items():
             during = name not in ("loss_backward", "optimizer_step")
             assert items["ddp_buckets"] == kept + (in_backward if during else 0.0), (stage, overlap, name)
+    # with accumulation the moments of a later micro-batch hold them too (ZeRO-3's always; ZeRO-2's in each backward)
+    accumulating = moment_memory(args, dataclasses.replace(ds, overlap_comm=True),
+                                 Plan(dp_shard=8, zero_stage=2, micro_batch=1, grad_accum=4), 0)
+    assert accumulating["end_of_backward"]["ddp_buckets"] == 2 * bucket
+    assert accumulating["optimizer_step"]["ddp_buckets"] == 0.0
     old = dataclasses.replace(_training("deepspeed-2021"), seq_len=2048)
     plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=1, activation_checkpoint="full")
     assert old.reduce_bucket_size == 0
     assert all(m["ddp_buckets"] == 0 for m in moment_memory(args, old, plan, 0).values())
+    # without DeepSpeed's buckets ZeRO-1 keeps the DDP buckets it had (two of 25 MB at the end of backward)
+    zero1 = moment_memory(args, old, dataclasses.replace(plan, zero_stage=1), 0)
+    assert zero1["end_of_backward"]["ddp_buckets"] == 2 * 25 * 2**20
     path = tmp_path / "deepspeed-hf.toml"
     path.write_text('base = "deepspeed"\noverlap_comm = true\nreduce_bucket_size = 200000000\n')
     system = resolve_system(str(path))
@@ -663,20 +671,25 @@ def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype]:
 
 
 @pytest.mark.multiprocess
-def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default(tmp_path):
+def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default():
     # Composer's FSDP mixed precision (composer/trainer/mosaic_fsdp.py): PURE sets param, reduce and buffer dtypes to
     # bf16; DEFAULT sets param and buffer dtypes in 0.14-0.16 and no reduce dtype, which FSDP1 takes from the param
     # dtype; 0.17 sets reduce_dtype fp32. Torch's own FSDP1 on one gloo rank resolves them so, the sharded gradient
-    # staying fp32; the planner's reduce_dtype bf16 (llm-foundry's tables but the large-scale H100 one) moves each
-    # reduce-scatter in 2 bytes a parameter and keeps the 4-byte gradient state
-    from shardwise.planner.comm import axis_link, reduce_scatter
-    from shardwise.planner.memory import layer_params, stage_memory
-
+    # staying fp32: the planner's reduce_dtype bf16 (llm-foundry's tables but the large-scale H100 one)
     bf16, fp32 = torch.bfloat16, torch.float32
     default_016 = {"param_dtype": bf16, "buffer_dtype": bf16}
     measured = run_distributed(_fsdp1_reduce_dtypes, 1, default_016)[0]
     assert measured == (bf16, fp32)
     assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32)
+
+
+def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
+    # FSDP's bf16 reduction (Training.reduce_dtype) moves each reduce-scatter in 2 bytes a parameter, unit by unit, and
+    # keeps the 4-byte gradient state; plans that do not shard run it under autocast (fp32 gradients), and a whole
+    # search with it runs; --layout away from fsdp-mp leaves it behind
+    from shardwise.planner.comm import axis_link, reduce_scatter
+    from shardwise.planner.memory import layer_params, stage_memory
+    from shardwise.planner.workload import recipe_for
 
     args = ModelArgs(name="mpt-13b-like", dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=50368,
                      mlp="gelu", ffn_hidden=4 * 5120, tie_embeddings=True, max_seq_len=2048)
@@ -704,6 +717,18 @@ def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default(tmp_pa
         with pytest.raises(PlannerError, match="reduce_dtype") as refused:
             dataclasses.replace(wrong, reduce_dtype="bf16")
         assert refused.value.field == "--system reduce_dtype"
+    for unsharded in (Plan(dp_replicate=8, zero_stage=0), Plan(dp_replicate=8, zero_stage=1), Plan()):
+        assert recipe_for(composer_016, unsharded).reduce_dtype == "fp32"
+    argv = ["--model", "debug", "--gpus", "2", "--seq-len", "256", "--global-batch", "8", "--top-k", "1"]
+    assert run_plan(_ns(*argv, "--system", str(path))) == 0
+    from shardwise.planner.cli import system_of
+    for layout, kept in (("zero", "fp32"), ("fsdp-mp", "bf16"), ("torch", "fp32")):
+        assert system_of(_ns(*argv, "--system", str(path), "--layout", layout)).reduce_dtype == kept
+    assert run_plan(_ns(*argv, "--system", str(path), "--layout", "zero")) == 0
+    for preset_name in ("deepspeed", "megatron-core", "llm-foundry"):  # each left for every other layout
+        for layout in ("torch", "fsdp-mp", "megatron", "zero"):
+            Training(seq_len=256, global_batch=8,
+                     **system_of(_ns(*argv, "--system", preset_name, "--layout", layout)).training_fields())
 
 
 def test_megatron_core_overlaps_the_interleaved_steady_states_pipeline_sends():
@@ -801,7 +826,8 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
             "--plan", "dp_shard=16,zero_stage=3"]
     assert run_plan(_ns(*argv, "--system", str(path))) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
-    assert line.startswith("system: ds-sync - layout zero") and line.endswith(", ZeRO-3 fetched module by module")
+    assert line.startswith("system: ds-sync - layout zero") and line.endswith(
+        ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements")
 
 
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),

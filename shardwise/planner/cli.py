@@ -233,7 +233,19 @@ def system_of(ns: argparse.Namespace) -> System:
         return system
     changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
-                               f"{changes}", **given)
+                               f"{changes}", **given, **_left_with_the_layout(system, given.get("layout")))
+
+
+def _left_with_the_layout(system: System, layout: str | None) -> dict:
+    """The system's fields that describe one state layout, back at their defaults when --layout leaves it (a
+    Megatron-Core system as the layout torch keeps no main-gradient buffer or distributed optimizer)."""
+    if layout is None:
+        return {}
+    defaults = {f.name: f.default for f in dataclasses.fields(System)}
+    owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
+             "zero": ("reduce_bucket_size", "overlap_comm"), "fsdp-mp": ("reduce_dtype",)}
+    return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
+            if getattr(system, k) != defaults[k]}
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:
@@ -410,7 +422,7 @@ def system_summary(training: Training) -> str:
     if known is not None and known.training_fields() == {k: getattr(training, k) for k in known.training_fields()}:
         return known.summary
     size = training.reduce_bucket_size
-    buckets = f", DeepSpeed gradient buckets of {size:.0f} elements" if size else ""
+    buckets = f", DeepSpeed gradient buckets of {size:,.0f} elements" if size else ""
     return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"

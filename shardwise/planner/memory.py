@@ -678,15 +678,22 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
     return terms
 
 
+def block_norm_fused(training: Training) -> bool:
+    """A block's RMSNorm keeps (input, rstd) only: torch's fused kernel, or the kernel torch.compile generates for a
+    compiled block (its partitioner recomputes the upcast and x * rstd, measured in tests/test_planner_system.py).
+    The final norm sits outside the compiled blocks (torchtitan compiles each block): fused_rmsnorm alone."""
+    return training.fused_rmsnorm or training.compile
+
+
 def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
-                output_split: str | None = None) -> list[Term]:
+                output_split: str | None = None, in_block: bool = True) -> list[Term]:
     # input and rstd are what the norm's backward needs; the composite form also saves x * rstd for the weight grad,
     # which a frozen weight (LoRA) does not have. The composite form computes in fp32 ("upcast is needed for fp16
     # and bf16": torch's CompositeImplicitAutograd rms_norm before its fused kernel, and Hugging Face's
     # LlamaRMSNorm): its square and its product with rstd save the upcast input, 4 bytes an element whatever the
-    # stream's dtype, and the weight's product saves x * rstd cast back to the stream's. A compiled block's norm is
-    # one generated kernel, which keeps what the fused one does (the partitioner recomputes the upcast)
-    composite = not training.fused_rmsnorm and not training.compile
+    # stream's dtype, and the weight's product saves x * rstd cast back to the stream's (block_norm_fused: a
+    # compiled block's norm keeps what the fused kernel does)
+    composite = not (block_norm_fused(training) if in_block else training.fused_rmsnorm)
     terms = [Term(f"{name}_input", d, "f32" if composite else "stream", "seq"), Term(f"{name}_rstd", 1, "stat", "seq")]
     if composite and not training.lora_rank:
         terms.append(Term(f"{name}_normalized", d, "stream", "seq"))
@@ -790,7 +797,7 @@ def head_activation_bytes(args: ModelArgs, training: Training, plan: Plan, seq_l
     make in forward and keep for backward, that of the norm output (in the stream's dtype) and, when the head
     trains, that of its weight (fp32: head_weight_grad_bytes)."""
     tokens = plan.micro_batch * (seq_len or training.seq_len) / plan.cp
-    terms = _norm_terms("final_norm", args.dim, training, autocast_copies=1)
+    terms = _norm_terms("final_norm", args.dim, training, autocast_copies=1, in_block=False)
     if fused_head(training, plan):
         per_token = sum(term_bytes(t, args, training, plan) for t in terms[:-1])  # the output is not saved
         return (per_token + args.dim * training.stream_bytes) * tokens + head_weight_grad_bytes(args, training, plan)
@@ -1024,7 +1031,7 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     copies = input_copies(training, ("w1",) if args.mlp == "gelu" else ("w1", "w3"))
     output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
     seq = plan.tp if plan.sequence_parallel else 1
-    temps = NORM_BACKWARD_TEMPS[training.fused_rmsnorm]
+    temps = NORM_BACKWARD_TEMPS[block_norm_fused(training)]
     kept_copies = casts_weights(training) and plan.activation_checkpoint == "none"  # as weight_copy_bytes
     return {"freed": tokens * (saved * f * e + term_bytes(output, args, training, plan)),
             "working": tokens * d * (training.stream_bytes + temps * 4) / seq,
@@ -1292,8 +1299,9 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     Within a backward, each block's saved activations are freed as its gradients appear, so live memory is
     linear in the blocks done and its largest value is at an end: the start (the loss's backward on the last
     stage, the first block's backward elsewhere) or the end (after the first block's backward). The optimizer
-    step holds model state only. Under gradient accumulation (and in a pipeline, whose micro-batches share the
-    gradients) the last micro-batch's backward starts with every gradient already there. When no forward is left
+    step holds model state only (and DeepSpeed's ZeRO-3 bucket, zero_bucket_bytes). Under gradient accumulation
+    (and in a pipeline, whose micro-batches share the gradients) the last micro-batch's backward starts with every
+    gradient already there. When no forward is left
     once the first backward starts, the next micro-batch's first block backward holds one micro-batch fewer but
     every gradient the first made.
     """
@@ -1303,7 +1311,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
 
 
 def _moment(base: dict[str, float], changes: dict[str, dict[str, float]], name: str) -> dict[str, float]:
-    if name == "optimizer_step":  # model state only, in the order the breakdown has always listed it
+    if name == "optimizer_step":  # model state (and what it lists), in the order the breakdown has always listed it
         return {**{k: base[k] for k in (*STATE_ITEMS, "buffers")}, **changes[name]}
     return {**base, **changes[name]}
 
@@ -1527,9 +1535,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         out["embedding_backward"] = {**out["end_of_backward"], "replica_params": base["replica_params"],
                                      "backward_and_logits": lookup}
     # FSDP reshards after backward: the optimizer sees sharded weights and gradients only
-    out["optimizer_step"] = dict.fromkeys(("replica_params", "ddp_buckets", "activations", "compute_copies",
+    out["optimizer_step"] = dict.fromkeys(("replica_params", "activations", "compute_copies",
                                            "backward_and_logits", "fsdp_buffers"), 0.0)
-    out["optimizer_step"]["ddp_buckets"] = kept_buckets
+    out["optimizer_step"]["ddp_buckets"] = kept_buckets  # (DeepSpeed's ZeRO-3 bucket is never freed)
     if training.layout == "megatron" and training.mixed and not training.grads_in_fp32 and (
             training.optimizer_dtype == "fp32"):
         # Megatron's optimizer hands its fp32 master weights an fp32 copy of their bf16 main gradients

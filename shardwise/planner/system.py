@@ -100,7 +100,7 @@ class System:
     reduce_bucket_size: float = 0.0
     """DeepSpeed's contiguous gradient buckets, elements (Training.reduce_bucket_size); layout 'zero' only."""
     overlap_comm: bool = False
-    """DeepSpeed's overlap_comm: ZeRO-2's second gradient bucket (Training.overlap_comm); layout 'zero' only."""
+    """DeepSpeed's overlap_comm: ZeRO-1/2's second gradient bucket (Training.overlap_comm); layout 'zero' only."""
     reduce_dtype: str = "fp32"
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     keeps_bf16_grads: bool = False

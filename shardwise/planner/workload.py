@@ -154,10 +154,10 @@ class Training:
     reduce_bucket_size: float = 0.0
     """Under the layout 'zero', DeepSpeed's reduce_bucket_size (elements) with contiguous_gradients: the gradient
     buckets it allocates in the weights' dtype, one kept from initialisation at ZeRO-3, one (two under
-    `overlap_comm`) held through each backward at ZeRO-2 (memory.zero_bucket_bytes). DeepSpeed's default is 5e8
+    `overlap_comm`) held through each backward at ZeRO-1 and 2 (memory.zero_bucket_bytes). DeepSpeed's default is 5e8
     (zero/config.py), 1 GB in bf16; 0: none (its contiguous_gradients off, or another system)."""
     overlap_comm: bool = False
-    """DeepSpeed's overlap_comm at ZeRO-2: a second gradient bucket (its default: on at ZeRO-3, off below)."""
+    """DeepSpeed's overlap_comm at ZeRO-1 and 2: a second gradient bucket (its default: on at ZeRO-3, off below)."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
@@ -301,13 +301,18 @@ class Training:
             raise PlannerError("--system pp_overlap_p2p", f"true describes Megatron-Core's interleaved schedule, not "
                                f"the layout {self.layout}'s pipeline",
                                'use layout megatron (base = "megatron-core"), or leave it false')
-        if (self.reduce_bucket_size or self.overlap_comm) and self.layout != "zero":
-            raise PlannerError("--system reduce_bucket_size", "DeepSpeed's gradient buckets describe the layout "
-                               f"zero, not {self.layout}", 'use layout zero (base = "deepspeed"), or leave '
-                               "reduce_bucket_size 0 and overlap_comm false")
-        if self.reduce_bucket_size < 0:
+        for key in ("reduce_bucket_size", "overlap_comm"):
+            if getattr(self, key) and self.layout != "zero":
+                raise PlannerError(f"--system {key}", f"{key} describes DeepSpeed's gradient buckets under the "
+                                   f"layout zero, not {self.layout}", f'use layout zero (base = "deepspeed"), or '
+                                   f"leave {key} {'0' if key == 'reduce_bucket_size' else 'false'}")
+        if not 0 <= self.reduce_bucket_size < float("inf"):
             raise PlannerError("--system reduce_bucket_size", f"{self.reduce_bucket_size} elements",
                                "give 0 or more (DeepSpeed's default is 5e8)")
+        if self.overlap_comm and not self.reduce_bucket_size:
+            raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
+                               "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
+                               "overlap_comm false")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system reduce_dtype", f"unknown reduce dtype {self.reduce_dtype!r}",
                                "use fp32 or bf16")
@@ -465,7 +470,7 @@ def recipe_for(training: Training, plan) -> Training:
 @functools.lru_cache(maxsize=256)
 def _under_autocast(training: Training) -> Training:
     # one object per recipe: the planner's memos are keyed on it, and a search asks ~10^5 times
-    return dataclasses.replace(training, layout="torch")
+    return dataclasses.replace(training, layout="torch", reduce_dtype="fp32")  # (autocast: fp32 gradients)
 
 
 @functools.lru_cache(maxsize=256)
