@@ -192,9 +192,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            selective="attention-core", cp_exchange="ring",
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4"),
-    System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT or PURE: fp32 shards, bf16 gathers and "
-           "compute; bf16 residual stream; logits materialised in bf16 and flash-attn's cross-entropy kernel; "
-           "FlashAttention-1 (flash-attn 1.0.9, its [gpu] extra at v0.3.0, which its benchmarks installed)",
+    System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
+           "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
+           "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
+           "its [gpu] extra at v0.3.0, which its benchmarks installed)",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused",
            attention_kernel="flash1", cp_exchange="ring",
