@@ -144,8 +144,8 @@ class Run:
     """AdamW's state in bf16 as Apex's distributed Adam keeps it (Training.optimizer_dtype), where the run's config
     sets it (NeMo 1's Nemotron-4 340B configs: optim.dtype bf16)."""
     reduce_dtype: str | None = None
-    """FSDP's gradient reduction in bf16 (Training.reduce_dtype), where the run's code differs from the system's
-    preset (llm-foundry's PURE, and its DEFAULT under Composer 0.14-0.16)."""
+    """FSDP's gradient reduction in the compute dtype (Training.reduce_dtype), where the run's code differs from the
+    system's preset (llm-foundry's PURE, and its DEFAULT under Composer 0.14-0.16; metaseq's OPT, fp16)."""
     dropout: bool | None = None
     """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
     GPT-3 175B config)."""
@@ -394,7 +394,9 @@ def bloom_prequel_runs() -> list[Run]:
 # opt_baselines.py): --memory-efficient-fp16 (fp16 weights and gradients, fp32 Adam state), --ddp-backend
 # fully_sharded (fairscale's FSDP: a unit per layer, each gathered on its own stream in its forward, so behind the
 # previous layer's compute: the planner's FSDP units, layout 'fsdp-mp', which also gathers 2-byte weights; its fp32
-# shards and reduction are not metaseq's, memory is not compared) with --no-reshard-after-forward (ZeRO-2: the
+# shards are not metaseq's, memory is not compared; its reduce-scatter is fp16, metaseq's FSDP being fairscale's
+# without mixed_precision or fp32_reduce_scatter under --memory-efficient-fp16: reduce_dtype fp16, since
+# 2026-12-05) with --no-reshard-after-forward (ZeRO-2: the
 # gathered weights kept through backward), --checkpoint-activations with
 # --distribute-checkpointed-activations, vocab-parallel cross-entropy, tied embedding, dropout and attention dropout
 # 0.1, one micro-batch a step (--update-freq 1) of (batch // data-parallel ranks) // 2048 sequences: 8 of 124
@@ -411,7 +413,7 @@ def opt_runs() -> list[Run]:
                 "tp=8,pp=1,cp=1,dp_shard=124,zero_stage=2,micro_batch=8,grad_accum=1,activation_checkpoint=full,"
                 "sequence_parallel=false", OPT, "sec. 2.4: 992 A100 80GB, up to 147 TFLOP/s per GPU; chronicle: 8x "
                 "TP, 2M batch, 33 days on 1024 GPUs for 300B tokens", tflops=147, flops="eq3", layout="fsdp-mp",
-                precision="fp16", distribute_checkpoints=True, search=False)]
+                precision="fp16", distribute_checkpoints=True, search=False, reduce_dtype="fp16")]
 
 
 def bloom_runs() -> list[Run]:
@@ -1279,7 +1281,6 @@ def training_of(run: Run) -> Training:
                         precision=run.precision, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
-    assert run.reduce_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
     # (layout 'torch' is shardwise's engine, eager elementwise operators included). These stacks recompute with a
     # reentrant checkpoint that replays the whole forward (Megatron-LM's and DeepSpeed's CheckpointFunction,
@@ -1292,7 +1293,7 @@ def training_of(run: Run) -> Training:
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
                     distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,
                     pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
-                    fixed_overhead_gib=run.fixed_overhead_gib)
+                    fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32")
 
 
 def given_plan(run: Run):

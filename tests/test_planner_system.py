@@ -713,10 +713,13 @@ def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
     from shardwise.planner.cli import system_summary
     assert ", gradients reduced in bf16" in system_summary(composer_016)
     for wrong in (_training("shardwise"), _training("megatron-core"), _training("deepspeed"),
-                  dataclasses.replace(composer_017, precision="fp32")):
+                  dataclasses.replace(composer_017, precision="fp32"),
+                  dataclasses.replace(composer_017, precision="fp16")):  # an fp16 run reduces in fp16 (metaseq's)
         with pytest.raises(PlannerError, match="reduce_dtype") as refused:
             dataclasses.replace(wrong, reduce_dtype="bf16")
         assert refused.value.field == "--system reduce_dtype"
+    fp16 = dataclasses.replace(composer_017, precision="fp16", reduce_dtype="fp16")
+    assert evaluate(args, fp16, plan, cluster).time.detail["dp_comm_s"] == pytest.approx(times[1], rel=1e-12)
     for unsharded in (Plan(dp_replicate=8, zero_stage=0), Plan(dp_replicate=8, zero_stage=1), Plan()):
         assert recipe_for(composer_016, unsharded).reduce_dtype == "fp32"
     argv = ["--model", "debug", "--gpus", "2", "--seq-len", "256", "--global-batch", "8", "--top-k", "1"]

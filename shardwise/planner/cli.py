@@ -438,7 +438,7 @@ def system_summary(training: Training) -> str:
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
-            f"{', gradients reduced in bf16' if training.reduce_dtype == 'bf16' else ''}"
+            f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}")
 

@@ -120,7 +120,7 @@ class System:
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
                   ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
-                  ("reduce_dtype", self.reduce_dtype, ("fp32", "bf16")))
+                  ("reduce_dtype", self.reduce_dtype, ("fp32", "bf16", "fp16")))
         for key, value, allowed in checks:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",

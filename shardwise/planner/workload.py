@@ -144,12 +144,13 @@ class Training:
     dtype is the weights': the update goes to the bf16 weight shards) and a bf16 one where float8 weights need it
     (fp8_params: taken to go with --precision fp8, as NeMo's float8 recipes set it). Precision bf16 or fp8 only.
     memory.state_bytes_per_param."""
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Under the layout 'fsdp-mp' (FSDP with a mixed-precision policy), the dtype gradients are reduce-scattered
     (and, without sync, accumulated) in: fp32 as FSDP2's MixedPrecisionPolicy(reduce_dtype=float32) sets it
     (torchtitan's default; Composer's DEFAULT from 0.17) or bf16, the compute dtype, as FSDP1's MixedPrecision
     reduces where reduce_dtype is bf16 or None ("this takes on the param_dtype value": Composer's PURE, and its
-    DEFAULT in 0.14-0.16, composer/trainer/mosaic_fsdp.py). The sharded gradient the optimizer reads stays fp32.
+    DEFAULT in 0.14-0.16, composer/trainer/mosaic_fsdp.py; fp16 for fairscale's FSDP of an fp16 model, as metaseq
+    ran OPT). The sharded gradient the optimizer reads stays fp32.
     memory.reduce_grad_bytes, timing.dp_comm."""
     reduce_bucket_size: float = 0.0
     """Under the layout 'zero', DeepSpeed's reduce_bucket_size (elements) with contiguous_gradients: the gradient
@@ -313,14 +314,14 @@ class Training:
             raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
                                "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
                                "overlap_comm false")
-        if self.reduce_dtype not in ("fp32", "bf16"):
+        if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise PlannerError("--system reduce_dtype", f"unknown reduce dtype {self.reduce_dtype!r}",
-                               "use fp32 or bf16")
-        if self.reduce_dtype == "bf16" and not (self.layout == "fsdp-mp" and self.mixed):
-            raise PlannerError("--system reduce_dtype", "bf16 describes FSDP's mixed-precision reduction under the "
-                               f"layout fsdp-mp in a mixed-precision run, not the layout {self.layout} in "
+                               "use fp32, or the run's compute dtype (bf16, fp16)")
+        if self.reduce_dtype != "fp32" and not (self.layout == "fsdp-mp" and self.compute_dtype == self.reduce_dtype):
+            raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype} describes FSDP's reduction in the "
+                               f"compute dtype under the layout fsdp-mp, not the layout {self.layout} in "
                                f"{self.precision}", 'use layout fsdp-mp (base = "llm-foundry" or "torchtitan") with '
-                               "--precision bf16, or leave it fp32")
+                               f"--precision {self.reduce_dtype}, or leave it fp32")
         if self.optimizer_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system optimizer_dtype", f"unknown optimizer dtype {self.optimizer_dtype!r}",
                                "use fp32 or bf16")
