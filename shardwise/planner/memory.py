@@ -1221,8 +1221,8 @@ def unsharded_grad_bytes(training: Training) -> float:
 
 
 def reduce_grad_bytes(training: Training) -> float:
-    """Bytes per parameter of a gradient as data parallelism reduces it: the compute dtype's under FSDP's bf16
-    reduction (Training.reduce_dtype), otherwise the stored gradient's."""
+    """Bytes per parameter of a gradient as data parallelism reduces it: the compute dtype's where FSDP reduces in
+    it (Training.reduce_dtype bf16 or fp16), otherwise the stored gradient's."""
     return 2.0 if training.reduce_dtype != "fp32" else state_bytes_per_param(training).grads
 
 
