@@ -1343,7 +1343,8 @@ def training_of(run: Run) -> Training:
                     elementwise="eager" if run.layout == "torch" else "fused", precision=run.precision,
                     distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,
                     pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
-                    fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32")
+                    fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32",
+                    flat_params=run.layout == "fsdp-mp")  # (fairscale's FSDP, metaseq's OPT: flat as FSDP1's)
 
 
 def given_plan(run: Run):

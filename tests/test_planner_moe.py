@@ -161,7 +161,7 @@ def test_plan_output_states_the_routing_it_assumes(capsys):
     assert run_plan(_ns(*flags, "--expert-imbalance", "1.3")) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts of #1"))
     assert "routes 1.300 x the mean (as stated" in line
-    assert run_plan(_ns(*flags[:-3], "dp_shard=64,zero_stage=3", "--top-k", "1")) == 0
+    assert run_plan(_ns(*flags[:-3], "dp_shard=64,zero_stage=3,ep=1", "--top-k", "1")) == 0
     assert "ep 1: no routing imbalance" in capsys.readouterr().out
 
 

@@ -1322,6 +1322,41 @@ def test_torchaos_float8_runs_fit_as_torchtitans_loss_of_their_date_kept_it():
         assert abs(other_gib / run.mem_gib - 1) > 0.1, run.name
 
 
+def test_fsdp2_packs_gradients_on_the_compute_stream_and_fsdp1_does_not_pack():
+    # torch's FSDP2 runs the reduce-scatter's copy-in (chunk_cat of the unsharded gradients into the flat buffer of
+    # the reduce dtype) in the post-backward hook on the current stream, before the reduce-scatter stream waits on
+    # it (_fsdp_collectives.foreach_reduce; PR 129721): on a GPU it is on the critical path, not hidden with the
+    # collective. Read here in the installed torch's source, then priced: on the catalogue H100 (comm_overlap 1)
+    # the pack of bf16 gradients into fp32 moves 2 + 4 bytes a parameter per reduction, into bf16 2 + 2, and
+    # nothing else of the reduction's copies is exposed. FSDP1's flat parameter (Composer's FSDP) gathers and
+    # reduces in place: no copies, but a cast hidden on its post-backward stream
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    source = inspect.getsource(_fsdp_collectives.foreach_reduce)
+    assert source.index("foreach_reduce_scatter_copy_in(") < source.index("reduce_scatter_stream.wait_stream(")
+    assert source.index("reduce_scatter_stream.wait_stream(") < source.index("with device_handle.stream(reduce_scat")
+    from shardwise.planner.timing import sharding_copies
+
+    args, acc = preset("llama3-8b"), accelerator("h100")
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4)
+    fp32 = _training("torchtitan", global_batch=32, seq_len=8192)
+    bf16 = dataclasses.replace(fp32, reduce_dtype="bf16")
+    assert fp32.reduces_every_micro_batch(plan.pp)
+    difference = sharding_copies(args, fp32, plan, acc) - sharding_copies(args, bf16, plan, acc)
+    packed = plan.grad_accum * num_params(args) * (2 + 4 - (2 + 2))
+    assert difference == pytest.approx(packed / (acc.mem_bandwidth * acc.bandwidth_efficiency), rel=1e-9)
+    for training in (fp32, bf16):
+        assert sharding_copies(args, dataclasses.replace(training, flat_params=True), plan, acc) == 0.0
+    cpu = dataclasses.replace(acc, comm_overlap=0.0)  # nothing hides: FSDP1's cast of bf16 gradients to fp32 shows
+    cast = plan.grad_accum * num_params(args) * (2 + 4) / (cpu.mem_bandwidth * cpu.bandwidth_efficiency)
+    assert sharding_copies(args, dataclasses.replace(fp32, flat_params=True), plan, cpu) == pytest.approx(cast)
+    assert SYSTEMS["llm-foundry"].flat_params and not SYSTEMS["torchtitan"].flat_params
+    with pytest.raises(PlannerError, match="flat_params"):
+        Training(seq_len=4096, global_batch=8, flat_params=True)  # layout torch: FSDP2
+
+
 def test_olmo_cores_fsdp2_rows_held_out():
     # OLMo-core's README (e27ba74, November 2024): OLMo-1124 1B, 7B and 13B and a Llama 3 8B on H100s, FSDP2, blocks
     # and loss compiled, no recompute, BF16 and torchao's float8, tokens/s per device. Evaluated held out as

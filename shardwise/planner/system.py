@@ -103,6 +103,8 @@ class System:
     """DeepSpeed's overlap_comm: ZeRO-1/2's second gradient bucket (Training.overlap_comm); layout 'zero' only."""
     reduce_dtype: str = "fp32"
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
+    flat_params: bool = False
+    """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
@@ -142,7 +144,8 @@ class System:
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
-                "reduce_dtype": self.reduce_dtype, "reduce_bucket_size": self.reduce_bucket_size,
+                "reduce_dtype": self.reduce_dtype, "flat_params": self.flat_params,
+                "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split}
 
@@ -197,10 +200,11 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
            "its [gpu] extra at v0.3.0, which its benchmarks installed)",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
-           elementwise="fused",
+           elementwise="fused", flat_params=True,
            attention_kernel="flash1", cp_exchange="ring",
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
-                  "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; setup.py at "
+                  "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; Composer's FSDP is "
+                  "torch's FullyShardedDataParallel (FSDP1: flat parameters); setup.py at "
                   "v0.3.0: flash-attn==1.0.9; scripts/train/benchmarking/submit_benchmarks.py (#543): "
                   "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false "
                   "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
@@ -249,7 +253,7 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
-                                   "overlap_param_gather", "overlap_comm") else \
+                                   "overlap_param_gather", "overlap_comm", "flat_params") else \
             float if key == "reduce_bucket_size" else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",

@@ -47,6 +47,7 @@ from shardwise.planner.memory import (
     replicates,
     stage_shape,
     state_bytes_per_param,
+    unsharded_grad_bytes,
     zero_bubble_chunks,
 )
 from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, lora_block_ops, op_counts, optimizer_ops
@@ -989,22 +990,38 @@ def step_scalars(plan: Plan, cluster: Cluster, args: ModelArgs | None = None, mo
 
 def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """Exposed seconds per step of the copies FSDP2 (and its `replicate`, shardwise's ZeRO-0/1) makes around its
-    collectives. Each gradient reduction packs the rank's unsharded gradients into one flat buffer (`chunk_cat`)
-    and copies the reduced result out; each gathering of parameters packs the rank's shards (copy-in) and splits
-    the gathered buffer into the unsharded parameters (copy-out). Each copy reads and writes its bytes once, at
-    memory bandwidth. All but the gather's copy-out run on FSDP2's communication streams, so they hide behind
-    compute as far as communication does (`comm_overlap`; on a CPU, not at all). Counts as in `dp_comm`: one
-    reduction per step; ZeRO-2 gathers every weight once per micro-batch, ZeRO-3 the blocks again in backward.
-    Megatron's layout keeps gradients in one contiguous buffer: no copies."""
+    collectives. Each gradient reduction packs the rank's unsharded gradients into one flat buffer of the reduce
+    dtype (`chunk_cat`: reads them as backward made them, writes them cast) and copies the reduced result out;
+    each gathering of parameters packs the rank's shards (copy-in) and splits the gathered buffer into the
+    unsharded parameters (copy-out). Each copy reads and writes its bytes once, at memory bandwidth. Two run on
+    the compute stream, on the critical path: the gather's copy-out (in the unshard's wait) and the reduction's
+    pack (torch's `foreach_reduce`, called from the post-backward hook, runs `foreach_reduce_scatter_copy_in`
+    before the reduce-scatter stream waits on the current one: PR 129721, torch 2.5; before it the pack ran on
+    the reduce-scatter stream and the compute stream waited on it at once). The others run on FSDP2's
+    communication streams and hide behind compute as far as communication does (`comm_overlap`; on a CPU, not
+    at all). Counts as in `dp_comm`: one reduction per step, or one per micro-batch where gradients are synced
+    in each (Training.grad_sync); ZeRO-2 gathers every weight once per micro-batch, ZeRO-3 the blocks again in
+    backward. Megatron's layout keeps gradients in one contiguous buffer: no copies; nor does FSDP1's flat
+    parameter (Training.flat_params), but for a cast of the flat gradient to the reduce dtype."""
     if not training.fsdp2 or plan.dp * plan.cp == 1:
         return 0.0
     n_params = _max_stage_params(args, training, plan)
     where = placement(args, plan, training.seq_len, training.pipeline_split)
     layers = where.max_layers
     trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
-    reduced = 2 * trainable * reduce_grad_bytes(training)  # packed in, reduced out (a shard under ZeRO-2/3: at most)
+    # bytes moved (read and written) per step: the pack (each gradient read as backward made it, written in the
+    # reduce dtype) and the reduced result copied out (counted as a whole gradient in the reduce dtype: a shard
+    # under ZeRO-2/3, at most)
+    packed = trainable * (unsharded_grad_bytes(training) + reduce_grad_bytes(training))
+    copied_out = 2 * trainable * reduce_grad_bytes(training)
     if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2:
-        reduced *= plan.grad_accum
+        packed *= plan.grad_accum
+        copied_out *= plan.grad_accum
+    if training.flat_params:
+        # FSDP1 gathers into and reduces from its flat buffers in place; only a flat gradient of another dtype than
+        # the reduction's is cast, whole, on its post-backward stream
+        cast = packed if unsharded_grad_bytes(training) != reduce_grad_bytes(training) else 0.0
+        return (1 - acc.comm_overlap) * cast / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     gathered = 0.0
     if plan.zero_stage >= 2:
         weights = _gathered_bytes(args, training, plan, n_params, where.max_blocks)
@@ -1016,11 +1033,13 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
             gathered = plan.grad_accum * (weights + (blocks if plan.zero_stage == 3 else 0.0))
     if plan.ep > 1 and where.max_experts:  # the experts' shards are 1 / expert_shard_group of them
         share = where.max_experts / n_params
-        hidden_side = reduced + gathered * ((1 - share) / plan.shard_group + share / plan.expert_shard_group)
+        copied_in = gathered * ((1 - share) / plan.shard_group + share / plan.expert_shard_group)
     else:
-        hidden_side = reduced + gathered / plan.shard_group  # on the communication streams
-    exposed = gathered + (1 - acc.comm_overlap) * hidden_side
-    return 2 * exposed / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+        copied_in = gathered / plan.shard_group
+    # the gather's copy-out and the pack on the compute stream; the rest on the communication streams. A gather's
+    # copies read and write its bytes
+    exposed = 2 * gathered + packed + (1 - acc.comm_overlap) * (copied_out + 2 * copied_in)
+    return exposed / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
 
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:

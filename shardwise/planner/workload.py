@@ -159,6 +159,14 @@ class Training:
     (zero/config.py), 1 GB in bf16; 0: none (its contiguous_gradients off, or another system)."""
     overlap_comm: bool = False
     """DeepSpeed's overlap_comm at ZeRO-1 and 2: a second gradient bucket (its default: on at ZeRO-3, off below)."""
+    flat_params: bool = False
+    """Under the layout 'fsdp-mp', FSDP1's FlatParameter (torch's FullyShardedDataParallel, as Composer wraps
+    llm-foundry's blocks) in place of FSDP2's per-parameter shards: a unit's shard is all-gathered straight into its
+    flat unsharded buffer, whose views the blocks compute with, and the flat gradient is reduce-scattered as it
+    lies, so there is no copy-in or copy-out around the collectives (FSDP2 packs and splits, on the compute stream
+    for two of them: timing.sharding_copies); a flat gradient in another dtype than the reduction's is cast whole
+    on FSDP1's post-backward stream (torch/distributed/fsdp/_runtime_utils.py, _post_backward_hook and
+    _reduce_grad)."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
@@ -314,6 +322,10 @@ class Training:
             raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
                                "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
                                "overlap_comm false")
+        if self.flat_params and self.layout != "fsdp-mp":
+            raise PlannerError("--system flat_params", f"true describes FSDP1's flat parameters under the layout "
+                               f"fsdp-mp, not the layout {self.layout}",
+                               'use layout fsdp-mp (base = "llm-foundry"), or leave it false')
         if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise PlannerError("--system reduce_dtype", f"unknown reduce dtype {self.reduce_dtype!r}",
                                "use fp32, or the run's compute dtype (bf16, fp16)")
@@ -471,7 +483,8 @@ def recipe_for(training: Training, plan) -> Training:
 @functools.lru_cache(maxsize=256)
 def _under_autocast(training: Training) -> Training:
     # one object per recipe: the planner's memos are keyed on it, and a search asks ~10^5 times
-    return dataclasses.replace(training, layout="torch", reduce_dtype="fp32")  # (autocast: fp32 gradients)
+    # (autocast: fp32 gradients, shardwise's FSDP2)
+    return dataclasses.replace(training, layout="torch", reduce_dtype="fp32", flat_params=False)
 
 
 @functools.lru_cache(maxsize=256)
