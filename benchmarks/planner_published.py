@@ -633,7 +633,9 @@ def torchao_runs() -> list[Run]:
 # 4096, 32 layers, 32 heads, FFN 11,008; 13B d 5120, 40 layers, 40 heads, FFN 13,824 (multi-head attention);
 # Llama 3 8B as Meta's. OLMo-1124's QK-norm and reordered norms (an RMSNorm over the query and the key projections,
 # and the block's two norms on its branches' outputs instead of their inputs) are not in the planner's model: two
-# more norms a block, which compile fuses with their neighbours. Throughput only (no memory published). Added on
+# more norms a block, which compile fuses with their neighbours. Not modelled either: the float8 all-gather (the
+# weights travel in float8; the planner sends bf16, as for torchtitan's Float8 rows). Throughput only (no memory
+# published). Added on
 # 2026-12-05 and evaluated first as the planner stood (held out: docs/heldout-2026-12-05/).
 OLMO_CORE = ("allenai/OLMo-core, README.md (throughput table), "
              "https://github.com/allenai/OLMo-core/blob/e27ba74550f12a685b95aded46c88f845a7e2d6d/README.md")

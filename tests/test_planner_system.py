@@ -660,14 +660,23 @@ def test_composite_rmsnorm_saves_its_fp32_upcast():
     assert per_token == sum(term_bytes(t, preset("debug"), compiled, plan) for t in terms) == 2 * d + 4
 
 
-def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype]:
-    # FSDP1 as Composer wraps a unit: the dtype its gradient is reduced in, and the sharded gradient's dtype
+def _fsdp1_reduce_dtypes(mixed: dict) -> tuple[torch.dtype, torch.dtype, bool]:
+    # FSDP1 as Composer wraps a unit: the dtype its gradient is reduced in, the sharded gradient's dtype, and whether
+    # backward joins the weights' gradients into the flat one (their views' SplitWithSizesBackward: a cat)
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     unit = FullyShardedDataParallel(torch.nn.Linear(8, 8), mixed_precision=MixedPrecision(**mixed),
                                     device_id=torch.device("cpu"))
-    unit(torch.randn(4, 8)).float().sum().backward()
-    return unit._handle._reduce_dtype, next(unit.parameters()).grad.dtype
+    loss = unit(torch.randn(4, 8)).float().sum()
+    nodes, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack += [child for child, _ in node.next_functions]
+    loss.backward()
+    joins = "SplitWithSizesBackward0" in {type(node).__name__ for node in nodes}
+    return unit._handle._reduce_dtype, next(unit.parameters()).grad.dtype, joins
 
 
 @pytest.mark.multiprocess
@@ -675,12 +684,13 @@ def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default():
     # Composer's FSDP mixed precision (composer/trainer/mosaic_fsdp.py): PURE sets param, reduce and buffer dtypes to
     # bf16; DEFAULT sets param and buffer dtypes in 0.14-0.16 and no reduce dtype, which FSDP1 takes from the param
     # dtype; 0.17 sets reduce_dtype fp32. Torch's own FSDP1 on one gloo rank resolves them so, the sharded gradient
-    # staying fp32: the planner's reduce_dtype bf16 (llm-foundry's tables but the large-scale H100 one)
+    # staying fp32: the planner's reduce_dtype bf16 (llm-foundry's tables but the large-scale H100 one). Its weights
+    # are views of the flat parameter, whose gradient backward joins from theirs (timing.sharding_copies)
     bf16, fp32 = torch.bfloat16, torch.float32
     default_016 = {"param_dtype": bf16, "buffer_dtype": bf16}
     measured = run_distributed(_fsdp1_reduce_dtypes, 1, default_016)[0]
-    assert measured == (bf16, fp32)
-    assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32)
+    assert measured == (bf16, fp32, True)
+    assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32, True)
 
 
 def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
@@ -1322,14 +1332,16 @@ def test_torchaos_float8_runs_fit_as_torchtitans_loss_of_their_date_kept_it():
         assert abs(other_gib / run.mem_gib - 1) > 0.1, run.name
 
 
-def test_fsdp2_packs_gradients_on_the_compute_stream_and_fsdp1_does_not_pack():
+def test_fsdp2_packs_gradients_on_the_compute_stream_and_fsdp1_joins_them():
     # torch's FSDP2 runs the reduce-scatter's copy-in (chunk_cat of the unsharded gradients into the flat buffer of
     # the reduce dtype) in the post-backward hook on the current stream, before the reduce-scatter stream waits on
     # it (_fsdp_collectives.foreach_reduce; PR 129721): on a GPU it is on the critical path, not hidden with the
-    # collective. Read here in the installed torch's source, then priced: on the catalogue H100 (comm_overlap 1)
-    # the pack of bf16 gradients into fp32 moves 2 + 4 bytes a parameter per reduction, into bf16 2 + 2, and
-    # nothing else of the reduction's copies is exposed. FSDP1's flat parameter (Composer's FSDP) gathers and
-    # reduces in place: no copies, but a cast hidden on its post-backward stream
+    # collective. Read here in the installed torch's source, then priced on the catalogue H100 (comm_overlap 1):
+    # ZeRO-2 under torchtitan's FSDP2, gradients reduced every micro-batch, each micro-batch's exposed copies are
+    # the gathered bf16 weights split out (read and written, 2 + 2 bytes a parameter) and the gradients packed
+    # from bf16 into fp32 (2 + 4). FSDP1's weights are views of its flat parameter: backward joins their gradients
+    # into the flat one (autograd's SplitWithSizesBackward, a cat in bf16: 2 + 2 on the compute stream), and the
+    # cast to fp32 for the reduction runs on its post-backward stream (hidden on a GPU, not on a CPU)
     import inspect
 
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
@@ -1340,18 +1352,21 @@ def test_fsdp2_packs_gradients_on_the_compute_stream_and_fsdp1_does_not_pack():
     from shardwise.planner.timing import sharding_copies
 
     args, acc = preset("llama3-8b"), accelerator("h100")
-    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4)
-    fp32 = _training("torchtitan", global_batch=32, seq_len=8192)
-    bf16 = dataclasses.replace(fp32, reduce_dtype="bf16")
-    assert fp32.reduces_every_micro_batch(plan.pp)
-    difference = sharding_copies(args, fp32, plan, acc) - sharding_copies(args, bf16, plan, acc)
-    packed = plan.grad_accum * num_params(args) * (2 + 4 - (2 + 2))
-    assert difference == pytest.approx(packed / (acc.mem_bandwidth * acc.bandwidth_efficiency), rel=1e-9)
-    for training in (fp32, bf16):
-        assert sharding_copies(args, dataclasses.replace(training, flat_params=True), plan, acc) == 0.0
-    cpu = dataclasses.replace(acc, comm_overlap=0.0)  # nothing hides: FSDP1's cast of bf16 gradients to fp32 shows
-    cast = plan.grad_accum * num_params(args) * (2 + 4) / (cpu.mem_bandwidth * cpu.bandwidth_efficiency)
-    assert sharding_copies(args, dataclasses.replace(fp32, flat_params=True), plan, cpu) == pytest.approx(cast)
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    plan = Plan(dp_shard=8, zero_stage=2, micro_batch=1, grad_accum=4)
+    fsdp2 = _training("torchtitan", global_batch=32, seq_len=8192)
+    assert fsdp2.reduces_every_micro_batch(plan.pp)
+    per_micro_batch = num_params(args) * ((2 + 2) + (2 + 4))
+    assert sharding_copies(args, fsdp2, plan, acc) == pytest.approx(4 * per_micro_batch / bandwidth, rel=1e-9)
+    bf16 = dataclasses.replace(fsdp2, reduce_dtype="bf16")  # packed from bf16 into bf16: 2 + 2
+    assert sharding_copies(args, bf16, plan, acc) == pytest.approx(4 * num_params(args) * 8 / bandwidth, rel=1e-9)
+    fsdp1 = dataclasses.replace(fsdp2, flat_params=True)
+    joined = 4 * num_params(args) * (2 + 2)
+    for training in (fsdp1, dataclasses.replace(bf16, flat_params=True)):
+        assert sharding_copies(args, training, plan, acc) == pytest.approx(joined / bandwidth, rel=1e-9)
+    cpu = dataclasses.replace(acc, comm_overlap=0.0)  # nothing hides: the cast of bf16 gradients to fp32 shows
+    cast = 4 * num_params(args) * (2 + 4)
+    assert sharding_copies(args, fsdp1, plan, cpu) == pytest.approx((joined + cast) / bandwidth, rel=1e-9)
     assert SYSTEMS["llm-foundry"].flat_params and not SYSTEMS["torchtitan"].flat_params
     with pytest.raises(PlannerError, match="flat_params"):
         Training(seq_len=4096, global_batch=8, flat_params=True)  # layout torch: FSDP2

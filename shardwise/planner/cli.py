@@ -439,6 +439,7 @@ def system_summary(training: Training) -> str:
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
             f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
+            f"{', FSDP1 flat parameters' if training.flat_params else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}")
 

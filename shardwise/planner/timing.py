@@ -991,7 +991,8 @@ def step_scalars(plan: Plan, cluster: Cluster, args: ModelArgs | None = None, mo
 def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """Exposed seconds per step of the copies FSDP2 (and its `replicate`, shardwise's ZeRO-0/1) makes around its
     collectives. Each gradient reduction packs the rank's unsharded gradients into one flat buffer of the reduce
-    dtype (`chunk_cat`: reads them as backward made them, writes them cast) and copies the reduced result out;
+    dtype (`chunk_cat`: reads them as backward made them, writes them cast) and, under replicate, copies the
+    reduced result out (under ZeRO-2/3 the shard is a view of it: cast or accumulated where that applies);
     each gathering of parameters packs the rank's shards (copy-in) and splits the gathered buffer into the
     unsharded parameters (copy-out). Each copy reads and writes its bytes once, at memory bandwidth. Two run on
     the compute stream, on the critical path: the gather's copy-out (in the unshard's wait) and the reduction's
@@ -1001,8 +1002,10 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     communication streams and hide behind compute as far as communication does (`comm_overlap`; on a CPU, not
     at all). Counts as in `dp_comm`: one reduction per step, or one per micro-batch where gradients are synced
     in each (Training.grad_sync); ZeRO-2 gathers every weight once per micro-batch, ZeRO-3 the blocks again in
-    backward. Megatron's layout keeps gradients in one contiguous buffer: no copies; nor does FSDP1's flat
-    parameter (Training.flat_params), but for a cast of the flat gradient to the reduce dtype."""
+    backward. Megatron's layout keeps gradients in one contiguous buffer: no copies. FSDP1's flat parameter
+    (Training.flat_params) gathers into and reduces from its flat buffers in place, but every backward joins the
+    weights' gradients into the flat gradient on the compute stream (they are views of it), and casts it to the
+    reduce dtype where they differ."""
     if not training.fsdp2 or plan.dp * plan.cp == 1:
         return 0.0
     n_params = _max_stage_params(args, training, plan)
@@ -1010,18 +1013,23 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     layers = where.max_layers
     trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else n_params
     # bytes moved (read and written) per step: the pack (each gradient read as backward made it, written in the
-    # reduce dtype) and the reduced result copied out (counted as a whole gradient in the reduce dtype: a shard
-    # under ZeRO-2/3, at most)
-    packed = trainable * (unsharded_grad_bytes(training) + reduce_grad_bytes(training))
-    copied_out = 2 * trainable * reduce_grad_bytes(training)
-    if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2:
-        packed *= plan.grad_accum
-        copied_out *= plan.grad_accum
+    # reduce dtype) and what follows the reduction: under ZeRO-2/3 the sharded gradient is a view of the output,
+    # cast to the weights' dtype or added into the gradient kept from the micro-batch before where that applies
+    # (a shard, read and written: counted so, at most); under replicate (ZeRO-0/1) the whole reduced gradient is
+    # copied out of the collective's buffer
+    gb, rb = unsharded_grad_bytes(training), reduce_grad_bytes(training)
+    reductions = plan.grad_accum if training.reduces_every_micro_batch(plan.pp) and plan.zero_stage >= 2 else 1
+    packed = reductions * trainable * (gb + rb)
+    copied_out = reductions * 2 * trainable * rb / (plan.shard_group if plan.zero_stage >= 2 else 1)
     if training.flat_params:
-        # FSDP1 gathers into and reduces from its flat buffers in place; only a flat gradient of another dtype than
-        # the reduction's is cast, whole, on its post-backward stream
-        cast = packed if unsharded_grad_bytes(training) != reduce_grad_bytes(training) else 0.0
-        return (1 - acc.comm_overlap) * cast / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+        # FSDP1: the weights are views of the flat parameter (torch.split), so each backward's autograd joins their
+        # gradients into the flat gradient (SplitWithSizesBackward, a cat read and written in the gradient's dtype)
+        # on the compute stream; the flat gradient is reduce-scattered as it lies, after a cast to the reduce dtype
+        # where they differ (on FSDP1's post-backward stream), and each gather lands in the flat buffer (the shard
+        # cast to the compute dtype before it, on the unshard stream: shard-sized, not counted)
+        joined = plan.grad_accum * trainable * 2 * gb
+        cast = reductions * trainable * (gb + rb) if gb != rb else 0.0
+        return (joined + (1 - acc.comm_overlap) * cast) / (acc.mem_bandwidth * acc.bandwidth_efficiency)
     gathered = 0.0
     if plan.zero_stage >= 2:
         weights = _gathered_bytes(args, training, plan, n_params, where.max_blocks)
