@@ -569,6 +569,29 @@ def test_apex_distributed_adam_state_in_bf16(tmp_path):
         resolve_system(str(path))
 
 
+def test_deepspeed_copies_gradients_into_its_buckets_on_the_compute_stream_below_zero_3():
+    # DeepSpeed's contiguous gradients: each gradient hook copies the gradient into the reduction bucket (read and
+    # written in bf16), on the current stream at ZeRO-1/2 (stage_1_and_2.py) and on its reduce_and_partition_stream
+    # at ZeRO-3 (stage3.py); a tensor larger than the bucket is reduced where it lies (Llama 3 8B's embedding and
+    # head, 525M elements against 5e8). On the catalogue H100 (comm_overlap 1) ZeRO-2's copies cost their bytes at
+    # memory bandwidth every micro-batch, ZeRO-3's nothing; DeepSpeed of 2021 (contiguous_gradients off) none
+    from shardwise.planner.memory import layer_params
+    from shardwise.planner.timing import sharding_copies
+
+    args, acc = preset("llama3-8b"), accelerator("h100")
+    ds = _training("deepspeed", seq_len=2048, global_batch=32)
+    assert args.vocab_size * args.dim > ds.reduce_bucket_size
+    blocks = args.n_layers * layer_params(args)
+    bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    for stage in (1, 2):
+        plan = Plan(dp_shard=8, zero_stage=stage, micro_batch=1, grad_accum=4)
+        assert sharding_copies(args, ds, plan, acc) == pytest.approx(4 * blocks * (2 + 2) / bandwidth, rel=1e-9)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4)
+    assert sharding_copies(args, ds, plan, acc) == 0.0
+    assert sharding_copies(args, ds, plan, dataclasses.replace(acc, comm_overlap=0.0)) > 0.0
+    assert sharding_copies(args, dataclasses.replace(_training("deepspeed-2021"), seq_len=2048), plan, acc) == 0.0
+
+
 def test_deepspeed_gradient_buckets_by_hand(tmp_path):
     # DeepSpeed's contiguous_gradients buckets (zero/config.py: reduce_bucket_size 5e8 elements by default): ZeRO-3
     # allocates one per dtype at initialisation and keeps it (stage3.py, ipg_buckets' buffer: 1 GB in bf16), ZeRO-1 and

@@ -1005,7 +1005,10 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     backward. Megatron's layout keeps gradients in one contiguous buffer: no copies. FSDP1's flat parameter
     (Training.flat_params) gathers into and reduces from its flat buffers in place, but every backward joins the
     weights' gradients into the flat gradient on the compute stream (they are views of it), and casts it to the
-    reduce dtype where they differ."""
+    reduce dtype where they differ. DeepSpeed with contiguous gradients (Training.reduce_bucket_size) copies each
+    gradient into its reduction bucket as backward makes it (deepspeed_bucket_copies)."""
+    if training.layout == "zero":
+        return deepspeed_bucket_copies(args, training, plan, acc)
     if not training.fsdp2 or plan.dp * plan.cp == 1:
         return 0.0
     n_params = _max_stage_params(args, training, plan)
@@ -1048,6 +1051,24 @@ def sharding_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accele
     # copies read and write its bytes
     exposed = 2 * gathered + packed + (1 - acc.comm_overlap) * (copied_out + 2 * copied_in)
     return exposed / (acc.mem_bandwidth * acc.bandwidth_efficiency)
+
+
+def deepspeed_bucket_copies(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """Exposed seconds per step of DeepSpeed's contiguous gradients (Training.reduce_bucket_size): in every
+    backward each gradient is copied into the reduction bucket by its hook (read and written in the gradients'
+    dtype), except a tensor larger than the bucket, reduced where it lies. ZeRO-1/2 copy on the current (compute)
+    stream (stage_1_and_2.py, reduce_independent_p_g_buckets_and_remove_grads); ZeRO-3 on its
+    reduce_and_partition_stream (stage3.py, __add_grad_to_ipg_bucket), hidden as far as communication is."""
+    if not training.reduce_bucket_size or plan.zero_stage == 0 or plan.dp * plan.cp == 1:
+        return 0.0
+    where = placement(args, plan, training.seq_len, training.pipeline_split)
+    n_params = _max_stage_params(args, training, plan)
+    blocks = where.max_layers * layer_params(args, plan.tp)  # every block tensor is smaller than a bucket here
+    rest = n_params - blocks  # the embedding and the head: copied only where one fits a bucket
+    copied = blocks + (rest if args.vocab_size * args.dim / plan.tp <= training.reduce_bucket_size else 0.0)
+    moved = plan.grad_accum * copied * 2 * unsharded_grad_bytes(training)
+    hidden = 1 - acc.comm_overlap if plan.zero_stage == 3 else 1.0
+    return hidden * moved / (acc.mem_bandwidth * acc.bandwidth_efficiency)
 
 
 def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
