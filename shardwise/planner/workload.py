@@ -164,9 +164,10 @@ class Training:
     llm-foundry's blocks) in place of FSDP2's per-parameter shards: a unit's shard is all-gathered straight into its
     flat unsharded buffer, whose views the blocks compute with, and the flat gradient is reduce-scattered as it
     lies, so there is no copy-in or copy-out around the collectives (FSDP2 packs and splits, on the compute stream
-    for two of them: timing.sharding_copies); a flat gradient in another dtype than the reduction's is cast whole
-    on FSDP1's post-backward stream (torch/distributed/fsdp/_runtime_utils.py, _post_backward_hook and
-    _reduce_grad)."""
+    for two of them); instead every backward joins the views' gradients into the flat gradient (autograd's
+    SplitWithSizesBackward, on the compute stream), and a flat gradient in another dtype than the reduction's is
+    cast whole on FSDP1's post-backward stream (torch/distributed/fsdp/_runtime_utils.py, _post_backward_hook and
+    _reduce_grad). timing.sharding_copies."""
     keeps_bf16_grads: bool = False
     """DeepSpeed's BF16_Optimizer, as Megatron-DeepSpeed trained BLOOM (DeepSpeed runs it at ZeRO 0-1 without
     offload: bf16_optimizer_active). It keeps the bf16 gradients autograd writes beside its fp32 accumulation
