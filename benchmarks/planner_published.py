@@ -456,6 +456,8 @@ TORCHTITAN = ("torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, "
 
 
 TORCHTITAN_H100_PEAK = (989.4 + 835.5) / 2
+GRAND_TETON_H100 = dict(gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK)
+"""The H100s of torchtitan's benchmarks, as the Run fields that describe them (above)."""
 
 # table, model, GPUs, sequence, layout (--plan keys; micro_batch = the local batch, or its pipeline micro-batch),
 # global batch (sequences), compile, Float8, AsyncTP, TPS/GPU, memory GiB, the row as printed
@@ -512,7 +514,7 @@ def torchtitan_runs() -> list[Run]:
         runs.append(Run(f"torchtitan {size} {layout}{how} n={n} s={seq // 1024}K", model, n, seq, batch,
                         f"{plan}{',sequence_parallel=true' if tp else ''}", TORCHTITAN, f"table {table} row: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
-                        gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK,
+                        **GRAND_TETON_H100,
                         search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
                         compile_loss=False, cp_repeats_kv=True, precision="fp8" if float8 else "bf16"))
     return runs
@@ -553,7 +555,7 @@ def torchtitan_2025_runs() -> list[Run]:
                             model, n, 8192, batch, f"{plan},sequence_parallel=true", TORCHTITAN_2025,
                             f"{'Async' if async_tp else 'Vanilla'} TP: {row}",
                             tflops=x * flops_per_token(model, 8192) / 1e12, gpu="h100", system="torchtitan",
-                            gpu_memory_gib=96, mem_bandwidth_tbs=2.4, peak_tflops=TORCHTITAN_H100_PEAK, search=False,
+                            **GRAND_TETON_H100, search=False,
                             compile=True, precision="fp8" if float8 else "bf16"))
     return runs
 
@@ -595,8 +597,12 @@ def trainy_runs() -> list[Run]:
 # tensorwise rows (the planner's torchao recipe is tensorwise; the rowwise rows are left out). The H100 run's torch
 # ("pytorch version: 2.7.0a0") ran torch.nn.RMSNorm composite outside the compiled blocks (the final norm:
 # fused_rmsnorm False; the fused kernel came with torch 2.8). The H100 run predates
-# torchtitan's compiled loss (April 2025), the MI300X run has it. The source does not say which H100: evaluated as
-# the catalogue's (SXM, 80 GB, 700 W). "Peak Memory (GB)" is torchtitan's logged peak, which it prints in GiB.
+# torchtitan's compiled loss (April 2025), the MI300X run has it. The README does not say which H100; the script's
+# PR (pytorch/ao PR 1802, 2025-02-28, by the table's author the same day) shows its log on the machine: "memory:
+# 47.79GiB(50.30%)", a device of 95.0 GiB, the 96GB HBM2e H100 of torchtitan's own benchmark (its "default 500W
+# power limit", 2.4 TB/s, peak between SXM and NVL), not the catalogue's 80 GB SXM, so the H100 rows are evaluated
+# as torchtitan's (until 2026-12-06 as the catalogue's: 1.21 and 1.22). "Peak Memory (GB)" is torchtitan's logged
+# peak, which it prints in GiB.
 TORCHAO = ("torchao, torchao/float8/README.md (Training benchmarks), "
            "https://github.com/pytorch/ao/blob/main/torchao/float8/README.md")
 TORCHAO_ROWS = [("h100", "bf16", False, 6150, 47.65, "none (bfloat16) | 47.65 | 6150"),
@@ -611,7 +617,7 @@ def torchao_runs() -> list[Run]:
                 8192, 8, "dp_shard=8,zero_stage=3,micro_batch=1,activation_checkpoint=selective", TORCHAO,
                 f"Llama3-8b | {row}", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, gpu=gpu,
                 system="torchtitan", search=False, compile=True, compile_loss=compiled_loss, precision=precision,
-                fused_rmsnorm=gpu != "h100")
+                fused_rmsnorm=gpu != "h100", **(GRAND_TETON_H100 if gpu == "h100" else {}))
             for gpu, precision, compiled_loss, tps, mem, row in TORCHAO_ROWS]
 
 

@@ -1346,6 +1346,11 @@ def test_torchaos_float8_runs_fit_as_torchtitans_loss_of_their_date_kept_it():
     published = _published_module()
     rows = published.torchao_runs()
     assert [(run.gpu, run.compile_loss) for run in rows] == [("h100", False)] * 2 + [("mi300x", True)] * 2
+    # the H100s are torchtitan's 96GB, 500 W ones: the script's PR (pytorch/ao 1802) logs "47.79GiB(50.30%)", a
+    # 95 GiB device, where an 80 GB H100 shows 79.1
+    for run in rows[:2]:
+        assert (run.gpu_memory_gib, run.mem_bandwidth_tbs, run.peak_tflops) == (
+            96, 2.4, published.TORCHTITAN_H100_PEAK), run.name
     for run in rows:
         ev, fits = published.given_plan(run)
         assert fits
