@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -1398,6 +1399,72 @@ def test_fsdp2_packs_gradients_on_the_compute_stream_and_fsdp1_joins_them():
     assert SYSTEMS["llm-foundry"].flat_params and not SYSTEMS["torchtitan"].flat_params
     with pytest.raises(PlannerError, match="flat_params"):
         Training(seq_len=4096, global_batch=8, flat_params=True)  # layout torch: FSDP2
+
+
+def _composer_adamw(params, grads, exp_avgs, exp_avg_sqs, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, step=3):
+    # composer/optim/decoupled_weight_decay.py, DecoupledAdamW.adamw at v0.16.0 (weight_decay 0, no amsgrad), as is
+    for i, param in enumerate(params):
+        grad, exp_avg, exp_avg_sq = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        step_size = lr / bias_correction1
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _composer_sgdw(params, d_p_list, momentum_buffer_list, momentum, lr=1e-2):
+    # DecoupledSGDW.sgdw at v0.16.0 (dampening 0, no nesterov, weight_decay 0), after the first step
+    for i, param in enumerate(params):
+        d_p = d_p_list[i]
+        if momentum != 0:
+            buf = momentum_buffer_list[i]
+            buf.mul_(momentum).add_(d_p, alpha=1)
+            d_p = buf
+        param.add_(d_p, alpha=-lr)
+
+
+def _fsdp1_clip(grads, max_norm=1e-12):
+    # torch/distributed/fsdp/fully_sharded_data_parallel.py, clip_grad_norm_ (torch 2.1) on one rank: the local
+    # norm of every gradient, then each scaled in place by the clamped coefficient (a step that learns clips here)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+                                                 for g in grads]), 2.0)
+    clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(clip_coef)  # the source's g.detach() is a view, no traffic (the counter would charge it a read)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "momentum", "sgd"])
+def test_composers_optimizer_is_a_pass_per_operation(optimizer):
+    # llm-foundry's pretraining yamls run Composer's decoupled_adamw (a Python loop over the parameters, each
+    # operation its own pass) after FSDP1's clip_grad_norm_: the planner's per-op bytes are those the step's
+    # operators read and write, counted here by the dispatcher on Composer's code as it stands at v0.16.0, against
+    # the fused one-pass step every other non-torch system keeps
+    from shardwise.planner.opcount import OpCounter
+    from shardwise.planner.timing import optimizer_time, per_op_optimizer_bytes
+
+    foundry = _training("llm-foundry", optimizer=optimizer)
+    assert foundry.optimizer_passes == "per-op" and _training("torchtitan").optimizer_passes == "fused"
+    n = 1 << 16
+    params, grads, first, second = ([torch.randn(n) for _ in range(3)] for _ in range(4))
+    with OpCounter() as counted:
+        _fsdp1_clip(grads)
+        if optimizer == "adamw":
+            _composer_adamw(params, grads, first, second)
+        else:
+            _composer_sgdw(params, grads, first, momentum=0.9 if optimizer == "momentum" else 0.0)
+    assert counted.bytes / (3 * n) == pytest.approx(per_op_optimizer_bytes(foundry), rel=1e-3)
+    plan, acc = Plan(dp_shard=8, zero_stage=3), accelerator("h100")
+    fused = dataclasses.replace(foundry, optimizer_passes="fused")
+    ratio = optimizer_time(preset("llama3-8b"), foundry, plan, acc) / optimizer_time(preset("llama3-8b"), fused,
+                                                                                    plan, acc)
+    one_pass = {"adamw": 4 + 4 + 4 + 2 * 8, "momentum": 4 + 4 + 4 + 2 * 4, "sgd": 4 + 4 + 4}[optimizer]
+    assert ratio == pytest.approx(per_op_optimizer_bytes(foundry) / one_pass, rel=1e-6)
+    with pytest.raises(PlannerError, match="optimizer_passes"):
+        _training("llm-foundry", optimizer="adamw8bit")
+    with pytest.raises(PlannerError, match="optimizer_passes"):
+        Training(seq_len=4096, global_batch=8, optimizer_passes="per-op")  # shardwise's engine: fused AdamW
 
 
 def test_olmo_cores_fsdp2_rows_held_out():

@@ -244,8 +244,11 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
     owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
              "zero": ("reduce_bucket_size", "overlap_comm"), "fsdp-mp": ("reduce_dtype", "flat_params")}
-    return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
+    left = {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
             if getattr(system, k) != defaults[k]}
+    if layout == "torch" and system.optimizer_passes != defaults["optimizer_passes"]:
+        left["optimizer_passes"] = defaults["optimizer_passes"]  # shardwise's engine runs its own (fused) step
+    return left
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:
@@ -440,6 +443,7 @@ def system_summary(training: Training) -> str:
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
             f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
             f"{', FSDP1 flat parameters' if training.flat_params else ''}"
+            f"{', the optimizer a pass per operation' if training.optimizer_passes == 'per-op' else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}")
 

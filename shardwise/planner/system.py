@@ -105,6 +105,9 @@ class System:
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     flat_params: bool = False
     """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
+    optimizer_passes: str = "fused"
+    """The optimizer step as one fused kernel or a pass per operation (Training.optimizer_passes: Composer's
+    decoupled optimizers); layouts other than torch."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
@@ -122,6 +125,7 @@ class System:
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
                   ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
+                  ("optimizer_passes", self.optimizer_passes, ("fused", "per-op")),
                   ("reduce_dtype", self.reduce_dtype, ("fp32", "bf16", "fp16")))
         for key, value, allowed in checks:
             if value not in allowed:
@@ -145,6 +149,7 @@ class System:
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
                 "reduce_dtype": self.reduce_dtype, "flat_params": self.flat_params,
+                "optimizer_passes": self.optimizer_passes,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split}
@@ -198,15 +203,18 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
-           "its [gpu] extra at v0.3.0, which its benchmarks installed)",
+           "its [gpu] extra at v0.3.0, which its benchmarks installed); Composer's DecoupledAdamW, a pass per "
+           "operation",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
-           elementwise="fused", flat_params=True,
+           elementwise="fused", flat_params=True, optimizer_passes="per-op",
            attention_kernel="flash1", cp_exchange="ring",
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; Composer's FSDP is "
                   "torch's FullyShardedDataParallel (FSDP1: flat parameters); setup.py at "
                   "v0.3.0: flash-attn==1.0.9; scripts/train/benchmarking/submit_benchmarks.py (#543): "
-                  "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false "
+                  "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false, "
+                  "optimizer decoupled_adamw and gradient_clipping norm (composer/optim/decoupled_weight_decay.py, "
+                  "v0.14-0.17) "
                   "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "

@@ -52,7 +52,7 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, lora_block_ops, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import Training, recipe_for
+from shardwise.planner.workload import PER_OP_MOMENTS, Training, recipe_for
 
 HOST_DRAM_BW_PER_GPU = 25e9
 """Host-memory bandwidth one GPU's share of a CPU optimizer step gets (about 200 GB/s per socket pair / 8)."""
@@ -1084,6 +1084,8 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
         if plan.zero_stage >= 1:
             n_params /= plan.shard_group
     touched = 2 * b.params + b.grads + 2 * (b.master + b.optimizer)
+    if training.optimizer_passes == "per-op":
+        touched = per_op_optimizer_bytes(training)
     if plan.offload != "none":
         return n_params * touched / HOST_DRAM_BW_PER_GPU
     c = op_counts(args)
@@ -1101,6 +1103,21 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)
     fixed = optimizer_ops(c, tensors, looped=not acc.launch_async) * per_op
     return max(memory, fixed) if acc.launch_async else memory + fixed
+
+
+def per_op_optimizer_bytes(training: Training) -> float:
+    """Bytes per parameter one optimizer step reads and writes when each operation is its own pass over the
+    tensors (Training.optimizer_passes 'per-op'), counted on Composer's decoupled optimizers (composer/optim/
+    decoupled_weight_decay.py, v0.14 to 0.17) with o a moment's bytes, g the gradient's, p the weight's:
+    AdamW's exp_avg.mul_.add_ (2o, 2o + g), exp_avg_sq.mul_.addcmul_ (2o, 2o + 2g: the gradient read twice),
+    denom = sqrt / c .add_ eps (three passes of 2o, the first writing a new tensor) and param.addcdiv_ (2p + 2o):
+    16o + 3g + 2p; SGDW with momentum buf.mul_.add_ (2o, 2o + g) and param.add_ (2p + o): 5o + g + 2p; plain SGDW
+    param.add_ (2p + g). Before it FSDP1's clip_grad_norm_ reads every gradient for the norm and scales it in place
+    (g + 2g). Weight decay (param.mul_, 2p) is left out: llm-foundry's pretraining yamls set it to 0."""
+    b = state_bytes_per_param(training)
+    o, g, p = b.optimizer / max(1, PER_OP_MOMENTS[training.optimizer]), b.grads, b.params + b.master
+    step = {"adamw": 16 * o + 3 * g + 2 * p, "momentum": 5 * o + g + 2 * p, "sgd": g + 2 * p}[training.optimizer]
+    return step + 3 * g
 
 
 def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, cost: StageCost) -> float:

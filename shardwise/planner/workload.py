@@ -48,6 +48,10 @@ FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 #   for an r x c matrix: 0.0078 B/param at 1024 x 1024, 0.002 at 4096 x 4096, counted as 0.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
                          "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
+PER_OP_MOMENTS = {"adamw": 2, "momentum": 1, "sgd": 0}
+"""The optimizers Training.optimizer_passes 'per-op' prices (Composer's DecoupledAdamW and DecoupledSGDW loops), and
+the moments each keeps."""
+PER_OP_OPTIMIZERS = tuple(PER_OP_MOMENTS)
 LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 """Values per fp32 scale of torchao's low-bit AdamWs (their default block sizes, which the engine keeps)."""
 LOW_BIT_CODE_BOOK = {"adamw8bit": 256, "adamw4bit": 16}
@@ -152,6 +156,13 @@ class Training:
     DEFAULT in 0.14-0.16, composer/trainer/mosaic_fsdp.py; fp16 for fairscale's FSDP of an fp16 model, as metaseq
     ran OPT). The sharded gradient the optimizer reads stays fp32.
     memory.reduce_grad_bytes, timing.dp_comm."""
+    optimizer_passes: Literal["fused", "per-op"] = "fused"
+    """How the optimizer step moves its state through memory, where the engine is not shardwise's (whose step the
+    planner counts on the real one: opcount). 'fused': one kernel reads the weights, gradients and state once and
+    writes them once (torch's fused AdamW, Apex's and Transformer Engine's FusedAdam, DeepSpeed's). 'per-op': a pass
+    per operation, as Composer's decoupled optimizers run under llm-foundry (composer/optim/
+    decoupled_weight_decay.py, v0.14 to 0.17: a Python loop over the parameters of unfused in-place operations),
+    after FSDP1's clip_grad_norm_ (a norm pass over the gradients and a scaling pass): per_op_optimizer_bytes."""
     reduce_bucket_size: float = 0.0
     """Under the layout 'zero', DeepSpeed's reduce_bucket_size (elements) with contiguous_gradients: the gradient
     buckets it allocates in the weights' dtype, one kept from initialisation at ZeRO-3, one (two under
@@ -323,6 +334,17 @@ class Training:
             raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
                                "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
                                "overlap_comm false")
+        if self.optimizer_passes not in ("fused", "per-op"):
+            raise PlannerError("--system optimizer_passes", f"{self.optimizer_passes!r} is not fused or per-op",
+                               "set optimizer_passes to fused or per-op")
+        if self.optimizer_passes == "per-op" and self.layout == "torch":
+            raise PlannerError("--system optimizer_passes", "per-op describes another engine's optimizer; shardwise's "
+                               "(layout torch) runs fused AdamW, counted on its step", "leave optimizer_passes fused")
+        if self.optimizer_passes == "per-op" and self.optimizer not in PER_OP_OPTIMIZERS:
+            raise PlannerError("--optimizer", f"{self.optimizer} under the system's optimizer_passes per-op "
+                               "(Composer's decoupled AdamW and SGD loops)",
+                               f"use {', '.join(PER_OP_OPTIMIZERS)}, or a system TOML with optimizer_passes = "
+                               '"fused" (docs/planner.md, "Systems")')
         if self.flat_params and self.layout != "fsdp-mp":
             raise PlannerError("--system flat_params", f"true describes FSDP1's flat parameters under the layout "
                                f"fsdp-mp, not the layout {self.layout}",
@@ -485,7 +507,8 @@ def recipe_for(training: Training, plan) -> Training:
 def _under_autocast(training: Training) -> Training:
     # one object per recipe: the planner's memos are keyed on it, and a search asks ~10^5 times
     # (autocast: fp32 gradients, shardwise's FSDP2)
-    return dataclasses.replace(training, layout="torch", reduce_dtype="fp32", flat_params=False)
+    return dataclasses.replace(training, layout="torch", reduce_dtype="fp32", flat_params=False,
+                               optimizer_passes="fused")
 
 
 @functools.lru_cache(maxsize=256)
