@@ -912,6 +912,22 @@ FOUNDRY_40GB_ROWS = """
 125m 1024 8 a100_40gb 40.89 52 3 1248 148289 PURE FULL_SHARD False
 125m 512 8 a100_40gb 40.26 104 3 2496 156735 PURE FULL_SHARD False
 """
+# The same README's "H100 80GB FP8" table (added with the 8-64 GPU H100 table, #543, October 2023; sweep.sh runs
+# every H100 line in fp8 and bf16): submit_benchmarks.py sets the model's fc_type 'te' (Transformer Engine 0.10's
+# linears, installed for the fp8 runs) and Composer's amp_fp8 (TE's fp8_autocast, delayed scaling) under the same
+# FSDP1 (DEFAULT, bf16 reduction as Composer 0.16 ran it) and Triton attention. The planner has no description of
+# Transformer Engine's linears under FSDP (its te-* recipes are Megatron-Core's modules): the rows are evaluated with
+# torchao's float8 recipe in their place, a stand-in, said so here and in docs/planner.md. The table's MFU is of the
+# fp8 peak. Added on 2026-12-06 and evaluated first as the planner stood (held out: docs/heldout-2026-12-06/).
+FOUNDRY_FP8_ROWS = """
+3b 32768 8 h100_80gb 14.38 3 6 144 5856 DEFAULT FULL_SHARD True
+3b 8192 8 h100_80gb 23.28 3 6 144 19146 DEFAULT FULL_SHARD False
+3b 2048 8 h100_80gb 27.7 10 6 480 30586 DEFAULT FULL_SHARD False
+3b 512 8 h100_80gb 30.25 40 6 1920 36527 DEFAULT FULL_SHARD False
+1b 32768 8 h100_80gb 17.55 1 4 32 12580 DEFAULT FULL_SHARD False
+1b 8192 8 h100_80gb 20.71 2 4 64 32010 DEFAULT FULL_SHARD False
+1b 512 8 h100_80gb 29.06 56 4 1792 70315 DEFAULT FULL_SHARD False
+"""
 FOUNDRY_GPUS = {"h100_80gb": ("h100", "h100"), "a100_80gb": ("a100", "a100-80gb"),
                 "a100_40gb": ("a100-40gb", "a100-40gb")}
 """The table's GPU column: the run-name tag and the catalogue's accelerator."""
@@ -919,7 +935,8 @@ FOUNDRY_GPUS = {"h100_80gb": ("h100", "h100"), "a100_80gb": ("a100", "a100-80gb"
 
 def foundry_runs() -> list[Run]:
     runs = []
-    for line in (FOUNDRY_ROWS + FOUNDRY_40GB_ROWS).split("\n"):
+    lines = [(line, "bf16") for line in (FOUNDRY_ROWS + FOUNDRY_40GB_ROWS).split("\n")]
+    for line, precision in lines + [(line, "fp8") for line in FOUNDRY_FP8_ROWS.split("\n")]:
         if not line.strip():
             continue
         size, seq, n, gpu, mfu, mb, accum, batch, tps, mode, sharding, ac = line.split()
@@ -931,11 +948,13 @@ def foundry_runs() -> list[Run]:
         tag, accelerator = FOUNDRY_GPUS[gpu]
         composer_17 = gpu == "h100_80gb" and n >= 128  # the large-scale table
         reduce_dtype = "bf16" if mode == "PURE" or not composer_17 else None
-        runs.append(Run(f"foundry {tag} {size} s={seq} n={n} mb={mb}", model, n, seq, batch,
+        fp8 = "fp8 " if precision == "fp8" else ""
+        runs.append(Run(f"foundry {fp8}{tag} {size} s={seq} n={n} mb={mb}", model, n, seq, batch,
                         f"tp=1,pp=1,cp=1,dp_shard={n},zero_stage={zero},micro_batch={mb},grad_accum={accum},"
                         f"activation_checkpoint={recompute}", FOUNDRY,
-                        f"{line.strip()} (MFU %, T/s/GPU)", tflops=tps * flops_per_token(model, seq) / 1e12,
-                        gpu=accelerator, system="llm-foundry", search=False, reduce_dtype=reduce_dtype))
+                        f"{line.strip()} ({fp8}MFU %, T/s/GPU)", tflops=tps * flops_per_token(model, seq) / 1e12,
+                        gpu=accelerator, system="llm-foundry", search=False, reduce_dtype=reduce_dtype,
+                        precision=precision))
     return runs
 
 
@@ -1427,7 +1446,7 @@ def sweep_of(run: Run) -> str | None:
     """The sweep a run belongs to, for rank order: one model on one kind of GPU from one source, its layouts,
     batches, sequence lengths and GPU counts varied (llm-foundry's tables); None: not part of a sweep."""
     if run.name.startswith("foundry"):
-        return f"llm-foundry {run.gpu} {run.model.name}"
+        return f"llm-foundry {run.gpu}{' fp8' if run.precision == 'fp8' else ''} {run.model.name}"
     if run.source == TRAINY:
         return "torchtitan H200 (Trainy)"
     if run.name.startswith("torchtitan"):
@@ -1540,6 +1559,7 @@ def main() -> None:
                          ("NeMo long sequence (CP)", "NeMoCP"), ("NVIDIA DGXC", "DGXC"),
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100 "), ("llm-foundry A100 40GB", "foundry a100-40gb"),
+                         ("llm-foundry H100 FP8 (torchao's recipe for TE's)", "foundry fp8"),
                          ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price

@@ -1225,6 +1225,30 @@ def test_llm_foundry_a100_runs_median_error():
     assert len(errors) == 61 and statistics.median(errors) <= 0.06
 
 
+def test_llm_foundrys_fp8_table_held_out_with_torchaos_recipe_in_tes_place():
+    # llm-foundry's "H100 80GB FP8" table (7 runs: MPT 1B and 3B on 8 H100s, Transformer Engine's linears under
+    # FSDP1) was evaluated first as the planner stood (docs/heldout-2026-12-06/): torchao's float8 recipe stands in
+    # for TE's, which the planner describes only inside Megatron-Core. Every run fits, the median error is 4.2%
+    # (0.90 to 1.03), and each model's rows rank as published
+    import statistics
+
+    published = _published_module()
+    rows = [run for run in published.foundry_runs() if run.precision == "fp8"]
+    assert len(rows) == 7 and all(published.training_of(run).float8 == "torchao" for run in rows)
+    errors, by_model = [], {}
+    for run in rows:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        ratio = run.published_step() / ev.time.step_time_s
+        errors.append(abs(ratio - 1))
+        tokens = run.batch * run.seq / run.gpus  # a GPU's tokens a step
+        by_model.setdefault(run.model.name, []).append((tokens / ev.time.step_time_s,
+                                                       tokens / run.published_step(), run.name))
+    assert statistics.median(errors) <= 0.05 and max(errors) < 0.11
+    for model, points in by_model.items():  # tokens/s per GPU: the same order predicted as published
+        assert [p[2] for p in sorted(points)] == [p[2] for p in sorted(points, key=lambda p: p[1])], model
+
+
 def test_flash_attention_1_on_hopper_prices_llm_foundrys_long_sequence_runs_within_17_percent():
     # llm-foundry's H100 runs at 16K-65K tokens, where attention is most of the work. They ran llm-foundry's Triton
     # kernel (its --attn_impl default), priced as FlashAttention-1, whose Hopper share is derived from
@@ -1234,7 +1258,7 @@ def test_flash_attention_1_on_hopper_prices_llm_foundrys_long_sequence_runs_with
     published = _published_module()
     ratios = {}
     for run in published.foundry_runs():
-        if run.gpu == "h100" and run.seq >= 16384:
+        if run.gpu == "h100" and run.seq >= 16384 and run.precision == "bf16":
             ev, fits = published.given_plan(run)
             assert fits, run.name
             ratios[run.name] = run.published_step() / ev.time.step_time_s
