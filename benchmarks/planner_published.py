@@ -146,6 +146,9 @@ class Run:
     reduce_dtype: str | None = None
     """FSDP's gradient reduction in the compute dtype (Training.reduce_dtype), where the run's code differs from the
     system's preset (llm-foundry's PURE, and its DEFAULT under Composer 0.14-0.16; metaseq's OPT, fp16)."""
+    optimizer_passes: str | None = None
+    """The optimizer step a pass per operation (Training.optimizer_passes), where the run's code differs from the
+    system's preset (torchtitan's foreach AdamW before February 2025)."""
     dropout: bool | None = None
     """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
     GPT-3 175B config)."""
@@ -447,7 +450,9 @@ def bloom_runs() -> list[Run]:
 # forward to avoid per-microbatch all-gathers", apply_fsdp): there it is what the planner calls ZeRO-2; context
 # parallelism is torch's ring attention, load-balanced, sharding the weights with the dp_shard ranks; the loss was
 # not compiled with the blocks (train.py at 9dec370: "# if job_config.training.compile: loss_fn =
-# torch.compile(loss_fn)", commented out), so it ran eager on fp32 logits (compile_loss=False); its model repeated K
+# torch.compile(loss_fn)", commented out), so it ran eager on fp32 logits (compile_loss=False); its AdamW was torch's
+# foreach implementation (optimizer.fused false by default until PR 881 of 2025-02-24 made fused the default: a pass
+# per operation, optimizer_passes "per-op", since 2026-12-06); its model repeated K
 # and V to every query head before scaled_dot_product_attention (repeat_kv, until PR 2259 of January 2026), so the
 # context-parallel exchange carried them repeated (cp_repeats_kv=True).
 # Not modelled: asynchronous TP (AsyncTP, tables 4-6: TP's collectives are priced on the critical path).
@@ -516,7 +521,8 @@ def torchtitan_runs() -> list[Run]:
                         tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
                         **GRAND_TETON_H100,
                         search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
-                        compile_loss=False, cp_repeats_kv=True, precision="fp8" if float8 else "bf16"))
+                        compile_loss=False, cp_repeats_kv=True, precision="fp8" if float8 else "bf16",
+                        optimizer_passes="per-op"))
     return runs
 
 
@@ -1354,6 +1360,8 @@ def training_of(run: Run) -> Training:
             fields["optimizer_dtype"] = run.optimizer_dtype
         if run.reduce_dtype is not None:
             fields["reduce_dtype"] = run.reduce_dtype
+        if run.optimizer_passes is not None:
+            fields["optimizer_passes"] = run.optimizer_passes
         return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
                         precision=run.precision, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)

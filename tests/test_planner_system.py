@@ -17,7 +17,7 @@ from shardwise.hardware import GiB
 from shardwise.model import build_model, materialize
 from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate
-from shardwise.planner.cli import add_plan_arguments, run_plan
+from shardwise.planner.cli import add_plan_arguments, run_plan, system_of
 from shardwise.planner.memory import (
     block_terms,
     dtensor_loss_parallel,
@@ -1487,8 +1487,40 @@ def test_composers_optimizer_is_a_pass_per_operation(optimizer):
     assert ratio == pytest.approx(per_op_optimizer_bytes(foundry) / one_pass, rel=1e-6)
     with pytest.raises(PlannerError, match="optimizer_passes"):
         _training("llm-foundry", optimizer="adamw8bit")
-    with pytest.raises(PlannerError, match="optimizer_passes"):
-        Training(seq_len=4096, global_batch=8, optimizer_passes="per-op")  # shardwise's engine: fused AdamW
+    for layout in ("torch", "zero", "megatron"):  # FSDP's fp32 shards stepped pass by pass: layout fsdp-mp only
+        with pytest.raises(PlannerError, match="optimizer_passes"):
+            Training(seq_len=4096, global_batch=8, layout=layout, optimizer_passes="per-op")
+    # on the command line another library's optimizer is its own step: fused, and the system's name says so
+    ns = argparse.Namespace(system="llm-foundry", layout=None, attention=None, dropout=None, compile=None,
+                            optimizer="adamw8bit")
+    assert system_of(ns).optimizer_passes == "fused" and "optimizer_passes fused" in system_of(ns).name
+    assert system_of(argparse.Namespace(**{**vars(ns), "optimizer": optimizer})).optimizer_passes == "per-op"
+
+
+def test_torch_foreach_adamw_is_a_pass_per_operation_as_torchtitans_2024_rows_ran_it():
+    # torchtitan's AdamW was torch's foreach implementation until its PR 881 (2025-02-24) made fused the default:
+    # its December 2024 benchmark rows are priced per-op, its later rows (2025 async TP, Trainy's) fused. torch's
+    # own foreach AdamW with weight decay and foreach clipping, counted on the real step here, moves the bytes the
+    # planner prices for the layout's fp32 shards
+    from shardwise.planner.opcount import OpCounter
+    from shardwise.planner.timing import per_op_optimizer_bytes
+
+    n = 1 << 16
+    params = [torch.nn.Parameter(torch.randn(n)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(n)
+        with OpCounter() as counted:
+            torch.nn.utils.clip_grad_norm_(params, 1e-12, foreach=True)
+            opt.step()  # the first step makes the moments; the second is the steady state counted
+    titan = _training("torchtitan", optimizer_passes="per-op")
+    assert counted.bytes / (3 * n) == pytest.approx(per_op_optimizer_bytes(titan), rel=1e-3)
+    published = _published_module()
+    passes = {run.source: published.training_of(run).optimizer_passes for run in published.RUNS
+              if run.system == "torchtitan"}
+    assert passes[published.TORCHTITAN] == "per-op"
+    assert passes[published.TORCHTITAN_2025] == passes[published.TRAINY] == passes[published.OLMO_CORE] == "fused"
 
 
 def test_olmo_cores_fsdp2_rows_held_out():

@@ -24,7 +24,7 @@ from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
-from shardwise.planner.workload import LAYOUTS, Optimizer, Training, resolve_model
+from shardwise.planner.workload import LAYOUTS, PER_OP_OPTIMIZERS, Optimizer, Training, resolve_model
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # Llama 2/3 pretraining batches are 4M tokens (Touvron et al. 2023)
 
@@ -224,10 +224,13 @@ def _own_layout_hint(job, gpus: int) -> None:
 
 def system_of(ns: argparse.Namespace) -> System:
     """--system, with what --layout, --attention, --dropout and --compile change in it (the system's name then
-    says so)."""
+    says so); an --optimizer that is not Composer's under a system that prices Composer's step pass by pass
+    (optimizer_passes per-op: llm-foundry) is its own library's step, priced fused, and the name says so too."""
     system = resolve_system(ns.system)
+    optimizer = getattr(ns, "optimizer", None) or "adamw"
+    passes = "fused" if system.optimizer_passes == "per-op" and optimizer not in PER_OP_OPTIMIZERS else None
     given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout),
-                               ("compile", getattr(ns, "compile", None)))
+                               ("compile", getattr(ns, "compile", None)), ("optimizer_passes", passes))
              if v is not None and v != getattr(system, k)}
     if not given:
         return system
@@ -243,12 +246,10 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
         return {}
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
     owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
-             "zero": ("reduce_bucket_size", "overlap_comm"), "fsdp-mp": ("reduce_dtype", "flat_params")}
-    left = {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
+             "zero": ("reduce_bucket_size", "overlap_comm"),
+             "fsdp-mp": ("reduce_dtype", "flat_params", "optimizer_passes")}
+    return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
             if getattr(system, k) != defaults[k]}
-    if layout == "torch" and system.optimizer_passes != defaults["optimizer_passes"]:
-        left["optimizer_passes"] = defaults["optimizer_passes"]  # shardwise's engine runs its own (fused) step
-    return left
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:

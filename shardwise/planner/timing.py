@@ -1113,9 +1113,13 @@ def per_op_optimizer_bytes(training: Training) -> float:
     denom = sqrt / c .add_ eps (three passes of 2o, the first writing a new tensor) and param.addcdiv_ (2p + 2o):
     16o + 3g + 2p; SGDW with momentum buf.mul_.add_ (2o, 2o + g) and param.add_ (2p + o): 5o + g + 2p; plain SGDW
     param.add_ (2p + g). Before it FSDP1's clip_grad_norm_ reads every gradient for the norm and scales it in place
-    (g + 2g). Weight decay (param.mul_, 2p) is left out: llm-foundry's pretraining yamls set it to 0."""
+    (g + 2g). Weight decay (param.mul_, 2p) is left out: llm-foundry's pretraining yamls set it to 0. torch's
+    foreach AdamW with weight decay (torchtitan's before February 2025) moves as much in fp32, the layout's dtype:
+    lerp_ (2o + g), mul_ and addcmul_ (2o, 2o + 2g), sqrt, div_ and add_ (2o each), addcdiv_ (2p + 2o) and the
+    decay's mul_ (2p), 14o + 3g + 4p, after its foreach clipping's norm and scaling (3g)."""
     b = state_bytes_per_param(training)
-    o, g, p = b.optimizer / max(1, PER_OP_MOMENTS[training.optimizer]), b.grads, b.params + b.master
+    # layout fsdp-mp: the step updates FSDP's fp32 shards in place, which are the master (no separate copy)
+    o, g, p = b.optimizer / max(1, PER_OP_MOMENTS[training.optimizer]), b.grads, b.params
     step = {"adamw": 16 * o + 3 * g + 2 * p, "momentum": 5 * o + g + 2 * p, "sgd": g + 2 * p}[training.optimizer]
     return step + 3 * g
 

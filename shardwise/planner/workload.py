@@ -159,10 +159,11 @@ class Training:
     optimizer_passes: Literal["fused", "per-op"] = "fused"
     """How the optimizer step moves its state through memory, where the engine is not shardwise's (whose step the
     planner counts on the real one: opcount). 'fused': one kernel reads the weights, gradients and state once and
-    writes them once (torch's fused AdamW, Apex's and Transformer Engine's FusedAdam, DeepSpeed's). 'per-op': a pass
-    per operation, as Composer's decoupled optimizers run under llm-foundry (composer/optim/
-    decoupled_weight_decay.py, v0.14 to 0.17: a Python loop over the parameters of unfused in-place operations),
-    after FSDP1's clip_grad_norm_ (a norm pass over the gradients and a scaling pass): per_op_optimizer_bytes."""
+    writes them once (torch's fused AdamW, Apex's and Transformer Engine's FusedAdam, DeepSpeed's). 'per-op' (layout
+    'fsdp-mp' only): a pass per operation, as Composer's decoupled optimizers run under llm-foundry (composer/optim/
+    decoupled_weight_decay.py, v0.14 to 0.17: a Python loop over the parameters of unfused in-place operations)
+    and torch's foreach AdamW (torchtitan's default until February 2025), after the gradient clipping's norm pass
+    and scaling pass: per_op_optimizer_bytes."""
     reduce_bucket_size: float = 0.0
     """Under the layout 'zero', DeepSpeed's reduce_bucket_size (elements) with contiguous_gradients: the gradient
     buckets it allocates in the weights' dtype, one kept from initialisation at ZeRO-3, one (two under
@@ -337,12 +338,13 @@ class Training:
         if self.optimizer_passes not in ("fused", "per-op"):
             raise PlannerError("--system optimizer_passes", f"{self.optimizer_passes!r} is not fused or per-op",
                                "set optimizer_passes to fused or per-op")
-        if self.optimizer_passes == "per-op" and self.layout == "torch":
-            raise PlannerError("--system optimizer_passes", "per-op describes another engine's optimizer; shardwise's "
-                               "(layout torch) runs fused AdamW, counted on its step", "leave optimizer_passes fused")
+        if self.optimizer_passes == "per-op" and self.layout != "fsdp-mp":
+            raise PlannerError("--system optimizer_passes", "per-op describes an optimizer stepping FSDP's fp32 "
+                               f"shards a pass per operation (layout fsdp-mp), not the layout {self.layout}",
+                               'use layout fsdp-mp (base = "llm-foundry"), or leave optimizer_passes fused')
         if self.optimizer_passes == "per-op" and self.optimizer not in PER_OP_OPTIMIZERS:
             raise PlannerError("--optimizer", f"{self.optimizer} under the system's optimizer_passes per-op "
-                               "(Composer's decoupled AdamW and SGD loops)",
+                               "(AdamW and SGD a pass per operation: Composer's loops, torch's foreach)",
                                f"use {', '.join(PER_OP_OPTIMIZERS)}, or a system TOML with optimizer_passes = "
                                '"fused" (docs/planner.md, "Systems")')
         if self.flat_params and self.layout != "fsdp-mp":
