@@ -235,8 +235,9 @@ def system_of(ns: argparse.Namespace) -> System:
     if not given:
         return system
     changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
+    fields = {**_left_with_the_layout(system, given.get("layout")), **given}  # (both may reset optimizer_passes)
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
-                               f"{changes}", **given, **_left_with_the_layout(system, given.get("layout")))
+                               f"{changes}", **fields)
 
 
 def _left_with_the_layout(system: System, layout: str | None) -> dict:

@@ -107,7 +107,7 @@ class System:
     """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
     optimizer_passes: str = "fused"
     """The optimizer step as one fused kernel or a pass per operation (Training.optimizer_passes: Composer's
-    decoupled optimizers); layout 'fsdp-mp' only."""
+    decoupled optimizers, torch's foreach AdamW); layout 'fsdp-mp' only."""
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""

@@ -1116,7 +1116,8 @@ def per_op_optimizer_bytes(training: Training) -> float:
     (g + 2g). Weight decay (param.mul_, 2p) is left out: llm-foundry's pretraining yamls set it to 0. torch's
     foreach AdamW with weight decay (torchtitan's before February 2025) moves as much in fp32, the layout's dtype:
     lerp_ (2o + g), mul_ and addcmul_ (2o, 2o + 2g), sqrt, div_ and add_ (2o each), addcdiv_ (2p + 2o) and the
-    decay's mul_ (2p), 14o + 3g + 4p, after its foreach clipping's norm and scaling (3g)."""
+    decay's mul_ (2p), 14o + 3g + 4p, after its foreach clipping's norm and scaling (3g): equal to Composer's
+    16o + 3g + 2p only because o = p under fsdp-mp (fp32 moments and shards), which is the one layout per-op takes."""
     b = state_bytes_per_param(training)
     # layout fsdp-mp: the step updates FSDP's fp32 shards in place, which are the master (no separate copy)
     o, g, p = b.optimizer / max(1, PER_OP_MOMENTS[training.optimizer]), b.grads, b.params

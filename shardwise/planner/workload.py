@@ -49,8 +49,8 @@ FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
                          "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
 PER_OP_MOMENTS = {"adamw": 2, "momentum": 1, "sgd": 0}
-"""The optimizers Training.optimizer_passes 'per-op' prices (Composer's DecoupledAdamW and DecoupledSGDW loops), and
-the moments each keeps."""
+"""The optimizers Training.optimizer_passes 'per-op' prices (Composer's DecoupledAdamW and DecoupledSGDW loops; torch's
+foreach AdamW moves as much in fp32), and the moments each keeps."""
 PER_OP_OPTIMIZERS = tuple(PER_OP_MOMENTS)
 LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 """Values per fp32 scale of torchao's low-bit AdamWs (their default block sizes, which the engine keeps)."""
