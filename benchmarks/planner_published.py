@@ -167,6 +167,10 @@ class Run:
     fixed_overhead_gib: float = Training.fixed_overhead_gib
     """The CUDA context and libraries (Training.fixed_overhead_gib): the planner's default, or what the source
     measured."""
+    mem_active: bool = False
+    """The published peak is torch's active bytes (memory_stats "active_bytes.all.peak": what tensors hold), not
+    reserved memory: compared with the planner's total less its fragmentation allowance and fixed overhead, which
+    that count leaves out."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -1295,10 +1299,50 @@ def bekman_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# torchtune's "Optimization flags" table (pytorch/torchtune README.md, from commit 1814feb17 of 2024-11-18, PR 2003,
+# to the project's last README): Llama 3.2 3B, recipe full_finetune_single_device, batch 2, max sequence 4096,
+# precision bf16, one A100 (peak memory active 60 GiB: the 80 GB board); each technique added to the previous one.
+# Kept: the packed rows the planner can describe, packing (every sequence 4096 tokens), + compile, + chunked
+# cross-entropy, + activation checkpointing. Left out: the baseline (alpaca's samples unpacked, padded per batch:
+# its tokens per step are not stated), optimizer-in-backward, activation offloading and the rows built on them
+# (8-bit AdamW, LoRA, QLoRA). How they ran, from the recipe and torchtune's modules at that commit: the model
+# built under set_default_dtype(bf16) and trained so (weights, gradients and AdamW's moments in bf16, no fp32
+# copy, no autocast); torch.optim.AdamW as the README's command names it (no fused flag: torch's foreach step);
+# torchtune's RMSNorm in fp32 composite (rms_norm.py: x.float(), rsqrt, type_as: fused_rmsnorm False); the tied
+# output head F.linear(h, tok_embeddings.weight).float() materialising fp32 logits for torch's cross-entropy;
+# compile=True compiles each TransformerSelfAttentionLayer and the loss function (training.compile_model,
+# compile_loss), the loss over the fp32 logits the model's .float() writes outside it (compile_loss False as the
+# planner counts it: not one pass over bf16 logits); CEWithChunkedOutputLoss has the model return its logits in 8
+# bf16 chunks, each upcast inside the compiled loss (the planner's compiled loss over bf16 logits); activation
+# checkpointing wraps each layer in torch's non-reentrant checkpoint_wrapper. Memory is torch's
+# "active_bytes.all.peak" (training/memory.py get_memory_stats), tokens per second the labelled tokens of a step
+# over its time. Added on 2026-12-06 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-06/torchtune-3b-a100-held-out.txt).
+TORCHTUNE = ("torchtune, README.md (Optimization flags), https://github.com/pytorch/torchtune/blob/main/README.md")
+# technique, compile, compiled loss over bf16 logits, recompute, peak memory active (GiB), tokens/s
+TORCHTUNE_ROWS = [("+ Packed Dataset", False, False, "none", 60.0, 7075),
+                  ("+ Compile", True, False, "none", 51.0, 8998),
+                  ("+ Chunked Cross Entropy", True, True, "none", 42.9, 9174),
+                  ("+ Activation Checkpointing", True, True, "full", 24.9, 7210)]
+
+
+def torchtune_runs() -> list[Run]:
+    model = preset("llama3.2-3b")
+    return [Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
+                f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
+                f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12, mem_gib=mem, mem_active=True,
+                system=TORCHTUNE_SYSTEM, search=False, compile=compiled, compile_loss=loss, fused_rmsnorm=False)
+            for technique, compiled, loss, recompute, mem, tps in TORCHTUNE_ROWS]
+
+
+TORCHTUNE_SYSTEM = "torchtune-2024.toml"
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
-        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
+        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs() + torchtune_runs()
         + olmo_core_runs())
 
 
@@ -1450,6 +1494,13 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
+def published_memory(memory: dict, run: Run) -> float:
+    """The planner's peak in bytes as the source counts its own (Run.mem_active)."""
+    if run.mem_active:
+        return memory["total"] - memory["fragmentation"] - memory["fixed_overhead"]
+    return memory["total"]
+
+
 def sweep_of(run: Run) -> str | None:
     """The sweep a run belongs to, for rank order: one model on one kind of GPU from one source, its layouts,
     batches, sequence lengths and GPU counts varied (llm-foundry's tables); None: not part of a sweep."""
@@ -1513,7 +1564,7 @@ def main() -> None:
             continue
         t = ev.time
         pub_s = run.published_step() if (run.tflops or run.step_s) else None
-        mem = ev.memory["total"] / GiB
+        mem = published_memory(ev.memory, run) / GiB
         if run.mem_gib is not None:
             memories.append((run.name, mem / run.mem_gib))
             mem_lines.append(f"  {run.name:{W}s} predicted {mem:5.1f} GiB, published {run.mem_gib:5.1f} GiB: "
@@ -1568,7 +1619,8 @@ def main() -> None:
                          ("llm-foundry H100", "foundry h100"),
                          ("llm-foundry A100", "foundry a100 "), ("llm-foundry A100 40GB", "foundry a100-40gb"),
                          ("llm-foundry H100 FP8 (torchao's recipe for TE's)", "foundry fp8"),
-                         ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core")):
+                         ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core"),
+                         ("torchtune (one A100, bf16)", "torchtune")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
