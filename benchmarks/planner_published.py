@@ -1308,7 +1308,8 @@ def bekman_runs() -> list[Run]:
 # its tokens per step are not stated), optimizer-in-backward, activation offloading and the rows built on them
 # (8-bit AdamW, LoRA, QLoRA). How they ran, from the recipe and torchtune's modules at that commit: the model
 # built under set_default_dtype(bf16) and trained so (weights, gradients and AdamW's moments in bf16, no fp32
-# copy, no autocast); torch.optim.AdamW as the README's command names it (no fused flag: torch's foreach step);
+# copy, no autocast: Training.state_dtype bf16, `--system torchtune`); torch.optim.AdamW as the README's command
+# names it (no fused flag, which the configs set: torch's foreach step, optimizer_passes "per-op");
 # torchtune's RMSNorm in fp32 composite (rms_norm.py: x.float(), rsqrt, type_as: fused_rmsnorm False); the tied
 # output head F.linear(h, tok_embeddings.weight).float() materialising fp32 logits for torch's cross-entropy;
 # compile=True compiles each TransformerSelfAttentionLayer and the loss function (training.compile_model,
@@ -1331,19 +1332,17 @@ def torchtune_runs() -> list[Run]:
     model = preset("llama3.2-3b")
     return [Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
                 f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
-                f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12, mem_gib=mem, mem_active=True,
-                system=TORCHTUNE_SYSTEM, search=False, compile=compiled, compile_loss=loss, fused_rmsnorm=False)
+                f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12, mem_gib=mem,
+                mem_active=True, system="torchtune", search=False, compile=compiled, compile_loss=loss,
+                optimizer_passes="per-op")
             for technique, compiled, loss, recompute, mem, tps in TORCHTUNE_ROWS]
-
-
-TORCHTUNE_SYSTEM = "torchtune-2024.toml"
 
 
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
-        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs() + torchtune_runs()
-        + olmo_core_runs())
+        + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
+        + olmo_core_runs() + torchtune_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1406,8 +1405,8 @@ def training_of(run: Run) -> Training:
             fields["reduce_dtype"] = run.reduce_dtype
         if run.optimizer_passes is not None:
             fields["optimizer_passes"] = run.optimizer_passes
-        return Training(seq_len=run.seq, global_batch=run.batch, fused_rmsnorm=run.fused_rmsnorm,
-                        precision=run.precision, **fields)
+        fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
+        return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits

@@ -229,8 +229,13 @@ def system_of(ns: argparse.Namespace) -> System:
     system = resolve_system(ns.system)
     optimizer = getattr(ns, "optimizer", None) or "adamw"
     passes = "fused" if system.optimizer_passes == "per-op" and optimizer not in PER_OP_OPTIMIZERS else None
+    # a bf16 model (state_dtype bf16: torchtune's) at another --precision is that system's model in that dtype
+    precision = getattr(ns, "precision", None) or "bf16"
+    unmixed = precision not in ("bf16", "fp8") and system.state_dtype != "fp32"
     given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout),
-                               ("compile", getattr(ns, "compile", None)), ("optimizer_passes", passes))
+                               ("compile", getattr(ns, "compile", None)), ("optimizer_passes", passes),
+                               ("state_dtype", "fp32" if unmixed else None),
+                               ("reduce_dtype", "fp32" if unmixed and system.reduce_dtype != precision else None))
              if v is not None and v != getattr(system, k)}
     if not given:
         return system
@@ -248,7 +253,7 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
     owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
              "zero": ("reduce_bucket_size", "overlap_comm"),
-             "fsdp-mp": ("reduce_dtype", "flat_params", "optimizer_passes")}
+             "fsdp-mp": ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
     return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
             if getattr(system, k) != defaults[k]}
 

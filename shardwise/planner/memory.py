@@ -24,6 +24,7 @@ from shardwise.planner.workload import (
     LOW_BIT_CODE_BOOK,
     LOW_BIT_MIN_VALUES,
     OPTIMIZER_STATE_BYTES,
+    PARAM_DTYPE_STATE,
     QLORA_BITS,
     Training,
     recipe_for,
@@ -349,8 +350,12 @@ def state_bytes_per_param(training: Training) -> StateBytes:
     K=12 for Adam -> 16 bytes). 'megatron': bf16 weights, fp32 gradient accumulation buffer (2+4+12 = 18; bf16
     under grads_in_fp32 False, and under optimizer_dtype bf16 Apex's bf16 Adam state: 2+2+4 in bf16, 2+2+2+4 in fp8).
     'torch': fp32 weights and gradients, the weights being the master (4+4+8 = 16); compute copies are transient
-    (see transient_bytes). fp32 training: 4+4+states, no master.
+    (see transient_bytes). fp32 training: 4+4+states, no master. A bf16 model (Training.state_dtype, layout
+    'fsdp-mp'): 2+2+4 under AdamW, no master.
     """
+    if training.state_dtype == "bf16":  # the model in bf16, its optimizer's state in the parameter's dtype
+        opt = OPTIMIZER_STATE_BYTES[training.optimizer]
+        return StateBytes(2.0, 2.0, 0.0, opt / 2 if training.optimizer in PARAM_DTYPE_STATE else opt)
     return _state_bytes(training.optimizer, training.mixed, training.layout, training.grads_in_fp32,
                         training.optimizer_dtype, training.precision == "fp8")
 

@@ -105,6 +105,12 @@ class System:
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     flat_params: bool = False
     """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
+    state_dtype: str = "fp32"
+    """The model stored and trained in bf16 with no fp32 copy (Training.state_dtype: torchtune's dtype bf16);
+    layout 'fsdp-mp' only."""
+    fused_rmsnorm: bool = True
+    """RMSNorm as torch's fused kernel, or False: a composite in fp32 that also keeps its normalised input
+    (Training.fused_rmsnorm: torchtune's own RMSNorm, torch.nn.RMSNorm on a GPU before torch 2.8)."""
     optimizer_passes: str = "fused"
     """The optimizer step as one fused kernel or a pass per operation (Training.optimizer_passes: Composer's
     decoupled optimizers, torch's foreach AdamW); layout 'fsdp-mp' only."""
@@ -126,6 +132,7 @@ class System:
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
                   ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
                   ("optimizer_passes", self.optimizer_passes, ("fused", "per-op")),
+                  ("state_dtype", self.state_dtype, ("fp32", "bf16")),
                   ("reduce_dtype", self.reduce_dtype, ("fp32", "bf16", "fp16")))
         for key, value, allowed in checks:
             if value not in allowed:
@@ -149,7 +156,8 @@ class System:
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
                 "reduce_dtype": self.reduce_dtype, "flat_params": self.flat_params,
-                "optimizer_passes": self.optimizer_passes,
+                "optimizer_passes": self.optimizer_passes, "state_dtype": self.state_dtype,
+                "fused_rmsnorm": self.fused_rmsnorm,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split}
@@ -216,6 +224,20 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "optimizer decoupled_adamw and gradient_clipping norm (composer/optim/decoupled_weight_decay.py, "
                   "v0.14-0.17) "
                   "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
+    System("torchtune", "the model in bf16 and trained so (dtype bf16: weights, gradients and AdamW's moments in "
+           "bf16, no fp32 copy, no autocast), FSDP2 with no mixed-precision policy where it shards (gathers and "
+           "reductions in bf16), bf16 residual stream, its RMSNorm composite in fp32, the logits materialised in "
+           "bf16 chunks for CEWithChunkedOutputLoss (compiled with the layers under --compile), whole-layer "
+           "checkpointing, eager elementwise operators, torch's fused AdamW",
+           layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
+           compile_loss=True, fused_rmsnorm=False, cp_exchange="torch",
+           source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
+                  "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
+                  "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
+                  "compiles each layer and training.compile_loss the loss), modules/rms_norm.py (x.float(), rsqrt, "
+                  "type_as), modules/loss/ce_chunked_output_loss.py (8 chunks, each upcast in the loss), "
+                  "training/activations.py (checkpoint_wrapper per layer, non-reentrant), the configs' "
+                  "optimizer torch.optim.AdamW with fused: True"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
@@ -261,7 +283,7 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
-                                   "overlap_param_gather", "overlap_comm", "flat_params") else \
+                                   "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm") else \
             float if key == "reduce_bucket_size" else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",

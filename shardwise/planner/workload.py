@@ -48,6 +48,9 @@ FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 #   for an r x c matrix: 0.0078 B/param at 1024 x 1024, 0.002 at 4096 x 4096, counted as 0.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "momentum": 4.0, "sgd": 0.0, "adamw8bit": 2.0 + 2 * 4 / 256,
                          "adamw4bit": 1.0 + 2 * 4 / 128, "adafactor": 0.0}
+PARAM_DTYPE_STATE = ("adamw", "momentum", "sgd", "adafactor")
+"""The optimizers whose state torch keeps in the parameter's dtype (OPTIMIZER_STATE_BYTES counts it for fp32
+parameters: half as much for a bf16 model, Training.state_dtype); torchao's low-bit AdamWs quantise theirs."""
 PER_OP_MOMENTS = {"adamw": 2, "momentum": 1, "sgd": 0}
 """The optimizers Training.optimizer_passes 'per-op' prices (Composer's DecoupledAdamW and DecoupledSGDW loops; torch's
 foreach AdamW moves as much in fp32), and the moments each keeps."""
@@ -156,6 +159,15 @@ class Training:
     DEFAULT in 0.14-0.16, composer/trainer/mosaic_fsdp.py; fp16 for fairscale's FSDP of an fp16 model, as metaseq
     ran OPT). The sharded gradient the optimizer reads stays fp32.
     memory.reduce_grad_bytes, timing.dp_comm."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Under the layout 'fsdp-mp', the dtype the model itself is stored and trained in. 'fp32': fp32 weights (the
+    optimizer's master), gathered and computed in the compute dtype, as every other layout keeps an fp32 copy.
+    'bf16': the model built in bf16 and trained so, with no fp32 copy anywhere (torchtune's `dtype: bf16`, its
+    models built under set_default_dtype; Lightning's "bf16-true"): weights, gradients and the optimizer's moments
+    in bf16 (torch's optimizers keep their state in the parameter's dtype), 2 + 2 + 4 bytes a parameter under
+    AdamW, no autocast, and FSDP2 (where it shards) gathering what it stores. Unsharded plans keep it too (it is
+    the model, not FSDP's policy). Precision bf16 or fp8 (float8 linears on a bf16 model) only.
+    memory.state_bytes_per_param."""
     optimizer_passes: Literal["fused", "per-op"] = "fused"
     """How the optimizer step moves its state through memory, where the engine is not shardwise's (whose step the
     planner counts on the real one: opcount). 'fused': one kernel reads the weights, gradients and state once and
@@ -335,6 +347,13 @@ class Training:
             raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
                                "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
                                "overlap_comm false")
+        if self.state_dtype not in ("fp32", "bf16"):
+            raise PlannerError("--system state_dtype", f"{self.state_dtype!r} is not fp32 or bf16",
+                               "set state_dtype to fp32 or bf16")
+        if self.state_dtype == "bf16" and (self.layout != "fsdp-mp" or self.compute_dtype != "bf16"):
+            raise PlannerError("--system state_dtype", "bf16 describes a bf16 model trained without an fp32 copy "
+                               f"(layout fsdp-mp, precision bf16 or fp8), not the layout {self.layout} in "
+                               f"{self.precision}", 'use base = "torchtune" with --precision bf16, or leave it fp32')
         if self.optimizer_passes not in ("fused", "per-op"):
             raise PlannerError("--system optimizer_passes", f"{self.optimizer_passes!r} is not fused or per-op",
                                "set optimizer_passes to fused or per-op")
@@ -498,7 +517,7 @@ def recipe_for(training: Training, plan) -> Training:
     runs that policy where the plan asks for it (Layout.mixed_precision = 'fsdp', which the engine allows only
     where FSDP shards: layout.engine_cannot_run), its head still fused with the loss."""
     shards = fsdp_shards(plan)
-    if training.layout == "fsdp-mp" and not shards:
+    if training.layout == "fsdp-mp" and not shards and training.state_dtype == "fp32":
         return _under_autocast(training)
     if plan.mixed_precision == "fsdp" and training.layout == "torch" and shards:
         return _under_fsdp_policy(training)
