@@ -45,7 +45,7 @@ from pathlib import Path
 
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
-from shardwise.model_args import ModelArgs, flops_per_token, num_params, preset
+from shardwise.model_args import PROJECTIONS, ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, search, timing
 from shardwise.planner.system import resolve_system
 
@@ -167,6 +167,10 @@ class Run:
     fixed_overhead_gib: float = Training.fixed_overhead_gib
     """The CUDA context and libraries (Training.fixed_overhead_gib): the planner's default, or what the source
     measured."""
+    lora_rank: int = 0
+    qlora: bool = False
+    lora_targets: tuple[str, ...] = PROJECTIONS
+    """LoRA (Training.lora_rank, qlora, lora_targets), where the run fine-tuned adapters."""
     mem_active: bool = False
     """The published peak is torch's active bytes (memory_stats "active_bytes.all.peak": what tensors hold), not
     reserved memory: compared with the planner's total less its fragmentation allowance and fixed overhead, which
@@ -1303,10 +1307,16 @@ def bekman_runs() -> list[Run]:
 # torchtune's "Optimization flags" table (pytorch/torchtune README.md, from commit 1814feb17 of 2024-11-18, PR 2003,
 # to the project's last README): Llama 3.2 3B, recipe full_finetune_single_device, batch 2, max sequence 4096,
 # precision bf16, one A100 (peak memory active 60 GiB: the 80 GB board); each technique added to the previous one.
-# Kept: the packed rows the planner can describe, packing (every sequence 4096 tokens), + compile, + chunked
-# cross-entropy, + activation checkpointing. Left out: the baseline (alpaca's samples unpacked, padded per batch:
-# its tokens per step are not stated), optimizer-in-backward, activation offloading and the rows built on them
-# (8-bit AdamW, LoRA, QLoRA). How they ran, from the recipe and torchtune's modules at that commit: the model
+# Kept: the packed rows, packing (every sequence 4096 tokens), + compile, + chunked cross-entropy, + activation
+# checkpointing, + the optimizer step fused into backward, + activation offloading, and LoRA and QLoRA (on the
+# rows before the optimizer in backward: "LoRA and QLoRA ... do not use optimizer_in_bwd or AdamW8bit", the
+# README's command for QLoRA: lora_finetune_single_device with llama3_2/3B_qlora_single_device, packed, compile,
+# chunked cross-entropy, checkpointing, offloading, torch.optim.AdamW, batch 2; the 3B LoRA configs adapt q_proj,
+# v_proj, output_proj and the MLP at rank 64, their optimizer fused: True, which the override keeps, QLoRA's
+# base of those linears in NF4 by torchao). Left out: the baseline (alpaca's samples unpacked, padded per batch:
+# its tokens per step are not stated) and + 8-bit AdamW (torchtune's docs offer torchao's AdamW8bit and
+# bitsandbytes' PagedAdamW8bit, the single-device config's default, whose paged state is outside torch's
+# allocator; which one ran is not stated). How they ran, from the recipe and torchtune's modules at that commit: the model
 # built under set_default_dtype(bf16) and trained so (weights, gradients and AdamW's moments in bf16, no fp32
 # copy, no autocast: Training.state_dtype bf16, `--system torchtune`); torch.optim.AdamW as the README's command
 # names it (no fused flag, which the configs set: torch's foreach step, optimizer_passes "per-op");
@@ -1325,17 +1335,29 @@ TORCHTUNE = ("torchtune, README.md (Optimization flags), https://github.com/pyto
 TORCHTUNE_ROWS = [("+ Packed Dataset", False, False, "none", 60.0, 7075),
                   ("+ Compile", True, False, "none", 51.0, 8998),
                   ("+ Chunked Cross Entropy", True, True, "none", 42.9, 9174),
-                  ("+ Activation Checkpointing", True, True, "full", 24.9, 7210)]
+                  ("+ Activation Checkpointing", True, True, "full", 24.9, 7210),
+                  ("+ Fuse optimizer step into backward", True, True, "full", 23.1, 7309),
+                  ("+ Activation Offloading", True, True, "full", 21.8, 7301),
+                  ("LoRA", True, True, "full", 8.5, 8210),
+                  ("QLoRA", True, True, "full", 4.6, 8035)]
+TORCHTUNE_LORA = ("wq", "wv", "wo", "w1", "w3", "w2")
+"""The linears torchtune's Llama 3.2 3B LoRA configs adapt (lora_attn_modules q_proj, v_proj, output_proj;
+apply_lora_to_mlp), at rank 64."""
 
 
 def torchtune_runs() -> list[Run]:
     model = preset("llama3.2-3b")
-    return [Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
-                f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
-                f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12, mem_gib=mem,
-                mem_active=True, system="torchtune", search=False, compile=compiled, compile_loss=loss,
-                optimizer_passes="per-op")
-            for technique, compiled, loss, recompute, mem, tps in TORCHTUNE_ROWS]
+    runs = []
+    for technique, compiled, loss, recompute, mem, tps in TORCHTUNE_ROWS:
+        adapters = technique in ("LoRA", "QLoRA")
+        runs.append(Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
+                        f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
+                        f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12,
+                        mem_gib=mem, mem_active=True, system="torchtune", search=False, compile=compiled,
+                        compile_loss=loss, optimizer_passes=None if adapters else "per-op",
+                        lora_rank=64 if adapters else 0, qlora=technique == "QLoRA",
+                        lora_targets=TORCHTUNE_LORA if adapters else PROJECTIONS))
+    return runs
 
 
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
@@ -1406,7 +1428,8 @@ def training_of(run: Run) -> Training:
         if run.optimizer_passes is not None:
             fields["optimizer_passes"] = run.optimizer_passes
         fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
-        return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, **fields)
+        return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
+                        qlora=run.qlora, lora_targets=run.lora_targets, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
