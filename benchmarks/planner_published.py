@@ -167,6 +167,13 @@ class Run:
     fixed_overhead_gib: float = Training.fixed_overhead_gib
     """The CUDA context and libraries (Training.fixed_overhead_gib): the planner's default, or what the source
     measured."""
+    loss_chunks: int | None = None
+    """The loss over chunks of the logits (Training.loss_chunks), where the run's loss differs from the system's
+    preset (torchtune's rows before its chunked cross-entropy: 1)."""
+    activation_offload: bool = False
+    """The blocks' saved inputs offloaded to the host (Training.activation_offload), where the run did."""
+    optimizer_in_backward: bool = False
+    """Each parameter stepped in backward (Training.optimizer_in_backward), where the run did."""
     lora_rank: int = 0
     qlora: bool = False
     lora_targets: tuple[str, ...] = PROJECTIONS
@@ -1309,29 +1316,30 @@ def bekman_runs() -> list[Run]:
 # precision bf16, one A100 (peak memory active 60 GiB: the 80 GB board); each technique added to the previous one.
 # Kept: the packed rows, packing (every sequence 4096 tokens), + compile, + chunked cross-entropy, + activation
 # checkpointing, + the optimizer step fused into backward, + activation offloading, and LoRA and QLoRA (on the
-# rows before the optimizer in backward: "LoRA and QLoRA ... do not use optimizer_in_bwd or AdamW8bit", the
+# rows before the optimizer in backward: "LoRA and QLoRA ... do not use optimizer_in_bwd or AdamW8bit"; the
 # README's command for QLoRA: lora_finetune_single_device with llama3_2/3B_qlora_single_device, packed, compile,
 # chunked cross-entropy, checkpointing, offloading, torch.optim.AdamW, batch 2; the 3B LoRA configs adapt q_proj,
-# v_proj, output_proj and the MLP at rank 64, their optimizer fused: True, which the override keeps, QLoRA's
-# base of those linears in NF4 by torchao). Left out: the baseline (alpaca's samples unpacked, padded per batch:
+# v_proj, output_proj and the MLP at rank 64, their optimizer fused: True, which that override keeps; QLoRA's
+# base of those linears in NF4, torchao's). Left out: the baseline (alpaca's samples unpacked, padded per batch:
 # its tokens per step are not stated) and + 8-bit AdamW (torchtune's docs offer torchao's AdamW8bit and
 # bitsandbytes' PagedAdamW8bit, the single-device config's default, whose paged state is outside torch's
-# allocator; which one ran is not stated). How they ran, from the recipe and torchtune's modules at that commit: the model
-# built under set_default_dtype(bf16) and trained so (weights, gradients and AdamW's moments in bf16, no fp32
-# copy, no autocast: Training.state_dtype bf16, `--system torchtune`); torch.optim.AdamW as the README's command
-# names it (no fused flag, which the configs set: torch's foreach step, optimizer_passes "per-op");
-# torchtune's RMSNorm in fp32 composite (rms_norm.py: x.float(), rsqrt, type_as: fused_rmsnorm False); the tied
-# output head F.linear(h, tok_embeddings.weight).float() materialising fp32 logits for torch's cross-entropy;
-# compile=True compiles each TransformerSelfAttentionLayer and the loss function (training.compile_model,
-# compile_loss), the loss over the fp32 logits the model's .float() writes outside it (compile_loss False as the
-# planner counts it: not one pass over bf16 logits); CEWithChunkedOutputLoss has the model return its logits in 8
-# bf16 chunks, each upcast inside the compiled loss (the planner's compiled loss over bf16 logits); activation
-# checkpointing wraps each layer in torch's non-reentrant checkpoint_wrapper. Memory is torch's
-# "active_bytes.all.peak" (training/memory.py get_memory_stats), tokens per second the labelled tokens of a step
-# over its time. Added on 2026-12-06 and evaluated first as the planner stood (held out:
-# docs/heldout-2026-12-06/torchtune-3b-a100-held-out.txt).
+# allocator; which ran is not stated). How they ran, from the recipes and torchtune's modules at that commit
+# (`--system torchtune`, system.SYSTEMS): the model built in bf16 and trained so (Training.state_dtype);
+# torchtune's RMSNorm composite in fp32; the tied head F.linear(h, tok_embeddings.weight).float() materialising
+# fp32 logits for torch's cross-entropy in the first two rows (loss_chunks 1; under compile the loss is compiled
+# over those fp32 logits, made outside it: compile_loss False as the planner counts it, not one pass over bf16
+# logits); CEWithChunkedOutputLoss from the third (the preset's 8 chunks, each upcast inside its own compiled
+# call); each layer in torch's non-reentrant checkpoint_wrapper; optimizer_in_bwd (Training.optimizer_in_backward)
+# and enable_activation_offloading (Training.activation_offload) where the rows add them. torch's AdamW fused, as
+# the configs set it for torch.optim.AdamW: the full rows' command is not given, and a foreach step (the default
+# without that flag) makes a moment-sized temporary at the step, 6 GiB here, which the published peaks of the
+# checkpointed rows (24.9 GiB, 0.8 above the model state; torchtune resets the peak each step and logs it after
+# the optimizer's) do not hold. Memory is torch's "active_bytes.all.peak" (training/memory.py get_memory_stats),
+# tokens per second the labelled tokens of a step over its time. Added on 2026-12-06 and evaluated first as the
+# planner stood, in two sets (held out: docs/heldout-2026-12-06/torchtune-*.txt).
 TORCHTUNE = ("torchtune, README.md (Optimization flags), https://github.com/pytorch/torchtune/blob/main/README.md")
-# technique, compile, compiled loss over bf16 logits, recompute, peak memory active (GiB), tokens/s
+# technique, compile, the chunked loss (compiled with the layers: over bf16 logits), recompute, peak memory active
+# (GiB), tokens/s
 TORCHTUNE_ROWS = [("+ Packed Dataset", False, False, "none", 60.0, 7075),
                   ("+ Compile", True, False, "none", 51.0, 8998),
                   ("+ Chunked Cross Entropy", True, True, "none", 42.9, 9174),
@@ -1348,13 +1356,16 @@ apply_lora_to_mlp), at rank 64."""
 def torchtune_runs() -> list[Run]:
     model = preset("llama3.2-3b")
     runs = []
-    for technique, compiled, loss, recompute, mem, tps in TORCHTUNE_ROWS:
+    for i, (technique, compiled, loss, recompute, mem, tps) in enumerate(TORCHTUNE_ROWS):
         adapters = technique in ("LoRA", "QLoRA")
+        offload = i >= 5  # "+ Activation Offloading" and the adapters' rows
         runs.append(Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
                         f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
                         f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12,
                         mem_gib=mem, mem_active=True, system="torchtune", search=False, compile=compiled,
-                        compile_loss=loss, optimizer_passes=None if adapters else "per-op",
+                        compile_loss=loss,
+                        loss_chunks=None if loss else 1, activation_offload=offload,
+                        optimizer_in_backward=i in (4, 5),
                         lora_rank=64 if adapters else 0, qlora=technique == "QLoRA",
                         lora_targets=TORCHTUNE_LORA if adapters else PROJECTIONS))
     return runs
@@ -1428,6 +1439,10 @@ def training_of(run: Run) -> Training:
         if run.optimizer_passes is not None:
             fields["optimizer_passes"] = run.optimizer_passes
         fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
+        fields["activation_offload"] = fields["activation_offload"] or run.activation_offload
+        fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
+        if run.loss_chunks is not None:
+            fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
                         qlora=run.qlora, lora_targets=run.lora_targets, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)

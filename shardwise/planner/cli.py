@@ -433,7 +433,8 @@ def system_summary(training: Training) -> str:
         return known.summary
     size = training.reduce_bucket_size
     buckets = f", DeepSpeed gradient buckets of {size:,.0f} elements" if size else ""
-    return (f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
+    return (f"{'the model in bf16 (no fp32 copy), ' if training.state_dtype == 'bf16' else ''}"
+            f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
             f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
@@ -451,6 +452,10 @@ def system_summary(training: Training) -> str:
             f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
             f"{', FSDP1 flat parameters' if training.flat_params else ''}"
             f"{', the optimizer a pass per operation' if training.optimizer_passes == 'per-op' else ''}"
+            f"{', the optimizer stepped in backward' if training.optimizer_in_backward else ''}"
+            f"{f', the loss over {training.loss_chunks} chunks' if training.loss_chunks > 1 else ''}"
+            f"{', checkpointed activations offloaded to the host' if training.activation_offload else ''}"
+            f"{', composite fp32 RMSNorm' if not training.fused_rmsnorm else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}")
 

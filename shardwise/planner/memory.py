@@ -1087,7 +1087,9 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     one tensor in the compute dtype."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
-        return tokens * loss_vocab(args, training, plan) * training.act_bytes
+        # (a chunked loss, Training.loss_chunks: one chunk's gradient beyond the saved logits, which its chunk's
+        # node frees as it makes it, here and below)
+        return tokens * loss_vocab(args, training, plan) * training.act_bytes / training.loss_chunks
     if fused_head(training, plan):
         v, d, e = args.vocab_size / plan.tp, args.dim, training.act_bytes
         block = head_rows(int(tokens), d, int(v)) * v
@@ -1108,7 +1110,8 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     if megatron_cross_entropy(training):
         # the gradient it writes into its saved fp32 softmax, cast by autograd to the logits' dtype (none in fp32)
         return tokens * loss_vocab(args, training, plan) * (training.act_bytes if training.act_bytes < 4 else 0.0)
-    return tokens * loss_vocab(args, training, plan) * 4 * (3 if dtensor_loss_parallel(training, plan) else 2)
+    return (tokens * loss_vocab(args, training, plan) * 4 * (3 if dtensor_loss_parallel(training, plan) else 2)
+            / training.loss_chunks)
 
 
 def megatron_cross_entropy(training: Training) -> bool:
@@ -1581,6 +1584,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
         per_mb = (shape.layers - shape.moe_layers) * layer_activation_bytes(args, training, plan)
         if shape.moe_layers:
             per_mb += shape.moe_layers * layer_activation_bytes(args, training, plan, moe=True)
+        per_mb *= offload_kept_share(training, plan, shape.layers)
         head = head_activation_bytes(args, training, plan) if last else 0.0
         if stage == 0:
             per_mb += embedding_activation_bytes(args, training, plan) - first_block_unkept_bytes(args, training, plan)
@@ -1599,6 +1603,19 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
         if plan.pp > 1 and plan.pp_schedule == "zero-bubble":
             cached["zero_bubble_chunks"] = _zero_bubble_chunk_bytes(args, training, plan, stage, cached)
     return cached
+
+
+OFFLOAD_STASH = 5
+"""Offloaded tensors torchtune's OffloadActivations keeps alive on the device behind its copies (max_fwd_stash_size,
+its default), counted as that many blocks' saved inputs."""
+
+
+def offload_kept_share(training: Training, plan: Plan, layers: int) -> float:
+    """The share of a stage's blocks' saved inputs on the device under activation offloading (Training.
+    activation_offload, full recompute: what a checkpointed block keeps is its input): the forward stash's."""
+    if not (training.activation_offload and plan.activation_checkpoint == "full") or layers <= OFFLOAD_STASH:
+        return 1.0
+    return OFFLOAD_STASH / layers
 
 
 def _zero_bubble_chunk_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int,
@@ -1781,6 +1798,10 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
             items = {k: v + experts[k] for k, v in items.items()}
         if training.optimizer in LOW_BIT_BLOCK and plan.offload == "none":
             items["optimizer_state"] = low_bit_state(args, training, plan, stage)
+        if training.optimizer_in_backward:
+            # each parameter's gradient is stepped and freed as autograd finishes it: no gradient set is ever held
+            # (a block's in its backward, made there, as without it)
+            items["grads"] = 0.0
         cached = _remember(_MODEL_STATE, key, items)
     return cached
 

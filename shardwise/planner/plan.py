@@ -49,8 +49,10 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     """What shardwise's config would refuse of the plan, as its error (None: the engine runs it): of the layout
     (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
     micro-batches (a plan's grad_accum: config.layout_tables), of QLoRA on the adapted linears of the model
-    (config.qlora_error) and, as shardwise's system (layout 'torch'), of
-    a tied head in a pipeline (config.tied_pipeline_error)."""
+    (config.qlora_error), as shardwise's system (layout 'torch'), of
+    a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: activation offloading
+    without full recompute (Training.activation_offload), the optimizer in backward under accumulation
+    (Training.optimizer_in_backward)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
         error = tp_error(args, plan, training.seq_len)
@@ -62,6 +64,16 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = qlora_error(args, [t for t in training.lora_targets if t in projection_shapes(args)], plan)
     if error is None and args.n_experts:
         error = capacity_error(plan, args.capacity_factor)
+    if error is None and training.optimizer_in_backward and plan.grad_accum > 1:
+        # torchtune: "optimizer_in_bwd ... Requires gradient_accumulation_steps=1"
+        error = ConfigError("parallel.grad_accum", f"{plan.grad_accum} micro-batches a step, and the system steps "
+                            "each parameter in backward (optimizer_in_backward)",
+                            "use grad_accum=1, or a system without optimizer_in_backward")
+    if error is None and training.activation_offload and plan.activation_checkpoint != "full":
+        # torchtune: "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
+        error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system offloads "
+                            "the activations checkpointing keeps (activation_offload)",
+                            "use activation_checkpoint=full, or a system without activation_offload")
     return error
 
 

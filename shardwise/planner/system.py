@@ -105,6 +105,15 @@ class System:
     """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
     flat_params: bool = False
     """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
+    loss_chunks: int = 1
+    """The loss over this many chunks of the logits, each its own autograd node (Training.loss_chunks: torchtune's
+    CEWithChunkedOutputLoss, 8)."""
+    activation_offload: bool = False
+    """Under full recompute, the blocks' saved inputs offloaded to host memory (Training.activation_offload:
+    torchtune's enable_activation_offloading)."""
+    optimizer_in_backward: bool = False
+    """Each parameter stepped and its gradient freed in backward (Training.optimizer_in_backward: torchtune's
+    optimizer_in_bwd)."""
     state_dtype: str = "fp32"
     """The model stored and trained in bf16 with no fp32 copy (Training.state_dtype: torchtune's dtype bf16);
     layout 'fsdp-mp' only."""
@@ -157,7 +166,8 @@ class System:
                 "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
                 "reduce_dtype": self.reduce_dtype, "flat_params": self.flat_params,
                 "optimizer_passes": self.optimizer_passes, "state_dtype": self.state_dtype,
-                "fused_rmsnorm": self.fused_rmsnorm,
+                "fused_rmsnorm": self.fused_rmsnorm, "loss_chunks": self.loss_chunks,
+                "activation_offload": self.activation_offload, "optimizer_in_backward": self.optimizer_in_backward,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split}
@@ -230,13 +240,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "bf16 chunks for CEWithChunkedOutputLoss (compiled with the layers under --compile), whole-layer "
            "checkpointing, eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
-           compile_loss=True, fused_rmsnorm=False, cp_exchange="torch",
+           compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch",
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
                   "compiles each layer and training.compile_loss the loss), modules/rms_norm.py (x.float(), rsqrt, "
                   "type_as), modules/loss/ce_chunked_output_loss.py (8 chunks, each upcast in the loss), "
-                  "training/activations.py (checkpoint_wrapper per layer, non-reentrant), the configs' "
+                  "training/activations.py (checkpoint_wrapper per layer, non-reentrant), "
+                  "training/_activation_offloading.py (enable_activation_offloading, off by default), the configs' "
                   "optimizer torch.optim.AdamW with fused: True"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
@@ -283,8 +294,9 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
-                                   "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm") else \
-            float if key == "reduce_bucket_size" else str
+                                   "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
+                                   "activation_offload", "optimizer_in_backward") else \
+            float if key == "reduce_bucket_size" else int if key == "loss_chunks" else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")

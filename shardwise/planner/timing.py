@@ -52,7 +52,7 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.operators import ELEMENTWISE, LORA_OPS, QLORA_DEQUANT, lora_block_ops, op_counts, optimizer_ops
 from shardwise.planner.plan import Plan
-from shardwise.planner.workload import PER_OP_MOMENTS, Training, recipe_for
+from shardwise.planner.workload import PER_OP_MOMENTS, QLORA_BITS, Training, recipe_for
 
 HOST_DRAM_BW_PER_GPU = 25e9
 """Host-memory bandwidth one GPU's share of a CPU optimizer step gets (about 200 GB/s per socket pair / 8)."""
@@ -511,14 +511,21 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
                   layers: int) -> tuple[float, float, float]:
     """QLoRA: (forward seconds, backward seconds, operators) of dequantising a rank's NF4 base weights for one
     micro-batch. torchao's eager dequantisation is memory-bound: the bytes its kernels read and write per weight,
-    counted on the engine's block (operators.QLORA_DEQUANT), at the elementwise bandwidth. Every rank dequantises
-    the whole (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
+    counted on the engine's block (operators.QLORA_DEQUANT), at the elementwise bandwidth. In a compiled block
+    (Training.compile) dynamo traces through the NF4 weight and inductor fuses its whole dequantisation into one
+    kernel before the matmul (tests/test_planner_system.py reads the generated code): it reads the 4-bit codes and
+    their block constants once and writes the weight once in the compute dtype, in forward and again for the input
+    gradient (the partitioner recomputes it rather than keep the weight). Every rank dequantises the whole
+    (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
     if not training.qlora:
         return 0.0, 0.0, 0.0
-    # fp8 recipes dequantise to bf16 as well (the fp8 cast of the matmul input comes after, priced with the matmul)
-    cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
     weights = layers * adapted_base_params(args, training, plan.tp)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+    if training.compile:
+        moved = weights * (QLORA_BITS / 8 + DTYPE_BYTES[training.compute_dtype])
+        return moved / bandwidth, moved / bandwidth, 2 * layers * len(adapted_shapes(args, training))
+    # fp8 recipes dequantise to bf16 as well (the fp8 cast of the matmul input comes after, priced with the matmul)
+    cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
     ops = layers * len(adapted_shapes(args, training)) * (cost.forward_ops + cost.backward_ops)
     return weights * cost.forward_bytes / bandwidth, weights * cost.backward_bytes / bandwidth, ops
 
@@ -1144,6 +1151,18 @@ def offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     return grads / acc.host_bw + plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
+def activation_offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                            cost: StageCost) -> float:
+    """Exposed seconds of activation offloading (Training.activation_offload, full recompute): each micro-batch's
+    checkpointed block inputs copied to the host in forward and back in backward, on a side stream behind the
+    micro-batch's compute as far as the device overlaps copies with kernels (comm_overlap)."""
+    if not (training.activation_offload and plan.activation_checkpoint == "full"):
+        return 0.0
+    layers = placement(args, plan, training.seq_len, training.pipeline_split).max_layers
+    per_mb = 2 * layers * layer_activation_bytes(args, training, plan) / acc.host_bw
+    return plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
+
+
 def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """Host seconds per micro-batch of the engine's data-parallel wrappers on a rank (layout torch): a unit per
     block and the root under fully_shard (ZeRO-2/3), per bucket of blocks (as `data_parallel._buckets` groups
@@ -1222,7 +1241,7 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     bubble = pipe - m * cost.total
     dp_total, dp_exposed = dp_comm(args, training, plan, cluster, cost)
     opt = optimizer_time(args, training, plan, acc)
-    off = offload_time(args, training, plan, acc, cost)
+    off = offload_time(args, training, plan, acc, cost) + activation_offload_time(args, training, plan, acc, cost)
     copies = sharding_copies(args, training, plan, acc)
     where = placement(args, plan, training.seq_len, training.pipeline_split)
     scalars = step_scalars(plan, cluster, args, where.max_moe_layers)

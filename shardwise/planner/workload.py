@@ -103,6 +103,24 @@ class Training:
     logits (flash-attn's xentropy, as llm-foundry uses it): it keeps them and a log-sum-exp per row, and its
     backward writes one gradient in the compute dtype. False: torch's fp32 log_softmax + nll_loss (4 V bytes
     kept per token, two fp32 gradients in backward)."""
+    loss_chunks: int = 1
+    """Where the logits are materialised (no fused head), the loss runs over this many chunks of them, each its own
+    autograd node (torchtune's CEWithChunkedOutputLoss: the model returns its logits in 8 chunks, and under compile
+    each chunk's cross-entropy is its own compiled call). Its backward then makes one chunk's gradient at a time and
+    frees that chunk's saved tensors when it is made, so the loss's working set is a chunk's (memory.logits_bytes).
+    1: one node over all of them."""
+    activation_offload: bool = False
+    """Under full recompute, each checkpointed block's saved input goes to host memory as forward makes it and comes
+    back before that block's backward (torchtune's enable_activation_offloading: OffloadActivations, saved-tensor
+    hooks around the model's forward, copies on a side stream; torch's non-reentrant checkpoint saves a block's
+    inputs through autograd, which those hooks see). Its forward stash keeps the last five offloaded tensors on the
+    device (max_fwd_stash_size), counted as five blocks' inputs (memory.OFFLOAD_STASH); the copies run behind
+    compute as far as the device overlaps them (timing.activation_offload_time)."""
+    optimizer_in_backward: bool = False
+    """The optimizer steps each parameter in backward, as soon as autograd has accumulated its gradient, and frees
+    that gradient (torchtune's optimizer_in_bwd: an optimizer per parameter, stepped from a post-accumulate-grad
+    hook): no gradient set is held at the end of backward or at the step (memory._model_state). Needs one
+    micro-batch a step (plan.engine_error); the step's time is the same, run inside backward."""
     grad_sync: Literal["step", "micro-batch"] = "step"
     """When sharded data parallelism (ZeRO-2/3) reduces gradients under accumulation: once per step, keeping them
     unsharded until the last micro-batch (shardwise's engine: FSDP2's set_requires_gradient_sync; Megatron's
@@ -347,6 +365,12 @@ class Training:
             raise PlannerError("--system overlap_comm", "true without gradient buckets (reduce_bucket_size 0) "
                                "changes nothing", "set reduce_bucket_size (DeepSpeed's default is 5e8), or leave "
                                "overlap_comm false")
+        if not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
+            raise PlannerError("--system loss_chunks", f"{self.loss_chunks!r} is not a whole number of chunks",
+                               "give 1 or more (torchtune's CEWithChunkedOutputLoss: 8)")
+        if self.loss_chunks > 1 and self.fuses_head:
+            raise PlannerError("--system loss_chunks", "the head is fused with the loss, which never materialises "
+                               "the logits to chunk", "set fuse_head = false, or leave loss_chunks 1")
         if self.state_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system state_dtype", f"{self.state_dtype!r} is not fp32 or bf16",
                                "set state_dtype to fp32 or bf16")
