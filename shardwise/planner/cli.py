@@ -229,9 +229,12 @@ def system_of(ns: argparse.Namespace) -> System:
     system = resolve_system(ns.system)
     optimizer = getattr(ns, "optimizer", None) or "adamw"
     passes = "fused" if system.optimizer_passes == "per-op" and optimizer not in PER_OP_OPTIMIZERS else None
-    # a bf16 model (state_dtype bf16: torchtune's) at another --precision is that system's model in that dtype
+    # a bf16 model (state_dtype bf16: torchtune's) at --precision fp32 is that system's model in fp32
     precision = getattr(ns, "precision", None) or "bf16"
-    unmixed = precision not in ("bf16", "fp8") and system.state_dtype != "fp32"
+    if precision == "fp16" and system.state_dtype == "bf16":
+        raise PlannerError("--precision", f"fp16 with --system {system.name}, whose model trains in bf16 "
+                           "(state_dtype bf16: torchtune's dtype is bf16 or fp32)", "pass --precision bf16 or fp32")
+    unmixed = precision == "fp32" and system.state_dtype != "fp32"
     given = {k: v for k, v in (("layout", ns.layout), ("attention", ns.attention), ("dropout", ns.dropout),
                                ("compile", getattr(ns, "compile", None)), ("optimizer_passes", passes),
                                ("state_dtype", "fp32" if unmixed else None),
@@ -239,8 +242,11 @@ def system_of(ns: argparse.Namespace) -> System:
              if v is not None and v != getattr(system, k)}
     if not given:
         return system
-    changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in given.items())
-    fields = {**_left_with_the_layout(system, given.get("layout")), **given}  # (both may reset optimizer_passes)
+    resets = _left_with_the_layout(system, given.get("layout"))
+    # (a layout leaving fsdp-mp takes a bf16 model's state back to fp32, twice the bytes: named with the layout)
+    named = {**given, **{k: v for k, v in resets.items() if k == "state_dtype" and k not in given}}
+    changes = ", ".join(f"{k} {v}" if not isinstance(v, bool) else k if v else f"no {k}" for k, v in named.items())
+    fields = {**resets, **given}  # (both may reset optimizer_passes)
     return dataclasses.replace(system, name=f"{system.name} ({changes})", summary=f"{system.summary}; changed: "
                                f"{changes}", **fields)
 

@@ -726,7 +726,8 @@ def term_bytes(term: Term, args: ModelArgs, training: Training, plan: Plan) -> f
 
 
 def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, recompute: str | None = None,
-                           seq_len: int | None = None, attention_scores: bool = True, moe: bool = False) -> float:
+                           seq_len: int | None = None, attention_scores: bool = True, moe: bool = False,
+                           dequantised: bool = True) -> float:
     """Bytes one block (an MoE block with `moe`) keeps for backward for one micro-batch on one rank (tokens =
     micro_batch x seq / cp).
 
@@ -735,7 +736,8 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     dropout mask in one byte; 2 a s^2 b without dropout), split over tp by heads, unless recomputed: their
     selective recompute is exactly these, and keeps every other tensor (`attention_scores` False: leave them
     out). With `Training.dropout`, the two hidden dropout masks (1 byte per element of the residual stream,
-    split over tp only with sequence parallelism), unless fully recomputed."""
+    split over tp only with sequence parallelism), unless fully recomputed. A compiled QLoRA block also keeps its
+    adapted linears' dequantised weights (`dequantised` False: leave them out, as the elementwise traffic does)."""
     recompute = plan.activation_checkpoint if recompute is None else recompute
     seq = seq_len or training.seq_len
     tokens = plan.micro_batch * seq / plan.cp
@@ -751,6 +753,11 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     if core:
         recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
+    if training.qlora and training.compile and recompute != "full" and dequantised:
+        # a compiled block keeps each adapted linear's dequantised base weight for its input gradient (AOTAutograd's
+        # partitioner saves it rather than rebuild it from the NF4 codes: tests/test_planner_system.py), once a
+        # micro-batch; eager torchao keeps the NF4 weight and dequantises again (down_projection_backward_bytes)
+        total += adapted_base_params(args, training, plan.tp) * training.act_bytes
     if recompute == "selective":
         total += kept_reduce_scatter_bytes(args, training, plan, seq, moe)
     if core and not unfused:
@@ -992,7 +999,7 @@ def down_projection_backward_bytes(args: ModelArgs, training: Training, plan: Pl
     kept_input = w2_input_kept(training)
     # QLoRA rebuilds an NF4 weight of the MLP (d x f, whichever of w1, w3, w2 is adapted) in its backward: priced
     # here, inside w2's, the MLP's first (for w1 or w3 alone an upper bound: w2's gate product is freed by theirs)
-    nf4 = training.qlora and any(t in training.lora_targets for t in ("w1", "w3", "w2"))
+    nf4 = training.qlora and not training.compile and any(t in training.lora_targets for t in ("w1", "w3", "w2"))
     # autograd adds a new gradient to the one there (torch's engines: layouts torch and fsdp-mp); Megatron's
     # gradient-accumulation fusion makes the weight gradient's GEMM add into main_grad, and DeepSpeed's layout
     # reduces in every micro-batch: no second gradient there
@@ -1110,8 +1117,9 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     if megatron_cross_entropy(training):
         # the gradient it writes into its saved fp32 softmax, cast by autograd to the logits' dtype (none in fp32)
         return tokens * loss_vocab(args, training, plan) * (training.act_bytes if training.act_bytes < 4 else 0.0)
-    return (tokens * loss_vocab(args, training, plan) * 4 * (3 if dtensor_loss_parallel(training, plan) else 2)
-            / training.loss_chunks)
+    if dtensor_loss_parallel(training, plan):  # (unchunked: Training refuses loss_chunks with a parallel loss)
+        return tokens * loss_vocab(args, training, plan) * 4 * 3
+    return tokens * loss_vocab(args, training, plan) * 4 * 2 / training.loss_chunks
 
 
 def megatron_cross_entropy(training: Training) -> bool:
@@ -1483,7 +1491,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         # tensors and weight copies are gone. Under recompute (a checkpoint input per block) this moment is the
         # larger. (DeepSpeed's ZeRO-3, layout 'zero', reduces through its own gradient buckets instead.)
         first = out["first_block_backward"]
-        done = layer_activation_bytes(args, training, plan, moe=shape.last_moe)
+        # (what a block's backward frees of the kept ones: under activation offloading, its share on the device)
+        done = layer_activation_bytes(args, training, plan, moe=shape.last_moe) \
+            * offload_kept_share(training, plan, shape.layers)
         scattered = block_params(args, plan.tp, shape.last_moe, plan.ep)
         if shape.last_moe and plan.ep > 1:
             scattered -= expert_params(args, plan.ep)
@@ -1867,11 +1877,15 @@ def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     kinds = _trained_kinds(args, training, plan, stage)
     block, full = LOW_BIT_BLOCK[training.optimizer], OPTIMIZER_STATE_BYTES[training.optimizer]
     books = 2 * 4 * LOW_BIT_CODE_BOOK[training.optimizer]
+    # a bf16 model (Training.state_dtype): torchao's unquantised moments take the parameter's dtype, and only
+    # shardwise's engine keeps the embedding and head out of quantisation (shardwise.optim)
+    bf16_model = training.state_dtype == "bf16"
+    unquantised = 4.0 if bf16_model else 8.0
 
     def state(kind: _Trained, rank: int) -> float:
         n = kind.piece(rank)
-        if kind.fp32 or n < LOW_BIT_MIN_VALUES or n % block:
-            return 8.0 * n
+        if (kind.fp32 and not bf16_model) or n < LOW_BIT_MIN_VALUES or n % block:
+            return unquantised * n
         return full * n + books
 
     # a kind's piece changes only where its whole chunks end (FSDP2's and ZeRO-1's ceil split): the sum over

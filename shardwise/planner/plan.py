@@ -69,6 +69,10 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = ConfigError("parallel.grad_accum", f"{plan.grad_accum} micro-batches a step, and the system steps "
                             "each parameter in backward (optimizer_in_backward)",
                             "use grad_accum=1, or a system without optimizer_in_backward")
+    if error is None and training.activation_offload and plan.pp > 1:
+        error = ConfigError("parallel.pp", f"{plan.pp} pipeline stages, and the system offloads activations "
+                            "(activation_offload: torchtune's recipes, which have no pipeline)",
+                            "use pp=1, or a system without activation_offload")
     if error is None and training.activation_offload and plan.activation_checkpoint != "full":
         # torchtune: "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
         error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system offloads "

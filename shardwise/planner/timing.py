@@ -143,7 +143,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         # its casts' writes, priced with the linears (te_float8_cast_seconds)
         bf16_kernels = replace(training, float8="torchao") if training.float8 != "torchao" else training
         elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
-                                                 moe=moe) / bandwidth
+                                                 moe=moe, dequantised=False) / bandwidth
         elementwise_bwd = 2 * elementwise
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
@@ -514,16 +514,16 @@ def qlora_dequant(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     counted on the engine's block (operators.QLORA_DEQUANT), at the elementwise bandwidth. In a compiled block
     (Training.compile) dynamo traces through the NF4 weight and inductor fuses its whole dequantisation into one
     kernel before the matmul (tests/test_planner_system.py reads the generated code): it reads the 4-bit codes and
-    their block constants once and writes the weight once in the compute dtype, in forward and again for the input
-    gradient (the partitioner recomputes it rather than keep the weight). Every rank dequantises the whole
-    (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
+    their block constants once and writes the weight once in the compute dtype, in forward (and a recompute); the
+    backward's input gradient takes the weight the forward saved (memory.layer_activation_bytes), no pass. Every
+    rank dequantises the whole (gathered) weight: FSDP shards the 4-bit storage, not this work. 0 without QLoRA."""
     if not training.qlora:
         return 0.0, 0.0, 0.0
     weights = layers * adapted_base_params(args, training, plan.tp)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     if training.compile:
         moved = weights * (QLORA_BITS / 8 + DTYPE_BYTES[training.compute_dtype])
-        return moved / bandwidth, moved / bandwidth, 2 * layers * len(adapted_shapes(args, training))
+        return moved / bandwidth, 0.0, layers * len(adapted_shapes(args, training))
     # fp8 recipes dequantise to bf16 as well (the fp8 cast of the matmul input comes after, priced with the matmul)
     cost = QLORA_DEQUANT["bf16" if training.precision == "fp8" else training.precision]
     ops = layers * len(adapted_shapes(args, training)) * (cost.forward_ops + cost.backward_ops)

@@ -371,13 +371,18 @@ class Training:
         if self.loss_chunks > 1 and self.fuses_head:
             raise PlannerError("--system loss_chunks", "the head is fused with the loss, which never materialises "
                                "the logits to chunk", "set fuse_head = false, or leave loss_chunks 1")
+        if self.loss_chunks > 1 and self.loss_parallel:
+            raise PlannerError("--system loss_chunks", "a vocabulary-parallel loss (loss_parallel: Megatron's, "
+                               "torch's loss_parallel) runs over all the logits at once",
+                               "set loss_parallel = false, or leave loss_chunks 1")
         if self.state_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system state_dtype", f"{self.state_dtype!r} is not fp32 or bf16",
                                "set state_dtype to fp32 or bf16")
         if self.state_dtype == "bf16" and (self.layout != "fsdp-mp" or self.compute_dtype != "bf16"):
             raise PlannerError("--system state_dtype", "bf16 describes a bf16 model trained without an fp32 copy "
                                f"(layout fsdp-mp, precision bf16 or fp8), not the layout {self.layout} in "
-                               f"{self.precision}", 'use base = "torchtune" with --precision bf16, or leave it fp32')
+                               f"{self.precision}", 'set state_dtype = "fp32" (and reduce_dtype = "fp32") in the '
+                               "system file, or keep layout fsdp-mp with --precision bf16")
         if self.optimizer_passes not in ("fused", "per-op"):
             raise PlannerError("--system optimizer_passes", f"{self.optimizer_passes!r} is not fused or per-op",
                                "set optimizer_passes to fused or per-op")
