@@ -2038,6 +2038,7 @@ def test_a_bf16_model_is_refused_where_it_is_not_one_and_reset_by_the_flags_that
     with pytest.raises(PlannerError, match="bf16 or fp32") as refused:
         system_of(_ns(*argv, "--precision", "fp16"))
     assert refused.value.field == "--precision"
+    assert system_of(_ns(*argv, "--precision", "fp16", "--layout", "zero")).state_dtype == "fp32"  # not the bf16 model
 
 
 def test_torchtunes_optimization_flags_table_held_out_fits_and_its_memory_is_within_10_percent():
@@ -2267,3 +2268,17 @@ def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_
     kept_by_planner = (layer_activation_bytes(args, dataclasses.replace(qlora, compile=True), plan)
                        - layer_activation_bytes(args, dataclasses.replace(qlora, compile=True, qlora=False), plan))
     assert kept_by_planner == adapted_base_params(args, qlora, 1) * 2
+    # under a selective checkpoint that recomputes all but the matmuls (the engine's policy), the partitioner
+    # rebuilds the weight from its codes instead of keeping it
+    from shardwise.activation_checkpoint import _selective_context
+
+    saved.clear()
+    torch._dynamo.reset()
+    checkpointed = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(
+        torch.nn.functional.linear, x, weight, use_reentrant=False, context_fn=_selective_context))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        checkpointed(x).sum().backward()
+    assert not [t for t in saved if type(t) is torch.Tensor and t.shape == (512, 1024)]
+    selective = Plan(micro_batch=1, activation_checkpoint="selective")
+    assert (layer_activation_bytes(args, dataclasses.replace(qlora, compile=True), selective)
+            == layer_activation_bytes(args, dataclasses.replace(qlora, compile=True, qlora=False), selective))

@@ -231,7 +231,7 @@ def system_of(ns: argparse.Namespace) -> System:
     passes = "fused" if system.optimizer_passes == "per-op" and optimizer not in PER_OP_OPTIMIZERS else None
     # a bf16 model (state_dtype bf16: torchtune's) at --precision fp32 is that system's model in fp32
     precision = getattr(ns, "precision", None) or "bf16"
-    if precision == "fp16" and system.state_dtype == "bf16":
+    if precision == "fp16" and system.state_dtype == "bf16" and ns.layout in (None, "fsdp-mp"):
         raise PlannerError("--precision", f"fp16 with --system {system.name}, whose model trains in bf16 "
                            "(state_dtype bf16: torchtune's dtype is bf16 or fp32)", "pass --precision bf16 or fp32")
     unmixed = precision == "fp32" and system.state_dtype != "fp32"

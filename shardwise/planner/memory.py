@@ -753,10 +753,12 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     if core:
         recompute = "none"  # the attention core's recompute keeps every other tensor
     total += tokens * _per_token(args, training, plan, recompute, moe)
-    if training.qlora and training.compile and recompute != "full" and dequantised:
+    if training.qlora and training.compile and recompute == "none" and dequantised:
         # a compiled block keeps each adapted linear's dequantised base weight for its input gradient (AOTAutograd's
         # partitioner saves it rather than rebuild it from the NF4 codes: tests/test_planner_system.py), once a
-        # micro-batch; eager torchao keeps the NF4 weight and dequantises again (down_projection_backward_bytes)
+        # micro-batch; eager torchao keeps the NF4 weight and dequantises again (down_projection_backward_bytes).
+        # A selective policy that recomputes all but the matmuls (shardwise's, torchtitan's) rebuilds it instead
+        # (the partitioner takes their PREFER_RECOMPUTE as must-recompute); attention-core selective keeps it
         total += adapted_base_params(args, training, plan.tp) * training.act_bytes
     if recompute == "selective":
         total += kept_reduce_scatter_bytes(args, training, plan, seq, moe)
@@ -1872,8 +1874,10 @@ def low_bit_state(args: ModelArgs, training: Training, plan: Plan, stage: int) -
     tensor by tensor as torchao keeps them (shardwise.optim): a rank's piece of a tensor (its DTensor's local
     tensor under FSDP2 and tensor parallelism, its flat slice under ZeRO-1) is quantised when it has
     LOW_BIT_MIN_VALUES values or more and is a whole number of blocks, at OPTIMIZER_STATE_BYTES a value plus two
-    code books; otherwise, and always for the embedding and head, both moments are fp32. On a small model, or a
-    LoRA adapter (rank x width) split over many ranks, every piece is fp32: 4x the quantised bytes."""
+    code books; otherwise, and always for the embedding and head (shardwise's engine keeps them out), both moments
+    are fp32. On a small model, or a LoRA adapter (rank x width) split over many ranks, every piece is fp32: 4x the
+    quantised bytes. A bf16 model (Training.state_dtype): the unquantised moments are bf16, and the embedding and
+    head are quantised like any tensor (torchao's rule alone)."""
     kinds = _trained_kinds(args, training, plan, stage)
     block, full = LOW_BIT_BLOCK[training.optimizer], OPTIMIZER_STATE_BYTES[training.optimizer]
     books = 2 * 4 * LOW_BIT_CODE_BOOK[training.optimizer]
