@@ -240,7 +240,7 @@ def _gpu(name: str, mem_gib: float, bf16: float | None, fp16: float, fp8: float 
                        intra_node_fabric="pcie" if name in PCIE_ONLY else "nvlink", source=source)
 
 
-PCIE_ONLY = {"h100-pcie", "l4", "a10g"}
+PCIE_ONLY = {"h100-pcie", "l4", "a10g", "rtx-4090", "rtx-a6000", "l40s"}
 """Catalogue GPUs whose nodes link them over PCIe only (no NVLink bridge or switch in the usual build)."""
 
 
@@ -280,6 +280,21 @@ CATALOGUE: dict[str, Accelerator] = {
         # product brief as quoted by AWS; the A10 datasheet gives 125 TF for the higher-clocked A10); PCIe Gen4;
         # g5.48xlarge: 100 Gb/s shared by 8 GPUs.
         _gpu("a10g", 24, 70.0, 70.0, None, 31.2, 0.6, 32, 1.5, 32, "NVIDIA A10G brief / AWS g5"),
+        # The GPUs fine-tuning runs on outside data-centre boards (torchtune's README tables: an RTX 4090, an RTX
+        # A6000; the L40S of the clouds' 8-GPU PCIe servers), each on PCIe only (a bridge links A6000s in pairs
+        # alone). Memory as nvidia-smi prints it (public logs): 24564 MiB on a 4090, 49140 MiB on an A6000 (ECC off,
+        # its default), 46068 MiB on an L40S (ECC on, its default). Dense tensor peaks with fp32 accumulation, as
+        # PyTorch's matmuls accumulate (a GeForce card runs those at half its fp16-accumulate rate).
+        # NVIDIA Ada GPU architecture whitepaper, RTX 4090: BF16/FP16 tensor with FP32 accumulate 165.2 TF dense
+        # (330.4 sparse), FP8 330.3, FP32 82.6 TF, GDDR6X 1,008 GB/s, PCIe Gen4 x16, no NVLink.
+        _gpu("rtx-4090", 23.99, 165.2, 165.2, 330.3, 82.6, 1.008, 32, 1.5, 32, "NVIDIA Ada whitepaper, RTX 4090"),
+        # NVIDIA RTX A6000 datasheet: 48 GB GDDR6, 768 GB/s, tensor 309.7 TF sparse (154.8 dense FP16/BF16), FP32
+        # 38.7 TF, no FP8; NVLink bridge for two cards only (112.5 GB/s both ways), so PCIe Gen4 between the rest.
+        _gpu("rtx-a6000", 47.99, 154.8, 154.8, None, 38.7, 0.768, 32, 1.5, 32, "NVIDIA RTX A6000 datasheet"),
+        # NVIDIA L40S datasheet (as Bekman's accelerator tables quote it, stas00/ml-engineering
+        # compute/accelerator/README.md): BF16/FP16 362 TF dense, FP8 733, FP32 91.6, GDDR6 864 GB/s; PCIe Gen4 x16,
+        # no NVLink; cloud nodes of 8 (AWS g6e.48xlarge) share 400 Gb/s: 6.25 GB/s a GPU.
+        _gpu("l40s", 44.99, 362.0, 362.0, 733.0, 91.6, 0.864, 32, 6.25, 32, "NVIDIA L40S datasheet"),
         # NVIDIA V100 datasheet (SXM2 32 GB): HBM2 900 GB/s, FP16 tensor 125 TF, FP32 15.7 TF, no BF16/FP8;
         # NVLink 300 GB/s; DGX-1/2 era EDR 100 Gb/s per GPU; host PCIe Gen3 (16 GB/s).
         _gpu("v100", 32, None, 125.0, None, 15.7, 0.9, 150, 12.5, 16, "NVIDIA V100 datasheet, SXM2 32GB"),
@@ -363,7 +378,8 @@ HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128
 for _name, _gib in HOST_GIB_PER_GPU.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
 
-ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x"}
+ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h200-sxm": "h200", "mi300": "mi300x", "4090": "rtx-4090",
+           "rtx4090": "rtx-4090", "a6000": "rtx-a6000"}
 
 
 def accelerator(name: str) -> Accelerator:
@@ -521,4 +537,6 @@ def detect_accelerator(device) -> str | None:
         return "h100-pcie" if "pcie" in label else "h100"
     if "a100" in label:
         return "a100-80gb" if torch.cuda.get_device_properties(device).total_memory > 50 * GiB else "a100-40gb"
-    return next((name for name in ("h200", "b200", "mi300x", "l4", "a10g", "v100") if name in label), None)
+    names = {"rtx 4090": "rtx-4090", "rtx a6000": "rtx-a6000", "l40s": "l40s"}  # ("nvidia l40s" before "l4")
+    found = next((key for part, key in names.items() if part in label), None)
+    return found or next((name for name in ("h200", "b200", "mi300x", "l4", "a10g", "v100") if name in label), None)

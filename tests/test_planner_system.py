@@ -2282,3 +2282,28 @@ def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_
     selective = Plan(micro_batch=1, activation_checkpoint="selective")
     assert (layer_activation_bytes(args, dataclasses.replace(qlora, compile=True), selective)
             == layer_activation_bytes(args, dataclasses.replace(qlora, compile=True, qlora=False), selective))
+
+
+def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_names(monkeypatch):
+    # torchtune's tables ran on an RTX 4090 and an RTX A6000, and the clouds rent 8-GPU L40S servers: each is in the
+    # catalogue (hardware.CATALOGUE, datasheet figures) and recognised by the name the driver gives it, the L40S
+    # before the L4 its name contains (which it was taken for before)
+    from shardwise.hardware import detect_accelerator
+
+    names = {"NVIDIA GeForce RTX 4090": "rtx-4090", "NVIDIA RTX A6000": "rtx-a6000", "NVIDIA L40S": "l40s",
+             "NVIDIA L4": "l4", "NVIDIA H100 80GB HBM3": "h100"}
+    for label, key in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, label=label: label)
+        assert detect_accelerator(torch.device("cuda", 0)) == key
+    for key in ("rtx-4090", "rtx-a6000", "l40s"):
+        acc = accelerator(key)
+        assert acc.intra_node_fabric == "pcie" and acc.source
+    assert accelerator("4090").memory_bytes / GiB == pytest.approx(24564 / 1024, abs=0.01)
+    assert "fp8" not in accelerator("a6000").peak_flops  # Ampere: no float8
+    # QLoRA of Llama 3.2 3B fits a 4090 as torchtune runs it; a full fine-tune with mixed-precision AdamW does not
+    args, cluster = preset("llama3.2-3b"), Cluster(accelerator("rtx-4090"), 1)
+    plan = Plan(micro_batch=1, activation_checkpoint="full")
+    qlora = _training("torchtune", seq_len=2048, global_batch=1, lora_rank=16, qlora=True)
+    assert evaluate(args, qlora, plan, cluster).memory["total"] < accelerator("rtx-4090").memory_bytes
+    full = _training("torchtitan", seq_len=2048, global_batch=1)
+    assert evaluate(args, full, plan, cluster).memory["total"] > accelerator("rtx-4090").memory_bytes
