@@ -1338,16 +1338,16 @@ def bekman_runs() -> list[Run]:
 # tokens per second the labelled tokens of a step over its time. Added on 2026-12-06 and evaluated first as the
 # planner stood, in two sets (held out: docs/heldout-2026-12-06/torchtune-*.txt).
 TORCHTUNE = ("torchtune, README.md (Optimization flags), https://github.com/pytorch/torchtune/blob/main/README.md")
-# technique, compile, the chunked loss (compiled with the layers: over bf16 logits), recompute, peak memory active
-# (GiB), tokens/s
-TORCHTUNE_ROWS = [("+ Packed Dataset", False, False, "none", 60.0, 7075),
-                  ("+ Compile", True, False, "none", 51.0, 8998),
-                  ("+ Chunked Cross Entropy", True, True, "none", 42.9, 9174),
-                  ("+ Activation Checkpointing", True, True, "full", 24.9, 7210),
-                  ("+ Fuse optimizer step into backward", True, True, "full", 23.1, 7309),
-                  ("+ Activation Offloading", True, True, "full", 21.8, 7301),
-                  ("LoRA", True, True, "full", 8.5, 8210),
-                  ("QLoRA", True, True, "full", 4.6, 8035)]
+# technique, compile, the chunked loss (compiled with the layers: over bf16 logits), recompute, the optimizer in
+# backward, activation offloading, peak memory active (GiB), tokens/s
+TORCHTUNE_ROWS = [("+ Packed Dataset", False, False, "none", False, False, 60.0, 7075),
+                  ("+ Compile", True, False, "none", False, False, 51.0, 8998),
+                  ("+ Chunked Cross Entropy", True, True, "none", False, False, 42.9, 9174),
+                  ("+ Activation Checkpointing", True, True, "full", False, False, 24.9, 7210),
+                  ("+ Fuse optimizer step into backward", True, True, "full", True, False, 23.1, 7309),
+                  ("+ Activation Offloading", True, True, "full", True, True, 21.8, 7301),
+                  ("LoRA", True, True, "full", False, True, 8.5, 8210),
+                  ("QLoRA", True, True, "full", False, True, 4.6, 8035)]
 TORCHTUNE_LORA = ("wq", "wv", "wo", "w1", "w3", "w2")
 """The linears torchtune's Llama 3.2 3B LoRA configs adapt (lora_attn_modules q_proj, v_proj, output_proj;
 apply_lora_to_mlp), at rank 64."""
@@ -1356,16 +1356,14 @@ apply_lora_to_mlp), at rank 64."""
 def torchtune_runs() -> list[Run]:
     model = preset("llama3.2-3b")
     runs = []
-    for i, (technique, compiled, loss, recompute, mem, tps) in enumerate(TORCHTUNE_ROWS):
+    for technique, compiled, loss, recompute, in_backward, offload, mem, tps in TORCHTUNE_ROWS:
         adapters = technique in ("LoRA", "QLoRA")
-        offload = i >= 5  # "+ Activation Offloading" and the adapters' rows
         runs.append(Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
                         f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
                         f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12,
                         mem_gib=mem, mem_active=True, system="torchtune", search=False, compile=compiled,
-                        compile_loss=loss,
-                        loss_chunks=None if loss else 1, activation_offload=offload,
-                        optimizer_in_backward=i in (4, 5),
+                        compile_loss=loss, loss_chunks=None if loss else 1, activation_offload=offload,
+                        optimizer_in_backward=in_backward,
                         lora_rank=64 if adapters else 0, qlora=technique == "QLoRA",
                         lora_targets=TORCHTUNE_LORA if adapters else PROJECTIONS))
     return runs
