@@ -19,6 +19,7 @@ from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate
 from shardwise.planner.cli import add_plan_arguments, run_plan, system_of
 from shardwise.planner.memory import (
+    block_backward_bytes,
     block_terms,
     dtensor_loss_parallel,
     embedding_activation_bytes,
@@ -2221,6 +2222,39 @@ def test_the_optimizer_in_backward_holds_no_gradient_set_and_needs_one_micro_bat
     assert with_grads.memory["total"] > ev.memory["total"]
     error = engine_error(dataclasses.replace(plan, grad_accum=2), training, args)
     assert error is not None and error.field == "parallel.grad_accum"
+
+
+def test_torchtune_has_no_op_level_selective_checkpointing_and_a_replay_never_makes_negative_bytes(capsys, tmp_path):
+    # torchtune's ac_mode "selective" wraps every k-th layer whole (training/activations.py): the preset's selective
+    # is "none", so the planner neither offers op-level selective recompute for it nor prices one it is given
+    from shardwise.planner.plan import engine_error
+    from shardwise.planner.search import plan_space
+
+    args = preset("llama3.2-3b")
+    tune = _training("torchtune", global_batch=2)
+    assert tune.selective == "none"
+    error = engine_error(Plan(micro_batch=1, grad_accum=2, activation_checkpoint="selective"), tune, args)
+    assert error is not None and error.field == "parallel.activation_checkpoint"
+    assert engine_error(Plan(micro_batch=1, grad_accum=2, activation_checkpoint="full"), tune, args) is None
+    walked = {p.activation_checkpoint for p in plan_space(args, tune, Cluster(accelerator("a100"), 1))}
+    assert walked == {"none", "full"}
+    argv = ["--model", "llama3.2-3b", "--gpus", "1", "--gpu", "a100", "--seq-len", "4096", "--global-batch", "2",
+            "--system", "torchtune"]
+    assert run_plan(_ns(*argv, "--plan", "activation_checkpoint=selective")) == 2
+    err = capsys.readouterr().err
+    assert "parallel.activation_checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert run_plan(_ns(*argv, "--top-k", "3")) == 0
+    assert "rc=sel" not in capsys.readouterr().out
+    # a system file that gives torchtune a policy saving every matmul output: under LoRA it keeps a frozen
+    # linear's output, which no backward reads, so it keeps more than no recompute; the replay then rebuilds
+    # nothing (it once counted the difference, negative, against the backward's peak)
+    (tmp_path / "tune-sac.toml").write_text('base = "torchtune"\nselective = "matmuls"\n')
+    sac = Training(**{"seq_len": 4096, "global_batch": 2, "lora_rank": 16,
+                      **resolve_system(str(tmp_path / "tune-sac.toml")).training_fields()})
+    selective = Plan(micro_batch=1, grad_accum=2, activation_checkpoint="selective")
+    kept = layer_activation_bytes(args, sac, selective)
+    assert kept > layer_activation_bytes(args, sac, selective, "none")
+    assert block_backward_bytes(args, sac, selective)["recomputed"] == 0.0
 
 
 def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_it_for_backward():

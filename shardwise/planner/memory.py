@@ -960,8 +960,10 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
             moments.append(down_projection_backward_bytes(args, training, plan))
         out = max(moments, key=functools.partial(_block_backward_net, accumulating=accumulating))
     if plan.activation_checkpoint != "none":
-        out["recomputed"] = layer_activation_bytes(args, training, plan, "none", moe=moe) - layer_activation_bytes(
-            args, training, plan, moe=moe)
+        # what the replay makes beyond what was kept; none where a policy keeps more than autograd would (a
+        # selective policy saving every matmul output keeps a frozen LoRA linear's, which no backward reads)
+        out["recomputed"] = max(0.0, layer_activation_bytes(args, training, plan, "none", moe=moe)
+                                - layer_activation_bytes(args, training, plan, moe=moe))
         if moe:
             # the replayed forward also casts the experts again; at the return of their outputs it holds the
             # dispatch's buffers, before any gradient of the block exists: the larger of that and the SiLU's

@@ -52,7 +52,7 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     (config.qlora_error), as shardwise's system (layout 'torch'), of
     a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: activation offloading
     without full recompute (Training.activation_offload), the optimizer in backward under accumulation
-    (Training.optimizer_in_backward)."""
+    (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
         error = tp_error(args, plan, training.seq_len)
@@ -73,6 +73,11 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = ConfigError("parallel.pp", f"{plan.pp} pipeline stages, and the system offloads activations "
                             "(activation_offload: torchtune's recipes, which have no pipeline)",
                             "use pp=1, or a system without activation_offload")
+    if error is None and plan.activation_checkpoint == "selective" and training.selective == "none":
+        # torchtune: its ac_mode "selective" wraps every k-th layer whole (training/activations.py), no op policy
+        error = ConfigError("parallel.activation_checkpoint", "selective, and the system has no op-level selective "
+                            "checkpointing (selective = none)", "use activation_checkpoint=none or full, or a "
+                            "system with selective checkpointing")
     if error is None and training.activation_offload and plan.activation_checkpoint != "full":
         # torchtune: "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
         error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system offloads "

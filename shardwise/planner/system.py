@@ -238,15 +238,16 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "bf16, no fp32 copy, no autocast), FSDP2 with no mixed-precision policy where it shards (gathers and "
            "reductions in bf16), bf16 residual stream, its RMSNorm composite in fp32, the logits materialised in "
            "bf16 chunks for CEWithChunkedOutputLoss (compiled with the layers under --compile), whole-layer "
-           "checkpointing, eager elementwise operators, torch's fused AdamW",
+           "checkpointing only (no op-level selective), eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
-           compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch",
+           compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
                   "compiles each layer and training.compile_loss the loss), modules/rms_norm.py (x.float(), rsqrt, "
                   "type_as), modules/loss/ce_chunked_output_loss.py (8 chunks, each upcast in the loss), "
-                  "training/activations.py (checkpoint_wrapper per layer, non-reentrant), "
+                  "training/activations.py (checkpoint_wrapper per layer, non-reentrant; its ac_mode 'selective' "
+                  "wraps every k-th layer whole, no op-level policy: selective none), "
                   "training/_activation_offloading.py (enable_activation_offloading, off by default), the configs' "
                   "optimizer torch.optim.AdamW with fused: True"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "

@@ -24,8 +24,8 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adamw", "sgd", "momentum", "adamw8bit", "adamw4bit", "adafactor"]
 Layout = Literal["torch", "fsdp-mp", "zero", "megatron"]
 LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
-Selective = Literal["matmuls", "alternate-matmuls", "attention-core"]
-SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core")
+Selective = Literal["matmuls", "alternate-matmuls", "attention-core", "none"]
+SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core", "none")
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
 CpExchange = Literal["allgather", "ring", "torch"]
 CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch")
@@ -141,7 +141,8 @@ class Training:
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
     policy), 'attention-core' everything but the attention core, which is recomputed (Korthikanti et al.;
-    Megatron's selective recompute; always so with unfused attention)."""
+    Megatron's selective recompute; always so with unfused attention), 'none' a system without op-level
+    selective checkpointing (activation_checkpoint=selective refused: plan.engine_error)."""
     distribute_checkpoints: bool = False
     """Under full recompute without sequence parallelism, each block's saved input is split over the tp ranks and
     all-gathered again before the block is recomputed (Megatron-LM's --distribute-checkpointed-activations,
