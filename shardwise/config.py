@@ -458,7 +458,8 @@ ALIASES = {"model.": {
     "hidden_dim": "ffn_hidden", "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
     "seq_length": "max_seq_len", "tie_word_embeddings": "tie_embeddings", "num_local_experts": "n_experts",
     "num_experts": "n_experts", "num_experts_per_tok": "top_k", "moe_intermediate_size": "moe_ffn_hidden",
-    "router_z_loss_coef": "z_loss_coeff", "router_aux_loss_coef": "aux_loss_coeff"}}
+    "router_z_loss_coef": "z_loss_coeff", "router_aux_loss_coef": "aux_loss_coeff", "head_dim": "attn_head_dim",
+    "kv_channels": "attn_head_dim"}}
 """Other systems' names for a field, so that the unknown-key error names ours (difflib's nearest name for ffn_dim
 was dim, a different field)."""
 
@@ -633,14 +634,17 @@ def _validate_model(m: ModelArgs, data: DataConfig, sizing: bool = False) -> Non
                           "`shardwise plan` only)", 'remove model.mlp, or set it to "swiglu"')
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.dim % m.n_heads:
+    if m.attn_head_dim < 0:
+        raise ConfigError("model.attn_head_dim", f"{m.attn_head_dim} is negative",
+                          "set the width of one attention head, or 0 for dim // n_heads")
+    if m.dim % m.n_heads and not m.attn_head_dim:
         raise ConfigError(
             "model.n_heads", f"{m.n_heads} heads do not divide model.dim={m.dim}",
-            f"pick n_heads among the divisors of {m.dim}, or change dim",
+            f"pick n_heads among the divisors of {m.dim}, change dim, or set model.attn_head_dim",
         )
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd",
-                          "rotary embedding needs an even head dim")
+    if m.head_dim % 2:
+        field = "model.attn_head_dim" if m.attn_head_dim else "model.n_heads"
+        raise ConfigError(field, f"head dim {m.head_dim} is odd", "rotary embedding needs an even head dim")
     _positive("model.n_kv_heads", m.n_kv_heads)
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(

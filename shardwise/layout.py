@@ -376,8 +376,8 @@ def layer_costs(args: ModelArgs, seq_len: int) -> tuple[int, list[int], int]:
     blocks. Memory balance is the planner's concern: the first stage holds the embedding table and, under
     1F1B, the most micro-batches in flight.
     """
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    attention = 6 * (2 * d * d + 2 * d * kv) + 12 * d * seq_len
+    d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+    attention = 6 * (2 * d * q + 2 * d * kv) + 12 * q * seq_len
     blocks = [attention + 6 * mlp_params(args, i, active=True) for i in range(args.n_layers)]
     head = 6 * d * args.vocab_size + 5 * args.vocab_size + 8 * d
     return 2 * d, blocks, head

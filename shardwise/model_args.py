@@ -25,9 +25,13 @@ class ModelArgs:
     n_layers: int = 4
     """Transformer blocks."""
     n_heads: int = 4
-    """Attention (query) heads; must divide dim."""
+    """Attention (query) heads; must divide dim unless attn_head_dim is set."""
     n_kv_heads: int = 2
     """Key/value heads for grouped-query attention; must divide n_heads (= n_heads for plain multi-head)."""
+    attn_head_dim: int = 0
+    """Width of one attention head (Hugging Face's head_dim); 0: dim // n_heads, as in Llama. Qwen3 (128 on hidden
+    sizes of 2048 to 4096 with 32 to 64 heads) and Mistral NeMo (128 on 5120 with 32) set it: the queries are then
+    n_heads x attn_head_dim wide (q_dim), not dim."""
     vocab_size: int = 512
     """Rows of the embedding and output head; at least the tokenizer's vocabulary."""
     ffn_hidden: int = 384
@@ -90,7 +94,13 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention's output (wq's output, wo's input): n_heads x head_dim, which
+        is dim unless attn_head_dim sets the head width apart from it."""
+        return self.n_heads * self.head_dim
 
     @property
     def expert_hidden(self) -> int:
@@ -134,20 +144,26 @@ PRESETS: dict[str, ModelArgs] = {
         _preset("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                 ffn_hidden=53248, rope_theta=500000.0, max_seq_len=8192, rope_scaling_factor=8.0),  # Llama 3.1's
         # mixtures of experts. Mixtral 8x7B: Jiang et al. 2024 and its config.json. Qwen3-30B-A3B (its
-        # config.json) has head_dim 128 and per-head q/k norms; "-like" gives it our head_dim = dim / n_heads. Their
-        # balancing losses are their config.json's router_aux_loss_coef (0.02 and 0.001). The
+        # config.json): head_dim 128 on a hidden size of 2048 (32 query heads: 4096 wide); "-like": without its
+        # per-head q/k norms. Their balancing losses are their config.json's router_aux_loss_coef (0.02 and
+        # 0.001). The
         # DeepSeek-V3-like shape (DeepSeek-AI 2024, table of hyper-parameters) has GQA attention in place of MLA.
         _preset("debug-moe", n_experts=8, top_k=2, moe_ffn_hidden=96, n_shared_experts=1, n_dense_layers=1,
                 aux_loss_coeff=0.01),  # Switch Transformer's alpha: without it the demo's bytes go to one expert
         _preset("mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                 ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2, aux_loss_coeff=0.02),
-        _preset("qwen3-30b-a3b-like", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+        _preset("qwen3-30b-a3b-like", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, attn_head_dim=128,
+                vocab_size=151936,
                 ffn_hidden=6144, moe_ffn_hidden=768, rope_theta=1e6, max_seq_len=40960, norm_eps=1e-6,
                 n_experts=128, top_k=8, aux_loss_coeff=0.001),
         _preset("deepseek-v3-like", dim=7168, n_layers=61, n_heads=128, n_kv_heads=8, vocab_size=129280,
                 ffn_hidden=18432, moe_ffn_hidden=2048, n_experts=256, top_k=8, n_shared_experts=1,
                 n_dense_layers=3, score_func="sigmoid", route_scale=2.5, max_seq_len=4096,
                 bias_update_rate=0.001),
+        # Mistral NeMo 12B (Mistral AI and NVIDIA, 2024; its config.json): a Llama block with heads of 128 on a
+        # hidden size of 5120 (32 query heads, 4096 wide), 128K context
+        _preset("mistral-nemo-12b", dim=5120, n_layers=40, n_heads=32, n_kv_heads=8, attn_head_dim=128,
+                vocab_size=131072, ffn_hidden=14336, rope_theta=1e6, max_seq_len=131072),
         _preset("gpt3-175b", dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=50257,
                 ffn_hidden=32768, max_seq_len=2048, tie_embeddings=True),
     ]
@@ -183,8 +199,8 @@ def count_text(n: float) -> str:
 def num_params(args: ModelArgs, *, embedding: bool = True, active: bool = False) -> int:
     """Parameter count; embedding=False leaves out the input embedding table (it does no matmul); active=True
     counts, of a mixture of experts, the parameters one token uses (its top_k experts, not all of them)."""
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    attn = d * d + 2 * d * kv + d * d
+    d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+    attn = d * q + 2 * d * kv + q * d
     blocks = sum(attn + mlp_params(args, i, active=active) + 2 * d for i in range(args.n_layers))
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else args.vocab_size * d
@@ -198,7 +214,7 @@ def num_params(args: ModelArgs, *, embedding: bool = True, active: bool = False)
 def network_fields(args: ModelArgs) -> list[str]:
     """The fields (or properties) of `args` that weights for it must agree on: what a checkpoint or a Hugging Face
     folder is checked against (the names, norm epsilon and rotary base may differ)."""
-    fields = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings", "n_experts",
+    fields = ["dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "tie_embeddings", "n_experts",
               "n_shared_experts", "n_dense_layers"]
     if args.n_moe_layers < args.n_layers:  # some block has the dense MLP
         fields.append("ffn_hidden")
@@ -220,8 +236,8 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in, out) features of each of a block's linears, by their name in the model, in forward order: seven, or
     six for a GELU MLP (no w3)."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    shapes = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
+    d, q, kv, f = args.dim, args.q_dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}
     if args.mlp == "gelu":
         del shapes["w3"]
     return shapes
@@ -244,7 +260,7 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None 
     matmuls but no weight gradient: 4 N, plus 6 per adapter parameter; the attention matmuls are all still done.
     """
     matmul_params = num_params(args, embedding=False, active=True) - (2 * args.n_layers + 1) * args.dim
-    attention = 12.0 * args.n_layers * args.dim * seq_len
+    attention = 12.0 * args.n_layers * args.q_dim * seq_len
     if adapter_params is None:
         return 6.0 * matmul_params + attention
     return 4.0 * matmul_params + 6.0 * adapter_params + attention
@@ -277,8 +293,9 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
             raise ValueError(f"{key} = {value!r} is not a positive whole number")
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-    if head_dim * n_heads != cfg["hidden_size"]:
-        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % n_heads:
+        raise ValueError(f"num_attention_heads = {n_heads} does not divide hidden_size = {cfg['hidden_size']} and "
+                         "head_dim is not given")
     mixtral = cfg.get("model_type") == "mixtral"
     # transformers 5 writes the base inside rope_parameters; a missing one is the model type's default
     rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")
@@ -300,6 +317,7 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
         n_layers=cfg["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=kv,
+        attn_head_dim=0 if head_dim * n_heads == cfg["hidden_size"] else head_dim,
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5),

@@ -50,6 +50,24 @@ def test_logits_match_transformers_llama(kv_heads, tied):
     assert (got - expected).abs().max().item() <= 1e-5
 
 
+def test_heads_wider_than_the_residual_stream_match_transformers_and_round_trip():
+    """A head width set apart from dim / n_heads (Qwen3's and Mistral NeMo's head_dim 128): 4 heads of 24 on a
+    residual of 64, queries 96 wide. transformers' LlamaConfig takes head_dim; the logits equal its, the config
+    written for it reads back to the same shape, and the parameter count follows the wider projections (the FLOP
+    count: test_flops_per_token_matches_torch_flop_counter)."""
+    args = preset("tiny", attn_head_dim=24)
+    assert (args.head_dim, args.q_dim, args.dim) == (24, 96, 64)
+    ours, theirs = _pair(args)
+    assert theirs.model.layers[0].self_attn.q_proj.weight.shape == (96, 64)
+    tokens = torch.randint(0, args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-5
+    assert args_from_hf_config(hf.hf_config(args), name=args.name) == args
+    assert num_params(args) == sum(p.numel() for p in theirs.parameters())
+    plain = args_from_hf_config({**hf.hf_config(args), "head_dim": 16}, name=args.name)
+    assert plain.attn_head_dim == 0 and plain.q_dim == 64  # dim // n_heads: stored as the default
+
+
 def test_llama3_rotary_scaling_matches_transformers_and_its_config_round_trips():
     """Llama 3.1 / 3.2's rotary frequency scaling (rope_type 'llama3'), its pre-training context cut to 64 so that
     256 tokens of the tiny model's head_dim 16 span the three bands (kept, blended, divided by the factor): the logits
@@ -111,11 +129,13 @@ def test_init_ignores_wrapper_prefixes():
 
 
 # Published parameter counts: Llama 3 paper (8.03B / 70.6B / 405.9B as released), Llama 3.2 model cards
-# (1.24B / 3.21B), Llama 2 7B (6.74B), GPT-3 175B.
+# (1.24B / 3.21B), Llama 2 7B (6.74B), GPT-3 175B, Mistral NeMo 12B's model card (12.2B; heads of 128 on 5120),
+# Qwen3-30B-A3B's model card (30.5B in all; heads of 128 on 2048; its q/k norms, 256 weights a block, left out).
 @pytest.mark.parametrize(
     "name, published",
     [("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9), ("llama3.2-1b", 1.24e9),
-     ("llama3.2-3b", 3.21e9), ("llama2-7b", 6.74e9), ("gpt3-175b", 175e9)],
+     ("llama3.2-3b", 3.21e9), ("llama2-7b", 6.74e9), ("gpt3-175b", 175e9), ("mistral-nemo-12b", 12.2e9),
+     ("qwen3-30b-a3b-like", 30.5e9)],
 )
 def test_preset_sizes_match_published(name, published):
     n = num_params(PRESETS[name])
@@ -124,10 +144,11 @@ def test_preset_sizes_match_published(name, published):
     assert n == sum(p.numel() for p in build_model(PRESETS[name]).parameters())
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token_matches_torch_flop_counter(tied):
-    """6N + 12 L d s against torch's own count of the matmul and attention FLOPs of forward + backward."""
-    args = preset("tiny", tie_embeddings=tied)
+@pytest.mark.parametrize("tied, head_dim", [(False, 0), (True, 0), (False, 24)], ids=["untied", "tied", "wide-heads"])
+def test_flops_per_token_matches_torch_flop_counter(tied, head_dim):
+    """6N + 12 L q_dim s against torch's own count of the matmul and attention FLOPs of forward + backward (heads
+    of 24 on a residual of 64: the queries, and the attention's FLOPs, 96 wide)."""
+    args = preset("tiny", tie_embeddings=tied, attn_head_dim=head_dim)
     model = build_model(args)
     materialize(model, args, "cpu", 0)
     batch, seq = 2, 64

@@ -84,12 +84,17 @@ PARITY = {
 # AdamW at a realistic learning rate, with clipping: the sharded optimizer states of ZeRO-1/2/3 under TP
 ADAMW = ["--set=optim.name='adamw'", "--set=optim.lr=3e-4", "--set=optim.grad_clip=1.0"]
 PARITY["adamw"] = ["dp=2,zero_stage=1", "dp_shard=2,tp=2,zero_stage=2"]
+# Heads of 12 on the residual of 64 (queries 96 wide: model.attn_head_dim, Qwen3's and Mistral NeMo's shape):
+# tp splits wq's output and wo's input by heads, cp cuts the sequence under the wider heads, FSDP shards them
+WIDE_HEADS = ["--set=model.attn_head_dim=12"]
+PARITY["wide-heads"] = ["tp=2,sequence_parallel=true", "dp_shard=2,cp=2", "tp=4"]
+EXTRA = {"adamw": ADAMW, "wide-heads": WIDE_HEADS}
 
 
 @pytest.mark.parametrize("group", sorted(PARITY))
 @pytest.mark.multiprocess
 def test_layouts_match_single_device(group):
-    args = ["verify", "--config", CONFIG, "--steps", "3", "--json", *(ADAMW if group == "adamw" else [])]
+    args = ["verify", "--config", CONFIG, "--steps", "3", "--json", *EXTRA.get(group, [])]
     for layout in PARITY[group]:
         args += ["--layout", layout]
     proc = _shardwise(*args)

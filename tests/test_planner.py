@@ -1035,6 +1035,9 @@ SIMULATED = [
     ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective"),
     ("llama3-70b", "tp=8,dp=64,cp=2,zero_stage=3"),
     ("llama2-7b", "dp=1024,zero_stage=3"),
+    # heads of 128 on a residual of 5120: the queries and the attention's output 4096 wide
+    ("mistral-nemo-12b", "tp=4,dp=256,zero_stage=3"),
+    ("mistral-nemo-12b", "tp=8,dp=128,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective"),
 ]
 
 
@@ -2035,17 +2038,19 @@ def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(pr
 
     table = ELEMENTWISE[precision]
     assert elementwise_traffic(precision) == table
-    for dim, heads, kv_heads, ffn in ((96, 6, 3, 224), (256, 16, 4, 768), (64, 2, 1, 96)):
-        widths = (dim, kv_heads * dim // heads, ffn, dim // heads, 1)
+    for dim, heads, kv_heads, ffn, head in ((96, 6, 3, 224, 0), (256, 16, 4, 768, 0), (64, 2, 1, 96, 0),
+                                             (64, 4, 2, 96, 24), (96, 12, 4, 160, 16)):
+        head = head or dim // heads
+        widths = (dim, heads * head, kv_heads * head, ffn, head, 1)
         predicted = [sum(c * w for c, w in zip(coefficients, widths)) for coefficients in (table.forward,
                                                                                            table.backward)]
-        assert list(block_elementwise_bytes(precision, dim, heads, kv_heads, ffn)) == pytest.approx(predicted,
-                                                                                                   rel=1e-9)
+        assert list(block_elementwise_bytes(precision, dim, heads, kv_heads, ffn, head)) == pytest.approx(
+            predicted, rel=1e-9)
     # forward: silu reads h1 and writes its output, the product reads both operands and writes one (5 passes);
     # backward: the product's two gradients (read g and an operand, write one: 6), silu_backward (read g and h1,
     # write one: 3); every one of these tensors in the matmuls' output dtype
     size = 4 if precision == "fp32" else 2
-    assert table.forward[2] == 5 * size and table.backward[2] == 9 * size
+    assert table.forward[3] == 5 * size and table.backward[3] == 9 * size
     # each RMSNorm's forward on the fp32 residual, two norms a block. The engine's: the norm reads x, x * rstd
     # reads x and writes, * weight reads and writes in place: 5 fp32 passes per element. torch's composite: pow
     # (read, write), mean (read), x * rstd (read, write), * weight (read, write): 7
@@ -2060,8 +2065,8 @@ def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(pr
         training = Training(seq_len=2048, global_batch=1, precision=precision, elementwise="eager",
                             fused_rmsnorm=fused_norm)
         t = layer_times(args, training, plan, acc)
-        forward = sum(c * w for c, w in zip(table.forward, (4096, 1024, 14336, 128, 1)))
-        backward = sum(c * w for c, w in zip(table.backward, (4096, 1024, 14336, 128, 1)))
+        forward = sum(c * w for c, w in zip(table.forward, (4096, 4096, 1024, 14336, 128, 1)))
+        backward = sum(c * w for c, w in zip(table.backward, (4096, 4096, 1024, 14336, 128, 1)))
         if not fused_norm:  # torch's composite norms in place of the engine's
             forward += 4096 * (table.composite_forward - table.norm_forward)
             backward += 4096 * (table.composite_backward - table.norm_backward)

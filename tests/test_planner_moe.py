@@ -58,8 +58,8 @@ def _hand_state_bytes(args: ModelArgs, tp: int, ep: int, shard: int) -> float:
     """fp32 weights (layout torch) of one rank under ZeRO-3 (pp 1), counted by hand from the shapes: the attention
     split by tp (wq, wo by heads, wk, wv by KV heads), norms, router and shared experts whole, n_experts / ep routed
     experts; FSDP shards the experts over the dp_shard x cp / ep ranks that hold them, the rest over all of them."""
-    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.expert_hidden
-    attention = (2 * d * d) / tp + 2 * d * kv / min(tp, args.n_kv_heads) + 2 * d
+    d, q, kv, h = args.dim, args.q_dim, args.n_kv_heads * args.head_dim, args.expert_hidden
+    attention = (2 * d * q) / tp + 2 * d * kv / min(tp, args.n_kv_heads) + 2 * d
     dense_mlp = 3 * d * args.ffn_hidden / tp
     moe = args.n_experts * d + 3 * d * args.n_shared_experts * h
     experts = args.n_experts // ep * 3 * d * h
@@ -321,8 +321,8 @@ def test_tensor_parallelism_does_not_split_the_moe():
     attention's does), and a block's tp traffic is its attention's pair of all-reduces, one each way."""
     args = preset("qwen3-30b-a3b-like")
     training = Training(seq_len=4096, global_batch=8)
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    attention = 2 * d * d + 2 * d * kv
+    d, q, kv = args.dim, args.q_dim, args.n_kv_heads * args.head_dim
+    attention = 2 * d * q + 2 * d * kv
     moe = d * args.n_experts + args.top_k * 3 * d * args.expert_hidden
     head = d * args.vocab_size
     # weight-gradient matmuls, 2 x tokens x weights at 1 TFLOP/s (elementwise work free): attention and head halve

@@ -456,16 +456,16 @@ def te_float8_terms(terms: list[Term], args: ModelArgs) -> list[Term]:
     MLP's last input become float8; the attention output projection's float8 input is kept beside the bf16
     attention output the attention's own backward keeps (and still kept when the attention core is recomputed)."""
     out = [replace(t, kind="f8") if t.name in TE_FLOAT8_INPUTS else t for t in terms]
-    return out + [Term("wo_input_f8", args.dim, "f8", "tp")]
+    return out + [Term("wo_input_f8", args.q_dim, "f8", "tp")]
 
 
 def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int, moe: bool,
                  routed: float, ep: int) -> list[Term]:
-    d, kv, f, a = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
+    d, q, kv, f, a = args.dim, args.q_dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads
     if recompute == "full":
         return [Term("block_input", d, "stream", "tp" if training.distribute_checkpoints else "seq")]
     matmuls = matmul_output_terms(args)
-    sdpa = [Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
+    sdpa = [Term("sdpa_out", q, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     if recompute == "selective" and training.selective == "alternate-matmuls" and not moe:
         # torchtitan's op-level policy: the checkpoint keeps the block input, the policy the attention's output
         # and every second matmul output in forward order (SwiGLU: wq, wv, w1, w2 kept; wk, wo, w3 recomputed)
@@ -479,8 +479,8 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
             return attention + moe_terms(args, training, "selective", routed, ep)
         return attention + matmuls[4:] + [t for t in adapters if t not in on_attention]
     terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv")))
-    terms += [Term("q_rotated", d, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
-              Term("sdpa_out", d, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
+    terms += [Term("q_rotated", q, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
+              Term("sdpa_out", q, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     terms += lora_kept_terms(args, training, ATTENTION)
     if moe:
         return terms + moe_terms(args, training, "none", routed, ep)
@@ -511,13 +511,13 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
     keeps for its own backward."""
     if not (training.lora_rank and training.lora_dropout):
         return []
-    d, f = args.dim, args.ffn_hidden
+    d, q, f = args.dim, args.q_dim, args.ffn_hidden
     norm_split = norm_output_split(training)
-    inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (d, "tp"),
+    inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (q, "tp"),
               "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
     adapted = [n for n in names if n in training.lora_targets and n in projection_shapes(args)]
     terms = [Term(f"{n}_lora_dropout_mask", elems, "mask", split) for n in adapted for elems, split in [inputs[n]]]
-    return terms + [Term("wo_lora_dropped_input", d, "act", "tp")] * ("wo" in adapted)
+    return terms + [Term("wo_lora_dropped_input", q, "act", "tp")] * ("wo" in adapted)
 
 
 def first_block_unkept_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -577,8 +577,8 @@ def swiglu_saved(training: Training, prefix: str = "") -> list[str]:
 
 def matmul_output_terms(args: ModelArgs) -> list[Term]:
     """A dense block's matmul outputs, per token, in forward order (a GELU MLP has no w3)."""
-    d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    outputs = {"wq": Term("wq_out", d, "act", "tp"), "wk": Term("wk_out", kv, "act", "kv"),
+    d, q, kv, f = args.dim, args.q_dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    outputs = {"wq": Term("wq_out", q, "act", "tp"), "wk": Term("wk_out", kv, "act", "kv"),
                "wv": Term("wv_out", kv, "act", "kv"), "wo": Term("wo_out", d, "act", "full"),
                "w1": Term("w1_out", f, "act", "tp"), "w3": Term("w3_out", f, "act", "tp"),
                "w2": Term("w2_out", d, "act", "full")}
@@ -765,7 +765,7 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     if core and not unfused:
         # a fused kernel's output and log-sum-exp are what its checkpoint drops (Megatron-Core's selective
         # recompute of core_attn): the forward kernel runs again in backward from the kept q, k, v
-        total -= tokens * (args.dim * training.act_bytes + args.n_heads * TERM_BYTES["stat"]) / plan.tp
+        total -= tokens * (args.q_dim * training.act_bytes + args.n_heads * TERM_BYTES["stat"]) / plan.tp
     if recompute == "none" and training.act_bytes != 4 and training.layout == "torch":
         # shardwise's apply_rotary casts the halves of the fp32 cos/sin table it uses to the activation dtype for q
         # and for k, and saves them: 2 (seq, head_dim) copies per block, independent of the batch

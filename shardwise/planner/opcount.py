@@ -322,16 +322,18 @@ class ElementwiseCounter(OpCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def block_elementwise_bytes(precision: str, dim: int, n_heads: int, n_kv_heads: int, ffn: int) -> tuple[float, float]:
+def block_elementwise_bytes(precision: str, dim: int, n_heads: int, n_kv_heads: int, ffn: int,
+                            head_dim: int = 0) -> tuple[float, float]:
     """(forward, backward) bytes per token of one dense block's elementwise operators on the engine's model, under
     the precision's autocast: a 2-block model less a 1-block one (one block), at 2 x 64 tokens less at 2 x 32 (per
-    token: what does not scale with tokens, weight casts and weight gradients, drops out)."""
+    token: what does not scale with tokens, weight casts and weight gradients, drops out). `head_dim`: the heads'
+    width where it is not dim // n_heads (ModelArgs.attn_head_dim)."""
     from shardwise.loss import autocast_context
 
     counts = {}
     for n_layers, seq in itertools.product((1, 2), (32, 64)):
         args = ModelArgs(name="opcount", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                         ffn_hidden=ffn, vocab_size=32, max_seq_len=seq)
+                         ffn_hidden=ffn, vocab_size=32, max_seq_len=seq, attn_head_dim=head_dim)
         torch.manual_seed(0)
         model = Transformer(args)
         fuse_head_loss(model)
@@ -356,22 +358,26 @@ def block_elementwise_bytes(precision: str, dim: int, n_heads: int, n_kv_heads: 
 def elementwise_traffic(precision: str) -> Elementwise:
     """operators.ELEMENTWISE[precision] as counted now: bytes per token of one dense block's eager elementwise
     operators (RMSNorms, RoPE, SwiGLU, residual adds, autocast's casts), forward and backward, as coefficients of
-    (dim, kv dim, ffn hidden), and per dim element the two RMSNorms as the engine runs them on a CPU and in
-    torch's composite form (both counted apart on one norm).
+    (dim, q dim, kv dim, ffn hidden, head_dim, 1), and per dim element the two RMSNorms as the engine runs them on
+    a CPU and in torch's composite form (both counted apart on one norm).
 
-    Counted by block_elementwise_bytes at shapes that move dim (with the heads: head_dim 16), KV heads, ffn hidden
-    and head_dim one at a time from a base. Every operator's tensors are one of these widths per token (RoPE's cos
-    and sin tables: a head_dim) or a scalar per token (the norms' statistics), so the five solve it."""
-    base, wide, kv, ffn, heads = (block_elementwise_bytes(precision, *shape) for shape in (
-        (64, 4, 2, 96), (128, 8, 4, 96), (64, 4, 4, 96), (64, 4, 2, 160), (64, 2, 1, 96)))
+    Counted by block_elementwise_bytes at shapes that move dim (with the heads: head_dim 16), the query heads at
+    a fixed head width (ModelArgs.attn_head_dim), KV heads, ffn hidden and head_dim one at a time from a base.
+    Every operator's tensors are one of these widths per token (the residual stream's dim; the queries' and the
+    attention output's n_heads x head_dim; RoPE's cos and sin tables: a head_dim) or a scalar per token (the
+    norms' statistics), so the six solve it."""
+    base, wide, queries, kv, ffn, heads = (block_elementwise_bytes(precision, *shape) for shape in (
+        (64, 4, 2, 96), (128, 8, 4, 96), (64, 6, 2, 96, 16), (64, 4, 4, 96), (64, 4, 2, 160), (64, 2, 1, 96)))
     coefficients = []
     for i in (0, 1):
         per_kv = (kv[i] - base[i]) / 32
         per_ffn = (ffn[i] - base[i]) / 64
-        per_dim = (wide[i] - base[i] - 32 * per_kv) / 64  # dim 64 -> 128 moves the kv dim 32 -> 64 too
+        per_q = (queries[i] - base[i]) / 32  # 6 heads of 16 on a dim of 64: only the queries' width moves
+        per_dim = (wide[i] - base[i] - 32 * per_kv - 64 * per_q) / 64  # dim 64 -> 128 moves q and kv with it
         per_head_dim = (heads[i] - base[i]) / 16  # half the heads of twice the size: only head_dim moves
-        per_token = base[i] - 64 * per_dim - 32 * per_kv - 96 * per_ffn - 16 * per_head_dim  # statistics (rstd)
-        coefficients.append((per_dim, per_kv, per_ffn, per_head_dim, per_token))
+        per_token = (base[i] - 64 * per_dim - 64 * per_q - 32 * per_kv - 96 * per_ffn
+                     - 16 * per_head_dim)  # statistics (rstd)
+        coefficients.append((per_dim, per_q, per_kv, per_ffn, per_head_dim, per_token))
     norms = []
     for kind in (RMSNorm, torch.nn.RMSNorm):  # the engine's, and torch's composite form
         norm = {}  # one RMSNorm's (forward, backward) bytes at width 64 and 128, over 64 and 128 tokens

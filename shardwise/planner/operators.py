@@ -134,10 +134,10 @@ class Elementwise:
     own pass over memory, as eager PyTorch runs them (RMSNorm's composite form, RoPE, SiLU and the gate's product,
     the residual adds, autocast's casts of each matmul's input and their backwards)."""
 
-    forward: tuple[float, float, float, float, float]
-    """Forward bytes per token per element of (dim, kv dim, ffn hidden, head_dim: RoPE's cos and sin, and 1: the
-    norms' statistics)."""
-    backward: tuple[float, float, float, float, float]
+    forward: tuple[float, float, float, float, float, float]
+    """Forward bytes per token per element of (dim: the residual stream, q dim: the queries and the attention's
+    output, n_heads x head_dim, kv dim, ffn hidden, head_dim: RoPE's cos and sin, and 1: the norms' statistics)."""
+    backward: tuple[float, float, float, float, float, float]
     """Backward bytes per token, the same way."""
     norm_forward: float
     """Of the forward's dim coefficient, the two RMSNorms as the engine runs them on a CPU (fp32:
@@ -153,8 +153,10 @@ class Elementwise:
 
 # precision -> the engine's block's elementwise traffic (fp16 and fp8 run bf16's: the same casts, 2-byte activations)
 ELEMENTWISE: dict[str, Elementwise] = {
-    "fp32": Elementwise((88.0, 24.0, 20.0, 8.0, 80.0), (180.0, 24.0, 36.0, 12.0, 88.0), 40.0, 104.0, 56.0, 200.0),
-    "bf16": Elementwise((102.0, 12.0, 10.0, 10.0, 80.0), (210.0, 12.0, 18.0, 6.0, 88.0), 40.0, 104.0, 56.0, 200.0),
+    "fp32": Elementwise((64.0, 24.0, 24.0, 20.0, 8.0, 80.0), (156.0, 24.0, 24.0, 36.0, 12.0, 88.0), 40.0, 104.0, 56.0,
+                        200.0),
+    "bf16": Elementwise((90.0, 12.0, 12.0, 10.0, 10.0, 80.0), (198.0, 12.0, 12.0, 18.0, 6.0, 88.0), 40.0, 104.0, 56.0,
+                        200.0),
 }
 
 

@@ -115,10 +115,10 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     tail = 0.0 if moe else linear_times(args, training, plan, acc, q_tokens, last_only=True)[0]
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     if training.fused_attention:
-        # QK^T and AV: 2 x 2 s d FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with
+        # QK^T and AV: 2 x 2 s q_dim FLOPs per query, halved by the causal mask (the kernel skips masked tiles); with
         # cp each rank's queries see on average half the sequence either way (load-balanced ring attention).
         # FlashAttention's backward does 5 matmuls to the forward's 2 (2.5x), all of them input-side.
-        attn = 0.5 * 4 * q_tokens * training.seq_len * args.dim / plan.tp / (
+        attn = 0.5 * 4 * q_tokens * training.seq_len * args.q_dim / plan.tp / (
             peak * acc.attention_eff(training.seq_len, args.head_dim, training.attention_kernel))
         attn_bwd = 2.5 * attn
     else:
@@ -129,7 +129,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         # backward, which writes dscores, read by the dQ and dK GEMMs: 7 a. Dropout on the probabilities adds its
         # output (written, read by AV) and 1-byte mask in forward, 2 a + 1, and in backward its own pass (dP and
         # the mask read, dprobs written), 2 a + 1.
-        mm_attn = 4 * q_tokens * training.seq_len * args.dim / plan.tp / (peak * acc.matmul_efficiency)
+        mm_attn = 4 * q_tokens * training.seq_len * args.q_dim / plan.tp / (peak * acc.matmul_efficiency)
         elements = q_tokens * args.n_heads / plan.tp * training.seq_len
         a, extra = training.act_bytes, (2 * training.act_bytes + 1 if training.dropout else 0)
         attn = mm_attn + elements * (4 * a + extra) / bandwidth
@@ -153,18 +153,18 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
 def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan,
                             cpu: bool = False) -> tuple[float, float]:
     """Bytes per token one dense block's eager elementwise operators read and write on one rank, (forward,
-    backward): the traffic counted on the engine's block (operators.ELEMENTWISE), per element of the dim, the KV
-    and the ffn widths, of head_dim (RoPE's tables) and per token. Under tp the KV and ffn widths are split; the
-    dim-wide traffic (norms, residual adds, casts, RoPE on q) only with sequence parallelism: without it that
-    overcounts RoPE on q, with it it undercounts the casts of an all-gathered norm output. The table counts the
+    backward): the traffic counted on the engine's block (operators.ELEMENTWISE), per element of the dim, the
+    queries' (n_heads x head_dim), the KV and the ffn widths, of head_dim (RoPE's tables) and per token. Under tp
+    the query, KV and ffn widths are split; the dim-wide traffic (norms, residual adds, casts) only with sequence
+    parallelism: with it that undercounts the casts of an all-gathered norm output. The table counts the
     engine's RMSNorm on a CPU (`cpu`, shardwise.model._RMSNorm); torch's fused kernel (`fused_rmsnorm`, on a
     GPU) replaces those two norms' passes with its own: forward reads the input and writes the output, backward
     reads the gradient and the input and writes the input's gradient, in the residual stream's dtype; torch's
     composite form (not `fused_rmsnorm`: a GPU before torch 2.8) with its counted passes."""
     counted = ELEMENTWISE["fp32" if training.precision == "fp32" else "bf16"]
     dim = args.dim / (plan.tp if plan.sequence_parallel else 1)
-    widths = (dim, args.n_kv_heads * args.head_dim / kv_split(args, plan.tp), args.ffn_hidden / plan.tp,
-              args.head_dim, 1)
+    widths = (dim, args.q_dim / plan.tp, args.n_kv_heads * args.head_dim / kv_split(args, plan.tp),
+              args.ffn_hidden / plan.tp, args.head_dim, 1)
     forward, backward = (sum(c * w for c, w in zip(coefficients, widths))
                          for coefficients in (counted.forward, counted.backward))
     if not training.fused_rmsnorm:
