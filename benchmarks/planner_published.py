@@ -1281,8 +1281,8 @@ BEKMAN_SWEEP = [(8, 141, 16.3), (32, 324, 25.8), (64, 391, 37.5), (128, 420, 66.
 
 def bekman_step(model: ModelArgs, seq: int, tflops: float) -> float:
     """Seconds per step implied by benchmark.py's estimate_tflos for one sequence and the TFLOPS it printed."""
-    head_dim = model.dim // model.n_heads
-    linears = model.dim * model.ffn_hidden * 3 + model.dim * (2 * model.dim + 2 * model.n_kv_heads * head_dim)
+    head_dim = model.head_dim
+    linears = model.dim * model.ffn_hidden * 3 + model.dim * (2 * model.q_dim + 2 * model.n_kv_heads * head_dim)
     dense = linears * model.n_layers + model.vocab_size * model.dim
     attention = 6 * seq ** 2 * head_dim * model.n_heads * model.n_layers
     return (6 * dense * seq + attention) / (tflops * 1e12)

@@ -975,8 +975,9 @@ def _validate_rope_scaling(m: ModelArgs) -> None:
                           "model.rope_high_freq_factor", "use Llama 3.1's 1.0 and 4.0")
 
 
-_SETTABLE = {"expert_hidden": "moe_ffn_hidden"}
-"""network_fields' properties, by the [model] field that sets them (an expert's inner size is moe_ffn_hidden's)."""
+_SETTABLE = {"expert_hidden": "moe_ffn_hidden", "head_dim": "attn_head_dim"}
+"""network_fields' properties, by the [model] field that sets them (an expert's inner size is moe_ffn_hidden's, a
+head's width attn_head_dim's)."""
 
 
 def _validate_hf_shape(args: ModelArgs, folder: str) -> None:

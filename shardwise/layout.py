@@ -369,7 +369,8 @@ def layer_costs(args: ModelArgs, seq_len: int) -> tuple[int, list[int], int]:
     """(embedding, each block, final norm + head): training FLOPs per token, forward + backward.
 
     Compute is what sets a stage's pace, so cost is FLOPs, counted as `flops_per_token` does: a block is
-    6 x its matmul weights + 12 d s for attention scores and values; the head is 6 d V for its matmul plus
+    6 x its matmul weights + 12 d_q s for attention scores and values (d_q = n_heads x head_dim); the head is
+    6 d V for its matmul plus
     the loss's softmax and its gradient (counted as 5 operations per logit) and the final norm (~8 d). The
     embedding does no matmul: its lookup and the scatter-add of its gradient are ~2 d per token, counted,
     and negligible next to a block, whereas the head is 0.6 (Llama 2, V = 32k) to 2 (Llama 3, V = 128k)

@@ -250,11 +250,12 @@ def adapter_params(args: ModelArgs, rank: int, targets=PROJECTIONS) -> int:
 
 
 def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: float | None = None) -> float:
-    """Training FLOPs (forward + backward) per token: 6 N + 12 L d s (Kaplan et al.; Chinchilla appendix F).
+    """Training FLOPs (forward + backward) per token: 6 N + 12 L d_q s (Kaplan et al.; Chinchilla appendix F; d_q
+    the queries' width, n_heads x head_dim, which is d unless attn_head_dim sets it apart).
 
     N counts the weights that take part in a matmul (every linear layer and the output head, not the
     embedding lookup or the norms; of a mixture of experts, the router and the top_k experts a token uses);
-    12 L d s is the attention-score and attention-value matmuls, forward and backward, counted without the
+    12 L d_q s is the attention-score and attention-value matmuls, forward and backward, counted without the
     causal mask's saving, as the PaLM MFU definition does.
     With LoRA (`adapter_params`, the adapters' count) a frozen weight does the forward and the input-gradient
     matmuls but no weight gradient: 4 N, plus 6 per adapter parameter; the attention matmuls are all still done.
@@ -293,6 +294,8 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
             raise ValueError(f"{key} = {value!r} is not a positive whole number")
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    if head_dim % 2:
+        raise ValueError(f"head_dim = {head_dim} is odd: rotary embedding needs an even head width")
     if not cfg.get("head_dim") and cfg["hidden_size"] % n_heads:
         raise ValueError(f"num_attention_heads = {n_heads} does not divide hidden_size = {cfg['hidden_size']} and "
                          "head_dim is not given")

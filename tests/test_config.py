@@ -210,6 +210,23 @@ def test_an_init_from_hf_mixtral_of_another_expert_size_names_the_field_that_set
     load_config(None, [*base, "model.moe_ffn_hidden=96"])  # what the fix says is accepted
 
 
+def test_an_init_from_hf_folder_of_another_head_width_names_the_field_that_sets_it(tmp_path):
+    """A folder whose heads are wider than dim / n_heads (Qwen3's head_dim 128): the fix names attn_head_dim, the
+    field that sets the head width (model.head_dim is not one of ours), and what it says is accepted."""
+    import json
+
+    from shardwise.hf import hf_config
+
+    wide = dataclasses.replace(PRESETS["tiny"], attn_head_dim=24)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(wide)))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    base = ["model.name='tiny'", f"checkpoint.init_from_hf='{tmp_path}'"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base)
+    assert "head_dim 24 vs 16" in e.value.problem and e.value.fix.startswith("set model.attn_head_dim = 24")
+    load_config(None, [*base, "model.attn_head_dim=24"])
+
+
 @pytest.mark.parametrize("setting", ["model.top_k=4", "model.moe_ffn_hidden=64", "model.aux_loss_coeff=0.01",
                                      "model.capacity_factor=1.25", "model.score_func='sigmoid'",
                                      "model.route_norm=false"])

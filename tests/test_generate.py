@@ -474,7 +474,8 @@ def test_hf_folder_with_rotary_scaling_is_refused_in_one_line(hf_folder, tmp_pat
 
 def test_hf_folder_the_engine_cannot_express_is_refused_in_one_line(hf_folder, tmp_path, capsys):
     """Projections with biases (a config flag, or bias tensors under none) were decoded without them, the logits not
-    the model's; a shape args_from_hf_config refuses (head_dim x heads != hidden) was a ValueError traceback, and a
+    the model's; a shape args_from_hf_config refuses (heads that do not divide hidden_size, no head_dim) was a
+    ValueError traceback, and a
     tokenizer.json of more ids than the model's vocabulary an IndexError once the prompt held one of them."""
     import json
 
@@ -487,8 +488,11 @@ def test_hf_folder_the_engine_cannot_express_is_refused_in_one_line(hf_folder, t
     for change, tensors, words in (({"attention_bias": True}, weights, "attention_bias = true"),
                                    ({"mlp_bias": True}, weights, "mlp_bias = true"),
                                    ({}, biased, "q_proj.bias"),
+                                   ({"head_dim": None, "num_attention_heads": 3}, weights,
+                                    "num_attention_heads = 3 does not divide"),
+                                   # a head width the weights were not made for (since attn_head_dim: a shape error)
                                    ({"head_dim": 2 * config["hidden_size"] // config["num_attention_heads"]},
-                                    weights, "head_dim"),
+                                    weights, "wq.weight has shape"),
                                    ({"vocab_size": 256}, {**weights, "model.embed_tokens.weight":
                                                           weights["model.embed_tokens.weight"][:256],
                                                           "lm_head.weight": weights["lm_head.weight"][:256]},

@@ -66,6 +66,8 @@ def test_heads_wider_than_the_residual_stream_match_transformers_and_round_trip(
     assert num_params(args) == sum(p.numel() for p in theirs.parameters())
     plain = args_from_hf_config({**hf.hf_config(args), "head_dim": 16}, name=args.name)
     assert plain.attn_head_dim == 0 and plain.q_dim == 64  # dim // n_heads: stored as the default
+    with pytest.raises(ValueError, match="odd"):  # rotary pairs a head's features: refused before any tensor
+        args_from_hf_config({**hf.hf_config(args), "head_dim": 15}, name=args.name)
 
 
 def test_llama3_rotary_scaling_matches_transformers_and_its_config_round_trips():

@@ -2025,6 +2025,28 @@ def test_pinned_operator_counts_are_what_the_model_dispatches(gqa, tied, precisi
     assert not Training(precision=precision, layout="fsdp-mp").autocasts
 
 
+def test_the_attentions_flops_are_as_wide_as_its_queries():
+    """QK^T and AV are n_heads x head_dim wide, not dim (Mistral NeMo: heads of 128, queries 4096 wide on a residual
+    of 5120): the fused kernel's time is 0.5 x 4 x tokens x s x d_q / tp at its share of the peak (2.5 x that in
+    backward); the unfused batched GEMMs' matmul part is twice that at the matmul rate, the s x s element passes
+    (one per head) unchanged."""
+    from shardwise.planner.timing import layer_times
+
+    nemo, acc = preset("mistral-nemo-12b"), accelerator("h100")
+    plan = Plan(tp=2, micro_batch=2, grad_accum=1)
+    training = Training(seq_len=4096, global_batch=2)
+    t = layer_times(nemo, training, plan, acc)
+    peak = acc.peak(training.compute_dtype)
+    share = acc.attention_eff(4096, 128, training.attention_kernel)
+    assert t["attention"] == pytest.approx(0.5 * 4 * 8192 * 4096 * 4096 / 2 / (peak * share), rel=1e-12)
+    assert t["attention_bwd"] == pytest.approx(2.5 * t["attention"], rel=1e-12)
+    unfused = dataclasses.replace(training, fused_attention=False)
+    as_wide = dataclasses.replace(nemo, attn_head_dim=160)  # queries as wide as the residual, the same heads
+    gemms = [layer_times(m, unfused, plan, acc)["attention"] for m in (nemo, as_wide)]
+    assert gemms[1] - gemms[0] == pytest.approx(4 * 8192 * 4096 * 1024 / 2 / (peak * acc.matmul_efficiency),
+                                                rel=1e-9)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(precision):
     """The eager elementwise traffic is read from a table; counted again on the engine's block it is the table's;
@@ -2077,6 +2099,16 @@ def test_eager_elementwise_traffic_is_what_the_engines_block_reads_and_writes(pr
             (forward, backward), rel=1e-12)
         assert (t["elementwise"], t["elementwise_bwd"]) == pytest.approx((2048 * forward / bandwidth,
                                                                           2048 * backward / bandwidth), rel=1e-12)
+    # heads of 128 on a residual of 5120 (queries 4096 wide), under tp 2: the query, KV and ffn widths are
+    # split, the residual's only with sequence parallelism
+    nemo = preset("mistral-nemo-12b")
+    training = Training(seq_len=2048, global_batch=1, precision=precision, elementwise="eager", fused_rmsnorm=True)
+    for sp in (False, True):
+        split = Plan(tp=2, micro_batch=1, grad_accum=1, sequence_parallel=sp)
+        widths = (5120 / (2 if sp else 1), 4096 / 2, 1024 / 2, 14336 / 2, 128, 1)
+        forward = sum(c * w for c, w in zip(table.forward, widths)) + widths[0] * (2 * 2 * 4 - table.norm_forward)
+        backward = sum(c * w for c, w in zip(table.backward, widths)) + widths[0] * (2 * 3 * 4 - table.norm_backward)
+        assert eager_elementwise_bytes(nemo, training, split) == pytest.approx((forward, backward), rel=1e-12)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

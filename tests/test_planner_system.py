@@ -2234,27 +2234,41 @@ def test_torchtune_has_no_op_level_selective_checkpointing_and_a_replay_never_ma
     tune = _training("torchtune", global_batch=2)
     assert tune.selective == "none"
     error = engine_error(Plan(micro_batch=1, grad_accum=2, activation_checkpoint="selective"), tune, args)
-    assert error is not None and error.field == "parallel.activation_checkpoint"
+    assert error is not None and error.field == "parallel.activation_checkpoint" and "op-level" in error.problem
     assert engine_error(Plan(micro_batch=1, grad_accum=2, activation_checkpoint="full"), tune, args) is None
     walked = {p.activation_checkpoint for p in plan_space(args, tune, Cluster(accelerator("a100"), 1))}
     assert walked == {"none", "full"}
+    with pytest.raises(PlannerError, match="op-level"):  # evaluate, which does not ask engine_error, refuses too
+        evaluate(args, tune, Plan(micro_batch=1, grad_accum=2, activation_checkpoint="selective"),
+                 Cluster(accelerator("a100"), 1))
     argv = ["--model", "llama3.2-3b", "--gpus", "1", "--gpu", "a100", "--seq-len", "4096", "--global-batch", "2",
             "--system", "torchtune"]
     assert run_plan(_ns(*argv, "--plan", "activation_checkpoint=selective")) == 2
     err = capsys.readouterr().err
-    assert "parallel.activation_checkpoint" in err and len(err.strip().splitlines()) == 1
-    assert run_plan(_ns(*argv, "--top-k", "3")) == 0
-    assert "rc=sel" not in capsys.readouterr().out
+    assert "activation_checkpoint" in err and "op-level" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "tune-4.toml").write_text('base = "torchtune"\nloss_chunks = 4\n')  # summarised field by field
+    assert run_plan(_ns(*argv[:-2], "--system", str(tmp_path / "tune-4.toml"), "--top-k", "1")) == 0
+    assert "no op-level selective checkpointing" in capsys.readouterr().out
     # a system file that gives torchtune a policy saving every matmul output: under LoRA it keeps a frozen
-    # linear's output, which no backward reads, so it keeps more than no recompute; the replay then rebuilds
-    # nothing (it once counted the difference, negative, against the backward's peak)
+    # linear's output, which no backward reads, so it keeps more than no recompute; its replay still rebuilds
+    # what it did not keep of the no-recompute set (the norms' tensors, the rotated q and k, SiLU's output and the
+    # gate product), counted here by name (the difference of the two totals, negative, was counted once)
     (tmp_path / "tune-sac.toml").write_text('base = "torchtune"\nselective = "matmuls"\n')
     sac = Training(**{"seq_len": 4096, "global_batch": 2, "lora_rank": 16,
                       **resolve_system(str(tmp_path / "tune-sac.toml")).training_fields()})
     selective = Plan(micro_batch=1, grad_accum=2, activation_checkpoint="selective")
     kept = layer_activation_bytes(args, sac, selective)
     assert kept > layer_activation_bytes(args, sac, selective, "none")
-    assert block_backward_bytes(args, sac, selective)["recomputed"] == 0.0
+    tokens = 4096
+    by_name = {t.name: term_bytes(t, args, sac, selective) for t in block_terms(args, sac, "none", 0)}
+    # torchtune's composite RMSNorm saves an fp32 upcast of its bf16 input: the kept block input is not it
+    rebuilt = ["attention_norm_input", "attention_norm_rstd", "attention_norm_output", "q_rotated", "k_rotated",
+               "ffn_norm_input", "ffn_norm_rstd", "ffn_norm_output", "silu_out", "swiglu_out"]
+    both = {"v", "sdpa_out", "sdpa_lse", "w1_out", "w3_out",  # kept by the policy too
+            *(f"{t}_lora_a_out" for t in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"))}  # x A^T, B's input
+    assert set(by_name) - set(rebuilt) == both
+    assert block_backward_bytes(args, sac, selective)["recomputed"] == pytest.approx(
+        tokens * sum(by_name[n] for n in rebuilt), rel=1e-12)
 
 
 def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_it_for_backward():

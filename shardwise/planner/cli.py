@@ -439,11 +439,13 @@ def system_summary(training: Training) -> str:
         return known.summary
     size = training.reduce_bucket_size
     buckets = f", DeepSpeed gradient buckets of {size:,.0f} elements" if size else ""
+    selective = (", no op-level selective checkpointing" if training.selective == "none" else
+                 f", selective keeps {training.selective if training.fused_attention else 'attention-core'}")
     return (f"{'the model in bf16 (no fp32 copy), ' if training.state_dtype == 'bf16' else ''}"
             f"layout {training.layout}, head {'fused with the loss' if training.fuses_head else 'materialised'}, "
             f"{'loss parallel' if training.loss_parallel or training.fuses_head else 'logits gathered'} under TP, "
             f"{'fused' if training.fused_attention else 'unfused'} attention{', dropout' if training.dropout else ''}"
-            f", selective keeps {training.selective if training.fused_attention else 'attention-core'}"
+            f"{selective}"
             f"{', ZeRO-3 fetched module by module' if training.zero3_fetch == 'module-sync' else ''}"
             f"{', compiled blocks (elementwise operators fused)' if training.compile else ''}"
             f"{', the loss one kernel over the logits' if training.loss_kernel and not training.fuses_head else ''}"

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from shardwise.hardware import GiB
+from shardwise.hardware import GiB, PlannerError
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
 from shardwise.planner.experts import kept_share, routed_per_token
@@ -438,6 +438,9 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     """What one block keeps for backward under a recompute policy (per token of the micro-batch). An MoE block
     (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank. Under
     Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
+    if recompute == "selective" and training.selective == "none":  # refused by plan.engine_error
+        raise PlannerError("--plan activation_checkpoint", f"selective, and {training.system} has no op-level "
+                           "selective checkpointing (selective = none)", "use activation_checkpoint=none or full")
     terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
     if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full":
         return te_float8_terms(terms, args)
@@ -960,10 +963,11 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
             moments.append(down_projection_backward_bytes(args, training, plan))
         out = max(moments, key=functools.partial(_block_backward_net, accumulating=accumulating))
     if plan.activation_checkpoint != "none":
-        # what the replay makes beyond what was kept; none where a policy keeps more than autograd would (a
-        # selective policy saving every matmul output keeps a frozen LoRA linear's, which no backward reads)
-        out["recomputed"] = max(0.0, layer_activation_bytes(args, training, plan, "none", moe=moe)
-                                - layer_activation_bytes(args, training, plan, moe=moe))
+        # what the replay makes: the no-recompute set less what the policy kept of it (a policy may also keep
+        # tensors that set lacks, as wq's output beside the rotated q it replays: those are not rebuilt)
+        out["recomputed"] = (layer_activation_bytes(args, training, plan, "none", moe=moe)
+                             - layer_activation_bytes(args, training, plan, moe=moe)
+                             + tokens * kept_beyond_autograd(args, training, plan, moe))
         if moe:
             # the replayed forward also casts the experts again; at the return of their outputs it holds the
             # dispatch's buffers, before any gradient of the block exists: the larger of that and the SiLU's
@@ -972,6 +976,30 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
                       "copies_freed": 0.0, "recomputed": out["recomputed"], "pending": 0.0, "copies_rebuilt": 0.0}
             out = max(out, replay, key=functools.partial(_block_backward_net, accumulating=accumulating))
     return out
+
+
+SAME_TENSOR = {"block_input": "attention_norm_input", "wv_out": "v"}
+"""A policy's kept tensors that the no-recompute set may hold under another name: the block's input is the
+attention norm's input (unless the norm saves an fp32 upcast of a 16-bit stream: another tensor, which a replay
+makes again), and v is a view of wv's output."""
+
+
+def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
+    """Bytes per token of what a block keeps under its recompute policy that it would not keep without recompute:
+    a selective policy's matmul outputs whose consumers save something else (wq's and wk's outputs beside the
+    rotated q and k, wo's and w2's, the experts' w2 outputs and the router's logits; a frozen LoRA linear's, which
+    no backward reads). Its replay still rebuilds all of the no-recompute set it did not keep, so the replay's bytes
+    are that set's less the kept ones plus these. None for the attention core's recompute, which keeps the rest."""
+    recompute = plan.activation_checkpoint
+    if recompute == "none" or recompute == "selective" and (not training.fused_attention
+                                                              or training.selective == "attention-core"):
+        return 0.0
+    routed = routed_per_token(args, training, plan) if moe else 0.0
+    held = {t.name: term_bytes(t, args, training, plan)
+            for t in block_terms(args, training, "none", plan.zero_stage, moe, routed, plan.ep)}
+    kept = [(t, term_bytes(t, args, training, plan))
+            for t in block_terms(args, training, recompute, plan.zero_stage, moe, routed, plan.ep)]
+    return sum(size for t, size in kept if held.get(SAME_TENSOR.get(t.name, t.name)) != size)
 
 
 def _block_backward_net(parts: dict[str, float], accumulating: bool = False) -> float:
