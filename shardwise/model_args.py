@@ -294,11 +294,11 @@ def args_from_hf_config(cfg: dict, name: str = "hf") -> ModelArgs:
             raise ValueError(f"{key} = {value!r} is not a positive whole number")
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-    if head_dim % 2:
-        raise ValueError(f"head_dim = {head_dim} is odd: rotary embedding needs an even head width")
     if not cfg.get("head_dim") and cfg["hidden_size"] % n_heads:
         raise ValueError(f"num_attention_heads = {n_heads} does not divide hidden_size = {cfg['hidden_size']} and "
                          "head_dim is not given")
+    if head_dim % 2:
+        raise ValueError(f"head_dim = {head_dim} is odd: rotary embedding needs an even head width")
     mixtral = cfg.get("model_type") == "mixtral"
     # transformers 5 writes the base inside rope_parameters; a missing one is the model type's default
     rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")

@@ -630,3 +630,33 @@ def test_experts_in_a_one_rank_fsdp_group_are_counted_as_fsdp_keeps_them():
     ratios = report.ratios()
     assert ratios["communication_buffers"] == pytest.approx(1.0, abs=0.02)
     assert ratios["total"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_selective_replay_of_an_moe_block_rebuilds_what_its_policy_did_not_keep():
+    """The engine's policy keeps every matmul and grouped-GEMM output; the replay rebuilds the rest of what the block
+    keeps without recompute: the norms' tensors, the rotated q and k, the routing (scores, indices, weights), the
+    experts' input and SiLU and gate products, the combined copies, the shared experts' SiLU and products. What the
+    policy keeps that the no-recompute set holds under another name is not rebuilt: the block input (the attention
+    norm's input), v (a view of wv's output), and the experts' w2 output, which the scatter back to token order
+    (index_copy) keeps as its source; what it keeps beyond that set (wq's, wk's and wo's outputs, the router's
+    logits, the shared w2 output) is not rebuilt either. Counted by name, plus the rotary table's casts and the
+    experts' casts a replay makes."""
+    from shardwise.planner.experts import routed_per_token
+    from shardwise.planner.memory import block_backward_bytes, block_terms, routed_copy_bytes, term_bytes
+
+    args = preset("debug-moe")
+    training = Training(seq_len=256, global_batch=4)
+    plan = Plan(micro_batch=2, grad_accum=2, activation_checkpoint="selective")
+    routed = routed_per_token(args, training, plan)
+    none = {t.name: term_bytes(t, args, training, plan) for t in block_terms(args, training, "none", 0, True, routed)}
+    rebuilt = ["attention_norm_rstd", "attention_norm_output", "q_rotated", "k_rotated", "ffn_norm_input",
+               "ffn_norm_rstd", "ffn_norm_output", "router_scores", "topk_experts", "route_weights",
+               "route_normaliser", "combine_weights", "gather_index", "scatter_index", "expert_input",
+               "expert_silu_out", "expert_swiglu_out", "combine_out", "shared_silu_out", "shared_swiglu_out",
+               "aux_score_sum"]
+    assert set(none) - set(rebuilt) == {"attention_norm_input", "v", "sdpa_out", "sdpa_lse", "expert_w1_out",
+                                        "expert_w3_out", "scatter_source", "shared_w1_out", "shared_w3_out"}
+    tokens = 2 * 256
+    rotary = 2 * 256 * args.head_dim * 2  # the engine's bf16 copies of its cos/sin halves, made again in a replay
+    expected = tokens * sum(none[n] for n in rebuilt) + rotary + routed_copy_bytes(args, training, plan)
+    assert block_backward_bytes(args, training, plan, moe=True)["recomputed"] == pytest.approx(expected, rel=1e-12)

@@ -2271,6 +2271,25 @@ def test_torchtune_has_no_op_level_selective_checkpointing_and_a_replay_never_ma
         tokens * sum(by_name[n] for n in rebuilt), rel=1e-12)
 
 
+def test_torchtitans_selective_replay_rebuilds_what_its_policy_did_not_keep_under_sequence_parallelism():
+    """torchtitan's op-level policy under tp 2 with sequence parallelism keeps the block input, wq's, wv's, w1's and
+    w2's outputs, the attention's output and log-sum-exp, and the two reduce-scatters' outputs; its replay rebuilds
+    the rest of what the block keeps without recompute (by name: the norms' tensors but the input, the rotated q
+    and k, SiLU's and w3's outputs and the gate product). v is a view of wv's output; wq's output, w2's and the
+    reduce-scatters' are kept beyond that set and rebuild nothing (they were once subtracted from the replay)."""
+    from shardwise.planner.memory import block_backward_bytes, block_terms, term_bytes
+
+    args = preset("llama3-8b")
+    titan = _training("torchtitan")
+    plan = Plan(tp=2, sequence_parallel=True, micro_batch=1, grad_accum=8, activation_checkpoint="selective")
+    none = {t.name: term_bytes(t, args, titan, plan) for t in block_terms(args, titan, "none", 0)}
+    rebuilt = ["attention_norm_rstd", "attention_norm_output", "q_rotated", "k_rotated", "ffn_norm_input",
+               "ffn_norm_rstd", "ffn_norm_output", "silu_out", "w3_out", "swiglu_out"]
+    assert set(none) - set(rebuilt) == {"attention_norm_input", "v", "sdpa_out", "sdpa_lse", "w1_out"}
+    assert block_backward_bytes(args, titan, plan)["recomputed"] == pytest.approx(
+        4096 * sum(none[n] for n in rebuilt), rel=1e-12)
+
+
 def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_it_for_backward():
     # torchtune compiles each layer with QLoRA's NF4 base in it (and shardwise's train.compile does): dynamo traces
     # through torchao's NF4Tensor and inductor fuses the whole dequantisation (shifts, masks, the code-table lookup,

@@ -438,9 +438,6 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     """What one block keeps for backward under a recompute policy (per token of the micro-batch). An MoE block
     (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank. Under
     Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
-    if recompute == "selective" and training.selective == "none":  # refused by plan.engine_error
-        raise PlannerError("--plan activation_checkpoint", f"selective, and {training.system} has no op-level "
-                           "selective checkpointing (selective = none)", "use activation_checkpoint=none or full")
     terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
     if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full":
         return te_float8_terms(terms, args)
@@ -742,6 +739,10 @@ def layer_activation_bytes(args: ModelArgs, training: Training, plan: Plan, reco
     split over tp only with sequence parallelism), unless fully recomputed. A compiled QLoRA block also keeps its
     adapted linears' dequantised weights (`dequantised` False: leave them out, as the elementwise traffic does)."""
     recompute = plan.activation_checkpoint if recompute is None else recompute
+    if recompute == "selective" and training.selective == "none":  # plan.engine_error's refusal, for evaluate
+        raise PlannerError("--plan activation_checkpoint", f"selective, and {training.system} has no op-level "
+                           "selective checkpointing (selective = none)",
+                           "use activation_checkpoint=none or full, or a system with selective checkpointing")
     seq = seq_len or training.seq_len
     tokens = plan.micro_batch * seq / plan.cp
     unfused = not training.fused_attention
@@ -978,18 +979,22 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     return out
 
 
-SAME_TENSOR = {"block_input": "attention_norm_input", "wv_out": "v"}
-"""A policy's kept tensors that the no-recompute set may hold under another name: the block's input is the
-attention norm's input (unless the norm saves an fp32 upcast of a 16-bit stream: another tensor, which a replay
-makes again), and v is a view of wv's output."""
+def same_tensor(plan: Plan) -> dict[str, str]:
+    """A policy's kept tensors that the no-recompute set may hold under another name: the block's input is the
+    attention norm's input (unless the norm saves an fp32 upcast of a 16-bit stream: another tensor, which a replay
+    makes again), v is a view of wv's output, and the experts' grouped w2 output is what the scatter back to token
+    order keeps as its source (ep 1: the engine's index_copy; under ep the put back in source order's)."""
+    return {"block_input": "attention_norm_input", "wv_out": "v",
+            "expert_w2_out": "scatter_source" if plan.ep == 1 else "expert_output"}
 
 
 def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
     """Bytes per token of what a block keeps under its recompute policy that it would not keep without recompute:
     a selective policy's matmul outputs whose consumers save something else (wq's and wk's outputs beside the
-    rotated q and k, wo's and w2's, the experts' w2 outputs and the router's logits; a frozen LoRA linear's, which
-    no backward reads). Its replay still rebuilds all of the no-recompute set it did not keep, so the replay's bytes
-    are that set's less the kept ones plus these. None for the attention core's recompute, which keeps the rest."""
+    rotated q and k, wo's and w2's, the router's logits; a frozen LoRA linear's, which no backward reads), and the
+    reduce-scatters' outputs torchtitan's policy keeps under sequence parallelism (kept_reduce_scatter_bytes). Its
+    replay still rebuilds all of the no-recompute set it did not keep, so the replay's bytes are that set's less
+    the kept ones plus these. None for the attention core's recompute, which keeps the rest."""
     recompute = plan.activation_checkpoint
     if recompute == "none" or recompute == "selective" and (not training.fused_attention
                                                               or training.selective == "attention-core"):
@@ -999,7 +1004,12 @@ def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: b
             for t in block_terms(args, training, "none", plan.zero_stage, moe, routed, plan.ep)}
     kept = [(t, term_bytes(t, args, training, plan))
             for t in block_terms(args, training, recompute, plan.zero_stage, moe, routed, plan.ep)]
-    return sum(size for t, size in kept if held.get(SAME_TENSOR.get(t.name, t.name)) != size)
+    alias = same_tensor(plan)
+    beyond = sum(size for t, size in kept if held.get(alias.get(t.name, t.name)) != size)
+    if recompute == "selective":
+        tokens = plan.micro_batch * training.seq_len / plan.cp
+        beyond += kept_reduce_scatter_bytes(args, training, plan, training.seq_len, moe) / tokens
+    return beyond
 
 
 def _block_backward_net(parts: dict[str, float], accumulating: bool = False) -> float:

@@ -255,6 +255,9 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         if fixed.get("zero_stage", 3) < 2:
             bad("mixed_precision", f"'fsdp' is FSDP2's policy for the weights FSDP shards, and zero_stage is "
                 f"{fixed['zero_stage']}", "use zero_stage 2 or 3 with dp_shard x cp > 1")
+    if fixed.get("activation_checkpoint") == "selective" and training.selective == "none":
+        bad("activation_checkpoint", f"selective, and {training.system} has no op-level selective checkpointing "
+            "(selective = none)", "use activation_checkpoint=none or full, or a system with selective checkpointing")
     ep = fixed.get("ep", 1)
     if ep > 1 and not args.n_experts:
         bad("ep", f"ep={ep} splits experts and {args.name} has none", "use ep=1 (or leave it out) for a dense model")
