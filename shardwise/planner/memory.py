@@ -937,7 +937,8 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     the larger without recompute (Llama 2 7B: what the norm's has freed outweighs its three weight gradients)
     and the norm's with full recompute (Llama 3 70B and Llama 2 7B under tp).
 
-    With recompute the block's activations are first rebuilt ('recomputed': its none set minus what was kept),
+    With recompute the block's activations are first rebuilt ('recomputed': its none set less what the policy kept
+    of it, kept_beyond_autograd),
     and under autocast the replayed forward casts the block's weights again: the copies its matmuls have not
     yet released ('copies_rebuilt'). Under gradient accumulation (`accumulating`: the rank's gradients exist
     from an earlier micro-batch) a weight's new gradient is a temporary until it is added to them ('pending':
