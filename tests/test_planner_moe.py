@@ -660,3 +660,11 @@ def test_a_selective_replay_of_an_moe_block_rebuilds_what_its_policy_did_not_kee
     rotary = 2 * 256 * args.head_dim * 2  # the engine's bf16 copies of its cos/sin halves, made again in a replay
     expected = tokens * sum(none[n] for n in rebuilt) + rotary + routed_copy_bytes(args, training, plan)
     assert block_backward_bytes(args, training, plan, moe=True)["recomputed"] == pytest.approx(expected, rel=1e-12)
+    # an fp32 router's logits (router_dtype fp32) are 4 bytes an expert, and what the z-loss keeps (`.float()` of an
+    # fp32 tensor is the tensor): kept beyond the no-recompute set without a z-loss, not with one
+    from shardwise.planner.memory import kept_beyond_autograd
+
+    fp32 = dataclasses.replace(args, router_dtype="fp32")
+    beyond = [kept_beyond_autograd(m, training, plan, moe=True)
+              for m in (fp32, dataclasses.replace(fp32, z_loss_coeff=1e-3))]
+    assert beyond[0] - beyond[1] == 4 * args.n_experts

@@ -653,8 +653,10 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
     d, k, h = args.dim, args.top_k, args.expert_hidden
     shared, kept = args.n_shared_experts * h, args.top_k * kept_share(args)
     if recompute == "selective":
-        terms = [Term("router_logits", args.n_experts, "act", "full"), Term("expert_w1_out", routed * h, "act", "full"),
-                 Term("expert_w3_out", routed * h, "act", "full"), Term("expert_w2_out", routed * d, "act", "full")]
+        logits = "f32" if args.router_dtype == "fp32" else "act"  # the matmul's output: fp32 under router_dtype fp32
+        terms = [Term("router_logits", args.n_experts, logits, "full"),
+                 Term("expert_w1_out", routed * h, "act", "full"), Term("expert_w3_out", routed * h, "act", "full"),
+                 Term("expert_w2_out", routed * d, "act", "full")]
         if shared:
             terms += [Term("shared_w1_out", shared, "act", "full"), Term("shared_w3_out", shared, "act", "full"),
                       Term("shared_w2_out", d, "act", "full")]
@@ -980,13 +982,17 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     return out
 
 
-def same_tensor(plan: Plan) -> dict[str, str]:
+def same_tensor(args: ModelArgs, plan: Plan) -> dict[str, str]:
     """A policy's kept tensors that the no-recompute set may hold under another name: the block's input is the
     attention norm's input (unless the norm saves an fp32 upcast of a 16-bit stream: another tensor, which a replay
-    makes again), v is a view of wv's output, and the experts' grouped w2 output is what the scatter back to token
-    order keeps as its source (ep 1: the engine's index_copy; under ep the put back in source order's)."""
-    return {"block_input": "attention_norm_input", "wv_out": "v",
-            "expert_w2_out": "scatter_source" if plan.ep == 1 else "expert_output"}
+    makes again), v is a view of wv's output, the experts' grouped w2 output is what the scatter back to token
+    order keeps as its source (ep 1: the engine's index_copy; under ep the put back in source order's), and an fp32
+    router's logits are what the z-loss keeps (`.float()` of an fp32 tensor is the tensor)."""
+    alias = {"block_input": "attention_norm_input", "wv_out": "v",
+             "expert_w2_out": "scatter_source" if plan.ep == 1 else "expert_output"}
+    if args.router_dtype == "fp32":
+        alias["router_logits"] = "z_logits"
+    return alias
 
 
 def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:
@@ -1005,7 +1011,7 @@ def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: b
             for t in block_terms(args, training, "none", plan.zero_stage, moe, routed, plan.ep)}
     kept = [(t, term_bytes(t, args, training, plan))
             for t in block_terms(args, training, recompute, plan.zero_stage, moe, routed, plan.ep)]
-    alias = same_tensor(plan)
+    alias = same_tensor(args, plan)
     beyond = sum(size for t, size in kept if held.get(alias.get(t.name, t.name)) != size)
     if recompute == "selective":
         tokens = plan.micro_batch * training.seq_len / plan.cp
