@@ -440,7 +440,7 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
     terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
     if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full":
-        return te_float8_terms(terms, args)
+        return te_float8_terms(terms, args, moe)
     return terms
 
 
@@ -449,14 +449,26 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
 TE_FLOAT8_INPUTS = frozenset({"attention_norm_output", "ffn_norm_output", "swiglu_out", "gelu_out"})
 
 
-def te_float8_terms(terms: list[Term], args: ModelArgs) -> list[Term]:
+TE_FLOAT8_MOE_INPUTS = frozenset({"attention_norm_output", "expert_input", "expert_swiglu_out",
+                                  "shared_swiglu_out"})
+"""An MoE block's tensors that are a float8 linear's input: the attention's, and the experts' (GroupedLinear's fc1
+and fc2 inputs) and shared experts' last; the FFN norm's output stays, which the 16-bit router reads."""
+
+
+def te_float8_terms(terms: list[Term], args: ModelArgs, moe: bool = False) -> list[Term]:
     """A block's saved tensors as Transformer Engine keeps them in float8 training: each linear saves the float8
     (transposed) copy of its input that its weight-gradient GEMM reads, one byte an element, instead of the bf16
     tensor (TE's LayerNormLinear and Linear save their quantised input when fp8 is on). The norms' outputs and the
     MLP's last input become float8; the attention output projection's float8 input is kept beside the bf16
-    attention output the attention's own backward keeps (and still kept when the attention core is recomputed)."""
-    out = [replace(t, kind="f8") if t.name in TE_FLOAT8_INPUTS else t for t in terms]
-    return out + [Term("wo_input_f8", args.q_dim, "f8", "tp")]
+    attention output the attention's own backward keeps (and still kept when the attention core is recomputed).
+    An MoE block (`moe`): the routed experts' inputs to fc1 and fc2 become float8 (TE's GroupedLinear), the FFN
+    norm's output stays 16-bit for the router, and the shared experts' fc1 keeps its own float8 copy of it."""
+    inputs = TE_FLOAT8_MOE_INPUTS if moe else TE_FLOAT8_INPUTS
+    out = [replace(t, kind="f8") if t.name in inputs else t for t in terms]
+    out.append(Term("wo_input_f8", args.q_dim, "f8", "tp"))
+    if moe and args.n_shared_experts and any(t.name == "ffn_norm_output" for t in terms):
+        out.append(Term("shared_fc1_input_f8", args.dim, "f8", "full"))
+    return out
 
 
 def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage: int, moe: bool,

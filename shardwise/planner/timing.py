@@ -24,6 +24,7 @@ from shardwise.planner.comm import (
 )
 from shardwise.planner.experts import counts_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
+    ATTENTION,
     adapted_base_params,
     adapted_shapes,
     attention_params,
@@ -40,7 +41,6 @@ from shardwise.planner.memory import (
     layer_params,
     linear_shapes,
     lora_params,
-    moe_shared_params,
     offloaded_shards,
     placement,
     reduce_grad_bytes,
@@ -102,13 +102,12 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     split by tp (every tp rank runs the whole MoE)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
-    if moe and training.linear_dtype == "fp8":
-        raise PlannerError("--precision", f"float8 training of {args.name}'s mixture of experts (its grouped expert "
-                           "GEMMs) is not modelled", "use --precision bf16")
-    if moe:  # the experts' grouped GEMMs at the large-GEMM rate (their shapes per expert are not modelled)
-        matmul_params = (attention_params(args, plan.tp) + moe_shared_params(args)
-                         + routed_per_token(args, training, plan) * 3 * args.dim * args.expert_hidden)
-        mm = mm_in = mm_w = 2 * q_tokens * matmul_params / (peak * acc.matmul_efficiency)
+    if moe and training.linear_dtype == "fp8" and training.float8 == "torchao":
+        raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
+                           "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
+                           "in float8 through Transformer Engine (megatron-core)")
+    if moe:
+        mm, mm_in, mm_w = moe_linear_times(args, training, plan, acc, q_tokens)
     else:
         mm, mm_in, mm_w = linear_times(args, training, plan, acc, q_tokens)
     # the last linear's forward, which a recompute that stops early leaves out (an MoE block's is not modelled)
@@ -148,6 +147,47 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
             "elementwise_bwd": elementwise_bwd}
+
+
+def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                     tokens: float) -> tuple[float, float, float]:
+    """Seconds of an MoE block's matmuls on one rank over `tokens` rows, (forward, input gradients, weight
+    gradients), each pass the same: the attention's linears (split by tp), the router (n_experts x d), the shared
+    experts' SwiGLU and the routed experts' (3 d expert_hidden per (token, expert) pair the busiest rank computes:
+    experts.routed_per_token), none of the MoE split by tp, all at the large-GEMM rate (the experts' grouped GEMMs'
+    shapes per expert are not modelled). In float8 through Transformer Engine (Megatron-Core: TE's Linear and
+    GroupedLinear) every linear but the router runs at the fp8 peak, and TE's casts are added as for a dense block
+    (te_float8_cast_seconds): the attention's qkv (its input from the fused norm) and proj over the tokens, the
+    shared experts' fc1 and fc2 over the tokens, the routed experts' over their (token, expert) pairs, with the
+    rank's experts' weights cast once a step (per micro-batch under ZeRO-3)."""
+    d, h = args.dim, args.expert_hidden
+    shared = args.n_shared_experts * h
+    routed = routed_per_token(args, training, plan)
+    router = args.n_experts * d
+    linears = attention_params(args, plan.tp) + 3 * d * shared + routed * 3 * d * h
+    seconds = 2 * tokens * (linears / (acc.peak(training.linear_dtype) * acc.matmul_efficiency)
+                            + router / (acc.peak(training.compute_dtype) * acc.matmul_efficiency))
+    fwd = bwd_in = bwd_w = seconds
+    if training.linear_dtype == "fp8":  # Transformer Engine's (torchao's is refused in layer_times)
+        bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+        share, current = te_weight_cast_share(training, plan), training.float8 == "te-current"
+        attention: dict[str, tuple[float, float, float]] = {}
+        for name, n_in, n_out, split in linear_shapes(args)[:len(ATTENTION)]:
+            if split == "row":
+                n_in /= plan.tp
+            else:
+                n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
+            _, out, weight = attention.get(TE_MODULES[name], (n_in, 0.0, 0.0))
+            attention[TE_MODULES[name]] = (n_in, out + n_out, weight + n_in * n_out)
+        if shared:
+            attention.update({"shared_fc1": (d, 2 * shared, 2 * d * shared), "shared_fc2": (shared, d, shared * d)})
+        experts = args.n_experts // plan.ep
+        grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
+        for modules, rows in ((attention, tokens), (grouped, tokens * routed)):
+            cast_fwd, cast_bwd = te_float8_cast_seconds(modules, rows, bandwidth, share, current=current)
+            fwd += cast_fwd
+            bwd_in += cast_bwd
+    return fwd, bwd_in, bwd_w
 
 
 def eager_elementwise_bytes(args: ModelArgs, training: Training, plan: Plan,
