@@ -675,37 +675,46 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
     the router at the fp8 peak (the large-GEMM share, as the bf16 MoE block), plus TE's casts as a dense block's
     (te_float8_cast_seconds): the attention's qkv (from the fused norm) and proj over the tokens, the shared
     experts' fc1 and fc2 over the tokens, the routed experts' fc1 and fc2 over the (token, expert) pairs, each rank's
-    experts' weights cast once a step. It keeps the experts' fc1 and fc2 inputs in float8, the FFN norm's output
-    in bf16 for the router, and a float8 copy of it for the shared experts' fc1. torchao's float8 is refused."""
+    experts' weights cast once a step (every micro-batch under ZeRO-3). It keeps the experts' fc1 and fc2 inputs and
+    the shared experts' fc2 input in float8, the FFN norm's output in bf16 for the router and a float8 copy of it
+    for the shared experts' fc1. torchao's float8 is refused. On a GPU of 1 GB/s every cast is bandwidth-bound (at
+    an H100's bandwidth this block's casts sit at the 2 us floor, which no shape moves)."""
     from shardwise.planner.experts import routed_per_token
-    from shardwise.planner.memory import block_terms
+    from shardwise.planner.memory import block_terms, term_bytes
     from shardwise.planner.system import SYSTEMS
-    from shardwise.planner.timing import layer_times, te_float8_cast_seconds
+    from shardwise.planner.timing import layer_times, moe_linear_times, te_float8_cast_seconds
 
-    args = _small_moe()
     mcore = {**SYSTEMS["megatron-core"].training_fields()}
-    training = Training(**{"seq_len": 256, "global_batch": 8, **mcore, "precision": "fp8"})
-    plan = Plan(tp=2, micro_batch=2, grad_accum=4, activation_checkpoint="none")
-    acc = accelerator("h100")
-    t = layer_times(args, training, plan, acc, moe=True)
-    tokens, d, h, kv = 512, 128, 96, 32
-    routed = routed_per_token(args, training, plan)
-    linears = (d * d / 2 + 2 * d * kv / 2 + d * d / 2) + 3 * d * h + routed * 3 * d * h  # attention split by tp
-    matmuls = 2 * tokens * (linears / (acc.peak("fp8") * acc.matmul_efficiency)
-                            + 8 * d / (acc.peak("bf16") * acc.matmul_efficiency))
+    training = Training(**{"seq_len": 256, "global_batch": 16, **mcore, "precision": "fp8"})
+    acc = dataclasses.replace(accelerator("h100"), mem_bandwidth=1e9)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
-    dense = {"qkv": (d, d / 2 + 2 * kv / 2, d * d / 2 + 2 * d * kv / 2), "proj": (d / 2, d, d * d / 2),
-             "shared_fc1": (d, 2 * h, 2 * d * h), "shared_fc2": (h, d, h * d)}
-    grouped = {"expert_fc1": (d, 2 * h, 8 * 2 * d * h), "expert_fc2": (h, d, 8 * h * d)}
-    casts = [te_float8_cast_seconds(dense, tokens, bandwidth, 4, current=False),
-             te_float8_cast_seconds(grouped, tokens * routed, bandwidth, 4, current=False)]
-    assert t["matmul"] == pytest.approx(matmuls + casts[0][0] + casts[1][0], rel=1e-12)
-    assert t["matmul_bwd_input"] == pytest.approx(matmuls + casts[0][1] + casts[1][1], rel=1e-12)
-    assert t["matmul_bwd_weight"] == pytest.approx(matmuls, rel=1e-12)
-    bf16 = layer_times(args, dataclasses.replace(training, precision="bf16"), plan, acc, moe=True)
-    assert t["matmul_bwd_weight"] < bf16["matmul_bwd_weight"]
-    kinds = {term.name: term.kind for term in block_terms(args, training, "none", 0, True, routed)}
-    assert (kinds["expert_input"], kinds["expert_swiglu_out"], kinds["shared_swiglu_out"]) == ("f8",) * 3
-    assert kinds["ffn_norm_output"] == "act" and kinds["shared_fc1_input_f8"] == "f8"
-    with pytest.raises(PlannerError, match="torchao"):
-        layer_times(args, dataclasses.replace(training, float8="torchao"), plan, acc, moe=True)
+    tokens, d, h, kv = 512, 128, 96, 32
+    for shared_experts, plan, share in ((1, Plan(tp=2, micro_batch=2, grad_accum=4), 4),
+                                        (2, Plan(tp=2, dp_shard=2, ep=2, zero_stage=3, micro_batch=2, grad_accum=4),
+                                         1)):
+        args = _small_moe(n_shared_experts=shared_experts)
+        s, experts = shared_experts * h, 8 // plan.ep
+        t = layer_times(args, training, plan, acc, moe=True)
+        routed = routed_per_token(args, training, plan)
+        linears = (d * d / 2 + 2 * d * kv / 2 + d * d / 2) + 3 * d * s + routed * 3 * d * h  # attention split by tp
+        matmuls = 2 * tokens * (linears / (acc.peak("fp8") * acc.matmul_efficiency)
+                                + 8 * d / (acc.peak("bf16") * acc.matmul_efficiency))
+        dense = {"qkv": (d, d / 2 + 2 * kv / 2, d * d / 2 + 2 * d * kv / 2), "proj": (d / 2, d, d * d / 2),
+                 "shared_fc1": (d, 2 * s, 2 * d * s), "shared_fc2": (s, d, s * d)}
+        grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
+        casts = [te_float8_cast_seconds(dense, tokens, bandwidth, share, current=False),
+                 te_float8_cast_seconds(grouped, tokens * routed, bandwidth, share, current=False)]
+        assert casts[1][0] > 10 * 2e-6  # bandwidth-bound: the shapes show
+        assert t["matmul"] == pytest.approx(matmuls + casts[0][0] + casts[1][0], rel=1e-12)
+        assert t["matmul_bwd_input"] == pytest.approx(matmuls + casts[0][1] + casts[1][1], rel=1e-12)
+        assert t["matmul_bwd_weight"] == pytest.approx(matmuls, rel=1e-12)
+        bf16 = layer_times(args, dataclasses.replace(training, precision="bf16"), plan, acc, moe=True)
+        assert t["matmul_bwd_weight"] < bf16["matmul_bwd_weight"]
+        f8 = {term.name: term for term in block_terms(args, training, "none", plan.zero_stage, True, routed,
+                                                        plan.ep)}
+        sizes = {name: term_bytes(term, args, training, plan) for name, term in f8.items()}
+        assert (sizes["expert_input"], sizes["expert_swiglu_out"], sizes["shared_swiglu_out"]) == (
+            routed * d, routed * h, s)  # one byte an element
+        assert f8["ffn_norm_output"].kind == "act" and sizes["shared_fc1_input_f8"] == d
+        with pytest.raises(PlannerError, match="torchao"):
+            moe_linear_times(args, dataclasses.replace(training, float8="torchao"), plan, acc, tokens)

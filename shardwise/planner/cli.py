@@ -503,9 +503,11 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     if training.precision == "fp8":
         notes.append("MFU: model FLOPs over the bf16 peak (the float8 linears run at up to twice it)")
         if training.float8 != "torchao":
+            cached = ("float8 weights cached over a step's micro-batches" if best.plan.zero_stage < 3 else
+                      "float8 weights cast for each micro-batch (ZeRO-3 gathers them afresh)")
             notes.append(f"fp8: Transformer Engine's float8 ({training.float8.removeprefix('te-')} scaling) as "
-                         "Megatron-Core runs it: one cast per module input, float8 weights cached over a step's "
-                         "micro-batches, the linears' inputs saved in float8")
+                         f"Megatron-Core runs it: one cast per module input, {cached}, the linears' inputs saved "
+                         "in float8")
         elif training.system.split(" (")[0] == "shardwise":
             notes.append("fp8: torchao's float8 training as torchtitan runs it, priced on shardwise's recipe; "
                          "shardwise's engine trains in fp32, bf16 or fp16 (--write-config refuses fp8)")

@@ -626,10 +626,12 @@ def weight_pass_grad_bytes(args: ModelArgs, training: Training, plan: Plan, moe:
 
 # the saved tensors only the nodes a weight pass runs keep (each matmul saves its input and weight, the norms'
 # weight products their normalised input): the norms' outputs (the attention's and MLP's matmul inputs), the
-# normalised inputs, the MLP's gate product or GELU output (w2's input), the experts' input. (The attention's
-# output is also saved by the attention, which the weight pass does not run.)
+# normalised inputs, the MLP's gate product or GELU output (w2's input), the experts' inputs (and their and the
+# shared experts' gate products, w2's input; TE's float8 copy of the norm output for the shared experts). (The
+# attention's output is also saved by the attention, which the weight pass does not run.)
 WEIGHT_PASS_INPUTS = frozenset({"attention_norm_output", "attention_norm_normalized", "ffn_norm_output",
-                                "ffn_norm_normalized", "swiglu_out", "gelu_out", "expert_input", "wo_input_f8"})
+                                "ffn_norm_normalized", "swiglu_out", "gelu_out", "expert_input", "wo_input_f8",
+                                "expert_swiglu_out", "shared_swiglu_out", "shared_fc1_input_f8"})
 
 
 def weight_pass_leftover_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:

@@ -102,11 +102,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     split by tp (every tp rank runs the whole MoE)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
-    if moe and training.linear_dtype == "fp8" and training.float8 == "torchao":
-        raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
-                           "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
-                           "in float8 through Transformer Engine (megatron-core)")
-    if moe:
+    if moe:  # (refuses torchao's float8 of the experts)
         mm, mm_in, mm_w = moe_linear_times(args, training, plan, acc, q_tokens)
     else:
         mm, mm_in, mm_w = linear_times(args, training, plan, acc, q_tokens)
@@ -159,7 +155,13 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     GroupedLinear) every linear but the router runs at the fp8 peak, and TE's casts are added as for a dense block
     (te_float8_cast_seconds): the attention's qkv (its input from the fused norm) and proj over the tokens, the
     shared experts' fc1 and fc2 over the tokens, the routed experts' over their (token, expert) pairs, with the
-    rank's experts' weights cast once a step (per micro-batch under ZeRO-3)."""
+    rank's experts' weights cast once a step (per micro-batch under ZeRO-3), one cast kernel a module (TE's
+    GroupedLinear quantises each expert's weight apart: their per-kernel floor is not counted, nor each expert's
+    token padding). torchao's float8 of the experts is refused."""
+    if training.linear_dtype == "fp8" and training.float8 == "torchao":
+        raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
+                           "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
+                           "in float8 through Transformer Engine (megatron-core)")
     d, h = args.dim, args.expert_hidden
     shared = args.n_shared_experts * h
     routed = routed_per_token(args, training, plan)
