@@ -1021,6 +1021,18 @@ def kept_beyond_autograd(args: ModelArgs, training: Training, plan: Plan, moe: b
                                                               or training.selective == "attention-core"):
         return 0.0
     routed = routed_per_token(args, training, plan) if moe else 0.0
+    # memoised as _per_token (a search asks for every micro-batch and dp split): the key holds what the terms read
+    key = (args, training, recompute, plan.tp, plan.sequence_parallel, plan.zero_stage, moe, routed, plan.ep)
+    cached = _BEYOND.get(key)
+    if cached is None:
+        cached = _remember(_BEYOND, key, _kept_beyond(args, training, plan, recompute, moe, routed))
+    return cached
+
+
+_BEYOND: dict[tuple, float] = {}
+
+
+def _kept_beyond(args: ModelArgs, training: Training, plan: Plan, recompute: str, moe: bool, routed: float) -> float:
     held = {t.name: term_bytes(t, args, training, plan)
             for t in block_terms(args, training, "none", plan.zero_stage, moe, routed, plan.ep)}
     kept = [(t, term_bytes(t, args, training, plan))

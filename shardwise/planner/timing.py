@@ -173,14 +173,7 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     if training.linear_dtype == "fp8":  # Transformer Engine's (torchao's is refused in layer_times)
         bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
         share, current = te_weight_cast_share(training, plan), training.float8 == "te-current"
-        attention: dict[str, tuple[float, float, float]] = {}
-        for name, n_in, n_out, split in linear_shapes(args)[:len(ATTENTION)]:
-            if split == "row":
-                n_in /= plan.tp
-            else:
-                n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
-            _, out, weight = attention.get(TE_MODULES[name], (n_in, 0.0, 0.0))
-            attention[TE_MODULES[name]] = (n_in, out + n_out, weight + n_in * n_out)
+        attention = te_modules(rank_linear_shapes(args, plan)[:len(ATTENTION)])
         if shared:
             attention.update({"shared_fc1": (d, 2 * shared, 2 * d * shared), "shared_fc2": (shared, d, shared * d)})
         experts = args.n_experts // plan.ep
@@ -302,6 +295,30 @@ def te_float8_cast_seconds(modules: dict[str, tuple[float, float, float]], token
     return forward, backward
 
 
+def rank_linear_shapes(args: ModelArgs, plan: Plan) -> list[tuple[str, float, float]]:
+    """(name, in, out) features of a dense block's linears on one tp rank, in forward order: split as
+    memory.linear_shapes says ('row' its inputs, 'kv' its outputs by at most the KV heads, 'col' its outputs)."""
+    out = []
+    for name, n_in, n_out, split in linear_shapes(args):
+        if split == "row":
+            n_in /= plan.tp
+        else:
+            n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
+        out.append((name, n_in, n_out))
+    return out
+
+
+def te_modules(shapes: list[tuple[str, float, float]]) -> dict[str, tuple[float, float, float]]:
+    """Transformer Engine's modules over the linears `shapes` (rank_linear_shapes), as te_float8_cast_seconds takes
+    them: name -> (input features, output features, weight elements); wq, wk and wv are one module (qkv), w1 and w3
+    another (fc1)."""
+    modules: dict[str, tuple[float, float, float]] = {}
+    for name, n_in, n_out in shapes:
+        _, out, weight = modules.get(TE_MODULES[name], (n_in, 0.0, 0.0))
+        modules[TE_MODULES[name]] = (n_in, out + n_out, weight + n_in * n_out)
+    return modules
+
+
 def te_weight_cast_share(training: Training, plan: Plan) -> int:
     """Micro-batches over which Transformer Engine's float8 weights are cast once (te_float8_cast_seconds): the
     step's, unless ZeRO-3 gathers the weights afresh for each micro-batch; 1 outside TE's float8."""
@@ -325,24 +342,18 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     te = dtype == "fp8" and training.float8 != "torchao"
     fwd = bwd_in = bwd_w = 0.0
-    modules: dict[str, tuple[float, float, float]] = {}
-    for name, n_in, n_out, split in linear_shapes(args)[-1:] if last_only else linear_shapes(args):
-        if split == "row":
-            n_in /= plan.tp
-        else:
-            n_out /= kv_split(args, plan.tp) if split == "kv" else plan.tp
+    shapes = rank_linear_shapes(args, plan)[-1:] if last_only else rank_linear_shapes(args, plan)
+    for _, n_in, n_out in shapes:
         fwd += gemm_seconds(tokens, n_out, n_in, training, acc, dtype)
         bwd_in += gemm_seconds(tokens, n_in, n_out, training, acc, dtype)
         bwd_w += gemm_seconds(n_out, n_in, tokens, training, acc, dtype)
-        if te:
-            _, out, weight = modules.get(TE_MODULES[name], (n_in, 0.0, 0.0))
-            modules[TE_MODULES[name]] = (n_in, out + n_out, weight + n_in * n_out)
-        elif dtype == "fp8":
+        if dtype == "fp8" and not te:
             cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth, fused=training.compile)
             fwd += cast_fwd
             bwd_in += cast_bwd
     if te:
-        cast_fwd, cast_bwd = te_float8_cast_seconds(modules, tokens, bandwidth, te_weight_cast_share(training, plan),
+        cast_fwd, cast_bwd = te_float8_cast_seconds(te_modules(shapes), tokens, bandwidth,
+                                                    te_weight_cast_share(training, plan),
                                                     current=training.float8 == "te-current")
         fwd += cast_fwd
         bwd_in += cast_bwd
