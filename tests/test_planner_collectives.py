@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.planner import Cluster, accelerator, evaluate
-from shardwise.planner.comm import all_gather, all_reduce, group_link, reduce_scatter
+from shardwise.planner.comm import all_gather, all_reduce, all_to_all, group_link, reduce_scatter
 
 US = 1e-6
 
@@ -68,6 +68,29 @@ def test_without_a_fabric_the_alpha_beta_model_is_kept():
                                 intra_node_latency=1.0)
     link = group_link(8, 1, Cluster(alpha, 8))
     assert all_gather(1e6, 8, link) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 16])
+def test_all_to_all_across_nodes_is_bound_by_the_bytes_leaving_the_node(nodes):
+    """NCCL's maintainer (NVIDIA/nccl-tests issue 130): an all-to-all's intra-node share is not the bottleneck, so
+    nccl-tests' alltoall bus bandwidth on M nodes is M/(M-1) x the network bandwidth per GPU (2x on 2 nodes), one
+    NIC a rank (issue 267: an all-to-all "cannot aggregate the bandwidth of multiple NICs"); his rule is of the
+    algorithm bandwidth, which the bus bandwidth's definition scales by (n-1)/n."""
+    n = 8 * nodes
+    cluster = Cluster(accelerator("h100"), n, gpus_per_node=8)
+    link = group_link(n, 1, cluster)  # an expert-parallel group: not spread over the node's NICs
+    acc = cluster.accelerator
+    assert link.tier == "inter" and link.per_node == 8
+    assert link.bandwidth == pytest.approx(acc.inter_node_bw * acc.comm_efficiency)
+    x = 4e9  # large: the n - 8 latencies 1% of the time at most
+    t = all_to_all(x, n, link, after_compute=False)
+    assert t == pytest.approx((n - 8) * (link.latency + x / (n * link.bandwidth)))
+    busbw = x / t * (n - 1) / n
+    assert busbw == pytest.approx(nodes / (nodes - 1) * link.bandwidth * (n - 1) / n, rel=0.012)
+    # inside one node every peer is a step on NVLink, as before
+    intra = group_link(8, 1, cluster)
+    step = intra.latency + x / (8 * intra.bandwidth)
+    assert all_to_all(x, 8, intra, after_compute=False) == pytest.approx(7 * step)
 
 
 # NCCL's SMs: a collective hidden behind compute holds its CTAs' SMs (Accelerator.nccl_channels, Link.sm_share)

@@ -182,25 +182,34 @@ def reduce_scatter(nbytes: float, n: int, link: Link, after_compute: bool = True
     return _ring_half(nbytes, n, link, "reduce_scatter", after_compute)
 
 
-def _ring_half(nbytes: float, n: int, link: Link, op: str, after_compute: bool) -> float:
+def _ring_half(nbytes: float, n: int, link: Link, op: str, after_compute: bool, steps: int | None = None) -> float:
+    """`steps` of the N-1 (all of them by default) on the link, plus the sync."""
     if n <= 1:
         return 0.0
     curve = link.curve("all_gather" if op == "all_to_all" else op)
     sync = link.sync if after_compute else 0.0
+    share = (n - 1 if steps is None else steps) / (n - 1)
     if curve:
-        return measured_time(nbytes, n, curve, _half_factor) + sync
+        return share * measured_time(nbytes, n, curve, _half_factor) + sync
     if link.fabric and op != "all_to_all":
         return nccl_time(op, nbytes, n, link) + sync
-    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth)) + sync
+    return share * (n - 1) * (link.latency + nbytes / (n * link.bandwidth)) + sync
 
 
 def all_to_all(nbytes: float, n: int, link: Link, after_compute: bool = True) -> float:
     """Each of N ranks hands X bytes to the exchange, X/N for every rank ((N-1)/N of them leave it): a pairwise
-    exchange of N-1 steps of X/N bytes, (N-1)(alpha + X/(N B)), the all-gather's steps (nccl-tests' alltoall bus
-    factor is all-gather's, (N-1)/N). `shardwise bench` measures no all-to-all: a profile's all-gather curve prices
-    it. With uneven exchanges X is the busiest rank's. (NCCL runs it as grouped sends, which its cost model for
-    collectives does not describe: the alpha-beta steps.)"""
-    return _ring_half(nbytes, n, link, "all_to_all", after_compute)
+    exchange of X/N bytes a step, (alpha + X/(N B)) each (nccl-tests' alltoall bus factor is all-gather's,
+    (N-1)/N). NCCL runs it as grouped sends, which its cost model for collectives does not describe: the
+    alpha-beta steps. Inside a node all N-1 steps; across nodes only the N-g to ranks of other nodes (g members a
+    node, Link.per_node) go through the rank's own NIC (an all-to-all "cannot aggregate the bandwidth of multiple
+    NICs"), while the g-1 to its node's ranks go over NVLink at the same time and are not the bottleneck: on 2
+    nodes half the bytes cross the network and nccl-tests' alltoall bus bandwidth is 2x the network bandwidth per
+    GPU, M/(M-1)x on M nodes (NCCL's maintainer, NVIDIA/nccl-tests issues 130 and 267). The local steps are never
+    the longer part: more bytes leave the node than stay (N-g >= g > g-1 on 2 nodes or more), over a network no
+    faster than NVLink. `shardwise bench` measures no all-to-all: a profile's all-gather curve prices it. With
+    uneven exchanges X is the busiest rank's."""
+    off_node = n - link.per_node if link.tier == "inter" and link.per_node > 1 else None
+    return _ring_half(nbytes, n, link, "all_to_all", after_compute, off_node)
 
 
 def p2p(nbytes: float, link: Link) -> float:
