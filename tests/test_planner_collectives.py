@@ -73,24 +73,65 @@ def test_without_a_fabric_the_alpha_beta_model_is_kept():
 @pytest.mark.parametrize("nodes", [2, 4, 16])
 def test_all_to_all_across_nodes_is_bound_by_the_bytes_leaving_the_node(nodes):
     """NCCL's maintainer (NVIDIA/nccl-tests issue 130): an all-to-all's intra-node share is not the bottleneck, so
-    nccl-tests' alltoall bus bandwidth on M nodes is M/(M-1) x the network bandwidth per GPU (2x on 2 nodes), one
-    NIC a rank (issue 267: an all-to-all "cannot aggregate the bandwidth of multiple NICs"); his rule is of the
-    algorithm bandwidth, which the bus bandwidth's definition scales by (n-1)/n."""
+    its algorithm bandwidth on M nodes is M/(M-1) x the network bandwidth per GPU (2x on 2 nodes), one NIC a rank
+    (issue 267: an all-to-all "cannot aggregate the bandwidth of multiple NICs"); nccl-tests' bus bandwidth is that
+    x (n-1)/n."""
     n = 8 * nodes
     cluster = Cluster(accelerator("h100"), n, gpus_per_node=8)
     link = group_link(n, 1, cluster)  # an expert-parallel group: not spread over the node's NICs
     acc = cluster.accelerator
-    assert link.tier == "inter" and link.per_node == 8
-    assert link.bandwidth == pytest.approx(acc.inter_node_bw * acc.comm_efficiency)
+    assert link.tier == "inter" and link.per_node == link.fewest_per_node == 8
+    nic = acc.inter_node_bw * acc.comm_efficiency
+    assert link.bandwidth == pytest.approx(nic)
     x = 4e9  # large: the n - 8 latencies 1% of the time at most
     t = all_to_all(x, n, link, after_compute=False)
-    assert t == pytest.approx((n - 8) * (link.latency + x / (n * link.bandwidth)))
-    busbw = x / t * (n - 1) / n
-    assert busbw == pytest.approx(nodes / (nodes - 1) * link.bandwidth * (n - 1) / n, rel=0.012)
+    assert x / t == pytest.approx(nodes / (nodes - 1) * nic, rel=0.012)
+    assert all_to_all(x, n, link) == pytest.approx(t + link.sync)  # the sync once
     # inside one node every peer is a step on NVLink, as before
     intra = group_link(8, 1, cluster)
     step = intra.latency + x / (8 * intra.bandwidth)
     assert all_to_all(x, 8, intra, after_compute=False) == pytest.approx(7 * step)
+
+
+def _exchange(gpu: str, size: int, stride: int, gpus: int, gpus_per_node: int, x: float = 4e9) -> float:
+    link = group_link(size, stride, Cluster(accelerator(gpu), gpus, gpus_per_node=gpus_per_node))
+    return all_to_all(x, size, link, after_compute=False)
+
+
+def test_all_to_all_prices_the_rank_with_the_fewest_node_mates():
+    """By counting bytes: a rank sends X/n to each of the n-1 others; only those bound for other nodes use its NIC.
+    ep 8 spaced 2 apart on 8-GPU nodes: 4 members a node, 4 peers away; ep 8 on 6-GPU nodes over 24 GPUs: the
+    groups split 6 + 2, 4 + 4, 2 + 6, and a rank with one node-mate has 6 peers away."""
+    h100 = accelerator("h100")
+    nic, alpha = h100.inter_node_bw * h100.comm_efficiency, h100.inter_node_latency
+    x = 4e9
+    away = {(2, 32, 8): 4, (1, 24, 6): 6}
+    for (stride, gpus, per_node), peers in away.items():
+        assert _exchange("h100", 8, stride, gpus, per_node, x) == pytest.approx(peers * (alpha + x / (8 * nic)))
+    # the uneven split costs more than an even one of the same size
+    assert _exchange("h100", 8, 1, 24, 6) > _exchange("h100", 8, 2, 32, 8)
+
+
+def test_all_to_all_over_pcie_shares_the_gpu_link_with_the_nic():
+    """Without NVLink a GPU's bytes for its node's ranks and for its NIC cross the same PCIe link: on 2 nodes of an
+    H100 PCIe (64 GB/s PCIe, 50 GB/s NIC, before efficiency) all 15/16 of X leave the GPU at the PCIe rate, longer
+    than the 8/16 that leave the node at the NIC's."""
+    acc = accelerator("h100-pcie")
+    eff, x = acc.comm_efficiency, 4e9
+    pcie = 15 * (acc.inter_node_latency + x / (16 * acc.intra_node_bw * eff))
+    nic = 8 * (acc.inter_node_latency + x / (16 * acc.inter_node_bw * eff))
+    assert pcie > nic
+    assert _exchange("h100-pcie", 16, 1, 16, 8, x) == pytest.approx(pcie)
+
+
+def test_a_measured_curve_prices_only_the_off_node_steps():
+    """A profile's measured all-gather curve (its bus bandwidth, scaled to the network tier) prices the exchange:
+    the n - g off-node steps of the n - 1 it would give a whole exchange."""
+    acc = dataclasses.replace(accelerator("h100"), busbw_curves={"all_gather": {1 << 20: 100e9, 1 << 30: 300e9}})
+    link = group_link(16, 1, Cluster(acc, 16, gpus_per_node=8))
+    x = 1 << 30
+    whole = 15 / 16 * x / (300e9 * link.bandwidth / acc.intra_node_bw)  # time = (n-1)/n X / busbw
+    assert all_to_all(x, 16, link, after_compute=False) == pytest.approx(whole * 8 / 15)
 
 
 # NCCL's SMs: a collective hidden behind compute holds its CTAs' SMs (Accelerator.nccl_channels, Link.sm_share)

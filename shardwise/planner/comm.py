@@ -16,6 +16,7 @@ cost what LL's few-microsecond steps cost, and large ones the Simple protocol's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -45,6 +46,12 @@ class Link:
     sm_share: float = 0.0
     """Share of the GPU's SMs this link's ring collectives hold while they run (NCCL's CTAs, nccl_ctas); compute
     that a collective hides behind runs on the rest. 0: not modelled (Accelerator.nccl_channels unset)."""
+    fewest_per_node: int = 0
+    """The fewest members of one group in one node, over the cluster's groups of this shape (per_node where every
+    node holds as many; fewer where groups straddle node boundaries unevenly); 0: not given (per_node)."""
+    node_bandwidth: float = 0.0
+    """Bytes/s per direction per rank inside a node (after the efficiency factor), on a network link, for an
+    all-to-all's share that stays in the node; 0: not given."""
 
     def curve(self, op: str) -> tuple[tuple[int, float], ...] | None:
         return next((c for name, c in self.curves if name == op), None)
@@ -200,16 +207,26 @@ def all_to_all(nbytes: float, n: int, link: Link, after_compute: bool = True) ->
     """Each of N ranks hands X bytes to the exchange, X/N for every rank ((N-1)/N of them leave it): a pairwise
     exchange of X/N bytes a step, (alpha + X/(N B)) each (nccl-tests' alltoall bus factor is all-gather's,
     (N-1)/N). NCCL runs it as grouped sends, which its cost model for collectives does not describe: the
-    alpha-beta steps. Inside a node all N-1 steps; across nodes only the N-g to ranks of other nodes (g members a
-    node, Link.per_node) go through the rank's own NIC (an all-to-all "cannot aggregate the bandwidth of multiple
-    NICs"), while the g-1 to its node's ranks go over NVLink at the same time and are not the bottleneck: on 2
-    nodes half the bytes cross the network and nccl-tests' alltoall bus bandwidth is 2x the network bandwidth per
-    GPU, M/(M-1)x on M nodes (NCCL's maintainer, NVIDIA/nccl-tests issues 130 and 267). The local steps are never
-    the longer part: more bytes leave the node than stay (N-g >= g > g-1 on 2 nodes or more), over a network no
-    faster than NVLink. `shardwise bench` measures no all-to-all: a profile's all-gather curve prices it. With
-    uneven exchanges X is the busiest rank's."""
-    off_node = n - link.per_node if link.tier == "inter" and link.per_node > 1 else None
-    return _ring_half(nbytes, n, link, "all_to_all", after_compute, off_node)
+    alpha-beta steps. Inside a node all N-1 steps. Across nodes a rank's N-g steps to ranks of other nodes (g: its
+    group's members in its node; the busiest rank is the one with the fewest, Link.fewest_per_node) go through its
+    own NIC (an all-to-all "cannot aggregate the bandwidth of multiple NICs"), while the g-1 to its node's ranks go
+    over NVLink at the same time: the longer of the two. With g members in every node the network's share is the
+    whole time, so nccl-tests' alltoall algorithm bandwidth on M nodes comes out at M/(M-1) x the network
+    bandwidth per GPU, 2x on 2 nodes (NCCL's maintainer, NVIDIA/nccl-tests issues 130 and 267; its bus bandwidth is
+    that x (N-1)/N). Over PCIe (no NVLink) a GPU's node-local bytes and those bound for its NIC cross the same
+    PCIe link, so all N-1 steps are timed at the node's rate too. `shardwise bench` measures no all-to-all: a
+    profile's all-gather curve prices it. With uneven exchanges X is the busiest rank's."""
+    g = link.fewest_per_node or link.per_node
+    if link.tier != "inter" or g <= 1:
+        return _ring_half(nbytes, n, link, "all_to_all", after_compute)
+    network = _ring_half(nbytes, n, link, "all_to_all", after_compute, n - g)
+    if not link.node_bandwidth:
+        return network
+    scale = link.node_bandwidth / link.bandwidth  # (a measured curve, scaled to the network tier, back to the node's)
+    node = dataclasses.replace(link, bandwidth=link.node_bandwidth, curves=tuple(
+        (op, tuple((size, busbw * scale) for size, busbw in curve)) for op, curve in link.curves))
+    local = _ring_half(nbytes, n, node, "all_to_all", after_compute, n - 1 if link.fabric == "pcie" else g - 1)
+    return max(network, local)
 
 
 def p2p(nbytes: float, link: Link) -> float:
@@ -296,7 +313,22 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
         return Link(bw, acc.intra_node_latency, "intra", curves, acc.collective_sync_s, acc.intra_node_fabric,
                     sm_share=sm_share)
     return Link(bw, acc.inter_node_latency, "inter", curves, acc.collective_sync_s, acc.intra_node_fabric, per_node,
-                sm_share)
+                sm_share, fewest_members(size, stride, cluster.gpus, cluster.gpus_per_node),
+                acc.intra_node_bw * acc.comm_efficiency)
+
+
+def fewest_members(size: int, stride: int, gpus: int, gpus_per_node: int) -> int:
+    """The fewest members one group of `size` ranks spaced `stride` apart has in any node it spans, over the
+    world's groups of that shape (blocks of size x stride ranks, `stride` groups interleaved in each)."""
+    fewest = size
+    for block in range(0, gpus, size * stride):
+        for offset in range(stride):
+            counts: dict[int, int] = {}
+            for i in range(size):
+                node = (block + offset + i * stride) // gpus_per_node
+                counts[node] = counts.get(node, 0) + 1
+            fewest = min(fewest, *counts.values())
+    return fewest
 
 
 def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster, spread: bool = False) -> tuple[int, Link]:
