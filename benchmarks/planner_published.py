@@ -178,6 +178,9 @@ class Run:
     qlora: bool = False
     lora_targets: tuple[str, ...] = PROJECTIONS
     """LoRA (Training.lora_rank, qlora, lora_targets), where the run fine-tuned adapters."""
+    expert_imbalance: float = 0.0
+    """A mixture of experts' routed tokens on the busiest ep rank over the mean (Training.expert_imbalance), where
+    the source states its routing (AutoModel's fake_balanced_gate: 1.0); 0: the planner's untrained router."""
     mem_active: bool = False
     """The published peak is torch's active bytes (memory_stats "active_bytes.all.peak": what tensors hold), not
     reserved memory: compared with the planner's total less its fragmentation allowance and fixed overhead, which
@@ -1369,11 +1372,89 @@ def torchtune_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# NeMo AutoModel's performance summary (NVIDIA-NeMo/Automodel, docs/performance-summary.md, its .mdx since June
+# 2026): "System: DGX-H100, Precision: BF16", PyTorch's FSDP2 (TP, CP and EP beside it); mock data, "Fake balanced
+# gate is enabled to simulate ideal expert routing", no gradient clipping; time per global step and tokens/s per GPU
+# (and AutoModel's own model TFLOP/s, not used). Each row as its recipe stood when the row was measured:
+# * Qwen3 MoE 30B (Qwen/Qwen3-30B-A3B's config: the preset qwen3-30b-a3b-like, without its per-head q/k norms), the
+#   row of 8d9bfb90e (2025-10-08), examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml there: 8 H100s, EP 8
+#   over the 8 FSDP ranks (the experts not sharded further), reshard_after_forward False (ZeRO-2), every block
+#   checkpointed, global batch 512, local batch 4, 16 accumulation steps, sequence 4096; the router's auxiliary
+#   loss not run by the fake gate; its stack in benchmarks/systems/automodel-moe-te.toml.
+# * Llama 3 70B pre-training on 64 H100s (2013a4dd6, 2026-04-10): FSDP 32 x CP 2, local batch 1, 4 accumulation
+#   steps, sequence 8192, compiled layers, checkpointing; benchmarks/systems/automodel-fsdp2.toml.
+# * LoRA (rank 16 on every linear but the head; "match_all_linear"), sequence 4096, global batch 32: Llama 3.1 8B
+#   and Qwen2.5 7B on one H100 (507bfb751, 2025-12-16: micro-batch 2, 16 accumulation steps, no checkpointing, not
+#   compiled; the 8B's LoRA dropout 0.1 after the adapter, not priced), Llama 3.3 70B and Qwen2.5 32B on 8 and 16
+#   H100s (2013a4dd6: TP 2 x FSDP 4 or 8, micro-batch 2, checkpointing, compiled layers; the 70B with sequence
+#   parallelism and async TP, which the planner does not price, as torchtitan's AsyncTP rows). Qwen2.5's shapes
+#   from its config.json (7B: hidden 3584, 28 layers, 28 heads, 4 KV heads, FFN 18944; 32B: 5120, 64, 40, 8,
+#   27648; vocabulary 152064, untied), without its q/k/v biases (0.1M and 0.7M parameters).
+# Added on 2026-12-06 and evaluated first as the planner stood (held out: docs/heldout-2026-12-06/automodel-held-
+# out.txt).
+AUTOMODEL = ("NeMo AutoModel, docs/performance-summary.md, "
+             "https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.mdx")
+QWEN25_7B = dataclasses.replace(preset("llama3-8b"), name="qwen2.5-7b", dim=3584, n_layers=28, n_heads=28,
+                                n_kv_heads=4, vocab_size=152064, ffn_hidden=18944, rope_theta=1e6, norm_eps=1e-6)
+QWEN25_32B = dataclasses.replace(QWEN25_7B, name="qwen2.5-32b", dim=5120, n_layers=64, n_heads=40, n_kv_heads=8,
+                                 ffn_hidden=27648)
+# name, model, GPUs, sequence, global batch, the stated plan, compiled, seconds per step, the row as printed
+AUTOMODEL_DENSE_ROWS = [
+    ("Llama3 70B pretrain", preset("llama3-70b"), 64, 8192, 128,
+     "dp_shard=32,cp=2,zero_stage=3,micro_batch=1,grad_accum=4,activation_checkpoint=full", True, 18.90,
+     "Llama3 70B | 64 | 128 | 1 | 1 | 4 | 8192 | TP 1 | PP 1 | CP 2 | - | - | FSDP 32 | TE + fsdp2_prefetch | 18.90 | "
+     "389 | 866.77"),
+    ("LoRA Llama3 8B", preset("llama3-8b"), 1, 4096, 32,
+     "micro_batch=2,grad_accum=16,activation_checkpoint=none", False, 10.51,
+     "Llama3 8B | 1 | 32 | 2 | 2 | 16 | 4096 | 1 | 1 | 1 | - | 1 | 1 | TE + triton | 10.51 | 402 | 12472.87"),
+    ("LoRA Qwen2.5 7B", QWEN25_7B, 1, 4096, 32,
+     "micro_batch=2,grad_accum=16,activation_checkpoint=none", False, 9.29,
+     "Qwen2.5 7B | 1 | 32 | 2 | 2 | 16 | 4096 | 1 | 1 | 1 | - | 1 | 1 | TE + triton | 9.29 | 423 | 14110.05"),
+    ("LoRA Llama3 70B +AsyncTP", preset("llama3-70b"), 8, 4096, 32,
+     "tp=2,sequence_parallel=true,dp_shard=4,zero_stage=3,micro_batch=2,grad_accum=4,activation_checkpoint=full",
+     True, 15.00,
+     "Llama3 70B | 8 | 32 | 2 | 2 | 4 | 4096 | 2 | 1 | 1 | - | 1 | 4 | TE + triton + fsdp2_prefetch | 15.00 | 316 | "
+     "1091.85"),
+    ("LoRA Qwen2.5 32B", QWEN25_32B, 8, 4096, 32,
+     "tp=2,sequence_parallel=false,dp_shard=4,zero_stage=3,micro_batch=2,grad_accum=4,activation_checkpoint=full",
+     True, 7.28,
+     "Qwen2.5 32B | 8 | 32 | 2 | 2 | 4 | 4096 | 2 | 1 | 1 | - | 1 | 4 | TE + triton + fsdp2_prefetch | 7.28 | 301 | "
+     "2250.31"),
+    ("LoRA Llama3 70B 2-node +AsyncTP", preset("llama3-70b"), 16, 4096, 32,
+     "tp=2,sequence_parallel=true,dp_shard=8,zero_stage=3,micro_batch=2,grad_accum=2,activation_checkpoint=full",
+     True, 8.32,
+     "Llama3 70B 2-node | 16 | 32 | 2 | 2 | 2 | 4096 | 2 | 1 | 1 | - | 1 | 8 | TE + triton + fsdp2_prefetch | 8.32 | "
+     "285 | 984.85"),
+    ("LoRA Qwen2.5 32B 2-node", QWEN25_32B, 16, 4096, 32,
+     "tp=2,sequence_parallel=false,dp_shard=8,zero_stage=3,micro_batch=2,grad_accum=2,activation_checkpoint=full",
+     True, 3.95,
+     "Qwen2.5 32B 2-node | 16 | 32 | 2 | 2 | 2 | 4096 | 2 | 1 | 1 | - | 1 | 8 | TE + triton + fsdp2_prefetch | 3.95 | "
+     "277 | 2072.89")]
+
+
+def automodel_runs() -> list[Run]:
+    qwen3 = dataclasses.replace(preset("qwen3-30b-a3b-like"), aux_loss_coeff=0.0)
+    runs = [Run("AutoModel Qwen3 MoE 30B n=8 EP8", qwen3, 8, 4096, 512,
+                "dp_shard=8,ep=8,zero_stage=2,micro_batch=4,grad_accum=16,activation_checkpoint=full", AUTOMODEL,
+                "Qwen3 MoE 30B | 8 | 512 | 4 | 4 | 16 | 4096 | TP 1 | PP 1 | CP 1 | EP 8 | - | FSDP 8 | TE + DeepEP | "
+                "21.773 | 277 | 12,040", step_s=21.773,
+                tflops=512 * 4096 / 21.773 / 8 * flops_per_token(qwen3, 4096) / 1e12, gpu="h100",
+                system="automodel-moe-te.toml", search=False, expert_imbalance=1.0)]
+    for name, model, n, seq, batch, plan, compiled, step, row in AUTOMODEL_DENSE_ROWS:
+        model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq))
+        runs.append(Run(f"AutoModel {name} n={n}", model, n, seq, batch, plan, AUTOMODEL, row, step_s=step,
+                        tflops=batch * seq / step / n * flops_per_token(model, seq) / 1e12, gpu="h100",
+                        system="automodel-fsdp2.toml", search=False, compile=compiled,
+                        lora_rank=16 if name.startswith("LoRA") else 0))
+    return runs
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
-        + olmo_core_runs() + torchtune_runs())
+        + olmo_core_runs() + torchtune_runs() + automodel_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1442,7 +1523,8 @@ def training_of(run: Run) -> Training:
         if run.loss_chunks is not None:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
-                        qlora=run.qlora, lora_targets=run.lora_targets, **fields)
+                        qlora=run.qlora, lora_targets=run.lora_targets, expert_imbalance=run.expert_imbalance,
+                        **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits
@@ -1655,7 +1737,7 @@ def main() -> None:
                          ("llm-foundry A100", "foundry a100 "), ("llm-foundry A100 40GB", "foundry a100-40gb"),
                          ("llm-foundry H100 FP8 (torchao's recipe for TE's)", "foundry fp8"),
                          ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core"),
-                         ("torchtune (one A100, bf16)", "torchtune")):
+                         ("torchtune (one A100, bf16)", "torchtune"), ("NeMo AutoModel (FSDP2, H100)", "AutoModel")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
