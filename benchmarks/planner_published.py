@@ -181,6 +181,9 @@ class Run:
     expert_imbalance: float = 0.0
     """A mixture of experts' routed tokens on the busiest ep rank over the mean (Training.expert_imbalance), where
     the source states its routing (AutoModel's fake_balanced_gate: 1.0); 0: the planner's untrained router."""
+    dispatch_ranks: float = 0.0
+    """Under DeepEP's dispatch, the ep ranks a token goes to (Training.dispatch_ranks), where the source's routing
+    fixes it (AutoModel's fake_balanced_gate: 1); 0: derived for uniform routing."""
     mem_active: bool = False
     """The published peak is torch's active bytes (memory_stats "active_bytes.all.peak": what tensors hold), not
     reserved memory: compared with the planner's total less its fragmentation allowance and fixed overhead, which
@@ -1381,18 +1384,22 @@ def torchtune_runs() -> list[Run]:
 #   row of 8d9bfb90e (2025-10-08), examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml there: 8 H100s, EP 8
 #   over the 8 FSDP ranks (the experts not sharded further), reshard_after_forward False (ZeRO-2), every block
 #   checkpointed, global batch 512, local batch 4, 16 accumulation steps, sequence 4096; the router's auxiliary
-#   loss not run by the fake gate; its stack in benchmarks/systems/automodel-moe-te.toml.
+#   loss not run by the fake gate, which gives token i the 8 consecutive experts from 8i (mod 128), all on one of
+#   the 8 ranks of 16 experts, so DeepEP sends each token to one rank (dispatch_ranks 1); its stack in
+#   benchmarks/systems/automodel-moe-te.toml (DeepEP's dispatch described since 2026-12-06, after the held-out
+#   evaluation).
 # * Llama 3 70B pre-training on 64 H100s (2013a4dd6, 2026-04-10): FSDP 32 x CP 2, local batch 1, 4 accumulation
 #   steps, sequence 8192, compiled layers, checkpointing; benchmarks/systems/automodel-fsdp2.toml.
 # * LoRA (rank 16 on every linear but the head; "match_all_linear"), sequence 4096, global batch 32: Llama 3.1 8B
 #   and Qwen2.5 7B on one H100 (507bfb751, 2025-12-16: micro-batch 2, 16 accumulation steps, no checkpointing, not
-#   compiled; the 8B's LoRA dropout 0.1 after the adapter, not priced), Llama 3.3 70B and Qwen2.5 32B on 8 and 16
-#   H100s (2013a4dd6: TP 2 x FSDP 4 or 8, micro-batch 2, checkpointing, compiled layers; the 70B with sequence
-#   parallelism and async TP, which the planner does not price, as torchtitan's AsyncTP rows). Qwen2.5's shapes
+#   compiled; Hugging Face's models with Liger-Kernel: benchmarks/systems/automodel-hf-liger.toml; the 8B's LoRA
+#   dropout 0.1 after the adapter, not priced), Llama 3.3 70B and Qwen2.5 32B on 8 and 16 H100s (2013a4dd6: TP 2 x
+#   FSDP 4 or 8, micro-batch 2, checkpointing, compiled layers; the 70B with sequence parallelism and async TP,
+#   which the planner does not price, as torchtitan's AsyncTP rows; automodel-fsdp2.toml). Qwen2.5's shapes
 #   from its config.json (7B: hidden 3584, 28 layers, 28 heads, 4 KV heads, FFN 18944; 32B: 5120, 64, 40, 8,
 #   27648; vocabulary 152064, untied), without its q/k/v biases (0.1M and 0.7M parameters).
 # Added on 2026-12-06 and evaluated first as the planner stood (held out: docs/heldout-2026-12-06/automodel-held-
-# out.txt).
+# out.txt), with descriptions a review of AutoModel's code then corrected (docs/planner.md, "NeMo AutoModel").
 AUTOMODEL = ("NeMo AutoModel, docs/performance-summary.md, "
              "https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.mdx")
 QWEN25_7B = dataclasses.replace(preset("llama3-8b"), name="qwen2.5-7b", dim=3584, n_layers=28, n_heads=28,
@@ -1440,12 +1447,13 @@ def automodel_runs() -> list[Run]:
                 "Qwen3 MoE 30B | 8 | 512 | 4 | 4 | 16 | 4096 | TP 1 | PP 1 | CP 1 | EP 8 | - | FSDP 8 | TE + DeepEP | "
                 "21.773 | 277 | 12,040", step_s=21.773,
                 tflops=512 * 4096 / 21.773 / 8 * flops_per_token(qwen3, 4096) / 1e12, gpu="h100",
-                system="automodel-moe-te.toml", search=False, expert_imbalance=1.0)]
+                system="automodel-moe-te.toml", search=False, expert_imbalance=1.0, dispatch_ranks=1.0)]
     for name, model, n, seq, batch, plan, compiled, step, row in AUTOMODEL_DENSE_ROWS:
         model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq))
         runs.append(Run(f"AutoModel {name} n={n}", model, n, seq, batch, plan, AUTOMODEL, row, step_s=step,
                         tflops=batch * seq / step / n * flops_per_token(model, seq) / 1e12, gpu="h100",
-                        system="automodel-fsdp2.toml", search=False, compile=compiled,
+                        system="automodel-hf-liger.toml" if n == 1 else "automodel-fsdp2.toml", search=False,
+                        compile=compiled,
                         lora_rank=16 if name.startswith("LoRA") else 0))
     return runs
 
@@ -1524,7 +1532,7 @@ def training_of(run: Run) -> Training:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
                         qlora=run.qlora, lora_targets=run.lora_targets, expert_imbalance=run.expert_imbalance,
-                        **fields)
+                        dispatch_ranks=run.dispatch_ranks, **fields)
     # (the system presets' overrides: these rows state their stacks field by field below)
     assert run.grads_in_fp32 is None and run.dropout is None and run.optimizer_dtype is None, run.name
     # Megatron's vocab-parallel cross-entropy; shardwise's engine (and so 'torch') gathers the logits

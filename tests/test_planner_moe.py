@@ -21,7 +21,7 @@ from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.moe import GroupedExperts, Router
 from shardwise.planner import Accelerator, Cluster, Plan, PlannerError, Training, accelerator, evaluate, search
 from shardwise.planner.cli import add_plan_arguments, run_plan
-from shardwise.planner.experts import imbalance, init_imbalance
+from shardwise.planner.experts import dispatch_ranks, imbalance, init_imbalance
 from shardwise.planner.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
@@ -314,6 +314,57 @@ def test_imbalance_slows_the_busiest_rank_and_adds_to_its_exchange():
     copies = 4096 * args.top_k * args.dim * 2 * 7 / 8
     assert skewed.ep_comm - even.ep_comm == pytest.approx(args.n_layers * 4 * 0.5 * copies, rel=1e-12)
     assert skewed.forward > even.forward
+
+
+def test_deepep_dispatch_ranks_by_enumeration():
+    """Under DeepEP's dispatch a token goes once to each ep rank holding any of its experts: for uniform routing
+    the mean over every top-k choice of the distinct ranks it touches, counted here choice by choice."""
+    import itertools
+
+    for experts, k, ep in ((16, 4, 4), (12, 2, 6), (8, 3, 2)):
+        args = dataclasses.replace(preset("debug-moe"), n_experts=experts, top_k=k)
+        choices = list(itertools.combinations(range(experts), k))
+        mean = sum(len({e // (experts // ep) for e in c}) for c in choices) / len(choices)
+        plan = Plan(dp_shard=ep, ep=ep, zero_stage=3)
+        training = Training(seq_len=64, global_batch=ep, moe_dispatch="deepep")
+        assert dispatch_ranks(args, training, plan) == pytest.approx(mean, rel=1e-12)
+        # a stated figure (a fake gate's: every expert of a token on one rank) wins, capped at what is possible
+        stated = dataclasses.replace(training, dispatch_ranks=1.0)
+        assert dispatch_ranks(args, stated, plan) == 1.0
+
+
+@pytest.mark.parametrize("ranks", [0.0, 1.0])
+def test_deepep_sends_each_token_once_per_rank(ranks):
+    """DeepEP's exchange moves T x (ranks a token goes to) rows of d values, not T x top_k copies; the rest of the
+    count is the copies' (dispatch and combine each way, the counts once per forward)."""
+    args = preset("mixtral-8x7b")
+    ep, s = 8, 4096
+    plan = Plan(dp_shard=ep, ep=ep, zero_stage=3, micro_batch=1, grad_accum=1)
+    training = Training(seq_len=s, global_batch=ep, expert_imbalance=1.0, moe_dispatch="deepep",
+                        dispatch_ranks=ranks)
+    per_token = ranks or ep * (1 - math.comb(args.n_experts - 1, 2) / math.comb(args.n_experts, 2))  # 1 expert a rank
+    rows = s * per_token * args.dim * 2 * (ep - 1) / ep
+    counts = 8 * args.n_experts * (ep - 1) / ep
+    cost = stage_cost(args, training, plan, _unit_links(ep))
+    assert cost.ep_comm == pytest.approx(args.n_layers * (2 * rows + counts + 2 * rows), rel=1e-12)
+
+
+def test_deepep_keeps_the_experts_input_and_swiglu_only():
+    """What each routed copy keeps under DeepEP's dispatch (AutoModel's GroupedExpertsDeepEP): the grouped GEMM's
+    input (d), the fused weighted SwiGLU's input and output (3 h), its routing weight (fp32) and the permute's row
+    map (an index); the engine's path also keeps the combine weights, the gather and scatter indices, the scatter's
+    source and the combined copies (k d each), and under ep the expert order and the experts' outputs (d a copy)."""
+    args = preset("qwen3-30b-a3b-like")
+    ep, tokens = 8, 4096
+    plan = Plan(dp_shard=ep, ep=ep, zero_stage=3, micro_batch=1, grad_accum=1, activation_checkpoint="none")
+    base = Training(seq_len=tokens, global_batch=ep, expert_imbalance=1.0, swiglu="fused", layout="fsdp-mp")
+    deepep = dataclasses.replace(base, moe_dispatch="deepep")
+    k, d = args.top_k, args.dim
+    engine_only = k * 2 + 2 * k * 8 + k * d * 2 + k * 8 + k * d * 2 + k * d * 2  # routed = k (balanced, ep = 8)
+    deepep_only = k * 8 + k * 4
+    difference = (layer_activation_bytes(args, base, plan, moe=True)
+                  - layer_activation_bytes(args, deepep, plan, moe=True)) / tokens
+    assert difference == pytest.approx(engine_only - deepep_only, rel=1e-12)
 
 
 def test_tensor_parallelism_does_not_split_the_moe():

@@ -129,10 +129,27 @@ def _routed(args: ModelArgs, training: Training, micro_batch: int, cp: int, ep: 
     return args.top_k * (min(load, args.capacity_factor) if args.capacity_factor > 0 else load)
 
 
+def dispatch_ranks(args: ModelArgs, training: Training, plan: Plan) -> float:
+    """The ep ranks a token is sent to under DeepEP's dispatch (Training.moe_dispatch 'deepep'), on average: the
+    stated Training.dispatch_ranks, else for independent uniform routing of top_k of E experts, E / e on each
+    rank, e (1 - C(E - E/e, k) / C(E, k)), the expected count of ranks holding at least one of a token's experts."""
+    if plan.ep == 1:
+        return 1.0
+    if training.dispatch_ranks:
+        return min(training.dispatch_ranks, plan.ep, args.top_k)
+    e, k, local = args.n_experts, args.top_k, args.n_experts // plan.ep
+    return plan.ep * (1 - math.comb(e - local, k) / math.comb(e, k))
+
+
 def dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
-    """Bytes a rank hands to one dispatch (or combine) all-to-all per MoE layer and micro-batch: its routed copies,
-    tokens x top_k x dim in the compute dtype (the engine casts before it sends). (ep - 1) / ep of them leave it."""
-    return tokens_per_rank(training, plan) * args.top_k * kept_share(args) * args.dim * training.act_bytes
+    """Bytes the busiest rank hands to one dispatch (or combine) all-to-all per MoE layer and micro-batch, in the
+    compute dtype (the engine casts before it sends): its routed copies, tokens x routed_per_token x dim; under
+    DeepEP's dispatch each token once per destination rank (dispatch_ranks), times the same imbalance. (ep - 1) /
+    ep of them leave it."""
+    per_token = routed_per_token(args, training, plan)
+    if training.moe_dispatch == "deepep":
+        per_token *= dispatch_ranks(args, training, plan) / (args.top_k * kept_share(args))
+    return tokens_per_rank(training, plan) * per_token * args.dim * training.act_bytes
 
 
 def counts_bytes(args: ModelArgs) -> float:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from shardwise.hardware import GiB, PlannerError
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
-from shardwise.planner.experts import kept_share, routed_per_token
+from shardwise.planner.experts import dispatch_bytes, kept_share, routed_per_token, tokens_per_rank
 from shardwise.planner.plan import Plan
 from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
@@ -681,15 +681,23 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
     terms += [Term("router_scores", args.n_experts, "stat", "full"), Term("topk_experts", k, "index", "full")]
     if args.route_norm:
         terms += [Term("route_weights", k, "stat", "full"), Term("route_normaliser", 1, "stat", "full")]
-    terms += [Term("combine_weights", k, "act", "full"), Term("gather_index", kept, "index", "full"),
-              Term("scatter_index", kept, "index", "full"), Term("expert_input", routed * d, "act", "full")]
-    terms += [Term(name, routed * h, "act", "full") for name in swiglu_saved(training, "expert_")]
-    # the scatter of the experts' outputs back to token order (index_copy) keeps its source for its shape: the
-    # combined copies, and under ep > 1 also the experts' own outputs that the engine puts back in source order
-    terms.append(Term("scatter_source", kept * d, "act", "full"))
-    if ep > 1:
-        terms += [Term("expert_order", routed, "index", "full"), Term("expert_output", routed * d, "act", "full")]
-    terms.append(Term("combine_out", kept * d, "act", "full"))
+    if training.moe_dispatch == "deepep":
+        # DeepEP's dispatch (Training.moe_dispatch): the grouped GEMM's input in expert order, the fused permute's
+        # row map and each copy's routing weight, which the weighted SwiGLU multiplies in and keeps; the combine
+        # keeps nothing of the experts' outputs
+        terms += [Term("expert_input", routed * d, "act", "full"), Term("expert_row_map", routed, "index", "full"),
+                  Term("expert_probs", routed, "stat", "full")]
+        terms += [Term(name, routed * h, "act", "full") for name in swiglu_saved(training, "expert_")]
+    else:
+        terms += [Term("combine_weights", k, "act", "full"), Term("gather_index", kept, "index", "full"),
+                  Term("scatter_index", kept, "index", "full"), Term("expert_input", routed * d, "act", "full")]
+        terms += [Term(name, routed * h, "act", "full") for name in swiglu_saved(training, "expert_")]
+        # the scatter of the experts' outputs back to token order (index_copy) keeps its source for its shape: the
+        # combined copies, and under ep > 1 also the experts' own outputs that the engine puts back in source order
+        terms.append(Term("scatter_source", kept * d, "act", "full"))
+        if ep > 1:
+            terms += [Term("expert_order", routed, "index", "full"), Term("expert_output", routed * d, "act", "full")]
+        terms.append(Term("combine_out", kept * d, "act", "full"))
     if shared:
         terms += [Term(name, shared, "act", "full") for name in swiglu_saved(training, "shared_")]
     if args.aux_loss_coeff > 0:
@@ -1136,12 +1144,18 @@ def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float
     agree); under ep > 1 also the copies received from the ep ranks, the outputs put back in source order and
     the copies the combine all-to-all returns. A full recompute rebuilds it inside backward."""
     d, kept, routed = args.dim, args.top_k * kept_share(args), routed_per_token(args, training, plan)
+    later_shared = 4 * args.n_shared_experts * args.expert_hidden * training.act_bytes
+    if training.moe_dispatch == "deepep":
+        # DeepEP's (Training.moe_dispatch): w2's output in expert order and, put back in the order received, the
+        # rows the combine returns (one per token and destination rank)
+        rows = dispatch_bytes(args, training, plan) / (tokens_per_rank(training, plan) * training.act_bytes)
+        return max(0.0, routed * d * training.act_bytes + rows * training.act_bytes - later_shared)
     held = kept * d * training.stream_bytes
     if training.act_bytes != training.stream_bytes:
         held += kept * d * training.act_bytes
     if plan.ep > 1:
         held += 2 * routed * d * training.act_bytes + kept * d * training.act_bytes
-    later = kept * d * training.act_bytes + 4 * args.n_shared_experts * args.expert_hidden * training.act_bytes
+    later = kept * d * training.act_bytes + later_shared
     return max(0.0, held - later)
 
 

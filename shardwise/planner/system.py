@@ -128,6 +128,9 @@ class System:
     BF16_Optimizer)."""
     pipeline_split: str = "cost"
     """How the blocks are cut into pipeline stages: 'cost' or DeepSpeed's 'slots' (Training.pipeline_split)."""
+    moe_dispatch: str = "copies"
+    """How a mixture of experts moves tokens: every routed copy ('copies') or DeepEP's once per rank ('deepep')
+    (Training.moe_dispatch)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -138,6 +141,7 @@ class System:
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
+                  ("moe_dispatch", self.moe_dispatch, ("copies", "deepep")),
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
                   ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
                   ("optimizer_passes", self.optimizer_passes, ("fused", "per-op")),
@@ -170,7 +174,7 @@ class System:
                 "activation_offload": self.activation_offload, "optimizer_in_backward": self.optimizer_in_backward,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
-                "pipeline_split": self.pipeline_split}
+                "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch}
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (

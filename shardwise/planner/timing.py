@@ -22,7 +22,7 @@ from shardwise.planner.comm import (
     p2p,
     reduce_scatter,
 )
-from shardwise.planner.experts import counts_bytes, routed_per_token, tokens_per_rank
+from shardwise.planner.experts import counts_bytes, dispatch_bytes, routed_per_token
 from shardwise.planner.memory import (
     ATTENTION,
     adapted_base_params,
@@ -698,12 +698,12 @@ def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     the routed copies to their experts' ranks and combines the results back (two all-to-alls of the copies);
     backward runs the two again for their gradients; full recompute replays the forward's three. Each waits for
     the busiest rank, which receives (dispatch) and sends back (combine) the imbalance times the mean:
-    tokens x routed_per_token x d in the compute dtype. Over the ep group's link (comm.expert_links)."""
+    tokens x routed_per_token x d in the compute dtype, or under DeepEP's dispatch each token once per rank it goes
+    to (experts.dispatch_bytes). Over the ep group's link (comm.expert_links)."""
     if plan.ep == 1 or not moe_layers:
         return 0.0
     (n, link), _ = expert_links(plan, cluster)
-    busiest = tokens_per_rank(training, plan) * routed_per_token(args, training, plan) * args.dim * training.act_bytes
-    copies = all_to_all(busiest, n, link)
+    copies = all_to_all(dispatch_bytes(args, training, plan), n, link)
     forward = all_to_all(counts_bytes(args), n, link) + 2 * copies
     return moe_layers * (forward * (2 if plan.activation_checkpoint == "full" else 1) + 2 * copies)
 

@@ -316,6 +316,17 @@ class Training:
     """Mixture of experts under expert parallelism: routed tokens on the busiest ep rank over the mean, per MoE
     layer and micro-batch (>= 1; e.g. read from the engine's per-expert counts); 0: derived for a randomly
     initialised router over random tokens (planner.experts.init_imbalance)."""
+    moe_dispatch: Literal["copies", "deepep"] = "copies"
+    """How a mixture of experts moves tokens to its experts. 'copies' (shardwise's engine, torchtitan's): every
+    routed (token, expert) copy is gathered, exchanged by all-to-all under ep and put back with index_copy, which
+    keeps its copies (memory.moe_terms). 'deepep': DeepEP's dispatch as NeMo AutoModel runs it
+    (moe/layers.py GroupedExpertsDeepEP): a token goes once to each ep rank holding any of its experts and comes
+    back once, combined; a fused permute orders the received tokens into per-expert copies keeping only its row
+    map; the routing weights multiply inside the experts' fused weighted SwiGLU; nothing else is kept per copy."""
+    dispatch_ranks: float = 0.0
+    """Under moe_dispatch 'deepep', the ep ranks a token is sent to, on average; 0: derived for independent
+    uniform routing (experts.dispatch_ranks). NeMo AutoModel's fake balanced gate gives token i the top_k
+    consecutive experts from i x top_k, all on one rank wherever top_k divides the experts a rank holds: 1."""
 
     def __post_init__(self):
         for key in ("seq_len", "global_batch"):
@@ -437,6 +448,12 @@ class Training:
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
+        if self.moe_dispatch not in ("copies", "deepep"):
+            raise PlannerError("--system moe_dispatch", f"unknown dispatch {self.moe_dispatch!r}",
+                               "use copies or deepep")
+        if self.dispatch_ranks and self.dispatch_ranks < 1:
+            raise PlannerError("dispatch_ranks", f"{self.dispatch_ranks} < 1: a routed token goes to one rank at "
+                               "least", "pass a number >= 1, or 0 to derive it")
         if self.expert_imbalance and self.expert_imbalance < 1:
             raise PlannerError("--expert-imbalance", f"{self.expert_imbalance} < 1: the busiest rank takes at least "
                                "the mean", "pass a ratio >= 1, or 0 to derive it")
