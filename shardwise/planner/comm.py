@@ -320,8 +320,13 @@ def _group_link(size: int, stride: int, cluster: Cluster, acc: Accelerator, spre
 def fewest_members(size: int, stride: int, gpus: int, gpus_per_node: int) -> int:
     """The fewest members one group of `size` ranks spaced `stride` apart has in any node it spans, over the
     world's groups of that shape (blocks of size x stride ranks, `stride` groups interleaved in each)."""
+    block_ranks = size * stride
+    if stride >= gpus_per_node:
+        return 1
+    if block_ranks % gpus_per_node == 0 and gpus_per_node % stride == 0:
+        return gpus_per_node // stride  # whole nodes, each holding the same share of every group
     fewest = size
-    for block in range(0, gpus, size * stride):
+    for block in range(0, min(gpus, math.lcm(block_ranks, gpus_per_node)), block_ranks):  # (the pattern's period)
         for offset in range(stride):
             counts: dict[int, int] = {}
             for i in range(size):
