@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from shardwise.planner import Cluster, accelerator, evaluate
-from shardwise.planner.comm import all_gather, all_reduce, all_to_all, group_link, reduce_scatter
+from shardwise.planner.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    fewest_members,
+    group_link,
+    reduce_scatter,
+)
 
 US = 1e-6
 
@@ -110,6 +117,25 @@ def test_all_to_all_prices_the_rank_with_the_fewest_node_mates():
         assert _exchange("h100", 8, stride, gpus, per_node, x) == pytest.approx(peers * (alpha + x / (8 * nic)))
     # the uneven split costs more than an even one of the same size
     assert _exchange("h100", 8, 1, 24, 6) > _exchange("h100", 8, 2, 32, 8)
+
+
+def test_fewest_members_matches_counting_every_group():
+    """fewest_members' shortcuts (aligned groups, one period of the layout) against counting every group's members
+    node by node over the whole world, on 4-, 6- and 8-GPU nodes."""
+    def counted(size, stride, gpus, per_node):
+        fewest = size
+        for block in range(0, gpus, size * stride):
+            for offset in range(stride):
+                nodes = [(block + offset + i * stride) // per_node for i in range(size)]
+                fewest = min(fewest, *(nodes.count(n) for n in set(nodes)))
+        return fewest
+
+    for per_node in (4, 6, 8):
+        for gpus in (per_node * m for m in (2, 3, 4, 6)):
+            for size in range(2, gpus + 1):
+                for stride in range(1, gpus // size + 1):
+                    if gpus % (size * stride) == 0 and size * stride > per_node:
+                        assert fewest_members(size, stride, gpus, per_node) == counted(size, stride, gpus, per_node)
 
 
 def test_all_to_all_over_pcie_shares_the_gpu_link_with_the_nic():
