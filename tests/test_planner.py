@@ -478,6 +478,30 @@ def test_matmul_time_counts_the_flops_our_model_runs():
     assert t.compute_s * 1e12 == pytest.approx(measured, rel=1e-9)
 
 
+@pytest.mark.parametrize("targets", [("wq", "wk", "wv", "wo", "w1", "w3", "w2"), ("wq", "wv", "w2"), ("w2",),
+                                     ("wo", "w3")])
+def test_lora_matmul_time_counts_the_flops_our_lora_model_runs(targets):
+    """The same under LoRA: the frozen linears' forward and input-gradient matmuls, and each adapter's six (x A and
+    (x A) B forward; the gradients through B and A, and B's and A's own), as the engine's LoRALinear runs them; in
+    the first block no input gradient before its first adapter (the embedding is frozen)."""
+    from shardwise.config import LoraConfig
+    from shardwise.lora import apply_lora
+    from shardwise.planner import Accelerator, step_time
+
+    args, b, s, rank = _small(), 2, 96, 8
+    model = build_model(args)
+    apply_lora(model, LoraConfig(rank=rank, targets=list(targets)))
+    materialize(model, args, "cpu", 0)
+    tokens = torch.randint(0, args.vocab_size, (b, s))
+    with MatmulFlops() as counter:
+        engine_loss(model, tokens, tokens).backward()
+    ideal = Accelerator("ideal", 1e12, {"fp32": 1e12}, mem_bandwidth=math.inf, intra_node_bw=1e9, inter_node_bw=1e9,
+                        host_bw=1e9, matmul_efficiency=1.0, attention_efficiency=math.inf)
+    training = Training(seq_len=s, global_batch=b, precision="fp32", lora_rank=rank, lora_targets=targets)
+    t = step_time(args, training, Plan(micro_batch=b), Cluster(ideal, 1))
+    assert t.compute_s * 1e12 == pytest.approx(counter.flops, rel=1e-9)
+
+
 def test_evaluate_reports_consistent_itemised_memory_and_time():
     args = preset("llama3-8b")
     tr = Training(seq_len=8192, global_batch=64)

@@ -26,6 +26,7 @@ from shardwise.planner.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    moe_dispatch_bytes,
     weight_copy_bytes,
 )
 from shardwise.planner.search import expert_degrees
@@ -316,55 +317,94 @@ def test_imbalance_slows_the_busiest_rank_and_adds_to_its_exchange():
     assert skewed.forward > even.forward
 
 
-def test_deepep_dispatch_ranks_by_enumeration():
-    """Under DeepEP's dispatch a token goes once to each ep rank holding any of its experts: for uniform routing
-    the mean over every top-k choice of the distinct ranks it touches, counted here choice by choice."""
+def _enumerated_ranks(experts: int, k: int, ep: int) -> float:
+    """The mean over every top-k choice of experts of the distinct ep ranks it touches (E/ep experts a rank)."""
     import itertools
 
+    choices = list(itertools.combinations(range(experts), k))
+    return sum(len({e // (experts // ep) for e in c}) for c in choices) / len(choices)
+
+
+def test_deepep_dispatch_ranks_by_enumeration():
+    """Under DeepEP's dispatch a token goes once to each ep rank holding any of its experts: for uniform routing
+    the mean over every top-k choice of the distinct ranks it touches, counted here choice by choice. A stated
+    figure is kept within what is possible: at least ceil(k / (E/ep)) ranks, at most min(ep, k)."""
     for experts, k, ep in ((16, 4, 4), (12, 2, 6), (8, 3, 2)):
         args = dataclasses.replace(preset("debug-moe"), n_experts=experts, top_k=k)
-        choices = list(itertools.combinations(range(experts), k))
-        mean = sum(len({e // (experts // ep) for e in c}) for c in choices) / len(choices)
-        plan = Plan(dp_shard=ep, ep=ep, zero_stage=3)
         training = Training(seq_len=64, global_batch=ep, moe_dispatch="deepep")
-        assert dispatch_ranks(args, training, plan) == pytest.approx(mean, rel=1e-12)
-        # a stated figure (a fake gate's: every expert of a token on one rank) wins, capped at what is possible
-        stated = dataclasses.replace(training, dispatch_ranks=1.0)
-        assert dispatch_ranks(args, stated, plan) == 1.0
+        assert dispatch_ranks(args, training, ep) == pytest.approx(_enumerated_ranks(experts, k, ep), rel=1e-12)
+        assert dispatch_ranks(args, training, 1) == 1.0
+        least = math.ceil(k / (experts // ep))
+        for stated, expected in ((1.0, least), (1.5, max(least, 1.5)), (99.0, min(ep, k))):
+            assert dispatch_ranks(args, dataclasses.replace(training, dispatch_ranks=stated), ep) == expected
 
 
-@pytest.mark.parametrize("ranks", [0.0, 1.0])
-def test_deepep_sends_each_token_once_per_rank(ranks):
-    """DeepEP's exchange moves T x (ranks a token goes to) rows of d values, not T x top_k copies; the rest of the
-    count is the copies' (dispatch and combine each way, the counts once per forward)."""
-    args = preset("mixtral-8x7b")
-    ep, s = 8, 4096
+@pytest.mark.parametrize("stated", [0.0, 1.0])
+def test_deepep_sends_each_token_once_per_rank(stated):
+    """DeepEP's exchange moves T x (ranks a token goes to) x the imbalance rows of d values, not T x top_k copies;
+    four a block and micro-batch (dispatch and combine, each way), and the counts once per forward. Four experts a
+    rank, top 4 of 16 over 4 ranks: 2.7 ranks a token by enumeration, where the copies are 4."""
+    args = dataclasses.replace(preset("debug-moe"), dim=512, n_experts=16, top_k=4, n_dense_layers=0)
+    ep, s, load = 4, 4096, 1.5
     plan = Plan(dp_shard=ep, ep=ep, zero_stage=3, micro_batch=1, grad_accum=1)
-    training = Training(seq_len=s, global_batch=ep, expert_imbalance=1.0, moe_dispatch="deepep",
-                        dispatch_ranks=ranks)
-    per_token = ranks or ep * (1 - math.comb(args.n_experts - 1, 2) / math.comb(args.n_experts, 2))  # 1 expert a rank
-    rows = s * per_token * args.dim * 2 * (ep - 1) / ep
+    training = Training(seq_len=s, global_batch=ep, expert_imbalance=load, moe_dispatch="deepep",
+                        dispatch_ranks=stated)
+    ranks = stated or _enumerated_ranks(16, 4, ep)
+    assert ranks < args.top_k
+    rows = s * ranks * load * args.dim * 2 * (ep - 1) / ep
     counts = 8 * args.n_experts * (ep - 1) / ep
     cost = stage_cost(args, training, plan, _unit_links(ep))
-    assert cost.ep_comm == pytest.approx(args.n_layers * (2 * rows + counts + 2 * rows), rel=1e-12)
+    assert cost.ep_comm == pytest.approx(args.n_layers * (4 * rows + counts), rel=1e-12)
 
 
 def test_deepep_keeps_the_experts_input_and_swiglu_only():
     """What each routed copy keeps under DeepEP's dispatch (AutoModel's GroupedExpertsDeepEP): the grouped GEMM's
-    input (d), the fused weighted SwiGLU's input and output (3 h), its routing weight (fp32) and the permute's row
-    map (an index); the engine's path also keeps the combine weights, the gather and scatter indices, the scatter's
-    source and the combined copies (k d each), and under ep the expert order and the experts' outputs (d a copy)."""
+    input (d), the fused weighted SwiGLU's input and output (3 h, whatever the system's dense SwiGLU), its routing
+    weight (fp32), and the permute's int32 row map, one per received row (a token's per destination rank) and local
+    expert; the engine's path also keeps the combine weights, the gather and scatter indices, the scatter's source
+    and the combined copies (k d each), and under ep the expert order and the experts' outputs (d a copy). At the
+    experts' return DeepEP's forward holds w2's output in expert order and the rows the combine returns."""
     args = preset("qwen3-30b-a3b-like")
     ep, tokens = 8, 4096
     plan = Plan(dp_shard=ep, ep=ep, zero_stage=3, micro_batch=1, grad_accum=1, activation_checkpoint="none")
     base = Training(seq_len=tokens, global_batch=ep, expert_imbalance=1.0, swiglu="fused", layout="fsdp-mp")
     deepep = dataclasses.replace(base, moe_dispatch="deepep")
-    k, d = args.top_k, args.dim
+    k, d, local = args.top_k, args.dim, args.n_experts // ep
+    ranks = ep * (1 - math.comb(args.n_experts - local, k) / math.comb(args.n_experts, k))
     engine_only = k * 2 + 2 * k * 8 + k * d * 2 + k * 8 + k * d * 2 + k * d * 2  # routed = k (balanced, ep = 8)
-    deepep_only = k * 8 + k * 4
+    deepep_only = ranks * local * 4 + k * 4
     difference = (layer_activation_bytes(args, base, plan, moe=True)
                   - layer_activation_bytes(args, deepep, plan, moe=True)) / tokens
     assert difference == pytest.approx(engine_only - deepep_only, rel=1e-12)
+    # the experts' weighted SwiGLU is fused whatever the system says of a dense one
+    eager = dataclasses.replace(deepep, swiglu="eager")
+    assert layer_activation_bytes(args, eager, plan, moe=True) == layer_activation_bytes(args, deepep, plan, moe=True)
+    held = moe_dispatch_bytes(args, deepep, Plan(dp_shard=ep, ep=ep, zero_stage=3))
+    assert held == pytest.approx((k * d + ranks * d) * 2, rel=1e-12)
+
+
+def test_deepep_is_dropless():
+    args = dataclasses.replace(preset("debug-moe"), capacity_factor=1.25)
+    training = Training(seq_len=64, global_batch=4, moe_dispatch="deepep")
+    with pytest.raises(PlannerError, match="moe_dispatch"):
+        evaluate(args, training, Plan(dp_shard=4, ep=2, zero_stage=3), Cluster(H100, 4))
+
+
+def test_dispatch_ranks_flag_needs_deepep(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--model", "qwen3-30b-a3b-like", "--gpus", "8", "--dispatch-ranks", "1"])) == 2
+    assert "--dispatch-ranks: it describes DeepEP's dispatch" in capsys.readouterr().err
+    system = tmp_path / "deepep-system.toml"
+    system.write_text('base = "torchtitan"\nmoe_dispatch = "deepep"\n')
+    assert run_plan(parser.parse_args(["--model", "llama3-8b", "--gpus", "8", "--system", str(system),
+                                       "--dispatch-ranks", "1"])) == 2
+    assert "llama3-8b is a dense model" in capsys.readouterr().err
+    # with the system, the note says what was assumed
+    assert run_plan(parser.parse_args(["--model", "qwen3-30b-a3b-like", "--gpus", "8", "--system", str(system),
+                                       "--plan", "dp_shard=8,ep=8,zero_stage=2", "--top-k", "1",
+                                       "--dispatch-ranks", "1"])) == 0
+    assert "DeepEP sends a token to 1.00 of them (--dispatch-ranks)" in capsys.readouterr().out
 
 
 def test_tensor_parallelism_does_not_split_the_moe():

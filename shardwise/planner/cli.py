@@ -19,7 +19,7 @@ from shardwise.config import ConfigError, fit_world, load_config, planner_split,
 from shardwise.hardware import GB, Cluster, GiB, PlannerError, resolve_accelerator
 from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, parse_layout
 from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params, projection_shapes
-from shardwise.planner.experts import imbalance, max_imbalance
+from shardwise.planner.experts import dispatch_ranks, imbalance, max_imbalance
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
@@ -70,6 +70,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--expert-imbalance", type=float, default=0.0,
       help="mixture of experts: routed tokens on the busiest expert-parallel rank over the mean (default: derived "
            "for a randomly initialised router, see docs/planner.md)")
+    a("--dispatch-ranks", type=float, default=0.0,
+      help="mixture of experts under a system whose moe_dispatch is deepep: the expert-parallel ranks a token is "
+           "sent to, on average (default: derived for uniform routing, see docs/planner.md)")
     a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
     a("--host-memory-gib", type=float, default=None,
       help="host memory per node that offload may fill (default: the GPU's DGX server, 2,048 GiB for 8 H100, H200 "
@@ -119,10 +122,16 @@ def build_inputs(ns: argparse.Namespace):
         raise PlannerError("--lora-targets", "it says which projections LoRA adapts, and no --lora-rank is given",
                            "also pass --lora-rank R")
     targets = PROJECTIONS if ns.lora_targets is None else tuple(t.strip() for t in ns.lora_targets.split(","))
+    if ns.dispatch_ranks and (not model.n_experts or system.moe_dispatch != "deepep"):
+        why = (f"the system {system.name} sends every routed copy" if model.n_experts
+               else f"{model.name} is a dense model")
+        raise PlannerError("--dispatch-ranks", f"it describes DeepEP's dispatch of a mixture of experts, and {why}",
+                           'leave --dispatch-ranks out, or use a system file with moe_dispatch = "deepep"')
     training = Training(seq_len=seq, global_batch=batch, precision=ns.precision or "bf16",
                         optimizer=ns.optimizer or "adamw", lora_rank=ns.lora_rank, qlora=ns.qlora,
                         lora_targets=targets, lora_dropout=ns.lora_dropout or 0.0,
-                        expert_imbalance=ns.expert_imbalance, **system.training_fields())
+                        expert_imbalance=ns.expert_imbalance, dispatch_ranks=ns.dispatch_ranks,
+                        **system.training_fields())
     if training.qlora:
         # NF4 needs each linear's weight in whole blocks whatever the layout (FSDP's chunks only add to that): a
         # shape that has none is refused here, as the config refuses it, not left to a search that finds no plan
@@ -533,8 +542,13 @@ def routing_note(model: ModelArgs, training: Training, plan: Plan) -> str:
     source = (f"--expert-imbalance {training.expert_imbalance:g}, at most {load:g} over {plan.ep} ranks" if capped
               else "as stated (--expert-imbalance)" if training.expert_imbalance else
               "an untrained router over random tokens; a trained one's measured load goes in --expert-imbalance")
-    return (f"experts of #1: {kept}; the busiest of the ep {plan.ep} ranks routes {load:.3f} x the mean "
-            f"({source})")
+    note = f"experts of #1: {kept}; the busiest of the ep {plan.ep} ranks routes {load:.3f} x the mean ({source})"
+    if training.moe_dispatch == "deepep":
+        ranks = dispatch_ranks(model, training, plan.ep)
+        note += (f"; DeepEP sends a token to {ranks:.2f} of them "
+                 + ("(--dispatch-ranks)" if training.dispatch_ranks else "(uniform routing; a measured figure goes "
+                                                                         "in --dispatch-ranks)"))
+    return note
 
 
 def main(argv: list[str] | None = None) -> int:

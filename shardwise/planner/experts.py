@@ -129,16 +129,17 @@ def _routed(args: ModelArgs, training: Training, micro_batch: int, cp: int, ep: 
     return args.top_k * (min(load, args.capacity_factor) if args.capacity_factor > 0 else load)
 
 
-def dispatch_ranks(args: ModelArgs, training: Training, plan: Plan) -> float:
+def dispatch_ranks(args: ModelArgs, training: Training, ep: int) -> float:
     """The ep ranks a token is sent to under DeepEP's dispatch (Training.moe_dispatch 'deepep'), on average: the
-    stated Training.dispatch_ranks, else for independent uniform routing of top_k of E experts, E / e on each
+    stated Training.dispatch_ranks, kept within what top_k experts on ranks of E/e can touch (at least
+    ceil(k e / E), at most min(e, k)); else for independent uniform routing of top_k of E experts, E/e on each
     rank, e (1 - C(E - E/e, k) / C(E, k)), the expected count of ranks holding at least one of a token's experts."""
-    if plan.ep == 1:
+    if ep == 1:
         return 1.0
+    e, k, local = args.n_experts, args.top_k, args.n_experts // ep
     if training.dispatch_ranks:
-        return min(training.dispatch_ranks, plan.ep, args.top_k)
-    e, k, local = args.n_experts, args.top_k, args.n_experts // plan.ep
-    return plan.ep * (1 - math.comb(e - local, k) / math.comb(e, k))
+        return max(math.ceil(k / local), min(training.dispatch_ranks, ep, k))
+    return ep * (1 - math.comb(e - local, k) / math.comb(e, k))
 
 
 def dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
@@ -148,7 +149,7 @@ def dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     ep of them leave it."""
     per_token = routed_per_token(args, training, plan)
     if training.moe_dispatch == "deepep":
-        per_token *= dispatch_ranks(args, training, plan) / (args.top_k * kept_share(args))
+        per_token *= dispatch_ranks(args, training, plan.ep) / (args.top_k * kept_share(args))
     return tokens_per_rank(training, plan) * per_token * args.dim * training.act_bytes
 
 

@@ -16,7 +16,13 @@ from typing import NamedTuple
 from shardwise.hardware import GiB, PlannerError
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
-from shardwise.planner.experts import dispatch_bytes, kept_share, routed_per_token, tokens_per_rank
+from shardwise.planner.experts import (
+    dispatch_bytes,
+    dispatch_ranks,
+    kept_share,
+    routed_per_token,
+    tokens_per_rank,
+)
 from shardwise.planner.plan import Plan
 from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
@@ -682,12 +688,17 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
     if args.route_norm:
         terms += [Term("route_weights", k, "stat", "full"), Term("route_normaliser", 1, "stat", "full")]
     if training.moe_dispatch == "deepep":
-        # DeepEP's dispatch (Training.moe_dispatch): the grouped GEMM's input in expert order, the fused permute's
-        # row map and each copy's routing weight, which the weighted SwiGLU multiplies in and keeps; the combine
+        # DeepEP's dispatch (Training.moe_dispatch): the grouped GEMM's input in expert order; the fused permute's
+        # row map, an int32 for each received row and local expert (rows: a token's per destination rank, times
+        # the imbalance); each copy's routing weight, which the fused weighted SwiGLU multiplies in and keeps with
+        # its input (w1's and w3's outputs), whatever the system's dense SwiGLU; its output, w2's input. The combine
         # keeps nothing of the experts' outputs
-        terms += [Term("expert_input", routed * d, "act", "full"), Term("expert_row_map", routed, "index", "full"),
+        rows = routed * dispatch_ranks(args, training, ep) / kept
+        terms += [Term("expert_input", routed * d, "act", "full"),
+                  Term("expert_row_map", rows * args.n_experts / ep, "stat", "full"),
                   Term("expert_probs", routed, "stat", "full")]
-        terms += [Term(name, routed * h, "act", "full") for name in swiglu_saved(training, "expert_")]
+        terms += [Term(name, routed * h, "act", "full") for name in ("expert_w1_out", "expert_w3_out",
+                                                                      "expert_swiglu_out")]
     else:
         terms += [Term("combine_weights", k, "act", "full"), Term("gather_index", kept, "index", "full"),
                   Term("scatter_index", kept, "index", "full"), Term("expert_input", routed * d, "act", "full")]
@@ -1142,7 +1153,9 @@ def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float
     (the combined copies, the shared experts' SwiGLU). Held by the caller while the experts run: the gathered
     routed copies in the stream dtype and their cast to the compute dtype (the same tensor when the dtypes
     agree); under ep > 1 also the copies received from the ep ranks, the outputs put back in source order and
-    the copies the combine all-to-all returns. A full recompute rebuilds it inside backward."""
+    the copies the combine all-to-all returns. Under DeepEP's dispatch (Training.moe_dispatch): w2's output in
+    expert order and the rows the combine returns, one per token and destination rank. A full recompute rebuilds
+    it inside backward."""
     d, kept, routed = args.dim, args.top_k * kept_share(args), routed_per_token(args, training, plan)
     later_shared = 4 * args.n_shared_experts * args.expert_hidden * training.act_bytes
     if training.moe_dispatch == "deepep":

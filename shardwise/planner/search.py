@@ -179,6 +179,9 @@ def check_recipe(args: ModelArgs, training: Training) -> None:
     if args.n_experts and training.lora_rank:
         raise PlannerError("--lora-rank", "LoRA adapts dense linears and a mixture of experts' experts are 3-D "
                            "weights without adapters (the engine refuses it too)", "train all weights of an MoE model")
+    if args.n_experts and training.moe_dispatch == "deepep" and args.capacity_factor > 0:
+        raise PlannerError("--system moe_dispatch", f"deepep is dropless, and the model sets capacity_factor "
+                           f"{args.capacity_factor}", "use moe_dispatch = copies, or a dropless model")
 
 
 def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_cp: int = 16) -> None:

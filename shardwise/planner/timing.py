@@ -327,6 +327,34 @@ def te_weight_cast_share(training: Training, plan: Plan) -> int:
     return max(plan.grad_accum, 1)
 
 
+LINEAR_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
+"""A dense block's linears by input, in forward order: each group's input is made from the outputs of those before
+it (and the block's input)."""
+
+
+def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                             times: dict[str, float]) -> float:
+    """Seconds of input gradients the first block does not compute under LoRA: the embedding is frozen, so the
+    block's input needs no gradient, and a linear's input needs one only if an adapter before it in the block made
+    part of it (LINEAR_GROUPS): until the first adapted group, no input gradient of the frozen linears (x's, through
+    W) or of their adapters (through A) is computed, nor the attention's backward where no query, key or value
+    projection is adapted (its gradient reaches only frozen inputs). Counted from the engine's LoRA model by
+    torch's matmul counter (tests/test_planner.py)."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
+    skipped, upstream = 0.0, False
+    for group in LINEAR_GROUPS:
+        for name in (n for n in group if n in shapes and not upstream):
+            n_in, n_out = shapes[name]
+            skipped += gemm_seconds(tokens, n_in, n_out, training, acc, training.linear_dtype)
+            if name in training.lora_targets:
+                skipped += gemm_seconds(tokens, n_in, training.lora_rank, training, acc)
+        if group == LINEAR_GROUPS[0] and not any(n in training.lora_targets for n in group):
+            skipped += times["attention_bwd"]
+        upstream = upstream or any(n in training.lora_targets and n in shapes for n in group)
+    return skipped
+
+
 def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
                  tokens: float, last_only: bool = False) -> tuple[float, float, float]:
     """Seconds of a dense block's linears on one tp rank over `tokens` rows: (forward, input gradients, weight
@@ -351,6 +379,20 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
             cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth, fused=training.compile)
             fwd += cast_fwd
             bwd_in += cast_bwd
+    if training.lora_rank:
+        # each adapted linear's adapter (shardwise.lora.LoRALinear: F.linear(F.linear(x, A), B)) is six thin GEMMs,
+        # at their shapes (bound by reading the activations: Accelerator.matmul_eff's roofline): x A and (x A) B
+        # forward; the input's gradient through B and A, and B's and A's gradients, backward (all in the input
+        # gradients' pass: the frozen weights have no weight-gradient pass, _stage_cost). On a tp rank the adapter
+        # spans what its linear does (A whole and B split for a column-parallel linear, A split and B whole for a
+        # row-parallel one: parallel/tensor_parallel.py)
+        r = training.lora_rank
+        for name, n_in, n_out in shapes:
+            if name in training.lora_targets:
+                shapes_fwd = ((tokens, r, n_in), (tokens, n_out, r))
+                shapes_bwd = ((tokens, r, n_out), (tokens, n_in, r), (n_out, r, tokens), (r, n_in, tokens))
+                fwd += sum(gemm_seconds(*mnk, training, acc) for mnk in shapes_fwd)
+                bwd_in += sum(gemm_seconds(*mnk, training, acc) for mnk in shapes_bwd)
     if te:
         cast_fwd, cast_bwd = te_float8_cast_seconds(te_modules(shapes), tokens, bandwidth,
                                                     te_weight_cast_share(training, plan),
@@ -421,6 +463,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     w_factor = 0.0 if training.lora_rank else 1.0
     fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head_fwd
     bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + t["elementwise_bwd"]) + head_in
+    if training.lora_rank and stage == 0 and layers > moe:
+        bwd_in -= lora_first_block_skipped(args, training, plan, acc, t)
     bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor
     if plan.activation_checkpoint == "full":
         # the forward again, but for the last linear where the checkpoint stops early (Training.checkpoint_early_stop)
