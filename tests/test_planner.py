@@ -478,9 +478,10 @@ def test_matmul_time_counts_the_flops_our_model_runs():
     assert t.compute_s * 1e12 == pytest.approx(measured, rel=1e-9)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize("targets", [("wq", "wk", "wv", "wo", "w1", "w3", "w2"), ("wq", "wv", "w2"), ("w2",),
                                      ("wo", "w3")])
-def test_lora_matmul_time_counts_the_flops_our_lora_model_runs(targets):
+def test_lora_matmul_time_counts_the_flops_our_lora_model_runs(targets, recompute):
     """The same under LoRA: the frozen linears' forward and input-gradient matmuls, and each adapter's six (x A and
     (x A) B forward; the gradients through B and A, and B's and A's own), as the engine's LoRALinear runs them; in
     the first block no input gradient before its first adapter (the embedding is frozen)."""
@@ -492,14 +493,35 @@ def test_lora_matmul_time_counts_the_flops_our_lora_model_runs(targets):
     model = build_model(args)
     apply_lora(model, LoraConfig(rank=rank, targets=list(targets)))
     materialize(model, args, "cpu", 0)
+    if recompute == "full":
+        from shardwise.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, "full")
     tokens = torch.randint(0, args.vocab_size, (b, s))
     with MatmulFlops() as counter:
         engine_loss(model, tokens, tokens).backward()
     ideal = Accelerator("ideal", 1e12, {"fp32": 1e12}, mem_bandwidth=math.inf, intra_node_bw=1e9, inter_node_bw=1e9,
                         host_bw=1e9, matmul_efficiency=1.0, attention_efficiency=math.inf)
     training = Training(seq_len=s, global_batch=b, precision="fp32", lora_rank=rank, lora_targets=targets)
-    t = step_time(args, training, Plan(micro_batch=b), Cluster(ideal, 1))
-    assert t.compute_s * 1e12 == pytest.approx(counter.flops, rel=1e-9)
+    t = step_time(args, training, Plan(micro_batch=b, activation_checkpoint=recompute), Cluster(ideal, 1))
+    assert (t.compute_s + t.recompute_s) * 1e12 == pytest.approx(counter.flops, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_lora_pipeline_cost_is_the_slowest_rank(schedule):
+    """Under LoRA rank 0's first block skips input gradients, so another rank with its blocks can be slower: the
+    stage cost is the slowest of every rank (Llama 2 70B over 3 stages: 27, 27 and 26 blocks, the last with a head
+    of 32,000 rows, lighter than a block: rank 1 is the slowest)."""
+    from shardwise.planner.timing import _stage_cost, stage_cost
+
+    args = preset("llama2-70b")
+    training = Training(seq_len=4096, global_batch=12, lora_rank=16, state_dtype="bf16", layout="fsdp-mp")
+    plan = Plan(pp=3, micro_batch=1, grad_accum=12, pp_schedule=schedule,
+                virtual_stages=2 if schedule != "1f1b" else 1)
+    cluster = Cluster(accelerator("h100"), 3)
+    costs = [_stage_cost(args, training, plan, cluster, rank).total for rank in range(3)]
+    assert max(costs) == costs[1] > costs[0]
+    assert stage_cost(args, training, plan, cluster).total == pytest.approx(costs[1], rel=1e-12)
 
 
 def test_evaluate_reports_consistent_itemised_memory_and_time():

@@ -329,7 +329,7 @@ def test_deepep_dispatch_ranks_by_enumeration():
     """Under DeepEP's dispatch a token goes once to each ep rank holding any of its experts: for uniform routing
     the mean over every top-k choice of the distinct ranks it touches, counted here choice by choice. A stated
     figure is kept within what is possible: at least ceil(k / (E/ep)) ranks, at most min(ep, k)."""
-    for experts, k, ep in ((16, 4, 4), (12, 2, 6), (8, 3, 2)):
+    for experts, k, ep in ((16, 4, 4), (12, 2, 6), (8, 3, 2), (8, 4, 4)):  # (the last: at least 2 ranks)
         args = dataclasses.replace(preset("debug-moe"), n_experts=experts, top_k=k)
         training = Training(seq_len=64, global_batch=ep, moe_dispatch="deepep")
         assert dispatch_ranks(args, training, ep) == pytest.approx(_enumerated_ranks(experts, k, ep), rel=1e-12)
@@ -405,6 +405,11 @@ def test_dispatch_ranks_flag_needs_deepep(tmp_path, capsys):
                                        "--plan", "dp_shard=8,ep=8,zero_stage=2", "--top-k", "1",
                                        "--dispatch-ranks", "1"])) == 0
     assert "DeepEP sends a token to 1.00 of them (--dispatch-ranks)" in capsys.readouterr().out
+    assert run_plan(parser.parse_args(["--model", "qwen3-30b-a3b-like", "--gpus", "8", "--system", str(system),
+                                       "--plan", "dp_shard=8,ep=8,zero_stage=2", "--top-k", "1",
+                                       "--dispatch-ranks", "20"])) == 0
+    assert ("DeepEP sends a token to 8.00 of them (--dispatch-ranks 20, kept to what top 8 of 128 experts on 8 "
+            "ranks can touch)") in capsys.readouterr().out
 
 
 def test_tensor_parallelism_does_not_split_the_moe():

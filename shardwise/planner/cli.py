@@ -545,9 +545,12 @@ def routing_note(model: ModelArgs, training: Training, plan: Plan) -> str:
     note = f"experts of #1: {kept}; the busiest of the ep {plan.ep} ranks routes {load:.3f} x the mean ({source})"
     if training.moe_dispatch == "deepep":
         ranks = dispatch_ranks(model, training, plan.ep)
-        note += (f"; DeepEP sends a token to {ranks:.2f} of them "
-                 + ("(--dispatch-ranks)" if training.dispatch_ranks else "(uniform routing; a measured figure goes "
-                                                                         "in --dispatch-ranks)"))
+        stated = training.dispatch_ranks
+        how = ("uniform routing; a measured figure goes in --dispatch-ranks" if not stated else
+               "--dispatch-ranks" if stated == ranks else
+               f"--dispatch-ranks {stated:g}, kept to what top {model.top_k} of {model.n_experts} experts on "
+               f"{plan.ep} ranks can touch")
+        note += f"; DeepEP sends a token to {ranks:.2f} of them ({how})"
     return note
 
 

@@ -287,9 +287,9 @@ def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
 
 def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> tuple[int, ...]:
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
-    in flight), the one with the head, and the first rank with each block count (among ranks with equal
-    blocks the earlier one holds at least as many micro-batches in flight; under zero-bubble the last one too);
-    of a mixture of experts, each count of blocks and MoE blocks."""
+    in flight) and the next with its block count, the one with the head, and the first rank with each block count
+    (among ranks with equal blocks the earlier one holds at least as many micro-batches in flight; under
+    zero-bubble the last one too); of a mixture of experts, each count of blocks and MoE blocks."""
     return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)
 
 
@@ -299,7 +299,10 @@ def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, sched
     ranks = _rank_layers(args, seq_len, pp, per_rank, schedule, split)
     kinds = [(len(ids), sum(map(args.is_moe_layer, ids))) for ids in ranks]
     first_with = {n: kinds.index(n) for n in set(kinds)}
-    ends = {0, _head_rank(pp, per_rank, schedule)}
+    # rank 0 also holds the embedding, and under LoRA its first block skips input gradients
+    # (timing.lora_first_block_skipped): the next rank with its blocks can be the slower
+    after_first = next((r for r in range(1, len(kinds)) if kinds[r] == kinds[0]), 0)
+    ends = {0, after_first, _head_rank(pp, per_rank, schedule)}
     if args.n_moe_layers:
         # a rank between the ends holds as many receive buffers as any other such rank and no more micro-batches in
         # flight than an earlier one: one with no more dense and no more MoE blocks than an earlier such rank, and

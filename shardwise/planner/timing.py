@@ -140,9 +140,11 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
                                                  moe=moe, dequantised=False) / bandwidth
         elementwise_bwd = 2 * elementwise
+    adapter, adapter_in, adapter_w = (0.0, 0.0, 0.0) if moe else adapter_times(args, training, plan, acc, q_tokens)
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
-            "elementwise_bwd": elementwise_bwd}
+            "elementwise_bwd": elementwise_bwd, "adapter": adapter, "adapter_bwd_input": adapter_in,
+            "adapter_bwd_weight": adapter_w}
 
 
 def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
@@ -339,7 +341,9 @@ def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, ac
     part of it (LINEAR_GROUPS): until the first adapted group, no input gradient of the frozen linears (x's, through
     W) or of their adapters (through A) is computed, nor the attention's backward where no query, key or value
     projection is adapted (its gradient reaches only frozen inputs). Counted from the engine's LoRA model by
-    torch's matmul counter (tests/test_planner.py)."""
+    torch's matmul counter (tests/test_planner.py). Left priced, a little high: the skipped gradients' tp
+    reductions, context parallelism's dK/dV exchange, the norm's and rotary's backward and QLoRA's backward
+    dequantisation of those linears."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
     skipped, upstream = 0.0, False
@@ -353,6 +357,40 @@ def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, ac
             skipped += times["attention_bwd"]
         upstream = upstream or any(n in training.lora_targets and n in shapes for n in group)
     return skipped
+
+
+def adapter_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                  tokens: float) -> tuple[float, float, float]:
+    """Seconds of a block's LoRA adapters on one tp rank over `tokens` rows: (forward, input gradients, weight
+    gradients). Each adapted linear's adapter (shardwise.lora.LoRALinear: F.linear(F.linear(x, A), B)) is six thin
+    GEMMs at their shapes (bound by reading the activations: Accelerator.matmul_eff's roofline): x A and (x A) B
+    forward; the gradient through B and A backward, in the input-gradient pass; B's and A's own in the weight pass
+    (zero-bubble's deferred one: torch's stage_backward_input leaves them to stage_backward_weight). On a tp rank
+    the adapter spans what its linear does (A whole and B split for a column-parallel linear, A split and B whole
+    for a row-parallel one: parallel/tensor_parallel.py)."""
+    fwd = bwd_in = bwd_w = 0.0
+    r = training.lora_rank
+    for name, n_in, n_out in rank_linear_shapes(args, plan):
+        if r and name in training.lora_targets:
+            fwd += gemm_seconds(tokens, r, n_in, training, acc) + gemm_seconds(tokens, n_out, r, training, acc)
+            bwd_in += gemm_seconds(tokens, r, n_out, training, acc) + gemm_seconds(tokens, n_in, r, training, acc)
+            bwd_w += gemm_seconds(n_out, r, tokens, training, acc) + gemm_seconds(r, n_in, tokens, training, acc)
+    return fwd, bwd_in, bwd_w
+
+
+def lora_first_block_replay_skipped(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
+    """Seconds of the first block's recompute that an early-stopping checkpoint does not run under LoRA beyond w2
+    (matmul_last): a saved tensor is packed before its op computes, so the replay stops before the last op that
+    saves one. In later blocks that is w2's frozen linear (it packs its weight), after its adapter; in the first
+    block, where w2's input needs no gradient (no adapter before it: lora_first_block_skipped), the frozen linear
+    saves nothing and the last is w2's adapter's second GEMM, (x A) B, which then does not run again either."""
+    targets = training.lora_targets
+    upstream = [n for group in LINEAR_GROUPS[:-1] for n in group]
+    if "w2" not in targets or any(n in targets for n in upstream):
+        return 0.0
+    tokens = plan.micro_batch * training.seq_len / plan.cp
+    _, _, n_out = next(shape for shape in rank_linear_shapes(args, plan) if shape[0] == "w2")
+    return gemm_seconds(tokens, n_out, training.lora_rank, training, acc)
 
 
 def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
@@ -379,20 +417,6 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
             cast_fwd, cast_bwd = float8_cast_seconds(tokens, n_in, n_out, bandwidth, fused=training.compile)
             fwd += cast_fwd
             bwd_in += cast_bwd
-    if training.lora_rank:
-        # each adapted linear's adapter (shardwise.lora.LoRALinear: F.linear(F.linear(x, A), B)) is six thin GEMMs,
-        # at their shapes (bound by reading the activations: Accelerator.matmul_eff's roofline): x A and (x A) B
-        # forward; the input's gradient through B and A, and B's and A's gradients, backward (all in the input
-        # gradients' pass: the frozen weights have no weight-gradient pass, _stage_cost). On a tp rank the adapter
-        # spans what its linear does (A whole and B split for a column-parallel linear, A split and B whole for a
-        # row-parallel one: parallel/tensor_parallel.py)
-        r = training.lora_rank
-        for name, n_in, n_out in shapes:
-            if name in training.lora_targets:
-                shapes_fwd = ((tokens, r, n_in), (tokens, n_out, r))
-                shapes_bwd = ((tokens, r, n_out), (tokens, n_in, r), (n_out, r, tokens), (r, n_in, tokens))
-                fwd += sum(gemm_seconds(*mnk, training, acc) for mnk in shapes_fwd)
-                bwd_in += sum(gemm_seconds(*mnk, training, acc) for mnk in shapes_bwd)
     if te:
         cast_fwd, cast_bwd = te_float8_cast_seconds(te_modules(shapes), tokens, bandwidth,
                                                     te_weight_cast_share(training, plan),
@@ -461,15 +485,20 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     # weight gradients (W) and input gradients (B) each cost about one forward's matmuls, at their own shapes;
     # frozen LoRA weights have no W
     w_factor = 0.0 if training.lora_rank else 1.0
-    fwd = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]) + head_fwd
-    bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["attention_bwd"] + t["elementwise_bwd"]) + head_in
+    fwd = blocks(lambda t: t["matmul"] + t["adapter"] + t["attention"] + t["elementwise"]) + head_fwd
+    bwd_in = blocks(lambda t: t["matmul_bwd_input"] + t["adapter_bwd_input"] + t["attention_bwd"]
+                    + t["elementwise_bwd"]) + head_in
     if training.lora_rank and stage == 0 and layers > moe:
         bwd_in -= lora_first_block_skipped(args, training, plan, acc, t)
-    bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor
+    # (LoRA's adapters have weight gradients where their frozen linears have none)
+    bwd_w = (blocks(lambda t: t["matmul_bwd_weight"]) + head_w) * w_factor + blocks(lambda t: t["adapter_bwd_weight"])
     if plan.activation_checkpoint == "full":
-        # the forward again, but for the last linear where the checkpoint stops early (Training.checkpoint_early_stop)
-        recompute = blocks(lambda t: t["matmul"] + t["attention"] + t["elementwise"]
+        # the forward again, but for the last linear where the checkpoint stops early (Training.checkpoint_early_stop);
+        # LoRA's adapters all run again (the frozen base linear after them packs only its weight)
+        recompute = blocks(lambda t: t["matmul"] + t["adapter"] + t["attention"] + t["elementwise"]
                            - (t["matmul_last"] if training.checkpoint_early_stop else 0.0))
+        if training.lora_rank and training.checkpoint_early_stop and stage == 0 and layers > moe:
+            recompute -= lora_first_block_replay_skipped(args, training, plan, acc)
     elif plan.activation_checkpoint == "selective":
         # Korthikanti et al.'s selective recompute is the attention core (QK^T, softmax, dropout, AV); a fused
         # kernel's backward recomputes that anyway, and selective then means the cheap elementwise tensors;

@@ -452,7 +452,7 @@ class Training:
             raise PlannerError("--system moe_dispatch", f"unknown dispatch {self.moe_dispatch!r}",
                                "use copies or deepep")
         if self.dispatch_ranks and self.dispatch_ranks < 1:
-            raise PlannerError("dispatch_ranks", f"{self.dispatch_ranks} < 1: a routed token goes to one rank at "
+            raise PlannerError("--dispatch-ranks", f"{self.dispatch_ranks} < 1: a routed token goes to one rank at "
                                "least", "pass a number >= 1, or 0 to derive it")
         if self.expert_imbalance and self.expert_imbalance < 1:
             raise PlannerError("--expert-imbalance", f"{self.expert_imbalance} < 1: the busiest rank takes at least "
