@@ -142,14 +142,19 @@ def dispatch_ranks(args: ModelArgs, training: Training, ep: int) -> float:
     return ep * (1 - math.comb(e - local, k) / math.comb(e, k))
 
 
+def deepep_rows(args: ModelArgs, training: Training, ep: int, routed: float) -> float:
+    """Rows per token the busiest rank receives under DeepEP's dispatch, `routed` its (token, expert) pairs per
+    token (routed_per_token): each token once per destination rank (dispatch_ranks), times the same imbalance."""
+    return routed * dispatch_ranks(args, training, ep) / (args.top_k * kept_share(args))
+
+
 def dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Bytes the busiest rank hands to one dispatch (or combine) all-to-all per MoE layer and micro-batch, in the
     compute dtype (the engine casts before it sends): its routed copies, tokens x routed_per_token x dim; under
-    DeepEP's dispatch each token once per destination rank (dispatch_ranks), times the same imbalance. (ep - 1) /
-    ep of them leave it."""
+    DeepEP's dispatch its rows (deepep_rows). (ep - 1) / ep of them leave it."""
     per_token = routed_per_token(args, training, plan)
     if training.moe_dispatch == "deepep":
-        per_token *= dispatch_ranks(args, training, plan.ep) / (args.top_k * kept_share(args))
+        per_token = deepep_rows(args, training, plan.ep, per_token)
     return tokens_per_rank(training, plan) * per_token * args.dim * training.act_bytes
 
 

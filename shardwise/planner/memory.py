@@ -16,13 +16,7 @@ from typing import NamedTuple
 from shardwise.hardware import GiB, PlannerError
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
-from shardwise.planner.experts import (
-    dispatch_bytes,
-    dispatch_ranks,
-    kept_share,
-    routed_per_token,
-    tokens_per_rank,
-)
+from shardwise.planner.experts import deepep_rows, kept_share, routed_per_token
 from shardwise.planner.plan import Plan
 from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
@@ -696,7 +690,7 @@ def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float
         # the imbalance); each copy's routing weight, which the fused weighted SwiGLU multiplies in and keeps with
         # its input (w1's and w3's outputs), whatever the system's dense SwiGLU; its output, w2's input. The combine
         # keeps nothing of the experts' outputs
-        rows = routed * dispatch_ranks(args, training, ep) / kept
+        rows = deepep_rows(args, training, ep, routed)
         terms += [Term("expert_input", routed * d, "act", "full"),
                   Term("expert_row_map", rows * args.n_experts / ep, "stat", "full"),
                   Term("expert_probs", routed, "stat", "full")]
@@ -1164,8 +1158,8 @@ def moe_dispatch_bytes(args: ModelArgs, training: Training, plan: Plan) -> float
     if training.moe_dispatch == "deepep":
         # DeepEP's (Training.moe_dispatch): w2's output in expert order and, put back in the order received, the
         # rows the combine returns (one per token and destination rank)
-        rows = dispatch_bytes(args, training, plan) / (tokens_per_rank(training, plan) * training.act_bytes)
-        return max(0.0, routed * d * training.act_bytes + rows * training.act_bytes - later_shared)
+        rows = deepep_rows(args, training, plan.ep, routed)
+        return max(0.0, (routed + rows) * d * training.act_bytes - later_shared)
     held = kept * d * training.stream_bytes
     if training.act_bytes != training.stream_bytes:
         held += kept * d * training.act_bytes

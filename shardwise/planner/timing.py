@@ -22,7 +22,7 @@ from shardwise.planner.comm import (
     p2p,
     reduce_scatter,
 )
-from shardwise.planner.experts import counts_bytes, dispatch_bytes, routed_per_token
+from shardwise.planner.experts import counts_bytes, dispatch_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
     ATTENTION,
     adapted_base_params,
@@ -344,7 +344,7 @@ def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, ac
     torch's matmul counter (tests/test_planner.py). Left priced, a little high: the skipped gradients' tp
     reductions, context parallelism's dK/dV exchange, the norm's and rotary's backward and QLoRA's backward
     dequantisation of those linears."""
-    tokens = plan.micro_batch * training.seq_len / plan.cp
+    tokens = tokens_per_rank(training, plan)
     shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
     skipped, upstream = 0.0, False
     for group in LINEAR_GROUPS:
@@ -388,7 +388,7 @@ def lora_first_block_replay_skipped(args: ModelArgs, training: Training, plan: P
     upstream = [n for group in LINEAR_GROUPS[:-1] for n in group]
     if "w2" not in targets or any(n in targets for n in upstream):
         return 0.0
-    tokens = plan.micro_batch * training.seq_len / plan.cp
+    tokens = tokens_per_rank(training, plan)
     _, _, n_out = next(shape for shape in rank_linear_shapes(args, plan) if shape[0] == "w2")
     return gemm_seconds(tokens, n_out, training.lora_rank, training, acc)
 
