@@ -32,7 +32,7 @@ from shardwise.planner.memory import (
     term_bytes,
     weight_copy_bytes,
 )
-from shardwise.planner.system import SYSTEMS, resolve_system
+from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
 
 from distributed import run_distributed
@@ -2376,3 +2376,97 @@ def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_nam
     assert evaluate(args, qlora, plan, cluster).memory["total"] < accelerator("rtx-4090").memory_bytes
     full = _training("torchtitan", seq_len=2048, global_batch=1)
     assert evaluate(args, full, plan, cluster).memory["total"] > accelerator("rtx-4090").memory_bytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parallelisms a system has: the planner offers no plan the system cannot run
+
+
+PARALLEL_DEFAULTS = {"pp_schedules": Training.pp_schedules, "pp_zero_max": Training.pp_zero_max,
+                     "tensor_parallel": True, "context_parallel": True}
+
+
+def _runs_on(plan: Plan, system: System) -> bool:
+    """Whether `system` has the plan's parallelisms, read from the sources its preset cites (not from the code
+    under test): Megatron's two schedules, DeepSpeed's one 1F1B engine beside ZeRO <= 1, no tp, pp or cp in
+    llm-foundry, no pipeline in torchtune."""
+    rules = {"megatron-core": (("1f1b", "interleaved-1f1b"), 3, True, True),
+             "megatron-lm-2021": (("1f1b", "interleaved-1f1b"), 3, True, False),
+             "llm-foundry": ((), 3, False, False), "torchtune": ((), 3, True, True),
+             "deepspeed": (("1f1b",), 1, True, False), "deepspeed-2021": (("1f1b",), 1, True, False)}
+    schedules, zero_max, tp, cp = rules.get(system.name, (("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), 3,
+                                                          True, True))
+    return ((plan.tp == 1 or tp) and (plan.cp == 1 or cp)
+            and (plan.pp == 1 or plan.pp_schedule in schedules and plan.zero_stage <= zero_max))
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMS))
+def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
+    """The walk under a system is the walk with every parallelism, less the plans the system lacks: nothing it
+    cannot run is offered, and nothing it can run is dropped."""
+    from shardwise.planner.search import plan_space
+
+    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    cluster = Cluster(accelerator("h100"), 16)
+    system = SYSTEMS[name]
+    fields = {**system.training_fields(), "fused_attention": True}  # (megatron-lm-2021: cp needs a fused kernel)
+    training = Training(seq_len=4096, global_batch=16, **fields)
+    every = Training(seq_len=4096, global_batch=16, **{**fields, **PARALLEL_DEFAULTS})
+
+    def key(p: Plan) -> tuple:
+        return dataclasses.astuple(p)
+
+    offered = {key(p) for p in plan_space(args, training, cluster)}
+    possible = {key(p) for p in plan_space(args, every, cluster) if _runs_on(p, system)}
+    assert offered == possible and offered
+    if name in ("llm-foundry", "deepspeed", "megatron-core"):  # each lacks something the full walk has
+        assert len(offered) < sum(1 for _ in plan_space(args, every, cluster))
+
+
+@pytest.mark.parametrize("name, plan, key", [
+    ("megatron-core", "pp=2,pp_schedule=zero-bubble", "--plan pp_schedule"),
+    ("llm-foundry", "tp=2", "--plan tp"), ("llm-foundry", "pp=2", "--plan pp"), ("llm-foundry", "cp=2", "--plan cp"),
+    ("deepspeed", "pp=2,zero_stage=3", "--plan zero_stage"), ("deepspeed", "cp=2", "--plan cp"),
+    ("deepspeed", "pp=2,pp_schedule=interleaved-1f1b", "--plan pp_schedule"),
+    ("torchtune", "pp=2", "--plan pp")])
+def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--system", name,
+            "--plan", plan]
+    assert run_plan(_ns(*argv)) == 2
+    err = capsys.readouterr().err
+    assert key in err and name in err and len(err.strip().splitlines()) == 1
+
+
+def test_what_a_system_lacks_ends_its_line(capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top-k", "1"]
+    lines = {}
+    for name in ("llm-foundry", "deepspeed", "megatron-core", "torchtitan"):
+        assert run_plan(_ns(*argv, "--system", name)) == 0
+        lines[name] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
+    assert lines["llm-foundry"].endswith("; no tensor parallelism; no context parallelism; no pipeline parallelism")
+    assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedules 1f1b; at most ZeRO-1 beside a "
+                                       "pipeline")
+    assert lines["megatron-core"].endswith("; pipeline schedules 1f1b, interleaved-1f1b")
+    assert ";" not in lines["torchtitan"].removeprefix("system: torchtitan - ").split(")")[-1]
+
+
+def test_system_toml_sets_the_parallelisms(tmp_path):
+    path = tmp_path / "ds-zb.toml"
+    path.write_text('base = "deepspeed"\npp_schedules = ["1f1b", "zero-bubble"]\ncontext_parallel = true\n')
+    system = resolve_system(str(path))
+    assert system.pp_schedules == ("1f1b", "zero-bubble") and system.context_parallel and system.pp_zero_max == 1
+    training = Training(seq_len=4096, global_batch=8, **system.training_fields())
+    hash(training)  # (a TOML array kept as a tuple: the planner memoises on Training)
+    assert training.pp_schedules == ("1f1b", "zero-bubble")
+
+
+@pytest.mark.parametrize("text, field", [('pp_schedules = ["dualpipe"]\n', "--system pp_schedules"),
+                                         ('pp_schedules = "1f1b"\n', "pp_schedules"),
+                                         ('pp_zero_max = 5\n', "--system pp_zero_max"),
+                                         ('tensor_parallel = "no"\n', "tensor_parallel")])
+def test_bad_parallelism_in_a_system_toml_names_the_field(tmp_path, text, field):
+    path = tmp_path / "bad-parallel.toml"
+    path.write_text(text)
+    with pytest.raises(PlannerError) as e:
+        resolve_system(str(path))
+    assert field in str(e.value) and "\n" not in str(e.value)

@@ -24,7 +24,7 @@ from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
-from shardwise.planner.workload import LAYOUTS, PER_OP_OPTIMIZERS, Optimizer, Training, resolve_model
+from shardwise.planner.workload import LAYOUTS, PER_OP_OPTIMIZERS, PP_SCHEDULES, Optimizer, Training, resolve_model
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # Llama 2/3 pretraining batches are 4M tokens (Touvron et al. 2023)
 
@@ -442,10 +442,24 @@ def _adapter_note(training: Training) -> str:
                                                                           if training.qlora else ""))
 
 
+def parallelism_summary(training: Training) -> str:
+    """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, pp_schedules, pp_zero_max),
+    as the system line ends: '' for one that has them all."""
+    parts = [] if training.tensor_parallel else ["no tensor parallelism"]
+    parts += [] if training.context_parallel else ["no context parallelism"]
+    if not training.pp_schedules:
+        parts.append("no pipeline parallelism")
+    elif set(training.pp_schedules) != set(PP_SCHEDULES):
+        parts.append(f"pipeline schedules {', '.join(training.pp_schedules)}")
+    if training.pp_schedules and training.pp_zero_max < 3:
+        parts.append(f"at most ZeRO-{training.pp_zero_max} beside a pipeline")
+    return "".join(f"; {part}" for part in parts)
+
+
 def system_summary(training: Training) -> str:
     known = SYSTEMS.get(training.system)
     if known is not None and known.training_fields() == {k: getattr(training, k) for k in known.training_fields()}:
-        return known.summary
+        return known.summary + parallelism_summary(training)
     size = training.reduce_bucket_size
     buckets = f", DeepSpeed gradient buckets of {size:,.0f} elements" if size else ""
     selective = (", no op-level selective checkpointing" if training.selective == "none" else
@@ -474,7 +488,8 @@ def system_summary(training: Training) -> str:
             f"{', checkpointed activations offloaded to the host' if training.activation_offload else ''}"
             f"{', composite fp32 RMSNorm' if not training.fused_rmsnorm else ''}"
             f"{buckets}"
-            f"{', overlap_comm' if training.overlap_comm else ''}")
+            f"{', overlap_comm' if training.overlap_comm else ''}"
+            f"{parallelism_summary(training)}")
 
 
 def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation], seconds: float,

@@ -50,10 +50,13 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     (layout.engine_cannot_run), of tensor parallelism on the model `args` (config.tp_error), of a pipeline's
     micro-batches (a plan's grad_accum: config.layout_tables), of QLoRA on the adapted linears of the model
     (config.qlora_error), as shardwise's system (layout 'torch'), of
-    a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: activation offloading
+    a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: a parallelism or
+    pipeline schedule the system lacks (system_parallel_error), activation offloading
     without full recompute (Training.activation_offload), the optimizer in backward under accumulation
     (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
+    if error is None:
+        error = system_parallel_error(plan, training)
     if error is None:
         error = tp_error(args, plan, training.seq_len)
     if error is None and plan.pp > 1:
@@ -84,6 +87,32 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
                             "the activations checkpointing keeps (activation_offload)",
                             "use activation_checkpoint=full, or a system without activation_offload")
     return error
+
+
+def system_parallel_error(plan: Plan, training) -> ConfigError | None:
+    """A degree or pipeline schedule of the plan that the system (Training.system) does not have, as its error:
+    tensor or context parallelism (Training.tensor_parallel, context_parallel), a pipeline schedule outside
+    Training.pp_schedules (none: no pipeline parallelism), a ZeRO stage above Training.pp_zero_max beside a
+    pipeline."""
+    name = training.system
+    if plan.tp > 1 and not training.tensor_parallel:
+        return ConfigError("parallel.tp", f"{plan.tp}, and {name} has no tensor parallelism of the planner's kind "
+                           "(attention heads and the MLP split over tp ranks)", "use tp=1, or another --system")
+    if plan.cp > 1 and not training.context_parallel:
+        return ConfigError("parallel.cp", f"{plan.cp}, and {name} has no context parallelism of the planner's kind "
+                           "(ring attention over the cp ranks' sequence shards)", "use cp=1, or another --system")
+    if plan.pp > 1 and not training.pp_schedules:
+        return ConfigError("parallel.pp", f"{plan.pp}, and {name} has no pipeline parallelism",
+                           "use pp=1, or another --system")
+    if plan.pp > 1 and plan.pp_schedule not in training.pp_schedules:
+        return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule}, and {name} runs "
+                           f"{', '.join(training.pp_schedules)}", f"use pp_schedule={training.pp_schedules[0]}"
+                           + (" or another of them" if len(training.pp_schedules) > 1 else ""))
+    if plan.pp > 1 and plan.zero_stage > training.pp_zero_max:
+        return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} beside a pipeline, and {name} runs at "
+                           f"most ZeRO-{training.pp_zero_max} with one", f"use zero_stage <= {training.pp_zero_max}, "
+                           "or pp=1")
+    return None
 
 
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0) -> None:

@@ -154,7 +154,7 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
     recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
     for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
         local = training.global_batch // base.dp
-        for schedule, v in _schedules(args, base, fixed, max_virtual):
+        for schedule, v in _schedules(args, training, base, fixed, max_virtual):
             for mb in _micro_batches(local, fixed):
                 if not _schedule_takes(schedule, base.pp, local // mb):
                     continue
@@ -212,6 +212,23 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
+    # a parallelism or schedule the system lacks (plan.system_parallel_error, which the search's plans pass)
+    name = training.system
+    if tp > 1 and not training.tensor_parallel:
+        bad("tp", f"tp={tp}, and {name} has no tensor parallelism of the planner's kind (heads and the MLP split over "
+            "tp ranks)", "use tp=1, or another --system")
+    if cp > 1 and not training.context_parallel:
+        bad("cp", f"cp={cp}, and {name} has no context parallelism of the planner's kind (ring attention)",
+            "use cp=1, or another --system")
+    if pp > 1 and not training.pp_schedules:
+        bad("pp", f"pp={pp}, and {name} has no pipeline parallelism", "use pp=1, or another --system")
+    if "pp_schedule" in fixed and fixed["pp_schedule"] not in training.pp_schedules:
+        bad("pp_schedule", f"{fixed['pp_schedule']}, and {name} runs "
+            f"{', '.join(training.pp_schedules) or 'no pipeline'}",
+            f"use one of {', '.join(training.pp_schedules)}" if training.pp_schedules else "leave pp_schedule out")
+    if pp > 1 and fixed.get("zero_stage", 0) > training.pp_zero_max:
+        bad("zero_stage", f"ZeRO-{fixed['zero_stage']} beside pp={pp}, and {name} runs at most "
+            f"ZeRO-{training.pp_zero_max} with a pipeline", f"use zero_stage <= {training.pp_zero_max}, or pp=1")
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         bad("sequence_parallel", "sequence parallelism splits what tensor parallelism leaves whole, and tp=1",
             "use tp > 1, or leave sequence_parallel out")
@@ -283,27 +300,31 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,
                   max_cp: int, offload: str = "none"):
     world = cluster.gpus
+    # only the parallelisms the system has (Training.tensor_parallel, context_parallel, pp_schedules)
     tps = _choices(fixed, "tp", [t for t in divisors(math.gcd(args.n_heads, cluster.gpus_per_node, world))
-                                 if max_tp is None or t <= max_tp])
+                                 if (max_tp is None or t <= max_tp) and (t == 1 or training.tensor_parallel)])
     for tp in tps:
         if world % tp or tp == 1 and fixed.get("sequence_parallel"):  # the engine runs it with tp > 1 only
             continue
         # ring attention is a fused kernel per block: unfused attention (Training.fused_attention) has no cp
         cps = _choices(fixed, "cp", [c for c in divisors(world // tp) if c <= max_cp and training.fused_attention
-                                     and training.seq_len % (2 * c) == 0 or c == 1])
+                                     and training.context_parallel and training.seq_len % (2 * c) == 0 or c == 1])
         for cp in cps:
             if (world // tp) % cp:
                 continue
             # a fixed pp_microbatches asks for a pipeline (it has no meaning without one)
             pps = _choices(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= args.n_layers
-                                         and (p > 1 or "pp_microbatches" not in fixed)])
+                                         and (p > 1 or "pp_microbatches" not in fixed)
+                                         and (p == 1 or training.pp_schedules)])
             for pp in pps:
                 if (world // (tp * cp)) % pp:
                     continue
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                yield from _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training))
+                for plan in _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training)):
+                    if pp == 1 or plan.zero_stage <= training.pp_zero_max:  # (DeepSpeed's pipeline: ZeRO <= 1)
+                        yield plan
 
 
 def mixed_precisions(training: Training) -> list[str]:
@@ -362,7 +383,7 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
         return
     limit = budget(cluster)
     local = training.global_batch // base.dp
-    schedules = _schedules(args, base, fixed, max_virtual)
+    schedules = _schedules(args, training, base, fixed, max_virtual)
     if not schedules:
         return
     host = host_bytes(args, training, base)  # the degrees, ZeRO stage and offload decide it, nothing after them
@@ -485,11 +506,14 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     return index, ev
 
 
-def _schedules(args: ModelArgs, base: Plan, fixed: dict, max_virtual: int) -> list[tuple[str, int]]:
+def _schedules(args: ModelArgs, training: Training, base: Plan, fixed: dict,
+               max_virtual: int) -> list[tuple[str, int]]:
     if base.pp == 1:  # a fixed pipeline schedule rules out pp = 1; without a pipeline the schedule is not used
         return [(base.pp_schedule, 1)] if "pp_schedule" not in fixed else []
-    # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs)
-    names = _choices(fixed, "pp_schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
+    # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs); only the
+    # schedules the system runs (Training.pp_schedules)
+    names = [n for n in _choices(fixed, "pp_schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
+             if n in training.pp_schedules]
     out = []
     for name in names:
         if name == "interleaved-1f1b":

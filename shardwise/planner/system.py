@@ -27,6 +27,7 @@ from shardwise.planner.workload import (
     FLOAT8_RECIPES,
     LAYOUTS,
     PIPELINE_SPLITS,
+    PP_SCHEDULES,
     SELECTIVE,
     ZERO3_FETCH,
     Layout,
@@ -131,6 +132,15 @@ class System:
     moe_dispatch: str = "copies"
     """How a mixture of experts moves tokens: every routed copy ('copies') or DeepEP's once per rank ('deepep')
     (Training.moe_dispatch)."""
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    """The pipeline schedules the system runs; empty: no pipeline parallelism (Training.pp_schedules). The search
+    offers no other, and --plan asking for one is refused."""
+    pp_zero_max: int = 3
+    """The highest ZeRO stage it runs beside a pipeline (Training.pp_zero_max)."""
+    tensor_parallel: bool = True
+    """It splits attention heads and the MLP over tp ranks (Training.tensor_parallel)."""
+    context_parallel: bool = True
+    """It splits the sequence over cp ranks for attention (Training.context_parallel)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -151,6 +161,12 @@ class System:
             if value not in allowed:
                 raise PlannerError(f"--system {key}", f"{value!r} is not one of {', '.join(allowed)}",
                                    f"set {key} to one of them")
+        for schedule in self.pp_schedules:
+            if schedule not in PP_SCHEDULES:
+                raise PlannerError("--system pp_schedules", f"{schedule!r} is not one of {', '.join(PP_SCHEDULES)}",
+                                   "list schedules among them ([] for a system without pipeline parallelism)")
+        if self.pp_zero_max not in (0, 1, 2, 3):
+            raise PlannerError("--system pp_zero_max", f"{self.pp_zero_max}", "use 0, 1, 2 or 3")
         if self.float8 != "torchao" and self.layout != "megatron":
             raise PlannerError("--system float8", f"{self.float8} is Transformer Engine as Megatron-Core runs it, "
                                f"not the layout {self.layout}", 'start from base = "megatron-core", or use torchao')
@@ -174,8 +190,17 @@ class System:
                 "activation_offload": self.activation_offload, "optimizer_in_backward": self.optimizer_in_backward,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
-                "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch}
+                "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
+                "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max,
+                "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel}
 
+
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+"""Megatron's pipeline schedules: forward_backward_pipelining_without_interleaving (1F1B) and _with_interleaving."""
+DEEPSPEED_PIPELINE = ("its pipeline engine runs one training schedule, 1F1B (runtime/pipe/schedule.py "
+                      "TrainSchedule), and refuses ZeRO-2 and 3 beside it (runtime/pipe/engine.py: 'ZeRO-2 and ZeRO-3 "
+                      "are incompatible with pipeline parallelism'); its sequence parallelism is Ulysses' all-to-all "
+                      "of heads, not the ring attention the planner prices as cp")
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("shardwise", "fp32 weights and gradients cast per use by autocast (fp32 residual stream), the head "
@@ -197,7 +222,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "components/loss.py build_cross_entropy_loss (torch.compile(loss_fn) under compile, since "
                   "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant), context "
                   "parallelism through torch's context_parallel (rotate method allgather: PR 728; K and V as the "
-                  "model's GQA heads since PR 2259, January 2026)"),
+                  "model's GQA heads since PR 2259, January 2026), pipeline schedules by name from "
+                  "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
@@ -206,7 +232,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="megatron", fuse_head=False, loss_parallel=True, selective="attention-core",
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
-           cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True,
+           cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True, pp_schedules=MEGATRON_SCHEDULES,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
@@ -214,14 +240,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "distributed/param_and_grad_buffer.py finish_param_sync), "
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
                   "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
-                  "weights cached over a step), --fp8-recipe delayed by default"),
+                  "weights cached over a step), --fp8-recipe delayed by default; pipeline_parallel/schedules.py "
+                  "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule)"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
-           selective="attention-core", cp_exchange="ring",
+           selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
-                  "section 4"),
+                  "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size)"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
@@ -229,7 +256,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "operation",
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", flat_params=True, optimizer_passes="per-op",
-           attention_kernel="flash1", cp_exchange="ring",
+           attention_kernel="flash1", cp_exchange="ring", pp_schedules=(), tensor_parallel=False,
+           context_parallel=False,
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; Composer's FSDP is "
                   "torch's FullyShardedDataParallel (FSDP1: flat parameters); setup.py at "
@@ -237,7 +265,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "pip_install -e .[gpu]; yamls/pretrain/mpt-*.yaml: activation_checkpointing_reentrant false, "
                   "optimizer decoupled_adamw and gradient_clipping norm (composer/optim/decoupled_weight_decay.py, "
                   "v0.14-0.17) "
-                  "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838)"),
+                  "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838); "
+                  "data parallelism only: no pipeline or context parallelism, and its tensor parallelism (tp_config, "
+                  "llmfoundry/tp, #1521 of September 2024) shards the MLP alone, not the planner's tp"),
     System("torchtune", "the model in bf16 and trained so (dtype bf16: weights, gradients and AdamW's moments in "
            "bf16, no fp32 copy, no autocast), FSDP2 with no mixed-precision policy where it shards (gathers and "
            "reductions in bf16), bf16 residual stream, its RMSNorm composite in fp32, the logits materialised in "
@@ -245,6 +275,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "checkpointing only (no op-level selective), eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
            compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
+           pp_schedules=(),
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
@@ -253,24 +284,27 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "training/activations.py (checkpoint_wrapper per layer, non-reentrant; its ac_mode 'selective' "
                   "wraps every k-th layer whole, no op-level policy: selective none), "
                   "training/_activation_offloading.py (enable_activation_offloading, off by default), the configs' "
-                  "optimizer torch.optim.AdamW with fused: True"),
+                  "optimizer torch.optim.AdamW with fused: True; no pipeline parallelism in its recipes "
+                  "(tensor_parallel_dim since v0.6, context_parallel_dim through torch's context_parallel since "
+                  "PR 2668, May 2025)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
+           pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
                   "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
-                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets"),
+                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
-           cp_exchange="ring",
+           cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
-                  "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2"),
+                  "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; " + DEEPSPEED_PIPELINE),
 )}
 
 
@@ -300,11 +334,15 @@ def resolve_system(spec: str | System) -> System:
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
-                                   "activation_offload", "optimizer_in_backward") else \
-            float if key == "reduce_bucket_size" else int if key == "loss_chunks" else str
+                                   "activation_offload", "optimizer_in_backward", "tensor_parallel",
+                                   "context_parallel") else \
+            float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
+            list if key == "pp_schedules" else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
+    if "pp_schedules" in table:  # a TOML array; the System keeps a tuple (hashable, as Training is)
+        table["pp_schedules"] = tuple(table["pp_schedules"])
     if path.stem in SYSTEMS:
         raise PlannerError(f"--system {path}", f"the file is named like the preset {path.stem!r}",
                            "rename the file: a plan says which system it was sized for by this name")

@@ -12,12 +12,12 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from shardwise.config import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 from shardwise.frozen import hashed_once
 from shardwise.hardware import PlannerError
-from shardwise.layout import fsdp_shards
+from shardwise.layout import Schedule, fsdp_shards
 from shardwise.model_args import PRESETS, PROJECTIONS, ModelArgs, args_from_hf_config
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -33,6 +33,8 @@ Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
 PipelineSplit = Literal["cost", "slots"]
 PIPELINE_SPLITS: tuple[str, ...] = ("cost", "slots")
+PP_SCHEDULES: tuple[str, ...] = get_args(Schedule)
+"""Every pipeline schedule shardwise's engine runs."""
 Float8Recipe = Literal["torchao", "te-delayed", "te-current"]
 FLOAT8_RECIPES: tuple[str, ...] = ("torchao", "te-delayed", "te-current")
 
@@ -94,6 +96,15 @@ class Training:
     'megatron' bf16 weights, fp32 grads."""
     system: str = "shardwise"
     """The name of the system this recipe describes (planner.system): shown with every plan."""
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    """The pipeline schedules the system runs (shardwise.layout.Schedule's names); empty: it has no pipeline
+    parallelism. A plan with another pp>1 schedule is one the system cannot run (plan.engine_error)."""
+    pp_zero_max: int = 3
+    """The highest ZeRO stage the system runs beside a pipeline (DeepSpeed's pipeline engine: 1)."""
+    tensor_parallel: bool = True
+    """The system splits attention heads and the MLP over tp ranks (Megatron's tensor parallelism)."""
+    context_parallel: bool = True
+    """The system splits the sequence over cp ranks for attention (ring or torch's context_parallel)."""
     fuse_head: bool | None = None
     """The output head and the cross-entropy run fused, a block of rows at a time, where the head is a plain
     linear (shardwise's engine: no TP, no pipeline); False: the logits are materialised and the loss saves fp32
