@@ -2383,20 +2383,24 @@ def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_nam
 
 
 PARALLEL_DEFAULTS = {"pp_schedules": Training.pp_schedules, "pp_zero_max": Training.pp_zero_max,
-                     "tensor_parallel": True, "context_parallel": True}
+                     "zero_stages": (0, 1, 2, 3), "tensor_parallel": True, "context_parallel": True}
 
 
 def _runs_on(plan: Plan, system: System) -> bool:
     """Whether `system` has the plan's parallelisms, read from the sources its preset cites (not from the code
     under test): Megatron's two schedules, DeepSpeed's one 1F1B engine beside ZeRO <= 1, no tp, pp or cp in
-    llm-foundry, no pipeline in torchtune."""
-    rules = {"megatron-core": (("1f1b", "interleaved-1f1b"), 3, True, True),
-             "megatron-lm-2021": (("1f1b", "interleaved-1f1b"), 3, True, False),
-             "llm-foundry": ((), 3, False, False), "torchtune": ((), 3, True, True),
-             "deepspeed": (("1f1b",), 1, True, False), "deepspeed-2021": (("1f1b",), 1, True, False)}
-    schedules, zero_max, tp, cp = rules.get(system.name, (("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), 3,
-                                                          True, True))
+    llm-foundry, no pipeline in torchtune, no ZeRO-1 in torchtitan's, llm-foundry's or torchtune's data
+    parallelism (DDP or FSDP; torchtune FSDP only), Megatron-LM of 2021-22 DDP or its distributed optimizer."""
+    every = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    rules = {"torchtitan": (every, 3, (0, 2, 3), True, True),
+             "megatron-core": (("1f1b", "interleaved-1f1b"), 3, (0, 1, 2, 3), True, True),
+             "megatron-lm-2021": (("1f1b", "interleaved-1f1b"), 3, (0, 1), True, False),
+             "llm-foundry": ((), 3, (0, 2, 3), False, False), "torchtune": ((), 3, (2, 3), True, True),
+             "deepspeed": (("1f1b",), 1, (0, 1, 2, 3), True, False),
+             "deepspeed-2021": (("1f1b",), 1, (0, 1, 2, 3), True, False)}
+    schedules, zero_max, stages, tp, cp = rules.get(system.name, (every, 3, (0, 1, 2, 3), True, True))
     return ((plan.tp == 1 or tp) and (plan.cp == 1 or cp)
+            and (plan.dp * plan.cp == 1 or plan.zero_stage in stages)
             and (plan.pp == 1 or plan.pp_schedule in schedules and plan.zero_stage <= zero_max))
 
 
@@ -2419,7 +2423,7 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     offered = {key(p) for p in plan_space(args, training, cluster)}
     possible = {key(p) for p in plan_space(args, every, cluster) if _runs_on(p, system)}
     assert offered == possible and offered
-    if name in ("llm-foundry", "deepspeed", "megatron-core"):  # each lacks something the full walk has
+    if name != "shardwise":  # each lacks something the full walk has
         assert len(offered) < sum(1 for _ in plan_space(args, every, cluster))
 
 
@@ -2428,7 +2432,9 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     ("llm-foundry", "tp=2", "--plan tp"), ("llm-foundry", "pp=2", "--plan pp"), ("llm-foundry", "cp=2", "--plan cp"),
     ("deepspeed", "pp=2,zero_stage=3", "--plan zero_stage"), ("deepspeed", "cp=2", "--plan cp"),
     ("deepspeed", "pp=2,pp_schedule=interleaved-1f1b", "--plan pp_schedule"),
-    ("torchtune", "pp=2", "--plan pp")])
+    ("torchtune", "pp=2", "--plan pp"), ("torchtitan", "dp_replicate=16,zero_stage=1", "--plan zero_stage"),
+    ("torchtune", "dp_replicate=16,zero_stage=0", "--plan zero_stage"),
+    ("megatron-lm-2021", "dp_shard=16,zero_stage=3", "--plan zero_stage")])
 def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsys):
     argv = ["--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--system", name,
             "--plan", plan]
@@ -2443,24 +2449,29 @@ def test_what_a_system_lacks_ends_its_line(capsys):
     for name in ("llm-foundry", "deepspeed", "megatron-core", "torchtitan"):
         assert run_plan(_ns(*argv, "--system", name)) == 0
         lines[name] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
-    assert lines["llm-foundry"].endswith("; no tensor parallelism; no context parallelism; no pipeline parallelism")
+    assert lines["llm-foundry"].endswith("; no tensor parallelism; no context parallelism; no pipeline parallelism; "
+                                         "ZeRO-0, 2, 3 over data-parallel ranks")
     assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedules 1f1b; at most ZeRO-1 beside a "
                                        "pipeline")
     assert lines["megatron-core"].endswith("; pipeline schedules 1f1b, interleaved-1f1b")
-    assert ";" not in lines["torchtitan"].removeprefix("system: torchtitan - ").split(")")[-1]
+    assert lines["torchtitan"].endswith("bf16 logits); ZeRO-0, 2, 3 over data-parallel ranks")
 
 
 def test_system_toml_sets_the_parallelisms(tmp_path):
     path = tmp_path / "ds-zb.toml"
-    path.write_text('base = "deepspeed"\npp_schedules = ["1f1b", "zero-bubble"]\ncontext_parallel = true\n')
+    path.write_text('base = "deepspeed"\npp_schedules = ["1f1b", "zero-bubble"]\ncontext_parallel = true\n'
+                    'zero_stages = [1, 3]\n')
     system = resolve_system(str(path))
     assert system.pp_schedules == ("1f1b", "zero-bubble") and system.context_parallel and system.pp_zero_max == 1
+    assert system.zero_stages == (1, 3)
     training = Training(seq_len=4096, global_batch=8, **system.training_fields())
     hash(training)  # (a TOML array kept as a tuple: the planner memoises on Training)
     assert training.pp_schedules == ("1f1b", "zero-bubble")
 
 
 @pytest.mark.parametrize("text, field", [('pp_schedules = ["dualpipe"]\n', "--system pp_schedules"),
+                                         ('zero_stages = [1, 4]\n', "--system zero_stages"),
+                                         ('zero_stages = []\n', "--system zero_stages"),
                                          ('pp_schedules = "1f1b"\n', "pp_schedules"),
                                          ('pp_zero_max = 5\n', "--system pp_zero_max"),
                                          ('tensor_parallel = "no"\n', "tensor_parallel")])

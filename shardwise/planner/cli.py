@@ -443,7 +443,8 @@ def _adapter_note(training: Training) -> str:
 
 
 def parallelism_summary(training: Training) -> str:
-    """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, pp_schedules, pp_zero_max),
+    """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, pp_schedules, zero_stages,
+    pp_zero_max),
     as the system line ends: '' for one that has them all."""
     parts = [] if training.tensor_parallel else ["no tensor parallelism"]
     parts += [] if training.context_parallel else ["no context parallelism"]
@@ -451,6 +452,8 @@ def parallelism_summary(training: Training) -> str:
         parts.append("no pipeline parallelism")
     elif set(training.pp_schedules) != set(PP_SCHEDULES):
         parts.append(f"pipeline schedules {', '.join(training.pp_schedules)}")
+    if set(training.zero_stages) != {0, 1, 2, 3}:
+        parts.append(f"ZeRO-{', '.join(map(str, training.zero_stages))} over data-parallel ranks")
     if training.pp_schedules and training.pp_zero_max < 3:
         parts.append(f"at most ZeRO-{training.pp_zero_max} beside a pipeline")
     return "".join(f"; {part}" for part in parts)

@@ -92,8 +92,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
 def system_parallel_error(plan: Plan, training) -> ConfigError | None:
     """A degree or pipeline schedule of the plan that the system (Training.system) does not have, as its error:
     tensor or context parallelism (Training.tensor_parallel, context_parallel), a pipeline schedule outside
-    Training.pp_schedules (none: no pipeline parallelism), a ZeRO stage above Training.pp_zero_max beside a
-    pipeline."""
+    Training.pp_schedules (none: no pipeline parallelism), a ZeRO stage outside Training.zero_stages over more
+    than one data-parallel rank, or above Training.pp_zero_max beside a pipeline."""
     name = training.system
     if plan.tp > 1 and not training.tensor_parallel:
         return ConfigError("parallel.tp", f"{plan.tp}, and {name} has no tensor parallelism of the planner's kind "
@@ -108,6 +108,10 @@ def system_parallel_error(plan: Plan, training) -> ConfigError | None:
         return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule}, and {name} runs "
                            f"{', '.join(training.pp_schedules)}", f"use pp_schedule={training.pp_schedules[0]}"
                            + (" or another of them" if len(training.pp_schedules) > 1 else ""))
+    if plan.dp * plan.cp > 1 and plan.zero_stage not in training.zero_stages:
+        return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} over {plan.dp * plan.cp} data-parallel "
+                           f"ranks, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}",
+                           f"use zero_stage={training.zero_stages[-1]} or another of them")
     if plan.pp > 1 and plan.zero_stage > training.pp_zero_max:
         return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} beside a pipeline, and {name} runs at "
                            f"most ZeRO-{training.pp_zero_max} with one", f"use zero_stage <= {training.pp_zero_max}, "

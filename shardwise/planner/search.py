@@ -226,6 +226,11 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("pp_schedule", f"{fixed['pp_schedule']}, and {name} runs "
             f"{', '.join(training.pp_schedules) or 'no pipeline'}",
             f"use one of {', '.join(training.pp_schedules)}" if training.pp_schedules else "leave pp_schedule out")
+    zero = fixed.get("zero_stage")
+    fixed_dp = math.prod(fixed.get(k, 1) for k in ("dp_replicate", "dp_shard")) * fixed.get("dp", 1)
+    if zero is not None and zero not in training.zero_stages and (zero > 0 or fixed_dp * cp > 1):
+        bad("zero_stage", f"{zero}, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))} over "
+            "data-parallel ranks", f"use zero_stage={training.zero_stages[-1]} or another of them")
     if pp > 1 and fixed.get("zero_stage", 0) > training.pp_zero_max:
         bad("zero_stage", f"ZeRO-{fixed['zero_stage']} beside pp={pp}, and {name} runs at most "
             f"ZeRO-{training.pp_zero_max} with a pipeline", f"use zero_stage <= {training.pp_zero_max}, or pp=1")
@@ -323,7 +328,9 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
                 for plan in _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training)):
-                    if pp == 1 or plan.zero_stage <= training.pp_zero_max:  # (DeepSpeed's pipeline: ZeRO <= 1)
+                    # the ZeRO stages the system runs (Training.zero_stages; beside a pipeline, pp_zero_max)
+                    if (pp == 1 or plan.zero_stage <= training.pp_zero_max) and (
+                            dp * cp == 1 or plan.zero_stage in training.zero_stages):
                         yield plan
 
 

@@ -137,6 +137,8 @@ class System:
     offers no other, and --plan asking for one is refused."""
     pp_zero_max: int = 3
     """The highest ZeRO stage it runs beside a pipeline (Training.pp_zero_max)."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages it runs over more than one data-parallel rank (Training.zero_stages)."""
     tensor_parallel: bool = True
     """It splits attention heads and the MLP over tp ranks (Training.tensor_parallel)."""
     context_parallel: bool = True
@@ -167,6 +169,9 @@ class System:
                                    "list schedules among them ([] for a system without pipeline parallelism)")
         if self.pp_zero_max not in (0, 1, 2, 3):
             raise PlannerError("--system pp_zero_max", f"{self.pp_zero_max}", "use 0, 1, 2 or 3")
+        if not self.zero_stages or any(stage not in (0, 1, 2, 3) for stage in self.zero_stages):
+            raise PlannerError("--system zero_stages", f"{list(self.zero_stages)}",
+                               "list one or more of 0, 1, 2 and 3")
         if self.float8 != "torchao" and self.layout != "megatron":
             raise PlannerError("--system float8", f"{self.float8} is Transformer Engine as Megatron-Core runs it, "
                                f"not the layout {self.layout}", 'start from base = "megatron-core", or use torchao')
@@ -191,7 +196,7 @@ class System:
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
-                "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max,
+                "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel}
 
 
@@ -215,7 +220,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "torch.compile; with --compile each block and the loss are compiled, the loss one pass over the bf16 "
            "logits)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
-           grad_sync="micro-batch", compile_loss=True, cp_exchange="torch",
+           grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3),
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
@@ -223,7 +228,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant), context "
                   "parallelism through torch's context_parallel (rotate method allgather: PR 728; K and V as the "
                   "model's GQA heads since PR 2259, January 2026), pipeline schedules by name from "
-                  "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them)"),
+                  "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them), "
+                  "data parallelism by apply_ddp or apply_fsdp (FSDP or HSDP, fsdp_reshard_after_forward): no "
+                  "optimizer-only sharding (ZeRO-1)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
@@ -247,8 +254,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
+           zero_stages=(0, 1),
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
-                  "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size)"),
+                  "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size; data "
+                  "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025)"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
@@ -257,7 +266,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="fsdp-mp", fuse_head=False, ce_kernel=True, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", flat_params=True, optimizer_passes="per-op",
            attention_kernel="flash1", cp_exchange="ring", pp_schedules=(), tensor_parallel=False,
-           context_parallel=False,
+           context_parallel=False, zero_stages=(0, 2, 3),
            source="llm-foundry (github.com/mosaicml/llm-foundry): fsdp_config mixed_precision DEFAULT/PURE, "
                   "loss_fn fused_crossentropy (flash_attn.losses.cross_entropy), attn_impl flash; Composer's FSDP is "
                   "torch's FullyShardedDataParallel (FSDP1: flat parameters); setup.py at "
@@ -267,7 +276,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "v0.14-0.17) "
                   "(torch 2.1 images from October 2023, #648; setup.py torch>=2.1 at the January 2024 tables, #838); "
                   "data parallelism only: no pipeline or context parallelism, and its tensor parallelism (tp_config, "
-                  "llmfoundry/tp, #1521 of September 2024) shards the MLP alone, not the planner's tp"),
+                  "llmfoundry/tp, #1521 of September 2024) shards the MLP alone, not the planner's tp; FSDP's "
+                  "sharding strategies NO_SHARD, SHARD_GRAD_OP and FULL_SHARD (HYBRID_SHARD over replicas): no "
+                  "ZeRO-1"),
     System("torchtune", "the model in bf16 and trained so (dtype bf16: weights, gradients and AdamW's moments in "
            "bf16, no fp32 copy, no autocast), FSDP2 with no mixed-precision policy where it shards (gathers and "
            "reductions in bf16), bf16 residual stream, its RMSNorm composite in fp32, the logits materialised in "
@@ -275,7 +286,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "checkpointing only (no op-level selective), eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
            compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
-           pp_schedules=(),
+           pp_schedules=(), zero_stages=(2, 3),
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
@@ -286,7 +297,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "training/_activation_offloading.py (enable_activation_offloading, off by default), the configs' "
                   "optimizer torch.optim.AdamW with fused: True; no pipeline parallelism in its recipes "
                   "(tensor_parallel_dim since v0.6, context_parallel_dim through torch's context_parallel since "
-                  "PR 2668, May 2025)"),
+                  "PR 2668, May 2025); its distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: "
+                  "ZeRO-3, or 2 set False), no DDP"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
@@ -337,12 +349,13 @@ def resolve_system(spec: str | System) -> System:
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
-            list if key == "pp_schedules" else str
+            list if key in ("pp_schedules", "zero_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
-    if "pp_schedules" in table:  # a TOML array; the System keeps a tuple (hashable, as Training is)
-        table["pp_schedules"] = tuple(table["pp_schedules"])
+    for key in ("pp_schedules", "zero_stages"):  # TOML arrays; the System keeps tuples (hashable, as Training is)
+        if key in table:
+            table[key] = tuple(table[key])
     if path.stem in SYSTEMS:
         raise PlannerError(f"--system {path}", f"the file is named like the preset {path.stem!r}",
                            "rename the file: a plan says which system it was sized for by this name")

@@ -101,6 +101,9 @@ class Training:
     parallelism. A plan with another pp>1 schedule is one the system cannot run (plan.engine_error)."""
     pp_zero_max: int = 3
     """The highest ZeRO stage the system runs beside a pipeline (DeepSpeed's pipeline engine: 1)."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages the system runs over more than one data-parallel rank (torchtitan: DDP or FSDP, no
+    optimizer-only sharding: 0, 2, 3). A plan without data parallelism (dp x cp = 1) is one whatever they are."""
     tensor_parallel: bool = True
     """The system splits attention heads and the MLP over tp ranks (Megatron's tensor parallelism)."""
     context_parallel: bool = True
