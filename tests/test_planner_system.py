@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -489,7 +490,9 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     assert system.distribute_checkpoints and not SYSTEMS["megatron-lm-2021"].distribute_checkpoints
     training = Training(seq_len=2048, global_batch=8, **system.training_fields())
     assert training.distribute_checkpoints and training.keeps_bf16_grads
-    assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32")
+    assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32; no context "
+                                             "parallelism; pipeline schedules 1f1b, interleaved-1f1b; ZeRO-0, 1 over "
+                                             "data-parallel ranks")
 
 
 def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
@@ -866,7 +869,8 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
     assert run_plan(_ns(*argv, "--system", str(path))) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
     assert line.startswith("system: ds-sync - layout zero") and line.endswith(
-        ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements")
+        ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements; no context "
+        "parallelism; pipeline schedule 1f1b only; at most ZeRO-1 beside a pipeline")
 
 
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),
@@ -965,7 +969,7 @@ def test_torchtitans_compiled_loss_is_sized_as_a_cross_entropy_kernel():
     from shardwise.planner.cli import system_summary  # what `shardwise plan --system torchtitan --compile` says
 
     assert system_summary(compiled).endswith("compiled blocks (elementwise operators fused), the loss one kernel "
-                                             "over the logits")
+                                             "over the logits; ZeRO-0, 2, 3 over data-parallel ranks")
 
     def loss_fn(pred, labels):
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -2433,6 +2437,14 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     ("deepspeed", "pp=2,zero_stage=3", "--plan zero_stage"), ("deepspeed", "cp=2", "--plan cp"),
     ("deepspeed", "pp=2,pp_schedule=interleaved-1f1b", "--plan pp_schedule"),
     ("torchtune", "pp=2", "--plan pp"), ("torchtitan", "dp_replicate=16,zero_stage=1", "--plan zero_stage"),
+    # a pipeline asked for without pp, or sharding that ZeRO <= 1 beside a pipeline cannot do
+    ("deepspeed", "pp_schedule=1f1b,zero_stage=2", "--plan zero_stage"),
+    ("deepspeed", "pp_microbatches=4,zero_stage=3", "--plan zero_stage"),
+    ("deepspeed", "pp=2,dp_shard=8", "--plan dp_shard"), ("deepspeed", "pp=2,offload=full", "--plan offload"),
+    ("deepspeed", "pp=2,virtual_stages=2", "--plan virtual_stages"),
+    ("llm-foundry", "pp_microbatches=2", "--plan pp_microbatches"),
+    ("llm-foundry", "virtual_stages=2", "--plan virtual_stages"),
+    ("llm-foundry", "sequence_parallel=true", "--plan sequence_parallel"), ("llm-foundry", "tp=3", "--plan tp"),
     ("torchtune", "dp_replicate=16,zero_stage=0", "--plan zero_stage"),
     ("megatron-lm-2021", "dp_shard=16,zero_stage=3", "--plan zero_stage")])
 def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsys):
@@ -2451,10 +2463,11 @@ def test_what_a_system_lacks_ends_its_line(capsys):
         lines[name] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
     assert lines["llm-foundry"].endswith("; no tensor parallelism; no context parallelism; no pipeline parallelism; "
                                          "ZeRO-0, 2, 3 over data-parallel ranks")
-    assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedules 1f1b; at most ZeRO-1 beside a "
-                                       "pipeline")
+    assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedule 1f1b only; at most ZeRO-1 beside "
+                                       "a pipeline")
     assert lines["megatron-core"].endswith("; pipeline schedules 1f1b, interleaved-1f1b")
-    assert lines["torchtitan"].endswith("bf16 logits); ZeRO-0, 2, 3 over data-parallel ranks")
+    assert lines["torchtitan"] == f"system: torchtitan - {SYSTEMS['torchtitan'].summary}; ZeRO-0, 2, 3 over " \
+        "data-parallel ranks"
 
 
 def test_system_toml_sets_the_parallelisms(tmp_path):
@@ -2481,3 +2494,74 @@ def test_bad_parallelism_in_a_system_toml_names_the_field(tmp_path, text, field)
     with pytest.raises(PlannerError) as e:
         resolve_system(str(path))
     assert field in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, plan, field", [
+    ("megatron-core", Plan(pp=2, grad_accum=4, pp_schedule="zero-bubble"), "parallel.pp_schedule"),
+    ("megatron-core", Plan(pp=2, grad_accum=4, pp_schedule="gpipe"), "parallel.pp_schedule"),
+    ("llm-foundry", Plan(tp=2, sequence_parallel=True), "parallel.tp"),
+    ("llm-foundry", Plan(pp=2, grad_accum=4), "parallel.pp"),
+    ("torchtune", Plan(cp=2, dp_shard=1, zero_stage=0), "parallel.cp"),
+    ("torchtune", Plan(dp_replicate=2, zero_stage=0), "parallel.zero_stage"),
+    ("torchtitan", Plan(dp_replicate=2, zero_stage=1), "parallel.zero_stage"),
+    ("deepspeed", Plan(pp=2, grad_accum=4, dp_shard=2, zero_stage=2), "parallel.zero_stage"),
+    ("deepspeed", Plan(cp=2, dp_shard=2, zero_stage=3), "parallel.cp"),
+    ("megatron-lm-2021", Plan(dp_shard=2, zero_stage=3), "parallel.zero_stage")])
+def test_engine_error_names_what_the_system_lacks(name, plan, field):
+    from shardwise.planner.plan import engine_error
+
+    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    training = _training(name, seq_len=4096)
+    error = engine_error(plan, training, args)
+    assert error is not None and error.field == field and name in error.problem
+    # the same plan where every parallelism is there: only the system's refusal went
+    assert engine_error(plan, dataclasses.replace(training, **PARALLEL_DEFAULTS), args) is None
+
+
+@pytest.mark.parametrize("name", ["llm-foundry", "deepspeed", "torchtune"])
+def test_the_explanation_weighs_only_what_the_system_runs(name):
+    """The knobs' reasons ('tp=2: +5% step time', 'pp=2: out of memory') come from every plan the search sized,
+    and from its memory floors: a system without tp, cp or a pipeline has none of those to weigh."""
+    from shardwise.planner.search import search
+
+    args = preset("llama3-70b")
+    training = _training(name, seq_len=4096, global_batch=64)
+    result = search(args, training, Cluster(accelerator("h100"), 32), top_k=1)
+    assert result.ranked
+    seen = set(result.best_by_knob) | set(result.min_memory_by_knob)
+    lacks = {("tp", v) for v in (2, 4, 8)} if not training.tensor_parallel else set()
+    lacks |= {("cp", v) for v in (2, 4, 8, 16)} if not training.context_parallel else set()
+    lacks |= {("pp", v) for v in (2, 4, 8, 16, 32)} if not training.pp_schedules else set()
+    if training.pp_schedules:  # (without a pipeline, a plan's pp_schedule is the unused default)
+        lacks |= {("pp_schedule", s) for s in PARALLEL_DEFAULTS["pp_schedules"] if s not in training.pp_schedules}
+    assert lacks and not seen & lacks
+    assert any(k == "zero_stage" for k, _ in seen)
+
+
+def test_a_system_file_narrows_or_widens_the_walk(tmp_path):
+    from shardwise.planner.search import plan_space
+
+    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    cluster = Cluster(accelerator("h100"), 16)
+    plans = {}
+    for stem, text in (("ds", 'base = "deepspeed"\n'), ("ds-no-pp", 'base = "deepspeed"\npp_schedules = []\n'),
+                       ("ds-zero3-pp", 'base = "deepspeed"\npp_zero_max = 3\n')):
+        path = tmp_path / f"{stem}.toml"
+        path.write_text(text)
+        training = Training(seq_len=4096, global_batch=16, **resolve_system(str(path)).training_fields())
+        plans[stem] = list(plan_space(args, training, cluster))
+    assert not any(p.pp > 1 for p in plans["ds-no-pp"]) and any(p.pp > 1 for p in plans["ds"])
+    assert max(p.zero_stage for p in plans["ds"] if p.pp > 1) == 1
+    assert max(p.zero_stage for p in plans["ds-zero3-pp"] if p.pp > 1) == 3
+
+
+def test_a_pipeline_asked_for_is_not_reported_without_one(capsys):
+    """Nothing fits a 70B on 8 GPUs without recompute: the given plan is reported anyway, completed from --plan's
+    keys. A schedule with no pp would have completed to pp=1, a plan with no pipeline at all."""
+    argv = ["--model", "llama3-70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16"]
+    assert run_plan(_ns(*argv, "--plan", "pp_schedule=1f1b,activation_checkpoint=none")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise: error: --plan pp: pp_schedule=1f1b asks for a pipeline") and \
+        len(err.strip().splitlines()) == 1
+    assert run_plan(_ns(*argv, "--plan", "pp=8,pp_schedule=1f1b,activation_checkpoint=none")) == 1  # (reported: OOM)
+    assert re.search(r"^1 +1 \(1x1\) +1 +8 +1 +0 +1 +16 +none +1f1b ", capsys.readouterr().out, re.M)

@@ -277,6 +277,11 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
     """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
     least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
+    asked = [k for k in ("pp_schedule", "pp_microbatches", "virtual_stages") if k in fixed
+             and (k != "virtual_stages" or fixed[k] > 1)]
+    if asked and "pp" not in fixed:  # completed, the plan would have pp=1: not the pipeline asked for
+        raise PlannerError("--plan pp", f"{asked[0]}={fixed[asked[0]]} asks for a pipeline and no plan with one "
+                           "fits (or runs), so there is none to report", "give pp (the stages) to see that plan")
     layout = complete_layout({**least, **fixed}, world, source="--plan")
     accum = fixed.get("grad_accum", fixed.get("pp_microbatches"))
     # a fixed accumulation (or a pipeline's micro-batches) with no micro-batch: the micro-batch that makes the batch
@@ -450,6 +455,8 @@ def parallelism_summary(training: Training) -> str:
     parts += [] if training.context_parallel else ["no context parallelism"]
     if not training.pp_schedules:
         parts.append("no pipeline parallelism")
+    elif len(training.pp_schedules) == 1:
+        parts.append(f"pipeline schedule {training.pp_schedules[0]} only")
     elif set(training.pp_schedules) != set(PP_SCHEDULES):
         parts.append(f"pipeline schedules {', '.join(training.pp_schedules)}")
     if set(training.zero_stages) != {0, 1, 2, 3}:

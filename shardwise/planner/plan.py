@@ -107,11 +107,12 @@ def system_parallel_error(plan: Plan, training) -> ConfigError | None:
     if plan.pp > 1 and plan.pp_schedule not in training.pp_schedules:
         return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule}, and {name} runs "
                            f"{', '.join(training.pp_schedules)}", f"use pp_schedule={training.pp_schedules[0]}"
-                           + (" or another of them" if len(training.pp_schedules) > 1 else ""))
+                           + (" or another of those" if len(training.pp_schedules) > 1 else ""))
     if plan.dp * plan.cp > 1 and plan.zero_stage not in training.zero_stages:
         return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} over {plan.dp * plan.cp} data-parallel "
                            f"ranks, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}",
-                           f"use zero_stage={training.zero_stages[-1]} or another of them")
+                           f"use zero_stage={training.zero_stages[-1]}"
+                           + (" or another of those" if len(training.zero_stages) > 1 else ""))
     if plan.pp > 1 and plan.zero_stage > training.pp_zero_max:
         return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} beside a pipeline, and {name} runs at "
                            f"most ZeRO-{training.pp_zero_max} with one", f"use zero_stage <= {training.pp_zero_max}, "

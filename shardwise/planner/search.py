@@ -196,6 +196,9 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if key == "zero_stage" else 1):
             bad(key, f"{value} is negative" if key == "zero_stage" else f"{value} is not positive",
                 "use 0, 1, 2 or 3" if key == "zero_stage" else "use 1 or more")
+    error = system_fixed_error(training, fixed)
+    if error is not None:
+        bad(*error)
     tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
     # every rank holds a share of some sequence: tp splits heads, cp the sequence, pp the layers, dp the batch
     cp_most = cp if "cp" in fixed else max_cp
@@ -212,28 +215,6 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
-    # a parallelism or schedule the system lacks (plan.system_parallel_error, which the search's plans pass)
-    name = training.system
-    if tp > 1 and not training.tensor_parallel:
-        bad("tp", f"tp={tp}, and {name} has no tensor parallelism of the planner's kind (heads and the MLP split over "
-            "tp ranks)", "use tp=1, or another --system")
-    if cp > 1 and not training.context_parallel:
-        bad("cp", f"cp={cp}, and {name} has no context parallelism of the planner's kind (ring attention)",
-            "use cp=1, or another --system")
-    if pp > 1 and not training.pp_schedules:
-        bad("pp", f"pp={pp}, and {name} has no pipeline parallelism", "use pp=1, or another --system")
-    if "pp_schedule" in fixed and fixed["pp_schedule"] not in training.pp_schedules:
-        bad("pp_schedule", f"{fixed['pp_schedule']}, and {name} runs "
-            f"{', '.join(training.pp_schedules) or 'no pipeline'}",
-            f"use one of {', '.join(training.pp_schedules)}" if training.pp_schedules else "leave pp_schedule out")
-    zero = fixed.get("zero_stage")
-    fixed_dp = math.prod(fixed.get(k, 1) for k in ("dp_replicate", "dp_shard")) * fixed.get("dp", 1)
-    if zero is not None and zero not in training.zero_stages and (zero > 0 or fixed_dp * cp > 1):
-        bad("zero_stage", f"{zero}, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))} over "
-            "data-parallel ranks", f"use zero_stage={training.zero_stages[-1]} or another of them")
-    if pp > 1 and fixed.get("zero_stage", 0) > training.pp_zero_max:
-        bad("zero_stage", f"ZeRO-{fixed['zero_stage']} beside pp={pp}, and {name} runs at most "
-            f"ZeRO-{training.pp_zero_max} with a pipeline", f"use zero_stage <= {training.pp_zero_max}, or pp=1")
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         bad("sequence_parallel", "sequence parallelism splits what tensor parallelism leaves whole, and tp=1",
             "use tp > 1, or leave sequence_parallel out")
@@ -300,6 +281,55 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         given = " x ".join(f"{k}={v}" for k, v in others.items())
         bad("ep", f"ep={ep} is drawn from the dp_shard x cp ranks, and with {given} they divide {room}",
             f"use an ep dividing {room}, or smaller {' and '.join(others)}")
+
+
+def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] | None:
+    """(--plan key, problem, fix) for a key that asks for what the system lacks (plan.system_parallel_error, which
+    every plan the search offers passes): tensor, context or pipeline parallelism it does not have (a pipeline is
+    asked for by pp > 1, and also by pp_schedule, pp_microbatches or virtual_stages > 1), a schedule it does not run,
+    a ZeRO stage it does not run over data-parallel ranks, or, beside a pipeline, sharding above pp_zero_max
+    (dp_shard, ep and offload=full shard with ZeRO-2/3)."""
+    name, schedules = training.system, training.pp_schedules
+    tp, cp, pp, virtual = (fixed.get(k, 1) for k in ("tp", "cp", "pp", "virtual_stages"))
+    if not training.tensor_parallel and (tp > 1 or fixed.get("sequence_parallel")):
+        key = "tp" if tp > 1 else "sequence_parallel"
+        return key, f"{key}={fixed[key]}, and {name} has no tensor parallelism of the planner's kind (heads and the " \
+            "MLP split over tp ranks)", f"leave {key} out, or plan with another --system"
+    if cp > 1 and not training.context_parallel:
+        return "cp", f"cp={cp}, and {name} has no context parallelism of the planner's kind (ring attention over " \
+            "sequence shards)", "use cp=1, or plan with another --system"
+    asked = [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
+             if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]  # what asks for a pipeline
+    if asked and not schedules:
+        return asked[0], f"{asked[0]}={fixed[asked[0]]} asks for a pipeline, and {name} has no pipeline parallelism", \
+            f"leave {asked[0]} out, or plan with another --system"
+    runs = f"{name} runs {', '.join(schedules)}" if len(schedules) > 1 else f"{name} runs {schedules[0]} only" \
+        if schedules else ""
+    if "pp_schedule" in fixed and fixed["pp_schedule"] not in schedules:
+        return "pp_schedule", f"{fixed['pp_schedule']}, and {runs}", \
+            f"use pp_schedule={schedules[0]}" + (" or another of those" if len(schedules) > 1 else "")
+    if virtual > 1 and "interleaved-1f1b" not in schedules:
+        return "virtual_stages", f"{virtual} stages per rank are interleaved-1f1b's, and {runs}", \
+            "use virtual_stages=1 (or leave it out)"
+    zero = fixed.get("zero_stage")
+    dp = fixed.get("dp", math.prod(fixed.get(k, 1) for k in ("dp_replicate", "dp_shard")))
+    stages = ", ".join(map(str, training.zero_stages))
+    if zero is not None and zero not in training.zero_stages and (zero > 0 or dp * cp > 1):
+        others = " or another of those" if len(training.zero_stages) > 1 else ""
+        return "zero_stage", f"{zero}, and {name} runs ZeRO-{stages} over data-parallel ranks", \
+            f"use zero_stage={training.zero_stages[-1]}{others}"
+    if asked and training.pp_zero_max < 3:
+        at_most = f"{name} runs at most ZeRO-{training.pp_zero_max} beside a pipeline"
+        if zero is not None and zero > training.pp_zero_max:
+            return "zero_stage", f"ZeRO-{zero} with {asked[0]}={fixed[asked[0]]}, and {at_most}", \
+                f"use zero_stage <= {training.pp_zero_max}, or no pipeline"
+        sharding = [k for k in ("dp_shard", "ep") if fixed.get(k, 1) > 1] + (
+            ["offload"] if fixed.get("offload") == "full" else [])
+        if sharding and training.pp_zero_max < 2:
+            key = sharding[0]
+            return key, f"{key}={fixed[key]} shards with ZeRO-2/3 and {asked[0]}={fixed[asked[0]]} asks for a " \
+                f"pipeline, and {at_most}", f"leave {key} out, or no pipeline"
+    return None
 
 
 def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict, max_tp: int | None,

@@ -286,7 +286,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "checkpointing only (no op-level selective), eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
            compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
-           pp_schedules=(), zero_stages=(2, 3),
+           pp_schedules=(), zero_stages=(2, 3), tensor_parallel=False, context_parallel=False,
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
@@ -295,10 +295,12 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "training/activations.py (checkpoint_wrapper per layer, non-reentrant; its ac_mode 'selective' "
                   "wraps every k-th layer whole, no op-level policy: selective none), "
                   "training/_activation_offloading.py (enable_activation_offloading, off by default), the configs' "
-                  "optimizer torch.optim.AdamW with fused: True; no pipeline parallelism in its recipes "
-                  "(tensor_parallel_dim since v0.6, context_parallel_dim through torch's context_parallel since "
-                  "PR 2668, May 2025); its distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: "
-                  "ZeRO-3, or 2 set False), no DDP"),
+                  "optimizer torch.optim.AdamW with fused: True; data parallelism only in those releases: no "
+                  "pipeline in its recipes, its tensor_parallel_dim (v0.6) refused beside the fused optimizer "
+                  "('Tensor parallelism is currently incompatible with fused optimizer') and without sequence "
+                  "parallelism (BASE_LLAMA_TP_PLAN), context_parallel_dim only after v0.6.1 (PR 2668, May 2025); its "
+                  "distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: ZeRO-3, or 2 set False), no "
+                  "DDP"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
@@ -307,7 +309,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
                   "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
-                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE),
+                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE
+                  + "; tensor parallelism from Megatron's mpu (Megatron-DeepSpeed) or AutoTP training "
+                  "(runtime/tensor_parallel, PR 7004, February 2025)"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
@@ -316,7 +320,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
-                  "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; " + DEEPSPEED_PIPELINE),
+                  "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; its pipeline engine ran 1F1B "
+                  "(runtime/pipe/schedule.py TrainSchedule) beside ZeRO-1: of ZeRO-2 its code says 'enough to run a "
+                  "demo', and v0.3.16 (PR 980, April 2021) refuses ZeRO-2 and 3 beside a pipeline; tensor "
+                  "parallelism from Megatron's mpu; no sequence or context parallelism in 2021"),
 )}
 
 
