@@ -2387,25 +2387,39 @@ def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_nam
 
 
 PARALLEL_DEFAULTS = {"pp_schedules": Training.pp_schedules, "pp_zero_max": Training.pp_zero_max,
-                     "zero_stages": (0, 1, 2, 3), "tensor_parallel": True, "context_parallel": True}
+                     "zero_stages": (0, 1, 2, 3), "ddp_alone": False, "hsdp_stages": (2, 3), "offload_full": True,
+                     "tensor_parallel": True, "context_parallel": True}
 
 
 def _runs_on(plan: Plan, system: System) -> bool:
-    """Whether `system` has the plan's parallelisms, read from the sources its preset cites (not from the code
-    under test): Megatron's two schedules, DeepSpeed's one 1F1B engine beside ZeRO <= 1, no tp, pp or cp in
-    llm-foundry, no pipeline in torchtune, no ZeRO-1 in torchtitan's, llm-foundry's or torchtune's data
-    parallelism (DDP or FSDP; torchtune FSDP only), Megatron-LM of 2021-22 DDP or its distributed optimizer."""
-    every = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-    rules = {"torchtitan": (every, 3, (0, 2, 3), True, True),
-             "megatron-core": (("1f1b", "interleaved-1f1b"), 3, (0, 1, 2, 3), True, True),
-             "megatron-lm-2021": (("1f1b", "interleaved-1f1b"), 3, (0, 1), True, False),
-             "llm-foundry": ((), 3, (0, 2, 3), False, False), "torchtune": ((), 3, (2, 3), True, True),
-             "deepspeed": (("1f1b",), 1, (0, 1, 2, 3), True, False),
-             "deepspeed-2021": (("1f1b",), 1, (0, 1, 2, 3), True, False)}
-    schedules, zero_max, stages, tp, cp = rules.get(system.name, (every, 3, (0, 1, 2, 3), True, True))
-    return ((plan.tp == 1 or tp) and (plan.cp == 1 or cp)
-            and (plan.dp * plan.cp == 1 or plan.zero_stage in stages)
-            and (plan.pp == 1 or plan.pp_schedule in schedules and plan.zero_stage <= zero_max))
+    """Whether `system` runs the plan, written out system by system from the sources its preset cites (not from
+    the fields under test). A plan's data parallelism: DDP is ZeRO-0 over dp_replicate x cp > 1, ZeRO-1 shards the
+    optimizer, FSDP is ZeRO-2/3 over dp_shard x cp, hybrid sharding is FSDP with dp_replicate > 1."""
+    dp_ranks, shard = plan.dp * plan.cp, plan.dp_shard * plan.cp
+    ddp = plan.zero_stage == 0 and dp_ranks > 1
+    hybrid = plan.zero_stage >= 2 and plan.dp_replicate > 1 and shard > 1
+    full = plan.offload == "full"
+    pipeline = plan.pp > 1
+    name = system.name
+    if name == "torchtitan":  # apply_ddp alone ('DDP has not supported > 1D parallelism'), apply_fsdp: no ZeRO-1
+        return plan.zero_stage != 1 and not (ddp and plan.tp * plan.pp * plan.cp > 1)
+    if name == "megatron-core":  # two schedules; optimizer-only host offload
+        return not full and (not pipeline or plan.pp_schedule in ("1f1b", "interleaved-1f1b"))
+    if name == "megatron-lm-2021":  # DDP or the distributed optimizer; no cp, no offload
+        return plan.zero_stage <= 1 and plan.cp == 1 and not full and (
+            not pipeline or plan.pp_schedule in ("1f1b", "interleaved-1f1b"))
+    if name == "llm-foundry":  # FSDP1 (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD) and nothing else
+        return plan.tp == plan.pp == plan.cp == 1 and plan.zero_stage != 1
+    if name == "torchtune":  # FSDP2 over every data-parallel rank of v0.4-v0.6.1
+        return plan.tp == plan.pp == plan.cp == 1 and plan.dp_replicate == 1 and (
+            plan.zero_stage >= 2 or dp_ranks == 1 and plan.zero_stage == 0)
+    if name in ("deepspeed", "deepspeed-2021"):  # its 1F1B engine beside ZeRO <= 1; Ulysses is not ring cp
+        ok = plan.cp == 1 and (not pipeline or plan.pp_schedule == "1f1b" and plan.zero_stage <= 1)
+        if name == "deepspeed":  # MiCS (2023) replicates ZeRO-3 shards
+            return ok and (not hybrid or plan.zero_stage == 3)
+        return ok and not hybrid and not full  # 2021: no MiCS, optimizer-only offload
+    assert name == "shardwise"
+    return True
 
 
 @pytest.mark.parametrize("name", sorted(SYSTEMS))
@@ -2424,9 +2438,11 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     def key(p: Plan) -> tuple:
         return dataclasses.astuple(p)
 
-    offered = {key(p) for p in plan_space(args, training, cluster)}
-    possible = {key(p) for p in plan_space(args, every, cluster) if _runs_on(p, system)}
-    assert offered == possible and offered
+    for offload in ("none", "full"):
+        offered = {key(p) for p in plan_space(args, training, cluster, offload=offload)
+                   if offload == "none" or training.offload_full}  # (the search tries no offload the system lacks)
+        possible = {key(p) for p in plan_space(args, every, cluster, offload=offload) if _runs_on(p, system)}
+        assert offered == possible and (offered or offload == "full")
     if name != "shardwise":  # each lacks something the full walk has
         assert len(offered) < sum(1 for _ in plan_space(args, every, cluster))
 
@@ -2445,6 +2461,13 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     ("llm-foundry", "pp_microbatches=2", "--plan pp_microbatches"),
     ("llm-foundry", "virtual_stages=2", "--plan virtual_stages"),
     ("llm-foundry", "sequence_parallel=true", "--plan sequence_parallel"), ("llm-foundry", "tp=3", "--plan tp"),
+    # DDP beside cp, hybrid sharding, host offload, schedules without a pipeline
+    ("torchtitan", "cp=2,zero_stage=0", "--plan zero_stage"), ("torchtune", "dp_replicate=2", "--plan dp_replicate"),
+    ("deepspeed", "dp_replicate=2,dp_shard=8,zero_stage=2", "--plan dp_replicate"),
+    ("megatron-core", "offload=full", "--plan offload"),
+    ("megatron-lm-2021", "tp=2,pp=8,offload=full", "--plan offload"),
+    ("shardwise", "pp=1,pp_schedule=1f1b", "--plan pp_schedule"),
+    ("megatron-core", "pp_schedule=1f1b,virtual_stages=3", "--plan virtual_stages"),
     ("torchtune", "dp_replicate=16,zero_stage=0", "--plan zero_stage"),
     ("megatron-lm-2021", "dp_shard=16,zero_stage=3", "--plan zero_stage")])
 def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsys):
@@ -2452,7 +2475,19 @@ def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsy
             "--plan", plan]
     assert run_plan(_ns(*argv)) == 2
     err = capsys.readouterr().err
-    assert key in err and name in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"shardwise: error: {key}:") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, plan, fix", [("torchtitan", "dp_replicate=16,zero_stage=1", "use zero_stage=0"),
+                                             ("llm-foundry", "dp_replicate=16,zero_stage=1", "use zero_stage=0"),
+                                             ("megatron-lm-2021", "dp_shard=16,zero_stage=3",
+                                              "use dp_replicate with zero_stage=1"),
+                                             ("torchtune", "zero_stage=0", "use zero_stage=3 or another of those")])
+def test_a_refused_zero_stage_gets_one_that_fits_the_split(name, plan, fix, capsys):
+    argv = ["--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--system", name,
+            "--plan", plan]
+    assert run_plan(_ns(*argv)) == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"; fix: {fix}")
 
 
 def test_what_a_system_lacks_ends_its_line(capsys):
@@ -2485,6 +2520,9 @@ def test_system_toml_sets_the_parallelisms(tmp_path):
 @pytest.mark.parametrize("text, field", [('pp_schedules = ["dualpipe"]\n', "--system pp_schedules"),
                                          ('zero_stages = [1, 4]\n', "--system zero_stages"),
                                          ('zero_stages = []\n', "--system zero_stages"),
+                                         ('zero_stages = [3, 1, 1]\n', "--system zero_stages"),
+                                         ('hsdp_stages = [true, 3.0]\n', "--system hsdp_stages"),
+                                         ('ddp_alone = "no"\n', "ddp_alone"), ('offload_full = 1\n', "offload_full"),
                                          ('pp_schedules = "1f1b"\n', "pp_schedules"),
                                          ('pp_zero_max = 5\n', "--system pp_zero_max"),
                                          ('tensor_parallel = "no"\n', "tensor_parallel")])
@@ -2506,7 +2544,13 @@ def test_bad_parallelism_in_a_system_toml_names_the_field(tmp_path, text, field)
     ("torchtitan", Plan(dp_replicate=2, zero_stage=1), "parallel.zero_stage"),
     ("deepspeed", Plan(pp=2, grad_accum=4, dp_shard=2, zero_stage=2), "parallel.zero_stage"),
     ("deepspeed", Plan(cp=2, dp_shard=2, zero_stage=3), "parallel.cp"),
-    ("megatron-lm-2021", Plan(dp_shard=2, zero_stage=3), "parallel.zero_stage")])
+    ("megatron-lm-2021", Plan(dp_shard=2, zero_stage=3), "parallel.zero_stage"),
+    ("megatron-lm-2021", Plan(tp=2, zero_stage=2, offload="full"), "parallel.offload"),  # (no host offload in 2021)
+    ("megatron-lm-2021", Plan(tp=2, zero_stage=2), "parallel.zero_stage"),  # (ZeRO-2 with no data parallelism)
+    ("torchtitan", Plan(tp=2, dp_replicate=2, zero_stage=0), "parallel.zero_stage"),  # DDP beside tp
+    ("torchtune", Plan(dp_replicate=2, dp_shard=2, zero_stage=3), "parallel.dp_replicate"),
+    ("deepspeed", Plan(dp_replicate=2, dp_shard=2, zero_stage=2), "parallel.dp_replicate"),
+    ("megatron-core", Plan(dp_shard=2, zero_stage=3, offload="full"), "parallel.offload")])
 def test_engine_error_names_what_the_system_lacks(name, plan, field):
     from shardwise.planner.plan import engine_error
 

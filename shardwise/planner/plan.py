@@ -90,11 +90,35 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
 
 
 def system_parallel_error(plan: Plan, training) -> ConfigError | None:
-    """A degree or pipeline schedule of the plan that the system (Training.system) does not have, as its error:
-    tensor or context parallelism (Training.tensor_parallel, context_parallel), a pipeline schedule outside
-    Training.pp_schedules (none: no pipeline parallelism), a ZeRO stage outside Training.zero_stages over more
-    than one data-parallel rank, or above Training.pp_zero_max beside a pipeline."""
-    name = training.system
+    """A degree, ZeRO stage or pipeline schedule of the plan that the system (Training.system) does not have, as
+    its error: system_layout_error, or a pipeline schedule outside Training.pp_schedules."""
+    error = system_layout_error(plan, training)
+    if error is None and plan.pp > 1 and plan.pp_schedule not in training.pp_schedules:
+        schedules = training.pp_schedules
+        error = ConfigError("parallel.pp_schedule", f"{plan.pp_schedule}, and {training.system} runs "
+                            f"{', '.join(schedules)}", f"use pp_schedule={schedules[0]}"
+                            + (" or another of those" if len(schedules) > 1 else ""))
+    return error
+
+
+def zero_fix(training, sharded: bool | None) -> str:
+    """The fix for a ZeRO stage the system lacks: a stage it has that fits how the plan splits its data-parallel
+    ranks (`sharded`: dp_shard x cp > 1 asks for ZeRO-2/3, False for dp_replicate alone, None: either)."""
+    stages = [z for z in training.zero_stages if sharded is None or (z >= 2) == sharded]
+    if not stages:
+        return (f"use dp_replicate with zero_stage={max(training.zero_stages)}" if sharded else
+                f"use dp_shard with zero_stage={max(training.zero_stages)}")
+    return f"use zero_stage={stages[-1]}" + (" or another of those" if len(stages) > 1 else "")
+
+
+def system_layout_error(plan: Plan, training) -> ConfigError | None:
+    """What the system cannot run of the plan's degrees and ZeRO stage (the search's bases pass it before a
+    schedule is chosen): tensor or context parallelism (Training.tensor_parallel, context_parallel), a pipeline
+    (Training.pp_schedules empty), a ZeRO stage of 1-3 outside Training.zero_stages, or ZeRO-0 over more than one
+    data-parallel rank where 0 is not among them, or beside tp, pp or cp where the system runs DDP alone
+    (Training.ddp_alone), hybrid sharding (dp_replicate beside dp_shard x cp) outside Training.hsdp_stages, and
+    beside a pipeline more than Training.pp_zero_max."""
+    name, zero = training.system, plan.zero_stage
     if plan.tp > 1 and not training.tensor_parallel:
         return ConfigError("parallel.tp", f"{plan.tp}, and {name} has no tensor parallelism of the planner's kind "
                            "(attention heads and the MLP split over tp ranks)", "use tp=1, or another --system")
@@ -104,19 +128,28 @@ def system_parallel_error(plan: Plan, training) -> ConfigError | None:
     if plan.pp > 1 and not training.pp_schedules:
         return ConfigError("parallel.pp", f"{plan.pp}, and {name} has no pipeline parallelism",
                            "use pp=1, or another --system")
-    if plan.pp > 1 and plan.pp_schedule not in training.pp_schedules:
-        return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule}, and {name} runs "
-                           f"{', '.join(training.pp_schedules)}", f"use pp_schedule={training.pp_schedules[0]}"
-                           + (" or another of those" if len(training.pp_schedules) > 1 else ""))
-    if plan.dp * plan.cp > 1 and plan.zero_stage not in training.zero_stages:
-        return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} over {plan.dp * plan.cp} data-parallel "
-                           f"ranks, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}",
-                           f"use zero_stage={training.zero_stages[-1]}"
-                           + (" or another of those" if len(training.zero_stages) > 1 else ""))
-    if plan.pp > 1 and plan.zero_stage > training.pp_zero_max:
-        return ConfigError("parallel.zero_stage", f"ZeRO-{plan.zero_stage} beside a pipeline, and {name} runs at "
-                           f"most ZeRO-{training.pp_zero_max} with one", f"use zero_stage <= {training.pp_zero_max}, "
-                           "or pp=1")
+    if plan.offload == "full" and not training.offload_full:
+        return ConfigError("parallel.offload", f"full, and {name} has no offload of weights, gradients and optimizer "
+                           "state", "use offload=none, or another --system")
+    ranks = plan.dp * plan.cp
+    sharded = plan.dp_shard * plan.cp > 1 if zero >= 2 else False
+    stages = ", ".join(map(str, training.zero_stages))
+    if zero not in training.zero_stages and (zero > 0 or ranks > 1):
+        return ConfigError("parallel.zero_stage", f"ZeRO-{zero} over {ranks} data-parallel rank(s), and {name} runs "
+                           f"ZeRO-{stages}", zero_fix(training, sharded))
+    if zero == 0 and ranks > 1 and training.ddp_alone and plan.tp * plan.pp * plan.cp > 1:
+        return ConfigError("parallel.zero_stage", f"ZeRO-0 (DDP) beside tp={plan.tp}, pp={plan.pp}, cp={plan.cp}, "
+                           f"and {name} runs DDP as the only parallelism", zero_fix(training, True))
+    if zero >= 2 and plan.dp_replicate > 1 and plan.dp_shard * plan.cp > 1 and zero not in training.hsdp_stages:
+        hsdp = ", ".join(map(str, training.hsdp_stages))
+        return ConfigError("parallel.dp_replicate", f"{plan.dp_replicate} replicas of ZeRO-{zero} shards (hybrid "
+                           f"sharding), and {name} " + (f"runs hybrid sharding with ZeRO-{hsdp} only" if hsdp
+                                                        else "has no hybrid sharding"),
+                           "use dp_replicate=1 (shard over every data-parallel rank)")
+    if plan.pp > 1 and zero > training.pp_zero_max:
+        return ConfigError("parallel.zero_stage", f"ZeRO-{zero} beside a pipeline, and {name} runs at most "
+                           f"ZeRO-{training.pp_zero_max} with one",
+                           f"use zero_stage <= {training.pp_zero_max}, or pp=1")
     return None
 
 

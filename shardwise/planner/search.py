@@ -27,7 +27,7 @@ from shardwise.config import tp_error
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs
 from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
-from shardwise.planner.plan import Plan, engine_runs, validate_plan
+from shardwise.planner.plan import Plan, engine_runs, system_layout_error, validate_plan, zero_fix
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training
 
@@ -129,7 +129,7 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     fixed = _resolved(fixed)
     result = SearchResult([], 0)
     # the offloads the engine runs ('optimizer' it does not: layout.engine_cannot_run)
-    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"]
+    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"] if training.offload_full else ["none"]
     fits: list[Evaluation] = []
     for offload in offloads:
         for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
@@ -196,7 +196,7 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if key == "zero_stage" else 1):
             bad(key, f"{value} is negative" if key == "zero_stage" else f"{value} is not positive",
                 "use 0, 1, 2 or 3" if key == "zero_stage" else "use 1 or more")
-    error = system_fixed_error(training, fixed)
+    error = system_fixed_error(training, fixed, cluster.gpus)
     if error is not None:
         bad(*error)
     tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
@@ -218,6 +218,12 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         bad("sequence_parallel", "sequence parallelism splits what tensor parallelism leaves whole, and tp=1",
             "use tp > 1, or leave sequence_parallel out")
+    for key in ("pp_schedule", "virtual_stages"):  # (each asks for a pipeline: the search would drop it at pp=1)
+        if pp == 1 and "pp" in fixed and key in fixed and (key == "pp_schedule" or fixed[key] > 1):
+            bad(key, f"{key}={fixed[key]} is a pipeline's, and pp=1", f"use pp > 1, or leave {key} out")
+    if fixed.get("virtual_stages", 1) > 1 and fixed.get("pp_schedule", "interleaved-1f1b") != "interleaved-1f1b":
+        bad("virtual_stages", f"{fixed['virtual_stages']} stages per rank, and only interleaved-1f1b has virtual "
+            f"stages (pp_schedule={fixed['pp_schedule']})", "use virtual_stages=1, or pp_schedule=interleaved-1f1b")
     if "pp_microbatches" in fixed:  # a plan's pipeline micro-batches are its accumulation (config.layout_tables)
         if pp == 1 and "pp" in fixed:
             bad("pp_microbatches", "a step's pipeline micro-batches need a pipeline, and pp=1", "use pp > 1")
@@ -283,17 +289,19 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
             f"use an ep dividing {room}, or smaller {' and '.join(others)}")
 
 
-def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] | None:
+def system_fixed_error(training: Training, fixed: dict, world: int) -> tuple[str, str, str] | None:
     """(--plan key, problem, fix) for a key that asks for what the system lacks (plan.system_parallel_error, which
     every plan the search offers passes): tensor, context or pipeline parallelism it does not have (a pipeline is
     asked for by pp > 1, and also by pp_schedule, pp_microbatches or virtual_stages > 1), a schedule it does not run,
-    a ZeRO stage it does not run over data-parallel ranks, or, beside a pipeline, sharding above pp_zero_max
-    (dp_shard, ep and offload=full shard with ZeRO-2/3)."""
+    a ZeRO stage it does not run (ZeRO-0 where the keys, or the system, leave more than one data-parallel rank, or
+    where it runs DDP alone, beside tp, pp or cp), hybrid sharding it lacks, or, beside a pipeline, sharding above
+    pp_zero_max (dp_shard, ep and offload=full shard with ZeRO-2/3)."""
     name, schedules = training.system, training.pp_schedules
     tp, cp, pp, virtual = (fixed.get(k, 1) for k in ("tp", "cp", "pp", "virtual_stages"))
     if not training.tensor_parallel and (tp > 1 or fixed.get("sequence_parallel")):
         key = "tp" if tp > 1 else "sequence_parallel"
-        return key, f"{key}={fixed[key]}, and {name} has no tensor parallelism of the planner's kind (heads and the " \
+        value = str(fixed[key]).lower()  # (as --plan writes it)
+        return key, f"{key}={value}, and {name} has no tensor parallelism of the planner's kind (heads and the " \
             "MLP split over tp ranks)", f"leave {key} out, or plan with another --system"
     if cp > 1 and not training.context_parallel:
         return "cp", f"cp={cp}, and {name} has no context parallelism of the planner's kind (ring attention over " \
@@ -312,12 +320,37 @@ def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] 
         return "virtual_stages", f"{virtual} stages per rank are interleaved-1f1b's, and {runs}", \
             "use virtual_stages=1 (or leave it out)"
     zero = fixed.get("zero_stage")
-    dp = fixed.get("dp", math.prod(fixed.get(k, 1) for k in ("dp_replicate", "dp_shard")))
-    stages = ", ".join(map(str, training.zero_stages))
-    if zero is not None and zero not in training.zero_stages and (zero > 0 or dp * cp > 1):
-        others = " or another of those" if len(training.zero_stages) > 1 else ""
-        return "zero_stage", f"{zero}, and {name} runs ZeRO-{stages} over data-parallel ranks", \
-            f"use zero_stage={training.zero_stages[-1]}{others}"
+    # the data-parallel ranks the keys leave: dp given, or every other degree given (or absent from the system)
+    free = [k for k, has in (("tp", training.tensor_parallel), ("cp", training.context_parallel),
+                             ("pp", bool(schedules))) if has and k not in fixed]
+    dp = fixed.get("dp", None if free else world // (tp * cp * pp))
+    if dp is None and {"dp_replicate", "dp_shard"} <= set(fixed):
+        dp = fixed["dp_replicate"] * fixed["dp_shard"]
+    least = max(dp or 1, fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1)) * cp  # data-parallel ranks, at least
+    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if dp and "dp_replicate" in fixed else 1 if
+                      world // (fixed.get("dp_replicate", world + 1) * tp * cp * pp) == 1 else None)
+    sharded = None if shard is None else shard > 1  # how the keys split them: FSDP (ZeRO-2/3) or replicas (0/1)
+    if zero is not None and zero not in training.zero_stages and (zero > 0 or least > 1):
+        return "zero_stage", f"{zero}, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}", \
+            zero_fix(training, sharded)
+    if zero == 0 and training.ddp_alone and tp * pp * cp > 1 and least > 1:
+        return "zero_stage", f"ZeRO-0 (DDP) beside tp={tp}, pp={pp}, cp={cp}, and {name} runs DDP as the only " \
+            "parallelism", zero_fix(training, True)
+    if fixed.get("offload") == "full" and not training.offload_full:
+        return "offload", f"full, and {name} has no offload of weights, gradients and optimizer state (FSDP's CPU " \
+            "offload, ZeRO-Infinity's)", "use offload=none, or plan with another --system"
+    replicas = [z for z in training.zero_stages if z < 2] + list(training.hsdp_stages)  # stages beside replicas
+    if fixed.get("dp_replicate", 1) > 1 and not replicas:
+        return "dp_replicate", f"dp_replicate={fixed['dp_replicate']} replicas, and {name} runs neither DDP nor " \
+            "hybrid sharding", "leave dp_replicate out (shard over every data-parallel rank)"
+    if fixed.get("dp_replicate", 1) > 1 and fixed.get("dp_shard", 1) * cp > 1 and \
+            (zero is None and not training.hsdp_stages or zero is not None and zero >= 2
+             and zero not in training.hsdp_stages):
+        hsdp = ", ".join(map(str, training.hsdp_stages))
+        return "dp_replicate", f"dp_replicate={fixed['dp_replicate']} replicas of a sharded group (hybrid " \
+            f"sharding), and {name} " + (f"runs it with ZeRO-{hsdp} only" if hsdp else "has no hybrid sharding"), \
+            "leave dp_replicate out (shard over every data-parallel rank)" if not hsdp else \
+            f"use zero_stage={training.hsdp_stages[-1]}"
     if asked and training.pp_zero_max < 3:
         at_most = f"{name} runs at most ZeRO-{training.pp_zero_max} beside a pipeline"
         if zero is not None and zero > training.pp_zero_max:
@@ -348,8 +381,10 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
             if (world // tp) % cp:
                 continue
             # a fixed pp_microbatches asks for a pipeline (it has no meaning without one)
+            # (pp_microbatches and virtual_stages > 1 ask for a pipeline; pp_schedule does too: _schedules)
             pps = _choices(fixed, "pp", [p for p in divisors(world // (tp * cp)) if p <= args.n_layers
-                                         and (p > 1 or "pp_microbatches" not in fixed)
+                                         and (p > 1 or "pp_microbatches" not in fixed
+                                              and fixed.get("virtual_stages", 1) == 1)
                                          and (p == 1 or training.pp_schedules)])
             for pp in pps:
                 if (world // (tp * cp)) % pp:
@@ -358,9 +393,7 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
                 for plan in _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training)):
-                    # the ZeRO stages the system runs (Training.zero_stages; beside a pipeline, pp_zero_max)
-                    if (pp == 1 or plan.zero_stage <= training.pp_zero_max) and (
-                            dp * cp == 1 or plan.zero_stage in training.zero_stages):
+                    if system_layout_error(plan, training) is None:  # degrees and ZeRO the system runs
                         yield plan
 
 

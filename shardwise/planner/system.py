@@ -138,7 +138,13 @@ class System:
     pp_zero_max: int = 3
     """The highest ZeRO stage it runs beside a pipeline (Training.pp_zero_max)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    """The ZeRO stages it runs over more than one data-parallel rank (Training.zero_stages)."""
+    """The ZeRO stages it runs (Training.zero_stages)."""
+    ddp_alone: bool = False
+    """DDP only as the layout's one parallelism (Training.ddp_alone)."""
+    hsdp_stages: tuple[int, ...] = (2, 3)
+    """The ZeRO stages it runs as hybrid sharding (Training.hsdp_stages)."""
+    offload_full: bool = True
+    """It offloads weights, gradients and optimizer state to the host (Training.offload_full)."""
     tensor_parallel: bool = True
     """It splits attention heads and the MLP over tp ranks (Training.tensor_parallel)."""
     context_parallel: bool = True
@@ -169,9 +175,11 @@ class System:
                                    "list schedules among them ([] for a system without pipeline parallelism)")
         if self.pp_zero_max not in (0, 1, 2, 3):
             raise PlannerError("--system pp_zero_max", f"{self.pp_zero_max}", "use 0, 1, 2 or 3")
-        if not self.zero_stages or any(stage not in (0, 1, 2, 3) for stage in self.zero_stages):
-            raise PlannerError("--system zero_stages", f"{list(self.zero_stages)}",
-                               "list one or more of 0, 1, 2 and 3")
+        for key, stages, least in (("zero_stages", self.zero_stages, 1), ("hsdp_stages", self.hsdp_stages, 0)):
+            if len(stages) < least or any(type(z) is not int or z not in (0, 1, 2, 3) for z in stages) or \
+                    list(stages) != sorted(set(stages)):
+                raise PlannerError(f"--system {key}", f"{list(stages)}", "list "
+                                   + ("one or more" if least else "none or some") + " of 0, 1, 2 and 3, ascending")
         if self.float8 != "torchao" and self.layout != "megatron":
             raise PlannerError("--system float8", f"{self.float8} is Transformer Engine as Megatron-Core runs it, "
                                f"not the layout {self.layout}", 'start from base = "megatron-core", or use torchao')
@@ -197,6 +205,7 @@ class System:
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
                 "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
+                "ddp_alone": self.ddp_alone, "hsdp_stages": self.hsdp_stages, "offload_full": self.offload_full,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel}
 
 
@@ -220,7 +229,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "torch.compile; with --compile each block and the loss are compiled, the loss one pass over the bf16 "
            "logits)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
-           grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3),
+           grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3), ddp_alone=True,
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
@@ -230,7 +239,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "model's GQA heads since PR 2259, January 2026), pipeline schedules by name from "
                   "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them), "
                   "data parallelism by apply_ddp or apply_fsdp (FSDP or HSDP, fsdp_reshard_after_forward): no "
-                  "optimizer-only sharding (ZeRO-1)"),
+                  "optimizer-only sharding (ZeRO-1), FSDP wherever dp_shard or cp is, and DDP only alone ('DDP has "
+                  "not supported > 1D parallelism', from the benchmarks' 2024 code until PR 2458, March 2026)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
@@ -240,6 +250,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
            cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True, pp_schedules=MEGATRON_SCHEDULES,
+           offload_full=False,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
@@ -248,13 +259,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "fusions/fused_bias_swiglu.py (SwiGLUFunction saves its input; --bias-swiglu-fusion is on by "
                   "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
                   "weights cached over a step), --fp8-recipe delayed by default; pipeline_parallel/schedules.py "
-                  "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule)"),
+                  "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule); host offload of "
+                  "the optimizer alone (--optimizer-cpu-offload, February 2025), not of weights and gradients"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
-           zero_stages=(0, 1),
+           zero_stages=(0, 1), offload_full=False,
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size; data "
                   "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025)"),
@@ -286,7 +298,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "checkpointing only (no op-level selective), eager elementwise operators, torch's fused AdamW",
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
            compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
-           pp_schedules=(), zero_stages=(2, 3), tensor_parallel=False, context_parallel=False,
+           pp_schedules=(), zero_stages=(2, 3), tensor_parallel=False, context_parallel=False, hsdp_stages=(),
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
@@ -299,31 +311,35 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "pipeline in its recipes, its tensor_parallel_dim (v0.6) refused beside the fused optimizer "
                   "('Tensor parallelism is currently incompatible with fused optimizer') and without sequence "
                   "parallelism (BASE_LLAMA_TP_PLAN), context_parallel_dim only after v0.6.1 (PR 2668, May 2025); its "
-                  "distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: ZeRO-3, or 2 set False), no "
-                  "DDP"),
+                  "distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: ZeRO-3, or 2 set False) over "
+                  "every data-parallel rank, no DDP, no hybrid sharding (PR 2415, after v0.6.1)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
-           pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
+           pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(3,),
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
                   "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
                   "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE
                   + "; tensor parallelism from Megatron's mpu (Megatron-DeepSpeed) or AutoTP training "
-                  "(runtime/tensor_parallel, PR 7004, February 2025)"),
+                  "(runtime/tensor_parallel, PR 7004, February 2025); hybrid sharding for ZeRO-3 only (MiCS: "
+                  "runtime/zero/mics.py, April 2023)"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
-           cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False,
+           cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(),
+           offload_full=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
                   "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; its pipeline engine ran 1F1B "
                   "(runtime/pipe/schedule.py TrainSchedule) beside ZeRO-1: of ZeRO-2 its code says 'enough to run a "
                   "demo', and v0.3.16 (PR 980, April 2021) refuses ZeRO-2 and 3 beside a pipeline; tensor "
-                  "parallelism from Megatron's mpu; no sequence or context parallelism in 2021"),
+                  "parallelism from Megatron's mpu; no sequence or context parallelism, nor hybrid sharding, in "
+                  "2021, and ZeRO-Offload of the optimizer alone (parameter offload came with ZeRO-Infinity, "
+                  "v0.3.15)"),
 )}
 
 
@@ -354,13 +370,13 @@ def resolve_system(spec: str | System) -> System:
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel") else \
+                                   "context_parallel", "ddp_alone", "offload_full") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
-            list if key in ("pp_schedules", "zero_stages") else str
+            list if key in ("pp_schedules", "zero_stages", "hsdp_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
-    for key in ("pp_schedules", "zero_stages"):  # TOML arrays; the System keeps tuples (hashable, as Training is)
+    for key in ("pp_schedules", "zero_stages", "hsdp_stages"):  # TOML arrays; the System keeps tuples (hashable)
         if key in table:
             table[key] = tuple(table[key])
     if path.stem in SYSTEMS:

@@ -102,8 +102,17 @@ class Training:
     pp_zero_max: int = 3
     """The highest ZeRO stage the system runs beside a pipeline (DeepSpeed's pipeline engine: 1)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    """The ZeRO stages the system runs over more than one data-parallel rank (torchtitan: DDP or FSDP, no
-    optimizer-only sharding: 0, 2, 3). A plan without data parallelism (dp x cp = 1) is one whatever they are."""
+    """The ZeRO stages the system runs (torchtitan: DDP or FSDP, no optimizer-only sharding: 0, 2, 3). ZeRO-0 over
+    one rank (no data parallelism) is every system's."""
+    ddp_alone: bool = False
+    """ZeRO-0 over more than one rank (DDP) only as the layout's one parallelism: torchtitan's apply_ddp until
+    March 2026 ('DDP has not supported > 1D parallelism'; its cp always ran under FSDP)."""
+    offload_full: bool = True
+    """The system offloads weights, gradients and optimizer state to the host (offload 'full': FSDP's CPU offload,
+    ZeRO-Infinity's); Megatron's CPU offload is the optimizer's only."""
+    hsdp_stages: tuple[int, ...] = (2, 3)
+    """The ZeRO stages the system runs as hybrid sharding: replicas (dp_replicate > 1) of a group sharded over
+    dp_shard x cp > 1. Empty: none (torchtune's releases, DeepSpeed before MiCS)."""
     tensor_parallel: bool = True
     """The system splits attention heads and the MLP over tp ranks (Megatron's tensor parallelism)."""
     context_parallel: bool = True
