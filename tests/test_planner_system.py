@@ -2388,7 +2388,7 @@ def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_nam
 
 PARALLEL_DEFAULTS = {"pp_schedules": Training.pp_schedules, "pp_zero_max": Training.pp_zero_max,
                      "zero_stages": (0, 1, 2, 3), "ddp_alone": False, "hsdp_stages": (2, 3), "offload_full": True,
-                     "tensor_parallel": True, "context_parallel": True}
+                     "tensor_parallel": True, "context_parallel": True, "expert_parallel": True}
 
 
 def _runs_on(plan: Plan, system: System) -> bool:
@@ -2401,6 +2401,8 @@ def _runs_on(plan: Plan, system: System) -> bool:
     full = plan.offload == "full"
     pipeline = plan.pp > 1
     name = system.name
+    if plan.ep > 1 and name in ("torchtune", "megatron-lm-2021", "deepspeed-2021"):  # no expert parallelism then
+        return False
     if name == "torchtitan":  # apply_ddp alone ('DDP has not supported > 1D parallelism'), apply_fsdp: no ZeRO-1
         return plan.zero_stage != 1 and not (ddp and plan.tp * plan.pp * plan.cp > 1)
     if name == "megatron-core":  # two schedules; optimizer-only host offload
@@ -2609,3 +2611,22 @@ def test_a_pipeline_asked_for_is_not_reported_without_one(capsys):
         len(err.strip().splitlines()) == 1
     assert run_plan(_ns(*argv, "--plan", "pp=8,pp_schedule=1f1b,activation_checkpoint=none")) == 1  # (reported: OOM)
     assert re.search(r"^1 +1 \(1x1\) +1 +8 +1 +0 +1 +16 +none +1f1b ", capsys.readouterr().out, re.M)
+
+
+@pytest.mark.parametrize("name", ["torchtune", "megatron-lm-2021", "deepspeed-2021", "megatron-core"])
+def test_experts_are_split_only_where_the_system_splits_them(name, capsys):
+    """torchtune's releases had no mixture of experts (its first, Llama 4, splits experts by tensor parallelism),
+    Megatron-LM's came with Megatron-Core, DeepSpeed-MoE after v0.3.13: ep is neither offered nor accepted there."""
+    from shardwise.planner.search import plan_space
+
+    args = dataclasses.replace(preset("mixtral-8x7b"), n_layers=4)
+    training = Training(seq_len=4096, global_batch=16, **{**SYSTEMS[name].training_fields(), "fused_attention": True})
+    eps = {p.ep for p in plan_space(args, training, Cluster(accelerator("h100"), 16))}
+    argv = ["--model", "mixtral-8x7b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--system", name,
+            "--plan", "ep=8,dp_shard=16,zero_stage=3"]
+    if name == "megatron-core":
+        assert eps > {1}
+        return
+    assert eps == {1}
+    assert run_plan(_ns(*argv)) == 2
+    assert capsys.readouterr().err.startswith("shardwise: error: --plan ep: ep=8, and " + name)

@@ -448,11 +448,12 @@ def _adapter_note(training: Training) -> str:
 
 
 def parallelism_summary(training: Training) -> str:
-    """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, pp_schedules, zero_stages,
-    pp_zero_max),
+    """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, expert_parallel,
+    pp_schedules, zero_stages, pp_zero_max),
     as the system line ends: '' for one that has them all."""
     parts = [] if training.tensor_parallel else ["no tensor parallelism"]
     parts += [] if training.context_parallel else ["no context parallelism"]
+    parts += [] if training.expert_parallel else ["no expert parallelism"]
     if not training.pp_schedules:
         parts.append("no pipeline parallelism")
     elif len(training.pp_schedules) == 1:

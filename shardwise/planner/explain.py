@@ -134,6 +134,7 @@ def explain(args: ModelArgs, training: Training, cluster: Cluster, result: Searc
         best = result.ranked[0]
         out["decision_sequence"] = decision_sequence(best, training)
         lacks = ({"tp"} if not training.tensor_parallel else set()) | (
+            {"ep"} if not training.expert_parallel else set()) | (
             {"cp"} if not training.context_parallel else set()) | (
             {"pp", "pp_schedule", "virtual_stages"} if not training.pp_schedules else set())  # the system has none
         out["knobs"] = knob_reasons(best, result, tuple(k for k in EXPLAINED if (k != "ep" or args.n_experts) and (

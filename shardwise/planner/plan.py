@@ -128,6 +128,9 @@ def system_layout_error(plan: Plan, training) -> ConfigError | None:
     if plan.pp > 1 and not training.pp_schedules:
         return ConfigError("parallel.pp", f"{plan.pp}, and {name} has no pipeline parallelism",
                            "use pp=1, or another --system")
+    if plan.ep > 1 and not training.expert_parallel:
+        return ConfigError("parallel.ep", f"{plan.ep}, and {name} has no expert parallelism",
+                           "use ep=1, or another --system")
     if plan.offload == "full" and not training.offload_full:
         return ConfigError("parallel.offload", f"full, and {name} has no offload of weights, gradients and optimizer "
                            "state", "use offload=none, or another --system")

@@ -306,6 +306,9 @@ def system_fixed_error(training: Training, fixed: dict, world: int) -> tuple[str
     if cp > 1 and not training.context_parallel:
         return "cp", f"cp={cp}, and {name} has no context parallelism of the planner's kind (ring attention over " \
             "sequence shards)", "use cp=1, or plan with another --system"
+    if fixed.get("ep", 1) > 1 and not training.expert_parallel:
+        return "ep", f"ep={fixed['ep']}, and {name} has no expert parallelism", \
+            "use ep=1, or plan with another --system"
     asked = [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
              if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]  # what asks for a pipeline
     if asked and not schedules:

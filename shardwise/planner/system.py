@@ -149,6 +149,8 @@ class System:
     """It splits attention heads and the MLP over tp ranks (Training.tensor_parallel)."""
     context_parallel: bool = True
     """It splits the sequence over cp ranks for attention (Training.context_parallel)."""
+    expert_parallel: bool = True
+    """It splits a mixture of experts' experts over ep ranks (Training.expert_parallel)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -206,7 +208,8 @@ class System:
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
                 "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
                 "ddp_alone": self.ddp_alone, "hsdp_stages": self.hsdp_stages, "offload_full": self.offload_full,
-                "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel}
+                "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
+                "expert_parallel": self.expert_parallel}
 
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -266,10 +269,11 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
-           zero_stages=(0, 1), offload_full=False,
+           zero_stages=(0, 1), offload_full=False, expert_parallel=False,
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size; data "
-                  "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025)"),
+                  "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025; "
+                  "its mixtures of experts came with Megatron-Core)"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
@@ -299,6 +303,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="fsdp-mp", state_dtype="bf16", reduce_dtype="bf16", fuse_head=False, grad_sync="micro-batch",
            compile_loss=True, fused_rmsnorm=False, loss_chunks=8, cp_exchange="torch", selective="none",
            pp_schedules=(), zero_stages=(2, 3), tensor_parallel=False, context_parallel=False, hsdp_stages=(),
+           expert_parallel=False,
            source="torchtune (github.com/pytorch/torchtune, v0.4-v0.6): recipes/full_finetune_single_device.py and "
                   "full_finetune_distributed.py (the model built under training.set_default_dtype(dtype), dtype: "
                   "bf16 in every config; fully_shard without a MixedPrecisionPolicy; training.compile_model "
@@ -312,7 +317,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "('Tensor parallelism is currently incompatible with fused optimizer') and without sequence "
                   "parallelism (BASE_LLAMA_TP_PLAN), context_parallel_dim only after v0.6.1 (PR 2668, May 2025); its "
                   "distributed recipes shard with FSDP2 (fsdp_reshard_after_forward: ZeRO-3, or 2 set False) over "
-                  "every data-parallel rank, no DDP, no hybrid sharding (PR 2415, after v0.6.1)"),
+                  "every data-parallel rank, no DDP, no hybrid sharding (PR 2415, after v0.6.1); no expert "
+                  "parallelism (its first mixture of experts, Llama 4, PR 2570, April 2025, splits experts by "
+                  "tensor parallelism: ExpertTensorParallel)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
            "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
            "attention",
@@ -331,7 +338,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
            cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(),
-           offload_full=False,
+           offload_full=False, expert_parallel=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
                   "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; its pipeline engine ran 1F1B "
@@ -339,7 +346,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "demo', and v0.3.16 (PR 980, April 2021) refuses ZeRO-2 and 3 beside a pipeline; tensor "
                   "parallelism from Megatron's mpu; no sequence or context parallelism, nor hybrid sharding, in "
                   "2021, and ZeRO-Offload of the optimizer alone (parameter offload came with ZeRO-Infinity, "
-                  "v0.3.15)"),
+                  "v0.3.15); DeepSpeed-MoE's expert parallelism came later in 2021"),
 )}
 
 
@@ -370,7 +377,7 @@ def resolve_system(spec: str | System) -> System:
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel", "ddp_alone", "offload_full") else \
+                                   "context_parallel", "ddp_alone", "offload_full", "expert_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):

@@ -117,6 +117,8 @@ class Training:
     """The system splits attention heads and the MLP over tp ranks (Megatron's tensor parallelism)."""
     context_parallel: bool = True
     """The system splits the sequence over cp ranks for attention (ring or torch's context_parallel)."""
+    expert_parallel: bool = True
+    """The system splits a mixture of experts' experts over ep ranks."""
     fuse_head: bool | None = None
     """The output head and the cross-entropy run fused, a block of rows at a time, where the head is a plain
     linear (shardwise's engine: no TP, no pipeline); False: the logits are materialised and the loss saves fp32
