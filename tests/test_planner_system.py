@@ -2387,7 +2387,7 @@ def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_nam
 
 
 PARALLEL_DEFAULTS = {"pp_schedules": Training.pp_schedules, "pp_zero_max": Training.pp_zero_max,
-                     "zero_stages": (0, 1, 2, 3), "ddp_alone": False, "hsdp_stages": (2, 3), "offload_full": True,
+                     "zero_stages": (0, 1, 2, 3), "ddp_alone": False, "hsdp_stages": (2, 3), "offload_stages": (2, 3),
                      "tensor_parallel": True, "context_parallel": True, "expert_parallel": True}
 
 
@@ -2397,7 +2397,7 @@ def _runs_on(plan: Plan, system: System) -> bool:
     optimizer, FSDP is ZeRO-2/3 over dp_shard x cp, hybrid sharding is FSDP with dp_replicate > 1."""
     dp_ranks, shard = plan.dp * plan.cp, plan.dp_shard * plan.cp
     ddp = plan.zero_stage == 0 and dp_ranks > 1
-    hybrid = plan.zero_stage >= 2 and plan.dp_replicate > 1 and shard > 1
+    hybrid = plan.zero_stage >= 2 and plan.dp_replicate > 1
     full = plan.offload == "full"
     pipeline = plan.pp > 1
     name = system.name
@@ -2405,6 +2405,7 @@ def _runs_on(plan: Plan, system: System) -> bool:
         return False
     if name == "torchtitan":  # apply_ddp alone ('DDP has not supported > 1D parallelism'), apply_fsdp: no ZeRO-1
         return plan.zero_stage != 1 and not (ddp and plan.tp * plan.pp * plan.cp > 1)
+    assert not (plan.zero_stage >= 2 and shard == 1 and not full)  # (FSDP over one rank is offload's alone)
     if name == "megatron-core":  # two schedules; optimizer-only host offload
         return not full and (not pipeline or plan.pp_schedule in ("1f1b", "interleaved-1f1b"))
     if name == "megatron-lm-2021":  # DDP or the distributed optimizer; no cp, no offload
@@ -2415,22 +2416,25 @@ def _runs_on(plan: Plan, system: System) -> bool:
     if name == "torchtune":  # FSDP2 over every data-parallel rank of v0.4-v0.6.1
         return plan.tp == plan.pp == plan.cp == 1 and plan.dp_replicate == 1 and (
             plan.zero_stage >= 2 or dp_ranks == 1 and plan.zero_stage == 0)
-    if name in ("deepspeed", "deepspeed-2021"):  # its 1F1B engine beside ZeRO <= 1; Ulysses is not ring cp
-        ok = plan.cp == 1 and (not pipeline or plan.pp_schedule == "1f1b" and plan.zero_stage <= 1)
+    if name in ("deepspeed", "deepspeed-2021"):  # its 1F1B engine beside ZeRO <= 1; Ulysses is not ring cp;
+        # the weights offloaded at ZeRO-3 only (offload_param; cpu_offload_params in v0.3.13)
+        ok = plan.cp == 1 and (not pipeline or plan.pp_schedule == "1f1b" and plan.zero_stage <= 1) and (
+            not full or plan.zero_stage == 3)
         if name == "deepspeed":  # MiCS (2023) replicates ZeRO-3 shards
             return ok and (not hybrid or plan.zero_stage == 3)
-        return ok and not hybrid and not full  # 2021: no MiCS, optimizer-only offload
+        return ok and not hybrid  # 2021: no MiCS
     assert name == "shardwise"
     return True
 
 
+@pytest.mark.parametrize("model", ["llama3-8b", "mixtral-8x7b"])
 @pytest.mark.parametrize("name", sorted(SYSTEMS))
-def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
+def test_a_system_is_offered_exactly_the_plans_it_can_run(name, model):
     """The walk under a system is the walk with every parallelism, less the plans the system lacks: nothing it
-    cannot run is offered, and nothing it can run is dropped."""
+    cannot run is offered, and nothing it can run is dropped (dense and with experts, with and without offload)."""
     from shardwise.planner.search import plan_space
 
-    args = dataclasses.replace(preset("llama3-8b"), n_layers=8)
+    args = dataclasses.replace(preset(model), n_layers=8)
     cluster = Cluster(accelerator("h100"), 16)
     system = SYSTEMS[name]
     fields = {**system.training_fields(), "fused_attention": True}  # (megatron-lm-2021: cp needs a fused kernel)
@@ -2440,13 +2444,15 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     def key(p: Plan) -> tuple:
         return dataclasses.astuple(p)
 
+    walks = {}
     for offload in ("none", "full"):
-        offered = {key(p) for p in plan_space(args, training, cluster, offload=offload)
-                   if offload == "none" or training.offload_full}  # (the search tries no offload the system lacks)
+        offered = {key(p) for p in plan_space(args, training, cluster, offload=offload)}
         possible = {key(p) for p in plan_space(args, every, cluster, offload=offload) if _runs_on(p, system)}
-        assert offered == possible and (offered or offload == "full")
-    if name != "shardwise":  # each lacks something the full walk has
-        assert len(offered) < sum(1 for _ in plan_space(args, every, cluster))
+        assert offered == possible
+        walks[offload] = offered, sum(1 for _ in plan_space(args, every, cluster, offload=offload))
+    assert walks["none"][0]  # (something runs)
+    if name != "shardwise":  # each lacks something the full walk has, with or without offload
+        assert any(len(offered) < everything for offered, everything in walks.values())
 
 
 @pytest.mark.parametrize("name, plan, key", [
@@ -2469,6 +2475,10 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name):
     ("megatron-core", "offload=full", "--plan offload"),
     ("megatron-lm-2021", "tp=2,pp=8,offload=full", "--plan offload"),
     ("shardwise", "pp=1,pp_schedule=1f1b", "--plan pp_schedule"),
+    ("torchtitan", "dp_replicate=8,zero_stage=0", "--plan zero_stage"),
+    ("torchtune", "dp_shard=2", "--plan dp_replicate"), ("deepspeed", "pp=2,dp=4,dp_replicate=1", "--plan dp"),
+    ("deepspeed", "offload=full,zero_stage=2", "--plan offload"),
+    ("torchtitan", "dp_replicate=2,pp=8", "--plan zero_stage"),  # (the completed plan's: DDP beside a pipeline)
     ("megatron-core", "pp_schedule=1f1b,virtual_stages=3", "--plan virtual_stages"),
     ("torchtune", "dp_replicate=16,zero_stage=0", "--plan zero_stage"),
     ("megatron-lm-2021", "dp_shard=16,zero_stage=3", "--plan zero_stage")])
@@ -2484,7 +2494,11 @@ def test_plan_asking_for_what_the_system_lacks_is_refused(name, plan, key, capsy
                                              ("llm-foundry", "dp_replicate=16,zero_stage=1", "use zero_stage=0"),
                                              ("megatron-lm-2021", "dp_shard=16,zero_stage=3",
                                               "use dp_replicate with zero_stage=1"),
-                                             ("torchtune", "zero_stage=0", "use zero_stage=3 or another of those")])
+                                             ("torchtune", "zero_stage=0", "use zero_stage=3 or another of those"),
+                                             ("torchtitan", "dp_replicate=2,tp=8,zero_stage=1",
+                                              "use dp_shard (not dp_replicate) with zero_stage=3"),
+                                             ("torchtitan", "cp=2,dp_replicate=8,zero_stage=1",
+                                              "use zero_stage=3 or another of those")])
 def test_a_refused_zero_stage_gets_one_that_fits_the_split(name, plan, fix, capsys):
     argv = ["--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096", "--global-batch", "32", "--system", name,
             "--plan", plan]
@@ -2524,7 +2538,8 @@ def test_system_toml_sets_the_parallelisms(tmp_path):
                                          ('zero_stages = []\n', "--system zero_stages"),
                                          ('zero_stages = [3, 1, 1]\n', "--system zero_stages"),
                                          ('hsdp_stages = [true, 3.0]\n', "--system hsdp_stages"),
-                                         ('ddp_alone = "no"\n', "ddp_alone"), ('offload_full = 1\n', "offload_full"),
+                                         ('ddp_alone = "no"\n', "ddp_alone"),
+                                         ('offload_stages = [2, 2]\n', "--system offload_stages"),
                                          ('pp_schedules = "1f1b"\n', "pp_schedules"),
                                          ('pp_zero_max = 5\n', "--system pp_zero_max"),
                                          ('tensor_parallel = "no"\n', "tensor_parallel")])

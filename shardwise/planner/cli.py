@@ -21,7 +21,7 @@ from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, 
 from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params, projection_shapes
 from shardwise.planner.experts import dispatch_ranks, imbalance, max_imbalance
 from shardwise.planner.explain import explain, render
-from shardwise.planner.plan import Plan, engine_error
+from shardwise.planner.plan import Plan, engine_error, system_parallel_error
 from shardwise.planner.search import Evaluation, evaluate, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.workload import LAYOUTS, PER_OP_OPTIMIZERS, PP_SCHEDULES, Optimizer, Training, resolve_model
@@ -295,6 +295,11 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
                 grad_accum=fixed.get("grad_accum", fixed.get("pp_microbatches",
                                                              training.global_batch // (layout.dp * mb))))
     error = engine_error(plan, training, args)
+    system_error = system_parallel_error(plan, training)
+    if system_error is not None:  # what the system lacks, in a plan the keys' completion made
+        key = system_error.field.removeprefix("parallel.")
+        raise PlannerError(f"--plan {key}", f"{system_error.problem} (the plan completed from the keys given has "
+                           f"{key}={getattr(plan, key)})", system_error.fix)
     if error is not None and error.field == "parallel.pp_microbatches" and "pp_microbatches" in fixed:
         raise PlannerError("--plan pp_microbatches", f"{plan.grad_accum} < pp={plan.pp} stages, which "
                            f"{plan.pp_schedule} needs", "use pp_microbatches >= pp, or pp_schedule=gpipe")

@@ -101,14 +101,18 @@ def system_parallel_error(plan: Plan, training) -> ConfigError | None:
     return error
 
 
-def zero_fix(training, sharded: bool | None) -> str:
+def zero_fix(training, sharded: bool | None, ddp: bool = True) -> str:
     """The fix for a ZeRO stage the system lacks: a stage it has that fits how the plan splits its data-parallel
-    ranks (`sharded`: dp_shard x cp > 1 asks for ZeRO-2/3, False for dp_replicate alone, None: either)."""
-    stages = [z for z in training.zero_stages if sharded is None or (z >= 2) == sharded]
-    if not stages:
-        return (f"use dp_replicate with zero_stage={max(training.zero_stages)}" if sharded else
-                f"use dp_shard with zero_stage={max(training.zero_stages)}")
-    return f"use zero_stage={stages[-1]}" + (" or another of those" if len(stages) > 1 else "")
+    ranks (`sharded`: dp_shard x cp > 1, FSDP's ZeRO-2/3; False: replicas, ZeRO-0/1; None: either), leaving out
+    ZeRO-0 where DDP cannot run (`ddp` False: beside other parallelism under Training.ddp_alone)."""
+    fits = [z for z in training.zero_stages if (sharded is None or (z >= 2) == sharded) and (ddp or z != 0)]
+    if fits:
+        return f"use zero_stage={fits[-1]}" + (" or another of those" if len(fits) > 1 else "")
+    other = [z for z in training.zero_stages if (z >= 2) != bool(sharded) and (ddp or z != 0)]
+    if not other:
+        return "plan with another --system"
+    return f"use dp_replicate with zero_stage={other[-1]}" if sharded else \
+        f"use dp_shard (not dp_replicate) with zero_stage={other[-1]}"
 
 
 def system_layout_error(plan: Plan, training) -> ConfigError | None:
@@ -131,19 +135,22 @@ def system_layout_error(plan: Plan, training) -> ConfigError | None:
     if plan.ep > 1 and not training.expert_parallel:
         return ConfigError("parallel.ep", f"{plan.ep}, and {name} has no expert parallelism",
                            "use ep=1, or another --system")
-    if plan.offload == "full" and not training.offload_full:
-        return ConfigError("parallel.offload", f"full, and {name} has no offload of weights, gradients and optimizer "
-                           "state", "use offload=none, or another --system")
+    if plan.offload == "full" and zero not in training.offload_stages:
+        stages = training.offload_stages
+        return ConfigError("parallel.offload", f"full at ZeRO-{zero}, and {name} offloads weights, gradients and "
+                           "optimizer state " + (f"at ZeRO-{', '.join(map(str, stages))} only" if stages else "never"),
+                           f"use zero_stage={stages[-1]}" if stages else "use offload=none, or another --system")
     ranks = plan.dp * plan.cp
-    sharded = plan.dp_shard * plan.cp > 1 if zero >= 2 else False
+    sharded = plan.dp_shard * plan.cp > 1
+    ddp = not (training.ddp_alone and plan.tp * plan.pp * plan.cp > 1)  # where DDP may run
     stages = ", ".join(map(str, training.zero_stages))
     if zero not in training.zero_stages and (zero > 0 or ranks > 1):
         return ConfigError("parallel.zero_stage", f"ZeRO-{zero} over {ranks} data-parallel rank(s), and {name} runs "
-                           f"ZeRO-{stages}", zero_fix(training, sharded))
-    if zero == 0 and ranks > 1 and training.ddp_alone and plan.tp * plan.pp * plan.cp > 1:
+                           f"ZeRO-{stages}", zero_fix(training, sharded, ddp))
+    if zero == 0 and ranks > 1 and not ddp:
         return ConfigError("parallel.zero_stage", f"ZeRO-0 (DDP) beside tp={plan.tp}, pp={plan.pp}, cp={plan.cp}, "
-                           f"and {name} runs DDP as the only parallelism", zero_fix(training, True))
-    if zero >= 2 and plan.dp_replicate > 1 and plan.dp_shard * plan.cp > 1 and zero not in training.hsdp_stages:
+                           f"and {name} runs DDP as the only parallelism", zero_fix(training, sharded, ddp))
+    if zero >= 2 and plan.dp_replicate > 1 and zero not in training.hsdp_stages:  # (a mesh of one under offload too)
         hsdp = ", ".join(map(str, training.hsdp_stages))
         return ConfigError("parallel.dp_replicate", f"{plan.dp_replicate} replicas of ZeRO-{zero} shards (hybrid "
                            f"sharding), and {name} " + (f"runs hybrid sharding with ZeRO-{hsdp} only" if hsdp

@@ -129,7 +129,7 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
     fixed = _resolved(fixed)
     result = SearchResult([], 0)
     # the offloads the engine runs ('optimizer' it does not: layout.engine_cannot_run)
-    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"] if training.offload_full else ["none"]
+    offloads = [fixed["offload"]] if "offload" in fixed else ["none", "full"] if training.offload_stages else ["none"]
     fits: list[Evaluation] = []
     for offload in offloads:
         for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
@@ -196,7 +196,7 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if key == "zero_stage" else 1):
             bad(key, f"{value} is negative" if key == "zero_stage" else f"{value} is not positive",
                 "use 0, 1, 2 or 3" if key == "zero_stage" else "use 1 or more")
-    error = system_fixed_error(training, fixed, cluster.gpus)
+    error = system_fixed_error(training, fixed)  # (before the degrees' divisibility: tp=3 in a system with no tp)
     if error is not None:
         bad(*error)
     tp, cp, pp = fixed.get("tp", 1), fixed.get("cp", 1), fixed.get("pp", 1)
@@ -288,14 +288,15 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("ep", f"ep={ep} is drawn from the dp_shard x cp ranks, and with {given} they divide {room}",
             f"use an ep dividing {room}, or smaller {' and '.join(others)}")
 
+    error = system_zero_error(training, fixed, world)  # (last: once every degree is known to divide the world)
+    if error is not None:
+        bad(*error)
 
-def system_fixed_error(training: Training, fixed: dict, world: int) -> tuple[str, str, str] | None:
-    """(--plan key, problem, fix) for a key that asks for what the system lacks (plan.system_parallel_error, which
-    every plan the search offers passes): tensor, context or pipeline parallelism it does not have (a pipeline is
-    asked for by pp > 1, and also by pp_schedule, pp_microbatches or virtual_stages > 1), a schedule it does not run,
-    a ZeRO stage it does not run (ZeRO-0 where the keys, or the system, leave more than one data-parallel rank, or
-    where it runs DDP alone, beside tp, pp or cp), hybrid sharding it lacks, or, beside a pipeline, sharding above
-    pp_zero_max (dp_shard, ep and offload=full shard with ZeRO-2/3)."""
+def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] | None:
+    """(--plan key, problem, fix) for a key that asks for a parallelism the system lacks (plan.system_parallel_error,
+    which every plan the search offers passes): tensor, context, expert or pipeline parallelism it does not have (a
+    pipeline is asked for by pp > 1, and also by pp_schedule, pp_microbatches or virtual_stages > 1), or a schedule
+    it does not run. Its ZeRO stages: system_zero_error."""
     name, schedules = training.system, training.pp_schedules
     tp, cp, pp, virtual = (fixed.get(k, 1) for k in ("tp", "cp", "pp", "virtual_stages"))
     if not training.tensor_parallel and (tp > 1 or fixed.get("sequence_parallel")):
@@ -322,35 +323,63 @@ def system_fixed_error(training: Training, fixed: dict, world: int) -> tuple[str
     if virtual > 1 and "interleaved-1f1b" not in schedules:
         return "virtual_stages", f"{virtual} stages per rank are interleaved-1f1b's, and {runs}", \
             "use virtual_stages=1 (or leave it out)"
+    return None
+
+
+def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str, str, str] | None:
+    """(--plan key, problem, fix) for ZeRO keys the system does not run, read with what the other keys leave of the
+    data-parallel ranks (check_fixed calls it once the degrees are known to divide the world): a ZeRO stage it does
+    not run (ZeRO-0 where the keys leave more than one data-parallel rank, or where it runs DDP alone, beside other
+    parallelism), host offload at a stage it does not offload at, replicas it cannot run, or, beside a pipeline,
+    sharding above pp_zero_max (dp_shard, ep, offload=full and a dp the keys leave sharded use ZeRO-2/3)."""
+    name, schedules = training.system, training.pp_schedules
+    tp, cp, pp = (fixed.get(k, 1) for k in ("tp", "cp", "pp"))
+    asked = [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
+             if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]  # what asks for a pipeline
     zero = fixed.get("zero_stage")
-    # the data-parallel ranks the keys leave: dp given, or every other degree given (or absent from the system)
-    free = [k for k, has in (("tp", training.tensor_parallel), ("cp", training.context_parallel),
-                             ("pp", bool(schedules))) if has and k not in fixed]
-    dp = fixed.get("dp", None if free else world // (tp * cp * pp))
+    # what the keys leave of the data-parallel ranks: tp and pp given (or absent from the system) leave dp x cp
+    has = {"tp": training.tensor_parallel, "cp": training.context_parallel, "pp": bool(schedules)}
+    known = {k: k in fixed or not has[k] for k in has}
+    dpcp = world // (tp * pp) if known["tp"] and known["pp"] else None
+    if "dp" in fixed and known["cp"]:
+        dpcp = fixed["dp"] * cp
+    dp = dpcp // cp if dpcp is not None and known["cp"] else fixed.get("dp")
     if dp is None and {"dp_replicate", "dp_shard"} <= set(fixed):
         dp = fixed["dp_replicate"] * fixed["dp_shard"]
-    least = max(dp or 1, fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1)) * cp  # data-parallel ranks, at least
-    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if dp and "dp_replicate" in fixed else 1 if
-                      world // (fixed.get("dp_replicate", world + 1) * tp * cp * pp) == 1 else None)
-    sharded = None if shard is None else shard > 1  # how the keys split them: FSDP (ZeRO-2/3) or replicas (0/1)
+    least = max(dpcp or 1, (dp or 1) * cp, fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1) * cp)
+    shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if dp and "dp_replicate" in fixed else
+                      1 if fixed.get("dp_replicate") == world // (tp * cp * pp) else None)  # (the most dp leaves)
+    # how the keys split them: FSDP over dp_shard x cp (ZeRO-2/3; ep is drawn from it) or replicas (ZeRO-0/1)
+    sharded = True if (shard or 1) * cp > 1 or fixed.get("ep", 1) > 1 else None if shard is None else False
+    others = tp * pp * cp > 1 or dpcp is not None and dpcp < world  # parallelism besides data parallelism
+    ddp = not (training.ddp_alone and others)
     if zero is not None and zero not in training.zero_stages and (zero > 0 or least > 1):
         return "zero_stage", f"{zero}, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}", \
-            zero_fix(training, sharded)
-    if zero == 0 and training.ddp_alone and tp * pp * cp > 1 and least > 1:
-        return "zero_stage", f"ZeRO-0 (DDP) beside tp={tp}, pp={pp}, cp={cp}, and {name} runs DDP as the only " \
-            "parallelism", zero_fix(training, True)
-    if fixed.get("offload") == "full" and not training.offload_full:
-        return "offload", f"full, and {name} has no offload of weights, gradients and optimizer state (FSDP's CPU " \
-            "offload, ZeRO-Infinity's)", "use offload=none, or plan with another --system"
+            zero_fix(training, sharded, ddp)
+    if zero == 0 and not ddp and least > 1:
+        return "zero_stage", f"ZeRO-0 (DDP) beside other parallelism (tp={tp}, pp={pp}, cp={cp} given), and {name} " \
+            "runs DDP as the only parallelism", zero_fix(training, sharded, ddp)
+    if zero == 0 and training.ddp_alone and fixed.get("dp_replicate", 1) > 1 and \
+            fixed["dp_replicate"] * tp * pp * cp < world:
+        return "zero_stage", f"ZeRO-0 (DDP) over dp_replicate={fixed['dp_replicate']} leaves ranks to other " \
+            f"parallelism, and {name} runs DDP as the only parallelism", \
+            f"use dp_replicate={world // (tp * pp * cp)}, or zero_stage={training.zero_stages[-1]} with dp_shard"
+    if fixed.get("offload") == "full" and (not training.offload_stages or fixed.get("zero_stage", 3) not in
+                                           training.offload_stages):
+        stages = training.offload_stages
+        return "offload", "full, and " + (f"{name} offloads the weights at ZeRO-{', '.join(map(str, stages))} only"
+                                          if stages else f"{name} never offloads weights, gradients and optimizer "
+                                          "state (FSDP's CPU offload, ZeRO-Infinity's)"), \
+            f"use zero_stage={stages[-1]}" if stages else "use offload=none, or plan with another --system"
     replicas = [z for z in training.zero_stages if z < 2] + list(training.hsdp_stages)  # stages beside replicas
     if fixed.get("dp_replicate", 1) > 1 and not replicas:
         return "dp_replicate", f"dp_replicate={fixed['dp_replicate']} replicas, and {name} runs neither DDP nor " \
             "hybrid sharding", "leave dp_replicate out (shard over every data-parallel rank)"
-    if fixed.get("dp_replicate", 1) > 1 and fixed.get("dp_shard", 1) * cp > 1 and \
-            (zero is None and not training.hsdp_stages or zero is not None and zero >= 2
-             and zero not in training.hsdp_stages):
+    replicated = fixed.get("dp_replicate", dp // shard if dp and shard else 1)
+    if replicated > 1 and sharded and (zero is None and not training.hsdp_stages or zero is not None and zero >= 2
+                                       and zero not in training.hsdp_stages):
         hsdp = ", ".join(map(str, training.hsdp_stages))
-        return "dp_replicate", f"dp_replicate={fixed['dp_replicate']} replicas of a sharded group (hybrid " \
+        return "dp_replicate", f"{replicated} replicas (dp_replicate) of a sharded group (hybrid " \
             f"sharding), and {name} " + (f"runs it with ZeRO-{hsdp} only" if hsdp else "has no hybrid sharding"), \
             "leave dp_replicate out (shard over every data-parallel rank)" if not hsdp else \
             f"use zero_stage={training.hsdp_stages[-1]}"
@@ -360,11 +389,12 @@ def system_fixed_error(training: Training, fixed: dict, world: int) -> tuple[str
             return "zero_stage", f"ZeRO-{zero} with {asked[0]}={fixed[asked[0]]}, and {at_most}", \
                 f"use zero_stage <= {training.pp_zero_max}, or no pipeline"
         sharding = [k for k in ("dp_shard", "ep") if fixed.get(k, 1) > 1] + (
-            ["offload"] if fixed.get("offload") == "full" else [])
+            ["offload"] if fixed.get("offload") == "full" else []) + (["dp"] if shard and shard * cp > 1 else [])
         if sharding and training.pp_zero_max < 2:
             key = sharding[0]
             return key, f"{key}={fixed[key]} shards with ZeRO-2/3 and {asked[0]}={fixed[asked[0]]} asks for a " \
-                f"pipeline, and {at_most}", f"leave {key} out, or no pipeline"
+                f"pipeline, and {at_most}", "use dp_replicate for the data-parallel ranks" if key == "dp" else \
+                f"leave {key} out, or no pipeline"
     return None
 
 
@@ -420,7 +450,7 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
             stages += [2, 3]
         if offload == "full":  # FSDP2's CPUOffloadPolicy: ZeRO-2/3, over a mesh of one where nothing else shards
             stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
-        for zero in _choices(fixed, "zero_stage", stages):
+        for zero in [z for z in stages if fixed.get("zero_stage", z) == z]:  # (a fixed stage only where it runs)
             degrees = expert_degrees(n_experts, dp_shard, cp, zero)
             # FSDP2's mixed-precision policy where FSDP shards (layout.fsdp_shards), autocast elsewhere (a fixed
             # 'fsdp' elsewhere is left out by engine_runs)
@@ -586,7 +616,7 @@ def _schedules(args: ModelArgs, training: Training, base: Plan, fixed: dict,
     # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs); only the
     # schedules the system runs (Training.pp_schedules)
     names = [n for n in _choices(fixed, "pp_schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
-             if n in training.pp_schedules]
+             if n in training.pp_schedules and (fixed.get("virtual_stages", 1) == 1 or n == "interleaved-1f1b")]
     out = []
     for name in names:
         if name == "interleaved-1f1b":

@@ -143,8 +143,8 @@ class System:
     """DDP only as the layout's one parallelism (Training.ddp_alone)."""
     hsdp_stages: tuple[int, ...] = (2, 3)
     """The ZeRO stages it runs as hybrid sharding (Training.hsdp_stages)."""
-    offload_full: bool = True
-    """It offloads weights, gradients and optimizer state to the host (Training.offload_full)."""
+    offload_stages: tuple[int, ...] = (2, 3)
+    """The ZeRO stages at which it offloads weights, gradients and optimizer state (Training.offload_stages)."""
     tensor_parallel: bool = True
     """It splits attention heads and the MLP over tp ranks (Training.tensor_parallel)."""
     context_parallel: bool = True
@@ -177,7 +177,8 @@ class System:
                                    "list schedules among them ([] for a system without pipeline parallelism)")
         if self.pp_zero_max not in (0, 1, 2, 3):
             raise PlannerError("--system pp_zero_max", f"{self.pp_zero_max}", "use 0, 1, 2 or 3")
-        for key, stages, least in (("zero_stages", self.zero_stages, 1), ("hsdp_stages", self.hsdp_stages, 0)):
+        for key, stages, least in (("zero_stages", self.zero_stages, 1), ("hsdp_stages", self.hsdp_stages, 0),
+                                   ("offload_stages", self.offload_stages, 0)):
             if len(stages) < least or any(type(z) is not int or z not in (0, 1, 2, 3) for z in stages) or \
                     list(stages) != sorted(set(stages)):
                 raise PlannerError(f"--system {key}", f"{list(stages)}", "list "
@@ -207,7 +208,7 @@ class System:
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
                 "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
-                "ddp_alone": self.ddp_alone, "hsdp_stages": self.hsdp_stages, "offload_full": self.offload_full,
+                "ddp_alone": self.ddp_alone, "hsdp_stages": self.hsdp_stages, "offload_stages": self.offload_stages,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
                 "expert_parallel": self.expert_parallel}
 
@@ -253,7 +254,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
            cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True, pp_schedules=MEGATRON_SCHEDULES,
-           offload_full=False,
+           offload_stages=(),
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
@@ -269,7 +270,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
-           zero_stages=(0, 1), offload_full=False, expert_parallel=False,
+           zero_stages=(0, 1), offload_stages=(), expert_parallel=False,
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size; data "
                   "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025; "
@@ -325,28 +326,29 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
-           pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(3,),
+           pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(3,), offload_stages=(3,),
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
                   "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
                   "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE
                   + "; tensor parallelism from Megatron's mpu (Megatron-DeepSpeed) or AutoTP training "
                   "(runtime/tensor_parallel, PR 7004, February 2025); hybrid sharding for ZeRO-3 only (MiCS: "
-                  "runtime/zero/mics.py, April 2023)"),
+                  "runtime/zero/mics.py, April 2023); the weights offloaded at ZeRO-3 only (offload_param; ZeRO-2 "
+                  "offloads the optimizer)"),
     System("deepspeed-2021", "DeepSpeed's first ZeRO-3 (v0.3.13, March 2021) on Megatron's GPT: as deepspeed, "
            "with weights fetched module by module with a device synchronisation before each, gathered again for "
            "a recomputed forward, unfused attention and dropout 0.1",
            layout="zero", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            grad_sync="micro-batch", elementwise="fused", zero3_fetch="module-sync", checkpoint_early_stop=False,
            cp_exchange="ring", pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(),
-           offload_full=False, expert_parallel=False,
+           offload_stages=(3,), expert_parallel=False,
            source="DeepSpeed v0.3.13 (github.com/microsoft/DeepSpeed): deepspeed/runtime/zero/stage3.py "
                   "PartitionedParameterCoordinator, partition_parameters.py _allgather_param, zero/constants.py "
                   "defaults; Narayanan et al. 2021 (arXiv 2104.04473), table 2; its pipeline engine ran 1F1B "
                   "(runtime/pipe/schedule.py TrainSchedule) beside ZeRO-1: of ZeRO-2 its code says 'enough to run a "
                   "demo', and v0.3.16 (PR 980, April 2021) refuses ZeRO-2 and 3 beside a pipeline; tensor "
                   "parallelism from Megatron's mpu; no sequence or context parallelism, nor hybrid sharding, in "
-                  "2021, and ZeRO-Offload of the optimizer alone (parameter offload came with ZeRO-Infinity, "
-                  "v0.3.15); DeepSpeed-MoE's expert parallelism came later in 2021"),
+                  "2021; ZeRO-3 Offload of the weights too (zero/constants.py cpu_offload_params, v0.3.13); "
+                  "DeepSpeed-MoE's expert parallelism came later in 2021"),
 )}
 
 
@@ -377,13 +379,13 @@ def resolve_system(spec: str | System) -> System:
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel", "ddp_alone", "offload_full", "expert_parallel") else \
+                                   "context_parallel", "ddp_alone", "expert_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
-            list if key in ("pp_schedules", "zero_stages", "hsdp_stages") else str
+            list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",
                                f"give {key} a {expected.__name__}")
-    for key in ("pp_schedules", "zero_stages", "hsdp_stages"):  # TOML arrays; the System keeps tuples (hashable)
+    for key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages"):  # TOML arrays, kept as tuples
         if key in table:
             table[key] = tuple(table[key])
     if path.stem in SYSTEMS:

@@ -107,9 +107,10 @@ class Training:
     ddp_alone: bool = False
     """ZeRO-0 over more than one rank (DDP) only as the layout's one parallelism: torchtitan's apply_ddp until
     March 2026 ('DDP has not supported > 1D parallelism'; its cp always ran under FSDP)."""
-    offload_full: bool = True
-    """The system offloads weights, gradients and optimizer state to the host (offload 'full': FSDP's CPU offload,
-    ZeRO-Infinity's); Megatron's CPU offload is the optimizer's only."""
+    offload_stages: tuple[int, ...] = (2, 3)
+    """The ZeRO stages at which the system offloads weights, gradients and optimizer state to the host (offload
+    'full': FSDP's CPU offload at 2 or 3, DeepSpeed's offload_param at 3 only); empty: none (Megatron's host offload
+    is the optimizer's alone)."""
     hsdp_stages: tuple[int, ...] = (2, 3)
     """The ZeRO stages the system runs as hybrid sharding: replicas (dp_replicate > 1) of a group sharded over
     dp_shard x cp > 1. Empty: none (torchtune's releases, DeepSpeed before MiCS)."""
