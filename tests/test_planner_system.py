@@ -491,8 +491,9 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     training = Training(seq_len=2048, global_batch=8, **system.training_fields())
     assert training.distribute_checkpoints and training.keeps_bf16_grads
     assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32; no context "
-                                             "parallelism; pipeline schedules 1f1b, interleaved-1f1b; ZeRO-0, 1 over "
-                                             "data-parallel ranks")
+                                             "parallelism; no expert parallelism; pipeline schedules 1f1b, "
+                                             "interleaved-1f1b; ZeRO-0, 1 over data-parallel ranks; no host offload "
+                                             "of the weights")
 
 
 def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
@@ -870,7 +871,8 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
     assert line.startswith("system: ds-sync - layout zero") and line.endswith(
         ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements; no context "
-        "parallelism; pipeline schedule 1f1b only; at most ZeRO-1 beside a pipeline")
+        "parallelism; pipeline schedule 1f1b only; hybrid sharding at ZeRO-3 only; host offload at ZeRO-3 only; at "
+        "most ZeRO-1 beside a pipeline")
 
 
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),
@@ -969,7 +971,7 @@ def test_torchtitans_compiled_loss_is_sized_as_a_cross_entropy_kernel():
     from shardwise.planner.cli import system_summary  # what `shardwise plan --system torchtitan --compile` says
 
     assert system_summary(compiled).endswith("compiled blocks (elementwise operators fused), the loss one kernel "
-                                             "over the logits; ZeRO-0, 2, 3 over data-parallel ranks")
+                                             "over the logits; ZeRO-0, 2, 3 over data-parallel ranks; DDP only alone")
 
     def loss_fn(pred, labels):
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
@@ -2514,11 +2516,12 @@ def test_what_a_system_lacks_ends_its_line(capsys):
         lines[name] = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
     assert lines["llm-foundry"].endswith("; no tensor parallelism; no context parallelism; no pipeline parallelism; "
                                          "ZeRO-0, 2, 3 over data-parallel ranks")
-    assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedule 1f1b only; at most ZeRO-1 beside "
-                                       "a pipeline")
-    assert lines["megatron-core"].endswith("; pipeline schedules 1f1b, interleaved-1f1b")
+    assert lines["deepspeed"].endswith("; no context parallelism; pipeline schedule 1f1b only; hybrid sharding at "
+                                       "ZeRO-3 only; host offload at ZeRO-3 only; at most ZeRO-1 beside a pipeline")
+    assert lines["megatron-core"].endswith("; pipeline schedules 1f1b, interleaved-1f1b; no host offload of the "
+                                           "weights")
     assert lines["torchtitan"] == f"system: torchtitan - {SYSTEMS['torchtitan'].summary}; ZeRO-0, 2, 3 over " \
-        "data-parallel ranks"
+        "data-parallel ranks; DDP only alone"
 
 
 def test_system_toml_sets_the_parallelisms(tmp_path):

@@ -454,7 +454,7 @@ def _adapter_note(training: Training) -> str:
 
 def parallelism_summary(training: Training) -> str:
     """The parallelisms the system lacks (Training.tensor_parallel, context_parallel, expert_parallel,
-    pp_schedules, zero_stages, pp_zero_max),
+    pp_schedules, zero_stages, ddp_alone, hsdp_stages, offload_stages, pp_zero_max),
     as the system line ends: '' for one that has them all."""
     parts = [] if training.tensor_parallel else ["no tensor parallelism"]
     parts += [] if training.context_parallel else ["no context parallelism"]
@@ -467,6 +467,14 @@ def parallelism_summary(training: Training) -> str:
         parts.append(f"pipeline schedules {', '.join(training.pp_schedules)}")
     if set(training.zero_stages) != {0, 1, 2, 3}:
         parts.append(f"ZeRO-{', '.join(map(str, training.zero_stages))} over data-parallel ranks")
+    if training.ddp_alone:
+        parts.append("DDP only alone")
+    if tuple(training.hsdp_stages) != (2, 3):
+        parts.append(f"hybrid sharding at ZeRO-{', '.join(map(str, training.hsdp_stages))} only"
+                     if training.hsdp_stages else "no hybrid sharding")
+    if tuple(training.offload_stages) != (2, 3):
+        parts.append(f"host offload at ZeRO-{', '.join(map(str, training.offload_stages))} only"
+                     if training.offload_stages else "no host offload of the weights")
     if training.pp_schedules and training.pp_zero_max < 3:
         parts.append(f"at most ZeRO-{training.pp_zero_max} beside a pipeline")
     return "".join(f"; {part}" for part in parts)
