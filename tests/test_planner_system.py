@@ -2478,9 +2478,13 @@ def test_a_system_is_offered_exactly_the_plans_it_can_run(name, model):
     ("megatron-lm-2021", "tp=2,pp=8,offload=full", "--plan offload"),
     ("shardwise", "pp=1,pp_schedule=1f1b", "--plan pp_schedule"),
     ("torchtitan", "dp_replicate=8,zero_stage=0", "--plan zero_stage"),
-    ("torchtune", "dp_shard=2", "--plan dp_replicate"), ("deepspeed", "pp=2,dp=4,dp_replicate=1", "--plan dp"),
+    ("torchtune", "dp_shard=2", "--plan dp_shard"), ("deepspeed", "pp=2,dp=4,dp_replicate=1", "--plan dp_replicate"),
     ("deepspeed", "offload=full,zero_stage=2", "--plan offload"),
     ("torchtitan", "dp_replicate=2,pp=8", "--plan zero_stage"),  # (the completed plan's: DDP beside a pipeline)
+    # splits the other keys leave: dp_shard=2 beside DeepSpeed's pipeline, replicas inferred, DDP beside a dp < world
+    ("deepspeed", "pp=2,tp=2,dp_replicate=2", "--plan dp_replicate"),
+    ("deepspeed-2021", "dp_shard=4,tp=2,pp=1", "--plan dp_shard"),
+    ("torchtitan", "zero_stage=0,dp=8", "--plan zero_stage"),
     ("megatron-core", "pp_schedule=1f1b,virtual_stages=3", "--plan virtual_stages"),
     ("torchtune", "dp_replicate=16,zero_stage=0", "--plan zero_stage"),
     ("megatron-lm-2021", "dp_shard=16,zero_stage=3", "--plan zero_stage")])
@@ -2648,3 +2652,12 @@ def test_experts_are_split_only_where_the_system_splits_them(name, capsys):
     assert eps == {1}
     assert run_plan(_ns(*argv)) == 2
     assert capsys.readouterr().err.startswith("shardwise: error: --plan ep: ep=8, and " + name)
+
+
+def test_a_plan_that_does_not_fit_is_reported_as_the_system_would_run_it(capsys):
+    """Nothing fits: the given keys are completed to the least-memory plan and reported. For a system without DDP
+    (torchtune's FSDP2) that is ZeRO-3 over the data-parallel ranks, not the engine's default ZeRO-0."""
+    argv = ["--model", "llama3-8b", "--gpus", "2", "--seq-len", "4096", "--global-batch", "32", "--system",
+            "torchtune", "--plan", "micro_batch=16,activation_checkpoint=none"]
+    assert run_plan(_ns(*argv)) == 1
+    assert re.search(r"^1 +2 \(1x2\) +1 +1 +1 +3 +16 ", capsys.readouterr().out, re.M)

@@ -277,6 +277,9 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
     """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
     least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
+    if "zero_stage" not in fixed and "dp_replicate" not in fixed and max(training.zero_stages) >= 2 and (
+            0 not in training.zero_stages or training.ddp_alone):
+        least["zero_stage"] = max(training.zero_stages)  # the system's sharding (torchtune has no DDP)
     asked = [k for k in ("pp_schedule", "pp_microbatches", "virtual_stages") if k in fixed
              and (k != "virtual_stages" or fixed[k] > 1)]
     if asked and "pp" not in fixed:  # completed, the plan would have pp=1: not the pipeline asked for
@@ -296,10 +299,13 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
                                                              training.global_batch // (layout.dp * mb))))
     error = engine_error(plan, training, args)
     system_error = system_parallel_error(plan, training)
-    if system_error is not None:  # what the system lacks, in a plan the keys' completion made
+    if system_error is not None and error is not None and error.problem == system_error.problem:
+        # what the system lacks (where the engine's own checks found nothing first), in the keys' completion
         key = system_error.field.removeprefix("parallel.")
-        raise PlannerError(f"--plan {key}", f"{system_error.problem} (the plan completed from the keys given has "
-                           f"{key}={getattr(plan, key)})", system_error.fix)
+        completed = ",".join(f"{k}={getattr(plan, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp",
+                                                                  "zero_stage") if k not in fixed)
+        raise PlannerError(f"--plan {key}", f"{system_error.problem} (in the plan completed from the keys given: "
+                           f"{completed})", system_error.fix)
     if error is not None and error.field == "parallel.pp_microbatches" and "pp_microbatches" in fixed:
         raise PlannerError("--plan pp_microbatches", f"{plan.grad_accum} < pp={plan.pp} stages, which "
                            f"{plan.pp_schedule} needs", "use pp_microbatches >= pp, or pp_schedule=gpipe")

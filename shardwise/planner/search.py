@@ -349,22 +349,26 @@ def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str,
     least = max(dpcp or 1, (dp or 1) * cp, fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1) * cp)
     shard = fixed.get("dp_shard", dp // fixed["dp_replicate"] if dp and "dp_replicate" in fixed else
                       1 if fixed.get("dp_replicate") == world // (tp * cp * pp) else None)  # (the most dp leaves)
-    # how the keys split them: FSDP over dp_shard x cp (ZeRO-2/3; ep is drawn from it) or replicas (ZeRO-0/1)
-    sharded = True if (shard or 1) * cp > 1 or fixed.get("ep", 1) > 1 else None if shard is None else False
-    others = tp * pp * cp > 1 or dpcp is not None and dpcp < world  # parallelism besides data parallelism
+    # how the keys split them: FSDP over dp_shard x cp (ZeRO-2/3; ep is drawn from it) or replicas (ZeRO-0/1); cp
+    # alone decides nothing (ZeRO-0/1 run beside it)
+    sharded = True if (shard or 1) > 1 or fixed.get("ep", 1) > 1 or (zero or 0) >= 2 else \
+        False if shard == 1 and cp == 1 else None
+    # parallelism besides data parallelism
+    others = tp * pp * cp > 1 or dpcp is not None and dpcp < world or dp is not None and dp * cp < world
     ddp = not (training.ddp_alone and others)
     if zero is not None and zero not in training.zero_stages and (zero > 0 or least > 1):
         return "zero_stage", f"{zero}, and {name} runs ZeRO-{', '.join(map(str, training.zero_stages))}", \
             zero_fix(training, sharded, ddp)
     if zero == 0 and not ddp and least > 1:
-        return "zero_stage", f"ZeRO-0 (DDP) beside other parallelism (tp={tp}, pp={pp}, cp={cp} given), and {name} " \
-            "runs DDP as the only parallelism", zero_fix(training, sharded, ddp)
+        given = ", ".join(f"{k}={fixed[k]}" for k in ("tp", "pp", "cp", "dp") if k in fixed)
+        return "zero_stage", f"ZeRO-0 (DDP) beside other parallelism ({given} given), and {name} runs DDP as the " \
+            "only parallelism", zero_fix(training, sharded, ddp)
     if zero == 0 and training.ddp_alone and fixed.get("dp_replicate", 1) > 1 and \
             fixed["dp_replicate"] * tp * pp * cp < world:
         return "zero_stage", f"ZeRO-0 (DDP) over dp_replicate={fixed['dp_replicate']} leaves ranks to other " \
             f"parallelism, and {name} runs DDP as the only parallelism", \
             f"use dp_replicate={world // (tp * pp * cp)}, or zero_stage={training.zero_stages[-1]} with dp_shard"
-    if fixed.get("offload") == "full" and (not training.offload_stages or fixed.get("zero_stage", 3) not in
+    if fixed.get("offload") == "full" and (not training.offload_stages or zero is not None and zero not in
                                            training.offload_stages):
         stages = training.offload_stages
         return "offload", "full, and " + (f"{name} offloads the weights at ZeRO-{', '.join(map(str, stages))} only"
@@ -379,22 +383,27 @@ def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str,
     if replicated > 1 and sharded and (zero is None and not training.hsdp_stages or zero is not None and zero >= 2
                                        and zero not in training.hsdp_stages):
         hsdp = ", ".join(map(str, training.hsdp_stages))
-        return "dp_replicate", f"{replicated} replicas (dp_replicate) of a sharded group (hybrid " \
-            f"sharding), and {name} " + (f"runs it with ZeRO-{hsdp} only" if hsdp else "has no hybrid sharding"), \
-            "leave dp_replicate out (shard over every data-parallel rank)" if not hsdp else \
-            f"use zero_stage={training.hsdp_stages[-1]}"
+        key = "dp_replicate" if "dp_replicate" in fixed else "dp_shard"  # (replicas inferred: dp_shard was given)
+        fix = f"use zero_stage={training.hsdp_stages[-1]}" if hsdp else \
+            "leave dp_replicate out (shard over every data-parallel rank)" if key == "dp_replicate" else \
+            f"use dp_shard={dp} (no replicas)"
+        return key, f"{key}={fixed[key]} leaves {replicated} replicas of a sharded group (hybrid sharding), and " \
+            f"{name} " + (f"runs it with ZeRO-{hsdp} only" if hsdp else "has no hybrid sharding"), fix
     if asked and training.pp_zero_max < 3:
         at_most = f"{name} runs at most ZeRO-{training.pp_zero_max} beside a pipeline"
         if zero is not None and zero > training.pp_zero_max:
             return "zero_stage", f"ZeRO-{zero} with {asked[0]}={fixed[asked[0]]}, and {at_most}", \
                 f"use zero_stage <= {training.pp_zero_max}, or no pipeline"
         sharding = [k for k in ("dp_shard", "ep") if fixed.get(k, 1) > 1] + (
-            ["offload"] if fixed.get("offload") == "full" else []) + (["dp"] if shard and shard * cp > 1 else [])
+            ["offload"] if fixed.get("offload") == "full" else [])
         if sharding and training.pp_zero_max < 2:
             key = sharding[0]
             return key, f"{key}={fixed[key]} shards with ZeRO-2/3 and {asked[0]}={fixed[asked[0]]} asks for a " \
-                f"pipeline, and {at_most}", "use dp_replicate for the data-parallel ranks" if key == "dp" else \
-                f"leave {key} out, or no pipeline"
+                f"pipeline, and {at_most}", f"leave {key} out, or no pipeline"
+        if shard is not None and shard > 1 and training.pp_zero_max < 2:  # a split the keys leave sharded
+            key = "dp_replicate" if "dp_replicate" in fixed else "dp"
+            return key, f"{key}={fixed[key]} leaves dp_shard={shard} (ZeRO-2/3) beside {asked[0]}=" \
+                f"{fixed[asked[0]]}, and {at_most}", f"use dp_replicate={dp} (every data-parallel rank a replica)"
     return None
 
 
