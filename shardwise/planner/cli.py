@@ -22,7 +22,7 @@ from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params,
 from shardwise.planner.experts import dispatch_ranks, imbalance, max_imbalance
 from shardwise.planner.explain import explain, render
 from shardwise.planner.plan import Plan, engine_error, system_parallel_error
-from shardwise.planner.search import Evaluation, evaluate, search
+from shardwise.planner.search import Evaluation, evaluate, pipeline_keys, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.workload import LAYOUTS, PER_OP_OPTIMIZERS, PP_SCHEDULES, Optimizer, Training, resolve_model
 
@@ -280,8 +280,7 @@ def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) 
     if "zero_stage" not in fixed and "dp_replicate" not in fixed and max(training.zero_stages) >= 2 and (
             0 not in training.zero_stages or training.ddp_alone):
         least["zero_stage"] = max(training.zero_stages)  # the system's sharding (torchtune has no DDP)
-    asked = [k for k in ("pp_schedule", "pp_microbatches", "virtual_stages") if k in fixed
-             and (k != "virtual_stages" or fixed[k] > 1)]
+    asked = pipeline_keys(fixed)
     if asked and "pp" not in fixed:  # completed, the plan would have pp=1: not the pipeline asked for
         raise PlannerError("--plan pp", f"{asked[0]}={fixed[asked[0]]} asks for a pipeline and no plan with one "
                            "fits (or runs), so there is none to report", "give pp (the stages) to see that plan")

@@ -292,6 +292,12 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     if error is not None:
         bad(*error)
 
+def pipeline_keys(fixed: dict) -> list[str]:
+    """The --plan keys that ask for a pipeline: pp > 1, pp_schedule, pp_microbatches, virtual_stages > 1."""
+    return [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
+            if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]
+
+
 def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] | None:
     """(--plan key, problem, fix) for a key that asks for a parallelism the system lacks (plan.system_parallel_error,
     which every plan the search offers passes): tensor, context, expert or pipeline parallelism it does not have (a
@@ -310,8 +316,7 @@ def system_fixed_error(training: Training, fixed: dict) -> tuple[str, str, str] 
     if fixed.get("ep", 1) > 1 and not training.expert_parallel:
         return "ep", f"ep={fixed['ep']}, and {name} has no expert parallelism", \
             "use ep=1, or plan with another --system"
-    asked = [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
-             if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]  # what asks for a pipeline
+    asked = pipeline_keys(fixed)
     if asked and not schedules:
         return asked[0], f"{asked[0]}={fixed[asked[0]]} asks for a pipeline, and {name} has no pipeline parallelism", \
             f"leave {asked[0]} out, or plan with another --system"
@@ -334,8 +339,7 @@ def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str,
     sharding above pp_zero_max (dp_shard, ep, offload=full and a dp the keys leave sharded use ZeRO-2/3)."""
     name, schedules = training.system, training.pp_schedules
     tp, cp, pp = (fixed.get(k, 1) for k in ("tp", "cp", "pp"))
-    asked = [k for k in ("pp", "pp_schedule", "pp_microbatches", "virtual_stages")
-             if k in fixed and (k not in ("pp", "virtual_stages") or fixed[k] > 1)]  # what asks for a pipeline
+    asked = pipeline_keys(fixed)
     zero = fixed.get("zero_stage")
     # what the keys leave of the data-parallel ranks: tp and pp given (or absent from the system) leave dp x cp
     has = {"tp": training.tensor_parallel, "cp": training.context_parallel, "pp": bool(schedules)}
