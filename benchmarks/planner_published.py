@@ -1265,6 +1265,59 @@ def nemo_long_runs() -> list[Run]:
 
 
 # --------------------------------------------------------------------------------------------------
+# NeMo Megatron's launcher (NVIDIA/NeMo-Framework-Launcher, then "bignlp"), README "Training Performance Results":
+# GPT-3 5B "on different numbers of DGX nodes" (DGX A100 80GB SuperPOD, 8 GPUs a node: the catalogue's a100-80gb),
+# tokens per second for the whole job, in two releases, each run with its release's conf/training/gpt3/5b.yaml:
+# * 22.05 (README at commit 69fae7c0, 2022-06-03; conf/config.yaml: bignlp-training:22.05): nodes 1, 2, 5, 9, 10,
+#   18, 20; the config: TP 2, PP 1, micro-batch 2, global batch 1440 (every node count divides it: DP = 4 x nodes,
+#   1440 / (DP x 2) whole), no recompute (activations_checkpoint_method block, 0 layers), fused_adam, megatron_amp_O2
+#   with bf16 (fp32 main gradients in a contiguous buffer, all-reduced after the backward: NeMo v1.9's
+#   megatron_gpt_model.py, async_grad_allreduce = False).
+# * 22.11 (README at commit 6b7d1567, 2022-12-15; bignlp-training:22.11): nodes 1, 2, 4, 8, 16, 32; the config: TP 1,
+#   PP 1, micro-batch 2, global batch 2048, selective recompute, Apex's distributed_fused_adam (optimizer state and
+#   gradients sharded: reduce-scatter, then the updated weights all-gathered, as Megatron's distributed optimizer,
+#   zero_stage=1) with overlap_grad_sync False, megatron_amp_O2 with bf16. The same README's GPT-3 175B table (8 to
+#   128 nodes): only its 128-node row runs its config (TP 8, PP 16 with 6 virtual stages, micro-batch 1, global batch
+#   2048, sequence parallelism, selective recompute); TP 8 x PP 16 is more GPUs than the smaller rows have, whose
+#   layouts are not stated: left out.
+# The model: hidden 4096, 24 layers, 32 heads, FFN 4h, sequence 2048, GPT-2's BPE (50,257) padded to a multiple of
+# 128 x TP (make_vocab_size_divisible_by 128: 50,304 at TP 1, 50,432 at TP 2), tied embedding, dropout 0.1, learned
+# positions (not mapped), unfused attention (masked_softmax_fusion; no FlashAttention in NeMo until 2023): NeMo's
+# Megatron GPT of 2022 is Megatron-LM's code of Korthikanti et al. (apex.transformer): described as
+# `--system megatron-lm-2021`. Added on 2026-12-06 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-06/).
+NEMO_LAUNCHER = ("NVIDIA NeMo Megatron launcher README, Training Performance Results, "
+                 "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/main/README.md")
+NEMO_LAUNCHER_5B = {"22.05": ((1, 39660), (2, 78769), (5, 193258), (9, 342920), (10, 383500), (18, 652460),
+                              (20, 726384)),
+                    "22.11": ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))}
+"""Release: (nodes, tokens per second)."""
+
+
+def nemo_launcher_runs() -> list[Run]:
+    runs = []
+    for release, rows in NEMO_LAUNCHER_5B.items():
+        tp, gbs, knobs = ((2, 1440, "zero_stage=0,activation_checkpoint=none") if release == "22.05" else
+                          (1, 2048, "zero_stage=1,activation_checkpoint=selective"))
+        model = gpt("gpt3-5b", 4096, 32, 24, vocab=50304 if tp == 1 else 50432)
+        for nodes, tps in rows:
+            n = 8 * nodes
+            runs.append(Run(f"NeMo-Megatron {release} 5B n={n}", model, n, 2048, gbs,
+                            f"tp={tp},pp=1,cp=1,dp_replicate={n // tp},micro_batch=2,sequence_parallel=false,{knobs}",
+                            NEMO_LAUNCHER, f"{release}: 5B, {nodes} nodes, {tps} tokens per second",
+                            tflops=tps / n * flops_per_token(model, 2048) / 1e12, system="megatron-lm-2021",
+                            search=False))
+    model = gpt("gpt3-175b", 12288, 96, 96, vocab=51200)
+    runs.append(Run("NeMo-Megatron 22.11 175B n=1024", model, 1024, 2048, 2048,
+                    "tp=8,pp=16,cp=1,dp_replicate=8,zero_stage=1,micro_batch=1,activation_checkpoint=selective,"
+                    "sequence_parallel=true,pp_schedule=interleaved-1f1b,virtual_stages=6", NEMO_LAUNCHER,
+                    "22.11: 175B, 128 nodes, 109684 tokens per second",
+                    tflops=109684 / 1024 * flops_per_token(model, 2048) / 1e12, system="megatron-lm-2021",
+                    search=False))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------
 # Bekman, "Machine Learning Engineering", insights/when-to-upgrade-gpus/README.md (github.com/stas00/ml-engineering,
 # commit 744d01e, August 2026), with its scripts: Llama-3.1-8B, Hugging Face's model (transformers 5.14.1), trained
 # by DeepSpeed 0.19.2 on 8 H200s (torch 2.13.0 / CUDA 13.0, FlashAttention-3 3.0.0 through attn_implementation),
@@ -1462,7 +1515,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
-        + olmo_core_runs() + torchtune_runs() + automodel_runs())
+        + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1639,6 +1692,8 @@ def sweep_of(run: Run) -> str | None:
         return f"BLOOM's layout search {run.name.split()[1]}"
     if run.source == NEMO_LONG:
         return "NeMo long sequence Llama 2 7B"
+    if run.source == NEMO_LAUNCHER and " 5B " in run.name:
+        return f"NeMo Megatron launcher {run.name.split()[1]} 5B"
     return None
 
 
@@ -1733,7 +1788,7 @@ def main() -> None:
               "all before the DGX Cloud rows":
                   [x for x in ratios if not x[0].startswith("DGXC")],
               "described as Megatron-Core (the table, NeMo, DGX Cloud)":
-                  [x for x in ratios if x[0].startswith(("MCore", "NeMo", "DGXC"))],
+                  [x for x in ratios if x[0].startswith(("MCore", "NeMo", "DGXC")) and "Megatron" not in x[0]],
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
@@ -1745,7 +1800,8 @@ def main() -> None:
                          ("llm-foundry A100", "foundry a100 "), ("llm-foundry A100 40GB", "foundry a100-40gb"),
                          ("llm-foundry H100 FP8 (torchao's recipe for TE's)", "foundry fp8"),
                          ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core"),
-                         ("torchtune (one A100, bf16)", "torchtune"), ("NeMo AutoModel (FSDP2, H100)", "AutoModel")):
+                         ("torchtune (one A100, bf16)", "torchtune"), ("NeMo AutoModel (FSDP2, H100)", "AutoModel"),
+                         ("NeMo Megatron launcher (2022, A100)", "NeMo-Megatron")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
