@@ -152,6 +152,11 @@ class Run:
     dropout: bool | None = None
     """Megatron's dropout of 0.1 (Training.dropout), where the run's config differs from the system's preset (NeMo's
     GPT-3 175B config)."""
+    overlap_grad_reduce: bool | None = None
+    """The gradients' data-parallel reduction during the backward (Training.overlap_grad_reduce), where the run's code
+    differs from the system's preset, or (rows described field by field) False where it ran after the backward:
+    DeepSpeed's pipeline engine (ReduceGrads after the schedule's last backward: BLOOM, MT-NLG); None: the
+    preset's, or True."""
     distribute_checkpoints: bool = False
     """Megatron's --distribute-checkpointed-activations (Training.distribute_checkpoints), where the source ran it."""
     keeps_bf16_grads: bool = False
@@ -205,7 +210,13 @@ class Run:
 # batch, achieved teraFLOP/s per GPU, % of peak. Micro-batch and virtual stages are not given: the search
 # picks them. Sequence parallelism postdates the paper: off. No distributed optimizer in 2021: ZeRO-0.
 # The scatter/gather optimization (sec. 4.1: pipeline sends "reduced to bsh/t") is what the planner's
-# 'megatron' layout prices for pipeline sends without sequence parallelism.
+# 'megatron' layout prices for pipeline sends without sequence parallelism. The gradients' data-parallel reduction
+# is priced behind the backward (overlap_grad_reduce, the default), here and in Korthikanti's rows, though
+# Megatron-LM's default of the time (--DDP-impl local) all-reduced after it (train_step: allreduce_gradients after
+# forward_backward_func; the system 'megatron-lm-2021' prices that): the papers state neither the DDP
+# implementation nor the precision (fp16 main gradients reduce half fp32's bytes), and priced after the backward
+# table 1's four smallest rows move from 0.94-1.00 to 0.89-0.92 in fp32 and 0.93-0.96 in fp16. Left as it was
+# until the runs' settings are known (docs/planner.md, "Gradients reduced after the backward").
 T1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
       (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
       (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
@@ -337,8 +348,9 @@ def llama3_runs() -> list[Run]:
 # them (DeepSpeed's deepspeed/runtime/bf16_optimizer.py, its stored versions of 2023 on: backward() with
 # clear_lp_grads=False, the grads freed only by the next backward: Training.keeps_bf16_grads);
 # "--deepspeed-activation-checkpointing";
-# DeepSpeed's pipeline (1F1B and GPipe cost the same time in the planner); no sequence parallelism ("developed
-# after BLOOM was trained", HF blog). Measured: the log line at the end of epoch one, "elapsed time per
+# DeepSpeed's pipeline (1F1B and GPipe cost the same time in the planner; its TrainSchedule reduces the gradients
+# after the last backward, ReduceGrads: overlap_grad_reduce False, here and for MT-NLG); no sequence parallelism
+# ("developed after BLOOM was trained", HF blog). Measured: the log line at the end of epoch one, "elapsed time per
 # iteration (s): 104.70 | ... global batch size: 2048 | ... TFLOPs: 149.77" (hardware FLOPs, "4*2 co-efficient").
 # Hardware: 48 nodes of 8 A100 80GB, "4 OmniPath links" per node; 100 Gb/s each (BLOOM paper, 2211.05100 p. 18,
 # as quoted in stored summaries): 400 Gb/s per 8 GPUs = 6.25 GB/s per GPU, a quarter of Selene's.
@@ -359,7 +371,7 @@ def mtnlg_runs() -> list[Run]:
     return [Run(f"MT-NLG 530B n={n}", MT530, n, 2048, 1920,
                 f"tp=8,pp=35,cp=1,dp_replicate={n // 280},activation_checkpoint=full,sequence_parallel=false,"
                 "pp_schedule=1f1b", MTNLG, f"sec. 2.4: {n // 8} DGX A100 servers, batch 1920: {step} s/iteration, "
-                f"{x} TFLOP/s per GPU", step_s=step, tflops=x, flops="eq3", search=False)
+                f"{x} TFLOP/s per GPU", step_s=step, tflops=x, flops="eq3", search=False, overlap_grad_reduce=False)
             for n, step, x in ((2240, 60.1, 126), (2800, 50.2, 121), (3360, 44.4, 113))]
 
 
@@ -403,7 +415,8 @@ def bloom_prequel_runs() -> list[Run]:
                         + (f"{mem}GB | {sec} s/it | {tflops} TFLOPs" if sec else "OOM"),
                         step_s=sec, tflops=tflops, flops="bloom", fitted=sec is not None,
                         mem_gib=mem, inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True, search=False,
-                        pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB))
+                        pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB,
+                        overlap_grad_reduce=False))
     return runs
 
 
@@ -446,7 +459,8 @@ def bloom_runs() -> list[Run]:
                 "tp=4,pp=12,cp=1,dp_replicate=8,zero_stage=1,micro_batch=2,activation_checkpoint=full,sequence_parallel=false,"
                 "pp_schedule=1f1b", BLOOM, "TP=4 PP=12 DP=8 MBS=2, GBS 2048; log: 104.70 s/iteration, TFLOPs 149.77",
                 step_s=104.70, tflops=149.77, flops="bloom", inter_node_gbs=400 / 8 / 8, keeps_bf16_grads=True,
-                pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB)]
+                pipeline_split="slots", embedding_norm=True, fixed_overhead_gib=BLOOM_CONTEXT_GIB,
+                overlap_grad_reduce=False)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1572,6 +1586,8 @@ def training_of(run: Run) -> Training:
             fields["grads_in_fp32"] = run.grads_in_fp32
         if run.dropout is not None:
             fields["dropout"] = run.dropout
+        if run.overlap_grad_reduce is not None:
+            fields["overlap_grad_reduce"] = run.overlap_grad_reduce
         if run.optimizer_dtype is not None:
             fields["optimizer_dtype"] = run.optimizer_dtype
         if run.reduce_dtype is not None:
@@ -1601,6 +1617,7 @@ def training_of(run: Run) -> Training:
                     distribute_checkpoints=run.distribute_checkpoints, keeps_bf16_grads=run.keeps_bf16_grads,
                     pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
                     fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32",
+                    overlap_grad_reduce=run.overlap_grad_reduce is not False,
                     flat_params=run.layout == "fsdp-mp")  # (fairscale's FSDP, metaseq's OPT: flat as FSDP1's)
 
 

@@ -1971,6 +1971,53 @@ def test_megatron_core_gathers_the_updated_weights_behind_the_next_forward(tmp_p
         dataclasses.replace(mcore, system="edited"))
 
 
+def test_megatron_lm_of_2021_reduces_the_gradients_after_the_backward(tmp_path):
+    # Megatron-LM before --overlap-grad-reduce (September 2023) all-reduced the main gradients after
+    # forward_backward_func (train_step: allreduce_gradients, or the distributed optimizer's reduce_model_grads), as
+    # NeMo 1's Megatron GPT of 2022 and DeepSpeed's pipeline engine (ReduceGrads after the last backward) did: none
+    # of it behind the backward. Megatron-Core (and torch's DDP and FSDP) reduce bucket by bucket during it, the
+    # last bucket exposed. NeMo's GPT-3 5B of 2022 on 16 A100s, by hand from the collectives' prices.
+    from shardwise.planner.comm import all_gather, all_reduce, axis_link, reduce_scatter
+    from shardwise.planner.timing import _max_stage_params
+
+    args = ModelArgs(name="gpt3-5b", dim=4096, n_heads=32, n_kv_heads=32, n_layers=24, vocab_size=50432,
+                     ffn_hidden=16384, mlp="gelu", max_seq_len=2048)
+    old, core = _training("megatron-lm-2021", seq_len=2048, global_batch=64), _training("megatron-core")
+    assert not old.overlap_grad_reduce and core.overlap_grad_reduce
+    cluster = Cluster(accelerator("a100-80gb"), 16)
+    for zero in (0, 1):
+        plan = Plan(tp=2, dp_replicate=8, zero_stage=zero, micro_batch=2, grad_accum=4)
+        after = evaluate(args, old, plan, cluster).time.detail
+        during = evaluate(args, dataclasses.replace(old, overlap_grad_reduce=True), plan, cluster).time.detail
+        n, link = axis_link(plan, ("dp_replicate",), cluster, spread=True)
+        rank_params = _max_stage_params(args, old, plan)  # a tp rank's: half the matrices, the norms whole
+        assert rank_params == pytest.approx(num_params(args) / 2, rel=1e-3)
+        grads = rank_params * 4  # fp32 main gradients
+        reduction = all_reduce(grads, n, link) if zero == 0 else reduce_scatter(grads, n, link)
+        gather = 0.0 if zero == 0 else all_gather(rank_params * 2, n, link)  # the updated bf16 weights
+        assert after["dp_comm_s"] == pytest.approx(reduction + gather, rel=1e-9) == during["dp_comm_s"]
+        assert after["dp_exposed_s"] == pytest.approx(after["dp_comm_s"], rel=1e-9)
+        cost = stage_cost(args, old, plan, cluster)
+        backward = cost.backward_input + cost.backward_weight + cost.recompute
+        hidden = cluster.accelerator.comm_overlap * (1 - link.sm_share) * min(reduction * (1 - 1 / 24), backward)
+        assert after["dp_exposed_s"] - during["dp_exposed_s"] == pytest.approx(hidden, rel=1e-9)
+        assert hidden > 0
+    # FSDP's and shardwise's hooks reduce during the backward: refused there; a system file can set it
+    for system in ("torchtitan", "shardwise", "llm-foundry"):
+        with pytest.raises(PlannerError, match="overlap_grad_reduce"):
+            dataclasses.replace(_training(system), overlap_grad_reduce=False)
+    path = tmp_path / "megatron-lm-2022.toml"
+    path.write_text('base = "megatron-core"\noverlap_grad_reduce = false\n')
+    edited = Training(seq_len=4096, global_batch=8, **resolve_system(str(path)).training_fields())
+    assert not edited.overlap_grad_reduce
+    path.write_text('base = "megatron-core"\noverlap_grad_reduce = "no"\n')
+    with pytest.raises(PlannerError, match="overlap_grad_reduce"):
+        resolve_system(str(path))
+    from shardwise.planner.cli import system_summary
+    assert "reduction after the backward" in system_summary(old)  # the preset's own summary
+    assert ", gradients reduced after the backward" in system_summary(dataclasses.replace(old, system="edited"))
+
+
 
 def test_deepspeed_with_hugging_face_llama_on_h200s_long_sequences():
     # Bekman's benchmark (stas00/ml-engineering, insights/when-to-upgrade-gpus): Llama-3.1-8B by DeepSpeed ZeRO-3 with

@@ -266,7 +266,8 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     if layout is None:
         return {}
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
-    owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
+    owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8",
+                          "overlap_grad_reduce"),
              "zero": ("reduce_bucket_size", "overlap_comm"),
              "fsdp-mp": ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
     return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
@@ -508,6 +509,7 @@ def system_summary(training: Training) -> str:
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
+            f"{', gradients reduced after the backward' if not training.overlap_grad_reduce else ''}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
             f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
             f"{', FSDP1 flat parameters' if training.flat_params else ''}"

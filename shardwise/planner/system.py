@@ -92,6 +92,9 @@ class System:
     overlap_param_gather: bool = False
     """Megatron-Core's distributed optimizer gathers the updated weights behind the next forward
     (Training.overlap_param_gather); layout 'megatron' only."""
+    overlap_grad_reduce: bool = True
+    """Gradients reduced during the backward (False: after it, exposed: Training.overlap_grad_reduce); layouts
+    'megatron' and 'zero' only."""
     grads_in_fp32: bool = True
     """Megatron's main gradients (and their data-parallel reduction) in fp32, or in the weights' dtype
     (Training.grads_in_fp32: NeMo 2's performance recipes); layout 'megatron' only."""
@@ -199,7 +202,8 @@ class System:
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
-                "overlap_param_gather": self.overlap_param_gather, "optimizer_dtype": self.optimizer_dtype,
+                "overlap_param_gather": self.overlap_param_gather,
+                "overlap_grad_reduce": self.overlap_grad_reduce, "optimizer_dtype": self.optimizer_dtype,
                 "reduce_dtype": self.reduce_dtype, "flat_params": self.flat_params,
                 "optimizer_passes": self.optimizer_passes, "state_dtype": self.state_dtype,
                 "fused_rmsnorm": self.fused_rmsnorm, "loss_chunks": self.loss_chunks,
@@ -266,15 +270,19 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule); host offload of "
                   "the optimizer alone (--optimizer-cpu-offload, February 2025), not of weights and gradients"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
-           "megatron-core, with unfused attention (s x s scores in memory) and dropout 0.1",
+           "megatron-core, with unfused attention (s x s scores in memory), dropout 0.1, and the gradients' "
+           "data-parallel reduction after the backward",
            layout="megatron", fuse_head=False, loss_parallel=True, attention="unfused", dropout=True,
            elementwise="fused", checkpoint_early_stop=False,
            selective="attention-core", cp_exchange="ring", pp_schedules=MEGATRON_SCHEDULES, context_parallel=False,
+           overlap_grad_reduce=False,
            zero_stages=(0, 1), offload_stages=(), expert_parallel=False,
            source="Narayanan et al. 2021 (arXiv 2104.04473); Korthikanti et al. 2022 (arXiv 2205.05198), "
                   "section 4 (context parallelism came later, with Megatron-Core's --context-parallel-size; data "
                   "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025; "
-                  "its mixtures of experts came with Megatron-Core)"),
+                  "its mixtures of experts came with Megatron-Core); megatron/training.py train_step (May 2022): "
+                  "allreduce_gradients after forward_backward_func, --overlap-grad-reduce only from September "
+                  "2023; NeMo 1's Megatron GPT of 2022 runs this code through apex.transformer"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
@@ -377,7 +385,8 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
-                                   "overlap_param_gather", "overlap_comm", "flat_params", "fused_rmsnorm",
+                                   "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
+                                   "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "expert_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \

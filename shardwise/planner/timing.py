@@ -960,7 +960,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
 
     def behind_backward(comm: float, overlap: float = w_sh) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
-        # has no backward left to hide behind
+        # has no backward left to hide behind; or (Training.overlap_grad_reduce false) all after the backward
+        if not training.overlap_grad_reduce:
+            return comm
         return comm - overlap * min(comm * (1 - 1 / layers), bwd)
 
     if z == 0 or z == 1 and replicates(training, plan):

@@ -184,6 +184,15 @@ class Training:
     megatron/core/distributed/param_and_grad_buffer.py finish_param_sync), not all at once after the optimizer step.
     Off by default in Megatron-LM; the published Megatron-Core runs set it, and NeMo does wherever data parallelism
     is over 1 (and Apex's distributed Adam in NeMo 1, overlap_param_sync). timing.dp_comm."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction of gradients below ZeRO-3 issued bucket by bucket as backward produces them,
+    behind the rest of the backward (torch's DDP, FSDP, DeepSpeed's ZeRO engine, Megatron-Core's
+    --overlap-grad-reduce); False (layouts 'megatron' and 'zero' only): the whole reduction after the last
+    backward, exposed, as Megatron-LM ran it before --overlap-grad-reduce (September 2023: train_step called
+    allreduce_gradients, or the distributed optimizer's reduce_model_grads, after forward_backward_func), NeMo 1's
+    Megatron GPT before its asynchronous reduction (v1.8-v1.9: async_grad_allreduce = False; Apex's distributed
+    Adam with overlap_grad_sync false) and DeepSpeed's pipeline engine (its TrainSchedule's ReduceGrads after the
+    last backward). timing.dp_comm."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
@@ -460,6 +469,10 @@ class Training:
                 raise PlannerError("--precision", f"{self.precision} with the system's optimizer_dtype bf16 (Apex's "
                                    "bf16 Adam state: no master in bf16, a bf16 one in fp8)",
                                    "pass --precision bf16 or fp8, or set optimizer_dtype fp32")
+        if not self.overlap_grad_reduce and self.layout not in ("megatron", "zero"):
+            raise PlannerError("--system overlap_grad_reduce", "false describes a reduction after the backward "
+                               f"(Megatron-LM before 2023, DeepSpeed's pipeline), not the layout {self.layout}, "
+                               "whose hooks reduce during it", 'use layout megatron or zero, or leave it true')
         if self.overlap_param_gather and self.layout != "megatron":
             raise PlannerError("--system overlap_param_gather", "true describes Megatron-Core's distributed "
                                f"optimizer, not the layout {self.layout}",
