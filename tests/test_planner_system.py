@@ -490,10 +490,10 @@ def test_system_toml_distributes_checkpoints(tmp_path):
     assert system.distribute_checkpoints and not SYSTEMS["megatron-lm-2021"].distribute_checkpoints
     training = Training(seq_len=2048, global_batch=8, **system.training_fields())
     assert training.distribute_checkpoints and training.keeps_bf16_grads
-    assert system_summary(training).endswith(", checkpoints split over tp, bf16 gradients kept beside fp32; no context "
-                                             "parallelism; no expert parallelism; pipeline schedules 1f1b, "
-                                             "interleaved-1f1b; ZeRO-0, 1 over data-parallel ranks; no host offload "
-                                             "of the weights")
+    assert system_summary(training).endswith(
+        ", checkpoints split over tp, bf16 gradients kept beside fp32, gradients reduced after the backward; no "
+        "context parallelism; no expert parallelism; pipeline schedules 1f1b, interleaved-1f1b; ZeRO-0, 1 over "
+        "data-parallel ranks; no host offload of the weights")
 
 
 def test_megatron_main_gradients_in_the_weights_dtype(tmp_path):
