@@ -1280,54 +1280,59 @@ def nemo_long_runs() -> list[Run]:
 
 # --------------------------------------------------------------------------------------------------
 # NeMo Megatron's launcher (NVIDIA/NeMo-Framework-Launcher, then "bignlp"), README "Training Performance Results":
-# GPT-3 5B "on different numbers of DGX nodes" (DGX A100 80GB SuperPOD, 8 GPUs a node: the catalogue's a100-80gb),
-# tokens per second for the whole job, in two releases, each run with its release's conf/training/gpt3/5b.yaml:
-# * 22.05 (README at commit 69fae7c0, 2022-06-03; conf/config.yaml: bignlp-training:22.05): nodes 1, 2, 5, 9, 10,
-#   18, 20; the config: TP 2, PP 1, micro-batch 2, global batch 1440 (every node count divides it: DP = 4 x nodes,
-#   1440 / (DP x 2) whole), no recompute (activations_checkpoint_method block, 0 layers), fused_adam, megatron_amp_O2
-#   with bf16 (fp32 main gradients in a contiguous buffer, all-reduced after the backward: NeMo v1.9's
-#   megatron_gpt_model.py, async_grad_allreduce = False).
-# * 22.11 (README at commit 6b7d1567, 2022-12-15; bignlp-training:22.11): nodes 1, 2, 4, 8, 16, 32; the config: TP 1,
-#   PP 1, micro-batch 2, global batch 2048, selective recompute, Apex's distributed_fused_adam (optimizer state and
-#   gradients sharded: reduce-scatter, then the updated weights all-gathered, as Megatron's distributed optimizer,
-#   zero_stage=1) with overlap_grad_sync False, megatron_amp_O2 with bf16. The same README's GPT-3 175B table (8 to
-#   128 nodes): only its 128-node row runs its config (TP 8, PP 16 with 6 virtual stages, micro-batch 1, global batch
-#   2048, sequence parallelism, selective recompute); TP 8 x PP 16 is more GPUs than the smaller rows have, whose
-#   layouts are not stated: left out.
-# The model: hidden 4096, 24 layers, 32 heads, FFN 4h, sequence 2048, GPT-2's BPE (50,257) padded to a multiple of
-# 128 x TP (make_vocab_size_divisible_by 128: 50,304 at TP 1, 50,432 at TP 2), tied embedding, dropout 0.1, learned
-# positions (not mapped), unfused attention (masked_softmax_fusion; no FlashAttention in NeMo until 2023): NeMo's
-# Megatron GPT of 2022 is Megatron-LM's code of Korthikanti et al. (apex.transformer): described as
-# `--system megatron-lm-2021`. Added on 2026-12-06 and evaluated first as the planner stood (held out:
-# docs/heldout-2026-12-06/).
+# GPT-3 5B and 175B "on different numbers of DGX nodes" (DGX A100 80GB SuperPOD, 8 GPUs a node: the catalogue's
+# a100-80gb), tokens per second for the whole job, each table run with the conf/training/gpt3 config of the release
+# that printed it (the README's support matrix names its NeMo):
+# * 22.05 (README at commit b20f85d4, 2022-06-03, which replaced 22.03's table; conf/config.yaml:
+#   bignlp-training:22.05, NeMo 1.9.0): 5B on 1, 2, 5, 9, 10, 18 and 20 nodes; TP 2, PP 1, micro-batch 2, global
+#   batch 1440 (every node count divides it: DP = 4 x nodes, 1440 / (DP x 2) whole), no recompute
+#   (activations_checkpoint_method block, 0 layers), fused_adam over megatron_amp_O2 with bf16: fp32 main gradients
+#   all-reduced after the backward (NeMo v1.9's megatron_gpt_model.py: async_grad_allreduce = False; the preset's
+#   overlap_grad_reduce False).
+# * 22.08 (README at commit 3579cdb3, 2022-09-07; bignlp-training:22.08, NeMo 1.11.0; the same tables stayed until
+#   2023): 5B on 1 to 32 nodes: TP 1, PP 1, micro-batch 2, global batch 2048, no recompute (granularity full, block,
+#   0 layers), Apex's distributed_fused_adam (optimizer state sharded: reduce-scatter, then the updated weights
+#   all-gathered, as Megatron's distributed optimizer, zero_stage=1), its gradient reduction overlapped with the
+#   backward (Apex's overlap_grad_sync default; NeMo v1.11 turns it off only under pipeline or sequence
+#   parallelism: overlap_grad_reduce True); 175B on 8 to 128 nodes: TP 8, PP 8 (1F1B: no virtual stages), micro-batch
+#   2, global batch 2048, sequence parallelism, selective recompute, the distributed Adam's reduction after the
+#   backward (sequence parallelism turns its overlap off).
+# The models: GPT-3 5B (hidden 4096, 24 layers, 32 heads) and 175B (12288, 96, 96), FFN 4h, sequence 2048, GPT-2's
+# BPE (50,257) padded to a multiple of 128 x TP (make_vocab_size_divisible_by 128: 50,304 at TP 1, 50,432 at TP 2,
+# 51,200 at TP 8), tied embedding, dropout 0.1, learned positions (not mapped), unfused attention
+# (masked_softmax_fusion; no FlashAttention in NeMo until 2023): NeMo's Megatron GPT of 2022 is Megatron-LM's code of Korthikanti et al.
+# (apex.transformer): described as `--system megatron-lm-2021`. Added on 2026-12-06 and evaluated first as the
+# planner stood (held out: docs/heldout-2026-12-06/).
 NEMO_LAUNCHER = ("NVIDIA NeMo Megatron launcher README, Training Performance Results, "
                  "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/main/README.md")
-NEMO_LAUNCHER_5B = {"22.05": ((1, 39660), (2, 78769), (5, 193258), (9, 342920), (10, 383500), (18, 652460),
-                              (20, 726384)),
-                    "22.11": ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))}
-"""Release: (nodes, tokens per second)."""
+NEMO_LAUNCHER_ROWS = {("22.05", "5B"): ((1, 39543), (2, 79128), (5, 195047), (9, 344523), (10, 383500),
+                                        (18, 670254), (20, 731791)),
+                      ("22.08", "5B"): ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481),
+                                        (32, 1159288)),
+                      ("22.08", "175B"): ((8, 7500), (16, 14950), (32, 29537), (64, 58211), (128, 109684))}
+"""(Release, model): (nodes, tokens per second)."""
 
 
 def nemo_launcher_runs() -> list[Run]:
     runs = []
-    for release, rows in NEMO_LAUNCHER_5B.items():
-        tp, gbs, knobs = ((2, 1440, "zero_stage=0,activation_checkpoint=none") if release == "22.05" else
-                          (1, 2048, "zero_stage=1,activation_checkpoint=selective"))
-        model = gpt("gpt3-5b", 4096, 32, 24, vocab=50304 if tp == 1 else 50432)
+    for (release, size), rows in NEMO_LAUNCHER_ROWS.items():
+        if size == "5B":
+            tp, pp, mb, gbs = (2, 1, 2, 1440) if release == "22.05" else (1, 1, 2, 2048)
+            model = gpt("gpt3-5b", 4096, 32, 24, vocab=50304 if tp == 1 else 50432)
+            knobs = "activation_checkpoint=none,sequence_parallel=false"
+        else:
+            tp, pp, mb, gbs = 8, 8, 2, 2048
+            model = gpt("gpt3-175b", 12288, 96, 96, vocab=51200)
+            knobs = "activation_checkpoint=selective,sequence_parallel=true,pp_schedule=1f1b"
         for nodes, tps in rows:
             n = 8 * nodes
-            runs.append(Run(f"NeMo-Megatron {release} 5B n={n}", model, n, 2048, gbs,
-                            f"tp={tp},pp=1,cp=1,dp_replicate={n // tp},micro_batch=2,sequence_parallel=false,{knobs}",
-                            NEMO_LAUNCHER, f"{release}: 5B, {nodes} nodes, {tps} tokens per second",
+            dp = n // (tp * pp)
+            zero = 0 if release == "22.05" or dp == 1 else 1
+            runs.append(Run(f"NeMo-Megatron {release} {size} n={n}", model, n, 2048, gbs,
+                            f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage={zero},micro_batch={mb},{knobs}",
+                            NEMO_LAUNCHER, f"{release}: {size}, {nodes} nodes, {tps} tokens per second",
                             tflops=tps / n * flops_per_token(model, 2048) / 1e12, system="megatron-lm-2021",
-                            search=False))
-    model = gpt("gpt3-175b", 12288, 96, 96, vocab=51200)
-    runs.append(Run("NeMo-Megatron 22.11 175B n=1024", model, 1024, 2048, 2048,
-                    "tp=8,pp=16,cp=1,dp_replicate=8,zero_stage=1,micro_batch=1,activation_checkpoint=selective,"
-                    "sequence_parallel=true,pp_schedule=interleaved-1f1b,virtual_stages=6", NEMO_LAUNCHER,
-                    "22.11: 175B, 128 nodes, 109684 tokens per second",
-                    tflops=109684 / 1024 * flops_per_token(model, 2048) / 1e12, system="megatron-lm-2021",
-                    search=False))
+                            search=False, overlap_grad_reduce=True if (release, size) == ("22.08", "5B") else None))
     return runs
 
 
@@ -1709,8 +1714,8 @@ def sweep_of(run: Run) -> str | None:
         return f"BLOOM's layout search {run.name.split()[1]}"
     if run.source == NEMO_LONG:
         return "NeMo long sequence Llama 2 7B"
-    if run.source == NEMO_LAUNCHER and " 5B " in run.name:
-        return f"NeMo Megatron launcher {run.name.split()[1]} 5B"
+    if run.source == NEMO_LAUNCHER:
+        return f"NeMo Megatron launcher {run.name.split()[1]} {run.name.split()[2]}"
     return None
 
 

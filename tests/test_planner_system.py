@@ -2013,8 +2013,22 @@ def test_megatron_lm_of_2021_reduces_the_gradients_after_the_backward(tmp_path):
     path.write_text('base = "megatron-core"\noverlap_grad_reduce = "no"\n')
     with pytest.raises(PlannerError, match="overlap_grad_reduce"):
         resolve_system(str(path))
-    from shardwise.planner.cli import system_summary
-    assert "reduction after the backward" in system_summary(old)  # the preset's own summary
+    # DeepSpeed's pipeline engine (layout zero): its ZeRO-2 reduce-scatters and the weights' gather after the step,
+    # all exposed; ZeRO-3's hooks reduce during the backward whatever the field says
+    ds = _training("deepspeed", seq_len=2048, global_batch=64)
+    for zero, moved in ((2, True), (3, False)):
+        plan = Plan(dp_shard=16, zero_stage=zero, micro_batch=2, grad_accum=2)
+        during = evaluate(args, ds, plan, cluster).time.detail
+        after = evaluate(args, dataclasses.replace(ds, overlap_grad_reduce=False), plan, cluster).time.detail
+        assert after["dp_comm_s"] == pytest.approx(during["dp_comm_s"], rel=1e-9)
+        assert (after["dp_exposed_s"] > during["dp_exposed_s"]) == moved
+        if moved:
+            assert after["dp_exposed_s"] == pytest.approx(after["dp_comm_s"], rel=1e-9)
+    # --layout keeps the field where it means something (megatron, zero) and resets it elsewhere
+    from shardwise.planner.cli import _left_with_the_layout, system_summary
+    preset_ = SYSTEMS["megatron-lm-2021"]
+    assert "overlap_grad_reduce" not in _left_with_the_layout(preset_, "zero")
+    assert _left_with_the_layout(preset_, "torch")["overlap_grad_reduce"] is True
     assert ", gradients reduced after the backward" in system_summary(dataclasses.replace(old, system="edited"))
 
 

@@ -266,11 +266,11 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     if layout is None:
         return {}
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
-    owned = {"megatron": ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8",
-                          "overlap_grad_reduce"),
-             "zero": ("reduce_bucket_size", "overlap_comm"),
-             "fsdp-mp": ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
-    return {k: defaults[k] for owner, keys in owned.items() if owner != layout for k in keys
+    owned = {("megatron",): ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
+             ("zero",): ("reduce_bucket_size", "overlap_comm"),
+             ("megatron", "zero"): ("overlap_grad_reduce",),
+             ("fsdp-mp",): ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
+    return {k: defaults[k] for owners, keys in owned.items() if layout not in owners for k in keys
             if getattr(system, k) != defaults[k]}
 
 

@@ -282,7 +282,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "parallelism: DDP, or the distributed optimizer of 2022 as ZeRO-1; Megatron's FSDP came in 2025; "
                   "its mixtures of experts came with Megatron-Core); megatron/training.py train_step (May 2022): "
                   "allreduce_gradients after forward_backward_func, --overlap-grad-reduce only from September "
-                  "2023; NeMo 1's Megatron GPT of 2022 runs this code through apex.transformer"),
+                  "2023; NeMo 1's Megatron GPT of 2022 runs this code through apex.transformer (its own "
+                  "reduction after the backward in v1.7-v1.9, and from v1.10 under pipeline or sequence "
+                  "parallelism)"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "

@@ -186,13 +186,14 @@ class Training:
     is over 1 (and Apex's distributed Adam in NeMo 1, overlap_param_sync). timing.dp_comm."""
     overlap_grad_reduce: bool = True
     """The data-parallel reduction of gradients below ZeRO-3 issued bucket by bucket as backward produces them,
-    behind the rest of the backward (torch's DDP, FSDP, DeepSpeed's ZeRO engine, Megatron-Core's
-    --overlap-grad-reduce); False (layouts 'megatron' and 'zero' only): the whole reduction after the last
-    backward, exposed, as Megatron-LM ran it before --overlap-grad-reduce (September 2023: train_step called
-    allreduce_gradients, or the distributed optimizer's reduce_model_grads, after forward_backward_func), NeMo 1's
-    Megatron GPT before its asynchronous reduction (v1.8-v1.9: async_grad_allreduce = False; Apex's distributed
-    Adam with overlap_grad_sync false) and DeepSpeed's pipeline engine (its TrainSchedule's ReduceGrads after the
-    last backward). timing.dp_comm."""
+    behind the rest of the backward (torch's DDP and FSDP, Megatron-Core's --overlap-grad-reduce, Apex's distributed
+    Adam with overlap_grad_sync); False (layouts 'megatron' and 'zero' only; ZeRO-3 reduces in its hooks either
+    way): the whole reduction after the last backward, exposed, as Megatron-LM ran it before --overlap-grad-reduce
+    (September 2023: train_step called allreduce_gradients, or the distributed optimizer's reduce_model_grads, after
+    forward_backward_func), NeMo 1.7-1.9's Megatron GPT (async_grad_allreduce = False; from 1.10 it reduced during
+    the backward unless a pipeline or sequence parallelism turned it off, as it turned off Apex's
+    overlap_grad_sync) and DeepSpeed's pipeline engine (its TrainSchedule's ReduceGrads after the last backward).
+    timing.dp_comm."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
