@@ -1300,9 +1300,9 @@ def nemo_long_runs() -> list[Run]:
 # The models: GPT-3 5B (hidden 4096, 24 layers, 32 heads) and 175B (12288, 96, 96), FFN 4h, sequence 2048, GPT-2's
 # BPE (50,257) padded to a multiple of 128 x TP (make_vocab_size_divisible_by 128: 50,304 at TP 1, 50,432 at TP 2,
 # 51,200 at TP 8), tied embedding, dropout 0.1, learned positions (not mapped), unfused attention
-# (masked_softmax_fusion; no FlashAttention in NeMo until 2023): NeMo's Megatron GPT of 2022 is Megatron-LM's code of Korthikanti et al.
-# (apex.transformer): described as `--system megatron-lm-2021`. Added on 2026-12-06 and evaluated first as the
-# planner stood (held out: docs/heldout-2026-12-06/).
+# (masked_softmax_fusion; no FlashAttention in NeMo until 2023): NeMo's Megatron GPT of 2022 is Megatron-LM's code
+# of Korthikanti et al. (apex.transformer): described as `--system megatron-lm-2021`. Added on 2026-12-06 and
+# evaluated first as the planner stood (held out: docs/heldout-2026-12-06/).
 NEMO_LAUNCHER = ("NVIDIA NeMo Megatron launcher README, Training Performance Results, "
                  "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/main/README.md")
 NEMO_LAUNCHER_ROWS = {("22.05", "5B"): ((1, 39543), (2, 79128), (5, 195047), (9, 344523), (10, 383500),
