@@ -2013,15 +2013,22 @@ def test_megatron_lm_of_2021_reduces_the_gradients_after_the_backward(tmp_path):
     path.write_text('base = "megatron-core"\noverlap_grad_reduce = "no"\n')
     with pytest.raises(PlannerError, match="overlap_grad_reduce"):
         resolve_system(str(path))
-    # DeepSpeed's pipeline engine (layout zero): its ZeRO-2 reduce-scatters and the weights' gather after the step,
-    # all exposed; ZeRO-3's hooks reduce during the backward whatever the field says
+    # DeepSpeed's ZeRO engine (layout zero) outside a pipeline: with overlap_comm its ZeRO-2 reduce-scatters hide
+    # behind the backward, unless the field says after it; without overlap_comm (DeepSpeed's default below ZeRO-3)
+    # ZeRO-1 reduces after the backward and ZeRO-2's hooks reduce on the compute stream: all exposed either way.
+    # ZeRO-3's hooks reduce during the backward whatever the field says
     ds = _training("deepspeed", seq_len=2048, global_batch=64)
-    for zero, moved in ((2, True), (3, False)):
-        plan = Plan(dp_shard=16, zero_stage=zero, micro_batch=2, grad_accum=2)
-        during = evaluate(args, ds, plan, cluster).time.detail
-        after = evaluate(args, dataclasses.replace(ds, overlap_grad_reduce=False), plan, cluster).time.detail
-        assert after["dp_comm_s"] == pytest.approx(during["dp_comm_s"], rel=1e-9)
+    assert not ds.overlap_comm and not ds.grad_reduce_hidden
+    overlapped = dataclasses.replace(ds, overlap_comm=True)
+    for zero, moved in ((1, True), (2, True), (3, False)):
+        plan = (Plan(dp_replicate=16, zero_stage=zero, micro_batch=2, grad_accum=2) if zero < 2 else
+                Plan(dp_shard=16, zero_stage=zero, micro_batch=2, grad_accum=2))
+        during = evaluate(args, overlapped, plan, cluster).time.detail
+        after = evaluate(args, dataclasses.replace(overlapped, overlap_grad_reduce=False), plan, cluster).time.detail
+        default = evaluate(args, ds, plan, cluster).time.detail
+        assert after["dp_comm_s"] == pytest.approx(during["dp_comm_s"], rel=1e-9) == default["dp_comm_s"]
         assert (after["dp_exposed_s"] > during["dp_exposed_s"]) == moved
+        assert default["dp_exposed_s"] == pytest.approx(after["dp_exposed_s"], rel=1e-9)
         if moved:
             assert after["dp_exposed_s"] == pytest.approx(after["dp_comm_s"], rel=1e-9)
     # --layout keeps the field where it means something (megatron, zero) and resets it elsewhere

@@ -283,8 +283,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "its mixtures of experts came with Megatron-Core); megatron/training.py train_step (May 2022): "
                   "allreduce_gradients after forward_backward_func, --overlap-grad-reduce only from September "
                   "2023; NeMo 1's Megatron GPT of 2022 runs this code through apex.transformer (its own "
-                  "reduction after the backward in v1.7-v1.9, and from v1.10 under pipeline or sequence "
-                  "parallelism)"),
+                  "reduction after the backward in v1.7-v1.9, and from v1.10 under a pipeline, v1.11 under "
+                  "sequence parallelism too)"),
     System("llm-foundry", "FSDP (FSDP1) with mixed precision DEFAULT: fp32 shards, bf16 gathers and compute, fp32 "
            "reduction (Composer 0.17 on; reduce_dtype bf16 for PURE or Composer 0.14-0.16); bf16 residual stream; "
            "logits materialised in bf16 and flash-attn's cross-entropy kernel; FlashAttention-1 (flash-attn 1.0.9, "
@@ -332,8 +332,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "parallelism (its first mixture of experts, Llama 4, PR 2570, April 2025, splits experts by "
                   "tensor parallelism: ExpertTensorParallel)"),
     System("deepspeed", "DeepSpeed ZeRO: bf16 weights and gradients, fp32 master weights and moments in the "
-           "optimizer, contiguous gradient buckets of 5e8 elements, materialised logits and an fp32 loss, fused "
-           "attention",
+           "optimizer, contiguous gradient buckets of 5e8 elements (below ZeRO-3 the reduction hidden only with "
+           "overlap_comm, off by default), materialised logits and an fp32 loss, fused attention",
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
            pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(3,), offload_stages=(3,),

@@ -960,8 +960,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
 
     def behind_backward(comm: float, overlap: float = w_sh) -> float:
         # gradients are reduced bucket by bucket as backward produces them: the last bucket (one block's share)
-        # has no backward left to hide behind; or (Training.overlap_grad_reduce false) all after the backward
-        if not training.overlap_grad_reduce:
+        # has no backward left to hide behind; or none of it hides (Training.grad_reduce_hidden: reduced after the
+        # backward, or on its stream)
+        if not training.grad_reduce_hidden:
             return comm
         return comm - overlap * min(comm * (1 - 1 / layers), bwd)
 

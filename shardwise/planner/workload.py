@@ -191,9 +191,9 @@ class Training:
     way): the whole reduction after the last backward, exposed, as Megatron-LM ran it before --overlap-grad-reduce
     (September 2023: train_step called allreduce_gradients, or the distributed optimizer's reduce_model_grads, after
     forward_backward_func), NeMo 1.7-1.9's Megatron GPT (async_grad_allreduce = False; from 1.10 it reduced during
-    the backward unless a pipeline or sequence parallelism turned it off, as it turned off Apex's
+    the backward but under a pipeline, and 1.11 under sequence parallelism too, where it also turned off Apex's
     overlap_grad_sync) and DeepSpeed's pipeline engine (its TrainSchedule's ReduceGrads after the last backward).
-    timing.dp_comm."""
+    DeepSpeed's ZeRO engine hides it only with overlap_comm (grad_reduce_hidden). timing.dp_comm."""
     grads_in_fp32: bool = True
     """Under the layout 'megatron', its main-gradient buffer (and the data-parallel reduction of it) in fp32:
     Megatron-LM's --accumulate-allreduce-grads-in-fp32, which it sets itself for bf16; False: in the weights'
@@ -564,6 +564,15 @@ class Training:
         on for the last), whatever the trainer asks (torchtitan's): the gradients are kept unsharded, in the
         reduce dtype, until then."""
         return self.syncs_every_micro_batch and not (pp > 1 and self.fsdp2)
+
+    @property
+    def grad_reduce_hidden(self) -> bool:
+        """Whether the gradients' reduction below ZeRO-3 hides behind the backward (timing.dp_comm): as
+        overlap_grad_reduce says, and under DeepSpeed's ZeRO engine (layout 'zero') only with overlap_comm: without
+        it ZeRO-0 and 1 reduce at the accumulation boundary after the backward (engine.allreduce_gradients; ZeRO-1
+        registers no gradient hooks, stage_1_and_2.py) and ZeRO-2's hooks reduce on the compute stream
+        (average_tensor: current_stream()), which the backward then waits for."""
+        return self.overlap_grad_reduce and (self.layout != "zero" or self.overlap_comm)
 
     @property
     def fsdp2(self) -> bool:
