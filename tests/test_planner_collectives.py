@@ -221,7 +221,7 @@ def test_a_measured_overlap_is_not_charged_nccls_sms_twice(tmp_path):
     ("fsdp-mp", {"dp_replicate": 8, "zero_stage": 0}),  # replicate's bucketed all-reduce behind backward
     ("fsdp-mp", {"dp_shard": 8, "zero_stage": 3}),  # FSDP: gathers behind forward and backward, reduce-scatter
     ("fsdp-mp", {"dp_shard": 8, "zero_stage": 2}),
-    ("zero", {"dp_shard": 8, "zero_stage": 2}),  # DeepSpeed's ZeRO-2: reduce-scatter behind backward
+    ("zero", {"dp_shard": 8, "zero_stage": 2}),  # DeepSpeed's ZeRO-2 with overlap_comm: reduce-scatter behind it
 ])
 def test_hidden_data_parallel_traffic_pays_its_sm_share(layout, fields):
     # on 8 H100s every data-parallel collective runs on one link; with NCCL's 32 CTAs modelled, each second of it
@@ -234,7 +234,9 @@ def test_hidden_data_parallel_traffic_pays_its_sm_share(layout, fields):
 
     args = preset("llama3-8b")
     plan = Plan(micro_batch=1, grad_accum=2, activation_checkpoint="full", **fields)
-    training = recipe_for(Training(seq_len=4096, global_batch=16, layout=layout), plan)
+    # (DeepSpeed hides its reduction below ZeRO-3 only with overlap_comm, which needs its gradient buckets)
+    buckets = {"reduce_bucket_size": 5e8, "overlap_comm": True} if layout == "zero" else {}
+    training = recipe_for(Training(seq_len=4096, global_batch=16, layout=layout, **buckets), plan)
     plain = Cluster(dataclasses.replace(accelerator("h100"), nccl_channels=0), 8)
     modelled = Cluster(accelerator("h100"), 8)  # the catalogue's 32
     cost = stage_cost(args, training, plan, plain)

@@ -870,9 +870,9 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
     assert run_plan(_ns(*argv, "--system", str(path))) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("system:"))
     assert line.startswith("system: ds-sync - layout zero") and line.endswith(
-        ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements; no context "
-        "parallelism; pipeline schedule 1f1b only; hybrid sharding at ZeRO-3 only; host offload at ZeRO-3 only; at "
-        "most ZeRO-1 beside a pipeline")
+        ", ZeRO-3 fetched module by module, DeepSpeed gradient buckets of 500,000,000 elements, below ZeRO-3 the "
+        "reduction unhidden without overlap_comm; no context parallelism; pipeline schedule 1f1b only; hybrid "
+        "sharding at ZeRO-3 only; host offload at ZeRO-3 only; at most ZeRO-1 beside a pipeline")
 
 
 @pytest.mark.parametrize("text, field", [('selective = "some"\n', "--system selective"),

@@ -492,7 +492,7 @@ def system_summary(training: Training) -> str:
         return known.summary + parallelism_summary(training)
     size = training.reduce_bucket_size
     buckets = f", DeepSpeed gradient buckets of {size:,.0f} elements" if size else ""
-    unhidden = (", the reduction unhidden without overlap_comm"
+    unhidden = (", below ZeRO-3 the reduction unhidden without overlap_comm"
                 if training.overlap_grad_reduce and not training.grad_reduce_hidden else "")
     selective = (", no op-level selective checkpointing" if training.selective == "none" else
                  f", selective keeps {training.selective if training.fused_attention else 'attention-core'}")
@@ -512,7 +512,6 @@ def system_summary(training: Training) -> str:
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"
             f"{', gradients reduced after the backward' if not training.overlap_grad_reduce else ''}"
-            f"{unhidden}"
             f"{', AdamW state in bf16 (Apex)' if training.optimizer_dtype == 'bf16' else ''}"
             f"{f', gradients reduced in {training.reduce_dtype}' if training.reduce_dtype != 'fp32' else ''}"
             f"{', FSDP1 flat parameters' if training.flat_params else ''}"
@@ -523,6 +522,7 @@ def system_summary(training: Training) -> str:
             f"{', composite fp32 RMSNorm' if not training.fused_rmsnorm else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}"
+            f"{unhidden}"
             f"{parallelism_summary(training)}")
 
 
