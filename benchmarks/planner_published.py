@@ -1810,7 +1810,8 @@ def main() -> None:
               "all before the DGX Cloud rows":
                   [x for x in ratios if not x[0].startswith("DGXC")],
               "described as Megatron-Core (the table, NeMo, DGX Cloud)":
-                  [x for x in ratios if x[0].startswith(("MCore", "NeMo", "DGXC")) and "Megatron" not in x[0]],
+                  [x for x in ratios if x[0].startswith(("MCore", "NeMo", "DGXC"))
+                   and not x[0].startswith("NeMo-Megatron")],
               "2021-24 (N21..BLOOM)": era, "  those but ZeRO-3": [x for x in era if "ZeRO-3" not in x[0]]}
     for name, prefix in (("Narayanan PTD-P", "N21 T"), ("Narayanan ZeRO-3", "N21 T2 ZeRO-3"),
                          ("Korthikanti", "K22"), ("Llama 3", "Llama3"), ("BLOOM", "BLOOM"), ("MT-NLG", "MT-NLG"),
