@@ -42,11 +42,14 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from shardwise.hardware import GiB
 from shardwise.layout import parse_layout
 from shardwise.model_args import PROJECTIONS, ModelArgs, flops_per_token, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate, search, timing
+from shardwise.planner.memory import reserved_bytes
+from shardwise.planner.search import Evaluation
 from shardwise.planner.system import resolve_system
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters Using Megatron-LM, "
@@ -189,10 +192,12 @@ class Run:
     dispatch_ranks: float = 0.0
     """Under DeepEP's dispatch, the ep ranks a token goes to (Training.dispatch_ranks), where the source's routing
     fixes it (AutoModel's fake_balanced_gate: 1); 0: derived for uniform routing."""
-    mem_active: bool = False
-    """The published peak is torch's active bytes (memory_stats "active_bytes.all.peak": what tensors hold), not
-    reserved memory: compared with the planner's total less its fragmentation allowance and fixed overhead, which
-    that count leaves out."""
+    mem_counts: Literal["device", "reserved", "active"] = "device"
+    """What the published peak counts: 'device', the device's whole use (nvidia-smi's, with the CUDA context),
+    compared with the planner's total; 'reserved', torch's max_memory_reserved (what its caching allocator holds),
+    compared with memory.reserved_bytes (no CUDA context or NCCL buffers; FSDP2's gradient shards cached in its
+    reduce-scatter stream); 'active', torch's active bytes (memory_stats "active_bytes.all.peak": what tensors
+    hold), compared with the planner's total less its fragmentation allowance and fixed overhead."""
 
     def published_step(self) -> float:
         """Measured, or implied by the published throughput and the source's FLOP formula."""
@@ -553,7 +558,8 @@ def torchtitan_runs() -> list[Run]:
         size = name.removeprefix("llama3-").upper()
         runs.append(Run(f"torchtitan {size} {layout}{how} n={n} s={seq // 1024}K", model, n, seq, batch,
                         f"{plan}{',sequence_parallel=true' if tp else ''}", TORCHTITAN, f"table {table} row: {row}",
-                        tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, gpu="h100", system="torchtitan",
+                        tflops=tps * flops_per_token(model, seq) / 1e12, mem_gib=mem, mem_counts="reserved",
+                        gpu="h100", system="torchtitan",
                         **GRAND_TETON_H100,
                         search=table in (1, 2) and not compiled, fused_rmsnorm=False, compile=compiled,
                         compile_loss=False, cp_repeats_kv=True, precision="fp8" if float8 else "bf16",
@@ -611,8 +617,9 @@ def torchtitan_2025_runs() -> list[Run]:
 # e7c0cae: seq_len 8192, data_parallel_shard_degree -1 (FSDP over every GPU), activation_checkpoint mode "selective",
 # selective_ac_option "op"; float8 filter_fqns ["output"]. Under --training.compile torchtitan then also compiled
 # the loss (components/loss.py build_cross_entropy_loss). "TPS and Memory(GiB) are arbitrarily sampled at the
-# 100th iteration." Not modelled: the float8 all-gather (the weights travel in float8, half the bytes; the planner
-# sends bf16, and this FSDP traffic hides behind compute either way) and the weight casts it moves onto the shards.
+# 100th iteration." Memory is torchtitan's logged "memory", torch's max_memory_reserved (mem_counts "reserved").
+# Not modelled: the float8 all-gather (the weights travel in float8, half the bytes; the planner sends bf16, and
+# this FSDP traffic hides behind compute either way) and the weight casts it moves onto the shards.
 TRAINY = ("torchtitan, benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025), "
           "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_8b_h200_2025-06_torchtitan.md")
 TRAINY_ROWS = [(4, 10938, 47.96), (8, 10753, 46.97)]  # NUM_NODES | TPS/GPU | Memory(GiB)
@@ -623,7 +630,8 @@ def trainy_runs() -> list[Run]:
     return [Run(f"torchtitan H200 8B FSDP compile+Float8 n={8 * nodes} s=8K", model, 8 * nodes, 8192, 2 * 8 * nodes,
                 f"dp_shard={8 * nodes},zero_stage=3,micro_batch=2,activation_checkpoint=selective", TRAINY,
                 f"NUM_NODES {nodes} | TPS/GPU {tps} | Memory(GiB) {mem}",
-                tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, gpu="h200", system="torchtitan",
+                tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, mem_counts="reserved", gpu="h200",
+                system="torchtitan",
                 search=nodes == 4, compile=True, precision="fp8")
             for nodes, tps, mem in TRAINY_ROWS]
 
@@ -656,7 +664,8 @@ def torchao_runs() -> list[Run]:
     model = preset("llama3-8b")
     return [Run(f"torchao {gpu.upper()} 8B FSDP compile{'+Float8' if precision == 'fp8' else ''} n=8 s=8K", model, 8,
                 8192, 8, "dp_shard=8,zero_stage=3,micro_batch=1,activation_checkpoint=selective", TORCHAO,
-                f"Llama3-8b | {row}", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem, gpu=gpu,
+                f"Llama3-8b | {row}", tflops=tps * flops_per_token(model, 8192) / 1e12, mem_gib=mem,
+                mem_counts="reserved", gpu=gpu,
                 system="torchtitan", search=False, compile=True, compile_loss=compiled_loss, precision=precision,
                 fused_rmsnorm=gpu != "h100", **(GRAND_TETON_H100 if gpu == "h100" else {}))
             for gpu, precision, compiled_loss, tps, mem, row in TORCHAO_ROWS]
@@ -1347,7 +1356,8 @@ def nemo_launcher_runs() -> list[Run]:
 #   rank)" at 8K to 256K tokens. TFLOPS are benchmark.py's estimate_tflos over the step: 6 N tokens + 6 s^2 d_head
 #   heads layers (causal), N the blocks' linears and one V x d (the head), so the step is that count over them.
 # * The 8K step decomposition (bench_decompose.py's defaults: ZeRO-2, no checkpointing, no offload, no Liger):
-#   461 TFLOPS in all; and "Liger-Kernel ... cuts peak memory ~20% (99 -> 80GiB)" at that 8K ZeRO-2 step. Without
+#   461 TFLOPS in all; and "Liger-Kernel ... cuts peak memory ~20% (99 -> 80GiB)" at that 8K ZeRO-2 step. Its peak
+#   is max_memory_reserved too (bench_decompose.py: the largest over the ranks). Without
 #   Liger the norms are Hugging Face's LlamaRMSNorm, composite in fp32 (fused_rmsnorm False, since 2026-12-05).
 # Described as two system files (benchmarks/systems/deepspeed-hf*.toml). Added on 2026-12-05 and evaluated first as
 # the planner stood (held out: docs/heldout-2026-12-05/bekman-h200-deepspeed-held-out.txt).
@@ -1374,16 +1384,17 @@ def bekman_runs() -> list[Run]:
         step = bekman_step(model, seq, tflops)
         runs.append(Run(f"Bekman H200 8B ZeRO-3 offload AC Liger s={k}K", model, 8, seq, 8,
                         "dp_shard=8,zero_stage=3,micro_batch=1,activation_checkpoint=full", BEKMAN,
-                        f"{k}K | {tflops} TFLOPS | {mem} GiB", tflops=tflops, step_s=step, mem_gib=mem, gpu="h200",
+                        f"{k}K | {tflops} TFLOPS | {mem} GiB", tflops=tflops, step_s=step, mem_gib=mem,
+                        mem_counts="reserved", gpu="h200",
                         system="deepspeed-hf-liger.toml", search=False, offload="optimizer"))
     model = preset("llama3-8b")
     zero2 = "dp_shard=8,zero_stage=2,micro_batch=1,activation_checkpoint=none"
     runs.append(Run("Bekman H200 8B ZeRO-2 s=8K", model, 8, 8192, 8, zero2, BEKMAN,
                     "step decomposition @ 8k, total | 461 TFLOPS; without Liger 99 GiB",
-                    tflops=461, step_s=bekman_step(model, 8192, 461), mem_gib=99, gpu="h200",
+                    tflops=461, step_s=bekman_step(model, 8192, 461), mem_gib=99, mem_counts="reserved", gpu="h200",
                     system="deepspeed-hf.toml", search=False, fused_rmsnorm=False))
     runs.append(Run("Bekman H200 8B ZeRO-2 Liger s=8K (memory)", model, 8, 8192, 8, zero2, BEKMAN,
-                    "Liger-Kernel cuts peak memory 99 -> 80GiB", mem_gib=80, gpu="h200",
+                    "Liger-Kernel cuts peak memory 99 -> 80GiB", mem_gib=80, mem_counts="reserved", gpu="h200",
                     system="deepspeed-hf-liger.toml", search=False))
     return runs
 
@@ -1439,7 +1450,7 @@ def torchtune_runs() -> list[Run]:
         runs.append(Run(f"torchtune A100 3B {technique.removeprefix('+ ')}", model, 1, 4096, 2,
                         f"micro_batch=2,activation_checkpoint={recompute}", TORCHTUNE,
                         f"{technique} | {mem} | {tps}", tflops=tps * flops_per_token(model, 4096) / 1e12,
-                        mem_gib=mem, mem_active=True, system="torchtune", search=False, compile=compiled,
+                        mem_gib=mem, mem_counts="active", system="torchtune", search=False, compile=compiled,
                         compile_loss=loss, loss_chunks=None if loss else 1, activation_offload=offload,
                         optimizer_in_backward=in_backward,
                         lora_rank=64 if adapters else 0, qlora=technique == "QLoRA",
@@ -1694,10 +1705,16 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
-def published_memory(memory: dict, run: Run) -> float:
-    """The planner's peak in bytes as the source counts its own (Run.mem_active)."""
-    if run.mem_active:
+def published_memory(ev: Evaluation, run: Run) -> float:
+    """The planner's peak in bytes as the source counts its own (Run.mem_counts)."""
+    memory = ev.memory
+    if run.mem_counts not in ("device", "reserved", "active"):
+        raise ValueError(f"{run.name}: mem_counts {run.mem_counts!r} is not 'device', 'reserved' or 'active'")
+    if run.mem_counts == "active":
         return memory["total"] - memory["fragmentation"] - memory["fixed_overhead"]
+    if run.mem_counts == "reserved":
+        return reserved_bytes(run.model, training_of(run), ev.plan, ev.memory_stage,
+                              ev.budget - memory["fixed_overhead"])
     return memory["total"]
 
 
@@ -1766,7 +1783,7 @@ def main() -> None:
             continue
         t = ev.time
         pub_s = run.published_step() if (run.tflops or run.step_s) else None
-        mem = published_memory(ev.memory, run) / GiB
+        mem = published_memory(ev, run) / GiB
         if run.mem_gib is not None:
             memories.append((run.name, mem / run.mem_gib))
             mem_lines.append(f"  {run.name:{W}s} predicted {mem:5.1f} GiB, published {run.mem_gib:5.1f} GiB: "

@@ -21,6 +21,7 @@ from shardwise.layout import LAYOUT_KEYS, Layout, complete_layout, layout_text, 
 from shardwise.model_args import PROJECTIONS, ModelArgs, count_text, num_params, projection_shapes
 from shardwise.planner.experts import dispatch_ranks, imbalance, max_imbalance
 from shardwise.planner.explain import explain, render
+from shardwise.planner.memory import reserved_bytes
 from shardwise.planner.plan import Plan, engine_error, system_parallel_error
 from shardwise.planner.search import Evaluation, evaluate, pipeline_keys, search
 from shardwise.planner.system import SYSTEMS, System, resolve_system
@@ -575,7 +576,11 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
                        best.plan.grad_accum)
     if training.layout != "torch":  # mixed precision is the system's own recipe (its summary), not this knob's
         keys = ",".join(k for k in keys.split(",") if not k.startswith("mixed_precision="))
+    reserved = reserved_bytes(model, training, best.plan, best.memory_stage,
+                              best.budget - best.memory["fixed_overhead"]) / GiB
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}",
+                      f"torch's max_memory_reserved would read about {reserved:.1f} GiB (what its caching allocator "
+                      "holds: no CUDA context or NCCL buffers; docs/planner.md, 'Reserved memory')",
                       f"#1 as keys (plan --plan, simulate --plan, verify --layout): {keys}", *notes])
 
 

@@ -1371,6 +1371,8 @@ def zero_bucket_bytes(training: Training, plan: Plan) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------------
 # The breakdown at the peak (docs/planner.md, "The moment of the peak")
 
+DYNAMIC_ITEMS = ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets")
+"""The items the fragmentation allowance is a share of (Training.fragmentation)."""
 MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block_backward", "next_block_backward",
            "end_of_backward", "embedding_backward", "optimizer_step")
 
@@ -1386,12 +1388,37 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
     shared = sum(base.values())
     peak = moment or max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
     items = _moment(base, changes, peak)
-    dynamic = sum(items[k] for k in ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets"))
+    dynamic = sum(items[k] for k in DYNAMIC_ITEMS)
     items["fragmentation"] = training.fragmentation * dynamic
     items["allocator_segments"] = bf16_optimizer_segments(args, training, plan, stage)
     items["fixed_overhead"] = training.fixed_overhead_gib * GiB
     items["total"] = sum(items.values())
     return items
+
+
+def reserved_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int, limit: float | None = None) -> float:
+    """What torch's `max_memory_reserved` reads on a rank of pipeline stage `stage` (docs/planner.md, "Reserved
+    memory"): what torch's caching allocator holds at the largest of `moment_memory`'s moments, so without the fixed
+    overhead (the CUDA context and NCCL's buffers, allocated outside it; its cuBLAS workspaces, tens of MiB, are left
+    in the overhead), with the fragmentation allowance, and under FSDP2 with the gradients it reduces (a ZeRO-2/3
+    rank's shards, a replicated rank's whole set) at every moment, made yet or not. FSDP2 allocates them in a stream
+    of its own (foreach_reduce: each parameter's .grad is a view of the reduce-scatter output, made in the
+    reduce-scatter stream, or its cast to the parameters' dtype, made there or, under HSDP, in the all-reduce
+    stream) and the caching allocator hands a freed block back only to allocations on the stream that made it, so
+    once zero_grad frees them they stay reserved, out of the default stream's reach, through the next step's
+    forward. Where they are not live they do not count towards fitting: an allocation that fails releases the
+    cached blocks and retries (the allocator's alloc retries), so the figure is at most `limit` (the device's bytes
+    less the fixed overhead) where one is given."""
+    training = recipe_for(training, plan)
+    cached = _model_state(args, training, plan, stage)["grads"] \
+        if training.fsdp2 and (plan.zero_stage >= 2 or replicates(training, plan)) else 0.0
+    segments = bf16_optimizer_segments(args, training, plan, stage)
+    held = 0.0
+    for items in moment_memory(args, training, plan, stage).values():
+        dynamic = sum(items.get(k, 0.0) for k in DYNAMIC_ITEMS)
+        held = max(held, sum(items.values()) + training.fragmentation * dynamic + segments
+                   + max(0.0, cached - items.get("grads", 0.0)))
+    return held if limit is None else min(held, limit)
 
 
 def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0) -> float:
