@@ -1523,6 +1523,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # model is wrapped (its grad buffer): resident from the first backward on, whatever the accumulation
     resident = training.layout == "megatron"
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
+    if fsdp and accum_early and not keep_unsharded_early:
+        # a system that reduce-scatters every micro-batch's gradients (torchtitan, Composer, DeepSpeed) holds the
+        # rank's shards from the first micro-batch's backward on: the later micro-batches run beside them
+        early_grads = state["grads"]
     # what the micro-batches in flight hold: m of the rank's set, or zero-bubble's walk (_zero_bubble_held),
     # whose input passes keep every micro-batch's graph and the gradients its weight pass starts from
     zero_bubble = None
@@ -1640,7 +1644,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
             blocks_share = (stage_p - root_p) / stage_p if stage_p else 0.0
             out["late_block_backward"] = {
                 **out["second_block_backward"],
-                "grads": state["grads"] * blocks_share * gone / shape.layers,
+                "grads": early_grads or state["grads"] * blocks_share * gone / shape.layers,
                 "activations": first["activations"] - done * (gone + 1),
                 "compute_copies": first["compute_copies"]
                 - (acts["copies"] - acts["head_copy"]) * (gone + 1) / shape.layers}
