@@ -1705,15 +1705,16 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
-def published_memory(ev: Evaluation, run: Run) -> float:
-    """The planner's peak in bytes as the source counts its own (Run.mem_counts)."""
+def published_memory(ev: Evaluation, run: Run, training: Training | None = None) -> float:
+    """The planner's peak in bytes as the source counts its own (Run.mem_counts), for `ev` as evaluated with
+    `training` (default: the run's, training_of)."""
     memory = ev.memory
     if run.mem_counts not in ("device", "reserved", "active"):
         raise ValueError(f"{run.name}: mem_counts {run.mem_counts!r} is not 'device', 'reserved' or 'active'")
     if run.mem_counts == "active":
         return memory["total"] - memory["fragmentation"] - memory["fixed_overhead"]
     if run.mem_counts == "reserved":
-        return reserved_bytes(run.model, training_of(run), ev.plan, ev.memory_stage,
+        return reserved_bytes(run.model, training or training_of(run), ev.plan, ev.memory_stage,
                               ev.budget - memory["fixed_overhead"])
     return memory["total"]
 

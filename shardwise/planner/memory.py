@@ -1386,7 +1386,15 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
     training = recipe_for(training, plan)
     base, changes = _moment_parts(args, training, plan, stage)
     shared = sum(base.values())
-    peak = moment or max(changes, key=lambda name: shared + sum(v - base.get(k, 0.0) for k, v in changes[name].items()))
+
+    def held(name: str) -> float:  # the moment's bytes with its fragmentation allowance
+        change = changes[name]
+        dynamic = sum(change.get(k, base.get(k, 0.0)) for k in DYNAMIC_ITEMS) if name != "optimizer_step" else \
+            sum(change.get(k, 0.0) for k in DYNAMIC_ITEMS)
+        return (shared + sum(v - base.get(k, 0.0) for k, v in change.items())
+                + training.fragmentation * dynamic)
+
+    peak = moment or max(changes, key=held)
     items = _moment(base, changes, peak)
     dynamic = sum(items[k] for k in DYNAMIC_ITEMS)
     items["fragmentation"] = training.fragmentation * dynamic
@@ -1410,8 +1418,10 @@ def reserved_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int, 
     cached blocks and retries (the allocator's alloc retries), so the figure is at most `limit` (the device's bytes
     less the fixed overhead) where one is given."""
     training = recipe_for(training, plan)
+    # (torchtitan's DDP of the preset's time is torch's DDP-based replicate: autograd's gradients, default stream)
+    fsdp_replicate = replicates(training, plan) and training.system.split(" (")[0] == "shardwise"
     cached = _model_state(args, training, plan, stage)["grads"] \
-        if training.fsdp2 and (plan.zero_stage >= 2 or replicates(training, plan)) else 0.0
+        if training.fsdp2 and (plan.zero_stage >= 2 or fsdp_replicate) else 0.0
     segments = bf16_optimizer_segments(args, training, plan, stage)
     held = 0.0
     for items in moment_memory(args, training, plan, stage).values():
@@ -1523,9 +1533,12 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # model is wrapped (its grad buffer): resident from the first backward on, whatever the accumulation
     resident = training.layout == "megatron"
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
-    if fsdp and accum_early and not keep_unsharded_early:
-        # a system that reduce-scatters every micro-batch's gradients (torchtitan, Composer, DeepSpeed) holds the
-        # rank's shards from the first micro-batch's backward on: the later micro-batches run beside them
+    # a system that reduce-scatters every micro-batch's gradients (FSDP outside a pipeline, Composer's FSDP1,
+    # Megatron-FSDP, DeepSpeed's ZeRO-2/3) holds the rank's shards from the first micro-batch's backward on: the
+    # later micro-batches run beside them (not where an offload keeps them on the host: DeepSpeed's
+    # offload_optimizer, stage3.py's grad_partitions_flat_buffer on the CPU)
+    shards_early = fsdp and not keep_unsharded and plan.offload == "none"
+    if shards_early and accum_early:
         early_grads = state["grads"]
     # what the micro-batches in flight hold: m of the rank's set, or zero-bubble's walk (_zero_bubble_held),
     # whose input passes keep every micro-batch's graph and the gradients its weight pass starts from
@@ -1653,7 +1666,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
         after = acts["block_backward" if fsdp else "block_backward_accumulating"]
         out["next_block_backward"] = {
-            **out["first_block_backward"], "grads": 0.0 if fsdp else state["grads"],
+            **out["first_block_backward"], "grads": 0.0 if fsdp and not shards_early else state["grads"],
             # (under FSDP `after` is `bwd`: the same fresh gradients)
             "backward_and_logits": working(after, not fsdp) + (fresh_grads if fsdp else 0.0),
             "activations": saved(after)[0] - acts["activations"], "compute_copies": saved(after)[1] - acts["copies"],
