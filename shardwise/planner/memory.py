@@ -1418,10 +1418,8 @@ def reserved_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int, 
     cached blocks and retries (the allocator's alloc retries), so the figure is at most `limit` (the device's bytes
     less the fixed overhead) where one is given."""
     training = recipe_for(training, plan)
-    # (torchtitan's DDP of the preset's time is torch's DDP-based replicate: autograd's gradients, default stream)
-    fsdp_replicate = replicates(training, plan) and training.system.split(" (")[0] == "shardwise"
-    cached = _model_state(args, training, plan, stage)["grads"] \
-        if training.fsdp2 and (plan.zero_stage >= 2 or fsdp_replicate) else 0.0
+    cached = _model_state(args, training, plan, stage)["grads"] if training.fsdp2 and (
+        plan.zero_stage >= 2 or training.fsdp_replicate and replicates(training, plan)) else 0.0
     segments = bf16_optimizer_segments(args, training, plan, stage)
     held = 0.0
     for items in moment_memory(args, training, plan, stage).values():
@@ -1440,7 +1438,8 @@ def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0)
 
 
 def peak_moment(args: ModelArgs, training: Training, plan: Plan, stage: int) -> str:
-    """Which of MOMENTS holds the stage's peak."""
+    """Which of MOMENTS holds the stage's largest allocated bytes (stage_memory's breakdown picks the largest with
+    its fragmentation allowance, which can be another)."""
     moments = moment_memory(args, training, plan, stage)
     return max(moments, key=lambda k: sum(moments[k].values()))
 
@@ -1535,9 +1534,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     # a system that reduce-scatters every micro-batch's gradients (FSDP outside a pipeline, Composer's FSDP1,
     # Megatron-FSDP, DeepSpeed's ZeRO-2/3) holds the rank's shards from the first micro-batch's backward on: the
-    # later micro-batches run beside them (not where an offload keeps them on the host: DeepSpeed's
-    # offload_optimizer, stage3.py's grad_partitions_flat_buffer on the CPU)
-    shards_early = fsdp and not keep_unsharded and plan.offload == "none"
+    # later micro-batches run beside them (not where DeepSpeed's offload_optimizer keeps them on the host:
+    # stage3.py's grad_partitions_flat_buffer on the CPU)
+    shards_early = fsdp and not keep_unsharded and not (training.layout == "zero" and plan.offload != "none")
     if shards_early and accum_early:
         early_grads = state["grads"]
     # what the micro-batches in flight hold: m of the rank's set, or zero-bubble's walk (_zero_bubble_held),

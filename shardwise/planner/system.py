@@ -144,6 +144,8 @@ class System:
     """The ZeRO stages it runs (Training.zero_stages)."""
     ddp_alone: bool = False
     """DDP only as the layout's one parallelism (Training.ddp_alone)."""
+    fsdp_replicate: bool = False
+    """ZeRO-0/1 over several ranks as FSDP2's replicate (Training.fsdp_replicate)."""
     hsdp_stages: tuple[int, ...] = (2, 3)
     """The ZeRO stages it runs as hybrid sharding (Training.hsdp_stages)."""
     offload_stages: tuple[int, ...] = (2, 3)
@@ -212,7 +214,8 @@ class System:
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
                 "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
-                "ddp_alone": self.ddp_alone, "hsdp_stages": self.hsdp_stages, "offload_stages": self.offload_stages,
+                "ddp_alone": self.ddp_alone, "fsdp_replicate": self.fsdp_replicate, "hsdp_stages": self.hsdp_stages,
+                "offload_stages": self.offload_stages,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
                 "expert_parallel": self.expert_parallel}
 
@@ -230,7 +233,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "keeps every matmul output, eager elementwise operators; where FSDP shards, bf16 may run under FSDP2's "
            "mixed-precision policy instead (the plan's bf16 column: parallel.mixed_precision)",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
-                  "shardwise.activation_checkpoint, shardwise.parallel.data_parallel.mixed_precision_policy"),
+                  "shardwise.activation_checkpoint, shardwise.parallel.data_parallel.mixed_precision_policy",
+           fsdp_replicate=True),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
@@ -390,7 +394,7 @@ def resolve_system(spec: str | System) -> System:
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
                                    "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel", "ddp_alone", "expert_parallel") else \
+                                   "context_parallel", "ddp_alone", "fsdp_replicate", "expert_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):

@@ -107,6 +107,10 @@ class Training:
     ddp_alone: bool = False
     """ZeRO-0 over more than one rank (DDP) only as the layout's one parallelism: torchtitan's apply_ddp until
     March 2026 ('DDP has not supported > 1D parallelism'; its cp always ran under FSDP)."""
+    fsdp_replicate: bool = True
+    """ZeRO-0/1 over several ranks is FSDP2's replicate (shardwise's engine: replicate_with_fsdp), whose gradients
+    FSDP2 reduces, and makes, in a stream of its own (memory.reserved_bytes), not torch's DDP or DDP-based replicate
+    (autograd's gradients on the default stream)."""
     offload_stages: tuple[int, ...] = (2, 3)
     """The ZeRO stages at which the system offloads weights, gradients and optimizer state to the host (offload
     'full': FSDP's CPU offload at 2 or 3, DeepSpeed's offload_param at 3 only); empty: none (Megatron's host offload
