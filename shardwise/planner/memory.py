@@ -1408,11 +1408,12 @@ def reserved_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int, 
     """What torch's `max_memory_reserved` reads on a rank of pipeline stage `stage` (docs/planner.md, "Reserved
     memory"): what torch's caching allocator holds at the largest of `moment_memory`'s moments, so without the fixed
     overhead (the CUDA context and NCCL's buffers, allocated outside it; its cuBLAS workspaces, tens of MiB, are left
-    in the overhead), with the fragmentation allowance, and under FSDP2 with the gradients it reduces (a ZeRO-2/3
-    rank's shards, a replicated rank's whole set) at every moment, made yet or not. FSDP2 allocates them in a stream
-    of its own (foreach_reduce: each parameter's .grad is a view of the reduce-scatter output, made in the
-    reduce-scatter stream, or its cast to the parameters' dtype, made there or, under HSDP, in the all-reduce
-    stream) and the caching allocator hands a freed block back only to allocations on the stream that made it, so
+    in the overhead), with the fragmentation allowance, and under torch's FSDP (ZeRO-2/3; ZeRO-0/1 where it is
+    FSDP2's replicate, Training.fsdp_replicate) with the gradients it reduces (a sharded rank's shards, a replicated
+    rank's whole set) at every moment, made yet or not. FSDP2 allocates them in a stream of its own (foreach_reduce:
+    each parameter's .grad is a view of the reduce-scatter output, made in the reduce-scatter stream, or its cast to
+    the parameters' dtype, made there or, under HSDP, in the all-reduce stream; FSDP1 in its post-backward stream)
+    and the caching allocator hands a freed block back only to allocations on the stream that made it, so
     once zero_grad frees them they stay reserved, out of the default stream's reach, through the next step's
     forward. Where they are not live they do not count towards fitting: an allocation that fails releases the
     cached blocks and retries (the allocator's alloc retries), so the figure is at most `limit` (the device's bytes
