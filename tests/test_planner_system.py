@@ -2792,7 +2792,7 @@ def test_accumulation_holds_the_shards_a_system_reduce_scatters_every_micro_batc
     args = preset("llama3-8b")
     cluster = Cluster(accelerator("h100"), 8)
     shards = 4 * num_params(args) / 8
-    for system in ("torchtitan", "llm-foundry", "deepspeed", "shardwise"):
+    for system in ("torchtitan", "llm-foundry", "deepspeed-2021", "shardwise"):
         totals, moments = {}, {}
         for ga in (1, 4):
             training = _training(system, seq_len=8192, global_batch=8 * ga)
@@ -2805,7 +2805,7 @@ def test_accumulation_holds_the_shards_a_system_reduce_scatters_every_micro_batc
             assert moments[4]["loss_backward"]["fsdp_buffers"] > moments[1]["loss_backward"]["fsdp_buffers"] + shards
             continue
         state = moments[4]["optimizer_step"]["grads"]  # DeepSpeed's ZeRO-3 gradient partitions: bf16, half
-        assert state == pytest.approx(shards if system != "deepspeed" else shards / 2, rel=1e-6), system
+        assert state == pytest.approx(shards if system != "deepspeed-2021" else shards / 2, rel=1e-6), system
         for name in ("loss_backward", "first_block_backward", "late_block_backward"):
             if name not in moments[4]:
                 continue
@@ -2819,7 +2819,13 @@ def test_accumulation_holds_the_shards_a_system_reduce_scatters_every_micro_batc
     core = _training("megatron-core", seq_len=4096, global_batch=16)
     piped = moment_memory(args, core, Plan(pp=4, dp_shard=4, zero_stage=2, micro_batch=1, grad_accum=4), 0)
     assert piped["next_block_backward"]["grads"] == piped["optimizer_step"]["grads"] > 0
-    # DeepSpeed's offload_optimizer keeps the gradient partitions on the host (stage3.py)
-    offloaded = moment_memory(args, _training("deepspeed", seq_len=4096, global_batch=32),
-                              Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=4, offload="optimizer"), 0)
-    assert offloaded["loss_backward"]["grads"] == 0.0
+    # DeepSpeed's ZeRO-3 since v0.6 (the deepspeed preset) allocates its gradient partitions when it starts
+    # (stage3.py, grad_partitions_flat_buffer): there at every moment of every micro-batch; v0.3.13's (above) in the
+    # first backward. Under offload_optimizer they are on the host: none on the device
+    for ga in (1, 4):
+        speed = _training("deepspeed", seq_len=8192, global_batch=8 * ga)
+        moments = moment_memory(args, speed, Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=ga), 0)
+        assert [items["grads"] for items in moments.values()] == pytest.approx([shards / 2] * len(moments)), ga
+        offloaded = moment_memory(args, speed, Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=ga,
+                                                    offload="optimizer"), 0)
+        assert {items["grads"] for items in offloaded.values()} == {0.0}, ga

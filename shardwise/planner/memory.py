@@ -1533,6 +1533,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # model is wrapped (its grad buffer): resident from the first backward on, whatever the accumulation
     resident = training.layout == "megatron"
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
+    if training.layout == "zero" and plan.zero_stage >= 3 and training.zero3_grads_at_start:
+        # DeepSpeed's ZeRO-3 allocates the rank's gradient partitions when it starts (stage3.py,
+        # grad_partitions_flat_buffer): there at every moment (on the host under offload_optimizer: no device bytes)
+        early_grads = state["grads"]
     # a system that reduce-scatters every micro-batch's gradients (FSDP outside a pipeline, Composer's FSDP1,
     # Megatron-FSDP, DeepSpeed's ZeRO-2/3) holds the rank's shards from the first micro-batch's backward on: the
     # later micro-batches run beside them (not where DeepSpeed's offload_optimizer keeps them on the host:
@@ -1954,6 +1958,10 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         if training.optimizer_in_backward:
             # each parameter's gradient is stepped and freed as autograd finishes it: no gradient set is ever held
             # (a block's in its backward, made there, as without it)
+            items["grads"] = 0.0
+        if training.layout == "zero" and plan.zero_stage >= 3 and plan.offload == "optimizer":
+            # DeepSpeed's ZeRO-3 under offload_optimizer keeps the gradient partitions on the host (stage3.py: its
+            # device is the CPU; v0.3.13 reduced each into the CPU's fp32 partition)
             items["grads"] = 0.0
         cached = _remember(_MODEL_STATE, key, items)
     return cached

@@ -146,6 +146,8 @@ class System:
     """DDP only as the layout's one parallelism (Training.ddp_alone)."""
     fsdp_replicate: bool = False
     """ZeRO-0/1 over several ranks as FSDP2's replicate (Training.fsdp_replicate)."""
+    zero3_grads_at_start: bool = False
+    """DeepSpeed's ZeRO-3 gradient partitions allocated at start (Training.zero3_grads_at_start)."""
     hsdp_stages: tuple[int, ...] = (2, 3)
     """The ZeRO stages it runs as hybrid sharding (Training.hsdp_stages)."""
     offload_stages: tuple[int, ...] = (2, 3)
@@ -215,7 +217,7 @@ class System:
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
                 "pp_schedules": self.pp_schedules, "pp_zero_max": self.pp_zero_max, "zero_stages": self.zero_stages,
                 "ddp_alone": self.ddp_alone, "fsdp_replicate": self.fsdp_replicate, "hsdp_stages": self.hsdp_stages,
-                "offload_stages": self.offload_stages,
+                "offload_stages": self.offload_stages, "zero3_grads_at_start": self.zero3_grads_at_start,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
                 "expert_parallel": self.expert_parallel}
 
@@ -341,9 +343,11 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="zero", fuse_head=False, grad_sync="micro-batch", selective="attention-core",
            elementwise="fused", checkpoint_early_stop=False, cp_exchange="ring", reduce_bucket_size=5e8,
            pp_schedules=("1f1b",), pp_zero_max=1, context_parallel=False, hsdp_stages=(3,), offload_stages=(3,),
+           zero3_grads_at_start=True,
            source="Rajbhandari et al. 2020, ZeRO (arXiv 1910.02054), section 3: 2 + 2 + K bytes per parameter; "
                   "DeepSpeed's zero/config.py defaults (reduce_bucket_size 5e8, contiguous_gradients true, "
-                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets; " + DEEPSPEED_PIPELINE
+                  "overlap_comm only at stage 3), stage3.py and stage_1_and_2.py ipg buckets, stage3.py's "
+                  "gradient partitions allocated at start; " + DEEPSPEED_PIPELINE
                   + "; tensor parallelism from Megatron's mpu (Megatron-DeepSpeed) or AutoTP training "
                   "(runtime/tensor_parallel, PR 7004, February 2025); hybrid sharding for ZeRO-3 only (MiCS: "
                   "runtime/zero/mics.py, April 2023); the weights offloaded at ZeRO-3 only (offload_param; ZeRO-2 "
@@ -394,7 +398,8 @@ def resolve_system(spec: str | System) -> System:
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
                                    "fused_rmsnorm",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel", "ddp_alone", "fsdp_replicate", "expert_parallel") else \
+                                   "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
+                                   "expert_parallel") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):
