@@ -2829,3 +2829,7 @@ def test_accumulation_holds_the_shards_a_system_reduce_scatters_every_micro_batc
         offloaded = moment_memory(args, speed, Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=ga,
                                                     offload="optimizer"), 0)
         assert {items["grads"] for items in offloaded.values()} == {0.0}, ga
+        # ... as at ZeRO-2 (stage_1_and_2.py makes no device partition under cpu_offload)
+        zero2 = moment_memory(args, speed, Plan(dp_shard=8, zero_stage=2, micro_batch=1, grad_accum=ga,
+                                                offload="optimizer"), 0)
+        assert {items["grads"] for items in zero2.values()} == {0.0}, ga

@@ -1535,7 +1535,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     early_grads = state["grads"] if (accum_early or resident) and not fsdp else 0.0
     if training.layout == "zero" and plan.zero_stage >= 3 and training.zero3_grads_at_start:
         # DeepSpeed's ZeRO-3 allocates the rank's gradient partitions when it starts (stage3.py,
-        # grad_partitions_flat_buffer): there at every moment (on the host under offload_optimizer: no device bytes)
+        # grad_partitions_flat_buffer): there at every moment (on the host under offload_optimizer: none here,
+        # _model_state)
         early_grads = state["grads"]
     # a system that reduce-scatters every micro-batch's gradients (FSDP outside a pipeline, Composer's FSDP1,
     # Megatron-FSDP, DeepSpeed's ZeRO-2/3) holds the rank's shards from the first micro-batch's backward on: the
@@ -1959,9 +1960,10 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
             # each parameter's gradient is stepped and freed as autograd finishes it: no gradient set is ever held
             # (a block's in its backward, made there, as without it)
             items["grads"] = 0.0
-        if training.layout == "zero" and plan.zero_stage >= 3 and plan.offload == "optimizer":
-            # DeepSpeed's ZeRO-3 under offload_optimizer keeps the gradient partitions on the host (stage3.py: its
-            # device is the CPU; v0.3.13 reduced each into the CPU's fp32 partition)
+        if training.layout == "zero" and plan.offload == "optimizer":
+            # DeepSpeed under offload_optimizer keeps the gradient partitions on the host (stage3.py: its device is
+            # the CPU, v0.3.13's too; stage_1_and_2.py's copy_grads_in_partition returns before making one on the
+            # device)
             items["grads"] = 0.0
         cached = _remember(_MODEL_STATE, key, items)
     return cached

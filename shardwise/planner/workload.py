@@ -109,9 +109,9 @@ class Training:
     March 2026 ('DDP has not supported > 1D parallelism'; its cp always ran under FSDP)."""
     zero3_grads_at_start: bool = False
     """DeepSpeed's ZeRO-3 (layout 'zero') allocates the rank's gradient partitions when it starts (stage3.py,
-    grad_partitions_flat_buffer, since v0.6 of January 2022; v0.3.13's grads_in_partition was made in the first
-    backward and freed after the step): resident at every moment, on the device unless offload_optimizer keeps them
-    on the host."""
+    grad_partitions_flat_buffer, since v0.6.0 of March 2022, PR 1453; v0.3.13's grads_in_partition was made in the
+    first backward and freed after the step): resident at every moment, on the device unless offload_optimizer keeps
+    them on the host."""
     fsdp_replicate: bool = True
     """ZeRO-0/1 over several ranks is FSDP2's replicate (shardwise's engine: replicate_with_fsdp), whose gradients
     FSDP2 reduces, and makes, in a stream of its own (memory.reserved_bytes), not torch's DDP or DDP-based replicate
