@@ -892,6 +892,8 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
                                          ('zero_stages = [3, 1, 1]\n', "--system zero_stages"),
                                          ('hsdp_stages = [true, 3.0]\n', "--system hsdp_stages"),
                                          ('ddp_alone = "no"\n', "ddp_alone"),
+                                         ('fsdp_replicate = 1\n', "fsdp_replicate"),
+                                         ('zero3_grads_at_start = "yes"\n', "zero3_grads_at_start"),
                                          ('offload_stages = [2, 2]\n', "--system offload_stages"),
                                          ('pp_schedules = "1f1b"\n', "pp_schedules"),
                                          ('pp_zero_max = 5\n', "--system pp_zero_max"),
@@ -2727,7 +2729,7 @@ def test_a_plan_that_does_not_fit_is_reported_as_the_system_would_run_it(capsys)
     assert re.search(r"^1 +2 \(1x2\) +1 +1 +1 +3 +16 ", capsys.readouterr().out, re.M)
 
 
-def test_reserved_memory_is_the_caching_allocators_with_fsdp2s_gradients(capsys):
+def test_reserved_memory_is_the_caching_allocators_with_fsdp2s_gradients(capsys, tmp_path):
     # What torch's max_memory_reserved reads (torchtitan's and Bekman's published peaks): the planner's moments
     # without its fixed overhead (the CUDA context and NCCL's buffers, which torch's caching allocator does not
     # hold), and under FSDP2 with the gradients it reduces, which it makes in a stream of its own (foreach_reduce)
@@ -2768,6 +2770,15 @@ def test_reserved_memory_is_the_caching_allocators_with_fsdp2s_gradients(capsys)
         ev.memory["total"] - GiB + 8 * shards, rel=1e-9)
     # ... at most what the device holds: the allocator releases its cache when an allocation fails
     assert reserved_bytes(args, ours, replicated, 0, limit=70 * GiB) == 70 * GiB
+    # a system file keeps its base's replicate, or says it is torch's DDP
+    for text, cached in (('base = "shardwise"\n', True), ('base = "shardwise"\nfsdp_replicate = false\n', False)):
+        path = tmp_path / "mine.toml"
+        path.write_text(text)
+        mine = Training(seq_len=8192, global_batch=8, **resolve_system(str(path)).training_fields())
+        assert mine.fsdp_replicate is cached
+        extra = 8 * shards if cached else 0.0
+        assert reserved_bytes(args, mine, replicated, 0) == pytest.approx(
+            evaluate(args, mine, replicated, cluster).memory["total"] - GiB + extra, rel=1e-9)
     # outside FSDP (Megatron's buffers, DeepSpeed's ZeRO-3, torchtitan's DDP of the preset's time, torch's
     # DDP-based replicate): the allocator's share alone
     for system, other in (("megatron-core", Plan(dp_replicate=8, zero_stage=1, micro_batch=1, grad_accum=1)),
