@@ -1379,23 +1379,11 @@ MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
                  moment: str | None = None) -> dict[str, float]:
-    """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory` (or at
-    `moment`, one of MOMENTS)."""
-    # a search asks this ~10^5 times: each moment is summed from the items it shares and those it changes, and only
-    # the largest is built
+    """Itemised bytes on one rank of pipeline stage `stage` at its peak: the largest of `moment_memory` with its
+    fragmentation allowance (_peak; or at `moment`, one of MOMENTS)."""
     training = recipe_for(training, plan)
     base, changes = _moment_parts(args, training, plan, stage)
-    shared = sum(base.values())
-
-    def held(name: str) -> float:  # the moment's bytes with its fragmentation allowance
-        change = changes[name]
-        dynamic = sum(change.get(k, base.get(k, 0.0)) for k in DYNAMIC_ITEMS) if name != "optimizer_step" else \
-            sum(change.get(k, 0.0) for k in DYNAMIC_ITEMS)
-        return (shared + sum(v - base.get(k, 0.0) for k, v in change.items())
-                + training.fragmentation * dynamic)
-
-    peak = moment or max(changes, key=held)
-    items = _moment(base, changes, peak)
+    items = _moment(base, changes, moment or _peak(base, changes, training))
     dynamic = sum(items[k] for k in DYNAMIC_ITEMS)
     items["fragmentation"] = training.fragmentation * dynamic
     items["allocator_segments"] = bf16_optimizer_segments(args, training, plan, stage)
@@ -1438,11 +1426,24 @@ def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0)
             + training.fixed_overhead_gib * GiB)
 
 
+def _peak(base: dict[str, float], changes: dict[str, dict[str, float]], training: Training) -> str:
+    """The moment whose bytes with their fragmentation allowance are largest, summed from the items every moment
+    shares and those it changes (a search asks this ~10^5 times: no moment's breakdown is built)."""
+    shared = sum(base.values())
+
+    def held(name: str) -> float:
+        change = changes[name]
+        # (the optimizer step keeps only model state of the base: _moment)
+        dynamic = sum(change.get(k, 0.0 if name == "optimizer_step" else base.get(k, 0.0)) for k in DYNAMIC_ITEMS)
+        return shared + sum(v - base.get(k, 0.0) for k, v in change.items()) + training.fragmentation * dynamic
+
+    return max(changes, key=held)
+
+
 def peak_moment(args: ModelArgs, training: Training, plan: Plan, stage: int) -> str:
-    """Which of MOMENTS holds the stage's largest allocated bytes (stage_memory's breakdown picks the largest with
-    its fragmentation allowance, which can be another)."""
-    moments = moment_memory(args, training, plan, stage)
-    return max(moments, key=lambda k: sum(moments[k].values()))
+    """Which of MOMENTS holds the stage's peak (stage_memory's breakdown)."""
+    training = recipe_for(training, plan)
+    return _peak(*_moment_parts(args, training, plan, stage), training)
 
 
 def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, dict[str, float]]:
