@@ -135,6 +135,9 @@ class Run:
     code of the time differs from the system's preset (torchtitan before January 2026: it did)."""
     precision: str = "bf16"
     """The matmul precision (Training.precision): fp8 for torchao's float8 training of the blocks' linears."""
+    attention_kernel: str | None = None
+    """The fused attention kernel (Training.attention_kernel), where the run's differs from its system's (the
+    FlashAttention column of FlashAttention-2's table: flash1) or a row described field by field states one."""
     fused_rmsnorm: bool = True
     """Whether torch.nn.RMSNorm ran as torch's fused kernel (Training.fused_rmsnorm): on a GPU since torch 2.8
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
@@ -1541,11 +1544,141 @@ def automodel_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# Five sources added on 2026-12-06 (the day's last run) and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-06/fa2-glm-bloomberg-tinyllama-llama1-held-out.txt).
+#
+# FlashAttention-2 (Dao 2023, arXiv 2307.08691), sec. 4.2, table 1: "Training speed (TFLOPs/s/GPU) of GPT-style
+# models on 8xA100 GPUs" (80GB SXM4, one node), "Without FlashAttention", FlashAttention and FlashAttention-2
+# columns; FLOPs "6 * seqlen * number of params + 12 * number of layers * hidden dim * seqlen^2" (the planner's model
+# FLOPs: the published time is implied by them; the paper's parameter count may include the learned position
+# embedding and biases, under 2% more). The runs are flash-attn's own training code ("it should be the same training
+# code", the author in Dao-AILab/flash-attention issue 558), its configs at the FlashAttention-2 release (4f285b3):
+# experiment/pile/gpt3xl-flash (1.3B: 24 layers, 2048 wide, 16 heads), gpt3-2.7B-flash-hdim128 (2.7B: 32 x 2560,
+# 20 heads: training/README.md's command, "we set head dimension to 128"), the 8K ones gpt3xl-flash-8k and
+# gpt3-2.7B-flash-8k (32 heads of 80: the only 2.7B 8K config without rotary); micro-batch 8 and 4 at 2K on an
+# 80 GB A100 (datamodule.batch_size by train.gpu_mem), global batch 512 sequences at 2K and 128 at 8K (1M tokens),
+# DDP with ZeroRedundancyOptimizer (ZeRO-1), no activation checkpointing. The 8K configs' micro-batch of 4 is not
+# what ran: the 2.7B's activations would be over 80 GB at Korthikanti et al.'s 34 bytes a token and hidden unit a
+# layer (34 x 8192 x 4 x 2560 x 32 = 91 GB): the search picks it; GPT-2's tokenizer padded to 50,264, tied
+# head, GELU MLP of 4h (benchmarks/systems/flash-attn-training.toml says how the code runs). The 2K "Without
+# FlashAttention" figures (142, 149) are the "Megatron-LM" bars of the repository's November 2022 figure
+# (assets/gpt3_training_efficiency.jpg: the same values), whose settings are not published: described as
+# megatron-lm-2021, the layout left to the search. Their 8K figures (72, 80) say nothing of the code that ran: left
+# out.
+FA2_PAPER = ("Dao 2023, FlashAttention-2, https://arxiv.org/abs/2307.08691, sec. 4.2, table 1; configs: "
+             "https://github.com/Dao-AILab/flash-attention/tree/main/training (4f285b3)")
+# model, sequence, hidden, heads, layers, micro-batch (None: the search's), global batch, without /
+# FlashAttention / FlashAttention-2
+FA2_ROWS = [("GPT3-1.3B", 2048, 2048, 16, 24, 8, 512, 142, 189, 196),
+            ("GPT3-1.3B", 8192, 2048, 16, 24, None, 128, 72, 170, 220),
+            ("GPT3-2.7B", 2048, 2560, 20, 32, 4, 512, 149, 189, 205),
+            ("GPT3-2.7B", 8192, 2560, 32, 32, None, 128, 80, 175, 225)]
+
+
+def fa2_runs() -> list[Run]:
+    runs = []
+    for name, seq, h, a, l, mb, batch, without, fa1, fa2 in FA2_ROWS:
+        model = gpt(name.lower(), h, a, l, vocab=50264, seq=seq)
+        row = f"{name} {seq // 1024}k context | {without} | {fa1} | {fa2} TFLOPs/s"
+        plan = ("tp=1,pp=1,cp=1,dp_replicate=8,zero_stage=1,activation_checkpoint=none"
+                + (f",micro_batch={mb}" if seq == 2048 else ""))
+        for column, kernel, x in (("FlashAttention-2", None, fa2), ("FlashAttention", "flash1", fa1)):
+            runs.append(Run(f"FA2-table {name} {seq // 1024}K {column}", model, 8, seq, batch, plan, FA2_PAPER, row,
+                            tflops=x, system="flash-attn-training.toml", attention_kernel=kernel,
+                            search=kernel is None))
+        if seq == 2048:
+            runs.append(Run(f"FA2-table {name} 2K without (Megatron-LM)", model, 8, seq, batch, "cp=1", FA2_PAPER,
+                            row + "; the Megatron-LM bar of assets/gpt3_training_efficiency.jpg", tflops=without,
+                            system="megatron-lm-2021", search=False))
+    return runs
+
+
+# GLM-130B (Zeng et al. 2022, arXiv 2210.02414; github.com/THUDM/GLM-130B): 70 layers of 12288 (96 heads), GeGLU of
+# 32768 (three matrices, as SwiGLU's), vocabulary 150,528, tied, sequence 2048; 96 DGX-A100 (8 x 40 GB), "4-way
+# tensor parallelism and 8-way pipeline parallelism" (sec. 3), DeepSpeed's pipeline (PipeDream-Flush: 1F1B; its
+# ReduceGrads after the last backward), 9 layers a middle stage and 8 on the two holding the embedding ("9x8-2=70",
+# sec. 2.3: the planner cuts by cost), micro-batch 1, ZeRO-1, activation checkpointing of every layer with DeepSpeed's
+# activation partitioning (distribute_checkpoints), fp16 (Apex O2) with an fp32 softmax, Megatron's fused masked
+# softmax and bias-dropout (unfused attention, dropout 0.1; no FlashAttention), DeepSpeed 0.6.1 (table 11, appendix).
+# Measured: logs/main-log-en.md, "Speed Testing (with Different Batch Sizes)": "134TFLOPS, 88.5s/iter, 48samples/s"
+# at batch 4224 (the training's) and "141TFLOPS, 122.5s/iter, 50samples/s" at 6144 (hardware FLOPs: 134 / 312 is
+# the paper's 43.3% HFU; the FFN's 3 x 8/3 h^2 make eq. 3's 12 h^2 a layer). The interconnect is not stated: the
+# catalogue's DGX A100 (8 HDR 200 Gb/s a node).
+GLM = ("Zeng et al. 2022, GLM-130B, https://arxiv.org/abs/2210.02414, sec. 2.3, 3, table 11; "
+       "https://github.com/THUDM/GLM-130B/blob/main/logs/main-log-en.md")
+GLM130B = ModelArgs(name="glm-130b", dim=12288, n_layers=70, n_heads=96, n_kv_heads=96, vocab_size=150528,
+                    ffn_hidden=32768, tie_embeddings=True, max_seq_len=2048)
+
+
+def glm_runs() -> list[Run]:
+    return [Run(f"GLM-130B n=768 batch {batch}", GLM130B, 768, 2048, batch,
+                "tp=4,pp=8,cp=1,dp_replicate=24,zero_stage=1,micro_batch=1,activation_checkpoint=full,"
+                "sequence_parallel=false,pp_schedule=1f1b", GLM, f"speed test: {x}TFLOPS, {step}s/iter",
+                step_s=step, tflops=x, flops="eq3", gpu="a100-40gb", precision="fp16", distribute_checkpoints=True,
+                overlap_grad_reduce=False, search=batch == 4224)
+            for batch, step, x in ((4224, 88.5, 134), (6144, 122.5, 141))]
+
+
+# BloombergGPT (Wu et al. 2023, arXiv 2303.17564, sec. 2.4 and 4.3): 70 layers of 7680 (40 heads), GELU MLP of 4h,
+# vocabulary 131,072, tied, sequence 2048; 64 p4d.24xlarge (512 A100 40GB; EFA, 400 Gb/s a node: 6.25 GB/s a GPU);
+# SageMaker's sharded data parallelism, "ZeRO optimization (stage 3) ... across 128 GPUs, and we have 4 copies of
+# the model", activation checkpointing of every layer, bf16 over fp32 parameters
+# (benchmarks/systems/sagemaker-smp-zero3.toml); batch 2048 sequences after step 7,200; "102 TFLOPs on average and
+# each training step takes 32.5 seconds" (8 N FLOPs a token: the recompute counted, attention not). Micro-batch
+# not stated: the search picks it.
+BLOOMBERG = "Wu et al. 2023, BloombergGPT, https://arxiv.org/abs/2303.17564, sec. 4.3"
+
+
+def bloomberg_runs() -> list[Run]:
+    model = gpt("bloomberggpt-50b", 7680, 40, 70, vocab=131072)
+    return [Run("BloombergGPT 50B n=512", model, 512, 2048, 2048,
+                "tp=1,pp=1,cp=1,dp_replicate=4,dp_shard=128,zero_stage=3,activation_checkpoint=full", BLOOMBERG,
+                "sec. 4.3: 102 TFLOPs on average, 32.5 s a step", step_s=32.5, tflops=102, flops="bloom",
+                gpu="a100-40gb", inter_node_gbs=400 / 8 / 8, system="sagemaker-smp-zero3.toml")]
+
+
+# TinyLlama 1.1B (github.com/jzhang38/TinyLlama at bf12224, README): "a throughput of 24k tokens per second per
+# A100-40G GPU ... without activation checkpointing" (3,456 A100 hours for 300B tokens in its table: 24.1k); 16
+# A100-40G (2 nodes); 22 layers of 2048, 32 heads in 4 groups, SwiGLU of 5632, vocabulary 32,000, untied, sequence
+# 2048; pretrain/tinyllama.py: micro-batch 8, 64 sequences a GPU a step (512 // 8 devices), FSDP FULL_SHARD with
+# bf16-mixed (benchmarks/systems/lit-gpt-fsdp.toml). Its interconnect is not stated: the catalogue's.
+TINYLLAMA = "TinyLlama, README.md and pretrain/tinyllama.py, https://github.com/jzhang38/TinyLlama (bf12224)"
+
+
+def tinyllama_runs() -> list[Run]:
+    model = ModelArgs(name="tinyllama-1.1b", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                      ffn_hidden=5632, max_seq_len=2048)
+    return [Run("TinyLlama 1.1B n=16", model, 16, 2048, 1024,
+                "tp=1,pp=1,cp=1,dp_shard=16,zero_stage=3,micro_batch=8,grad_accum=8,activation_checkpoint=none",
+                TINYLLAMA, "24k tokens per second per A100-40G GPU", tflops=24000 * flops_per_token(model, 2048) / 1e12,
+                gpu="a100-40gb", system="lit-gpt-fsdp.toml")]
+
+
+# LLaMA (Touvron et al. 2023, arXiv 2302.13971, sec. 2.4): "When training a 65B-parameter model, our code processes
+# around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM"; batch 4M tokens (2048 sequences of 2048, table 2);
+# xformers' causal attention with FlashAttention's backward ("uses the backward from Dao et al. (2022)": flash1),
+# checkpointing that saves "the outputs of linear layers" (selective, keeping every matmul's output), "model and
+# sequence parallelism, as described by Korthikanti et al. (2022)" (tp with sequence parallelism: its degree, the
+# pipeline's and the micro-batch not stated: the search completes them), the data-parallel all-reduce overlapped.
+# Its stack, like Llama 3's, is described field by field as Megatron's layout.
+LLAMA1 = "Touvron et al. 2023, LLaMA: Open and Efficient Foundation Language Models, https://arxiv.org/abs/2302.13971"
+
+
+def llama1_runs() -> list[Run]:
+    model = ModelArgs(name="llama-65b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=64, vocab_size=32000,
+                      ffn_hidden=22016, max_seq_len=2048)
+    return [Run("LLaMA 65B n=2048", model, 2048, 2048, 2048, "cp=1,sequence_parallel=true,activation_checkpoint=selective",
+                LLAMA1, "sec. 2.4: around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM",
+                tflops=380 * flops_per_token(model, 2048) / 1e12, fused_attention=True, attention_kernel="flash1")]
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
-        + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs())
+        + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
+        + bloomberg_runs() + tinyllama_runs() + llama1_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1610,6 +1743,8 @@ def training_of(run: Run) -> Training:
             fields["reduce_dtype"] = run.reduce_dtype
         if run.optimizer_passes is not None:
             fields["optimizer_passes"] = run.optimizer_passes
+        if run.attention_kernel is not None:
+            fields["attention_kernel"] = run.attention_kernel
         fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
         fields["activation_offload"] = fields["activation_offload"] or run.activation_offload
         fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
@@ -1634,7 +1769,8 @@ def training_of(run: Run) -> Training:
                     pipeline_split=run.pipeline_split, embedding_norm=run.embedding_norm,
                     fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32",
                     overlap_grad_reduce=run.overlap_grad_reduce is not False,
-                    flat_params=run.layout == "fsdp-mp")  # (fairscale's FSDP, metaseq's OPT: flat as FSDP1's)
+                    flat_params=run.layout == "fsdp-mp",  # (fairscale's FSDP, metaseq's OPT: flat as FSDP1's)
+                    **({"attention_kernel": run.attention_kernel} if run.attention_kernel else {}))
 
 
 def given_plan(run: Run):
@@ -1732,6 +1868,8 @@ def sweep_of(run: Run) -> str | None:
         return f"BLOOM's layout search {run.name.split()[1]}"
     if run.source == NEMO_LONG:
         return "NeMo long sequence Llama 2 7B"
+    if run.source == FA2_PAPER:
+        return f"FlashAttention-2's table {run.model.name} {run.seq // 1024}K"
     if run.source == NEMO_LAUNCHER:
         return f"NeMo Megatron launcher {run.name.split()[1]} {run.name.split()[2]}"
     return None
@@ -1842,7 +1980,9 @@ def main() -> None:
                          ("llm-foundry H100 FP8 (torchao's recipe for TE's)", "foundry fp8"),
                          ("DeepSpeed + HF on H200 (Bekman)", "Bekman"), ("OLMo-core (torch FSDP2)", "OLMo-core"),
                          ("torchtune (one A100, bf16)", "torchtune"), ("NeMo AutoModel (FSDP2, H100)", "AutoModel"),
-                         ("NeMo Megatron launcher (2022, A100)", "NeMo-Megatron")):
+                         ("NeMo Megatron launcher (2022, A100)", "NeMo-Megatron"),
+                         ("FlashAttention-2's table (8 A100)", "FA2-table"), ("GLM-130B", "GLM-130B"),
+                         ("BloombergGPT", "BloombergGPT"), ("TinyLlama", "TinyLlama"), ("LLaMA 65B", "LLaMA 65B")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
