@@ -724,6 +724,85 @@ def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default():
     assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32, True)
 
 
+def test_fused_projections_keep_one_autocast_copy_of_the_norms_output():
+    # Under autocast over an fp32 residual stream (the layout torch) each linear reading a norm's output casts it
+    # and keeps its own bf16 copy for its weight's gradient: separate q, k and v (shardwise's, Hugging Face's) keep
+    # three, one Wqkv (flash-attn's, lit-gpt's) one; separate w1 and w3 two, one linear for both one. Measured on
+    # torch's CPU autocast; the planner's norm-output terms (copies x d x 2 bytes a token) follow
+    # (Training.fused_projections), and a bf16 stream shares one copy either way
+    d, tokens = 64, 32
+
+    def kept_bf16_copies(linears) -> int:
+        # the norm's fp32 output: not a leaf (autocast caches the casts of leaves that need a gradient, its weights)
+        x = torch.randn(tokens, d, requires_grad=True) * 1.0
+        kept = set()
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and tuple(t.shape) == (tokens, d):
+                kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outputs = [linear(x) for linear in linears]  # (their graphs, and what they keep, alive)
+        assert len(outputs) == len(linears)
+        return len(kept)
+
+    def linears(n: int, width: int):
+        return [torch.nn.Linear(d, width, bias=False) for _ in range(n)]
+
+    assert (kept_bf16_copies(linears(3, d)), kept_bf16_copies(linears(1, 3 * d))) == (3, 1)
+    assert (kept_bf16_copies(linears(2, d)), kept_bf16_copies(linears(1, 2 * d))) == (2, 1)
+    args, plan = preset("debug"), Plan(micro_batch=2)
+    for system, fewer in (("shardwise", (3 - 1) + (2 - 1)), ("torchtitan", 0)):
+        separate = _training(system, seq_len=256, global_batch=2)
+        fused = dataclasses.replace(separate, fused_projections=True)
+        saved = [layer_activation_bytes(args, t, plan, "none") for t in (separate, fused)]
+        assert saved[0] - saved[1] == 2 * 256 * args.dim * 2 * fewer
+
+
+@pytest.mark.multiprocess
+def test_lightnings_bf16_mixed_fsdp_reduces_fp32_gradients_in_bf16(tmp_path):
+    # Lightning's FSDP under precision "bf16-mixed" (lightning/fabric/plugins/precision/fsdp.py: param_dtype fp32,
+    # reduce_dtype bf16, the step under autocast; TinyLlama's pretraining): torch's FSDP1 on one gloo rank reduces
+    # in bf16 and keeps the gradients fp32. A system file states it as the layout torch (fp32 weights under
+    # autocast) with reduce_dtype bf16: the reduce-scatters move 2 bytes a parameter where shardwise's move 4 (by
+    # hand), the gathers are the same fp32 ones, and the gradients kept unsharded between micro-batches
+    # (no_backward_sync) stay fp32, 4 bytes a parameter, as shardwise's are
+    from shardwise.planner.comm import axis_link, reduce_scatter
+    from shardwise.planner.memory import layer_params, moment_memory
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    lightning_mp = {"param_dtype": fp32, "reduce_dtype": bf16, "buffer_dtype": bf16}
+    assert run_distributed(_fsdp1_reduce_dtypes, 1, lightning_mp)[0] == (bf16, fp32, True)
+    path = tmp_path / "lightning-bf16-mixed.toml"
+    path.write_text('base = "shardwise"\nreduce_dtype = "bf16"\n')
+    lightning = Training(seq_len=2048, global_batch=128, **resolve_system(str(path)).training_fields())
+    ours = _training("shardwise", seq_len=2048, global_batch=128)
+    assert (lightning.layout, lightning.reduce_dtype, lightning.stream_bytes) == ("torch", "bf16", 4)
+    args = ModelArgs(name="tinyllama-like", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                     ffn_hidden=5632, max_seq_len=2048)
+    plan = Plan(dp_shard=16, zero_stage=3, micro_batch=8)
+    cluster = Cluster(accelerator("a100-40gb"), 16)
+    times = [evaluate(args, t, plan, cluster).time.detail["dp_comm_s"] for t in (ours, lightning)]
+    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
+    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
+    by_hand = sum(count * (reduce_scatter(4 * p, n, link) - reduce_scatter(2 * p, n, link))
+                  for count, p in ((args.n_layers, block), (1, root)))
+    assert times[0] - times[1] == pytest.approx(by_hand, rel=1e-9)
+    accumulating = Plan(dp_shard=16, zero_stage=3, micro_batch=2, grad_accum=4)
+    held = [moment_memory(args, t, accumulating, 0)["end_of_backward"]["fsdp_buffers"] for t in (ours, lightning)]
+    assert held[1] == held[0] >= num_params(args) * 4
+    # shardwise's FSDP2 policy (mixed_precision fsdp: bf16 gathers) is its engine's knob: the search tries it for
+    # shardwise, never for a system file on the same layout, and --plan asking for it there is refused by name
+    from shardwise.planner import search
+    assert search(args, ours, cluster, top_k=1).ranked[0].plan.mixed_precision == "fsdp"
+    assert search(args, lightning, cluster, top_k=1).ranked[0].plan.mixed_precision == "autocast"
+    with pytest.raises(PlannerError, match="mixed_precision") as refused:
+        search(args, lightning, cluster, fixed={"mixed_precision": "fsdp", "zero_stage": 3}, top_k=1)
+    assert refused.value.field == "--plan mixed_precision"
+
+
 def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
     # FSDP's bf16 reduction (Training.reduce_dtype) moves each reduce-scatter in 2 bytes a parameter, unit by unit, and
     # keeps the 4-byte gradient state; plans that do not shard run it under autocast (fp32 gradients), and a whole
@@ -753,7 +832,7 @@ def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
     assert resolve_system(str(path)).training_fields()["reduce_dtype"] == "bf16"
     from shardwise.planner.cli import system_summary
     assert ", gradients reduced in bf16" in system_summary(composer_016)
-    for wrong in (_training("shardwise"), _training("megatron-core"), _training("deepspeed"),
+    for wrong in (_training("megatron-core"), _training("deepspeed"),
                   dataclasses.replace(composer_017, precision="fp32"),
                   dataclasses.replace(composer_017, precision="fp16")):  # an fp16 run reduces in fp16 (metaseq's)
         with pytest.raises(PlannerError, match="reduce_dtype") as refused:
@@ -893,6 +972,7 @@ def test_a_system_fetching_module_by_module_says_so(tmp_path, capsys):
                                          ('hsdp_stages = [true, 3.0]\n', "--system hsdp_stages"),
                                          ('ddp_alone = "no"\n', "ddp_alone"),
                                          ('fsdp_replicate = 1\n', "fsdp_replicate"),
+                                         ('fused_projections = "qkv"\n', "fused_projections"),
                                          ('zero3_grads_at_start = "yes"\n', "zero3_grads_at_start"),
                                          ('offload_stages = [2, 2]\n', "--system offload_stages"),
                                          ('pp_schedules = "1f1b"\n', "pp_schedules"),

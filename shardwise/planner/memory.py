@@ -493,7 +493,8 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         if moe:
             return attention + moe_terms(args, training, "selective", routed, ep)
         return attention + matmuls[4:] + [t for t in adapters if t not in on_attention]
-    terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv")))
+    terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv"),
+                                                                                    training.fused_projections))
     terms += [Term("q_rotated", q, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", q, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     terms += lora_kept_terms(args, training, ATTENTION)
@@ -504,7 +505,8 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1",)))
         return terms + [Term(name, f, "act", "tp") for name in ("w1_out", "gelu_out") if w2_input_kept(training)
                         or name != "gelu_out"]
-    terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1", "w3")))
+    terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1", "w3"),
+                                                                              training.fused_projections))
     return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)
                     if w2_input_kept(training) or name != "swiglu_out"]
 
@@ -563,12 +565,14 @@ def first_block_unkept_bytes(args: ModelArgs, training: Training, plan: Plan) ->
     return tokens * sum(term_bytes(t, args, training, plan) for t in terms)
 
 
-def input_copies(training: Training, consumers: tuple[str, ...]) -> int:
+def input_copies(training: Training, consumers: tuple[str, ...], one_linear: bool = False) -> int:
     """Copies of a norm's output that the linears it feeds (`consumers`) keep for backward: under autocast (fp32
-    stream, low-precision matmuls) each casts its own, else they share the tensor. Under LoRA only the adapted
-    linears keep one (their adapter's A needs it): autograd keeps a matmul's input for its weight's gradient,
-    which a frozen weight does not have."""
+    stream, low-precision matmuls) each casts its own, else they share the tensor; consumers that are `one_linear`
+    (Q, K and V, or w1 and w3, as one projection: Training.fused_projections) cast and keep one. Under LoRA
+    only the adapted linears keep one (their adapter's A needs it): autograd keeps a matmul's input for its
+    weight's gradient, which a frozen weight does not have."""
     n = sum(c in training.lora_targets for c in consumers) if training.lora_rank else len(consumers)
+    n = min(n, 1) if one_linear else n
     # under LoRA's dropout each adapter keeps its own dropped copy (lora_dropout_terms)
     own = training.act_bytes != training.stream_bytes or bool(training.lora_rank and training.lora_dropout)
     return n if own else min(n, 1)
@@ -1131,7 +1135,7 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     d, f, e = args.dim, args.ffn_hidden / plan.tp, training.act_bytes
     saved, weights = (2, 2) if args.mlp == "gelu" else (4, 3)
     saved -= not w2_input_kept(training)
-    copies = input_copies(training, ("w1",) if args.mlp == "gelu" else ("w1", "w3"))
+    copies = input_copies(training, ("w1",) if args.mlp == "gelu" else ("w1", "w3"), training.fused_projections)
     output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
     seq = plan.tp if plan.sequence_parallel else 1
     temps = NORM_BACKWARD_TEMPS[block_norm_fused(training)]
@@ -1503,9 +1507,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         stage_p -= shape.experts if whole else 0.0
     head_p = args.vocab_size * args.dim / plan.tp + args.dim if last else 0.0
     grad_bytes = unsharded_grad_bytes(training) if fsdp else state_bytes_per_param(training).grads
-    # gradients kept unsharded across micro-batches are accumulated in the reduce dtype (FSDP2 upcasts them), which
-    # is also the reduce-scatter input's
-    kept_grad_bytes = reduce_grad_bytes(training)
+    # gradients kept unsharded across micro-batches are accumulated in the wider of the reduce dtype and their own:
+    # FSDP2 upcasts bf16 gradients to an fp32 reduce dtype; fp32 weights' fp32 gradients stay fp32 where FSDP casts
+    # them to a bf16 reduce dtype for the collective only (FSDP1's MixedPrecision(param fp32, reduce bf16))
+    kept_grad_bytes = max(reduce_grad_bytes(training), unsharded_grad_bytes(training))
     # FSDP: the root unit stays gathered from the forward to the end of backward (reshard_after_forward=False);
     # ZeRO-2 keeps every block gathered too, ZeRO-3 the running block and the prefetched next one. Gradient
     # accumulation without synchronisation keeps every gradient unsharded until the last micro-batch (shardwise's
@@ -1649,7 +1654,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         out["second_block_backward"] = {
             **first, "activations": first["activations"] - done,
             "compute_copies": first["compute_copies"] - (acts["copies"] - acts["head_copy"]) / shape.layers,
-            "fsdp_buffers": first["fsdp_buffers"] + scattered * kept_grad_bytes}
+            "fsdp_buffers": first["fsdp_buffers"] + scattered * reduce_grad_bytes(training)}  # (its input's dtype)
         if shape.layers >= 3 and not zero_bubble and not shape.moe_layers:
             # the next-to-last block's backward: the same working set and buffers (the block after it gathered,
             # ZeRO-3's prefetch; the one before it still holding its reduce-scatter input), but every block's

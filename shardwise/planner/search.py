@@ -446,8 +446,11 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
 def mixed_precisions(training: Training) -> list[str]:
     """The ways bf16 can run where FSDP shards (Layout.mixed_precision) that --plan may fix: shardwise's engine (the
     layout 'torch') has autocast and FSDP2's policy; every other system's recipe is its own (--system), so the knob
-    stays 'autocast'. The search tries both where FSDP shards."""
-    return ["autocast", "fsdp"] if training.layout == "torch" and training.precision == "bf16" else ["autocast"]
+    stays 'autocast', a system file on the layout 'torch' too (Lightning's FSDP under bf16-mixed has no such
+    knob: its gathers stay fp32). The search tries both where FSDP shards."""
+    ours = training.system.split(" (")[0] == "shardwise"
+    return ["autocast", "fsdp"] if ours and training.layout == "torch" and training.precision == "bf16" \
+        else ["autocast"]
 
 
 def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0,

@@ -65,6 +65,9 @@ class System:
     swiglu: str = "eager"
     """A SwiGLU MLP as PyTorch operators ('eager') or one autograd function that keeps its input ('fused')
     (Training.swiglu)."""
+    fused_projections: bool = False
+    """Q, K and V one linear, and a SwiGLU's w1 and w3 one, each keeping its input once
+    (Training.fused_projections)."""
     zero3_fetch: Zero3Fetch = "prefetch"
     """How ZeRO-3 fetches weights under the layout 'zero': 'prefetch' or DeepSpeed 2021's 'module-sync'
     (Training.zero3_fetch)."""
@@ -106,7 +109,8 @@ class System:
     overlap_comm: bool = False
     """DeepSpeed's overlap_comm: ZeRO-1/2's second gradient bucket (Training.overlap_comm); layout 'zero' only."""
     reduce_dtype: str = "fp32"
-    """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layout 'fsdp-mp' only."""
+    """FSDP's gradient reduction in fp32 or in the compute dtype (Training.reduce_dtype); layouts 'fsdp-mp' and
+    'torch' (Lightning's FSDP under bf16-mixed)."""
     flat_params: bool = False
     """FSDP1's flat parameters in place of FSDP2's (Training.flat_params); layout 'fsdp-mp' only."""
     loss_chunks: int = 1
@@ -201,6 +205,7 @@ class System:
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
+                "fused_projections": self.fused_projections,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
@@ -396,7 +401,7 @@ def resolve_system(spec: str | System) -> System:
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
-                                   "fused_rmsnorm",
+                                   "fused_rmsnorm", "fused_projections",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
                                    "expert_parallel") else \

@@ -172,6 +172,12 @@ class Training:
     """How a SwiGLU MLP keeps its tensors for backward: 'eager' (PyTorch operators: the w1 and w3 outputs, SiLU's
     output and the gate product) or 'fused' (one autograd function that saves its input, w1 and w3 outputs, and
     recomputes SiLU: Megatron-Core's SwiGLUFunction; w2 still keeps the product). memory.swiglu_saved."""
+    fused_projections: bool = False
+    """Q, K and V computed by one linear, and a SwiGLU's w1 and w3 by one (flash-attn's Wqkv; lit-gpt's attn and
+    xformers' SwiGLU; Megatron-Core's linear_qkv and linear_fc1), each keeping its input once for backward. It
+    matters under autocast over an fp32 residual stream (the layout 'torch'), where each linear casts and keeps its
+    own bf16 copy of the norm's output: three and two for shardwise's and Hugging Face's separate projections, one
+    each for fused ones (memory.input_copies). Their GEMMs are priced as the ones they replace."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
@@ -221,8 +227,11 @@ class Training:
     (torchtitan's default; Composer's DEFAULT from 0.17) or bf16, the compute dtype, as FSDP1's MixedPrecision
     reduces where reduce_dtype is bf16 or None ("this takes on the param_dtype value": Composer's PURE, and its
     DEFAULT in 0.14-0.16, composer/trainer/mosaic_fsdp.py; fp16 for fairscale's FSDP of an fp16 model, as metaseq
-    ran OPT). The sharded gradient the optimizer reads stays fp32.
-    memory.reduce_grad_bytes, timing.dp_comm."""
+    ran OPT). The sharded gradient the optimizer reads stays fp32. Under the layout 'torch' (fp32 weights under
+    autocast) it describes FSDP's MixedPrecision(param_dtype=fp32, reduce_dtype=bf16): fp32 weights gathered, their
+    fp32 gradients cast to bf16 for the reduction and kept fp32 between micro-batches (Lightning's FSDP under
+    precision "bf16-mixed", lightning/fabric/plugins/precision/fsdp.py; not shardwise's engine, whose FSDP2 gets no
+    policy under autocast). memory.reduce_grad_bytes, timing.dp_comm."""
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under the layout 'fsdp-mp', the dtype the model itself is stored and trained in. 'fp32': fp32 weights (the
     optimizer's master), gathered and computed in the compute dtype, as every other layout keeps an fp32 copy.
@@ -459,11 +468,12 @@ class Training:
         if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise PlannerError("--system reduce_dtype", f"unknown reduce dtype {self.reduce_dtype!r}",
                                "use fp32, or the run's compute dtype (bf16, fp16)")
-        if self.reduce_dtype != "fp32" and not (self.layout == "fsdp-mp" and self.compute_dtype == self.reduce_dtype):
+        if self.reduce_dtype != "fp32" and not (self.layout in ("fsdp-mp", "torch")
+                                                and self.compute_dtype == self.reduce_dtype):
             raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype} describes FSDP's reduction in the "
-                               f"compute dtype under the layout fsdp-mp, not the layout {self.layout} in "
-                               f"{self.precision}", 'use layout fsdp-mp (base = "llm-foundry" or "torchtitan") with '
-                               f"--precision {self.reduce_dtype}, or leave it fp32")
+                               f"compute dtype under the layouts fsdp-mp and torch, not the layout {self.layout} in "
+                               f"{self.precision}", 'use layout fsdp-mp or torch (base = "llm-foundry", "torchtitan" '
+                               f'or "shardwise") with --precision {self.reduce_dtype}, or leave it fp32')
         if self.optimizer_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system optimizer_dtype", f"unknown optimizer dtype {self.optimizer_dtype!r}",
                                "use fp32 or bf16")
