@@ -1668,8 +1668,9 @@ LLAMA1 = "Touvron et al. 2023, LLaMA: Open and Efficient Foundation Language Mod
 def llama1_runs() -> list[Run]:
     model = ModelArgs(name="llama-65b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=64, vocab_size=32000,
                       ffn_hidden=22016, max_seq_len=2048)
-    return [Run("LLaMA 65B n=2048", model, 2048, 2048, 2048, "cp=1,sequence_parallel=true,activation_checkpoint=selective",
-                LLAMA1, "sec. 2.4: around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM",
+    return [Run("LLaMA 65B n=2048", model, 2048, 2048, 2048,
+                "cp=1,sequence_parallel=true,activation_checkpoint=selective", LLAMA1,
+                "sec. 2.4: around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM",
                 tflops=380 * flops_per_token(model, 2048) / 1e12, fused_attention=True, attention_kernel="flash1")]
 
 
