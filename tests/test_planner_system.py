@@ -724,6 +724,41 @@ def test_fsdp1_reduces_in_bf16_under_composers_pure_and_its_early_default():
     assert run_distributed(_fsdp1_reduce_dtypes, 1, {**default_016, "reduce_dtype": fp32})[0] == (fp32, fp32, True)
 
 
+def test_hsdp_all_reduces_behind_the_backward_under_torchs_fsdp():
+    # Hybrid sharding's all-reduce across replicas: torch's FSDP issues each unit's after its reduce-scatter on a
+    # stream of its own (FSDP1's _reduce_grad, read here; FSDP2's foreach_reduce), as often as the reduce-scatter, so
+    # it hides behind the backward with it; DeepSpeed's MiCS all-reduces at the accumulation boundary, once a step,
+    # exposed. Llama 3 8B at 8 x 8 H100s against the same ranks' FSDP over one node: the difference in traffic is
+    # the all-reduce by hand (torchtitan, which reduces every micro-batch: twice, unit by unit; DeepSpeed: once)
+    import inspect
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    from shardwise.planner.comm import all_reduce, axis_link
+    from shardwise.planner.memory import layer_params
+
+    assert "_all_reduce_stream" in inspect.getsource(_runtime_utils._reduce_grad)
+    args = preset("llama3-8b")
+    hsdp = Plan(dp_replicate=8, dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2)
+    cluster = Cluster(accelerator("h100"), 64)
+    n, link = axis_link(hsdp, ("dp_replicate",), cluster, spread=True)
+    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
+    for system, nbytes, times, hidden in (("torchtitan", 4, 2, True), ("deepspeed", 2, 1, False)):
+        one_node = evaluate(args, _training(system, seq_len=4096, global_batch=16),
+                            Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2),
+                            Cluster(accelerator("h100"), 8)).time.detail
+        hybrid = evaluate(args, _training(system, seq_len=4096, global_batch=128), hsdp, cluster).time.detail
+        if hidden:
+            by_hand = sum(count * all_reduce(nbytes * p / 8, n, link) for count, p in ((args.n_layers, block),
+                                                                                        (1, root)))
+        else:
+            by_hand = all_reduce(nbytes * num_params(args) / 8, n, link)
+        added = hybrid["dp_comm_s"] - one_node["dp_comm_s"]
+        exposed = hybrid["dp_exposed_s"] - one_node["dp_exposed_s"]
+        assert added == pytest.approx(times * by_hand, rel=1e-9)
+        assert exposed < 0.5 * added if hidden else exposed == pytest.approx(added, rel=1e-9)
+
+
 def test_fused_projections_keep_one_autocast_copy_of_the_norms_output():
     # Under autocast over an fp32 residual stream (the layout torch) each linear reading a norm's output casts it
     # and keeps its own bf16 copy for its weight's gradient: separate q, k and v (shardwise's, Hugging Face's) keep
@@ -770,7 +805,7 @@ def test_lightnings_bf16_mixed_fsdp_reduces_fp32_gradients_in_bf16(tmp_path):
     # hand), the gathers are the same fp32 ones, and the gradients kept unsharded between micro-batches
     # (no_backward_sync) stay fp32, 4 bytes a parameter, as shardwise's are
     from shardwise.planner.comm import axis_link, reduce_scatter
-    from shardwise.planner.memory import layer_params, moment_memory
+    from shardwise.planner.memory import block_params, layer_params, moment_memory
 
     bf16, fp32 = torch.bfloat16, torch.float32
     lightning_mp = {"param_dtype": fp32, "reduce_dtype": bf16, "buffer_dtype": bf16}
@@ -793,6 +828,18 @@ def test_lightnings_bf16_mixed_fsdp_reduces_fp32_gradients_in_bf16(tmp_path):
     accumulating = Plan(dp_shard=16, zero_stage=3, micro_batch=2, grad_accum=4)
     held = [moment_memory(args, t, accumulating, 0)["end_of_backward"]["fsdp_buffers"] for t in (ours, lightning)]
     assert held[1] == held[0] >= num_params(args) * 4
+    # ... while the reduce-scatter's input is the bf16 cast: a block's backward leaves 2 bytes a parameter in FSDP's
+    # buffers where shardwise's leaves 4
+    for t, nbytes in ((ours, 4), (lightning, 2)):
+        moments = moment_memory(args, t, plan, 0)
+        grown = moments["second_block_backward"]["fsdp_buffers"] - moments["first_block_backward"]["fsdp_buffers"]
+        assert grown == pytest.approx(nbytes * block_params(args, 1), rel=1e-12)
+    # shardwise's engine reduces in fp32 under autocast and under its own policy: it is refused there, as is a bf16
+    # reduction in an fp32 run
+    for wrong in (ours, dataclasses.replace(lightning, reduce_dtype="fp32", precision="fp32")):
+        with pytest.raises(PlannerError, match="reduce_dtype") as refused:
+            dataclasses.replace(wrong, reduce_dtype="bf16")
+        assert refused.value.field == "--system reduce_dtype"
     # shardwise's FSDP2 policy (mixed_precision fsdp: bf16 gathers) is its engine's knob: the search tries it for
     # shardwise, never for a system file on the same layout, and --plan asking for it there is refused by name
     from shardwise.planner import search

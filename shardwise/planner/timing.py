@@ -990,8 +990,16 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
             ag = blocks + (all_gather(rest * 4.0, sh_n, sh_link, after_compute=False) if rest > 0
                            else 0.0) + sh_link.sync
         return comm + ag, behind_backward(comm, w_red) + ag
+    # HSDP's all-reduce of the reduced shards across the replicas. Under torch's FSDP (layouts torch and fsdp-mp)
+    # each unit's follows its reduce-scatter on a stream of its own (FSDP1's _reduce_grad: _all_reduce_stream after
+    # the post-backward stream; FSDP2's foreach_reduce: its all_reduce_stream), as often as the reduce-scatter, and
+    # hides behind the rest of the backward with it (priced with it, one after the other: conservative where a
+    # unit's all-reduce can run beside the next unit's reduce-scatter; until 2026-12-06 it was priced once a step,
+    # exposed, as it still is for the other layouts: DeepSpeed's MiCS all-reduces across replicas at the
+    # accumulation boundary)
     hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, reduced / ex_n, rep_n,
                                                                               rep_link)
+    hsdp_with_rs, hsdp = (hsdp, 0.0) if training.fsdp2 else (0.0, hsdp)
     rs = by_unit(reduce_scatter, grads, sh_n, sh_link) + expert_units(reduce_scatter, reduced, ex_n, ex_link)
     # How often gradients are reduced: shardwise's engine (layout torch) once per step, in the last micro-batch's
     # backward (FSDP2 without gradient sync keeps them unsharded until then, set_gradient_sync); so does Megatron,
@@ -1011,7 +1019,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         first = ag / layers + (ag * args.vocab_size * args.dim / plan.tp / n_params if plan.pp == 1 else 0.0)
         hides = training.overlap_param_gather and z == 1  # the distributed optimizer's (Megatron-FSDP's not read)
         ag_exposed = ag - w_sh * min(ag - first, cost.forward) if hides else ag
-        return n_rs * rs + hsdp + ag, n_rs * behind_backward(rs) + hsdp + ag_exposed
+        return (n_rs * (rs + hsdp_with_rs) + hsdp + ag,
+                n_rs * behind_backward(rs + hsdp_with_rs) + hsdp + ag_exposed)
     if z == 3 and training.zero3_fetch == "module-sync":
         if where.max_moe_layers:
             raise PlannerError("--system zero3_fetch", "module-sync prices a dense block's four linear modules, and "
@@ -1034,8 +1043,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     fwd_exposed = ag - w_sh * min(ag - first, cost.forward)
     if z == 2:
         n_ag = 1 if plan.pp > 1 and training.fsdp2 else m
-        return (n_ag * ag + n_rs * rs + hsdp,
-                n_ag * fwd_exposed + n_rs * behind_backward(rs) + hsdp)
+        return (n_ag * ag + n_rs * (rs + hsdp_with_rs) + hsdp,
+                n_ag * fwd_exposed + n_rs * behind_backward(rs + hsdp_with_rs) + hsdp)
     # FSDP2's root (embedding, final norm, head) is not resharded after forward: backward gathers the blocks only
     if not training.fsdp2:
         ag_bwd = ag
@@ -1056,8 +1065,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # first forward and the blocks again for each micro-batch's backward, (M + 1) x the blocks in all (the simulator
     # counts that on the middle ranks, one block a micro-batch more on the last rank but one and less on the last)
     n_fwd = 1 if plan.pp > 1 and training.fsdp2 else m
-    comm = n_fwd * ag + m * ag_bwd + n_rs * rs + hsdp
-    exposed = n_fwd * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs) + hsdp
+    comm = n_fwd * ag + m * ag_bwd + n_rs * (rs + hsdp_with_rs) + hsdp
+    exposed = (n_fwd * fwd_exposed + (m - n_rs) * bwd_exposed(ag_bwd) + n_rs * bwd_exposed(ag_bwd + rs + hsdp_with_rs)
+               + hsdp)
     return comm, exposed
 
 

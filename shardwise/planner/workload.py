@@ -468,12 +468,19 @@ class Training:
         if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise PlannerError("--system reduce_dtype", f"unknown reduce dtype {self.reduce_dtype!r}",
                                "use fp32, or the run's compute dtype (bf16, fp16)")
-        if self.reduce_dtype != "fp32" and not (self.layout in ("fsdp-mp", "torch")
-                                                and self.compute_dtype == self.reduce_dtype):
-            raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype} describes FSDP's reduction in the "
-                               f"compute dtype under the layouts fsdp-mp and torch, not the layout {self.layout} in "
-                               f"{self.precision}", 'use layout fsdp-mp or torch (base = "llm-foundry", "torchtitan" '
-                               f'or "shardwise") with --precision {self.reduce_dtype}, or leave it fp32')
+        if self.reduce_dtype != "fp32" and self.layout not in ("fsdp-mp", "torch"):
+            raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype} describes FSDP's reduction under the "
+                               f"layouts fsdp-mp and torch, and the layout is {self.layout}",
+                               'use layout fsdp-mp or torch (a system file on base = "llm-foundry", "torchtitan" or '
+                               '"shardwise"), or leave it fp32')
+        if self.reduce_dtype != "fp32" and self.compute_dtype != self.reduce_dtype:
+            raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype} describes FSDP's reduction in the run's "
+                               f"compute dtype, and --precision is {self.precision}",
+                               f"pass --precision {self.reduce_dtype}, or leave it fp32")
+        if self.reduce_dtype != "fp32" and self.layout == "torch" and self.system.split(" (")[0] == "shardwise":
+            raise PlannerError("--system reduce_dtype", f"{self.reduce_dtype}, and shardwise's engine reduces in fp32 "
+                               "(its FSDP2 under autocast gets no policy; its own policy, mixed_precision fsdp, "
+                               "reduces in fp32)", "leave it fp32, or describe another system in a file of its own")
         if self.optimizer_dtype not in ("fp32", "bf16"):
             raise PlannerError("--system optimizer_dtype", f"unknown optimizer dtype {self.optimizer_dtype!r}",
                                "use fp32 or bf16")
