@@ -1551,9 +1551,11 @@ def automodel_runs() -> list[Run]:
 # FlashAttention-2 (Dao 2023, arXiv 2307.08691), sec. 4.2, table 1: "Training speed (TFLOPs/s/GPU) of GPT-style
 # models on 8xA100 GPUs" (80GB SXM4, one node), "Without FlashAttention", FlashAttention and FlashAttention-2
 # columns; FLOPs "6 * seqlen * number of params + 12 * number of layers * hidden dim * seqlen^2" (the planner's model
-# FLOPs: the published time is implied by them; the paper's parameter count may include the learned position
-# embedding and biases, under 2% more). The runs are flash-attn's own training code ("it should be the same training
-# code", the author in Dao-AILab/flash-attention issue 558), its configs at the FlashAttention-2 release (4f285b3):
+# FLOPs, the tied embedding counted once: the published time is implied by them; the README's 169k tokens/s at 189
+# TFLOP/s for the 1.3B agree with that count within 2%, where leaving the embedding out would move it 7.6%; the
+# paper's count may include the learned position embedding and biases, under 2% more). The runs are flash-attn's
+# own training code ("it should be the same training code", the author in Dao-AILab/flash-attention issue 558), its
+# configs at the FlashAttention-2 release (4f285b3):
 # experiment/pile/gpt3xl-flash (1.3B: 24 layers, 2048 wide, 16 heads), gpt3-2.7B-flash-hdim128 (2.7B: 32 x 2560,
 # 20 heads: training/README.md's command, "we set head dimension to 128"), the 8K ones gpt3xl-flash-8k and
 # gpt3-2.7B-flash-8k (32 heads of 80: the only 2.7B 8K config without rotary); micro-batch 8 and 4 at 2K on an
@@ -1596,16 +1598,17 @@ def fa2_runs() -> list[Run]:
 
 # GLM-130B (Zeng et al. 2022, arXiv 2210.02414; github.com/THUDM/GLM-130B): 70 layers of 12288 (96 heads), GeGLU of
 # 32768 (three matrices, as SwiGLU's), vocabulary 150,528, tied, sequence 2048; 96 DGX-A100 (8 x 40 GB), "4-way
-# tensor parallelism and 8-way pipeline parallelism" (sec. 3), DeepSpeed's pipeline (PipeDream-Flush: 1F1B; its
+# tensor parallelism and 8-way pipeline parallelism" (sec. 2.3), DeepSpeed's pipeline (PipeDream-Flush: 1F1B; its
 # ReduceGrads after the last backward), 9 layers a middle stage and 8 on the two holding the embedding ("9x8-2=70",
 # sec. 2.3: the planner cuts by cost), micro-batch 1, ZeRO-1, activation checkpointing of every layer with DeepSpeed's
 # activation partitioning (distribute_checkpoints), fp16 (Apex O2) with an fp32 softmax, Megatron's fused masked
-# softmax and bias-dropout (unfused attention, dropout 0.1; no FlashAttention), DeepSpeed 0.6.1 (table 11, appendix).
+# softmax and bias-dropout (unfused attention, dropout 0.1; no FlashAttention: table 11), DeepSpeed 0.6.1 (the log's
+# environment).
 # Measured: logs/main-log-en.md, "Speed Testing (with Different Batch Sizes)": "134TFLOPS, 88.5s/iter, 48samples/s"
-# at batch 4224 (the training's) and "141TFLOPS, 122.5s/iter, 50samples/s" at 6144 (hardware FLOPs: 134 / 312 is
-# the paper's 43.3% HFU; the FFN's 3 x 8/3 h^2 make eq. 3's 12 h^2 a layer). The interconnect is not stated: the
+# at batch 4224 (the training's) and "141TFLOPS, 122.5s/iter, 50samples/s" at 6144 (hardware FLOPs: 134 / 312 =
+# 42.9%, the paper's HFU 43.3%; the FFN's 3 x 8/3 h^2 make eq. 3's 12 h^2 a layer). The interconnect is not stated: the
 # catalogue's DGX A100 (8 HDR 200 Gb/s a node).
-GLM = ("Zeng et al. 2022, GLM-130B, https://arxiv.org/abs/2210.02414, sec. 2.3, 3, table 11; "
+GLM = ("Zeng et al. 2022, GLM-130B, https://arxiv.org/abs/2210.02414, sec. 2.3, table 11; "
        "https://github.com/THUDM/GLM-130B/blob/main/logs/main-log-en.md")
 GLM130B = ModelArgs(name="glm-130b", dim=12288, n_layers=70, n_heads=96, n_kv_heads=96, vocab_size=150528,
                     ffn_hidden=32768, tie_embeddings=True, max_seq_len=2048)
@@ -1620,21 +1623,21 @@ def glm_runs() -> list[Run]:
             for batch, step, x in ((4224, 88.5, 134), (6144, 122.5, 141))]
 
 
-# BloombergGPT (Wu et al. 2023, arXiv 2303.17564, sec. 2.4 and 4.3): 70 layers of 7680 (40 heads), GELU MLP of 4h,
+# BloombergGPT (Wu et al. 2023, arXiv 2303.17564, sec. 3.1-3.4, table 4): 70 layers of 7680 (40 heads), GELU MLP of 4h,
 # vocabulary 131,072, tied, sequence 2048; 64 p4d.24xlarge (512 A100 40GB; EFA, 400 Gb/s a node: 6.25 GB/s a GPU);
 # SageMaker's sharded data parallelism, "ZeRO optimization (stage 3) ... across 128 GPUs, and we have 4 copies of
 # the model", activation checkpointing of every layer, bf16 over fp32 parameters
 # (benchmarks/systems/sagemaker-smp-zero3.toml); batch 2048 sequences after step 7,200; "102 TFLOPs on average and
 # each training step takes 32.5 seconds" (8 N FLOPs a token: the recompute counted, attention not). Micro-batch
 # not stated: the search picks it.
-BLOOMBERG = "Wu et al. 2023, BloombergGPT, https://arxiv.org/abs/2303.17564, sec. 4.3"
+BLOOMBERG = "Wu et al. 2023, BloombergGPT, https://arxiv.org/abs/2303.17564, sec. 3.3-3.4, table 4"
 
 
 def bloomberg_runs() -> list[Run]:
     model = gpt("bloomberggpt-50b", 7680, 40, 70, vocab=131072)
     return [Run("BloombergGPT 50B n=512", model, 512, 2048, 2048,
                 "tp=1,pp=1,cp=1,dp_replicate=4,dp_shard=128,zero_stage=3,activation_checkpoint=full", BLOOMBERG,
-                "sec. 4.3: 102 TFLOPs on average, 32.5 s a step", step_s=32.5, tflops=102, flops="bloom",
+                "sec. 3.4: 102 TFLOPs on average, 32.5 s a step", step_s=32.5, tflops=102, flops="bloom",
                 gpu="a100-40gb", inter_node_gbs=400 / 8 / 8, system="sagemaker-smp-zero3.toml")]
 
 
@@ -1656,11 +1659,13 @@ def tinyllama_runs() -> list[Run]:
 
 
 # LLaMA (Touvron et al. 2023, arXiv 2302.13971, sec. 2.4): "When training a 65B-parameter model, our code processes
-# around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM"; batch 4M tokens (2048 sequences of 2048, table 2);
+# around 380 tokens/sec/GPU on 2048 A100 GPU with 80GB of RAM"; batch 4M tokens (table 2), taken as 2048 sequences
+# of 2048 (LLaMA's context, not in the quoted text), in bf16 (not stated either);
 # xformers' causal attention with FlashAttention's backward ("uses the backward from Dao et al. (2022)": flash1),
 # checkpointing that saves "the outputs of linear layers" (selective, keeping every matmul's output), "model and
 # sequence parallelism, as described by Korthikanti et al. (2022)" (tp with sequence parallelism: its degree, the
-# pipeline's and the micro-batch not stated: the search completes them), the data-parallel all-reduce overlapped.
+# pipeline's and the micro-batch not stated: the search completes them), computation overlapped with "the
+# communication between GPUs over the network (due to all_reduce operations)".
 # Its stack, like Llama 3's, is described field by field as Megatron's layout.
 LLAMA1 = "Touvron et al. 2023, LLaMA: Open and Efficient Foundation Language Models, https://arxiv.org/abs/2302.13971"
 
@@ -1674,12 +1679,51 @@ def llama1_runs() -> list[Run]:
                 tflops=380 * flops_per_token(model, 2048) / 1e12, fused_attention=True, attention_kernel="flash1")]
 
 
+# IBM's fms-fsdp (github.com/foundation-model-stack/fms-fsdp; the PyTorch blog "Maximizing training throughput
+# using PyTorch FSDP", 2024-03-13): Llama 2 shapes at sequence 4096, batch 2 a GPU and no accumulation (one
+# backward a step), on 128 A100 80GB ("400Gbps network connectivity", a node: 6.25 GB/s a GPU) and 96 H100 ("800
+# Gbps": 12.5 GB/s a GPU), in tokens/s/GPU: README.md at 5e522b4 (the blog's table, no compile) and at ed74fd5 (the
+# same runs with torch.compile, "numbers are updated with torch.compile"). The rows used are those whose recompute
+# the planner can state: 7b under HSDP (HYBRID_SHARD: FSDP over the node's 8 GPUs, replicas across nodes) without
+# activation checkpointing, eager and compiled, and 34b and 70b under FSDP (FULL_SHARD) with "Full AC" (every
+# block, eager). Left out: 13b ("Selective AC" without eager its fraction stated: a checkpoint on every n-th block,
+# ac_handler.py), and the compiled 13b, 34b and 70b (each a fraction of its blocks). The 34b is CodeLlama-34B's shape
+# (48 layers of 8192, 64 heads in 8 groups, FFN 22016), vocabulary 32,000 as fms_fsdp/utils/config_utils.py builds
+# it; the stack is benchmarks/systems/fms-fsdp.toml. Which of its two H100 clusters ran the compiled H100 row (the
+# README names 96 H100s at 800 Gbps; the second blog, 2024-05-21, 464 at 3.2 Tbps) is not stated: the README's.
+FMS = ("fms-fsdp, README.md at 5e522b4 and ed74fd5, https://github.com/foundation-model-stack/fms-fsdp; "
+       "https://pytorch.org/blog/maximizing-training/")
+FMS_SHAPES = {"7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008),
+              "34b": dict(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, ffn_hidden=22016),
+              "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672)}
+# model, sharding, activation checkpointing, compiled, tokens/s/GPU on A100 and H100, the README's row
+FMS_ROWS = [("7b", "hsdp", "none", False, 3700, 7500, "7b | hsdp | none | 2 | 3700 | 7500"),
+            ("34b", "fsdp", "full", False, 700, 1550, "34b | fsdp | Full AC | 2 | 700 | 1550"),
+            ("70b", "fsdp", "full", False, 370, 800, "70b | fsdp | Full AC | 2 | 370 | 800"),
+            ("7b", "hsdp", "none", True, 4550, 9600, "7b | hsdp | Y | none | 2 | 4550 | 9600")]
+
+
+def fms_runs() -> list[Run]:
+    runs = []
+    for size, sharding, ac, compiled, a100, h100, row in FMS_ROWS:
+        model = ModelArgs(name=f"fms-llama-{size}", vocab_size=32000, max_seq_len=4096, **FMS_SHAPES[size])
+        for gpu, n, tps, network in (("a100-80gb", 128, a100, 400), ("h100", 96, h100, 800)):
+            split = f"dp_shard=8,dp_replicate={n // 8}" if sharding == "hsdp" else f"dp_shard={n}"
+            runs.append(Run(f"fms-fsdp {size} {gpu} n={n}{' compile' if compiled else ''}", model, n, 4096, 2 * n,
+                            f"tp=1,pp=1,cp=1,{split},zero_stage=3,micro_batch=2,grad_accum=1,"
+                            f"activation_checkpoint={ac}", FMS, row,
+                            tflops=tps * flops_per_token(model, 4096) / 1e12, gpu=gpu,
+                            inter_node_gbs=network / 8 / 8, system="fms-fsdp.toml", compile=compiled,
+                            search=not compiled))
+    return runs
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
-        + bloomberg_runs() + tinyllama_runs() + llama1_runs())
+        + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1983,7 +2027,8 @@ def main() -> None:
                          ("torchtune (one A100, bf16)", "torchtune"), ("NeMo AutoModel (FSDP2, H100)", "AutoModel"),
                          ("NeMo Megatron launcher (2022, A100)", "NeMo-Megatron"),
                          ("FlashAttention-2's table (8 A100)", "FA2-table"), ("GLM-130B", "GLM-130B"),
-                         ("BloombergGPT", "BloombergGPT"), ("TinyLlama", "TinyLlama"), ("LLaMA 65B", "LLaMA 65B")):
+                         ("BloombergGPT", "BloombergGPT"), ("TinyLlama", "TinyLlama"), ("LLaMA 65B", "LLaMA 65B"),
+                         ("fms-fsdp (FSDP1, A100 and H100)", "fms-fsdp")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
