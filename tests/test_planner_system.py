@@ -728,8 +728,9 @@ def test_hsdp_all_reduces_behind_the_backward_under_torchs_fsdp():
     # Hybrid sharding's all-reduce across replicas: torch's FSDP issues each unit's after its reduce-scatter on a
     # stream of its own (FSDP1's _reduce_grad, read here; FSDP2's foreach_reduce), as often as the reduce-scatter, so
     # it hides behind the backward with it; DeepSpeed's MiCS all-reduces once a step, at the accumulation boundary
-    # (priced exposed). Llama 3 8B at 8 x 8 H100s against the same ranks' FSDP over one node: the difference in traffic is
-    # the all-reduce by hand (torchtitan, which reduces every micro-batch: twice, unit by unit; DeepSpeed: once)
+    # (priced exposed). Llama 3 8B at 8 x 8 H100s against the same ranks' FSDP over one node: the difference in
+    # traffic is the all-reduce by hand (torchtitan, which reduces every micro-batch: twice, unit by unit;
+    # DeepSpeed: once)
     import inspect
 
     from torch.distributed.fsdp import _runtime_utils
