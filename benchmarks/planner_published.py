@@ -1552,7 +1552,7 @@ def automodel_runs() -> list[Run]:
 # models on 8xA100 GPUs" (80GB SXM4, one node), "Without FlashAttention", FlashAttention and FlashAttention-2
 # columns; FLOPs "6 * seqlen * number of params + 12 * number of layers * hidden dim * seqlen^2" (the planner's model
 # FLOPs, the tied embedding counted once: the published time is implied by them; the README's 169k tokens/s at 189
-# TFLOP/s for the 1.3B agree with that count within 2%, where leaving the embedding out would move it 7.6%; the
+# TFLOP/s for the 1.3B agree with that count within 2%, where leaving the embedding out would move it about 7%; the
 # paper's count may include the learned position embedding and biases, under 2% more). The runs are flash-attn's
 # own training code ("it should be the same training code", the author in Dao-AILab/flash-attention issue 558), its
 # configs at the FlashAttention-2 release (4f285b3):
@@ -1602,8 +1602,8 @@ def fa2_runs() -> list[Run]:
 # ReduceGrads after the last backward), 9 layers a middle stage and 8 on the two holding the embedding ("9x8-2=70",
 # sec. 2.3: the planner cuts by cost), micro-batch 1, ZeRO-1, activation checkpointing of every layer with DeepSpeed's
 # activation partitioning (distribute_checkpoints), fp16 (Apex O2) with an fp32 softmax, Megatron's fused masked
-# softmax and bias-dropout (unfused attention, dropout 0.1; no FlashAttention: table 11), DeepSpeed 0.6.1 (the log's
-# environment).
+# softmax and bias-dropout (unfused attention, dropout 0.1; table 11's fused softmax, FlashAttention not
+# mentioned), DeepSpeed 0.6.1 (the log's environment).
 # Measured: logs/main-log-en.md, "Speed Testing (with Different Batch Sizes)": "134TFLOPS, 88.5s/iter, 48samples/s"
 # at batch 4224 (the training's) and "141TFLOPS, 122.5s/iter, 50samples/s" at 6144 (hardware FLOPs: 134 / 312 =
 # 42.9%, the paper's HFU 43.3%; the FFN's 3 x 8/3 h^2 make eq. 3's 12 h^2 a layer). The interconnect is not stated: the
@@ -1682,11 +1682,12 @@ def llama1_runs() -> list[Run]:
 # IBM's fms-fsdp (github.com/foundation-model-stack/fms-fsdp; the PyTorch blog "Maximizing training throughput
 # using PyTorch FSDP", 2024-03-13): Llama 2 shapes at sequence 4096, batch 2 a GPU and no accumulation (one
 # backward a step), on 128 A100 80GB ("400Gbps network connectivity", a node: 6.25 GB/s a GPU) and 96 H100 ("800
-# Gbps": 12.5 GB/s a GPU), in tokens/s/GPU: README.md at 5e522b4 (the blog's table, no compile) and at ed74fd5 (the
-# same runs with torch.compile, "numbers are updated with torch.compile"). The rows used are those whose recompute
+# Gbps": 12.5 GB/s a GPU), in tokens/s/GPU: README.md at 5e522b4 (the blog's table, no compile) and at ed74fd5
+# ("numbers are updated with torch.compile": the 7b's the same run compiled; the 34b and 70b moved to selective
+# checkpointing). The rows used are those whose recompute
 # the planner can state: 7b under HSDP (HYBRID_SHARD: FSDP over the node's 8 GPUs, replicas across nodes) without
 # activation checkpointing, eager and compiled, and 34b and 70b under FSDP (FULL_SHARD) with "Full AC" (every
-# block, eager). Left out: 13b ("Selective AC" without eager its fraction stated: a checkpoint on every n-th block,
+# block, eager). Left out: 13b ("Selective AC", its fraction not stated: a checkpoint on every n-th block,
 # ac_handler.py), and the compiled 13b, 34b and 70b (each a fraction of its blocks). The 34b is CodeLlama-34B's shape
 # (48 layers of 8192, 64 heads in 8 groups, FFN 22016), vocabulary 32,000 as fms_fsdp/utils/config_utils.py builds
 # it; the stack is benchmarks/systems/fms-fsdp.toml. Which of its two H100 clusters ran the compiled H100 row (the
@@ -1696,7 +1697,7 @@ FMS = ("fms-fsdp, README.md at 5e522b4 and ed74fd5, https://github.com/foundatio
 FMS_SHAPES = {"7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=11008),
               "34b": dict(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, ffn_hidden=22016),
               "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672)}
-# model, sharding, activation checkpointing, compiled, tokens/s/GPU on A100 and H100, the README's row
+# model, sharding, activation checkpointing, compiled, tokens/s/GPU on A100 and H100, the README row's cells
 FMS_ROWS = [("7b", "hsdp", "none", False, 3700, 7500, "7b | hsdp | none | 2 | 3700 | 7500"),
             ("34b", "fsdp", "full", False, 700, 1550, "34b | fsdp | Full AC | 2 | 700 | 1550"),
             ("70b", "fsdp", "full", False, 370, 800, "70b | fsdp | Full AC | 2 | 370 | 800"),

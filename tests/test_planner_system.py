@@ -740,24 +740,28 @@ def test_hsdp_all_reduces_behind_the_backward_under_torchs_fsdp():
 
     assert "_all_reduce_stream" in inspect.getsource(_runtime_utils._reduce_grad)
     args = preset("llama3-8b")
-    hsdp = Plan(dp_replicate=8, dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2)
     cluster = Cluster(accelerator("h100"), 64)
-    n, link = axis_link(hsdp, ("dp_replicate",), cluster, spread=True)
     block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
-    for system, nbytes, times, hidden in (("torchtitan", 4, 2, True), ("deepspeed", 2, 1, False)):
-        one_node = evaluate(args, _training(system, seq_len=4096, global_batch=16),
-                            Plan(dp_shard=8, zero_stage=3, micro_batch=1, grad_accum=2),
-                            Cluster(accelerator("h100"), 8)).time.detail
-        hybrid = evaluate(args, _training(system, seq_len=4096, global_batch=128), hsdp, cluster).time.detail
-        if hidden:
-            by_hand = sum(count * all_reduce(nbytes * p / 8, n, link) for count, p in ((args.n_layers, block),
-                                                                                        (1, root)))
-        else:
-            by_hand = all_reduce(nbytes * num_params(args) / 8, n, link)
-        added = hybrid["dp_comm_s"] - one_node["dp_comm_s"]
-        exposed = hybrid["dp_exposed_s"] - one_node["dp_exposed_s"]
-        assert added == pytest.approx(times * by_hand, rel=1e-9)
-        assert exposed < 0.5 * added if hidden else exposed == pytest.approx(added, rel=1e-9)
+    # (system, bytes a parameter reduced, all-reduces a step of two micro-batches, hidden): torchtitan reduces
+    # every micro-batch, shardwise once a step, both unit by unit; DeepSpeed once, the whole shard
+    for system, nbytes, times, hidden in (("torchtitan", 4, 2, True), ("shardwise", 4, 1, True),
+                                          ("deepspeed", 2, 1, False)):
+        for zero in (2, 3):
+            hsdp = Plan(dp_replicate=8, dp_shard=8, zero_stage=zero, micro_batch=1, grad_accum=2)
+            n, link = axis_link(hsdp, ("dp_replicate",), cluster, spread=True)
+            one_node = evaluate(args, _training(system, seq_len=4096, global_batch=16),
+                                Plan(dp_shard=8, zero_stage=zero, micro_batch=1, grad_accum=2),
+                                Cluster(accelerator("h100"), 8)).time.detail
+            hybrid = evaluate(args, _training(system, seq_len=4096, global_batch=128), hsdp, cluster).time.detail
+            if hidden:
+                by_hand = sum(count * all_reduce(nbytes * p / 8, n, link) for count, p in ((args.n_layers, block),
+                                                                                            (1, root)))
+            else:
+                by_hand = all_reduce(nbytes * num_params(args) / 8, n, link)
+            added = hybrid["dp_comm_s"] - one_node["dp_comm_s"]
+            exposed = hybrid["dp_exposed_s"] - one_node["dp_exposed_s"]
+            assert added == pytest.approx(times * by_hand, rel=1e-9), (system, zero)
+            assert exposed < 0.5 * added if hidden else exposed == pytest.approx(added, rel=1e-9), (system, zero)
 
 
 def test_fused_projections_keep_one_autocast_copy_of_the_norms_output():

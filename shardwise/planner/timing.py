@@ -995,8 +995,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     # the post-backward stream; FSDP2's foreach_reduce: its all_reduce_stream), as often as the reduce-scatter, and
     # hides behind the rest of the backward with it (priced with it, one after the other: conservative where a
     # unit's all-reduce can run beside the next unit's reduce-scatter; until 2026-12-06 it was priced once a step,
-    # exposed, as it still is for the other layouts: DeepSpeed's MiCS all-reduces across replicas once a step, at
-    # the accumulation boundary, mics.py's allreduce_mics_shard_grads; its overlap there is not priced)
+    # exposed, as it still is for the other layouts: DeepSpeed's MiCS and Megatron-FSDP all-reduce across replicas
+    # once a step, bucket by bucket in the last micro-batch's backward, mics.py's allreduce_mics_shard_grads; that
+    # overlap is not priced)
     hsdp = by_unit(all_reduce, grads / sh_n, rep_n, rep_link) + expert_units(all_reduce, reduced / ex_n, rep_n,
                                                                               rep_link)
     hsdp_with_rs, hsdp = (hsdp, 0.0) if training.fsdp2 else (0.0, hsdp)

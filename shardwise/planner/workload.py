@@ -587,8 +587,9 @@ class Training:
         plan of `pp` pipeline stages: the system's choice (`syncs_every_micro_batch`), except in a pipeline of FSDP2
         units, where torch.distributed.pipelining turns gradient sync off for every backward but the step's last
         (PipelineStage.backward_maybe_with_nosync: set_requires_gradient_sync(False), then a post-backward with it
-        on for the last), whatever the trainer asks (torchtitan's): the gradients are kept unsharded, in the
-        reduce dtype, until then."""
+        on for the last; torch 2.13 turns it off for every backward and reduces after the last one,
+        perform_reduce_grad, which timing still prices as behind that backward), whatever the trainer asks
+        (torchtitan's): the gradients are kept unsharded, in the reduce dtype, until then."""
         return self.syncs_every_micro_batch and not (pp > 1 and self.fsdp2)
 
     @property
