@@ -45,6 +45,23 @@ def _training(system: str, **kw) -> Training:
     return Training(**{"seq_len": 4096, "global_batch": 8, **kw, **SYSTEMS[system].training_fields()})
 
 
+def _fsdp_units(args: ModelArgs) -> tuple[tuple[int, float], tuple[int, float]]:
+    """(count, parameters) of FSDP's units on one rank without tp: the blocks, and the root (the rest)."""
+    from shardwise.planner.memory import layer_params
+
+    block = layer_params(args, 1)
+    return (args.n_layers, block), (1, num_params(args) - args.n_layers * block)
+
+
+def _bf16_reduction_saving(args: ModelArgs, plan: Plan, cluster: Cluster) -> float:
+    """Seconds a bf16 reduction saves over an fp32 one in FSDP's reduce-scatters, unit by unit, by hand."""
+    from shardwise.planner.comm import axis_link, reduce_scatter
+
+    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
+    return sum(count * (reduce_scatter(4 * p, n, link) - reduce_scatter(2 * p, n, link))
+               for count, p in _fsdp_units(args))
+
+
 def test_shardwise_system_is_the_default_recipe():
     # every Training built without a system (tests, benchmarks, the simulator's checks) describes shardwise
     ours, default = _training("shardwise"), Training(seq_len=4096, global_batch=8)
@@ -736,12 +753,10 @@ def test_hsdp_all_reduces_behind_the_backward_under_torchs_fsdp():
     from torch.distributed.fsdp import _runtime_utils
 
     from shardwise.planner.comm import all_reduce, axis_link
-    from shardwise.planner.memory import layer_params
 
     assert "_all_reduce_stream" in inspect.getsource(_runtime_utils._reduce_grad)
     args = preset("llama3-8b")
     cluster = Cluster(accelerator("h100"), 64)
-    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
     # (system, bytes a parameter reduced, all-reduces a step of two micro-batches, hidden): torchtitan reduces
     # every micro-batch, shardwise once a step, both unit by unit; DeepSpeed once, the whole shard
     for system, nbytes, times, hidden in (("torchtitan", 4, 2, True), ("shardwise", 4, 1, True),
@@ -754,8 +769,7 @@ def test_hsdp_all_reduces_behind_the_backward_under_torchs_fsdp():
                                 Cluster(accelerator("h100"), 8)).time.detail
             hybrid = evaluate(args, _training(system, seq_len=4096, global_batch=128), hsdp, cluster).time.detail
             if hidden:
-                by_hand = sum(count * all_reduce(nbytes * p / 8, n, link) for count, p in ((args.n_layers, block),
-                                                                                            (1, root)))
+                by_hand = sum(count * all_reduce(nbytes * p / 8, n, link) for count, p in _fsdp_units(args))
             else:
                 by_hand = all_reduce(nbytes * num_params(args) / 8, n, link)
             added = hybrid["dp_comm_s"] - one_node["dp_comm_s"]
@@ -809,8 +823,7 @@ def test_lightnings_bf16_mixed_fsdp_reduces_fp32_gradients_in_bf16(tmp_path):
     # autocast) with reduce_dtype bf16: the reduce-scatters move 2 bytes a parameter where shardwise's move 4 (by
     # hand), the gathers are the same fp32 ones, and the gradients kept unsharded between micro-batches
     # (no_backward_sync) stay fp32, 4 bytes a parameter, as shardwise's are
-    from shardwise.planner.comm import axis_link, reduce_scatter
-    from shardwise.planner.memory import block_params, layer_params, moment_memory
+    from shardwise.planner.memory import block_params, moment_memory
 
     bf16, fp32 = torch.bfloat16, torch.float32
     lightning_mp = {"param_dtype": fp32, "reduce_dtype": bf16, "buffer_dtype": bf16}
@@ -825,11 +838,7 @@ def test_lightnings_bf16_mixed_fsdp_reduces_fp32_gradients_in_bf16(tmp_path):
     plan = Plan(dp_shard=16, zero_stage=3, micro_batch=8)
     cluster = Cluster(accelerator("a100-40gb"), 16)
     times = [evaluate(args, t, plan, cluster).time.detail["dp_comm_s"] for t in (ours, lightning)]
-    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
-    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
-    by_hand = sum(count * (reduce_scatter(4 * p, n, link) - reduce_scatter(2 * p, n, link))
-                  for count, p in ((args.n_layers, block), (1, root)))
-    assert times[0] - times[1] == pytest.approx(by_hand, rel=1e-9)
+    assert times[0] - times[1] == pytest.approx(_bf16_reduction_saving(args, plan, cluster), rel=1e-9)
     accumulating = Plan(dp_shard=16, zero_stage=3, micro_batch=2, grad_accum=4)
     held = [moment_memory(args, t, accumulating, 0)["end_of_backward"]["fsdp_buffers"] for t in (ours, lightning)]
     assert held[1] == held[0] >= num_params(args) * 4
@@ -859,8 +868,7 @@ def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
     # FSDP's bf16 reduction (Training.reduce_dtype) moves each reduce-scatter in 2 bytes a parameter, unit by unit, and
     # keeps the 4-byte gradient state; plans that do not shard run it under autocast (fp32 gradients), and a whole
     # search with it runs; --layout away from fsdp-mp leaves it behind
-    from shardwise.planner.comm import axis_link, reduce_scatter
-    from shardwise.planner.memory import layer_params, stage_memory
+    from shardwise.planner.memory import stage_memory
     from shardwise.planner.workload import recipe_for
 
     args = ModelArgs(name="mpt-13b-like", dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=50368,
@@ -870,11 +878,7 @@ def test_a_bf16_reduction_halves_the_reduce_scatter_by_hand(tmp_path):
     plan = Plan(dp_shard=64, zero_stage=3, micro_batch=2)
     cluster = Cluster(accelerator("h100"), 64)
     times = [evaluate(args, t, plan, cluster).time.detail["dp_comm_s"] for t in (composer_017, composer_016)]
-    n, link = axis_link(plan, plan.shard_axes, cluster, spread=True)
-    block, root = layer_params(args, 1), num_params(args) - args.n_layers * layer_params(args, 1)
-    by_hand = sum(count * (reduce_scatter(4 * p, n, link) - reduce_scatter(2 * p, n, link))
-                  for count, p in ((args.n_layers, block), (1, root)))
-    assert times[0] - times[1] == pytest.approx(by_hand, rel=1e-9)
+    assert times[0] - times[1] == pytest.approx(_bf16_reduction_saving(args, plan, cluster), rel=1e-9)
     assert stage_memory(args, composer_016, plan, 0)["grads"] == stage_memory(args, composer_017, plan, 0)["grads"]
     # FSDP's mixed-precision layout in a mixed-precision run has it (torchtitan's too: its mixed_precision_reduce),
     # and a system file may set it; the other layouts and an fp32 run are refused, naming the field
