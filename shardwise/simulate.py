@@ -66,6 +66,7 @@ from shardwise.parallel.torch_private import (
 )
 from shardwise.planner import Plan, PlannerError, Training, resolve_model, stage_memory
 from shardwise.planner.memory import simulator_categories
+from shardwise.planner.plan import partial_checkpoint_error
 from shardwise.train import (
     build_grad_scaler,
     build_optimizer_for,
@@ -413,12 +414,10 @@ def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) ->
     simulator's categories.
 
     Allowances for what is not tensors (fragmentation, CUDA context) are set to 0: the tracker counts tensors.
-    Empty where the planner does not price the layout: checkpointing every k-th block only (it was printed as if
-    every block were checkpointed).
+    Empty where the planner does not price the layout: checkpointing every k-th block of a mixture of experts or
+    under zero-bubble (plan.partial_checkpoint_error; it was once printed as if every block were checkpointed).
     """
     p, t = cfg.parallel, cfg.train
-    if p.activation_checkpoint != "none" and p.activation_checkpoint_every != 1:
-        return {}
     training = Training(seq_len=cfg.data.seq_len, global_batch=t.micro_batch * t.grad_accum * p.dp,
                         precision=t.precision, optimizer=cfg.optim.name, layout="torch",
                         lora_rank=cfg.lora.rank, qlora=cfg.lora.qlora, lora_targets=tuple(cfg.lora.targets),
@@ -427,6 +426,8 @@ def planner_prediction(cfg: JobConfig, stage: int, moment: str | None = None) ->
                         expert_imbalance=1.0)  # the load state_balanced_routing gives every MoE layer
     micro_batch, grad_accum = planner_split(p, t.micro_batch, t.grad_accum)
     plan = Plan(**dataclasses.asdict(p), micro_batch=micro_batch, grad_accum=grad_accum)
+    if partial_checkpoint_error(plan, training, cfg.model) is not None:
+        return {}
     return simulator_categories(stage_memory(cfg.model, training, plan, stage, moment))
 
 
@@ -570,9 +571,10 @@ def _format_rank(r: RankReport, p: Layout) -> list[str]:
         measured = peak.peak_bytes if k == "total" else peak.peak[k]
         planned = f"{r.planner.get(k, 0.0) / div:9.3f}" if r.planner else f"{'-':>9}"
         lines.append(f"  {k:24}{measured / div:9.3f}  {planned}  {_ratio(ratios[k])}")
-    if not r.planner and p.activation_checkpoint_every != 1:
-        lines.append(f"  planner: not compared (it prices checkpointing of every block, not of "
-                     f"one block in {p.activation_checkpoint_every}: parallel.activation_checkpoint_every)")
+    if not r.planner and p.activation_checkpoint != "none" and p.activation_checkpoint_every != 1:
+        lines.append(f"  planner: not compared (it does not price checkpointing of one block in "
+                     f"{p.activation_checkpoint_every} of a mixture of experts or under zero-bubble: "
+                     "parallel.activation_checkpoint_every)")
     lines.append("  model state (weights and optimizer state kept between steps, largest gradients): " +
                  ", ".join(f"{k} {v / div:.3f} {unit}" for k, v in peak.model_state.items()))
     lines.append(f"  {'collective':24}{'calls':>7}  {'payload ' + unit:>12}  {'wire ' + unit:>9}")

@@ -507,6 +507,38 @@ def test_lora_matmul_time_counts_the_flops_our_lora_model_runs(targets, recomput
     assert (t.compute_s + t.recompute_s) * 1e12 == pytest.approx(counter.flops, rel=1e-9)
 
 
+@pytest.mark.parametrize("every, lora", [(2, False), (3, False), (2, True)])
+def test_recompute_of_every_kth_block_counts_the_flops_the_engine_runs(every, lora):
+    """Checkpointing one block in k (parallel.activation_checkpoint_every): the engine replays the blocks whose
+    index is a multiple of k, 3 of 5 at k = 2 and 2 of 5 at k = 3 (not 2 and 1, as counting from the first block
+    after k would), and the planner's recompute time is theirs: compute plus recompute times the peak is the
+    matmul FLOPs of the engine's forward and backward, LoRA's first block (which needs no input gradient) too."""
+    from shardwise.activation_checkpoint import apply_activation_checkpointing
+    from shardwise.config import LoraConfig
+    from shardwise.lora import apply_lora
+    from shardwise.planner import Accelerator, step_time
+
+    args, b, s, rank = dataclasses.replace(_small(), n_layers=5), 2, 96, 8
+    model = build_model(args)
+    if lora:
+        apply_lora(model, LoraConfig(rank=rank, targets=["w2"]))
+    materialize(model, args, "cpu", 0)
+    apply_activation_checkpointing(model, "full", every)
+    tokens = torch.randint(0, args.vocab_size, (b, s))
+    with MatmulFlops() as counter:
+        engine_loss(model, tokens, tokens).backward()
+    ideal = Accelerator("ideal", 1e12, {"fp32": 1e12}, mem_bandwidth=math.inf, intra_node_bw=1e9, inter_node_bw=1e9,
+                        host_bw=1e9, matmul_efficiency=1.0, attention_efficiency=math.inf)
+    training = Training(seq_len=s, global_batch=b, precision="fp32", lora_rank=rank if lora else 0,
+                        lora_targets=("w2",))
+    plan = Plan(micro_batch=b, activation_checkpoint="full", activation_checkpoint_every=every)
+    t = step_time(args, training, plan, Cluster(ideal, 1))
+    assert (t.compute_s + t.recompute_s) * 1e12 == pytest.approx(counter.flops, rel=1e-9)
+    full = step_time(args, training, dataclasses.replace(plan, activation_checkpoint_every=1), Cluster(ideal, 1))
+    assert 0 < t.recompute_s < full.recompute_s
+
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_lora_pipeline_cost_is_the_slowest_rank(schedule):
     """Under LoRA rank 0's first block skips input gradients, so another rank with its blocks can be slower: the
@@ -1128,6 +1160,43 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
     for category in CATEGORIES:  # every category that holds at least 5% of the peak
         if max(measured.peak[category], predicted[category]) >= 0.05 * measured.peak_bytes:
             assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
+
+
+# (model, plan, blocks): checkpointing one block in k, the peak where the first block's backward replays nothing
+# and the second's replays its block (FSDP's ZeRO-3 under autocast and under FSDP2's policy, k = 2), where the
+# first replays (k = 3 on 4 blocks: blocks 0 and 3), under DDP, with selective recompute under tp, and on every
+# rank of a pipeline
+PARTIAL = [
+    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=2", 4),
+    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=2,"
+                  "mixed_precision=fsdp", 4),
+    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=3", 4),
+    ("llama2-7b", "dp_replicate=1024,zero_stage=0,activation_checkpoint=full,activation_checkpoint_every=3", 4),
+    ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective,"
+                   "activation_checkpoint_every=2", 4),
+    ("llama2-7b", "pp=2,dp=512,zero_stage=1,activation_checkpoint=full,activation_checkpoint_every=2,grad_accum=4", 8),
+]
+
+
+@pytest.mark.parametrize("model, plan, blocks", PARTIAL)
+def test_checkpointing_every_kth_block_matches_the_simulator(model, plan, blocks):
+    """The planner priced checkpointing of every block only and refused activation_checkpoint_every; now a rank's
+    checkpointed blocks keep what the policy keeps and the others what they keep without recompute, and the
+    backward of its first replayed block is a moment of its own. Every rank within 5% of the simulator (the
+    engine's step on fake tensors), each category holding 5% of the peak within 10% outside a pipeline."""
+    from shardwise.simulate import CATEGORIES, config_from_plan, planner_prediction, simulate_rank
+
+    world = 1024
+    cfg = config_from_plan(model, plan, world, seq_len=4096, micro_batch=1, precision="bf16")
+    cfg.model = dataclasses.replace(cfg.model, n_layers=blocks)
+    pp = cfg.parallel.pp
+    for stage in range(pp):
+        measured = simulate_rank(cfg, world, stage * world // pp).peak_step
+        predicted = planner_prediction(cfg, stage)
+        assert predicted["total"] == pytest.approx(measured.peak_bytes, rel=0.05), stage
+        for category in CATEGORIES if pp == 1 else ():
+            if max(measured.peak[category], predicted[category]) >= 0.05 * measured.peak_bytes:
+                assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
 
 
 def test_accumulated_gradients_match_the_simulator_at_1024_ranks():
@@ -2658,10 +2727,10 @@ def test_decision_sequence_names_the_precision_the_plan_trains_in(capsys):
     assert line.split("used: ")[1].startswith("2 FP16"), line
 
 
-@pytest.mark.parametrize("key, value", [("activation_checkpoint_every", "2"), ("bucket_mb", "100")])
+@pytest.mark.parametrize("key, value", [("bucket_mb", "100")])
 def test_plan_refuses_a_layout_key_it_does_not_price(tmp_path, key, value, capsys):
-    """--plan activation_checkpoint_every=2 (or bucket_mb=100) was parsed, priced as 1 (25 MB) and written by
-    --write-config as activation_checkpoint_every = 1 (bucket_mb = 25.0): the knob dropped without a word."""
+    """--plan bucket_mb=100 was parsed, priced as 25 MB and written by --write-config as bucket_mb = 25.0: the knob
+    dropped without a word. (activation_checkpoint_every was refused so too until the planner priced it.)"""
     out = tmp_path / "x.toml"
     argv = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--write-config", str(out),
             "--plan", f"dp_shard=8,activation_checkpoint=full,{key}={value}"]
@@ -2670,8 +2739,38 @@ def test_plan_refuses_a_layout_key_it_does_not_price(tmp_path, key, value, capsy
     assert f"--plan {key}" in err and f"parallel.{key}" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     # the defaults themselves are taken
-    default = {"activation_checkpoint_every": "1", "bucket_mb": "25"}[key]
+    default = {"bucket_mb": "25"}[key]
     assert run_plan(_ns(*argv[:-1], f"dp_shard=8,activation_checkpoint=full,{key}={default}")) == 0
+
+
+def test_plan_prices_and_writes_checkpointing_every_kth_block(tmp_path, capsys):
+    """--plan activation_checkpoint_every=2 is priced (between every block checkpointed and none, in memory and
+    time), shown in the table ('full/2') and written by --write-config; the search then tries the policies that
+    checkpoint. What the planner does not price of it is refused naming the key, before any search: a mixture of
+    experts, and (activation_checkpoint = none) what the engine's config refuses too."""
+    out = tmp_path / "x.toml"
+    argv = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--json"]
+    rows = {}
+    for every, recompute in ((1, "full"), (2, "full"), (1, "none")):
+        assert run_plan(_ns(*argv, "--plan", f"dp_shard=8,zero_stage=3,mixed_precision=autocast,offload=none,"
+                                             f"micro_batch=1,activation_checkpoint={recompute},"
+                                             f"activation_checkpoint_every={every}")) in (0, 1)
+        rows[every, recompute] = json.loads(capsys.readouterr().out)["plans"][0]
+    mem = {k: r["memory_gib"]["total"] for k, r in rows.items()}
+    step = {k: r["step_time_s"] for k, r in rows.items()}
+    assert mem[1, "full"] < mem[2, "full"] < mem[1, "none"] and step[1, "none"] < step[2, "full"] < step[1, "full"]
+    assert run_plan(_ns(*argv[:-1], "--write-config", str(out),
+                        "--plan", "dp_shard=8,micro_batch=1,activation_checkpoint_every=2")) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"\b(full|selective)/2\b", table), table
+    assert "activation_checkpoint_every = 2" in out.read_text() and \
+        load_config(out).parallel.activation_checkpoint_every == 2
+    for model, keys, problem in (("mixtral-8x7b", "ep=8,activation_checkpoint_every=2", "mixture of experts"),
+                                 ("llama3-8b", "activation_checkpoint=none,activation_checkpoint_every=2",
+                                  "activation_checkpoint = none")):
+        assert run_plan(_ns("--model", model, "--gpus", "8", "--global-batch", "64", "--plan", keys)) == 2
+        err = capsys.readouterr().err
+        assert "--plan activation_checkpoint_every" in err and problem in err and len(err.strip().splitlines()) == 1
 
 
 def test_another_systems_table_shows_no_shardwise_knob_and_names_whose_adapters_it_priced(capsys):

@@ -434,9 +434,15 @@ def _row(i: int, ev: Evaluation, moe: bool = False, bf16: bool = True) -> list[s
         "" if ev.fits_host else " host OOM")
     degrees = [str(p.tp), str(p.pp), str(p.cp)] + ([str(p.ep)] if moe else [])
     return [str(i), f"{p.dp} ({p.dp_replicate}x{p.dp_shard})", *degrees, str(p.zero_stage),
-            str(p.micro_batch), str(p.grad_accum), p.activation_checkpoint, sched, "y" if p.sequence_parallel else "n",
+            str(p.micro_batch), str(p.grad_accum), recompute_text(p), sched, "y" if p.sequence_parallel else "n",
             p.offload, p.mixed_precision if bf16 else "-", mem, f"{t.step_time_s:.3f}", f"{t.tokens_per_s:,.0f}",
             f"{100 * t.mfu:.1f}%", f"{100 * t.bubble_fraction:.1f}%", f"{t.exposed_comm_s:.3f}"]
+
+
+def recompute_text(plan) -> str:
+    """The plan's recompute column: its policy, and '/k' where one block in k is checkpointed."""
+    every = plan.activation_checkpoint_every
+    return plan.activation_checkpoint + (f"/{every}" if every > 1 and plan.activation_checkpoint != "none" else "")
 
 
 def _adapters(training: Training) -> str:

@@ -80,7 +80,9 @@ def decision_sequence(ev: Evaluation, training: Training) -> list[str]:
     # step 2 names the half (or both) the plan uses: "BF16 + checkpointing" read as recompute on a plan without it;
     # the half precision is the plan's own (a V100's fp16 read as "BF16", which it has none of)
     second = " + ".join(name for name, on in ((training.precision.upper(), training.mixed),
-                                              (f"{p.activation_checkpoint} checkpointing",
+                                              (f"{p.activation_checkpoint} checkpointing" + (
+                                                  f" of one block in {p.activation_checkpoint_every}"
+                                                  if p.activation_checkpoint_every > 1 else ""),
                                                p.activation_checkpoint != "none")) if on)
     offload = f" + {p.offload} CPU offload" if p.offload != "none" else ""
     steps = [

@@ -188,13 +188,14 @@ class Placement(NamedTuple):
 
 
 def placement(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> Placement:
-    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, plan.ep, split)
+    return _placement(args, seq_len, plan.tp, plan.pp, plan.stages_per_rank, plan.pp_schedule, plan.ep, split,
+                      checkpoint_period(plan))
 
 
 @functools.lru_cache(maxsize=4096)
 def _placement(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int, schedule: str,
-               ep: int = 1, split: str = "cost") -> Placement:
-    ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule, split)
+               ep: int = 1, split: str = "cost", every: int = 1) -> Placement:
+    ranks = _ranks_to_check(args, seq_len, pp, per_rank, schedule, split, every)
     shapes = [_stage_shape(args, seq_len, tp, pp, per_rank, schedule, r, ep, split) for r in ranks]
     return Placement(ranks, max(_pipeline_layers(args, seq_len, pp, per_rank, schedule, split)),
                      max(s.params for s in shapes),
@@ -267,6 +268,47 @@ def stage_layers(args: ModelArgs, plan: Plan, stage: int, seq_len: int, split: s
     return stage_shape(args, plan, stage, seq_len, split).layers
 
 
+def checkpoint_period(plan: Plan) -> int:
+    """Every how many blocks one is checkpointed (Layout.activation_checkpoint_every; 1 without recompute)."""
+    return plan.activation_checkpoint_every if plan.activation_checkpoint != "none" else 1
+
+
+def partial_checkpointing(plan: Plan) -> bool:
+    """Only some blocks are checkpointed: the engine's `apply_activation_checkpointing` wraps the blocks whose
+    index is a multiple of activation_checkpoint_every (torchtitan's selective_ac_option "k" and IBM's fms-fsdp
+    `selective_checkpointing` alike); the others keep what they would without recompute."""
+    return checkpoint_period(plan) > 1
+
+
+def checkpointed_blocks(args: ModelArgs, plan: Plan, stage: int, seq_len: int,
+                        split: str = "cost") -> tuple[int, bool]:
+    """(the blocks of pipeline rank `stage` that are checkpointed, whether its last block, the first whose backward
+    runs, is one)."""
+    if plan.activation_checkpoint == "none":
+        return 0, False
+    ids = _rank_layers(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)[stage]
+    every = checkpoint_period(plan)
+    return sum(i % every == 0 for i in ids), max(ids) % every == 0
+
+
+def backward_plan(args: ModelArgs, training: Training, plan: Plan, stage: int, nth: int = 0) -> Plan:
+    """`plan` as the rank's `nth` block in backward order sees it (0: the first whose backward runs, the rank's
+    last): checkpointed under the plan's policy or not at all (partial_checkpointing), every block alike."""
+    if not partial_checkpointing(plan):
+        return plan
+    ids = sorted(_rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule,
+                              training.pipeline_split)[stage])
+    replayed = ids[max(0, len(ids) - 1 - nth)] % plan.activation_checkpoint_every == 0
+    return replace(plan, activation_checkpoint=plan.activation_checkpoint if replayed else "none",
+                   activation_checkpoint_every=1)
+
+
+def kept_by_blocks(args: ModelArgs, training: Training, plan: Plan, stage: int, blocks: int) -> float:
+    """What the rank's first `blocks` blocks in backward order keep of one micro-batch (dense blocks)."""
+    return sum(layer_activation_bytes(args, training, backward_plan(args, training, plan, stage, i))
+               for i in range(blocks))
+
+
 def head_rank(plan: Plan) -> int:
     """The pipeline rank holding the last stage (final norm, output head, loss): pp - 1, or rank 0 under the
     zero-bubble V, which folds the last stage back onto the first rank."""
@@ -283,15 +325,20 @@ def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost
     """The pipeline ranks whose peak memory or time can be the largest: the first (embedding, most micro-batches
     in flight) and the next with its block count, the one with the head, and the first rank with each block count
     (among ranks with equal blocks the earlier one holds at least as many micro-batches in flight; under
-    zero-bubble the last one too); of a mixture of experts, each count of blocks and MoE blocks."""
-    return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)
+    zero-bubble the last one too); of a mixture of experts, each count of blocks and MoE blocks; checkpointing
+    every k-th block, each count of checkpointed blocks and whether the rank's last block is one."""
+    return _ranks_to_check(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split,
+                           checkpoint_period(plan))
 
 
 @functools.lru_cache(maxsize=4096)
 def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str,
-                    split: str = "cost") -> tuple[int, ...]:
+                    split: str = "cost", every: int = 1) -> tuple[int, ...]:
     ranks = _rank_layers(args, seq_len, pp, per_rank, schedule, split)
-    kinds = [(len(ids), sum(map(args.is_moe_layer, ids))) for ids in ranks]
+    # (checkpointing every k-th block: ranks with as many blocks may checkpoint a different number of them, and
+    # the first backward may or may not replay its block)
+    kinds = [(len(ids), sum(map(args.is_moe_layer, ids)))
+             + ((sum(i % every == 0 for i in ids), max(ids) % every == 0) if every > 1 else ()) for ids in ranks]
     first_with = {n: kinds.index(n) for n in set(kinds)}
     # rank 0 also holds the embedding, and under LoRA its first block skips input gradients
     # (timing.lora_first_block_skipped): the next rank with its blocks can be the slower
@@ -1481,6 +1528,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     """(the items every moment of `moment_memory` starts from, what each moment changes or adds)."""
     state = _model_state(args, training, plan, stage)
     acts = _activation_items(args, training, plan, stage)
+    # the block whose backward runs first, replayed or not (checkpointing some blocks: partial_checkpointing)
+    first_plan = backward_plan(args, training, plan, stage)
     m = in_flight(plan, stage)
     # gradients are accumulated from the first finished backward on; the first backward starts with the most
     # micro-batches in flight, and with gradients already there only if forwards remain after it (more
@@ -1596,7 +1645,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # reduce-scattered are autograd's, not its buffers
     # (recomputed tensors are made in backward: the tracker sees them as temporaries)
     # (with the rank's gradients already there, a new one is a temporary until added: block_backward_bytes)
-    bwd = acts["block_backward_accumulating" if early_grads and not fsdp else "block_backward"]
+    bwd_name = "block_backward_accumulating" if early_grads and not fsdp else "block_backward"
+    bwd = acts[bwd_name]
     # the fused head's weight gradient was made in forward, fp32 (an activation until its backward hands it over).
     # An fp32 gradient is handed over as it is, and the tracker keeps counting it where it was made; one of another
     # dtype (FSDP2's mixed-precision policy: bf16) is a new tensor, and the fp32 one is freed: kept among the saved
@@ -1605,8 +1655,8 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     # (LoRA freezes the head: it makes no weight gradient, as it makes none of the blocks' weights)
     fresh_grads = (0.0 if training.lora_rank else head_p * grad_bytes) - head_grad + bwd["weight_grad"]
 
-    def working(bwd: dict[str, float], accumulating: bool) -> float:
-        rebuilt = bwd["recomputed"] - bwd["freed"] if plan.activation_checkpoint != "none" else 0.0
+    def working(bwd: dict[str, float], accumulating: bool, block: Plan = first_plan) -> float:
+        rebuilt = bwd["recomputed"] - bwd["freed"] if block.activation_checkpoint != "none" else 0.0
         return (bwd["working"] + rebuilt + bwd["copies_rebuilt"] + (bwd["pending"] if accumulating else 0.0)
                 + held_grads)
 
@@ -1619,11 +1669,31 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         mods = block_modules(args, plan.tp)
         gathering = max(a + b for a, b in zip(mods, mods[1:] + mods[:1])) * gathered
 
-    def saved(bwd: dict[str, float]) -> tuple[float, float]:  # (activations, compute copies) still held
+    def saved(bwd: dict[str, float], block: Plan = first_plan) -> tuple[float, float]:
+        # (activations, compute copies) still held in `block`'s backward, the blocks after it not counted
         if zero_bubble:
             return held_acts, held_copies
-        return (held_acts - acts["head"] + head_grad - (bwd["freed"] if plan.activation_checkpoint == "none" else 0.0),
+        return (held_acts - acts["head"] + head_grad
+                - (bwd["freed"] if block.activation_checkpoint == "none" else 0.0),
                 held_copies - acts["head_copy"] - bwd["copies_freed"])
+
+    def in_block(nth: int) -> dict[str, float]:
+        """Checkpointing some blocks (partial_checkpointing): inside the backward of the rank's `nth` block in
+        backward order, with its own working set (a replay or none), the saved tensors and weight copies of the
+        blocks before it gone. Empty where every block is alike (the moments above price it)."""
+        if not partial_checkpointing(plan):
+            return {}
+        block = backward_plan(args, training, plan, stage, nth)
+        b = _activation_items(args, training, block, stage)[bwd_name]
+        copies_each = _activation_items(args, training, replace(block, activation_checkpoint="none"),
+                                        stage)["first_block_copies"]
+        uncheckpointed = sum(backward_plan(args, training, plan, stage, i).activation_checkpoint == "none"
+                             for i in range(nth))
+        kept, copies = saved(b, block)
+        return {"activations": kept - kept_by_blocks(args, training, plan, stage, nth),
+                "compute_copies": copies - uncheckpointed * copies_each,
+                "backward_and_logits": working(b, bool(early_grads) and not fsdp, block)
+                + (fresh_grads if fsdp else 0.0)}
 
     out["first_block_backward"] = {
         "grads": early_grads or (0.0 if fsdp else fresh_grads),
@@ -1646,15 +1716,16 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         # larger. (DeepSpeed's ZeRO-3, layout 'zero', reduces through its own gradient buckets instead.)
         first = out["first_block_backward"]
         # (what a block's backward frees of the kept ones: under activation offloading, its share on the device)
-        done = layer_activation_bytes(args, training, plan, moe=shape.last_moe) \
+        done = layer_activation_bytes(args, training, first_plan, moe=shape.last_moe) \
             * offload_kept_share(training, plan, shape.layers)
         scattered = block_params(args, plan.tp, shape.last_moe, plan.ep)
         if shape.last_moe and plan.ep > 1:
             scattered -= expert_params(args, plan.ep)
         out["second_block_backward"] = {
             **first, "activations": first["activations"] - done,
-            "compute_copies": first["compute_copies"] - (acts["copies"] - acts["head_copy"]) / shape.layers,
-            "fsdp_buffers": first["fsdp_buffers"] + scattered * reduce_grad_bytes(training)}  # (its input's dtype)
+            "compute_copies": first["compute_copies"] - acts["first_block_copies"],
+            "fsdp_buffers": first["fsdp_buffers"] + scattered * reduce_grad_bytes(training),  # (its input's dtype)
+            **in_block(1)}
         if shape.layers >= 3 and not zero_bubble and not shape.moe_layers:
             # the next-to-last block's backward: the same working set and buffers (the block after it gathered,
             # ZeRO-3's prefetch; the one before it still holding its reduce-scatter input), but every block's
@@ -1671,7 +1742,15 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                 "grads": early_grads or state["grads"] * blocks_share * gone / shape.layers,
                 "activations": first["activations"] - done * (gone + 1),
                 "compute_copies": first["compute_copies"]
-                - (acts["copies"] - acts["head_copy"]) * (gone + 1) / shape.layers}
+                - (acts["copies"] - acts["head_copy"]) * (gone + 1) / shape.layers,
+                **in_block(gone)}
+    elif partial_checkpointing(plan) and shape.layers >= 2 \
+            and backward_plan(args, training, plan, stage, 1) != first_plan:
+        # the second block's backward replays it where the first's did not (or the reverse): its working set, the
+        # first block's saved tensors gone and its gradients made
+        first = out["first_block_backward"]
+        out["second_block_backward"] = {**first, **in_block(1), "grads": first["grads"] + (
+            0.0 if early_grads or fsdp or training.lora_rank else block_p * grad_bytes)}
     if accum and not accum_early and m >= 2 and not zero_bubble:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
@@ -1740,8 +1819,11 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     backward's working sets; memoised (they do not depend on the dp split, ZeRO stage or offload, which a search
     varies most)."""
     key = (args, training, plan.tp, plan.cp, plan.pp, plan.virtual_stages, plan.micro_batch,
-           plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage, plan.ep)
+           plan.activation_checkpoint, plan.sequence_parallel, plan.pp_schedule, stage, plan.ep,
+           checkpoint_period(plan))
     cached = _ACTIVATIONS.get(key)
+    if cached is None and partial_checkpointing(plan):
+        cached = _remember(_ACTIVATIONS, key, _partial_activation_items(args, training, plan, stage))
     if cached is None:
         last = stage == head_rank(plan)
         shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
@@ -1759,6 +1841,8 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             "activations": per_mb + head, "head": head, "copies": copies,
             "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
+            # (the weight copies of the block whose backward runs first: a block's share of the stage's)
+            "first_block_copies": (copies - head_copy) / shape.layers,
             "autocast_cache": autocast_cache_bytes(args, training, plan, stage) if last else 0.0,
             # zero-bubble's input pass makes no weight gradient (its weight pass is priced in _zero_bubble_held)
             **{name: block_backward_bytes(args, training, plan, shape.last_moe, accumulating=accumulating,
@@ -1767,6 +1851,26 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
         if plan.pp > 1 and plan.pp_schedule == "zero-bubble":
             cached["zero_bubble_chunks"] = _zero_bubble_chunk_bytes(args, training, plan, stage, cached)
     return cached
+
+
+def _partial_activation_items(args: ModelArgs, training: Training, plan: Plan, stage: int) -> dict[str, float]:
+    """_activation_items of a rank checkpointing some of its blocks (partial_checkpointing): the saved tensors and
+    weight copies of its checkpointed blocks as under the policy, of the others as without recompute (autocast's
+    cache holds the copies of the checkpointed ones alone, those the others' matmuls do not save); the block
+    backward of its last block, checkpointed or not (first_backward_plan). Dense blocks, outside zero-bubble's V,
+    without activation offloading (search.check_fixed refuses the rest)."""
+    every_block = replace(plan, activation_checkpoint_every=1)
+    bare = replace(every_block, activation_checkpoint="none")
+    ck, none = (_activation_items(args, training, p, stage) for p in (every_block, bare))
+    n, _ = checkpointed_blocks(args, plan, stage, training.seq_len, training.pipeline_split)
+    share = n / stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
+    # every item but the blocks' is the same either way (the head's, the embedding's), so a mix of the two by
+    # the share of checkpointed blocks counts n blocks of one and the rest of the other
+    out = {**ck, **{k: none[k] + share * (ck[k] - none[k]) for k in ("activations", "copies", "autocast_cache")}}
+    if stage == 0:  # (block 0 is checkpointed: it keeps its input, which LoRA's first block would not)
+        out["activations"] += (1 - share) * first_block_unkept_bytes(args, training, bare)
+    first = _activation_items(args, training, backward_plan(args, training, plan, stage), stage)
+    return {**out, **{k: first[k] for k in ("block_backward", "block_backward_accumulating", "first_block_copies")}}
 
 
 OFFLOAD_STASH = 5

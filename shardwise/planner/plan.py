@@ -53,7 +53,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: a parallelism or
     pipeline schedule the system lacks (system_parallel_error), activation offloading
     without full recompute (Training.activation_offload), the optimizer in backward under accumulation
-    (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective)."""
+    (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective);
+    and the planner's own: checkpointing every k-th block where it does not price it (partial_checkpoint_error)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
     if error is None:
         error = system_parallel_error(plan, training)
@@ -86,7 +87,27 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system offloads "
                             "the activations checkpointing keeps (activation_offload)",
                             "use activation_checkpoint=full, or a system without activation_offload")
+    if error is None:
+        error = partial_checkpoint_error(plan, training, args)
     return error
+
+
+def partial_checkpoint_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
+    """Checkpointing every k-th block (activation_checkpoint_every > 1) where the planner does not price it: a
+    mixture of experts, zero-bubble's V (its weight passes replay checkpointed chunks), activation offloading (it
+    stashes checkpoint inputs) and DeepSpeed's module-sync ZeRO-3 (its gathers follow each module's replay). The
+    engine runs them; `shardwise simulate --config` measures their memory."""
+    if plan.activation_checkpoint == "none" or plan.activation_checkpoint_every == 1:
+        return None
+    why = ("a mixture of experts" if args.n_experts else
+           "zero-bubble's weight passes" if plan.pp > 1 and plan.pp_schedule == "zero-bubble" else
+           "activation offloading (activation_offload)" if training.activation_offload else
+           "DeepSpeed's module-sync ZeRO-3" if plan.zero_stage >= 3 and training.zero3_fetch == "module-sync" else "")
+    if not why:
+        return None
+    return ConfigError("parallel.activation_checkpoint_every", f"{plan.activation_checkpoint_every}: the planner "
+                       f"prices checkpointing of some blocks without {why}", "use activation_checkpoint_every=1 "
+                       "(and set it in the written config; `shardwise simulate --config` measures its memory)")
 
 
 def system_parallel_error(plan: Plan, training) -> ConfigError | None:

@@ -27,7 +27,14 @@ from shardwise.config import tp_error
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs
 from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
-from shardwise.planner.plan import Plan, engine_runs, system_layout_error, validate_plan, zero_fix
+from shardwise.planner.plan import (
+    Plan,
+    engine_runs,
+    partial_checkpoint_error,
+    system_layout_error,
+    validate_plan,
+    zero_fix,
+)
 from shardwise.planner.timing import StepTime, step_time
 from shardwise.planner.workload import Training
 
@@ -60,8 +67,9 @@ class Evaluation:
     def to_json(self) -> dict:
         p = self.plan
         out = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero_stage",
-                                          "micro_batch", "grad_accum", "activation_checkpoint", "pp_schedule",
-                                          "virtual_stages", "sequence_parallel", "offload", "mixed_precision")}
+                                          "micro_batch", "grad_accum", "activation_checkpoint",
+                                          "activation_checkpoint_every", "pp_schedule", "virtual_stages",
+                                          "sequence_parallel", "offload", "mixed_precision")}
         out["dp"] = p.dp
         out["memory_gib"] = {k: round(v / GiB, 3) for k, v in self.memory.items()}
         out["memory_stage"] = self.memory_stage
@@ -151,7 +159,7 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
     """Every plan the search walks for one offload setting, before any pruning: what an exhaustive search would
     evaluate (tests check that the pruned walk finds the same best plan; benchmarks/planner_search.py times both)."""
     fixed = _resolved(fixed)
-    recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
+    recomputes = _recomputes(fixed)
     for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
         local = training.global_batch // base.dp
         for schedule, v in _schedules(args, training, base, fixed, max_virtual):
@@ -245,11 +253,15 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
             f"besides tp*pp*cp = {tp * pp * cp}", f"give a dp that divides {rest}")
     if fixed.get("zero_stage", 0) > 3:
         bad("zero_stage", f"{fixed['zero_stage']}", "use 0, 1, 2 or 3")
+    every = fixed.get("activation_checkpoint_every", 1)
+    if every != 1 and fixed.get("activation_checkpoint") == "none":  # (the engine's config refuses it too)
+        bad("activation_checkpoint_every", f"{every}, and activation_checkpoint = none",
+            "set activation_checkpoint = full or selective, or leave activation_checkpoint_every out")
+    if every != 1 and (args.n_experts or training.activation_offload):  # (partial_checkpoint_error's, for any plan)
+        error = partial_checkpoint_error(Plan(activation_checkpoint="full", activation_checkpoint_every=every),
+                                         training, args)
+        bad("activation_checkpoint_every", error.problem, error.fix)
     # keys of the layout the planner does not price: its plans (and --write-config) would drop them without a word
-    if fixed.get("activation_checkpoint_every", 1) != 1:
-        bad("activation_checkpoint_every", f"{fixed['activation_checkpoint_every']}: the planner prices "
-            "checkpointing of every block (1) only", "leave it out, and set parallel.activation_checkpoint_every "
-            "in the written config (`shardwise simulate --config` measures it)")
     if fixed.get("bucket_mb", training.ddp_bucket_mb) != training.ddp_bucket_mb:
         bad("bucket_mb", f"{fixed['bucket_mb']:g}: the planner prices DDP buckets of {training.ddp_bucket_mb:g} MB "
             "(Training.ddp_bucket_mb) and its plans carry the engine's default", "leave it out, and set "
@@ -478,7 +490,8 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
                 for policy in policies:
                     yield Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                zero_stage=zero, sequence_parallel=fixed.get("sequence_parallel", tp > 1),
-                               offload=offload, mixed_precision=policy)
+                               offload=offload, mixed_precision=policy,
+                               activation_checkpoint_every=fixed.get("activation_checkpoint_every", 1))
 
 
 def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int) -> list[int]:
@@ -492,6 +505,13 @@ def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int) -> l
 
 def _choices(fixed: dict, key: str, options: list) -> list:
     return [fixed[key]] if key in fixed else options
+
+
+def _recomputes(fixed: dict) -> list[str]:
+    """The recompute policies to try, in order of time (and the reverse of memory): a fixed
+    activation_checkpoint_every > 1 asks for one that checkpoints."""
+    every = fixed.get("activation_checkpoint_every", 1) != 1
+    return _choices(fixed, "activation_checkpoint", ["selective", "full"] if every else ["none", "selective", "full"])
 
 
 def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base: Plan, fixed: dict,
@@ -509,7 +529,7 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     if cluster.accelerator.host_memory_bytes and host > cluster.accelerator.host_memory_bytes:
         result.least_host = min(result.least_host, host)
         return
-    recomputes = _choices(fixed, "activation_checkpoint", ["none", "selective", "full"])
+    recomputes = _recomputes(fixed)
     # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight
     # and place the head differently: zero-bubble's V puts it on the first rank): the least of one sequence per
     # micro-batch and, where the schedule can run it, the whole local batch as one micro-batch. The second is not

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 from shardwise.hardware import DTYPE_BYTES, Accelerator, Cluster, PlannerError
 from shardwise.model_args import ModelArgs, adapter_params, flops_per_token, head_rows, projection_shapes
@@ -32,6 +32,8 @@ from shardwise.planner.memory import (
     block_params,
     block_tensor_params,
     casts_weights,
+    checkpoint_period,
+    checkpointed_blocks,
     expert_params,
     fused_head,
     gathered_unit_bytes,
@@ -42,6 +44,7 @@ from shardwise.planner.memory import (
     linear_shapes,
     lora_params,
     offloaded_shards,
+    partial_checkpointing,
     placement,
     reduce_grad_bytes,
     replicates,
@@ -433,7 +436,8 @@ def stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster
     # (frozen, hashed once) and the layout's fields the cost reads (the pp link's stride depends on dp).
     key = (args, training, cluster, plan.tp, plan.cp, plan.pp, plan.dp, plan.virtual_stages, plan.pp_schedule,
            plan.micro_batch, plan.grad_accum, plan.activation_checkpoint, plan.sequence_parallel, plan.ep,
-           te_weight_cast_share(training, plan), training.bf16_optimizer_active(plan.zero_stage, plan.offload))
+           te_weight_cast_share(training, plan), training.bf16_optimizer_active(plan.zero_stage, plan.offload),
+           checkpoint_period(plan))
     cost = _STAGE_COSTS.get(key)
     if cost is None:
         ranks = placement(args, plan, training.seq_len, training.pipeline_split).ranks
@@ -471,6 +475,22 @@ def _block_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
 
 def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, stage: int,
                 times: tuple[dict, dict | None] | None = None) -> StageCost:
+    if partial_checkpointing(plan):
+        # some blocks checkpointed: each term is a sum over the rank's blocks (their forward, its replay, their
+        # collectives and weight casts), so n checkpointed blocks of L cost n/L of the difference the policy makes
+        every_block = replace(plan, activation_checkpoint_every=1)
+        ck, bare = (_stage_cost(args, training, p, cluster, stage, times)
+                    for p in (every_block, replace(every_block, activation_checkpoint="none")))
+        n, _ = checkpointed_blocks(args, plan, stage, training.seq_len, training.pipeline_split)
+        shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
+        share = n / shape.layers
+        cost = StageCost(*(b + share * (c - b) for c, b in zip(astuple(ck), astuple(bare))))
+        if training.lora_rank and training.checkpoint_early_stop and plan.activation_checkpoint == "full" \
+                and stage == 0 and shape.layers > shape.moe_layers:
+            # but block 0, always checkpointed, is the one whose replay skips more (below): all of it, not a share
+            skipped = lora_first_block_replay_skipped(args, training, every_block, cluster.accelerator)
+            cost = replace(cost, recompute=cost.recompute - (1 - share) * skipped)
+        return cost
     acc = cluster.accelerator
     t, t_moe = times or _block_times(args, training, plan, acc)
     shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
