@@ -619,11 +619,38 @@ def _exhaustive_best(args, tr, cluster):
     ("mixtral-8x7b", 4, "h100", 2048, 8),
 ])
 def test_pruned_search_finds_the_exhaustive_best(model, gpus, gpu, seq_len, batch):
+    """(Every block checkpointed or none, as plan_space walks: checkpointing one block in k is the next test's.)"""
     args, tr, cluster = preset(model), Training(seq_len=seq_len, global_batch=batch), Cluster(accelerator(gpu), gpus)
     best = _exhaustive_best(args, tr, cluster)
-    ranked = search(args, tr, cluster, top_k=1).ranked
+    ranked = search(args, tr, cluster, {"activation_checkpoint_every": 1}, top_k=1).ranked
     assert best is not None and ranked
     assert ranked[0].time.step_time_s == pytest.approx(best.time.step_time_s, rel=1e-12)
+
+
+def test_the_search_checkpoints_the_fewest_blocks_that_fit():
+    """Where a policy had to checkpoint (the faster one did not fit), the search took it for every block; now it
+    checkpoints one block in k for the largest k that fits (torchtitan's selective_ac_option "k", fms-fsdp's
+    fraction): IBM's 13B job (128 A100, FSDP, micro-batch 2), which ran one block in 2, is faster so than with
+    every block, and one block fewer does not fit. Nowhere it cannot be priced (a mixture of experts), nor where
+    --plan fixes k."""
+    args = dataclasses.replace(preset("llama2-7b"), name="llama2-13b", dim=5120, n_layers=40, n_heads=40,
+                               n_kv_heads=40, ffn_hidden=13824)
+    # (a system with whole-block checkpointing only, as fms-fsdp's: none, then full)
+    tr = Training(seq_len=4096, global_batch=256, selective="none")
+    cluster = Cluster(accelerator("a100-80gb"), 128)
+    fixed = {"dp_shard": 128, "zero_stage": 3, "micro_batch": 2, "mixed_precision": "autocast"}
+    best = search(args, tr, cluster, fixed, top_k=1).ranked[0]
+    k = best.plan.activation_checkpoint_every
+    assert best.fits and best.plan.activation_checkpoint != "none" and 1 < k < args.n_layers
+    every = evaluate(args, tr, dataclasses.replace(best.plan, activation_checkpoint_every=1), cluster)
+    fewer = evaluate(args, tr, dataclasses.replace(best.plan, activation_checkpoint_every=k + 1), cluster)
+    assert best.time.step_time_s < every.time.step_time_s and not fewer.fits
+    assert not evaluate(args, tr, dataclasses.replace(best.plan, activation_checkpoint="none"), cluster).fits
+    fixed_one = search(args, tr, cluster, {**fixed, "activation_checkpoint_every": 1}, top_k=1).ranked[0]
+    assert fixed_one.plan.activation_checkpoint_every == 1
+    moe = search(preset("mixtral-8x7b"), Training(seq_len=4096, global_batch=64), Cluster(accelerator("h100"), 16),
+                 top_k=3).ranked
+    assert moe and all(ev.plan.activation_checkpoint_every == 1 for ev in moe)
 
 
 def test_search_notes_no_memory_for_a_tp_the_model_cannot_split():

@@ -157,7 +157,9 @@ def search(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | 
 def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dict | None = None, offload: str = "none",
                max_tp: int | None = None, max_cp: int = 16, max_virtual: int = 8):
     """Every plan the search walks for one offload setting, before any pruning: what an exhaustive search would
-    evaluate (tests check that the pruned walk finds the same best plan; benchmarks/planner_search.py times both)."""
+    evaluate (tests check that the pruned walk finds the same best plan; benchmarks/planner_search.py times both).
+    Recompute of every block or none: the search's checkpointing of one block in k (_fewest_checkpoints), where the
+    faster policy did not fit, is checked on its own."""
     fixed = _resolved(fixed)
     recomputes = _recomputes(fixed)
     for base in _degree_plans(args, training, cluster, fixed, max_tp, max_cp, offload):
@@ -559,7 +561,8 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
                 continue
             plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule, virtual_stages=v)
             first = start[schedule, v] if steady else 0
-            found = _cheapest_recompute(args, training, cluster, plan, recomputes[first:], limit, result)
+            found = _cheapest_recompute(args, training, cluster, plan, recomputes[first:], limit, result,
+                                        "activation_checkpoint_every" not in fixed)
             if found is not None:
                 fits.append(found[1])
             if steady and found is None:
@@ -617,9 +620,11 @@ def _floors_that_fit(args: ModelArgs, training: Training, floors: list[Plan], li
 
 
 def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, plan: Plan, recomputes: list[str],
-                        limit: float, result: SearchResult) -> tuple[int, Evaluation] | None:
+                        limit: float, result: SearchResult, partial: bool = False) -> tuple[int, Evaluation] | None:
     """The fastest recompute policy that fits, and its index in `recomputes`: none < selective < full in time and
-    the reverse in memory, so the first that fits, in that order, is the only one worth timing."""
+    the reverse in memory, so the first that fits, in that order, is the only one worth timing. With `partial`
+    (activation_checkpoint_every free), where a faster policy did not fit, the policy found checkpointing one block
+    in k for the largest k that fits (_fewest_checkpoints)."""
     found = None
     for index, recompute in enumerate(recomputes):
         candidate = _with(plan, activation_checkpoint=recompute)  # valid by construction
@@ -639,10 +644,49 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     if found is None:
         return None
     index, candidate, stage, mem = found
+    if partial and index > 0 and candidate.activation_checkpoint != "none" and _may_lead(
+            args, training, cluster, candidate, result):
+        candidate, stage, mem = _fewest_checkpoints(args, training, candidate, stage, mem, limit, result)
     ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit,
                     host_bytes(args, training, candidate), cluster.accelerator.host_memory_bytes)
     _note(result, ev)
     return index, ev
+
+
+def _may_lead(args: ModelArgs, training: Training, cluster: Cluster, plan: Plan, result: SearchResult) -> bool:
+    """Whether `plan` with fewer blocks checkpointed could be within TIE of the fastest plan found so far: with
+    none (its step time without recompute, a bound on every k's) it could. (A plan left so keeps its every-block
+    time among the knobs' best times, SearchResult.best_by_knob: an upper bound on what its knobs' values allow,
+    and above the fastest plan either way.)"""
+    fastest = min(result.best_by_knob.values(), default=math.inf)
+    if fastest == math.inf:
+        return True
+    bound = step_time(args, training, _with(plan, activation_checkpoint="none"), cluster).step_time_s
+    return bound <= fastest * (1 + TIE)
+
+
+def _fewest_checkpoints(args: ModelArgs, training: Training, plan: Plan, stage: int, mem: dict[str, float],
+                        limit: float, result: SearchResult) -> tuple[Plan, int, dict[str, float]]:
+    """`plan` (which fits, checkpointing every block) checkpointing one block in k for the largest k that fits, and
+    its peak (stage, breakdown): each block left out saves its replay and keeps what it would without recompute,
+    so the time falls and the memory grows with k (torchtitan's selective_ac_option "k", fms-fsdp's fraction). By
+    bisection over 1 (the plan) to the model's blocks (block 0 alone), as memory grows with k a block at a time;
+    where the planner does not price it (plan.partial_checkpoint_error), the plan as it is."""
+    if partial_checkpoint_error(_with(plan, activation_checkpoint_every=2), training, args) is not None:
+        return plan, stage, mem
+    best, below, above = (plan, stage, mem), 1, args.n_layers + 1
+    while above - below > 1:
+        every = (below + above) // 2
+        trial = _with(plan, activation_checkpoint_every=every)
+        result.evaluated += 1
+        first = stage_memory(args, training, trial, 0)
+        peak = peak_memory(args, training, trial, first) if first["total"] <= limit else (0, first)
+        if peak[1]["total"] <= limit:
+            best, below = (trial, *peak), every
+        else:
+            _note_memory(result, trial, peak[1]["total"])
+            above = every
+    return best
 
 
 def _schedules(args: ModelArgs, training: Training, base: Plan, fixed: dict,
