@@ -1829,6 +1829,8 @@ def training_of(run: Run) -> Training:
                     fixed_overhead_gib=run.fixed_overhead_gib, reduce_dtype=run.reduce_dtype or "fp32",
                     overlap_grad_reduce=run.overlap_grad_reduce is not False,
                     flat_params=run.layout == "fsdp-mp",  # (fairscale's FSDP, metaseq's OPT: flat as FSDP1's)
+                    # (one block in k as shardwise's engine picks them; not described for the others)
+                    partial_checkpoint="first" if run.layout == "torch" else "none",
                     **({"attention_kernel": run.attention_kernel} if run.attention_kernel else {}))
 
 

@@ -1189,32 +1189,40 @@ def test_memory_matches_the_simulator_at_1024_ranks(model, plan):
             assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
 
 
-# (model, plan, blocks): checkpointing one block in k, the peak where the first block's backward replays nothing
-# and the second's replays its block (FSDP's ZeRO-3 under autocast and under FSDP2's policy, k = 2), where the
-# first replays (k = 3 on 4 blocks: blocks 0 and 3), under DDP, with selective recompute under tp, and on every
-# rank of a pipeline
+# (model, plan, blocks, world, sequence): checkpointing one block in k, the peak where the first block's backward
+# replays nothing and the second's replays its block (FSDP's ZeRO-3 under autocast and under FSDP2's policy, k = 2),
+# where the first replays (k = 3 on 4 blocks: blocks 0 and 3), under DDP, with selective recompute under tp, on
+# every rank of a pipeline; where the gradients of the blocks done outweigh the saved tensors (FSDP over 2 ranks,
+# a short sequence: the peak in block 4's replay, k = 4, and under FSDP2's replicate, whose working copies go as
+# the gradients come); and an interleaved rank whose chunk 0 ends in a replayed block and chunk 1 does not
 PARTIAL = [
-    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=2", 4),
+    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=2", 4, 1024, 4096),
     ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=2,"
-                  "mixed_precision=fsdp", 4),
-    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=3", 4),
-    ("llama2-7b", "dp_replicate=1024,zero_stage=0,activation_checkpoint=full,activation_checkpoint_every=3", 4),
+                  "mixed_precision=fsdp", 4, 1024, 4096),
+    ("llama2-7b", "dp=1024,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=3", 4, 1024, 4096),
+    ("llama2-7b", "dp_replicate=1024,zero_stage=0,activation_checkpoint=full,activation_checkpoint_every=3", 4,
+     1024, 4096),
     ("llama3-70b", "tp=4,dp=256,zero_stage=2,sequence_parallel=true,activation_checkpoint=selective,"
-                   "activation_checkpoint_every=2", 4),
-    ("llama2-7b", "pp=2,dp=512,zero_stage=1,activation_checkpoint=full,activation_checkpoint_every=2,grad_accum=4", 8),
+                   "activation_checkpoint_every=2", 4, 1024, 4096),
+    ("llama2-7b", "pp=2,dp=512,zero_stage=1,activation_checkpoint=full,activation_checkpoint_every=2,grad_accum=4", 8,
+     1024, 4096),
+    ("llama2-7b", "dp_shard=2,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=4", 8, 2, 256),
+    ("llama2-7b", "dp_replicate=2,zero_stage=0,activation_checkpoint=full,activation_checkpoint_every=3", 8, 2, 256),
+    ("llama3-8b", "pp=2,pp_schedule=interleaved-1f1b,virtual_stages=2,dp_shard=4,zero_stage=2,"
+                  "activation_checkpoint=full,activation_checkpoint_every=7,grad_accum=8", 32, 8, 4096),
 ]
 
 
-@pytest.mark.parametrize("model, plan, blocks", PARTIAL)
-def test_checkpointing_every_kth_block_matches_the_simulator(model, plan, blocks):
+@pytest.mark.parametrize("model, plan, blocks, world, seq", PARTIAL)
+def test_checkpointing_every_kth_block_matches_the_simulator(model, plan, blocks, world, seq):
     """The planner priced checkpointing of every block only and refused activation_checkpoint_every; now a rank's
     checkpointed blocks keep what the policy keeps and the others what they keep without recompute, and the
-    backward of its first replayed block is a moment of its own. Every rank within 5% of the simulator (the
-    engine's step on fake tensors), each category holding 5% of the peak within 10% outside a pipeline."""
+    backward of each later block (replayed or not, the gradients of those done made) is a moment. Every rank
+    within 5% of the simulator (the engine's step on fake tensors), each category holding 5% of the peak within
+    10% outside a pipeline."""
     from shardwise.simulate import CATEGORIES, config_from_plan, planner_prediction, simulate_rank
 
-    world = 1024
-    cfg = config_from_plan(model, plan, world, seq_len=4096, micro_batch=1, precision="bf16")
+    cfg = config_from_plan(model, plan, world, seq_len=seq, micro_batch=1, precision="bf16")
     cfg.model = dataclasses.replace(cfg.model, n_layers=blocks)
     pp = cfg.parallel.pp
     for stage in range(pp):
@@ -1224,6 +1232,58 @@ def test_checkpointing_every_kth_block_matches_the_simulator(model, plan, blocks
         for category in CATEGORIES if pp == 1 else ():
             if max(measured.peak[category], predicted[category]) >= 0.05 * measured.peak_bytes:
                 assert predicted[category] == pytest.approx(measured.peak[category], rel=0.10), category
+
+
+def test_a_later_replayed_block_holds_the_peak():
+    """Under FSDP over 2 ranks at a short sequence the gradients of the blocks done outweigh the saved tensors:
+    with one block in 4 checkpointed the simulator's peak is in block 4's replay, above every block's (17.45
+    against 17.31 GiB); the planner priced only the first two blocks' backwards and the next-to-last's, and put the
+    two level (17.17 and 17.17, 1.6% low); now within 1% (17.31 and 17.17)."""
+    from shardwise.simulate import config_from_plan, planner_prediction, simulate_rank
+
+    peaks = {}
+    for every in (1, 4):
+        cfg = config_from_plan("llama2-7b", f"dp_shard=2,zero_stage=3,activation_checkpoint=full,"
+                               f"activation_checkpoint_every={every}", 2, seq_len=256, micro_batch=1, precision="bf16")
+        cfg.model = dataclasses.replace(cfg.model, n_layers=8)
+        measured = simulate_rank(cfg, 2, 0).peak_step
+        peaks[every] = (measured.peak_bytes, planner_prediction(cfg, 0)["total"])
+        assert peaks[every][1] == pytest.approx(peaks[every][0], rel=0.01), every
+    assert "layers.4" in measured.modules[0]
+    assert peaks[4][0] > peaks[1][0] and peaks[4][1] > peaks[1][1]
+
+
+def test_systems_checkpoint_their_own_blocks_one_in_k():
+    """Which blocks one in k are is the system's: shardwise's engine wraps model indices 0, k, 2k, ...;
+    torchtitan's apply_ac counts the blocks each process wraps from 1 (`_count += 1; if _count % ac_freq == 0`), so
+    on a pipeline rank its own k-th, 2k-th, ... (the last block of a rank of 2k blocks replayed: the engine's not);
+    systems without the knob refuse it, naming it."""
+    from shardwise.planner.memory import checkpointed_order, pipeline_layers
+    from shardwise.planner.system import SYSTEMS
+
+    def titan(blocks: list[int], every: int) -> set[int]:  # torchtitan's wrapper, as its code counts
+        count, wrapped = 0, set()
+        for block in blocks:
+            count += 1
+            if count % every == 0:
+                wrapped.add(block)
+        return wrapped
+
+    args = preset("llama3-8b")
+    plan = Plan(pp=2, micro_batch=1, grad_accum=8, activation_checkpoint="full", activation_checkpoint_every=3)
+    for system in ("shardwise", "torchtitan"):
+        training = Training(seq_len=4096, global_batch=8, **SYSTEMS[system].training_fields())
+        first = 0
+        for stage, n in enumerate(pipeline_layers(args, plan, 4096)):
+            blocks = list(range(first, first + n))
+            expected = {b for b in blocks if b % 3 == 0} if system == "shardwise" else titan(blocks, 3)
+            order = checkpointed_order(args, training, plan, stage)
+            assert {b for b, kept in zip(reversed(blocks), order) if kept} == expected, (system, stage)
+            first += n
+    for system in ("megatron-core", "deepspeed", "torchtune"):
+        argv = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--system", system,
+                "--plan", "activation_checkpoint=full,activation_checkpoint_every=2"]
+        assert run_plan(_ns(*argv)) == 2
 
 
 def test_accumulated_gradients_match_the_simulator_at_1024_ranks():

@@ -31,6 +31,7 @@ from shardwise.planner.memory import (
     logits_bytes,
     moment_memory,
     reserved_bytes,
+    stage_memory,
     term_bytes,
     weight_copy_bytes,
 )
@@ -153,6 +154,36 @@ def one_rank_mesh():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
+
+
+def test_torchs_ddp_keeps_no_copy_of_the_weights(one_rank_mesh, tmp_path):
+    """A system on the layout 'torch' whose data parallelism is torch's DDP (fsdp_replicate = false: flash-attn's
+    training code) was priced with FSDP2's replicate copy of every weight (4.9 GiB of FlashAttention-2's 1.3B row).
+    DDP computes on the module's own parameters: measured, its step (gradients as bucket views) holds what the
+    bare model's does, where a copy of the weights would add 44% of this peak; shardwise's own replicate keeps its."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def step_peak(wrap: bool) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        if wrap:
+            model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        x = torch.randn(8, 512)
+        model(x).sum().backward()  # (the gradients exist from here on, as in every later step)
+        with PeakBytes() as peak:
+            model(x).sum().backward()
+        return peak.peak
+
+    bare, ddp = step_peak(False), step_peak(True)
+    weights = 4 * (512 * 512 + 512) * 4
+    assert ddp == pytest.approx(bare, rel=0.02) and weights > 0.4 * bare
+    path = tmp_path / "ddp.toml"
+    path.write_text('base = "shardwise"\nfsdp_replicate = false\n')
+    args, plan = preset("llama3.2-1b"), Plan(dp_replicate=8, micro_batch=1, grad_accum=1)
+    ddp_training = Training(seq_len=2048, global_batch=8, **resolve_system(str(path)).training_fields())
+    ours = _training("shardwise", seq_len=2048, global_batch=8)
+    assert stage_memory(args, ddp_training, plan, 0)["replica_params"] == 0.0
+    assert stage_memory(args, ours, plan, 0)["replica_params"] == pytest.approx(4 * num_params(args))
 
 
 def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mesh):

@@ -274,39 +274,61 @@ def checkpoint_period(plan: Plan) -> int:
 
 
 def partial_checkpointing(plan: Plan) -> bool:
-    """Only some blocks are checkpointed: the engine's `apply_activation_checkpointing` wraps the blocks whose
-    index is a multiple of activation_checkpoint_every (torchtitan's selective_ac_option "k" and IBM's fms-fsdp
-    `selective_checkpointing` alike); the others keep what they would without recompute."""
+    """Only some blocks are checkpointed (activation_checkpoint_every > 1): which ones is the system's
+    (Training.partial_checkpoint); the others keep what they would without recompute."""
     return checkpoint_period(plan) > 1
 
 
-def checkpointed_blocks(args: ModelArgs, plan: Plan, stage: int, seq_len: int,
-                        split: str = "cost") -> tuple[int, bool]:
-    """(the blocks of pipeline rank `stage` that are checkpointed, whether its last block, the first whose backward
-    runs, is one)."""
-    if plan.activation_checkpoint == "none":
-        return 0, False
-    ids = _rank_layers(args, seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule, split)[stage]
-    every = checkpoint_period(plan)
-    return sum(i % every == 0 for i in ids), max(ids) % every == 0
+def checkpointed_order(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[bool, ...]:
+    """Whether each block of pipeline rank `stage` is checkpointed, in backward order (the rank's last block, the
+    first whose backward runs, first): every block under a recompute policy with k = 1, those the system picks
+    otherwise (Training.partial_checkpoint: the engine's model indices 0, k, 2k, ...; or every k-th of the rank's
+    own blocks counted from 1, as torchtitan's and fms-fsdp's wrappers count them)."""
+    return _checkpointed_order(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule,
+                               training.pipeline_split, stage, checkpoint_period(plan), training.partial_checkpoint,
+                               plan.activation_checkpoint != "none")
+
+
+@functools.lru_cache(maxsize=4096)
+def _checkpointed_order(args: ModelArgs, seq_len: int, pp: int, per_rank: int, schedule: str, split: str,
+                        stage: int, every: int, style: str, recompute: bool) -> tuple[bool, ...]:
+    ids = sorted(_rank_layers(args, seq_len, pp, per_rank, schedule, split)[stage])
+    if style == "last":
+        kept = [(j + 1) % every == 0 for j in range(len(ids))]
+    else:
+        kept = [i % every == 0 for i in ids]
+    return tuple(recompute and k for k in reversed(kept))
+
+
+def checkpointed_blocks(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[int, bool]:
+    """(the blocks of pipeline rank `stage` that are checkpointed, whether the one whose backward runs first is:
+    first_backward_replayed)."""
+    order = checkpointed_order(args, training, plan, stage)
+    return sum(order), first_backward_replayed(args, training, plan, stage)
+
+
+def first_backward_replayed(args: ModelArgs, training: Training, plan: Plan, stage: int) -> bool:
+    """Whether the block whose backward runs first on the rank is checkpointed: its last; of a rank holding several
+    chunks (an interleaved schedule), whose backwards in steady state follow one another, any chunk's last (the
+    larger moment: a replay makes the block's tensors again where a kept block's backward frees them)."""
+    order = checkpointed_order(args, training, plan, stage)
+    if plan.stages_per_rank == 1 or not partial_checkpointing(plan):
+        return order[0]
+    ids = sorted(_rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule,
+                              training.pipeline_split)[stage], reverse=True)
+    return any(kept for i, kept in zip(ids, order) if i + 1 not in ids)
 
 
 def backward_plan(args: ModelArgs, training: Training, plan: Plan, stage: int, nth: int = 0) -> Plan:
-    """`plan` as the rank's `nth` block in backward order sees it (0: the first whose backward runs, the rank's
-    last): checkpointed under the plan's policy or not at all (partial_checkpointing), every block alike."""
+    """`plan` as the rank's `nth` block in backward order sees it (0: the first whose backward runs,
+    first_backward_replayed): checkpointed under the plan's policy or not at all (partial_checkpointing), every
+    block alike."""
     if not partial_checkpointing(plan):
         return plan
-    ids = sorted(_rank_layers(args, training.seq_len, plan.pp, plan.stages_per_rank, plan.pp_schedule,
-                              training.pipeline_split)[stage])
-    replayed = ids[max(0, len(ids) - 1 - nth)] % plan.activation_checkpoint_every == 0
+    replayed = first_backward_replayed(args, training, plan, stage) if nth == 0 else \
+        checkpointed_order(args, training, plan, stage)[nth]
     return replace(plan, activation_checkpoint=plan.activation_checkpoint if replayed else "none",
                    activation_checkpoint_every=1)
-
-
-def kept_by_blocks(args: ModelArgs, training: Training, plan: Plan, stage: int, blocks: int) -> float:
-    """What the rank's first `blocks` blocks in backward order keep of one micro-batch (dense blocks)."""
-    return sum(layer_activation_bytes(args, training, backward_plan(args, training, plan, stage, i))
-               for i in range(blocks))
 
 
 def head_rank(plan: Plan) -> int:
@@ -1397,6 +1419,16 @@ def replicates(training: Training, plan: Plan) -> bool:
     return training.fsdp2 and plan.zero_stage <= 1 and plan.dp * plan.cp > 1
 
 
+def replica_copy(training: Training, plan: Plan) -> bool:
+    """Whether a replicated rank (replicates) holds a second copy of its weights through forward and backward:
+    FSDP2's replicate gathers each unit into a buffer of its own, as FSDP over one rank (shardwise's engine,
+    Training.fsdp_replicate); torch's DDP computes on the module's own parameters (DistributedDataParallel keeps no
+    copy of them, its buckets are ddp_bucket_bytes), and under the layout 'torch' autocast's copies are counted as
+    compute copies (weight_copy_bytes). Under 'fsdp-mp' (torchtitan's DDP of fp32 weights under autocast) the copy
+    at the gathered width, bf16, stands for autocast's copies, which weight_copy_bytes does not count there."""
+    return replicates(training, plan) and (training.fsdp_replicate or training.layout != "torch")
+
+
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
     """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight. DeepSpeed's ZeRO-1
     uses its own (zero_bucket_bytes)."""
@@ -1424,8 +1456,8 @@ def zero_bucket_bytes(training: Training, plan: Plan) -> tuple[float, float]:
 
 DYNAMIC_ITEMS = ("activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets")
 """The items the fragmentation allowance is a share of (Training.fragmentation)."""
-MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block_backward", "next_block_backward",
-           "end_of_backward", "embedding_backward", "optimizer_step")
+MOMENTS = ("loss_backward", "first_block_backward", "weight_pass", "second_block_backward", "late_block_backward",
+           "later_block_backward", "next_block_backward", "end_of_backward", "embedding_backward", "optimizer_step")
 
 
 def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
@@ -1580,7 +1612,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         held_early += stage_p * kept_grad_bytes if keep_unsharded_early and not training.lora_rank else 0.0
     kept_buckets, backward_buckets = zero_bucket_bytes(training, plan)
     base = {**state, "buffers": rotary_table_bytes(args),
-            "replica_params": whole_stage if replicates(training, plan) else 0.0,
+            "replica_params": whole_stage if replica_copy(training, plan) else 0.0,
             "ddp_buckets": kept_buckets}
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
@@ -1677,21 +1709,29 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                 - (bwd["freed"] if block.activation_checkpoint == "none" else 0.0),
                 held_copies - acts["head_copy"] - bwd["copies_freed"])
 
+    partial = partial_checkpointing(plan)
+    if partial:
+        # (checkpointing some blocks: what each block keeps, replayed or not, and the blocks done before the nth)
+        order = checkpointed_order(args, training, plan, stage)
+        plans = {True: replace(plan, activation_checkpoint_every=1),
+                 False: replace(plan, activation_checkpoint="none", activation_checkpoint_every=1)}
+        kept_each = {r: layer_activation_bytes(args, training, p) for r, p in plans.items()}
+        copies_each = _activation_items(args, training, plans[False], stage)["first_block_copies"]
+        done_kept = [0.0]
+        for replayed in order:
+            done_kept.append(done_kept[-1] + kept_each[replayed])
+
     def in_block(nth: int) -> dict[str, float]:
         """Checkpointing some blocks (partial_checkpointing): inside the backward of the rank's `nth` block in
         backward order, with its own working set (a replay or none), the saved tensors and weight copies of the
         blocks before it gone. Empty where every block is alike (the moments above price it)."""
-        if not partial_checkpointing(plan):
+        if not partial:
             return {}
         block = backward_plan(args, training, plan, stage, nth)
         b = _activation_items(args, training, block, stage)[bwd_name]
-        copies_each = _activation_items(args, training, replace(block, activation_checkpoint="none"),
-                                        stage)["first_block_copies"]
-        uncheckpointed = sum(backward_plan(args, training, plan, stage, i).activation_checkpoint == "none"
-                             for i in range(nth))
         kept, copies = saved(b, block)
-        return {"activations": kept - kept_by_blocks(args, training, plan, stage, nth),
-                "compute_copies": copies - uncheckpointed * copies_each,
+        return {"activations": kept - done_kept[nth],
+                "compute_copies": copies - (nth - sum(order[:nth])) * copies_each,
                 "backward_and_logits": working(b, bool(early_grads) and not fsdp, block)
                 + (fresh_grads if fsdp else 0.0)}
 
@@ -1744,13 +1784,32 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                 "compute_copies": first["compute_copies"]
                 - (acts["copies"] - acts["head_copy"]) * (gone + 1) / shape.layers,
                 **in_block(gone)}
-    elif partial_checkpointing(plan) and shape.layers >= 2 \
-            and backward_plan(args, training, plan, stage, 1) != first_plan:
-        # the second block's backward replays it where the first's did not (or the reverse): its working set, the
-        # first block's saved tensors gone and its gradients made
-        first = out["first_block_backward"]
-        out["second_block_backward"] = {**first, **in_block(1), "grads": first["grads"] + (
-            0.0 if early_grads or fsdp or training.lora_rank else block_p * grad_bytes)}
+    if partial and shape.layers >= 2 and not zero_bubble and not shape.moe_layers:
+        # the backward of each later block, replayed or not: the saved tensors of those before it gone, their
+        # gradients made (FSDP2 reduce-scatters them to shards, a replicated rank keeps them whole, others as at the
+        # first block), its own working set; the largest of them (a replayed block's, where gradients are few)
+        fsdp2_shards = "second_block_backward" in out
+        inherit = out["second_block_backward" if fsdp2_shards else "first_block_backward"]
+        blocks_share = (stage_p - root_p) / stage_p if stage_p else 0.0
+
+        def later(nth: int) -> dict[str, float]:
+            grads = inherit["grads"]
+            if not early_grads and fsdp2_shards:
+                grads = state["grads"] * blocks_share * nth / shape.layers
+            elif not early_grads and not fsdp and not training.lora_rank:
+                grads = inherit["grads"] + nth * block_p * grad_bytes
+            # (FSDP2's replicate frees each block's working copy after its backward)
+            copy = base["replica_params"] - nth * block_p * gathered_block if base["replica_params"] else 0.0
+            items = {**inherit, **in_block(nth), "grads": grads, "replica_params": copy}
+            if nth == shape.layers - 1 and plan.zero_stage >= 3 and fsdp and not module_sync:
+                # the rank's last backward has no next block for ZeRO-3 to prefetch
+                items["fsdp_buffers"] -= block_p * gathered_block
+            return items
+
+        out["later_block_backward"] = max(
+            (later(nth) for nth in range(1, shape.layers)),
+            key=lambda items: sum(items.values()) + training.fragmentation * sum(items.get(k, 0.0)
+                                                                                 for k in DYNAMIC_ITEMS))
     if accum and not accum_early and m >= 2 and not zero_bubble:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made
@@ -1862,7 +1921,7 @@ def _partial_activation_items(args: ModelArgs, training: Training, plan: Plan, s
     every_block = replace(plan, activation_checkpoint_every=1)
     bare = replace(every_block, activation_checkpoint="none")
     ck, none = (_activation_items(args, training, p, stage) for p in (every_block, bare))
-    n, _ = checkpointed_blocks(args, plan, stage, training.seq_len, training.pipeline_split)
+    n, _ = checkpointed_blocks(args, training, plan, stage)
     share = n / stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
     # every item but the blocks' is the same either way (the head's, the embedding's), so a mix of the two by
     # the share of checkpointed blocks counts n blocks of one and the rest of the other

@@ -93,12 +93,17 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
 
 
 def partial_checkpoint_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
-    """Checkpointing every k-th block (activation_checkpoint_every > 1) where the planner does not price it: a
-    mixture of experts, zero-bubble's V (its weight passes replay checkpointed chunks), activation offloading (it
-    stashes checkpoint inputs) and DeepSpeed's module-sync ZeRO-3 (its gathers follow each module's replay). The
-    engine runs them; `shardwise simulate --config` measures their memory."""
+    """Checkpointing every k-th block (activation_checkpoint_every > 1) where the system has no such knob
+    (Training.partial_checkpoint 'none') or the planner does not price it: a mixture of experts, zero-bubble's V
+    (its weight passes replay checkpointed chunks), activation offloading (it stashes checkpoint inputs) and
+    DeepSpeed's module-sync ZeRO-3 (its gathers follow each module's replay). The engine runs the latter; `shardwise
+    simulate --config` measures their memory."""
     if plan.activation_checkpoint == "none" or plan.activation_checkpoint_every == 1:
         return None
+    if training.partial_checkpoint == "none":
+        return ConfigError("parallel.activation_checkpoint_every", f"{plan.activation_checkpoint_every}, and "
+                           f"{training.system} checkpoints every block or none (partial_checkpoint = none)",
+                           "use activation_checkpoint_every=1, or a system that checkpoints one block in k")
     why = ("a mixture of experts" if args.n_experts else
            "zero-bubble's weight passes" if plan.pp > 1 and plan.pp_schedule == "zero-bubble" else
            "activation offloading (activation_offload)" if training.activation_offload else

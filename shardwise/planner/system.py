@@ -26,6 +26,7 @@ from shardwise.planner.workload import (
     CP_EXCHANGES,
     FLOAT8_RECIPES,
     LAYOUTS,
+    PARTIAL_CHECKPOINTS,
     PIPELINE_SPLITS,
     PP_SCHEDULES,
     SELECTIVE,
@@ -60,6 +61,9 @@ class System:
     """Under accumulation, sharded gradients reduced once per step or every micro-batch (Training.grad_sync)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps (Training.selective)."""
+    partial_checkpoint: str = "none"
+    """Which blocks checkpointing one block in k wraps, or 'none' where the system has no such knob
+    (Training.partial_checkpoint)."""
     elementwise: str = "eager"
     """'eager' (one PyTorch operator at a time, each a pass over memory) or 'fused' kernels (Training.elementwise)."""
     swiglu: str = "eager"
@@ -167,7 +171,9 @@ class System:
 
     def __post_init__(self):
         checks = (("layout", self.layout, LAYOUTS), ("attention", self.attention, ("fused", "unfused")),
-                  ("selective", self.selective, SELECTIVE), ("grad_sync", self.grad_sync, ("step", "micro-batch")),
+                  ("selective", self.selective, SELECTIVE),
+                  ("partial_checkpoint", self.partial_checkpoint, PARTIAL_CHECKPOINTS),
+                  ("grad_sync", self.grad_sync, ("step", "micro-batch")),
                   ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
                   ("elementwise", self.elementwise, ("fused", "eager")), ("swiglu", self.swiglu, ("fused", "eager")),
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
@@ -204,7 +210,8 @@ class System:
                 "loss_parallel": self.loss_parallel, "fused_attention": self.attention == "fused",
                 "attention_kernel": self.attention_kernel,
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
-                "selective": self.selective, "elementwise": self.elementwise, "swiglu": self.swiglu,
+                "selective": self.selective, "partial_checkpoint": self.partial_checkpoint,
+                "elementwise": self.elementwise, "swiglu": self.swiglu,
                 "fused_projections": self.fused_projections,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
@@ -241,17 +248,19 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            "mixed-precision policy instead (the plan's bf16 column: parallel.mixed_precision)",
            source="this engine: shardwise.parallel, shardwise.loss.head_loss_sum, "
                   "shardwise.activation_checkpoint, shardwise.parallel.data_parallel.mixed_precision_policy",
-           fsdp_replicate=True),
+           fsdp_replicate=True, partial_checkpoint="first"),
     System("torchtitan", "FSDP2 MixedPrecisionPolicy (fp32 shards, bf16 gathers and compute, fp32 reduction), "
            "bf16 residual stream, materialised logits upcast to fp32 for the loss, loss parallel under TP, "
            "op-level selective checkpointing (every second matmul recomputed), eager elementwise operators (no "
            "torch.compile; with --compile each block and the loss are compiled, the loss one pass over the bf16 "
            "logits)",
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
+           partial_checkpoint="last",
            grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3), ddp_alone=True,
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
-                  "ops, except every second mm'), cross_entropy_loss (pred.float()), loss_parallel by default, "
+                  "ops, except every second mm'; selective_ac_option 'k': every k-th of the blocks each process wraps, "
+                  "counted from 1), cross_entropy_loss (pred.float()), loss_parallel by default, "
                   "components/loss.py build_cross_entropy_loss (torch.compile(loss_fn) under compile, since "
                   "April 2025: PR 1033), full AC through torch's checkpoint_wrapper (non-reentrant), context "
                   "parallelism through torch's context_parallel (rotate method allgather: PR 728; K and V as the "

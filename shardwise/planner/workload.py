@@ -26,6 +26,8 @@ Layout = Literal["torch", "fsdp-mp", "zero", "megatron"]
 LAYOUTS: tuple[str, ...] = ("torch", "fsdp-mp", "zero", "megatron")
 Selective = Literal["matmuls", "alternate-matmuls", "attention-core", "none"]
 SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core", "none")
+PARTIAL_CHECKPOINTS: tuple[str, ...] = ("first", "last", "none")
+"""Training.partial_checkpoint's values."""
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
 CpExchange = Literal["allgather", "ring", "torch"]
 CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch")
@@ -178,6 +180,12 @@ class Training:
     matters under autocast over an fp32 residual stream (the layout 'torch'), where each linear casts and keeps its
     own bf16 copy of the norm's output: three and two for shardwise's and Hugging Face's separate projections, one
     each for fused ones (memory.input_copies). Their GEMMs are priced as the ones they replace."""
+    partial_checkpoint: str = "first"
+    """Which blocks activation_checkpoint_every = k checkpoints: 'first' those whose model index is a multiple of
+    k (shardwise's engine: blocks 0, k, 2k, ...), 'last' every k-th of the rank's blocks counted from 1 (blocks
+    k-1, 2k-1, ... of its own: torchtitan's selective_ac_option "k" and torchtune's ac_mode "selective" count the
+    blocks each process wraps, as IBM's fms-fsdp of 2024 counts the model's), 'none' a system that checkpoints every
+    block or none (k > 1 refused: plan.partial_checkpoint_error)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
@@ -511,6 +519,9 @@ class Training:
         if self.float8 not in FLOAT8_RECIPES:
             raise PlannerError("--system float8", f"unknown float8 recipe {self.float8!r}",
                                f"use one of {', '.join(FLOAT8_RECIPES)}")
+        if self.partial_checkpoint not in PARTIAL_CHECKPOINTS:
+            raise PlannerError("--system partial_checkpoint", f"{self.partial_checkpoint!r}",
+                               f"use one of {', '.join(PARTIAL_CHECKPOINTS)}")
         if self.selective not in SELECTIVE:
             raise PlannerError("--system selective", f"unknown selective policy {self.selective!r}",
                                f"use one of {', '.join(SELECTIVE)}")
