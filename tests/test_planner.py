@@ -536,6 +536,13 @@ def test_recompute_of_every_kth_block_counts_the_flops_the_engine_runs(every, lo
     assert (t.compute_s + t.recompute_s) * 1e12 == pytest.approx(counter.flops, rel=1e-9)
     full = step_time(args, training, dataclasses.replace(plan, activation_checkpoint_every=1), Cluster(ideal, 1))
     assert 0 < t.recompute_s < full.recompute_s
+    if lora and every == 2:
+        # a system counting from 1 (torchtitan's) replays blocks 1 and 3: two whole replays, block 0's skip none
+        from shardwise.planner.timing import lora_first_block_replay_skipped
+
+        skipped = lora_first_block_replay_skipped(args, training, plan, ideal)  # (one micro-batch a step)
+        last = step_time(args, dataclasses.replace(training, partial_checkpoint="last"), plan, Cluster(ideal, 1))
+        assert skipped > 0 and last.recompute_s == pytest.approx(2 * (full.recompute_s + skipped) / 5, rel=1e-9)
 
 
 

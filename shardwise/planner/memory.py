@@ -319,6 +319,11 @@ def first_backward_replayed(args: ModelArgs, training: Training, plan: Plan, sta
     return any(kept for i, kept in zip(ids, order) if i + 1 not in ids)
 
 
+def block_zero_checkpointed(args: ModelArgs, training: Training, plan: Plan) -> bool:
+    """Whether the model's first block (pipeline rank 0's first, its last in backward order) is checkpointed."""
+    return checkpointed_order(args, training, plan, 0)[-1]
+
+
 def backward_plan(args: ModelArgs, training: Training, plan: Plan, stage: int, nth: int = 0) -> Plan:
     """`plan` as the rank's `nth` block in backward order sees it (0: the first whose backward runs,
     first_backward_replayed): checkpointed under the plan's policy or not at all (partial_checkpointing), every
@@ -1916,7 +1921,7 @@ def _partial_activation_items(args: ModelArgs, training: Training, plan: Plan, s
     """_activation_items of a rank checkpointing some of its blocks (partial_checkpointing): the saved tensors and
     weight copies of its checkpointed blocks as under the policy, of the others as without recompute (autocast's
     cache holds the copies of the checkpointed ones alone, those the others' matmuls do not save); the block
-    backward of its last block, checkpointed or not (first_backward_plan). Dense blocks, outside zero-bubble's V,
+    backward of its first in backward order, checkpointed or not (backward_plan). Dense blocks, outside zero-bubble's V,
     without activation offloading (search.check_fixed refuses the rest)."""
     every_block = replace(plan, activation_checkpoint_every=1)
     bare = replace(every_block, activation_checkpoint="none")
@@ -1926,8 +1931,12 @@ def _partial_activation_items(args: ModelArgs, training: Training, plan: Plan, s
     # every item but the blocks' is the same either way (the head's, the embedding's), so a mix of the two by
     # the share of checkpointed blocks counts n blocks of one and the rest of the other
     out = {**ck, **{k: none[k] + share * (ck[k] - none[k]) for k in ("activations", "copies", "autocast_cache")}}
-    if stage == 0:  # (block 0 is checkpointed: it keeps its input, which LoRA's first block would not)
-        out["activations"] += (1 - share) * first_block_unkept_bytes(args, training, bare)
+    if stage == 0:
+        # LoRA's first block keeps no input unless checkpointed (first_block_unkept_bytes): the mix takes that off
+        # for the share of blocks not checkpointed; it is off whole where block 0 is not checkpointed, not at all
+        # where it is
+        unkept = first_block_unkept_bytes(args, training, bare)
+        out["activations"] += (1 - share) * unkept - (0.0 if block_zero_checkpointed(args, training, plan) else unkept)
     first = _activation_items(args, training, backward_plan(args, training, plan, stage), stage)
     return {**out, **{k: first[k] for k in ("block_backward", "block_backward_accumulating", "first_block_copies")}}
 

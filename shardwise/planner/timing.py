@@ -31,6 +31,7 @@ from shardwise.planner.memory import (
     block_modules,
     block_params,
     block_tensor_params,
+    block_zero_checkpointed,
     casts_weights,
     checkpoint_period,
     checkpointed_blocks,
@@ -487,9 +488,11 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         cost = StageCost(*(b + share * (c - b) for c, b in zip(astuple(ck), astuple(bare))))
         if training.lora_rank and training.checkpoint_early_stop and plan.activation_checkpoint == "full" \
                 and stage == 0 and shape.layers > shape.moe_layers:
-            # but block 0, always checkpointed, is the one whose replay skips more (below): all of it, not a share
+            # but block 0's replay skips more (below): all of that where it is checkpointed (the engine's model
+            # indices 0, k, ...), none where not (a system counting from 1), not a share
             skipped = lora_first_block_replay_skipped(args, training, every_block, cluster.accelerator)
-            cost = replace(cost, recompute=cost.recompute - (1 - share) * skipped)
+            whole = skipped if block_zero_checkpointed(args, training, plan) else 0.0
+            cost = replace(cost, recompute=cost.recompute + share * skipped - whole)
         return cost
     acc = cluster.accelerator
     t, t_moe = times or _block_times(args, training, plan, acc)
