@@ -1260,7 +1260,7 @@ def test_a_later_replayed_block_holds_the_peak():
     assert peaks[4][0] > peaks[1][0] and peaks[4][1] > peaks[1][1]
 
 
-def test_systems_checkpoint_their_own_blocks_one_in_k():
+def test_systems_checkpoint_their_own_blocks_one_in_k(capsys):
     """Which blocks one in k are is the system's: shardwise's engine wraps model indices 0, k, 2k, ...;
     torchtitan's apply_ac counts the blocks each process wraps from 1 (`_count += 1; if _count % ac_freq == 0`), so
     on a pipeline rank its own k-th, 2k-th, ... (the last block of a rank of 2k blocks replayed: the engine's not);
@@ -1291,6 +1291,8 @@ def test_systems_checkpoint_their_own_blocks_one_in_k():
         argv = ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--system", system,
                 "--plan", "activation_checkpoint=full,activation_checkpoint_every=2"]
         assert run_plan(_ns(*argv)) == 2
+        err = capsys.readouterr().err
+        assert "--plan activation_checkpoint_every" in err and "partial_checkpoint = none" in err, err
 
 
 def test_accumulated_gradients_match_the_simulator_at_1024_ranks():

@@ -678,7 +678,8 @@ def _fewest_checkpoints(args: ModelArgs, training: Training, plan: Plan, stage: 
     """`plan` (which fits, checkpointing every block) checkpointing one block in k for the largest k that fits, and
     its peak (stage, breakdown): each block left out saves its replay and keeps what it would without recompute,
     so the time falls and the memory grows with k (torchtitan's selective_ac_option "k", fms-fsdp's fraction). By
-    bisection over 1 (the plan) to the model's blocks (block 0 alone), as memory grows with k a block at a time;
+    bisection over 1 (the plan) to the model's blocks (one block checkpointed, or none on a rank of fewer), as
+    memory grows with k a block at a time (in a pipeline not strictly: bisection can stop below the largest);
     where the planner does not price it (plan.partial_checkpoint_error), the plan as it is."""
     if partial_checkpoint_error(_with(plan, activation_checkpoint_every=2), training, args) is not None:
         return plan, stage, mem

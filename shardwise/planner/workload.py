@@ -183,9 +183,9 @@ class Training:
     partial_checkpoint: str = "first"
     """Which blocks activation_checkpoint_every = k checkpoints: 'first' those whose model index is a multiple of
     k (shardwise's engine: blocks 0, k, 2k, ...), 'last' every k-th of the rank's blocks counted from 1 (blocks
-    k-1, 2k-1, ... of its own: torchtitan's selective_ac_option "k" and torchtune's ac_mode "selective" count the
-    blocks each process wraps, as IBM's fms-fsdp of 2024 counts the model's), 'none' a system that checkpoints every
-    block or none (k > 1 refused: plan.partial_checkpoint_error)."""
+    k-1, 2k-1, ... of its own: torchtitan's selective_ac_option "k" counts the blocks each process wraps, as IBM's
+    fms-fsdp at 5e522b4 counts the model's), 'none' a system that checkpoints every block or none, as its presets
+    describe it (k > 1 refused: plan.partial_checkpoint_error)."""
     selective: Selective = "matmuls"
     """What activation_checkpoint=selective keeps: 'matmuls' every matmul and attention output (shardwise's
     policy), 'alternate-matmuls' every second matmul output and the attention output (torchtitan's op-level
