@@ -1216,7 +1216,7 @@ PARTIAL = [
     ("llama2-7b", "dp_shard=2,zero_stage=3,activation_checkpoint=full,activation_checkpoint_every=4", 8, 2, 256),
     ("llama2-7b", "dp_replicate=2,zero_stage=0,activation_checkpoint=full,activation_checkpoint_every=3", 8, 2, 256),
     ("llama3-8b", "pp=2,pp_schedule=interleaved-1f1b,virtual_stages=2,dp_shard=4,zero_stage=2,"
-                  "activation_checkpoint=full,activation_checkpoint_every=7,grad_accum=8", 32, 8, 4096),
+                  "activation_checkpoint=full,activation_checkpoint_every=3,grad_accum=8", 16, 8, 2048),
 ]
 
 
