@@ -300,11 +300,9 @@ def _checkpointed_order(args: ModelArgs, seq_len: int, pp: int, per_rank: int, s
     return tuple(recompute and k for k in reversed(kept))
 
 
-def checkpointed_blocks(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[int, bool]:
-    """(the blocks of pipeline rank `stage` that are checkpointed, whether the one whose backward runs first is:
-    first_backward_replayed)."""
-    order = checkpointed_order(args, training, plan, stage)
-    return sum(order), first_backward_replayed(args, training, plan, stage)
+def checkpointed_blocks(args: ModelArgs, training: Training, plan: Plan, stage: int) -> int:
+    """The blocks of pipeline rank `stage` that are checkpointed."""
+    return sum(checkpointed_order(args, training, plan, stage))
 
 
 def first_backward_replayed(args: ModelArgs, training: Training, plan: Plan, stage: int) -> bool:
@@ -1722,9 +1720,10 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                  False: replace(plan, activation_checkpoint="none", activation_checkpoint_every=1)}
         kept_each = {r: layer_activation_bytes(args, training, p) for r, p in plans.items()}
         copies_each = _activation_items(args, training, plans[False], stage)["first_block_copies"]
-        done_kept = [0.0]
+        done_kept, done_bare = [0.0], [0]  # (of the blocks before the nth: what they kept, how many were not replayed)
         for replayed in order:
             done_kept.append(done_kept[-1] + kept_each[replayed])
+            done_bare.append(done_bare[-1] + (not replayed))
 
     def in_block(nth: int) -> dict[str, float]:
         """Checkpointing some blocks (partial_checkpointing): inside the backward of the rank's `nth` block in
@@ -1736,7 +1735,7 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
         b = _activation_items(args, training, block, stage)[bwd_name]
         kept, copies = saved(b, block)
         return {"activations": kept - done_kept[nth],
-                "compute_copies": copies - (nth - sum(order[:nth])) * copies_each,
+                "compute_copies": copies - done_bare[nth] * copies_each,
                 "backward_and_logits": working(b, bool(early_grads) and not fsdp, block)
                 + (fresh_grads if fsdp else 0.0)}
 
@@ -1926,8 +1925,8 @@ def _partial_activation_items(args: ModelArgs, training: Training, plan: Plan, s
     every_block = replace(plan, activation_checkpoint_every=1)
     bare = replace(every_block, activation_checkpoint="none")
     ck, none = (_activation_items(args, training, p, stage) for p in (every_block, bare))
-    n, _ = checkpointed_blocks(args, training, plan, stage)
-    share = n / stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
+    layers = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).layers
+    share = checkpointed_blocks(args, training, plan, stage) / layers
     # every item but the blocks' is the same either way (the head's, the embedding's), so a mix of the two by
     # the share of checkpointed blocks counts n blocks of one and the rest of the other
     out = {**ck, **{k: none[k] + share * (ck[k] - none[k]) for k in ("activations", "copies", "autocast_cache")}}

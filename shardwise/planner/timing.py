@@ -482,9 +482,8 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         every_block = replace(plan, activation_checkpoint_every=1)
         ck, bare = (_stage_cost(args, training, p, cluster, stage, times)
                     for p in (every_block, replace(every_block, activation_checkpoint="none")))
-        n, _ = checkpointed_blocks(args, training, plan, stage)
         shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
-        share = n / shape.layers
+        share = checkpointed_blocks(args, training, plan, stage) / shape.layers
         cost = StageCost(*(b + share * (c - b) for c, b in zip(astuple(ck), astuple(bare))))
         if training.lora_rank and training.checkpoint_early_stop and plan.activation_checkpoint == "full" \
                 and stage == 0 and shape.layers > shape.moe_layers:
