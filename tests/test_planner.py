@@ -2076,6 +2076,23 @@ def test_narayanan_ptd_p_throughput_within_10_percent():
         assert ev.time.step_time_s == pytest.approx(run.published_step(), rel=0.10), run.name
 
 
+
+def test_mlperf_gpt3_step_times_within_10_percent_and_in_order():
+    """MLPerf Training v3.1, gpt3 (held out on 2026-12-07): GPT-3 175B in FP8 on 512 to 10,752 H100s, each step's
+    time from the submissions' MLLOG logs (NeMo's train_step_timing), the layout from their configs (TP 4, PP 8, 12
+    virtual stages, micro-batch 1, 128 to 8 micro-batches a step), against the planner's for that layout described as
+    Megatron-Core in FP8: every row fits, within 10%, and the per-GPU rates rank as the runs' (Spearman >= 0.9)."""
+    published, runs = _published("MLPerf 3.1")
+    assert len(runs) == 8
+    predicted = []
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        assert ev.time.step_time_s == pytest.approx(run.step_s, rel=0.10), run.name
+        predicted.append(run.batch / run.gpus / ev.time.step_time_s)
+    measured = [run.batch / run.gpus / run.step_s for run in runs]
+    assert published.spearman(predicted, measured) >= 0.9
+
 def test_unfused_attention_and_dropout_add_korthikantis_terms():
     """Korthikanti et al. 2022, table 2: per layer, sbh(10 + 24/t + 5as/(ht)) bytes with tensor parallelism,
     sbh(34/t + 5as/(ht)) with sequence parallelism, the 5as/(ht) (softmax output, dropout mask and output) gone
