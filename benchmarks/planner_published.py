@@ -1752,7 +1752,7 @@ def fms_runs() -> list[Run]:
 # padded to a multiple of 128 x TP (50,688), tied embedding. Described as `--system megatron-core` in FP8 with TE's
 # delayed scaling, the gradients reduced in bf16 (grads_in_fp32 False, as the DGX Cloud rows of NeMo 1). Left out:
 # v4.0's rows (NeMo 24.04: FP8 weights, FP8_PARAMS, and CUDA graphs of the layers, which the planner does not
-# describe). Added on 2026-12-07 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/).
+# describe). Added on 2026-12-06 and evaluated first as the planner stood (held out: docs/heldout-2026-12-06/).
 MLPERF31 = ("MLCommons, MLPerf Training v3.1 results, gpt3, NVIDIA and Azure+NVIDIA closed-division submissions, "
             "https://github.com/mlcommons/training_results_v3.1")
 # submission (results directory), nodes, global batch (sequences), median seconds per step

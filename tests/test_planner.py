@@ -2078,7 +2078,7 @@ def test_narayanan_ptd_p_throughput_within_10_percent():
 
 
 def test_mlperf_gpt3_step_times_within_10_percent_and_in_order():
-    """MLPerf Training v3.1, gpt3 (held out on 2026-12-07): GPT-3 175B in FP8 on 512 to 10,752 H100s, each step's
+    """MLPerf Training v3.1, gpt3 (held out on 2026-12-06): GPT-3 175B in FP8 on 512 to 10,752 H100s, each step's
     time from the submissions' MLLOG logs (NeMo's train_step_timing), the layout from their configs (TP 4, PP 8, 12
     virtual stages, micro-batch 1, 128 to 8 micro-batches a step), against the planner's for that layout described as
     Megatron-Core in FP8: every row fits, within 10%, and the per-GPU rates rank as the runs' (Spearman >= 0.9)."""
