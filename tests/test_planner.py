@@ -2076,7 +2076,6 @@ def test_narayanan_ptd_p_throughput_within_10_percent():
         assert ev.time.step_time_s == pytest.approx(run.published_step(), rel=0.10), run.name
 
 
-
 def test_mlperf_gpt3_step_times_within_10_percent_and_in_order():
     """MLPerf Training v3.1, gpt3 (held out on 2026-12-06): GPT-3 175B in FP8 on 512 to 10,752 H100s, each step's
     time from the submissions' MLLOG logs (NeMo's train_step_timing), the layout from their configs (TP 4, PP 8, 12
@@ -2092,6 +2091,7 @@ def test_mlperf_gpt3_step_times_within_10_percent_and_in_order():
         predicted.append(run.batch / run.gpus / ev.time.step_time_s)
     measured = [run.batch / run.gpus / run.step_s for run in runs]
     assert published.spearman(predicted, measured) >= 0.9
+
 
 def test_unfused_attention_and_dropout_add_korthikantis_terms():
     """Korthikanti et al. 2022, table 2: per layer, sbh(10 + 24/t + 5as/(ht)) bytes with tensor parallelism,
