@@ -1741,7 +1741,8 @@ def fms_runs() -> list[Run]:
 # blocks between evaluations, over their steps, are longer: 0.2% at 64 and 96 nodes, 1.1-1.4% at 512 to 1,024, 2.2-2.4%
 # at 1,280 and 1,344, 3.1-3.7% on Azure (what passes between steps; the logged steps are 96.7-99.8% of the blocks' wall
 # time). Eos is DGX H100 with 8 ConnectX-7 NDR 400 Gb/s a node (systems/*.json), Azure's ND H100 v5 8 x 400 Gb/s
-# InfiniBand a VM: the catalogue's h100. NGC 23.09 (NeMo 23.09, Transformer Engine, cuDNN 8.9.5). The configs: TP 4, PP 8 (config_DGXH100_*x4x8_mbs1.sh), micro-batch 1, the
+# InfiniBand a VM: the catalogue's h100. NGC 23.09 (NeMo 23.09, Transformer Engine, cuDNN 8.9.5).
+# The configs: TP 4, PP 8 (config_DGXH100_*x4x8_mbs1.sh), micro-batch 1, the
 # interleaved schedule at conf/custom.yaml's default of 12 virtual stages (no config sets INTERLEAVED_PIPELINE),
 # sequence parallelism, no recompute (granularity null), dropout 0.0 (hidden and attention), layernorm1p, FP8 hybrid
 # with delayed scaling (amax history 1024: config_fp8.sh), Apex's distributed Adam (optim distributed_fused_adam:
