@@ -36,7 +36,7 @@ from shardwise.planner.memory import (
     weight_copy_bytes,
 )
 from shardwise.planner.system import SYSTEMS, System, resolve_system
-from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost
+from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost, te_float8_cast_seconds
 
 from distributed import run_distributed
 from probes import MatmulFlops, PeakBytes, engine_loss, measure_saved
@@ -1909,6 +1909,43 @@ def test_transformer_engine_keeps_the_linears_inputs_in_float8():
     names = {t.name: t.kind for t in block_terms(args, te, "none", 1)}
     assert names["attention_norm_output"] == names["ffn_norm_output"] == names["swiglu_out"] == "f8"
     assert names["wo_input_f8"] == "f8" and names["sdpa_out"] == "act"
+
+
+def test_lora_under_transformer_engines_float8_keeps_its_frozen_weights_in_float8(capsys):
+    # NeMo's LoRA runs TE's float8 under the adapters with fp8_params (MLPerf v4.0's Llama 2 70B LoRA): each frozen
+    # block linear is stored as a Float8Tensor, one byte a weight where bf16 takes two (the head stays bf16, TE's
+    # float8 being the blocks'), and keeps no input (TE saves a linear's input only for its weight gradient); the
+    # adapters run in bf16. torchao's recipe is not combined with LoRA: refused, as QLoRA's NF4 base is
+    args = preset("llama2-7b")
+    plan = Plan(tp=2, dp_replicate=4, zero_stage=1, micro_batch=1, grad_accum=2, sequence_parallel=True)
+    lora = {"lora_rank": 16, "lora_targets": ("wq", "wk", "wv", "wo"), "lora_dropout": 0.1}
+    bf16 = _training("megatron-core", seq_len=4096, global_batch=8, **lora)
+    te = dataclasses.replace(bf16, precision="fp8", float8="te-delayed")
+    assert te.float8_frozen_weights and not bf16.float8_frozen_weights
+    cluster = Cluster(accelerator("h100"), 8)
+    weights = {t: evaluate(args, t, plan, cluster).memory["params"] for t in (bf16, te)}
+    d = args.dim
+    linears = args.n_layers * (4 * d * d * (args.n_kv_heads / args.n_heads + 1) / 2 + 3 * d * args.ffn_hidden) / 2
+    assert weights[bf16] - weights[te] == pytest.approx(linears, rel=1e-9)  # one byte a frozen block weight less
+    for recompute in ("none", "selective"):
+        assert layer_activation_bytes(args, te, plan, recompute=recompute) == \
+            layer_activation_bytes(args, bf16, plan, recompute=recompute)
+    # the weights are not cast (no bf16 copy), each backward transposes them (1 + 1 bytes an element)
+    modules, bandwidth = {"fc1": (4096.0, 2 * 11008.0, 4096 * 2 * 11008.0)}, 2.5e12
+    cast_fwd, cast_bwd = te_float8_cast_seconds(modules, 4096, bandwidth, 4, current=False)
+    kept_fwd, kept_bwd = te_float8_cast_seconds(modules, 4096, bandwidth, 4, current=False, stored=True)
+    weight = modules["fc1"][2]
+    assert cast_fwd - kept_fwd == pytest.approx(4 * weight / bandwidth / 4)
+    assert kept_bwd - cast_bwd == pytest.approx(2 * weight / bandwidth)
+    times = {t: evaluate(args, t, plan, cluster).time.step_time_s for t in (bf16, te)}
+    assert times[te] < 0.8 * times[bf16]  # the frozen linears' forward and input-gradient GEMMs at the fp8 peak
+    argv = ["--model", "llama2-7b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "8", "--precision", "fp8",
+            "--lora-rank", "16", "--top-k", "1"]
+    assert run_plan(_ns(*argv, "--system", "megatron-core")) == 0
+    capsys.readouterr()
+    assert run_plan(_ns(*argv, "--system", "torchtitan")) == 2
+    err = capsys.readouterr().err
+    assert "--precision" in err and "Transformer Engine" in err and len(err.strip().splitlines()) == 1
 
 
 def test_megatron_fsdp_reduce_scatters_every_micro_batch_into_its_shard():

@@ -39,7 +39,7 @@ def single_device(args: ModelArgs, training: Training, cluster: Cluster) -> dict
     linears = args.n_layers * (layer_params(args) - 2 * args.dim)
     adapted = args.n_layers * adapted_base_params(args, training)
     matmul = linears + (0 if args.tie_embeddings else args.vocab_size * args.dim)
-    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable, adapted, matmul).values())
+    states = sum(model_state_bytes(n, training, 0, 1, "none", trainable, adapted, matmul, linears).values())
     states += training.fixed_overhead_gib * GiB
     out = {"model_state_gib": states / GiB, "budget_gib": limit / GiB, "fits": False, "max_micro_batch": 0,
            "step_time_s": None}

@@ -453,14 +453,16 @@ def _state_bytes(optimizer: str, mixed: bool, layout: str, grads_in_fp32: bool, 
 
 def model_state_bytes(n_params: float, training: Training, zero_stage: int, shard: int,
                       offload: str = "none", n_trainable: float | None = None,
-                      n_quantizable: float = 0.0, n_matmul: float = 0.0) -> dict[str, float]:
+                      n_quantizable: float = 0.0, n_matmul: float = 0.0, n_linear: float = 0.0) -> dict[str, float]:
     """Itemised model-state bytes on one rank for n_params local parameters, sharded over `shard` ranks.
 
     ZeRO stage 1 shards master weights and optimizer state, 2 also gradients, 3 also weights. With LoRA only
     `n_trainable` parameters have gradients and optimizer state. The frozen weights that only feed a matmul
     (`n_matmul`: the blocks' linears and the head) are stored in the compute dtype, as the engine stores them
     (shardwise.lora: autocast would cast them at every use), the embedding and norms as the weights are stored;
-    QLoRA stores `n_quantizable` of the matmul weights (the adapted linears) in 4-bit NF4. Offload moves
+    QLoRA stores `n_quantizable` of the matmul weights (the adapted linears) in 4-bit NF4, Transformer Engine's
+    float8 the blocks' linears among them (`n_linear`, not the head) in float8 (Training.float8_frozen_weights).
+    Offload moves
     optimizer state and master ('optimizer') or everything ('full') to the host.
     """
     b = state_bytes_per_param(training)
@@ -469,8 +471,10 @@ def model_state_bytes(n_params: float, training: Training, zero_stage: int, shar
         weights = n_params * b.params
     else:  # LoRA: frozen base + adapters (adapters get their own full-precision treatment)
         quantized = n_quantizable if training.qlora else 0.0
+        float8 = n_linear if training.float8_frozen_weights else 0.0
         matmul = max(n_matmul, quantized)
-        weights = (quantized * QLORA_BITS / 8 + (matmul - quantized) * (2.0 if training.mixed else 4.0)
+        weights = (quantized * QLORA_BITS / 8 + float8
+                   + (matmul - quantized - float8) * (2.0 if training.mixed else 4.0)
                    + (n_params - matmul) * b.params + trainable * b.params)
     items = {
         "params": weights / (shard if zero_stage >= 3 else 1),
@@ -514,7 +518,8 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
     (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank. Under
     Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
     terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
-    if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full":
+    if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full" \
+            and not training.lora_rank:  # a frozen weight's linear keeps no input (TE: ln_out if weight.requires_grad)
         return te_float8_terms(terms, args, moe)
     return terms
 
@@ -2123,7 +2128,7 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         # the routed experts are sharded over expert_shard_group (the dp_shard x cp / ep ranks holding the same
         # experts; all of shard_group without expert parallelism), everything else over shard_group
         items = model_state_bytes(shape.params - shape.experts, training, plan.zero_stage, plan.shard_group,
-                                  plan.offload, trainable, adapted, linears + head)
+                                  plan.offload, trainable, adapted, linears + head, linears)
         experts = model_state_bytes(shape.experts, training, plan.zero_stage, plan.expert_shard_group, plan.offload)
         if training.fsdp2 and plan.zero_stage == 2 and plan.offload != "full":
             # FSDP2 keeps the shard; the gathered copy is an FSDP buffer

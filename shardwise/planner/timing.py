@@ -139,8 +139,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     else:
         # fused kernels write each saved tensor once and read it once; backward reads and writes twice as much.
         # Counted on the tensors as the block's kernels write them (bf16): Transformer Engine's float8 copies are
-        # its casts' writes, priced with the linears (te_float8_cast_seconds)
-        bf16_kernels = replace(training, float8="torchao") if training.float8 != "torchao" else training
+        # its casts' writes, priced with the linears (te_float8_cast_seconds); under LoRA it keeps none
+        te_copies = training.float8 != "torchao" and not training.lora_rank
+        bf16_kernels = replace(training, float8="torchao") if te_copies else training
         elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
                                                  moe=moe, dequantised=False) / bandwidth
         elementwise_bwd = 2 * elementwise
@@ -185,7 +186,8 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
         experts = args.n_experts // plan.ep
         grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
         for modules, rows in ((attention, tokens), (grouped, tokens * routed)):
-            cast_fwd, cast_bwd = te_float8_cast_seconds(modules, rows, bandwidth, share, current=current)
+            cast_fwd, cast_bwd = te_float8_cast_seconds(modules, rows, bandwidth, share, current=current,
+                                                        stored=training.float8_frozen_weights)
             fwd += cast_fwd
             bwd_in += cast_bwd
     return fwd, bwd_in, bwd_w
@@ -273,7 +275,7 @@ transposed copy for the weight gradient to make."""
 
 
 def te_float8_cast_seconds(modules: dict[str, tuple[float, float, float]], tokens: float, bandwidth: float,
-                           micro_batches: int, current: bool) -> tuple[float, float]:
+                           micro_batches: int, current: bool, stored: bool = False) -> tuple[float, float]:
     """Seconds of Transformer Engine's float8 casts in one block over `tokens` rows, (forward, backward), for
     `modules`: name -> (input features, output features, weight elements) on this rank.
 
@@ -285,7 +287,9 @@ def te_float8_cast_seconds(modules: dict[str, tuple[float, float, float]], token
     micro-batch is the first (is_first_microbatch) and TE keeps the float8 weight for the rest, so its cost is
     spread over the step's `micro_batches`. Delayed scaling takes the scale from the amax history (the amax comes
     out of the cast itself); current scaling (`current`) first reads the tensor for its amax (2 bytes an element,
-    and the weight's once per step). Each kernel takes at least FLOAT8_KERNEL_S."""
+    and the weight's once per step). Weights stored in float8 (`stored`: LoRA's frozen ones,
+    Training.float8_frozen_weights) are not cast; each backward transposes them for its input-gradient GEMM (1 + 1
+    bytes an element). Each kernel takes at least FLOAT8_KERNEL_S."""
     def kernel(nbytes: float) -> float:
         return max(nbytes / bandwidth, FLOAT8_KERNEL_S)
 
@@ -296,7 +300,10 @@ def te_float8_cast_seconds(modules: dict[str, tuple[float, float, float]], token
         forward += kernel((2 if name in TE_NORM_FUSED else 4 + amax) * x)
         if amax and name in TE_NORM_FUSED:
             forward += kernel(amax * x)
-        forward += kernel((4 + amax) * weight) / micro_batches
+        if stored:
+            backward += kernel(2 * weight)
+        else:
+            forward += kernel((4 + amax) * weight) / micro_batches
         backward += kernel((4 + amax) * dy)
     return forward, backward
 
@@ -424,7 +431,8 @@ def linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerat
     if te:
         cast_fwd, cast_bwd = te_float8_cast_seconds(te_modules(shapes), tokens, bandwidth,
                                                     te_weight_cast_share(training, plan),
-                                                    current=training.float8 == "te-current")
+                                                    current=training.float8 == "te-current",
+                                                    stored=training.float8_frozen_weights)
         fwd += cast_fwd
         bwd_in += cast_bwd
     return fwd, bwd_in, bwd_w

@@ -321,7 +321,9 @@ class Training:
     on a step's first micro-batch and cached for the rest, and each linear's input saved in float8 for its weight
     gradient; 'te-delayed' scales by the amax history (Megatron-Core's default --fp8-recipe delayed: no amax
     pass), 'te-current' by the tensor's own amax (Megatron's tensorwise recipe, NeMo's FP8-CS: an amax pass before
-    each cast)."""
+    each cast). Under LoRA (Transformer Engine's recipes only: NeMo's LoRA) the frozen linears run their forward and
+    input-gradient GEMMs in float8 from float8 weights (float8_frozen_weights) and keep no input, the adapters in
+    the compute dtype."""
     compile: bool = False
     """Each block compiled with torch.compile (shardwise's train.compile, torchtitan's compile): inductor fuses the
     block's elementwise operators, which are then priced as `elementwise` 'fused' whatever that field says. Memory
@@ -549,10 +551,16 @@ class Training:
         if unknown or not self.lora_targets:
             raise PlannerError("--lora-targets", f"{unknown or 'none'} names no projection of a block",
                                f"name some of {', '.join(PROJECTIONS)}")
-        if self.precision == "fp8" and self.lora_rank:
-            raise PlannerError("--precision", "fp8 is float8 training of the linears, which nothing here "
-                               f"runs under {'QLoRA (NF4 base weights)' if self.qlora else 'LoRA adapters'}",
-                               "use --precision bf16 with --lora-rank")
+        if self.precision == "fp8" and self.qlora:
+            raise PlannerError("--precision", "fp8 is float8 training of the linears, which nothing here runs under "
+                               "QLoRA (NF4 base weights)", "use --precision bf16 with --qlora")
+        if self.precision == "fp8" and self.lora_rank and self.float8 == "torchao":
+            # NeMo's LoRA runs Transformer Engine's float8 under the adapters (fp8 with peft in its configs); torchao's
+            # Float8Linear (shardwise's engine, torchtitan) is not combined with LoRA anywhere we know
+            raise PlannerError("--precision", "fp8 under LoRA adapters is described for Transformer Engine's float8 "
+                               "(NeMo's LoRA), not torchao's recipe, which nothing here runs under adapters",
+                               "use --precision bf16 with --lora-rank, or a system whose float8 is te-delayed or "
+                               "te-current (base megatron-core)")
 
     @property
     def mixed(self) -> bool:
@@ -582,6 +590,16 @@ class Training:
         recipe `float8` names (torchao.float8.convert_to_float8_training as torchtitan applies it, or Transformer
         Engine's modules under Megatron-Core); its casts are priced in timing.linear_times."""
         return self.precision
+
+    @property
+    def float8_frozen_weights(self) -> bool:
+        """LoRA's frozen block linears stored in float8, one byte a weight: Transformer Engine's float8 under LoRA as
+        NeMo runs it, whose configs set fp8_params with fp8 (TE's fp8_model_init: the weights are Float8Tensors, no
+        bf16 copy), as its MLPerf Llama 2 70B LoRA submissions did (megatron_gpt_peft_tuning_config.yaml:
+        fp8_params ${FP8}). Each backward makes the weight's transposed float8 copy afresh, as those configs ask
+        (disable_parameter_transpose_cache; with the cache TE would keep it, a byte a weight more): timing
+        te_float8_cast_seconds, memory.model_state_bytes."""
+        return bool(self.lora_rank) and self.linear_dtype == "fp8" and self.float8 != "torchao"
 
     @property
     def syncs_every_micro_batch(self) -> bool:
