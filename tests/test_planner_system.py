@@ -24,6 +24,7 @@ from shardwise.planner.memory import (
     block_terms,
     dtensor_loss_parallel,
     embedding_activation_bytes,
+    gathered_unit_bytes,
     gathered_weight_bytes,
     head_activation_bytes,
     layer_activation_bytes,
@@ -1927,6 +1928,10 @@ def test_lora_under_transformer_engines_float8_keeps_its_frozen_weights_in_float
     d = args.dim
     linears = args.n_layers * (4 * d * d * (args.n_kv_heads / args.n_heads + 1) / 2 + 3 * d * args.ffn_hidden) / 2
     assert weights[bf16] - weights[te] == pytest.approx(linears, rel=1e-9)  # one byte a frozen block weight less
+    # and so as gathered (Megatron-FSDP's ZeRO-3): per parameter of a block, its linears' share a byte less
+    zero3, per_block = Plan(dp_shard=8, zero_stage=3, micro_batch=1), 2 * linears / args.n_layers
+    gathered = {t: gathered_unit_bytes(args, t, zero3, 0)[0] for t in (bf16, te)}
+    assert gathered[bf16] - gathered[te] == pytest.approx(per_block / (per_block + 2 * d), rel=1e-9)
     for recompute in ("none", "selective"):
         assert layer_activation_bytes(args, te, plan, recompute=recompute) == \
             layer_activation_bytes(args, bf16, plan, recompute=recompute)

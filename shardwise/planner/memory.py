@@ -1390,7 +1390,8 @@ def gathered_weight_bytes(training: Training) -> float:
 def gathered_unit_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> tuple[float, float]:
     """Bytes per parameter FSDP gathers for a block and for the root unit (embedding, final norm, head) of pipeline
     rank `stage`: gathered_weight_bytes, except under LoRA, whose frozen matmul weights FSDP gathers as the engine
-    stores them (shardwise.lora: the compute dtype, QLoRA's NF4 for the adapted projections), while the embedding,
+    stores them (shardwise.lora: the compute dtype, QLoRA's NF4 for the adapted projections; Transformer Engine's
+    float8 under Training.float8_frozen_weights), while the embedding,
     the norms and the adapters keep the layout's; a block's adapters are counted per parameter of the block.
     Pricing every frozen weight at fp32 put a LoRA plan's FSDP buffers at 1.6x the simulator's (Llama 3.2 1B,
     ZeRO-2 over 2 ranks under autocast)."""
@@ -1398,10 +1399,11 @@ def gathered_unit_bytes(args: ModelArgs, training: Training, plan: Plan, stage: 
     if not training.lora_rank:
         return g, g
     frozen = min(g, 2.0 if training.mixed else 4.0)
+    linear = 1.0 if training.float8_frozen_weights else frozen  # Transformer Engine's float8 weights (not the head)
     block = layer_params(args, plan.tp)
     linears = block - 2 * args.dim  # the norms are the rest
     adapted = adapted_base_params(args, training, plan.tp)
-    block_bytes = (adapted * (QLORA_BITS / 8 if training.qlora else frozen) + (linears - adapted) * frozen
+    block_bytes = (adapted * (QLORA_BITS / 8 if training.qlora else linear) + (linears - adapted) * linear
                    + (block - linears) * g + lora_params(args, training, plan.tp) * g)
     shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     head = args.vocab_size * args.dim / plan.tp if shape.last and not args.tie_embeddings else 0.0
