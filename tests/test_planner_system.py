@@ -20,6 +20,7 @@ from shardwise.model_args import ModelArgs, num_params, preset
 from shardwise.planner import Cluster, Plan, PlannerError, Training, accelerator, evaluate
 from shardwise.planner.cli import add_plan_arguments, run_plan, system_of
 from shardwise.planner.memory import (
+    adapter_groups,
     block_backward_bytes,
     block_terms,
     dtensor_loss_parallel,
@@ -30,6 +31,7 @@ from shardwise.planner.memory import (
     layer_activation_bytes,
     linear_shapes,
     logits_bytes,
+    lora_params,
     moment_memory,
     reserved_bytes,
     stage_memory,
@@ -1923,6 +1925,9 @@ def test_lora_under_transformer_engines_float8_keeps_its_frozen_weights_in_float
     bf16 = _training("megatron-core", seq_len=4096, global_batch=8, **lora)
     te = dataclasses.replace(bf16, precision="fp8", float8="te-delayed")
     assert te.float8_frozen_weights and not bf16.float8_frozen_weights
+    assert dataclasses.replace(te, float8="te-current").float8_frozen_weights  # NeMo's FP8-CS alike
+    with pytest.raises(PlannerError, match="QLoRA"):  # an NF4 base under float8: nothing runs it
+        dataclasses.replace(te, qlora=True)
     cluster = Cluster(accelerator("h100"), 8)
     weights = {t: evaluate(args, t, plan, cluster).memory["params"] for t in (bf16, te)}
     d = args.dim
@@ -1951,6 +1956,30 @@ def test_lora_under_transformer_engines_float8_keeps_its_frozen_weights_in_float
     assert run_plan(_ns(*argv, "--system", "torchtitan")) == 2
     err = capsys.readouterr().err
     assert "--precision" in err and "Transformer Engine" in err and len(err.strip().splitlines()) == 1
+
+
+def test_nemos_lora_adapts_a_fused_linear_with_one_adapter_and_megatrons_swiglu_can_keep_float8():
+    # Megatron-Core computes Q/K/V as one linear (linear_qkv) and NeMo's LoRA adapts it with one adapter
+    # (LoraKQVAdapter: one A of d x r, one dropout of its input): against an adapter per projection, two A's
+    # (r d each), two dropped copies of the norm's output (bf16) and their masks (a byte an element) and two
+    # x A^T (r wide) fewer. Megatron's activation_func_fp8_input_store keeps the fused SwiGLU's input (the w1 and
+    # w3 outputs, 2f) in float8: a byte an element less
+    args = preset("llama2-7b")
+    plan = Plan(dp_replicate=8, zero_stage=1, micro_batch=1)
+    fused = _training("megatron-core", seq_len=4096, global_batch=8, lora_rank=16, lora_dropout=0.1,
+                      lora_targets=("wq", "wk", "wv", "wo"))
+    apart = dataclasses.replace(fused, fused_projections=False)
+    assert fused.fused_projections and [len(g) for g in adapter_groups(args, fused)] == [3, 1]
+    d, r, f, tokens = args.dim, 16, args.ffn_hidden, 4096
+    per_token = 2 * (2 * d + d + 2 * r)
+    assert layer_activation_bytes(args, apart, plan, recompute="none") - \
+        layer_activation_bytes(args, fused, plan, recompute="none") == pytest.approx(tokens * per_token)
+    assert lora_params(args, apart) - lora_params(args, fused) == 2 * r * d
+    fp8_in = dataclasses.replace(fused, activation_fp8_input=True)
+    assert layer_activation_bytes(args, fused, plan, recompute="none") - \
+        layer_activation_bytes(args, fp8_in, plan, recompute="none") == pytest.approx(tokens * 2 * f)
+    with pytest.raises(PlannerError, match="activation_fp8_input"):
+        dataclasses.replace(_training("torchtitan"), activation_fp8_input=True)
 
 
 def test_megatron_fsdp_reduce_scatters_every_micro_batch_into_its_shard():

@@ -393,9 +393,27 @@ def adapted_shapes(args: ModelArgs, training: Training) -> list[tuple[str, int, 
     return [shape for shape in linear_shapes(args) if shape[0] in training.lora_targets]
 
 
+FUSED_PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
+"""A block's linears as fused projections group them (Training.fused_projections): Q/K/V one, w1 and w3 one."""
+
+
+def adapter_groups(args: ModelArgs, training: Training) -> list[tuple[tuple[str, int, int, str], ...]]:
+    """The adapted linears (adapted_shapes) by the adapter that adapts them: each its own (shardwise.lora: an
+    adapter per projection), or under fused projections (Training.fused_projections) one adapter per fused linear,
+    as NeMo's LoRA adapts Megatron-Core's linear_qkv (LoraKQVAdapter: one A of d x r, one B of r x (q + 2 kv), one
+    dropout of its input) and linear_fc1: its A, its dropout and their outputs once for the group."""
+    shapes = adapted_shapes(args, training)
+    if not training.fused_projections:
+        return [(shape,) for shape in shapes]
+    groups = [tuple(shape for shape in shapes if shape[0] in fused) for fused in FUSED_PROJECTIONS]
+    return [group for group in groups if group]
+
+
 def lora_params(args: ModelArgs, training: Training, tp: int = 1) -> float:
-    """Trainable adapter parameters per block: r (in + out) on each adapted linear, split by tp like the linear."""
-    return sum(training.lora_rank * (n_in + n_out) / tp for _, n_in, n_out, _ in adapted_shapes(args, training))
+    """Trainable adapter parameters per block: r (in + out) on each adapter (adapter_groups: an adapter's out is
+    its linears'), split by tp like the linear."""
+    return sum(training.lora_rank * (group[0][1] + sum(n_out for _, _, n_out, _ in group)) / tp
+               for group in adapter_groups(args, training))
 
 
 def adapted_base_params(args: ModelArgs, training: Training, tp: int = 1) -> float:
@@ -516,8 +534,11 @@ def block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage:
                 routed: float = 0.0, ep: int = 1) -> list[Term]:
     """What one block keeps for backward under a recompute policy (per token of the micro-batch). An MoE block
     (`moe`) has its attention and then moe_terms, `routed` (token, expert) pairs per token on this rank. Under
-    Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms)."""
+    Transformer Engine's float8 (Training.float8) the linears' inputs are kept in float8 (te_float8_terms), and
+    under Training.activation_fp8_input the fused SwiGLU's (the w1 and w3 outputs)."""
     terms = _block_terms(args, training, recompute, zero_stage, moe, routed, ep)
+    if training.activation_fp8_input:  # Megatron-Core's fused SwiGLU keeps its input in float8
+        terms = [replace(t, kind="f8") if t.name in ("w1_out", "w3_out") else t for t in terms]
     if training.linear_dtype == "fp8" and training.float8 != "torchao" and recompute != "full" \
             and not training.lora_rank:  # a frozen weight's linear keeps no input (TE: ln_out if weight.requires_grad)
         return te_float8_terms(terms, args, moe)
@@ -609,7 +630,8 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
     norm_split = norm_output_split(training)
     inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (q, "tp"),
               "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
-    adapted = [n for n in names if n in training.lora_targets and n in projection_shapes(args)]
+    # one mask per adapter (adapter_groups), named by its first linear
+    adapted = [group[0][0] for group in adapter_groups(args, training) if group[0][0] in names]
     terms = [Term(f"{n}_lora_dropout_mask", elems, "mask", split) for n in adapted for elems, split in [inputs[n]]]
     return terms + [Term("wo_lora_dropped_input", q, "act", "tp")] * ("wo" in adapted)
 
@@ -688,9 +710,11 @@ def adapter_output_terms(args: ModelArgs, training: Training) -> list[Term]:
     rank = training.lora_rank
     if not rank:
         return []
+    first = {group[0][0] for group in adapter_groups(args, training)}  # an adapter's x A^T, once (fused projections)
     return [term for out in matmul_output_terms(args) if out.name.removesuffix("_out") in training.lora_targets
-            for term in (Term(out.name.replace("_out", "_lora_a_out"), rank, "act", "full"),
-                         replace(out, name=out.name.replace("_out", "_lora_b_out")))]
+            for term in ((Term(out.name.replace("_out", "_lora_a_out"), rank, "act", "full"),)
+                         * (out.name.removesuffix("_out") in first)
+                         + (replace(out, name=out.name.replace("_out", "_lora_b_out")),))]
 
 
 def weight_pass_grad_bytes(args: ModelArgs, training: Training, plan: Plan, moe: bool = False) -> float:

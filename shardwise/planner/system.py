@@ -123,6 +123,8 @@ class System:
     activation_offload: bool = False
     """Under full recompute, the blocks' saved inputs offloaded to host memory (Training.activation_offload:
     torchtune's enable_activation_offloading)."""
+    activation_fp8_input: bool = False
+    """Megatron-Core's fused SwiGLU keeping its input in float8 (Training.activation_fp8_input)."""
     optimizer_in_backward: bool = False
     """Each parameter stepped and its gradient freed in backward (Training.optimizer_in_backward: torchtune's
     optimizer_in_bwd)."""
@@ -212,7 +214,7 @@ class System:
                 "dropout": self.dropout, "ce_kernel": self.ce_kernel, "grad_sync": self.grad_sync,
                 "selective": self.selective, "partial_checkpoint": self.partial_checkpoint,
                 "elementwise": self.elementwise, "swiglu": self.swiglu,
-                "fused_projections": self.fused_projections,
+                "fused_projections": self.fused_projections, "activation_fp8_input": self.activation_fp8_input,
                 "zero3_fetch": self.zero3_fetch, "compile": self.compile, "compile_loss": self.compile_loss,
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
@@ -278,7 +280,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
            cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True, pp_schedules=MEGATRON_SCHEDULES,
-           offload_stages=(),
+           offload_stages=(), fused_projections=True,
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
@@ -288,7 +290,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "default), extensions/transformer_engine.py (TE linears told is_first_microbatch: float8 "
                   "weights cached over a step), --fp8-recipe delayed by default; pipeline_parallel/schedules.py "
                   "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule); host offload of "
-                  "the optimizer alone (--optimizer-cpu-offload, February 2025), not of weights and gradients"),
+                  "the optimizer alone (--optimizer-cpu-offload, February 2025), not of weights and gradients; "
+                  "transformer/attention.py linear_qkv and mlp.py linear_fc1 (Q/K/V one linear, SwiGLU's gate and "
+                  "up one: NeMo's LoRA adapts each with one adapter, LoraKQVAdapter on linear_qkv)"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory), dropout 0.1, and the gradients' "
            "data-parallel reduction after the backward",
@@ -410,7 +414,7 @@ def resolve_system(spec: str | System) -> System:
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
-                                   "fused_rmsnorm", "fused_projections",
+                                   "fused_rmsnorm", "fused_projections", "activation_fp8_input",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
                                    "expert_parallel") else \

@@ -27,6 +27,7 @@ from shardwise.planner.memory import (
     ATTENTION,
     adapted_base_params,
     adapted_shapes,
+    adapter_groups,
     attention_params,
     block_modules,
     block_params,
@@ -378,14 +379,18 @@ def adapter_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelera
     forward; the gradient through B and A backward, in the input-gradient pass; B's and A's own in the weight pass
     (zero-bubble's deferred one: torch's stage_backward_input leaves them to stage_backward_weight). On a tp rank
     the adapter spans what its linear does (A whole and B split for a column-parallel linear, A split and B whole
-    for a row-parallel one: parallel/tensor_parallel.py)."""
+    for a row-parallel one: parallel/tensor_parallel.py). Under fused projections one adapter spans a fused linear
+    (memory.adapter_groups): one A over the shared input, one B over the linears' outputs together."""
     fwd = bwd_in = bwd_w = 0.0
     r = training.lora_rank
-    for name, n_in, n_out in rank_linear_shapes(args, plan):
-        if r and name in training.lora_targets:
-            fwd += gemm_seconds(tokens, r, n_in, training, acc) + gemm_seconds(tokens, n_out, r, training, acc)
-            bwd_in += gemm_seconds(tokens, r, n_out, training, acc) + gemm_seconds(tokens, n_in, r, training, acc)
-            bwd_w += gemm_seconds(n_out, r, tokens, training, acc) + gemm_seconds(r, n_in, tokens, training, acc)
+    if not r:
+        return fwd, bwd_in, bwd_w
+    shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
+    for group in adapter_groups(args, training):
+        n_in, n_out = shapes[group[0][0]][0], sum(shapes[name][1] for name, *_ in group)
+        fwd += gemm_seconds(tokens, r, n_in, training, acc) + gemm_seconds(tokens, n_out, r, training, acc)
+        bwd_in += gemm_seconds(tokens, r, n_out, training, acc) + gemm_seconds(tokens, n_in, r, training, acc)
+        bwd_w += gemm_seconds(n_out, r, tokens, training, acc) + gemm_seconds(r, n_in, tokens, training, acc)
     return fwd, bwd_in, bwd_w
 
 
@@ -703,7 +708,7 @@ def op_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     projection_ops = len(projection_shapes(args)) * c.linear  # of a dense block, what tp runs on DTensors
     if training.lora_rank:  # the config refuses LoRA on a mixture of experts
         lora = LORA_OPS[training.lora_dropout > 0, training.autocasts]
-        adapted = [name for name, *_ in adapted_shapes(args, training)]
+        adapted = [group[0][0] for group in adapter_groups(args, training)]  # an adapter's operators once
         block, rest, adapters = lora_block_ops(block, lora, adapted), rest + lora.rest, len(adapted)
         projection_ops = (adapters * lora.adapted_linear
                           + (len(projection_shapes(args)) - adapters) * lora.frozen_linear)
@@ -1010,7 +1015,7 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
 
             if training.lora_rank:
                 # an A and a B adapter on each of the block's adapted linears (taken as equal)
-                adapters = 2 * len(adapted_shapes(args, training))
+                adapters = 2 * len(adapter_groups(args, training))
                 blocks = layers * adapters * all_gather(lora_params(args, training, plan.tp) / adapters * 4.0,
                                                         sh_n, sh_link, after_compute=False)
             else:
@@ -1274,7 +1279,7 @@ def optimizer_time(args: ModelArgs, training: Training, plan: Plan, acc: Acceler
     tensors = where.max_layers * c.tensors_per_block + c.tensors_rest + where.max_moe_layers * (
         c.tensors_per_moe_block - c.tensors_per_block)
     if training.lora_rank:  # only the adapters are in the optimizer: A and B of each adapted linear
-        tensors = where.max_layers * 2 * len(adapted_shapes(args, training))
+        tensors = where.max_layers * 2 * len(adapter_groups(args, training))
     per_op = acc.optimizer_op_overhead_s
     if training.fsdp2 and plan.tp * plan.dp * plan.cp > 1:
         per_op += acc.dtensor_optimizer_op_overhead_s  # the engine's parameters are DTensors (see Accelerator)

@@ -179,7 +179,14 @@ class Training:
     xformers' SwiGLU; Megatron-Core's linear_qkv and linear_fc1), each keeping its input once for backward. It
     matters under autocast over an fp32 residual stream (the layout 'torch'), where each linear casts and keeps its
     own bf16 copy of the norm's output: three and two for shardwise's and Hugging Face's separate projections, one
-    each for fused ones (memory.input_copies). Their GEMMs are priced as the ones they replace."""
+    each for fused ones (memory.input_copies), and under LoRA, where one adapter adapts a fused linear (NeMo's
+    LoraKQVAdapter on linear_qkv: memory.adapter_groups), one A, one dropout and their outputs for the group. Their
+    GEMMs are priced as the ones they replace."""
+    activation_fp8_input: bool = False
+    """A fused SwiGLU keeps its input (the w1 and w3 outputs) in float8 for backward and casts it back there:
+    Megatron-Core's activation_func_fp8_input_store (fusions/fused_bias_swiglu.py: input.to(float8_e4m3fn)), as
+    NVIDIA's MLPerf v4.1 LoRA config for the H200 sets it (FP8_ACTIVATION). Layout 'megatron' with swiglu
+    'fused' only; a mixture of experts' expert MLPs are not counted so (memory.block_terms)."""
     partial_checkpoint: str = "first"
     """Which blocks activation_checkpoint_every = k checkpoints: 'first' those whose model index is a multiple of
     k (shardwise's engine: blocks 0, k, 2k, ...), 'last' every k-th of the rank's blocks counted from 1 (blocks
@@ -518,6 +525,10 @@ class Training:
             raise PlannerError("--system zero3_fetch", "module-sync describes DeepSpeed's first ZeRO-3, which trained "
                                f"every weight in the layout 'zero', not {'LoRA' if self.lora_rank else self.layout}",
                                "use zero3_fetch = prefetch, or layout zero without LoRA")
+        if self.activation_fp8_input and (self.layout != "megatron" or self.swiglu != "fused"):
+            raise PlannerError("--system activation_fp8_input", "it describes Megatron-Core's fused SwiGLU keeping "
+                               f"its input in float8, not the layout {self.layout} with swiglu {self.swiglu}",
+                               'use base = "megatron-core", or leave it false')
         if self.float8 not in FLOAT8_RECIPES:
             raise PlannerError("--system float8", f"unknown float8 recipe {self.float8!r}",
                                f"use one of {', '.join(FLOAT8_RECIPES)}")
