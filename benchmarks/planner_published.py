@@ -185,6 +185,9 @@ class Run:
     """The blocks' saved inputs offloaded to the host (Training.activation_offload), where the run did."""
     optimizer_in_backward: bool = False
     """Each parameter stepped in backward (Training.optimizer_in_backward), where the run did."""
+    activation_fp8_input: bool = False
+    """Megatron-Core's fused SwiGLU keeping its input in float8 (Training.activation_fp8_input), where the run's
+    config set activation_func_fp8_input_store."""
     lora_rank: int = 0
     qlora: bool = False
     lora_targets: tuple[str, ...] = PROJECTIONS
@@ -1793,44 +1796,77 @@ def mlperf_runs() -> list[Run]:
 # benchmarks/llama2_70b_lora/implementations/*: the configs). Each log's "tracked_stats" is the throughput in
 # samples/s of the blocks between evaluations, timed by the submission's callback from on_train_batch_start to
 # on_train_batch_end (custom_callbacks.py Timer: step time only); the figure is the median over a run's blocks, the
-# median over the ten runs (which agree within 1-2%, but smc's 64 nodes' 4%). Every submission runs NVIDIA's NeMo
-# recipe (NGC 24.04: NeMo 2.0.0rc0, Megatron-Core 0.7, Transformer Engine 1.6): packed sequences of 8,192, micro-batch
+# median over the ten runs (which span 1-3%, NVIDIA's 128 nodes' 5%). The rows used run NVIDIA's NeMo recipe (NGC
+# 24.04: NeMo 2.0.0rc0, Megatron-Core 0.7, Transformer Engine 1.6), as do the other GPU submissions but Juniper's
+# (Hugging Face with DeepSpeed, not described here): packed sequences of 8,192, micro-batch
 # 1, LoRA rank 16 on linear_qkv and linear_proj (target_modules attention) with dropout 0.1 before the adapter, TP with
 # SP, no recompute, FP8 (TE's delayed scaling) with the frozen weights in FP8 (fp8_params ${FP8}) and FP8 attention
 # (FP8_DPA=1; TE 1.6 runs it without context parallelism only: attention.py sends a cp group's attention through
 # attn_forward_func_with_cp in bf16), TP communication overlapped through userbuffers (TP_COMM_OVERLAP: not priced,
-# docs/planner.md), Megatron's distributed optimizer; the global batch is MINIBS x DP (the log's global_batch_size).
-# Rows: NVIDIA's four (a DGX H100, 8 and 128 of them, a DGX H200) and the other layouts submitted (Fujitsu's 4-GPU
-# server, TP 4 alone, TP overlap off; HPE's 2 nodes; smc's 64). Ten other 8-GPU H100 submissions ran NVIDIA's
-# single-node config at 1.92 to 2.10 samples/s (NVIDIA's 2.15): the spread of one layout over servers. Described as
+# docs/planner.md), Apex's FusedAdam (the logs' "Optimizer config = FusedAdam": no distributed optimizer, ZeRO-0); the
+# FP8 amax all-reduced across the job in the CP configs only (FP8_REDUCE_AMAX); the global batch is MINIBS x DP (the
+# log's global_batch_size). Rows: NVIDIA's four (a DGX H100, 8 and 128 of them, a DGX H200) and the other layouts
+# submitted (Fujitsu's 4-GPU server, TP 4 alone, TP overlap off; HPE's 2 nodes; smc's 64). Ten other 8-GPU H100
+# submissions ran NVIDIA's single-node layout at 1.92 to 2.10 samples/s (NVIDIA's 2.15): Dell's, Red Hat's and
+# Supermicro's AS-8125GS with TP overlap off (their logs' ub_tp_comm_overlap) at 1.92-1.97, the rest with it at
+# 2.04-2.10. NVIDIA's two L40S submissions (16 and 96 servers of 4 L40S on PCIe, TP 4 x CP 2 across two servers, TP
+# overlap off, FP8 attention off; 2 x 400 Gb/s east-west a server, systems/l40s_n16_ngc24.04_nemo.json) were added
+# after the day's changes below (evaluated, not fitted to: no term was changed for them). Described as
 # `--system megatron-core` in FP8 with TE's delayed scaling, LoRA r16 on wq, wk, wv and wo, dropout 0.1; attention
-# priced in bf16 (FP8 attention is not described). Added on 2026-12-07 and evaluated first as the planner stood
-# (held out: docs/heldout-2026-12-07/: it refused FP8 under LoRA; described in bf16, the single-node rows did not fit).
+# priced in bf16 (FP8 attention is not described). The H200 config's FP8_ACTIVATION reaches NeMo's config as
+# fp8_activation_input_store, which names no field of Megatron-Core 0.7's TransformerConfig (its
+# activation_func_fp8_input_store; NeMo's build_transformer_config copies the fields it finds by name): not described.
+# Added on 2026-12-07 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/: it refused FP8 under
+# LoRA; described in bf16, the single-node rows did not fit).
+#
+# MLPerf Training v4.1 (November 2024), the same benchmark, NVIDIA's five submissions (NGC 24.09: the same recipe;
+# NVIDIA/benchmarks/llama2_70b_lora/implementations/*_ngc24.09_nemo and b200_preview_nemo): a DGX H100 as in v4.0 (FP8
+# attention on, no CUDA graphs); 8 and 128 of them at TP 4 x CP 2 with each layer captured as a CUDA graph
+# (LAYER_CUDA_GRAPH=1, v4.0's same layouts ran without) and FP8 attention off; a DGX H200 at TP 1 x CP 2 (no SP),
+# activation_func_fp8_input_store on (FP8_ACTIVATION, under the field's own name since v4.1), no graphs; a DGX B200
+# (preview) at TP 1 x CP 2 with graphs and FP8 attention; Megatron-Core's distributed optimizer (optim
+# mcore_distributed_optim; v4.0's was Apex's FusedAdam); the FP8 amax not all-reduced (FP8_REDUCE_AMAX False in
+# config_common.sh but the B200's). Added the same day and evaluated first as the planner then
+# stood (held out: docs/heldout-2026-12-07/mlperf-v4.1-llama2-70b-lora-held-out.txt).
 MLPERF40_LORA = ("MLCommons, MLPerf Training v4.0 results, llama2_70b_lora, closed division, "
                  "https://github.com/mlcommons/training_results_v4.0")
-# submission (results directory), GPU, GPUs, TP, CP, global batch (sequences), samples/s
-MLPERF40_LORA_ROWS = [("NVIDIA eos_ngc24.04_nemo", "h100", 8, 4, 1, 8, 2.1548),
-                      ("NVIDIA h200_ngc24.04_nemo", "h200", 8, 2, 1, 8, 2.4744),
-                      ("NVIDIA eos_n8_ngc24.04_nemo", "h100", 64, 4, 2, 8, 12.5512),
-                      ("NVIDIA eos_n128_ngc24.04_nemo", "h100", 1024, 4, 2, 128, 189.6161),
-                      ("Fujitsu GX2560M7_H100_SXM_80GBx4", "h100", 4, 4, 1, 8, 0.9811),
-                      ("HPE HPE-Cray-XD670-Gen11-H100-SXM5-80GB_n2_pytorch_24.04", "h100", 16, 4, 2, 8, 3.0455),
-                      ("smc 64xSMC-H100-SXM-80GB", "h100", 512, 4, 2, 64, 92.917)]
+MLPERF41_LORA = ("MLCommons, MLPerf Training v4.1 results, llama2_70b_lora, closed division, "
+                 "https://github.com/mlcommons/training_results_v4.1")
+# round, submission (results directory), GPU, GPUs, TP, CP, global batch (sequences), samples/s
+MLPERF_LORA_ROWS = [("4.0", "NVIDIA eos_ngc24.04_nemo", "h100", 8, 4, 1, 8, 2.1548),
+                    ("4.0", "NVIDIA h200_ngc24.04_nemo", "h200", 8, 2, 1, 8, 2.4744),
+                    ("4.0", "NVIDIA eos_n8_ngc24.04_nemo", "h100", 64, 4, 2, 8, 12.5512),
+                    ("4.0", "NVIDIA eos_n128_ngc24.04_nemo", "h100", 1024, 4, 2, 128, 189.6161),
+                    ("4.0", "Fujitsu GX2560M7_H100_SXM_80GBx4", "h100", 4, 4, 1, 8, 0.9811),
+                    ("4.0", "HPE HPE-Cray-XD670-Gen11-H100-SXM5-80GB_n2_pytorch_24.04", "h100", 16, 4, 2, 8, 3.0455),
+                    ("4.0", "smc 64xSMC-H100-SXM-80GB", "h100", 512, 4, 2, 64, 92.917),
+                    ("4.0", "NVIDIA l40s_n16_ngc24.04_nemo", "l40s", 64, 4, 2, 8, 2.7188),
+                    ("4.0", "NVIDIA l40s_n96_ngc24.04_nemo", "l40s", 384, 4, 2, 48, 16.4258),
+                    ("4.1", "NVIDIA eos_ngc24.09_nemo", "h100", 8, 4, 1, 8, 2.1818),
+                    ("4.1", "NVIDIA h200_ngc24.09_nemo", "h200", 8, 1, 2, 8, 2.4757),
+                    ("4.1", "NVIDIA eos_n8_ngc24.09_nemo", "h100", 64, 4, 2, 8, 14.7991),
+                    ("4.1", "NVIDIA eos_n128_ngc24.09_nemo", "h100", 1024, 4, 2, 128, 234.8273),
+                    ("4.1", "NVIDIA b200_preview_nemo", "b200", 8, 1, 2, 8, 4.6962)]
 
 
 def mlperf_lora_runs() -> list[Run]:
     model = dataclasses.replace(preset("llama2-70b"), max_seq_len=8192)
     runs = []
-    for submission, gpu, n, tp, cp, gbs, samples in MLPERF40_LORA_ROWS:
+    for version, submission, gpu, n, tp, cp, gbs, samples in MLPERF_LORA_ROWS:
         dp, step = n // (tp * cp), gbs / samples
         row = f"{submission}: {n} {gpu.upper()}, TP {tp} CP {cp}, global batch {gbs} x 8192, {samples} samples/s"
-        runs.append(Run(f"MLPerf 4.0 {submission.split()[0]} 70B LoRA{' H200' if gpu == 'h200' else ''} n={n}",
-                        model, n, 8192, gbs,
-                        f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage={int(dp > 1)},micro_batch=1,"
-                        "sequence_parallel=true,activation_checkpoint=none", MLPERF40_LORA, row,
+        on = "" if gpu == "h100" else f" {gpu.upper()}"
+        runs.append(Run(f"MLPerf {version} {submission.split()[0]} 70B LoRA{on} n={n}", model, n, 8192, gbs,
+                        # v4.0 ran Apex's FusedAdam (optim fused_adam), v4.1 Megatron's distributed optimizer
+                        f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage={int(version == '4.1' and dp > 1)},"
+                        "micro_batch=1,"
+                        f"sequence_parallel={str(tp > 1).lower()},activation_checkpoint=none",
+                        MLPERF40_LORA if version == "4.0" else MLPERF41_LORA, row,
                         tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
                         system="megatron-core", search=False, precision="fp8", float8="te-delayed", lora_rank=16,
-                        lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1))
+                        lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
+                        activation_fp8_input=version == "4.1" and gpu == "h200",
+                        **({"inter_node_gbs": 2 * 400 / 8 / 4} if gpu == "l40s" else {})))
     return runs
 
 
@@ -1910,6 +1946,7 @@ def training_of(run: Run) -> Training:
         fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
         fields["activation_offload"] = fields["activation_offload"] or run.activation_offload
         fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
+        fields["activation_fp8_input"] = fields["activation_fp8_input"] or run.activation_fp8_input
         if run.loss_chunks is not None:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
@@ -2040,8 +2077,8 @@ def sweep_of(run: Run) -> str | None:
         return f"NeMo Megatron launcher {run.name.split()[1]} {run.name.split()[2]}"
     if run.source == MLPERF31:
         return "MLPerf v3.1 GPT-3 175B"
-    if run.source == MLPERF40_LORA and run.gpu == "h100":
-        return "MLPerf v4.0 Llama 2 70B LoRA (H100)"
+    if run.source in (MLPERF40_LORA, MLPERF41_LORA) and run.gpu == "h100":
+        return f"MLPerf v{run.name.split()[1]} Llama 2 70B LoRA (H100)"
     return None
 
 
@@ -2155,7 +2192,8 @@ def main() -> None:
                          ("BloombergGPT", "BloombergGPT"), ("TinyLlama", "TinyLlama"), ("LLaMA 65B", "LLaMA 65B"),
                          ("fms-fsdp (FSDP1, A100 and H100)", "fms-fsdp"),
                          ("MLPerf v3.1 GPT-3 175B (NeMo 23.09, H100)", "MLPerf 3.1"),
-                         ("MLPerf v4.0 Llama 2 70B LoRA (NeMo 24.04)", "MLPerf 4.0")):
+                         ("MLPerf v4.0 Llama 2 70B LoRA (NeMo 24.04)", "MLPerf 4.0"),
+                         ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
