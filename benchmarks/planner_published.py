@@ -1803,8 +1803,9 @@ def mlperf_runs() -> list[Run]:
 # SP, no recompute, FP8 (TE's delayed scaling) with the frozen weights in FP8 (fp8_params ${FP8}) and FP8 attention
 # (FP8_DPA=1; TE 1.6 runs it without context parallelism only: attention.py sends a cp group's attention through
 # attn_forward_func_with_cp in bf16), TP communication overlapped through userbuffers (TP_COMM_OVERLAP: not priced,
-# docs/planner.md), Apex's FusedAdam (the logs' "Optimizer config = FusedAdam": no distributed optimizer, ZeRO-0); the
-# FP8 amax all-reduced across the job in the CP configs only (FP8_REDUCE_AMAX); the global batch is MINIBS x DP (the
+# docs/planner.md), Apex's FusedAdam (megatron_gpt_peft_tuning_config.yaml: optim.name fused_adam; Dell's logs print
+# "Optimizer config = FusedAdam": no distributed optimizer, ZeRO-0); the FP8 amax all-reduced across the job in the
+# H100 CP configs and the 16-server L40S's only (FP8_REDUCE_AMAX); the global batch is MINIBS x DP (the
 # log's global_batch_size). Rows: NVIDIA's four (a DGX H100, 8 and 128 of them, a DGX H200) and the other layouts
 # submitted (Fujitsu's 4-GPU server, TP 4 alone, TP overlap off; HPE's 2 nodes; smc's 64). Ten other 8-GPU H100
 # submissions ran NVIDIA's single-node layout at 1.92 to 2.10 samples/s (NVIDIA's 2.15): Dell's, Red Hat's and
@@ -1824,7 +1825,9 @@ def mlperf_runs() -> list[Run]:
 # attention on, no CUDA graphs); 8 and 128 of them at TP 4 x CP 2 with each layer captured as a CUDA graph
 # (LAYER_CUDA_GRAPH=1, v4.0's same layouts ran without) and FP8 attention off; a DGX H200 at TP 1 x CP 2 (no SP),
 # activation_func_fp8_input_store on (FP8_ACTIVATION, under the field's own name since v4.1), no graphs; a DGX B200
-# (preview) at TP 1 x CP 2 with graphs and FP8 attention; Megatron-Core's distributed optimizer (optim
+# (preview) at TP 1 x CP 2 with graphs and FP8 attention, its CP exchange an all-to-all (the yaml's cp_comm_type a2a,
+# priced as the ring) and its adapters' dropout through Thunder (NEMO_LORA_USE_THUNDER_DROPOUT, priced as any);
+# Megatron-Core's distributed optimizer (optim
 # mcore_distributed_optim; v4.0's was Apex's FusedAdam); the FP8 amax not all-reduced (FP8_REDUCE_AMAX False in
 # config_common.sh but the B200's). Added the same day and evaluated first as the planner then
 # stood (held out: docs/heldout-2026-12-07/mlperf-v4.1-llama2-70b-lora-held-out.txt).

@@ -1958,7 +1958,7 @@ def test_lora_under_transformer_engines_float8_keeps_its_frozen_weights_in_float
     assert "--precision" in err and "Transformer Engine" in err and len(err.strip().splitlines()) == 1
 
 
-def test_nemos_lora_adapts_a_fused_linear_with_one_adapter_and_megatrons_swiglu_can_keep_float8():
+def test_nemos_lora_adapts_a_fused_linear_with_one_adapter_and_megatrons_swiglu_can_keep_float8(tmp_path):
     # Megatron-Core computes Q/K/V as one linear (linear_qkv) and NeMo's LoRA adapts it with one adapter
     # (LoraKQVAdapter: one A of d x r, one dropout of its input): against an adapter per projection, two A's
     # (r d each), two dropped copies of the norm's output (bf16) and their masks (a byte an element) and two
@@ -1975,11 +1975,25 @@ def test_nemos_lora_adapts_a_fused_linear_with_one_adapter_and_megatrons_swiglu_
     assert layer_activation_bytes(args, apart, plan, recompute="none") - \
         layer_activation_bytes(args, fused, plan, recompute="none") == pytest.approx(tokens * per_token)
     assert lora_params(args, apart) - lora_params(args, fused) == 2 * r * d
+    # under sequence parallelism NeMo's adapter drops its input on the sequence shard and then gathers it: A keeps
+    # the whole sequence, the mask a shard. An adapter on part of linear_qkv is not NeMo's to run
+    kept = {t.name: t for t in block_terms(args, fused, "none", 1)}
+    assert kept["attention_norm_output"].split == "full" and kept["wq_lora_dropout_mask"].split == "seq"
+    with pytest.raises(PlannerError, match="--lora-targets"):
+        dataclasses.replace(fused, lora_targets=("wq", "wv"))
     fp8_in = dataclasses.replace(fused, activation_fp8_input=True)
     assert layer_activation_bytes(args, fused, plan, recompute="none") - \
         layer_activation_bytes(args, fp8_in, plan, recompute="none") == pytest.approx(tokens * 2 * f)
     with pytest.raises(PlannerError, match="activation_fp8_input"):
         dataclasses.replace(_training("torchtitan"), activation_fp8_input=True)
+    for base, ok in (("megatron-core", True), ("torchtitan", False)):  # a system file says it, or is refused
+        path = tmp_path / f"{base}-fp8-swiglu.toml"
+        path.write_text(f'base = "{base}"\nactivation_fp8_input = true\n')
+        if ok:
+            assert resolve_system(str(path)).training_fields()["activation_fp8_input"]
+        else:
+            with pytest.raises(PlannerError, match="--system activation_fp8_input"):
+                resolve_system(str(path))
 
 
 def test_megatron_fsdp_reduce_scatters_every_micro_batch_into_its_shard():

@@ -401,9 +401,11 @@ def adapter_groups(args: ModelArgs, training: Training) -> list[tuple[tuple[str,
     """The adapted linears (adapted_shapes) by the adapter that adapts them: each its own (shardwise.lora: an
     adapter per projection), or under fused projections (Training.fused_projections) one adapter per fused linear,
     as NeMo's LoRA adapts Megatron-Core's linear_qkv (LoraKQVAdapter: one A of d x r, one B of r x (q + 2 kv), one
-    dropout of its input) and linear_fc1: its A, its dropout and their outputs once for the group."""
+    dropout of its input) and linear_fc1: its A, its dropout and their outputs once for the group. Only under the
+    layout 'megatron' (NeMo's LoRA is the one that runs there): lit-gpt's LoRAQKVLinear, the other fused LoRA we
+    know, keeps an A per enabled projection, priced as an adapter each."""
     shapes = adapted_shapes(args, training)
-    if not training.fused_projections:
+    if not (training.fused_projections and training.layout == "megatron"):
         return [(shape,) for shape in shapes]
     groups = [tuple(shape for shape in shapes if shape[0] in fused) for fused in FUSED_PROJECTIONS]
     return [group for group in groups if group]
@@ -627,7 +629,8 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
     if not (training.lora_rank and training.lora_dropout):
         return []
     d, q, f = args.dim, args.q_dim, args.ffn_hidden
-    norm_split = norm_output_split(training)
+    # NeMo's dropout runs on the norm's sequence-parallel shard, before the adapter gathers it
+    norm_split = "seq" if training.layout == "megatron" else norm_output_split(training)
     inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (q, "tp"),
               "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
     # one mask per adapter (adapter_groups), named by its first linear
@@ -847,8 +850,10 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
 def norm_output_split(training: Training) -> str:
     """How a norm's kept output is split: it feeds column-parallel linears, and torch (DTensor) saves their
     all-gathered, full-sequence input; Megatron saves the sequence-parallel shard and gathers it again in backward
-    (Korthikanti et al., 4.2.2)."""
-    return "seq" if training.layout == "megatron" else "full"
+    (Korthikanti et al., 4.2.2). Under LoRA the adapters keep it, and NeMo's (layout 'megatron') gather it before
+    their A (ParallelLinearAdapter: gather_from_sequence_parallel_region after the dropout, linear_in a column-
+    parallel linear without sequence parallelism, which keeps its input for A's gradient): whole."""
+    return "seq" if training.layout == "megatron" and not training.lora_rank else "full"
 
 
 TERM_BYTES = {"stat": 4, "f32": 4, "index": 8, "f8": 1, "mask": 1}
@@ -2285,8 +2290,9 @@ def _trained_kinds(args: ModelArgs, training: Training, plan: Plan, stage: int) 
         projections = [p for p in linear_shapes(args) if not moe or p[0] in ATTENTION]
         if training.lora_rank:
             r = training.lora_rank
-            for _, n_in, n_out, how in adapted_shapes(args, training):
-                out, inp = local(n_in, n_out, how)
+            for group in adapter_groups(args, training):  # an A over the input, a B over the group's outputs
+                inp = local(*group[0][1:])[1]
+                out = sum(local(n_in, n_out, how)[0] for _, n_in, n_out, how in group)
                 kinds += [_Trained(blocks, (r, inp), **split), _Trained(blocks, (out, r), **split)]
             continue
         kinds.append(_Trained(2 * blocks, (args.dim,), **split))  # the attention and MLP norms

@@ -202,6 +202,10 @@ class System:
                     list(stages) != sorted(set(stages)):
                 raise PlannerError(f"--system {key}", f"{list(stages)}", "list "
                                    + ("one or more" if least else "none or some") + " of 0, 1, 2 and 3, ascending")
+        if self.activation_fp8_input and (self.layout != "megatron" or self.swiglu != "fused"):
+            raise PlannerError("--system activation_fp8_input", "it describes Megatron-Core's fused SwiGLU keeping "
+                               f"its input in float8, not the layout {self.layout} with swiglu {self.swiglu}",
+                               'start from base = "megatron-core", or leave it false')
         if self.float8 != "torchao" and self.layout != "megatron":
             raise PlannerError("--system float8", f"{self.float8} is Transformer Engine as Megatron-Core runs it, "
                                f"not the layout {self.layout}", 'start from base = "megatron-core", or use torchao')

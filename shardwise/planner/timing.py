@@ -143,9 +143,15 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         # its casts' writes, priced with the linears (te_float8_cast_seconds); under LoRA it keeps none
         te_copies = training.float8 != "torchao" and not training.lora_rank
         bf16_kernels = replace(training, float8="torchao") if te_copies else training
+        bf16_kernels = replace(bf16_kernels, activation_fp8_input=False)
         elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
                                                  moe=moe, dequantised=False) / bandwidth
         elementwise_bwd = 2 * elementwise
+        if training.activation_fp8_input and not moe:
+            # Megatron's float8 SwiGLU input: a cast of the w1 and w3 outputs in forward (2 bytes read, 1 written)
+            # and back in backward (1 read, 2 written), beside the kernels above
+            cast = q_tokens * 2 * args.ffn_hidden / plan.tp * 3 / bandwidth
+            elementwise, elementwise_bwd = elementwise + cast, elementwise_bwd + cast
     adapter, adapter_in, adapter_w = (0.0, 0.0, 0.0) if moe else adapter_times(args, training, plan, acc, q_tokens)
     return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
@@ -358,12 +364,13 @@ def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, ac
     dequantisation of those linears."""
     tokens = tokens_per_rank(training, plan)
     shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
+    first = {group[0][0] for group in adapter_groups(args, training)}  # an adapter's A, once (fused projections)
     skipped, upstream = 0.0, False
     for group in LINEAR_GROUPS:
         for name in (n for n in group if n in shapes and not upstream):
             n_in, n_out = shapes[name]
             skipped += gemm_seconds(tokens, n_in, n_out, training, acc, training.linear_dtype)
-            if name in training.lora_targets:
+            if name in first:
                 skipped += gemm_seconds(tokens, n_in, training.lora_rank, training, acc)
         if group == LINEAR_GROUPS[0] and not any(n in training.lora_targets for n in group):
             skipped += times["attention_bwd"]
