@@ -38,6 +38,7 @@ from shardwise.planner.memory import (
     term_bytes,
     weight_copy_bytes,
 )
+from shardwise.planner.search import check_recipe
 from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost, te_float8_cast_seconds
 
@@ -1979,8 +1980,10 @@ def test_nemos_lora_adapts_a_fused_linear_with_one_adapter_and_megatrons_swiglu_
     # the whole sequence, the mask a shard. An adapter on part of linear_qkv is not NeMo's to run
     kept = {t.name: t for t in block_terms(args, fused, "none", 1)}
     assert kept["attention_norm_output"].split == "full" and kept["wq_lora_dropout_mask"].split == "seq"
-    with pytest.raises(PlannerError, match="--lora-targets"):
-        dataclasses.replace(fused, lora_targets=("wq", "wv"))
+    for split in (("wq", "wv"), ("w1",)):
+        with pytest.raises(PlannerError, match="--lora-targets"):
+            check_recipe(args, dataclasses.replace(fused, lora_targets=split))
+    check_recipe(dataclasses.replace(args, mlp="gelu"), dataclasses.replace(fused, lora_targets=("w1",)))  # no w3
     fp8_in = dataclasses.replace(fused, activation_fp8_input=True)
     assert layer_activation_bytes(args, fused, plan, recompute="none") - \
         layer_activation_bytes(args, fp8_in, plan, recompute="none") == pytest.approx(tokens * 2 * f)
@@ -2294,7 +2297,6 @@ def test_megatron_lm_of_2021_reduces_the_gradients_after_the_backward(tmp_path):
     assert "overlap_grad_reduce" not in _left_with_the_layout(preset_, "zero")
     assert _left_with_the_layout(preset_, "torch")["overlap_grad_reduce"] is True
     assert ", gradients reduced after the backward" in system_summary(dataclasses.replace(old, system="edited"))
-
 
 
 def test_deepspeed_with_hugging_face_llama_on_h200s_long_sequences():

@@ -593,8 +593,8 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         if moe:
             return attention + moe_terms(args, training, "selective", routed, ep)
         return attention + matmuls[4:] + [t for t in adapters if t not in on_attention]
-    terms = _norm_terms("attention_norm", d, training, autocast_copies=input_copies(training, ("wq", "wk", "wv"),
-                                                                                    training.fused_projections))
+    terms = _norm_terms("attention_norm", d, training, output_split=block_norm_output_split(training),
+                        autocast_copies=input_copies(training, ("wq", "wk", "wv"), training.fused_projections))
     terms += [Term("q_rotated", q, "act", "tp"), Term("k_rotated", kv, "act", "kv"), Term("v", kv, "act", "kv"),
               Term("sdpa_out", q, "act", "tp"), Term("sdpa_lse", a, "stat", "tp")]
     terms += lora_kept_terms(args, training, ATTENTION)
@@ -602,11 +602,12 @@ def _block_terms(args: ModelArgs, training: Training, recompute: str, zero_stage
         return terms + moe_terms(args, training, "none", routed, ep)
     terms += lora_kept_terms(args, training, ("w1", "w3", "w2"))
     if args.mlp == "gelu":  # GELU's input (w1's output) and its output (w2's input)
-        terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1",)))
+        terms += _norm_terms("ffn_norm", d, training, output_split=block_norm_output_split(training),
+                             autocast_copies=input_copies(training, ("w1",)))
         return terms + [Term(name, f, "act", "tp") for name in ("w1_out", "gelu_out") if w2_input_kept(training)
                         or name != "gelu_out"]
-    terms += _norm_terms("ffn_norm", d, training, autocast_copies=input_copies(training, ("w1", "w3"),
-                                                                              training.fused_projections))
+    terms += _norm_terms("ffn_norm", d, training, output_split=block_norm_output_split(training),
+                         autocast_copies=input_copies(training, ("w1", "w3"), training.fused_projections))
     return terms + [Term(name, f, "act", "tp") for name in swiglu_saved(training)
                     if w2_input_kept(training) or name != "swiglu_out"]
 
@@ -630,7 +631,7 @@ def lora_dropout_terms(args: ModelArgs, training: Training, names: tuple[str, ..
         return []
     d, q, f = args.dim, args.q_dim, args.ffn_hidden
     # NeMo's dropout runs on the norm's sequence-parallel shard, before the adapter gathers it
-    norm_split = "seq" if training.layout == "megatron" else norm_output_split(training)
+    norm_split = norm_output_split(training)
     inputs = {"wq": (d, norm_split), "wk": (d, norm_split), "wv": (d, norm_split), "wo": (q, "tp"),
               "w1": (d, norm_split), "w3": (d, norm_split), "w2": (f, "tp")}
     # one mask per adapter (adapter_groups), named by its first linear
@@ -850,10 +851,16 @@ def _norm_terms(name: str, d: int, training: Training, autocast_copies: int,
 def norm_output_split(training: Training) -> str:
     """How a norm's kept output is split: it feeds column-parallel linears, and torch (DTensor) saves their
     all-gathered, full-sequence input; Megatron saves the sequence-parallel shard and gathers it again in backward
-    (Korthikanti et al., 4.2.2). Under LoRA the adapters keep it, and NeMo's (layout 'megatron') gather it before
-    their A (ParallelLinearAdapter: gather_from_sequence_parallel_region after the dropout, linear_in a column-
-    parallel linear without sequence parallelism, which keeps its input for A's gradient): whole."""
-    return "seq" if training.layout == "megatron" and not training.lora_rank else "full"
+    (Korthikanti et al., 4.2.2)."""
+    return "seq" if training.layout == "megatron" else "full"
+
+
+def block_norm_output_split(training: Training) -> str:
+    """norm_output_split of a block's norms, which under LoRA only the adapters keep: NeMo's (layout 'megatron')
+    take the whole sequence for their A (ParallelLinearAdapter: gather_from_sequence_parallel_region after the
+    dropout, or Transformer Engine's gathered norm output, return_layernorm_output_gathered; linear_in a column-
+    parallel linear without sequence parallelism keeps its input for A's gradient)."""
+    return "full" if training.layout == "megatron" and training.lora_rank else norm_output_split(training)
 
 
 TERM_BYTES = {"stat": 4, "f32": 4, "index": 8, "f8": 1, "mask": 1}
@@ -1242,7 +1249,8 @@ def ffn_norm_backward_bytes(args: ModelArgs, training: Training, plan: Plan) -> 
     saved, weights = (2, 2) if args.mlp == "gelu" else (4, 3)
     saved -= not w2_input_kept(training)
     copies = input_copies(training, ("w1",) if args.mlp == "gelu" else ("w1", "w3"), training.fused_projections)
-    output = _norm_terms("ffn_norm", d, training, autocast_copies=copies)[-1]
+    output = _norm_terms("ffn_norm", d, training, autocast_copies=copies,
+                         output_split=block_norm_output_split(training))[-1]
     seq = plan.tp if plan.sequence_parallel else 1
     temps = NORM_BACKWARD_TEMPS[block_norm_fused(training)]
     kept_copies = casts_weights(training) and plan.activation_checkpoint == "none"  # as weight_copy_bytes

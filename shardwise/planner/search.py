@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from shardwise.config import tp_error
 from shardwise.hardware import Cluster, GiB, PlannerError
-from shardwise.model_args import ModelArgs
+from shardwise.model_args import ModelArgs, projection_shapes
 from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
 from shardwise.planner.plan import (
     Plan,
@@ -189,6 +189,13 @@ def check_recipe(args: ModelArgs, training: Training) -> None:
     if args.n_experts and training.lora_rank:
         raise PlannerError("--lora-rank", "LoRA adapts dense linears and a mixture of experts' experts are 3-D "
                            "weights without adapters (the engine refuses it too)", "train all weights of an MoE model")
+    if training.lora_rank and training.layout == "megatron" and training.fused_projections:
+        present = projection_shapes(args)  # (a GELU MLP has no w3: its w1 is linear_fc1 whole)
+        for fused in (("wq", "wk", "wv"), ("w1", "w3")):
+            names = [name for name in fused if name in present]
+            if 0 < sum(name in training.lora_targets for name in names) < len(names):
+                raise PlannerError("--lora-targets", "NeMo's LoRA adapts Megatron-Core's fused linear_qkv and "
+                                   "linear_fc1 whole, not part of one", f"name {', '.join(names)} together")
     if args.n_experts and training.moe_dispatch == "deepep" and args.capacity_factor > 0:
         raise PlannerError("--system moe_dispatch", f"deepep is dropless, and the model sets capacity_factor "
                            f"{args.capacity_factor}", "use moe_dispatch = copies, or a dropless model")
@@ -306,6 +313,7 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
     error = system_zero_error(training, fixed, world)  # (last: once every degree is known to divide the world)
     if error is not None:
         bad(*error)
+
 
 def pipeline_keys(fixed: dict) -> list[str]:
     """The --plan keys that ask for a pipeline: pp > 1, pp_schedule, pp_microbatches, virtual_stages > 1."""

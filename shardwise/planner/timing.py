@@ -30,8 +30,10 @@ from shardwise.planner.memory import (
     adapter_groups,
     attention_params,
     block_modules,
+    block_norm_output_split,
     block_params,
     block_tensor_params,
+    block_terms,
     block_zero_checkpointed,
     casts_weights,
     checkpoint_period,
@@ -45,6 +47,7 @@ from shardwise.planner.memory import (
     layer_params,
     linear_shapes,
     lora_params,
+    norm_output_split,
     offloaded_shards,
     partial_checkpointing,
     placement,
@@ -52,6 +55,7 @@ from shardwise.planner.memory import (
     replicates,
     stage_shape,
     state_bytes_per_param,
+    term_bytes,
     unsharded_grad_bytes,
     zero_bubble_chunks,
 )
@@ -144,8 +148,14 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
         te_copies = training.float8 != "torchao" and not training.lora_rank
         bf16_kernels = replace(training, float8="torchao") if te_copies else training
         bf16_kernels = replace(bf16_kernels, activation_fp8_input=False)
-        elementwise = 2 * layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False,
-                                                 moe=moe, dequantised=False) / bandwidth
+        kept = layer_activation_bytes(args, bf16_kernels, plan, "none", attention_scores=False, moe=moe,
+                                      dequantised=False)
+        if block_norm_output_split(training) != norm_output_split(training) and plan.sequence_parallel:
+            # NeMo's adapters keep a norm's output whole, but the all-gather writes it: the kernels write the shard
+            kept -= q_tokens * sum(term_bytes(t, args, training, plan) - term_bytes(
+                replace(t, split="seq"), args, training, plan) for t in block_terms(
+                args, bf16_kernels, "none", plan.zero_stage) if t.name.endswith("norm_output"))
+        elementwise = 2 * kept / bandwidth
         elementwise_bwd = 2 * elementwise
         if training.activation_fp8_input and not moe:
             # Megatron's float8 SwiGLU input: a cast of the w1 and w3 outputs in forward (2 bytes read, 1 written)

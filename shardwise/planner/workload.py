@@ -562,11 +562,6 @@ class Training:
         if unknown or not self.lora_targets:
             raise PlannerError("--lora-targets", f"{unknown or 'none'} names no projection of a block",
                                f"name some of {', '.join(PROJECTIONS)}")
-        if self.lora_rank and self.layout == "megatron" and self.fused_projections and any(
-                0 < sum(t in self.lora_targets for t in fused) < len(fused) for fused in (("wq", "wk", "wv"),
-                                                                                        ("w1", "w3"))):
-            raise PlannerError("--lora-targets", "NeMo's LoRA adapts Megatron-Core's fused linear_qkv and linear_fc1 "
-                               "whole, not part of one", "name wq, wk and wv together, and w1 with w3")
         if self.precision == "fp8" and self.qlora:
             raise PlannerError("--precision", "fp8 is float8 training of the linears, which nothing here runs under "
                                "QLoRA (NF4 base weights)", "use --precision bf16 with --qlora")
