@@ -179,9 +179,9 @@ class Training:
     xformers' SwiGLU; Megatron-Core's linear_qkv and linear_fc1), each keeping its input once for backward. It
     matters under autocast over an fp32 residual stream (the layout 'torch'), where each linear casts and keeps its
     own bf16 copy of the norm's output: three and two for shardwise's and Hugging Face's separate projections, one
-    each for fused ones (memory.input_copies), and under LoRA, where one adapter adapts a fused linear (NeMo's
-    LoraKQVAdapter on linear_qkv: memory.adapter_groups), one A, one dropout and their outputs for the group. Their
-    GEMMs are priced as the ones they replace."""
+    each for fused ones (memory.input_copies), and under LoRA in the layout 'megatron', where one adapter adapts a
+    fused linear (NeMo's LoraKQVAdapter on linear_qkv: memory.adapter_groups), one A, one dropout and their outputs
+    for the group. Their GEMMs are priced as the ones they replace."""
     activation_fp8_input: bool = False
     """A fused SwiGLU keeps its input (the w1 and w3 outputs) in float8 for backward and casts it back there:
     Megatron-Core's activation_func_fp8_input_store (fusions/fused_bias_swiglu.py: input.to(float8_e4m3fn)), as
