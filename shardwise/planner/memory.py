@@ -393,8 +393,10 @@ def adapted_shapes(args: ModelArgs, training: Training) -> list[tuple[str, int, 
     return [shape for shape in linear_shapes(args) if shape[0] in training.lora_targets]
 
 
-FUSED_PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
-"""A block's linears as fused projections group them (Training.fused_projections): Q/K/V one, w1 and w3 one."""
+LINEAR_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
+"""A dense block's linears by input, in forward order: each group's input is made from the outputs of those before
+it (and the block's input); a group is one linear under fused projections (Training.fused_projections: Q/K/V one,
+w1 and w3 one)."""
 
 
 def adapter_groups(args: ModelArgs, training: Training) -> list[tuple[tuple[str, int, int, str], ...]]:
@@ -407,7 +409,7 @@ def adapter_groups(args: ModelArgs, training: Training) -> list[tuple[tuple[str,
     shapes = adapted_shapes(args, training)
     if not (training.fused_projections and training.layout == "megatron"):
         return [(shape,) for shape in shapes]
-    groups = [tuple(shape for shape in shapes if shape[0] in fused) for fused in FUSED_PROJECTIONS]
+    groups = [tuple(shape for shape in shapes if shape[0] in fused) for fused in LINEAR_GROUPS]
     return [group for group in groups if group]
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from shardwise.config import tp_error
 from shardwise.hardware import Cluster, GiB, PlannerError
 from shardwise.model_args import ModelArgs, projection_shapes
-from shardwise.planner.memory import host_bytes, peak_memory, stage_memory, state_bound
+from shardwise.planner.memory import LINEAR_GROUPS, host_bytes, peak_memory, stage_memory, state_bound
 from shardwise.planner.plan import (
     Plan,
     engine_runs,
@@ -191,7 +191,7 @@ def check_recipe(args: ModelArgs, training: Training) -> None:
                            "weights without adapters (the engine refuses it too)", "train all weights of an MoE model")
     if training.lora_rank and training.layout == "megatron" and training.fused_projections:
         present = projection_shapes(args)  # (a GELU MLP has no w3: its w1 is linear_fc1 whole)
-        for fused in (("wq", "wk", "wv"), ("w1", "w3")):
+        for fused in LINEAR_GROUPS:
             names = [name for name in fused if name in present]
             if 0 < sum(name in training.lora_targets for name in names) < len(names):
                 raise PlannerError("--lora-targets", "NeMo's LoRA adapts Megatron-Core's fused linear_qkv and "

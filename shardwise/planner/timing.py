@@ -25,6 +25,7 @@ from shardwise.planner.comm import (
 from shardwise.planner.experts import counts_bytes, dispatch_bytes, routed_per_token, tokens_per_rank
 from shardwise.planner.memory import (
     ATTENTION,
+    LINEAR_GROUPS,
     adapted_base_params,
     adapted_shapes,
     adapter_groups,
@@ -355,11 +356,6 @@ def te_weight_cast_share(training: Training, plan: Plan) -> int:
     if training.linear_dtype != "fp8" or training.float8 == "torchao" or plan.zero_stage >= 3:
         return 1
     return max(plan.grad_accum, 1)
-
-
-LINEAR_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
-"""A dense block's linears by input, in forward order: each group's input is made from the outputs of those before
-it (and the block's input)."""
 
 
 def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
