@@ -199,6 +199,8 @@ class Run:
     dispatch_ranks: float = 0.0
     """Under DeepEP's dispatch, the ep ranks a token goes to (Training.dispatch_ranks), where the source's routing
     fixes it (AutoModel's fake_balanced_gate: 1); 0: derived for uniform routing."""
+    ep_overlap: bool = False
+    """Megatron-Core's all-to-all overlap (Training.ep_overlap), where the run's recipe set it."""
     mem_counts: Literal["device", "reserved", "active"] = "device"
     """What the published peak counts: 'device', the device's whole use (nvidia-smi's, with the CUDA context),
     compared with the planner's total; 'reserved', torch's max_memory_reserved (what its caching allocator holds),
@@ -1873,13 +1875,78 @@ def mlperf_lora_runs() -> list[Run]:
     return runs
 
 
+# --------------------------------------------------------------------------------------------------
+# Megatron Bridge's mixture-of-experts rows (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md and
+# docs/performance-summary-archive.md, releases 25.09 to 26.06): Qwen3 30B-A3B and 235B-A22B pre-training on DGX-H100
+# in FP8, the layout and tokens/s per GPU as printed; "we force-balance the token distribution among experts and
+# all benchmarks are token-dropless" (25.09's: "tokendrop"). Every release's DGX-H100 Qwen3 row is taken but two
+# whose printed layout is not the one the release's code sets (25.11's 30B prints 25.09's PP 2 x VP 24 at MBS 2,
+# its recipe sets VP 12 at MBS 1 with the all-to-all overlapped; 26.02.01's 30B prints 26.02's PP 2 x VP 12 x EP 8,
+# its recipe EP 16 over HybridEP, which 26.04 prints). Each release's code read at its tag (25.09 v0.1.0rc3, 25.11
+# v0.2.0, 26.02 v0.3.0, 26.02.01 v0.3.1, 26.04 v0.4.0, 26.04.01 v0.4.2, 26.06 v0.5.0: docs/releases/
+# software-versions.md): scripts/performance (configs/qwen3, utils/helpers.py) over the recipes
+# src/megatron/bridge/recipes/qwen/qwen3_moe.py. Shared by every row: FP8 with per-tensor current scaling
+# (bf16_with_fp8_current_scaling_mixed: te-current; 25.09's precision column is absent, its YAML's fp8_cs block and
+# its MBS 2 say the same), main gradients and their reduction in bf16 (grad_reduce_in_fp32 False), no recompute,
+# the distributed optimizer (ZeRO-1) with its gathers and reductions overlapped, expert tensor parallelism 1 (the
+# experts folded over the tp ranks: Training.expert_ranks "data"), grouped GEMMs and fused permutation, no CUDA
+# graphs. The dispatcher: all-to-all (alltoall, every routed copy) but DeepEP (26.02's 30B) and HybridEP (26.04's
+# 30B on): benchmarks/systems/megatron-core-flex.toml. The all-to-all overlapped with another micro-batch's compute
+# (overlap_moe_expert_parallel_comm with delay_wgrad_compute: Training.ep_overlap) in 25.11's 235B on and 26.02's
+# 30B. Not priced: the host's synchronisation on each MoE layer's per-expert counts (the dropless all-to-all
+# dispatcher's device-to-host copy before its exchange; TEGroupedMLP's tokens_per_expert.tolist()), tp's
+# communication overlap (25.09's 235B), the weights kept in float8 (fp8_param_gather),
+# Qwen3's per-head q/k norms (the preset qwen3-30b-a3b-like leaves them out). 25.09's token drop (capacity 1.0,
+# padded to capacity) computes and exchanges what balanced routing does. Qwen3 235B-A22B from its config.json: 94
+# layers, hidden 4096, 64 query heads and 4 KV heads of 128, 128 experts of 1536, top 8, vocabulary 151,936, untied.
+# Added on 2026-12-07 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/
+# megatron-bridge-moe-held-out.txt).
+QWEN3_30B = preset("qwen3-30b-a3b-like")
+QWEN3_235B = dataclasses.replace(QWEN3_30B, name="qwen3-235b-a22b-like", dim=4096, n_layers=94, n_heads=64,
+                                 ffn_hidden=12288, moe_ffn_hidden=1536)
+# release, model, GPUs, GBS, MBS, TP, PP, VP, EP, dispatcher, the all-to-all overlapped, tokens/s per GPU
+BRIDGE_MOE_ROWS = [("25.09", "30B", 16, 512, 2, 1, 2, 24, 8, "alltoall", False, 10494),
+                   ("25.09", "235B", 256, 2048, 1, 2, 8, 4, 32, "alltoall", False, 1204),
+                   ("25.11", "235B", 256, 2048, 1, 2, 8, 4, 32, "alltoall", True, 1575),
+                   ("26.02", "30B", 16, 1024, 1, 1, 2, 12, 8, "deepep", True, 5113),
+                   ("26.02", "235B", 256, 8192, 1, 2, 8, 4, 32, "alltoall", True, 1633),
+                   ("26.02.01", "235B", 256, 8192, 1, 2, 8, 4, 32, "alltoall", True, 1611),
+                   ("26.04", "30B", 16, 1024, 1, 1, 1, 1, 16, "hybridep", False, 8901),
+                   ("26.04", "235B", 256, 8192, 1, 2, 8, 4, 32, "alltoall", True, 1686),
+                   ("26.04.01", "30B", 16, 1024, 1, 1, 1, 1, 16, "hybridep", False, 8960),
+                   ("26.04.01", "235B", 256, 8192, 1, 2, 8, 4, 32, "alltoall", True, 1712),
+                   ("26.06", "30B", 16, 1024, 1, 1, 1, 1, 16, "hybridep", False, 8826)]
+
+
+def bridge_moe_runs() -> list[Run]:
+    runs = []
+    for release, size, n, gbs, mbs, tp, pp, vp, ep, dispatcher, overlap, tps in BRIDGE_MOE_ROWS:
+        model = QWEN3_30B if size == "30B" else QWEN3_235B
+        dp = n // (tp * pp)
+        plan = (f"tp={tp},pp={pp},dp_replicate={dp},ep={ep},zero_stage=1,micro_batch={mbs},"
+                f"activation_checkpoint=none")
+        if pp > 1:
+            plan += f",pp_schedule=interleaved-1f1b,virtual_stages={vp}" if vp > 1 else ",pp_schedule=1f1b"
+        if tp > 1:
+            plan += ",sequence_parallel=true"
+        row = (f"Qwen3_{size} | DGX-H100 | {n} | GBS {gbs} | MBS {mbs} | TP {tp} | PP {pp} | "
+               f"VP {vp if vp > 1 else 'n/a'} | EP {ep} | {tps} tokens/s/GPU")
+        runs.append(Run(f"Bridge MoE {release} Qwen3 {size} n={n}", model, n, 4096, gbs, plan, BRIDGE,
+                        f"{release}: {row} ({dispatcher}{', all-to-all overlapped' if overlap else ''})",
+                        tflops=tps * flops_per_token(model, 4096) / 1e12, ep_overlap=overlap,
+                        gpu="h100", system="megatron-core" if dispatcher == "alltoall" else "megatron-core-flex.toml",
+                        search=False, precision="fp8", float8="te-current", grads_in_fp32=False,
+                        expert_imbalance=1.0))
+    return runs
+
+
 RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + bloom_prequel_runs() + mtnlg_runs()
         + opt_runs()
         + torchtitan_runs() + torchtitan_2025_runs() + trainy_runs() + torchao_runs()
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
-        + mlperf_lora_runs())
+        + mlperf_lora_runs() + bridge_moe_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1950,6 +2017,7 @@ def training_of(run: Run) -> Training:
         fields["activation_offload"] = fields["activation_offload"] or run.activation_offload
         fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
         fields["activation_fp8_input"] = fields["activation_fp8_input"] or run.activation_fp8_input
+        fields["ep_overlap"] = fields["ep_overlap"] or run.ep_overlap
         if run.loss_chunks is not None:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
@@ -2196,7 +2264,8 @@ def main() -> None:
                          ("fms-fsdp (FSDP1, A100 and H100)", "fms-fsdp"),
                          ("MLPerf v3.1 GPT-3 175B (NeMo 23.09, H100)", "MLPerf 3.1"),
                          ("MLPerf v4.0 Llama 2 70B LoRA (NeMo 24.04)", "MLPerf 4.0"),
-                         ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1")):
+                         ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1"),
+                         ("Megatron Bridge MoE (Qwen3, H100 FP8, 25.09-26.06)", "Bridge MoE")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
@@ -2205,6 +2274,9 @@ def main() -> None:
             groups["  CP"] = [x for x in titan if " CP " in x[0]]
         if name == "NeMo FP8":
             groups["  on B200"] = [x for x in groups[name] if " B200 " in x[0]]
+        if name.startswith("Megatron Bridge MoE"):
+            for size in ("30B", "235B"):
+                groups[f"  Qwen3 {size}"] = [x for x in groups[name] if f" {size} " in x[0]]
         if name == "NVIDIA DGXC":
             groups["  BF16"] = [x for x in groups[name] if " BF16 " in x[0]]
             groups["  FP8"] = [x for x in groups[name] if " FP8 " in x[0]]

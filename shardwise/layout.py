@@ -109,8 +109,13 @@ class Layout:
 
     @property
     def expert_shard_group(self) -> int:
-        """Ranks FSDP shards each expert's state over (ep ranks hold different experts)."""
-        return self.shard_group // self.ep if self.ep > 1 else self.shard_group
+        """Ranks FSDP shards each expert's state over (ep ranks hold different experts). Under ZeRO-0/1 (the
+        planner's pricing of Megatron-Core's expert parallelism: ep drawn from the tp x cp x dp ranks, expert
+        tensor parallelism 1) the ranks holding the same experts, over which ZeRO-1 shards their optimizer state
+        and their gradients are reduced (its expert-data-parallel group)."""
+        if self.ep == 1:
+            return self.shard_group
+        return (self.tp * self.cp * self.dp if self.zero_stage < 2 else self.shard_group) // self.ep
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -259,13 +264,16 @@ def capacity_error(layout: Layout, capacity_factor: float) -> ConfigError | None
 
 
 def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the model",
-                          ranks_known: bool = True) -> ConfigError | None:
+                          ranks_known: bool = True, moe_layer: str = "engine") -> ConfigError | None:
     """What the engine refuses of a mixture of experts in this layout, as the error naming the field (None: it
     runs it). Expert parallelism borrows its ranks from dp_shard x cp (as torchtitan): ep divides n_experts and
     dp_shard x cp, is a multiple of cp, and needs FSDP (ZeRO-2/3). The config refuses these jobs and the planner's
     --plan (key from the field's name).
     `ranks_known` False: a job that sets no data-parallel degree gets dp_shard from its world later (fit_world),
-    so how ep divides the ranks is checked then."""
+    so how ep divides the ranks is checked then. `moe_layer` 'megatron-core': what the planner prices of
+    Megatron-Core's expert parallelism (the planner's Training.moe_layer): at ZeRO-0/1 ep divides the tp x cp x dp
+    ranks (expert tensor parallelism 1: the expert groups folded over the tp ranks, each routing its
+    sequence-parallel shard); at ZeRO-2/3 (its FSDP) as the engine's, without tp."""
     ep = layout.ep
     if ep == 1:
         return None
@@ -275,6 +283,15 @@ def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the mode
     if n_experts % ep:
         return ConfigError("parallel.ep", f"ep={ep} does not divide the {n_experts} experts",
                            "pick ep among the divisors of n_experts")
+    if moe_layer == "megatron-core" and layout.zero_stage < 2:
+        group = layout.tp * layout.cp * layout.dp
+        if group % ep:
+            return ConfigError("parallel.ep", f"ep={ep} is drawn from the tp x cp x dp = {group} ranks and does not "
+                               "divide them", f"use an ep dividing {group}")
+        return None
+    if moe_layer == "megatron-core" and layout.tp > 1:
+        return ConfigError("parallel.ep", f"ep={ep} beside tp={layout.tp} at ZeRO-{layout.zero_stage} (Megatron-Core's "
+                           "FSDP) is not priced", "use zero_stage 0 or 1 (the distributed optimizer), or tp = 1")
     if layout.zero_stage < 2:
         return ConfigError("parallel.ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is "
                            f"{layout.zero_stage}", "use zero_stage 2 or 3, with dp_shard x cp a multiple of ep")

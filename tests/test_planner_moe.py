@@ -9,6 +9,8 @@ import functools
 import json
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from shardwise.planner.memory import (
     weight_copy_bytes,
 )
 from shardwise.planner.search import expert_degrees
+from shardwise.planner.system import SYSTEMS
 from shardwise.planner.timing import stage_cost
 
 from probes import MatmulFlops, block_op_calls, engine_loss, measure_saved
@@ -774,7 +777,9 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
     experts' weights cast once a step (every micro-batch under ZeRO-3). It keeps the experts' fc1 and fc2 inputs and
     the shared experts' fc2 input in float8, the FFN norm's output in bf16 for the router and a float8 copy of it
     for the shared experts' fc1. torchao's float8 is refused. On a GPU of 1 GB/s every cast is bandwidth-bound (at
-    an H100's bandwidth this block's casts sit at the 2 us floor, which no shape moves)."""
+    an H100's bandwidth this block's casts sit at the 2 us floor, which no shape moves). Megatron-Core's experts
+    beside tp split the tokens (test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks): tp 1
+    here, with ep over the distributed optimizer's ranks and over FSDP's."""
     from shardwise.planner.experts import routed_per_token
     from shardwise.planner.memory import block_terms, term_bytes
     from shardwise.planner.system import SYSTEMS
@@ -785,17 +790,16 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
     acc = dataclasses.replace(accelerator("h100"), mem_bandwidth=1e9)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     tokens, d, h, kv = 512, 128, 96, 32
-    for shared_experts, plan, share in ((1, Plan(tp=2, micro_batch=2, grad_accum=4), 4),
-                                        (2, Plan(tp=2, dp_shard=2, ep=2, zero_stage=3, micro_batch=2, grad_accum=4),
-                                         1)):
+    for shared_experts, plan, share in ((1, Plan(dp_replicate=2, ep=2, zero_stage=1, micro_batch=2, grad_accum=4), 4),
+                                        (2, Plan(dp_shard=2, ep=2, zero_stage=3, micro_batch=2, grad_accum=4), 1)):
         args = _small_moe(n_shared_experts=shared_experts)
         s, experts = shared_experts * h, 8 // plan.ep
         t = layer_times(args, training, plan, acc, moe=True)
         routed = routed_per_token(args, training, plan)
-        linears = (d * d / 2 + 2 * d * kv / 2 + d * d / 2) + 3 * d * s + routed * 3 * d * h  # attention split by tp
+        linears = (d * d + 2 * d * kv + d * d) + 3 * d * s + routed * 3 * d * h
         matmuls = 2 * tokens * (linears / (acc.peak("fp8") * acc.matmul_efficiency)
                                 + 8 * d / (acc.peak("bf16") * acc.matmul_efficiency))
-        dense = {"qkv": (d, d / 2 + 2 * kv / 2, d * d / 2 + 2 * d * kv / 2), "proj": (d / 2, d, d * d / 2),
+        dense = {"qkv": (d, d + 2 * kv, d * d + 2 * d * kv), "proj": (d, d, d * d),
                  "shared_fc1": (d, 2 * s, 2 * d * s), "shared_fc2": (s, d, s * d)}
         grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
         casts = [te_float8_cast_seconds(dense, tokens, bandwidth, share, current=False),
@@ -814,3 +818,123 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
         assert f8["ffn_norm_output"].kind == "act" and sizes["shared_fc1_input_f8"] == d
         with pytest.raises(PlannerError, match="torchao"):
             moe_linear_times(args, dataclasses.replace(training, float8="torchao"), plan, acc, tokens)
+
+
+def _megatron_weight_and_optimizer_bytes(args, tp: int, dp: int, ep: int) -> float:
+    """Megatron-LM's own estimate of one rank's weights and optimizer state (megatron/training/
+    theoretical_memory_usage.py, compute_weight_and_optimizer_memory, 2026, with pp 1 and expert tensor
+    parallelism 1): the tp-split parameters (attention, the two untied embeddings) over tp plus the replicated
+    ones (norms, router) at 6 + 12 / dp bytes each under the distributed optimizer (bf16 weights, fp32 main
+    gradients, fp32 main weights and Adam moments sharded over dp), and the rank's routed experts (1 / ep of them)
+    at 6 + 12 / edp, edp = world / ep the ranks holding the same experts."""
+    h, heads, groups = args.dim, args.n_heads, args.n_kv_heads
+    attention = 2 * h * h * (1 + groups / heads) * (args.q_dim / h)
+    layernorms, router = 2 * h, h * args.n_experts
+    routed = 2 * h * args.moe_ffn_hidden * args.n_experts * 3 / 2
+    embedding = h * args.vocab_size
+    tp_sharded = (attention * args.n_layers + 2 * embedding) / tp
+    replicated = (layernorms + router) * args.n_layers + h
+    experts = routed * args.n_layers / ep
+    edp = tp * dp // ep
+    return (tp_sharded + replicated) * (6 + 12 / dp) + experts * (6 + 12 / edp)
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 8, 8), (1, 16, 4), (2, 16, 8), (2, 8, 16)])
+def test_megatron_cores_expert_state_matches_its_own_memory_formula(tp, dp, ep):
+    """Megatron-Core draws ep from the tp x dp ranks (expert tensor parallelism 1: its expert groups fold over tp)
+    at ZeRO-1, each expert replicated over the tp x dp / ep ranks that hold it, over which the distributed
+    optimizer shards its state: the planner's model state for Qwen3-30B-A3B's shape (megatron-core: bf16 weights,
+    fp32 main gradients) equals Megatron-LM's theoretical_memory_usage estimate within 0.1% (the planner's norms
+    and vocabulary are Megatron's to the parameter; what it may differ by is rounding)."""
+    from shardwise.planner.memory import stage_memory
+
+    args = dataclasses.replace(preset("qwen3-30b-a3b-like"), max_seq_len=4096)
+    mcore = SYSTEMS["megatron-core"].training_fields()
+    training = Training(**{"seq_len": 4096, "global_batch": dp * 4, **mcore})
+    plan = Plan(tp=tp, dp_replicate=dp, ep=ep, zero_stage=1, sequence_parallel=tp > 1, micro_batch=1, grad_accum=4)
+    mem = stage_memory(args, training, plan, 0)
+    state = sum(mem[k] for k in ("params", "grads", "master_weights", "optimizer_state"))
+    assert state == pytest.approx(_megatron_weight_and_optimizer_bytes(args, tp, dp, ep), rel=1e-3)
+
+
+def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks():
+    """What changes with Megatron-Core's MoE layer (Training.moe_layer 'megatron-core') beside tp: each tp rank
+    routes its sequence-parallel shard, so the experts' GEMMs, their all-to-alls and the MoE's saved tensors are
+    1 / tp of the engine's (which runs the MoE whole on every tp rank); the ep group is the innermost ep ranks (one
+    node for tp 2 x ep 4 on 8-GPU nodes, where the engine's, strided by tp, spans the node's 8); and what it does
+    not price is refused with the field to change: tp without sequence parallelism, shared experts beside tp, and
+    ep at ZeRO-1 under a system whose experts are FSDP's."""
+    from shardwise.planner.comm import expert_links
+    from shardwise.planner.experts import dispatch_bytes
+    from shardwise.planner.memory import layer_activation_bytes
+    from shardwise.planner.timing import expert_mlp_times
+
+    args = dataclasses.replace(preset("qwen3-30b-a3b-like"), max_seq_len=4096)
+    acc = accelerator("h100")
+    mcore = SYSTEMS["megatron-core"].training_fields()
+    training = Training(**{"seq_len": 4096, "global_batch": 64, **mcore, "expert_imbalance": 1.0})
+    engine = dataclasses.replace(training, moe_layer="engine")
+    folded = Plan(tp=2, dp_replicate=4, ep=4, zero_stage=1, sequence_parallel=True, micro_batch=1, grad_accum=16)
+    alone = Plan(dp_replicate=4, ep=4, zero_stage=1, micro_batch=1, grad_accum=16)
+    tokens = 4096
+    assert expert_mlp_times(args, training, folded, acc, tokens)[0] == pytest.approx(
+        expert_mlp_times(args, engine, folded, acc, tokens)[0] / 2, rel=1e-12)
+    assert dispatch_bytes(args, training, folded) == pytest.approx(dispatch_bytes(args, engine, folded) / 2)
+    assert dispatch_bytes(args, training, alone) == dispatch_bytes(args, engine, alone)
+    moe_kept = layer_activation_bytes(args, training, folded, "none", moe=True) - layer_activation_bytes(
+        args, training, dataclasses.replace(folded, ep=1), "none", moe=True)
+    assert moe_kept == pytest.approx(0.0, abs=tokens * 64)  # ep moves only the sort map of the received rows
+    assert layer_activation_bytes(args, training, folded, "none", moe=True) < layer_activation_bytes(
+        args, training, alone, "none", moe=True)
+    cluster = Cluster(acc, 8)
+    (n, link), (edp, _) = expert_links(folded, cluster)
+    assert (n, link.tier, edp) == (4, "intra", 2)
+    wide = Plan(tp=2, dp_replicate=8, ep=8, zero_stage=1, sequence_parallel=True)
+    fsdp = Plan(tp=2, dp_shard=8, ep=8, zero_stage=3, sequence_parallel=True)  # the engine's ep, strided by tp
+    assert [expert_links(p, Cluster(acc, 16))[0][1].tier for p in (wide, fsdp)] == ["intra", "inter"]
+    job = dict(args=args, training=training, cluster=Cluster(acc, 8))
+    with pytest.raises(PlannerError, match="sequence_parallel"):
+        search(**job, fixed={"tp": 2, "ep": 4, "sequence_parallel": False, "zero_stage": 1})
+    shared = dataclasses.replace(args, n_shared_experts=1)
+    with pytest.raises(PlannerError, match="--plan tp"):
+        search(shared, training, Cluster(acc, 8), fixed={"tp": 2, "ep": 4, "zero_stage": 1})
+    titan = Training(**{"seq_len": 4096, "global_batch": 64, **SYSTEMS["torchtitan"].training_fields()})
+    with pytest.raises(PlannerError, match="FSDP's ranks"):
+        search(args, titan, Cluster(acc, 8), fixed={"ep": 4, "zero_stage": 1})
+    # the search offers it: ep drawn from tp x cp x dp at ZeRO-1, none of it FSDP's
+    best = search(**job, fixed={"tp": 2, "ep": 4, "zero_stage": 1, "micro_batch": 1}, top_k=1).ranked
+    assert best and (best[0].plan.ep, best[0].plan.dp_shard) == (4, 1)
+
+
+def test_megatron_cores_all_to_all_overlap_prices_its_three_phases():
+    """Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm) runs a forward and another micro-batch's
+    backward of an MoE block together: comm combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd beside comp
+    attn_fwd | mlp_bwd -> mlp_bwd_dw -> mlp_fwd | attn_bwd. Worked by hand: all-to-alls of 3 (no counts), attention
+    1 forward and 2 backward, experts 0.5 each pass: 3 + max(3 + 3, 1 + 0.5) + 3 = 12 for 4.5 of compute, 7.5
+    exposed of the 12 run back to back; compute long enough in every phase hides them all. The share merged is all
+    but the first pipeline rank's warm-up: 38 of 2,048 chunk passes for pp 8 x vp 4 at 512 micro-batches. And the
+    235B job of Megatron Bridge's table takes less with it than without, more than its compute."""
+    from shardwise.planner.timing import ep_overlap_exposed, merged_share, step_time
+
+    t = {"experts": 0.5, "experts_bwd_input": 0.5, "experts_bwd_weight": 0.5, "matmul": 1.5, "attention": 0.0,
+         "elementwise": 0.0, "matmul_bwd_input": 2.0, "matmul_bwd_weight": 1.0, "attention_bwd": 0.0,
+         "elementwise_bwd": 0.0}
+    assert ep_overlap_exposed(t, copies=3.0, counts=0.0) == pytest.approx(7.5)
+    busy = {**t, "matmul": 10.0, "matmul_bwd_input": 10.0, "experts": 5.0, "experts_bwd_input": 5.0}
+    assert ep_overlap_exposed(busy, copies=3.0, counts=0.0) == 0.0
+    plan = Plan(tp=2, pp=8, dp_replicate=16, ep=32, zero_stage=1, sequence_parallel=True,
+                pp_schedule="interleaved-1f1b", virtual_stages=4, micro_batch=1, grad_accum=512)
+    assert merged_share(plan) == pytest.approx(1 - 38 / 2048)
+    assert merged_share(Plan(micro_batch=1, grad_accum=64)) == pytest.approx(63 / 64)
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_published as published
+
+    (run,) = [run for run in published.RUNS if run.name.startswith("Bridge MoE 26.04 Qwen3 235B")]
+    training, cluster = published.training_of(run), published.cluster_of(run)
+    ev, _ = published.given_plan(run)
+    with_overlap = step_time(run.model, training, ev.plan, cluster)
+    without = step_time(run.model, dataclasses.replace(training, ep_overlap=False), ev.plan, cluster)
+    assert with_overlap.compute_s < with_overlap.step_time_s < without.step_time_s
+    assert with_overlap.detail["ep_comm_s"] < 0.6 * without.detail["ep_comm_s"]
+    with pytest.raises(PlannerError, match="ep_overlap"):
+        dataclasses.replace(training, moe_layer="engine")

@@ -345,6 +345,12 @@ def axis_link(plan: Plan, axes: tuple[str, ...], cluster: Cluster, spread: bool 
 def expert_links(plan: Plan, cluster: Cluster) -> tuple[tuple[int, Link], tuple[int, Link]]:
     """((size, link) of the expert-parallel group, (size, link) of the experts' FSDP group). As the engine's mesh
     (torchtitan's) splits dp_shard x cp: ep = dp_shard_in_ep x cp, its innermost ranks (stride tp), and the experts
-    are sharded over the dp_shard_mod_ep = dp_shard x cp / ep ranks outside it (stride ep x tp)."""
-    ep, shard = plan.ep, plan.dp_shard * plan.cp // plan.ep
+    are sharded over the dp_shard_mod_ep = dp_shard x cp / ep ranks outside it (stride ep x tp). Under ZeRO-0/1
+    (Megatron-Core's expert parallelism, Training.moe_layer 'megatron-core', expert tensor parallelism 1) ep is the
+    innermost ep ranks of the tp x cp x dp ones (its expert ranks fold the attention's tp and cp: rank order
+    tp-ep-dp), stride 1, and each expert's gradients are reduced over the tp x cp x dp / ep ranks outside it
+    (Layout.expert_shard_group), stride ep."""
+    ep, shard = plan.ep, plan.expert_shard_group
+    if plan.zero_stage < 2:
+        return (ep, group_link(ep, 1, cluster)), (shard, group_link(shard, ep, cluster, spread=True))
     return (ep, group_link(ep, plan.tp, cluster)), (shard, group_link(shard, ep * plan.tp, cluster, spread=True))

@@ -84,8 +84,16 @@ def init_imbalance(args: ModelArgs, tokens: float, ep: int) -> float:
 
 def tokens_per_rank(training: Training, plan: Plan) -> float:
     """Tokens of one micro-batch a rank routes: micro_batch x seq / cp (the mixture of experts runs on the whole,
-    all-gathered sequence on every tp rank)."""
-    return plan.micro_batch * training.seq_len / plan.cp
+    all-gathered sequence on every tp rank); under Megatron-Core (Training.moe_layer 'megatron-core', expert tensor
+    parallelism 1) each tp rank routes its sequence-parallel shard, / tp."""
+    return plan.micro_batch * training.seq_len / plan.cp / moe_token_split(training, plan)
+
+
+def moe_token_split(training: Training, plan: Plan) -> int:
+    """How many ways tp splits the tokens a mixture of experts computes on a rank: tp under Megatron-Core's
+    experts (Training.moe_layer 'megatron-core': each tp rank routes its sequence-parallel shard), else 1 (the MoE runs
+    whole on every tp rank)."""
+    return plan.tp if training.moe_layer == "megatron-core" else 1
 
 
 def max_imbalance(args: ModelArgs, ep: int) -> float:
@@ -119,13 +127,13 @@ def routed_per_token(args: ModelArgs, training: Training, plan: Plan) -> float:
     busiest receives at most capacity_factor x the mean)."""
     if plan.ep == 1:
         return args.top_k * kept_share(args)
-    return _routed(args, training, plan.micro_batch, plan.cp, plan.ep)
+    return _routed(args, training, plan.micro_batch, plan.cp, plan.ep, plan.tp)
 
 
 @functools.lru_cache(maxsize=65536)
-def _routed(args: ModelArgs, training: Training, micro_batch: int, cp: int, ep: int) -> float:
+def _routed(args: ModelArgs, training: Training, micro_batch: int, cp: int, ep: int, tp: int = 1) -> float:
     # memoised on the layout fields imbalance reads: a search asks under every dp split and ZeRO stage
-    load = imbalance(args, training, Plan(micro_batch=micro_batch, cp=cp, ep=ep))
+    load = imbalance(args, training, Plan(micro_batch=micro_batch, cp=cp, ep=ep, tp=tp))
     return args.top_k * (min(load, args.capacity_factor) if args.capacity_factor > 0 else load)
 
 

@@ -764,8 +764,62 @@ def weight_pass_leftover_bytes(args: ModelArgs, training: Training, plan: Plan, 
 
 def moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float, ep: int) -> list[Term]:
     """What a mixture of experts (shardwise.moe.MoE) keeps for backward, per token, after the attention; every tp
-    rank runs it whole on the whole sequence (split 'full'). `routed`: (token, expert) pairs this rank's experts
-    compute per token of its micro-batch (experts.routed_per_token: top_k, times the imbalance under ep).
+    rank runs it whole on the whole sequence (split 'full'), or under Megatron-Core's experts (Training.moe_layer
+    'megatron-core': expert tensor parallelism 1) on its sequence-parallel shard (split 'seq'). `routed`: (token,
+    expert) pairs this rank's experts compute per token of its micro-batch (experts.routed_per_token: top_k, times
+    the imbalance under ep). The tensors are shardwise's engine's (_moe_terms) or Megatron-Core's
+    (megatron_moe_terms, for every recompute policy but full: its selective recompute is the attention core's)."""
+    if training.moe_layer == "megatron-core":
+        return megatron_moe_terms(args, training, routed, ep)
+    return _moe_terms(args, training, recompute, routed, ep)
+
+
+def megatron_moe_terms(args: ModelArgs, training: Training, routed: float, ep: int) -> list[Term]:
+    """What Megatron-Core's MoELayer keeps for backward, per token of the rank's sequence-parallel shard (split 'seq':
+    expert tensor parallelism 1, each tp rank routing its own tokens), read in Megatron-LM core_r0.17.0
+    (transformer/moe: moe_layer.py, router.py, token_dispatcher.py, moe_utils.py, experts.py TEGroupedMLP) with
+    Transformer Engine 2's fused permutation and router (moe_permute_fusion, moe_router_fusion):
+
+    * the pre-MLP norm (TENorm, alone: the router and the experts both read its output) its input and rstd, and the
+      router's linear its output, 16-bit (the router is not a float8 linear);
+    * the fused top-k its fp32 scores and its routing map (one byte an expert), the auxiliary loss's score
+      function its own fp32 scores;
+    * the permutation (moe_permute_with_probs) its row map, int32 [tokens, 2 E + 1], reused by the unpermutation
+      that combines the experts' outputs (the routing weights are applied inside the experts, so the combine keeps
+      no tokens); under ep > 1 the sort of the received rows into local-expert order (sort_chunks_by_idxs) its own
+      int32 row map, one a received row;
+    * the grouped MLP (TEGroupedMLP): fc1 (TE's GroupedLinear) its input, the received rows (float8 under TE's
+      recipes: te_float8_terms); the fused weighted SwiGLU (weighted_bias_swiglu_impl) its input, fc1's output
+      of 2 expert_hidden (float8 under activation_func_fp8_input_store), and the rows' fp32 routing weights; fc2
+      its input (float8 likewise);
+    * shared experts (SharedExpertMLP, tp 1 only: plan.folded_experts_error) as a dense SwiGLU MLP: the norm's
+      output (kept already), fc1's output and fc2's input.
+
+    The routed rows are `routed` a token (its top_k, times the busiest rank's imbalance under ep). Not counted:
+    TE's padding of each expert's rows to 16 for its float8 GEMMs (Fp8Padding's copy: under 16 rows an expert
+    per micro-batch), the dispatched tokens' 16-bit buffer (freed once fc1 has quantised them)."""
+    d, e, h, shared = args.dim, args.n_experts, args.expert_hidden, args.n_shared_experts * args.expert_hidden
+    terms = [Term("ffn_norm_input", d, "stream", "seq"), Term("ffn_norm_rstd", 1, "stat", "seq"),
+             Term("ffn_norm_output", d, "act", "seq"),
+             Term("router_scores", e, "stat", "seq"), Term("routing_map", e, "mask", "seq"),
+             # int32 row maps: counted as 4-byte 'stat' elements
+             Term("permute_row_map", 2 * e + 1, "stat", "seq")]
+    if args.aux_loss_coeff > 0:
+        terms.append(Term("aux_scores", e, "stat", "seq"))
+    if ep > 1 and e // ep > 1:
+        terms.append(Term("expert_sort_map", routed, "stat", "seq"))
+    terms += [Term("expert_input", routed * d, "act", "seq"),
+              Term("expert_fc1_out", routed * 2 * h, "f8" if training.activation_fp8_input else "act", "seq"),
+              Term("expert_probs", routed, "stat", "seq"), Term("expert_swiglu_out", routed * h, "act", "seq")]
+    if shared:
+        terms += [Term("shared_fc1_out", 2 * shared, "act", "seq"), Term("shared_swiglu_out", shared, "act", "seq")]
+    if args.z_loss_coeff > 0:
+        terms += [Term("z_logits", e, "stat", "seq"), Term("z_logsumexp", 1, "stat", "seq")]
+    return terms
+
+
+def _moe_terms(args: ModelArgs, training: Training, recompute: str, routed: float, ep: int) -> list[Term]:
+    """moe_terms as shardwise's engine keeps them, every tp rank running the MoE whole.
 
     none: the FFN norm (its output cast once for the router's linear and once for each of the shared experts' w1
     and w3 under autocast); the router's fp32 scores (softmax / sigmoid output), the top-k expert indices, the

@@ -189,9 +189,10 @@ def system_layout_error(plan: Plan, training) -> ConfigError | None:
     return None
 
 
-def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0) -> None:
+def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0,
+                  moe_layer: str = "engine", n_shared_experts: int = 0) -> None:
     """Raise PlannerError (naming the --plan key) for a plan that cannot run; `n_experts`: a mixture of experts'
-    routed experts."""
+    routed experts, `n_shared_experts` its shared ones, `moe_layer` the system's (Training.moe_layer)."""
     if plan.world != world:
         raise PlannerError("--plan", f"dp*tp*pp*cp = {plan.world} but --gpus is {world}",
                            "choose degrees whose product is the number of GPUs")
@@ -230,8 +231,29 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
     if plan.mixed_precision not in MIXED_PRECISIONS:
         raise PlannerError("--plan mixed_precision", f"{plan.mixed_precision!r}",
                            f"use one of {', '.join(MIXED_PRECISIONS)}")
-    error = expert_parallel_error(plan, n_experts)
+    error = expert_parallel_error(plan, n_experts, moe_layer=moe_layer)
     if error is not None:
         raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
+    error = folded_experts_error(plan, n_experts, n_shared_experts, moe_layer)
+    if error is not None:
+        raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
+
+
+def folded_experts_error(plan: Plan, n_experts: int, n_shared_experts: int, moe_layer: str) -> ConfigError | None:
+    """What the planner does not price of a mixture of experts beside tp under Megatron-Core (Training.moe_layer
+    'megatron-core'), as the error naming the field: it prices expert tensor parallelism 1 (the recipes' setting;
+    Megatron's own default splits the experts by tp), each tp rank routing its sequence-parallel shard of the
+    tokens, so tp needs sequence parallelism, and no shared experts (Megatron-Core splits them by tp, the planner
+    keeps them whole)."""
+    if moe_layer != "megatron-core" or not n_experts or plan.tp == 1:
+        return None
+    if not plan.sequence_parallel:
+        return ConfigError("parallel.sequence_parallel", f"false with tp={plan.tp} and a mixture of experts: the "
+                           "planner prices Megatron-Core's experts beside tp with each tp rank routing its "
+                           "sequence-parallel shard", "set sequence_parallel=true")
+    if n_shared_experts:
+        return ConfigError("parallel.tp", f"{plan.tp} with {n_shared_experts} shared expert(s): Megatron-Core splits "
+                           "them by tp, which the planner does not price", "use tp=1 for this model")
+    return None
 
 

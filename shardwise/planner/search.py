@@ -30,6 +30,7 @@ from shardwise.planner.memory import LINEAR_GROUPS, host_bytes, peak_memory, sta
 from shardwise.planner.plan import (
     Plan,
     engine_runs,
+    folded_experts_error,
     partial_checkpoint_error,
     system_layout_error,
     validate_plan,
@@ -87,7 +88,8 @@ class Evaluation:
 def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) -> Evaluation:
     """Memory and time of one plan (validated first)."""
     check_recipe(args, training)
-    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts)
+    validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts,
+                  training.moe_layer, args.n_shared_experts)
     stage, mem = peak_memory(args, training, plan)
     return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster),
                       host_bytes(args, training, plan), cluster.accelerator.host_memory_bytes)
@@ -297,17 +299,27 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("ep", f"ep={ep} splits experts and {args.name} has none", "use ep=1 (or leave it out) for a dense model")
     if args.n_experts % ep or ep > 1 and world % ep:
         bad("ep", f"ep={ep} must divide the {args.n_experts} experts and --gpus", "pick a common divisor")
-    if ep > 1 and {"dp_shard", "cp"} <= set(fixed) and (fixed["dp_shard"] * cp) % ep:  # over FSDP's ranks
+    megatron_moe = training.moe_layer == "megatron-core"  # Megatron-Core's: the tp x cp x dp ranks at ZeRO-0/1
+    if args.n_experts and megatron_moe and fixed.get("tp", 1) > 1:
+        error = folded_experts_error(Plan(tp=fixed["tp"], sequence_parallel=fixed.get("sequence_parallel", True)),
+                                     args.n_experts, args.n_shared_experts, training.moe_layer)
+        if error is not None:
+            bad(error.field.removeprefix("parallel."), error.problem, error.fix)
+    if ep > 1 and megatron_moe and fixed.get("zero_stage", 0) >= 2 and fixed.get("tp", 1) > 1:
+        bad("ep", f"ep={ep} beside tp={fixed['tp']} at ZeRO-{fixed['zero_stage']} (Megatron-Core's FSDP) is not "
+            "priced", "use zero_stage 0 or 1 (the distributed optimizer), or tp=1")
+    if ep > 1 and not megatron_moe and {"dp_shard", "cp"} <= set(fixed) and (fixed["dp_shard"] * cp) % ep:
         bad("ep", f"ep={ep} splits the experts over the dp_shard x cp = {fixed['dp_shard'] * cp} ranks of "
             "ZeRO-2/3, and does not divide them", "make dp_shard x cp a multiple of ep")
-    if ep > 1 and fixed.get("zero_stage", 3) < 2:
+    if ep > 1 and not megatron_moe and fixed.get("zero_stage", 3) < 2:
         bad("ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is {fixed['zero_stage']}",
             "use zero_stage 2 or 3 (or leave it out)")
-    others = {k: fixed[k] for k in ("tp", "pp", "dp_replicate") if fixed.get(k, 1) > 1}
+    others = {k: fixed[k] for k in ("pp",) + (() if megatron_moe else ("tp", "dp_replicate")) if fixed.get(k, 1) > 1}
     room = world // math.prod(others.values())  # dp_shard x cp divides this
     if ep > 1 and others and room % ep:
         given = " x ".join(f"{k}={v}" for k, v in others.items())
-        bad("ep", f"ep={ep} is drawn from the dp_shard x cp ranks, and with {given} they divide {room}",
+        drawn = "tp x cp x dp" if megatron_moe else "dp_shard x cp"
+        bad("ep", f"ep={ep} is drawn from the {drawn} ranks, and with {given} they divide {room}",
             f"use an ep dividing {room}, or smaller {' and '.join(others)}")
 
     error = system_zero_error(training, fixed, world)  # (last: once every degree is known to divide the world)
@@ -378,7 +390,8 @@ def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str,
                       1 if fixed.get("dp_replicate") == world // (tp * cp * pp) else None)  # (the most dp leaves)
     # how the keys split them: FSDP over dp_shard x cp (ZeRO-2/3; ep is drawn from it) or replicas (ZeRO-0/1); cp
     # alone decides nothing (ZeRO-0/1 run beside it)
-    sharded = True if (shard or 1) > 1 or fixed.get("ep", 1) > 1 or (zero or 0) >= 2 else \
+    fsdp_ep = fixed.get("ep", 1) > 1 and training.moe_layer == "engine"
+    sharded = True if (shard or 1) > 1 or fsdp_ep or (zero or 0) >= 2 else \
         False if shard == 1 and cp == 1 else None
     # parallelism besides data parallelism
     others = tp * pp * cp > 1 or dpcp is not None and dpcp < world or dp is not None and dp * cp < world
@@ -421,7 +434,7 @@ def system_zero_error(training: Training, fixed: dict, world: int) -> tuple[str,
         if zero is not None and zero > training.pp_zero_max:
             return "zero_stage", f"ZeRO-{zero} with {asked[0]}={fixed[asked[0]]}, and {at_most}", \
                 f"use zero_stage <= {training.pp_zero_max}, or no pipeline"
-        sharding = [k for k in ("dp_shard", "ep") if fixed.get(k, 1) > 1] + (
+        sharding = [k for k in ("dp_shard", "ep") if fixed.get(k, 1) > 1 and (k != "ep" or fsdp_ep)] + (
             ["offload"] if fixed.get("offload") == "full" else [])
         if sharding and training.pp_zero_max < 2:
             key = sharding[0]
@@ -461,8 +474,11 @@ def _degree_plans(args: ModelArgs, training: Training, cluster: Cluster, fixed: 
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or training.global_batch % dp:
                     continue
-                for plan in _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training)):
-                    if system_layout_error(plan, training) is None:  # degrees and ZeRO the system runs
+                for plan in _dp_splits(dp, tp, cp, pp, fixed, offload, args.n_experts, mixed_precisions(training),
+                                       training.moe_layer):
+                    if system_layout_error(plan, training) is None and folded_experts_error(
+                            plan, args.n_experts, args.n_shared_experts, training.moe_layer) is None:
+                        # (degrees and ZeRO the system runs; its experts beside tp as the planner prices them)
                         yield plan
 
 
@@ -477,7 +493,7 @@ def mixed_precisions(training: Training) -> list[str]:
 
 
 def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "none", n_experts: int = 0,
-               mixed: tuple | list = ("autocast",)):
+               mixed: tuple | list = ("autocast",), moe_layer: str = "engine"):
     shards = _choices(fixed, "dp_shard", divisors(dp))
     for dp_shard in shards:
         if dp % dp_shard or "dp_replicate" in fixed and fixed["dp_replicate"] != dp // dp_shard:
@@ -490,7 +506,7 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
         if offload == "full":  # FSDP2's CPUOffloadPolicy: ZeRO-2/3, over a mesh of one where nothing else shards
             stages = [2, 3] if dp_shard * cp > 1 or dp == 1 else []
         for zero in [z for z in stages if fixed.get("zero_stage", z) == z]:  # (a fixed stage only where it runs)
-            degrees = expert_degrees(n_experts, dp_shard, cp, zero)
+            degrees = expert_degrees(n_experts, dp_shard, cp, zero, dp, tp, moe_layer)
             # FSDP2's mixed-precision policy where FSDP shards (layout.fsdp_shards), autocast elsewhere (a fixed
             # 'fsdp' elsewhere is left out by engine_runs)
             policies = _choices(fixed, "mixed_precision", list(mixed) if zero >= 2 and dp_shard * cp > 1
@@ -505,11 +521,18 @@ def _dp_splits(dp: int, tp: int, cp: int, pp: int, fixed: dict, offload: str = "
                                activation_checkpoint_every=fixed.get("activation_checkpoint_every", 1))
 
 
-def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int) -> list[int]:
+def expert_degrees(n_experts: int, dp_shard: int, cp: int, zero_stage: int, dp: int = 1, tp: int = 1,
+                   moe_layer: str = "engine") -> list[int]:
     """The ep a layout can have: 1, and for a mixture of experts under ZeRO-2/3 every divisor of dp_shard x cp that
     divides n_experts and is a multiple of cp (the engine's expert parallelism borrows the dp_shard x cp ranks).
-    A dense model has only 1."""
-    if not n_experts or zero_stage < 2:
+    Under Megatron-Core's (`moe_layer` 'megatron-core', Training.moe_layer) at ZeRO-0/1 every divisor of the
+    tp x cp x dp ranks that divides n_experts (expert tensor parallelism 1: its expert groups fold over tp), and at
+    ZeRO-2/3 (its FSDP) the engine's, without tp. A dense model has only 1."""
+    if not n_experts:
+        return [1]
+    if moe_layer == "megatron-core" and zero_stage < 2:
+        return [1] + [e for e in divisors(tp * cp * dp) if e > 1 and n_experts % e == 0]
+    if zero_stage < 2 or moe_layer == "megatron-core" and tp > 1:
         return [1]
     return [1] + [e for e in divisors(dp_shard * cp) if e > 1 and n_experts % e == 0 and e % cp == 0]
 

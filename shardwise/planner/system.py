@@ -168,6 +168,11 @@ class System:
     """It splits the sequence over cp ranks for attention (Training.context_parallel)."""
     expert_parallel: bool = True
     """It splits a mixture of experts' experts over ep ranks (Training.expert_parallel)."""
+    moe_layer: str = "engine"
+    """Whose mixture-of-experts layer: shardwise's engine's ('engine') or Megatron-Core's MoELayer with expert tensor
+    parallelism 1 ('megatron-core'): where ep draws its ranks, what the layer saves (Training.moe_layer)."""
+    ep_overlap: bool = False
+    """Megatron-Core's all-to-all overlap, --overlap-moe-expert-parallel-comm (Training.ep_overlap)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -181,6 +186,7 @@ class System:
                   ("zero3_fetch", self.zero3_fetch, ZERO3_FETCH), ("float8", self.float8, FLOAT8_RECIPES),
                   ("pipeline_split", self.pipeline_split, PIPELINE_SPLITS),
                   ("moe_dispatch", self.moe_dispatch, ("copies", "deepep")),
+                  ("moe_layer", self.moe_layer, ("engine", "megatron-core")),
                   ("cp_exchange", self.cp_exchange, CP_EXCHANGES),
                   ("optimizer_dtype", self.optimizer_dtype, ("fp32", "bf16")),
                   ("optimizer_passes", self.optimizer_passes, ("fused", "per-op")),
@@ -237,7 +243,7 @@ class System:
                 "ddp_alone": self.ddp_alone, "fsdp_replicate": self.fsdp_replicate, "hsdp_stages": self.hsdp_stages,
                 "offload_stages": self.offload_stages, "zero3_grads_at_start": self.zero3_grads_at_start,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
-                "expert_parallel": self.expert_parallel}
+                "expert_parallel": self.expert_parallel, "moe_layer": self.moe_layer, "ep_overlap": self.ep_overlap}
 
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -284,7 +290,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            attention_kernel="cudnn",
            elementwise="fused", swiglu="fused", float8="te-delayed", checkpoint_early_stop=False,
            cp_exchange="ring", pp_overlap_p2p=True, overlap_param_gather=True, pp_schedules=MEGATRON_SCHEDULES,
-           offload_stages=(), fused_projections=True,
+           offload_stages=(), fused_projections=True, moe_layer="megatron-core",
            source="Megatron-LM / Megatron-Core (github.com/NVIDIA/Megatron-LM): DistributedDataParallel grad "
                   "buffer, --recompute-granularity selective (core_attn), vocab_parallel_cross_entropy, "
                   "--overlap-p2p-communication (on by default under the interleaved schedule), "
@@ -296,7 +302,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "(1F1B without interleaving, or interleaved: no GPipe, no zero-bubble schedule); host offload of "
                   "the optimizer alone (--optimizer-cpu-offload, February 2025), not of weights and gradients; "
                   "transformer/attention.py linear_qkv and mlp.py linear_fc1 (Q/K/V one linear, SwiGLU's gate and "
-                  "up one: NeMo's LoRA adapts each with one adapter, LoraKQVAdapter on linear_qkv)"),
+                  "up one: NeMo's LoRA adapts each with one adapter, LoraKQVAdapter on linear_qkv); "
+                  "core/parallel_state.py (expert parallelism drawn from the data-parallel ranks, each expert's "
+                  "gradients reduced and its distributed-optimizer state sharded over its expert-data-parallel "
+                  "group)"),
     System("megatron-lm-2021", "Megatron-LM of Narayanan et al. 2021 and Korthikanti et al. 2022: as "
            "megatron-core, with unfused attention (s x s scores in memory), dropout 0.1, and the gradients' "
            "data-parallel reduction after the backward",
@@ -421,7 +430,7 @@ def resolve_system(spec: str | System) -> System:
                                    "fused_rmsnorm", "fused_projections", "activation_fp8_input",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
-                                   "expert_parallel") else \
+                                   "expert_parallel", "ep_overlap") else \
             float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):

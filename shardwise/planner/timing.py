@@ -22,7 +22,12 @@ from shardwise.planner.comm import (
     p2p,
     reduce_scatter,
 )
-from shardwise.planner.experts import counts_bytes, dispatch_bytes, routed_per_token, tokens_per_rank
+from shardwise.planner.experts import (
+    counts_bytes,
+    dispatch_bytes,
+    moe_token_split,
+    routed_per_token,
+)
 from shardwise.planner.memory import (
     ATTENTION,
     LINEAR_GROUPS,
@@ -164,7 +169,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
             cast = q_tokens * 2 * args.ffn_hidden / plan.tp * 3 / bandwidth
             elementwise, elementwise_bwd = elementwise + cast, elementwise_bwd + cast
     adapter, adapter_in, adapter_w = (0.0, 0.0, 0.0) if moe else adapter_times(args, training, plan, acc, q_tokens)
-    return {"matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
+    experts = expert_mlp_times(args, training, plan, acc, q_tokens) if moe else (0.0, 0.0, 0.0)
+    return {"experts": experts[0], "experts_bwd_input": experts[1], "experts_bwd_weight": experts[2],
+            "matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
             "elementwise_bwd": elementwise_bwd, "adapter": adapter, "adapter_bwd_input": adapter_in,
             "adapter_bwd_weight": adapter_w}
@@ -187,27 +194,49 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
         raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
                            "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
                            "in float8 through Transformer Engine (megatron-core)")
-    d, h = args.dim, args.expert_hidden
-    shared = args.n_shared_experts * h
-    routed = routed_per_token(args, training, plan)
-    router = args.n_experts * d
-    linears = attention_params(args, plan.tp) + 3 * d * shared + routed * 3 * d * h
-    seconds = 2 * tokens * (linears / (acc.peak(training.linear_dtype) * acc.matmul_efficiency)
-                            + router / (acc.peak(training.compute_dtype) * acc.matmul_efficiency))
+    # the router's rows: every token on every tp rank, or under Megatron-Core's experts each tp rank's
+    # sequence-parallel shard (experts.moe_token_split)
+    moe_tokens = tokens / moe_token_split(training, plan)
+    fp8_rate = acc.peak(training.linear_dtype) * acc.matmul_efficiency
+    seconds = 2 * (tokens * attention_params(args, plan.tp) / fp8_rate
+                   + moe_tokens * args.n_experts * args.dim / (acc.peak(training.compute_dtype)
+                                                               * acc.matmul_efficiency))
     fwd = bwd_in = bwd_w = seconds
     if training.linear_dtype == "fp8":  # Transformer Engine's (torchao's is refused in layer_times)
         bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
         share, current = te_weight_cast_share(training, plan), training.float8 == "te-current"
         attention = te_modules(rank_linear_shapes(args, plan)[:len(ATTENTION)])
-        if shared:
-            attention.update({"shared_fc1": (d, 2 * shared, 2 * d * shared), "shared_fc2": (shared, d, shared * d)})
+        cast_fwd, cast_bwd = te_float8_cast_seconds(attention, tokens, bandwidth, share, current=current,
+                                                    stored=training.float8_frozen_weights)
+        fwd, bwd_in = fwd + cast_fwd, bwd_in + cast_bwd
+    experts = expert_mlp_times(args, training, plan, acc, tokens)
+    return fwd + experts[0], bwd_in + experts[1], bwd_w + experts[2]
+
+
+def expert_mlp_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
+                     tokens: float) -> tuple[float, float, float]:
+    """Of moe_linear_times, the experts' own: the shared experts' SwiGLU over the MoE's rows and the routed
+    experts' over their (token, expert) pairs, at the linears' rate, with TE's float8 casts of their inputs,
+    outputs' gradients and weights (forward, input gradients, weight gradients). Megatron-Core's combined 1F1B
+    schedule runs these in its 'mlp' node, beside the all-to-alls (_ep_comm)."""
+    d, h = args.dim, args.expert_hidden
+    shared = args.n_shared_experts * h
+    routed = routed_per_token(args, training, plan)
+    moe_tokens = tokens / moe_token_split(training, plan)
+    fp8_rate = acc.peak(training.linear_dtype) * acc.matmul_efficiency
+    fwd = bwd_in = bwd_w = 2 * moe_tokens * (3 * d * shared + routed * 3 * d * h) / fp8_rate
+    if training.linear_dtype == "fp8":
+        bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
+        share, current = te_weight_cast_share(training, plan), training.float8 == "te-current"
+        shared_fcs = {"shared_fc1": (d, 2 * shared, 2 * d * shared), "shared_fc2": (shared, d, shared * d)} \
+            if shared else {}
         experts = args.n_experts // plan.ep
         grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
-        for modules, rows in ((attention, tokens), (grouped, tokens * routed)):
-            cast_fwd, cast_bwd = te_float8_cast_seconds(modules, rows, bandwidth, share, current=current,
-                                                        stored=training.float8_frozen_weights)
-            fwd += cast_fwd
-            bwd_in += cast_bwd
+        for modules, rows in ((shared_fcs, moe_tokens), (grouped, moe_tokens * routed)):
+            if modules:
+                cast_fwd, cast_bwd = te_float8_cast_seconds(modules, rows, bandwidth, share, current=current,
+                                                            stored=training.float8_frozen_weights)
+                fwd, bwd_in = fwd + cast_fwd, bwd_in + cast_bwd
     return fwd, bwd_in, bwd_w
 
 
@@ -368,7 +397,7 @@ def lora_first_block_skipped(args: ModelArgs, training: Training, plan: Plan, ac
     torch's matmul counter (tests/test_planner.py). Left priced, a little high: the skipped gradients' tp
     reductions, context parallelism's dK/dV exchange, the norm's and rotary's backward and QLoRA's backward
     dequantisation of those linears."""
-    tokens = tokens_per_rank(training, plan)
+    tokens = plan.micro_batch * training.seq_len / plan.cp  # a dense block's rows (its GEMMs split by tp)
     shapes = {name: (n_in, n_out) for name, n_in, n_out in rank_linear_shapes(args, plan)}
     first = {group[0][0] for group in adapter_groups(args, training)}  # an adapter's A, once (fused projections)
     skipped, upstream = 0.0, False
@@ -417,7 +446,7 @@ def lora_first_block_replay_skipped(args: ModelArgs, training: Training, plan: P
     upstream = [n for group in LINEAR_GROUPS[:-1] for n in group]
     if "w2" not in targets or any(n in targets for n in upstream):
         return 0.0
-    tokens = tokens_per_rank(training, plan)
+    tokens = plan.micro_batch * training.seq_len / plan.cp  # a dense block's rows (its GEMMs split by tp)
     _, _, n_out = next(shape for shape in rank_linear_shapes(args, plan) if shape[0] == "w2")
     return gemm_seconds(tokens, n_out, training.lora_rank, training, acc)
 
@@ -578,7 +607,7 @@ def _stage_cost(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     return StageCost(fwd, bwd_in, bwd_w, recompute, tp_comm + tp_comm_weight,
                      _cp_exposed(args, training, plan, cluster, layers, t["attention"], t["attention_bwd"]),
                      _pp_p2p(args, training, plan, cluster, stage), overhead,
-                     _ep_comm(args, training, plan, cluster, moe), tp_comm_weight)
+                     _ep_comm(args, training, plan, cluster, moe, t_moe), tp_comm_weight)
 
 
 CAST_BYTES = 4 + 2
@@ -776,7 +805,8 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     replicated input and keeps its output; with sequence parallelism that input is all-gathered in forward and
     the output's gradient in backward (the input's gradient, whole on every rank, is sliced, not reduced); a
     recompute, full or selective, replays all three of its forward's collectives (less the reduce-scatter
-    torchtitan's policy keeps).
+    torchtitan's policy keeps). Megatron-Core's MoE (Training.moe_layer 'megatron-core') routes each tp rank's
+    sequence-parallel shard: nothing beyond the attention's pair.
     Under torchao's float8 tensor parallelism a block's all-gathers carry float8 (tp_block_bytes)."""
     if plan.tp == 1:
         return 0.0
@@ -804,7 +834,8 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     if plan.activation_checkpoint == "full" and training.distribute_checkpoints and not plan.sequence_parallel:
         total += layers * all_gather(tokens * args.dim * training.stream_bytes, n, link)
     if moe_layers:  # an MoE block's recompute needs all three of its forward's collectives (the MoE's input too)
-        moe_pass = one + (all_gather(x, n, link) if plan.sequence_parallel else 0.0)
+        gathers = plan.sequence_parallel and training.moe_layer != "megatron-core"
+        moe_pass = one + (all_gather(x, n, link) if gathers else 0.0)
         moe_replayed = moe_pass - kept_scatter if plan.activation_checkpoint == "full" or selective else 0.0
         total += moe_layers * (2 * moe_pass + moe_replayed)
     if head:
@@ -814,19 +845,75 @@ def _tp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, 
     return total
 
 
-def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, moe_layers: int) -> float:
+def _ep_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, moe_layers: int,
+             t_moe: dict | None = None) -> float:
     """Expert parallelism, per MoE block and micro-batch: forward exchanges the per-expert counts, then dispatches
     the routed copies to their experts' ranks and combines the results back (two all-to-alls of the copies);
     backward runs the two again for their gradients; full recompute replays the forward's three. Each waits for
     the busiest rank, which receives (dispatch) and sends back (combine) the imbalance times the mean:
     tokens x routed_per_token x d in the compute dtype, or under DeepEP's dispatch each token once per rank it goes
-    to (experts.dispatch_bytes). Over the ep group's link (comm.expert_links)."""
+    to (experts.dispatch_bytes). Over the ep group's link (comm.expert_links).
+
+    Under Megatron-Core's all-to-all overlap (Training.ep_overlap) what is exposed of them is ep_overlap_exposed's
+    where the schedule merges a forward with a backward, the rest as above."""
     if plan.ep == 1 or not moe_layers:
         return 0.0
     (n, link), _ = expert_links(plan, cluster)
     copies = all_to_all(dispatch_bytes(args, training, plan), n, link)
-    forward = all_to_all(counts_bytes(args), n, link) + 2 * copies
-    return moe_layers * (forward * (2 if plan.activation_checkpoint == "full" else 1) + 2 * copies)
+    counts = all_to_all(counts_bytes(args), n, link)
+    forward = counts + 2 * copies
+    replay = forward if plan.activation_checkpoint == "full" else 0.0
+    if not training.ep_overlap or t_moe is None:
+        return moe_layers * (forward + replay + 2 * copies)
+    merged = merged_share(plan)
+    exposed = ep_overlap_exposed(t_moe, copies, counts, link.sm_share)
+    return moe_layers * (merged * exposed + (1 - merged) * (forward + 2 * copies) + replay)
+
+
+def ep_overlap_exposed(t: dict, copies: float, counts: float, sm_share: float = 0.0) -> float:
+    """Seconds of all-to-all one MoE block leaves exposed per micro-batch under Megatron-Core's combined 1F1B
+    (--overlap-moe-expert-parallel-comm, with --delay-wgrad-compute): one micro-batch's forward and another's
+    backward of the block run together, its all-to-alls on a communication stream, in three phases
+    (models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run, core_r0.17.0):
+
+        comm:  combine_bwd | dispatch_fwd -> dispatch_bwd   | combine_fwd
+        comp:  attn_fwd    | mlp_bwd -> mlp_bwd_dw -> mlp_fwd | attn_bwd
+
+    'mlp' is the experts' grouped MLP (layer_times' experts: their GEMMs and casts), 'attn' the rest of the block
+    (attention, norms, router, permutation). In the middle phase the experts' forward waits for the forward's
+    dispatch and the backward's dispatch for the experts' input gradients. Each phase takes its longer stream,
+    and compute beside a collective runs on the SMs NCCL leaves it (`sm_share` of the shorter, Link.sm_share).
+    What the pair takes beyond its compute is the exposed all-to-all."""
+    mlp_f, mlp_dgrad, mlp_dw = t["experts"], t["experts_bwd_input"], t["experts_bwd_weight"]
+    block_f = t["matmul"] + t["attention"] + t["elementwise"]
+    block_b = t["matmul_bwd_input"] + t["matmul_bwd_weight"] + t["attention_bwd"] + t["elementwise_bwd"]
+    attn_f, attn_b = block_f - mlp_f, block_b - mlp_dgrad - mlp_dw
+
+    def phase(comm: float, comp: float) -> float:
+        return max(comm, comp) + sm_share * min(comm, comp)
+
+    dispatch_f = counts + copies
+    comm_end = max(dispatch_f, mlp_dgrad) + copies
+    comp_end = max(mlp_dgrad + mlp_dw, dispatch_f) + mlp_f
+    middle = max(comm_end, comp_end) + sm_share * min(dispatch_f + copies, mlp_dgrad + mlp_dw + mlp_f)
+    pair = phase(copies, attn_f) + middle + phase(copies, attn_b)
+    return max(0.0, pair - (block_f + block_b))
+
+
+def merged_share(plan: Plan) -> float:
+    """Of a rank's forward and backward passes of model chunks in a step, the share Megatron-Core's combined 1F1B
+    runs merged: all but the warm-up forwards before the first backward (and as many backwards at the end), on the
+    first pipeline rank, which waits longest: (pp - 1) x 2 + (vp - 1) x pp of M x vp chunk passes under the
+    interleaved schedule (schedules.py's warm-up count), pp - 1 of M under 1F1B, and without a pipeline the first
+    micro-batch's forward of M (forward_backward_no_pipelining merges each forward with the previous backward)."""
+    m, pp, vp = plan.grad_accum, plan.pp, plan.virtual_stages
+    if pp == 1:
+        warm, passes = 1, m
+    elif plan.pp_schedule == "interleaved-1f1b":
+        warm, passes = (pp - 1) * 2 + (vp - 1) * pp, m * vp
+    else:
+        warm, passes = pp - 1, m
+    return max(0.0, 1 - warm / passes)
 
 
 def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, layers: int,
@@ -959,7 +1046,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
             ) -> tuple[float, float]:
     """(total, exposed) seconds per step of gradient reduction and ZeRO parameter gathering. Under expert
     parallelism each MoE block's routed experts are an FSDP unit of their own over the expert shard group
-    (comm.expert_links), their gradients all-reduced across dp_replicate (HSDP) as the rest."""
+    (comm.expert_links), their gradients all-reduced across dp_replicate (HSDP) as the rest; under Megatron-Core's
+    (ZeRO-0/1 over the data-parallel ranks) each MoE block's experts are reduced (and at ZeRO-1 gathered) over
+    their expert-data-parallel group, the rest over all the data-parallel ranks."""
     red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster, spread=True)
     sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster, spread=True)
     rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster, spread=True) if plan.zero_stage >= 2 else (1, None)
@@ -1019,6 +1108,9 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         # optimizer all-gathers the updated fp32 slices before the next forward, one collective per parameter
         # tensor (each pays the latency; the tensors outside the blocks are taken as one)
         comm = by_unit(all_reduce, grads, red_n, red_link, per_bucket=blocks_per_bucket(args, training))
+        # the routed experts' gradients over the ranks holding the same experts (Megatron-Core's expert parallelism
+        # at ZeRO-0: its expert-data-parallel group)
+        comm += expert_units(all_reduce, reduced, ex_n, ex_link)
         ag = 0.0
         if z == 1:
             # back to back after the optimizer step: only the first comes from compute (pays the link's sync)

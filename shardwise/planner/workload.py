@@ -131,6 +131,19 @@ class Training:
     """The system splits the sequence over cp ranks for attention (ring or torch's context_parallel)."""
     expert_parallel: bool = True
     """The system splits a mixture of experts' experts over ep ranks."""
+    moe_layer: Literal["engine", "megatron-core"] = "engine"
+    """Whose mixture-of-experts layer. 'engine' (shardwise's, and torchtitan's as it): expert parallelism draws on
+    the dp_shard x cp ranks of ZeRO-2/3, each expert's state sharded over the dp_shard x cp / ep ranks that hold
+    it, and every tp rank runs the MoE whole on the whole sequence, saving what shardwise.moe saves.
+    'megatron-core' (Megatron-Core's MoELayer with expert tensor parallelism 1, as NVIDIA's recipes set it): ep
+    draws on the tp x cp x dp ranks at ZeRO-0/1 (its expert groups fold over tp), each expert replicated over the
+    tp x cp x dp / ep ranks that hold it (its expert-data-parallel group: the distributed optimizer shards its state
+    over them, its gradients are reduced over them), each tp rank routes its sequence-parallel shard of the tokens,
+    and the layer saves what its grouped MLP and fused permutation save (memory.moe_terms)."""
+    ep_overlap: bool = False
+    """Megatron-Core's --overlap-moe-expert-parallel-comm (with --delay-wgrad-compute): its combined 1F1B schedule
+    runs one micro-batch's forward and another's backward layer by layer on two streams, each all-to-all beside
+    the other's compute (timing._ep_comm); moe_layer 'megatron-core' only."""
     fuse_head: bool | None = None
     """The output head and the cross-entropy run fused, a block of rows at a time, where the head is a plain
     linear (shardwise's engine: no TP, no pipeline); False: the logits are materialised and the loss saves fp32
@@ -541,6 +554,12 @@ class Training:
         if self.moe_dispatch not in ("copies", "deepep"):
             raise PlannerError("--system moe_dispatch", f"unknown dispatch {self.moe_dispatch!r}",
                                "use copies or deepep")
+        if self.moe_layer not in ("engine", "megatron-core"):
+            raise PlannerError("--system moe_layer", f"unknown MoE layer {self.moe_layer!r}",
+                               "use engine or megatron-core")
+        if self.ep_overlap and self.moe_layer != "megatron-core":
+            raise PlannerError("--system ep_overlap", "Megatron-Core's combined 1F1B schedule, and the MoE layer is "
+                               f"{self.moe_layer}'s", 'set moe_layer = "megatron-core", or leave ep_overlap false')
         if self.dispatch_ranks and self.dispatch_ranks < 1:
             raise PlannerError("--dispatch-ranks", f"{self.dispatch_ranks} < 1: a routed token goes to one rank at "
                                "least", "pass a number >= 1, or 0 to derive it")
