@@ -1886,10 +1886,11 @@ def mlperf_lora_runs() -> list[Run]:
 # v0.2.0, 26.02 v0.3.0, 26.02.01 v0.3.1, 26.04 v0.4.0, 26.04.01 v0.4.2, 26.06 v0.5.0: docs/releases/
 # software-versions.md): scripts/performance (configs/qwen3, utils/helpers.py) over the recipes
 # src/megatron/bridge/recipes/qwen/qwen3_moe.py. Shared by every row: FP8 with per-tensor current scaling
-# (bf16_with_fp8_current_scaling_mixed: te-current; 25.09's precision column is absent, its YAML's fp8_cs block and
-# its MBS 2 say the same), main gradients and their reduction in bf16 (grad_reduce_in_fp32 False), no recompute,
+# (bf16_with_fp8_current_scaling_mixed: te-current; 25.09's precision column is absent: its YAML has an fp8_cs block,
+# and its MBS 2 is an FP8 recipe's, BF16's being 1, though delayed scaling, the launcher's default, is not ruled
+# out), main gradients and their reduction in bf16 (grad_reduce_in_fp32 False), no recompute,
 # the distributed optimizer (ZeRO-1) with its gathers and reductions overlapped, expert tensor parallelism 1 (the
-# experts folded over the tp ranks: Training.expert_ranks "data"), grouped GEMMs and fused permutation, no CUDA
+# experts folded over the tp ranks: Training.moe_layer "megatron-core"), grouped GEMMs and fused permutation, no CUDA
 # graphs. The dispatcher: all-to-all (alltoall, every routed copy) but DeepEP (26.02's 30B) and HybridEP (26.04's
 # 30B on): benchmarks/systems/megatron-core-flex.toml. The all-to-all overlapped with another micro-batch's compute
 # (overlap_moe_expert_parallel_comm with delay_wgrad_compute: Training.ep_overlap) in 25.11's 235B on and 26.02's

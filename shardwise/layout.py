@@ -42,10 +42,11 @@ class Layout:
     ep: int = 1
     """Expert-parallel degree: a mixture of experts' experts split over this many ranks, drawn from the dp_shard x
     cp ranks (as torchtitan): it adds no ranks, needs ZeRO-2/3, and FSDP shards the experts over the
-    dp_shard x cp / ep ranks that remain."""
+    dp_shard x cp / ep ranks that remain. (The planner also prices Megatron-Core's, drawn from the tp x cp x dp
+    ranks at ZeRO-0/1: expert_parallel_error's moe_layer.)"""
     zero_stage: int = -1
     """0: replicated (DDP), 1: + optimizer state sharded, 2: + gradients sharded, 3: + parameters sharded. Left
-    unset: 3 when dp_shard > 1 (FSDP's default) or ep > 1 (expert parallelism needs FSDP), else 0."""
+    unset: 3 when dp_shard > 1 (FSDP's default) or ep > 1 (the engine's expert parallelism needs FSDP), else 0."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals hold a 1/tp slice of the sequence (Korthikanti et al. 2022)."""
     pp_schedule: Schedule = "1f1b"

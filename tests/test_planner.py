@@ -2131,8 +2131,11 @@ def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelin
     for run in runs:
         ev, fits = published.given_plan(run)
         assert fits, run.name
-        if "235B" in run.name or "ep=16" in run.plan:
-            assert run.published_step() / ev.time.step_time_s == pytest.approx(1.0, abs=0.15), run.name
+        ratio = run.published_step() / ev.time.step_time_s  # predicted / published throughput
+        if "235B" in run.name:
+            assert ratio == pytest.approx(1.0, abs=0.15), run.name
+        if "ep=16" in run.plan:
+            assert ratio == pytest.approx(1.0, abs=0.05), run.name
 
 
 def test_unfused_attention_and_dropout_add_korthikantis_terms():

@@ -790,43 +790,50 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
     acc = dataclasses.replace(accelerator("h100"), mem_bandwidth=1e9)
     bandwidth = acc.mem_bandwidth * acc.bandwidth_efficiency
     tokens, d, h, kv = 512, 128, 96, 32
+    # (tp 2: the attention split by tp over every token, the MoE over each tp rank's half of them)
     for shared_experts, plan, share in ((1, Plan(dp_replicate=2, ep=2, zero_stage=1, micro_batch=2, grad_accum=4), 4),
-                                        (2, Plan(dp_shard=2, ep=2, zero_stage=3, micro_batch=2, grad_accum=4), 1)):
+                                        (2, Plan(dp_shard=2, ep=2, zero_stage=3, micro_batch=2, grad_accum=4), 1),
+                                        (0, Plan(tp=2, sequence_parallel=True, dp_replicate=2, ep=4, zero_stage=1,
+                                                 micro_batch=2, grad_accum=4), 4)):
         args = _small_moe(n_shared_experts=shared_experts)
-        s, experts = shared_experts * h, 8 // plan.ep
+        s, experts, t_ = shared_experts * h, 8 // plan.ep, plan.tp
         t = layer_times(args, training, plan, acc, moe=True)
         routed = routed_per_token(args, training, plan)
-        linears = (d * d + 2 * d * kv + d * d) + 3 * d * s + routed * 3 * d * h
-        matmuls = 2 * tokens * (linears / (acc.peak("fp8") * acc.matmul_efficiency)
-                                + 8 * d / (acc.peak("bf16") * acc.matmul_efficiency))
-        dense = {"qkv": (d, d + 2 * kv, d * d + 2 * d * kv), "proj": (d, d, d * d),
-                 "shared_fc1": (d, 2 * s, 2 * d * s), "shared_fc2": (s, d, s * d)}
+        attention = (d * d + 2 * d * kv + d * d) / t_
+        matmuls = 2 * tokens * attention / (acc.peak("fp8") * acc.matmul_efficiency) + 2 * tokens / t_ * (
+            (3 * d * s + routed * 3 * d * h) / (acc.peak("fp8") * acc.matmul_efficiency)
+            + 8 * d / (acc.peak("bf16") * acc.matmul_efficiency))
+        dense = {"qkv": (d, (d + 2 * kv) / t_, (d * d + 2 * d * kv) / t_), "proj": (d / t_, d, d * d / t_)}
+        shared = {"shared_fc1": (d, 2 * s, 2 * d * s), "shared_fc2": (s, d, s * d)} if s else {}
         grouped = {"expert_fc1": (d, 2 * h, experts * 2 * d * h), "expert_fc2": (h, d, experts * h * d)}
         casts = [te_float8_cast_seconds(dense, tokens, bandwidth, share, current=False),
-                 te_float8_cast_seconds(grouped, tokens * routed, bandwidth, share, current=False)]
-        assert casts[1][0] > 10 * 2e-6  # bandwidth-bound: the shapes show
-        assert t["matmul"] == pytest.approx(matmuls + casts[0][0] + casts[1][0], rel=1e-12)
-        assert t["matmul_bwd_input"] == pytest.approx(matmuls + casts[0][1] + casts[1][1], rel=1e-12)
+                 te_float8_cast_seconds(shared, tokens / t_, bandwidth, share, current=False),
+                 te_float8_cast_seconds(grouped, tokens / t_ * routed, bandwidth, share, current=False)]
+        assert casts[2][0] > 10 * 2e-6  # bandwidth-bound: the shapes show
+        assert t["matmul"] == pytest.approx(matmuls + sum(c[0] for c in casts), rel=1e-12)
+        assert t["matmul_bwd_input"] == pytest.approx(matmuls + sum(c[1] for c in casts), rel=1e-12)
         assert t["matmul_bwd_weight"] == pytest.approx(matmuls, rel=1e-12)
         bf16 = layer_times(args, dataclasses.replace(training, precision="bf16"), plan, acc, moe=True)
         assert t["matmul_bwd_weight"] < bf16["matmul_bwd_weight"]
         f8 = {term.name: term for term in block_terms(args, training, "none", plan.zero_stage, True, routed,
                                                         plan.ep)}
         sizes = {name: term_bytes(term, args, training, plan) for name, term in f8.items()}
-        assert (sizes["expert_input"], sizes["expert_swiglu_out"], sizes["shared_swiglu_out"]) == (
-            routed * d, routed * h, s)  # one byte an element
-        assert f8["ffn_norm_output"].kind == "act" and sizes["shared_fc1_input_f8"] == d
+        assert (sizes["expert_input"], sizes["expert_swiglu_out"]) == (routed * d / t_, routed * h / t_)  # a byte
+        if s:
+            assert sizes["shared_swiglu_out"] == s and sizes["shared_fc1_input_f8"] == d
+        assert f8["ffn_norm_output"].kind == "act"
         with pytest.raises(PlannerError, match="torchao"):
             moe_linear_times(args, dataclasses.replace(training, float8="torchao"), plan, acc, tokens)
 
 
 def _megatron_weight_and_optimizer_bytes(args, tp: int, dp: int, ep: int) -> float:
     """Megatron-LM's own estimate of one rank's weights and optimizer state (megatron/training/
-    theoretical_memory_usage.py, compute_weight_and_optimizer_memory, 2026, with pp 1 and expert tensor
-    parallelism 1): the tp-split parameters (attention, the two untied embeddings) over tp plus the replicated
-    ones (norms, router) at 6 + 12 / dp bytes each under the distributed optimizer (bf16 weights, fp32 main
-    gradients, fp32 main weights and Adam moments sharded over dp), and the rank's routed experts (1 / ep of them)
-    at 6 + 12 / edp, edp = world / ep the ranks holding the same experts."""
+    theoretical_memory_usage.py, compute_weight_and_optimizer_memory, as Megatron-LM PR 4687 (a7c9e8c44a,
+    2026-05-13) made it split the experts, with pp 1 and expert tensor parallelism 1): the tp-split parameters
+    (attention, the two untied embeddings) over tp plus the replicated ones (norms, router) at 6 + 12 / dp bytes
+    each under the distributed optimizer (bf16 weights, fp32 main gradients, fp32 main weights and Adam moments
+    sharded over dp), and the rank's routed experts (1 / ep of them) at 6 + 12 / edp, edp = world / ep the ranks
+    holding the same experts."""
     h, heads, groups = args.dim, args.n_heads, args.n_kv_heads
     attention = 2 * h * h * (1 + groups / heads) * (args.q_dim / h)
     layernorms, router = 2 * h, h * args.n_experts
@@ -839,13 +846,14 @@ def _megatron_weight_and_optimizer_bytes(args, tp: int, dp: int, ep: int) -> flo
     return (tp_sharded + replicated) * (6 + 12 / dp) + experts * (6 + 12 / edp)
 
 
-@pytest.mark.parametrize("tp,dp,ep", [(1, 8, 8), (1, 16, 4), (2, 16, 8), (2, 8, 16)])
+@pytest.mark.parametrize("tp,dp,ep", [(1, 8, 1), (1, 8, 8), (1, 16, 4), (2, 16, 8), (2, 8, 16)])
 def test_megatron_cores_expert_state_matches_its_own_memory_formula(tp, dp, ep):
     """Megatron-Core draws ep from the tp x dp ranks (expert tensor parallelism 1: its expert groups fold over tp)
     at ZeRO-1, each expert replicated over the tp x dp / ep ranks that hold it, over which the distributed
     optimizer shards its state: the planner's model state for Qwen3-30B-A3B's shape (megatron-core: bf16 weights,
     fp32 main gradients) equals Megatron-LM's theoretical_memory_usage estimate within 0.1% (the planner's norms
-    and vocabulary are Megatron's to the parameter; what it may differ by is rounding)."""
+    and vocabulary are Megatron's to the parameter; what it may differ by is rounding). ep 1 beside tp is refused
+    (test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks)."""
     from shardwise.planner.memory import stage_memory
 
     args = dataclasses.replace(preset("qwen3-30b-a3b-like"), max_seq_len=4096)
@@ -862,8 +870,8 @@ def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks()
     routes its sequence-parallel shard, so the experts' GEMMs, their all-to-alls and the MoE's saved tensors are
     1 / tp of the engine's (which runs the MoE whole on every tp rank); the ep group is the innermost ep ranks (one
     node for tp 2 x ep 4 on 8-GPU nodes, where the engine's, strided by tp, spans the node's 8); and what it does
-    not price is refused with the field to change: tp without sequence parallelism, shared experts beside tp, and
-    ep at ZeRO-1 under a system whose experts are FSDP's."""
+    not price is refused with the field to change: tp without sequence parallelism, ep 1 beside tp, shared experts
+    beside tp, and ep at ZeRO-1 under a system whose experts are FSDP's."""
     from shardwise.planner.comm import expert_links
     from shardwise.planner.experts import dispatch_bytes
     from shardwise.planner.memory import layer_activation_bytes
@@ -877,8 +885,13 @@ def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks()
     folded = Plan(tp=2, dp_replicate=4, ep=4, zero_stage=1, sequence_parallel=True, micro_batch=1, grad_accum=16)
     alone = Plan(dp_replicate=4, ep=4, zero_stage=1, micro_batch=1, grad_accum=16)
     tokens = 4096
+    # the experts' GEMMs by hand: 2 FLOPs a multiply-add, 8 routed pairs a token (balanced), 3 d h each, over the
+    # tp rank's half of the tokens, at the large-GEMM rate
+    flops = 2 * (tokens / 2) * 8 * 3 * args.dim * args.expert_hidden
     assert expert_mlp_times(args, training, folded, acc, tokens)[0] == pytest.approx(
-        expert_mlp_times(args, engine, folded, acc, tokens)[0] / 2, rel=1e-12)
+        flops / (acc.peak("bf16") * acc.matmul_efficiency), rel=1e-12)
+    assert expert_mlp_times(args, engine, folded, acc, tokens)[0] == pytest.approx(
+        2 * flops / (acc.peak("bf16") * acc.matmul_efficiency), rel=1e-12)
     assert dispatch_bytes(args, training, folded) == pytest.approx(dispatch_bytes(args, engine, folded) / 2)
     assert dispatch_bytes(args, training, alone) == dispatch_bytes(args, engine, alone)
     moe_kept = layer_activation_bytes(args, training, folded, "none", moe=True) - layer_activation_bytes(
@@ -895,12 +908,20 @@ def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks()
     job = dict(args=args, training=training, cluster=Cluster(acc, 8))
     with pytest.raises(PlannerError, match="sequence_parallel"):
         search(**job, fixed={"tp": 2, "ep": 4, "sequence_parallel": False, "zero_stage": 1})
+    with pytest.raises(PlannerError, match="--plan ep: 1 with tp=2"):
+        search(**job, fixed={"tp": 2, "ep": 1, "zero_stage": 1})
     shared = dataclasses.replace(args, n_shared_experts=1)
     with pytest.raises(PlannerError, match="--plan tp"):
         search(shared, training, Cluster(acc, 8), fixed={"tp": 2, "ep": 4, "zero_stage": 1})
     titan = Training(**{"seq_len": 4096, "global_batch": 64, **SYSTEMS["torchtitan"].training_fields()})
     with pytest.raises(PlannerError, match="FSDP's ranks"):
         search(args, titan, Cluster(acc, 8), fixed={"ep": 4, "zero_stage": 1})
+    # one data-parallel rank but experts on several: their reduction over tp x dp / ep = 4 ranks is still priced
+    single = Plan(tp=8, ep=2, zero_stage=0, sequence_parallel=True, micro_batch=1, grad_accum=64)
+    assert evaluate(args, training, single, Cluster(acc, 8)).time.detail["dp_comm_s"] > 0
+    # a system file cannot give another layout Megatron-Core's MoE
+    with pytest.raises(PlannerError, match="--system moe_layer"):
+        dataclasses.replace(SYSTEMS["torchtitan"], moe_layer="megatron-core")
     # the search offers it: ep drawn from tp x cp x dp at ZeRO-1, none of it FSDP's
     best = search(**job, fixed={"tp": 2, "ep": 4, "zero_stage": 1, "micro_batch": 1}, top_k=1).ranked
     assert best and (best[0].plan.ep, best[0].plan.dp_shard) == (4, 1)
@@ -910,10 +931,13 @@ def test_megatron_cores_all_to_all_overlap_prices_its_three_phases():
     """Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm) runs a forward and another micro-batch's
     backward of an MoE block together: comm combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd beside comp
     attn_fwd | mlp_bwd -> mlp_bwd_dw -> mlp_fwd | attn_bwd. Worked by hand: all-to-alls of 3 (no counts), attention
-    1 forward and 2 backward, experts 0.5 each pass: 3 + max(3 + 3, 1 + 0.5) + 3 = 12 for 4.5 of compute, 7.5
-    exposed of the 12 run back to back; compute long enough in every phase hides them all. The share merged is all
-    but the first pipeline rank's warm-up: 38 of 2,048 chunk passes for pp 8 x vp 4 at 512 micro-batches. And the
-    235B job of Megatron Bridge's table takes less with it than without, more than its compute."""
+    1 forward and 2 backward, experts 0.5 each pass: the first phase 3; the middle one the two dispatches, 6, against
+    the experts' backward (1) and their forward after the forward's dispatch (3 + 0.5); the last 3: 12 for 4.5 of
+    compute, 7.5 exposed of the 12 run back to back; compute long enough in every phase hides them all. The share
+    merged is all but the first pipeline rank's warm-up, (pp - 1) 2 + (vp - 1) pp and one more forward under the
+    overlap (Megatron-Core's schedules.py): 39 of 2,048 chunk passes for pp 8 x vp 4 at 512 micro-batches. What
+    Megatron refuses of it is refused: a pipeline without virtual stages, full recompute. And the 235B job of
+    Megatron Bridge's table takes less with it than without, more than its compute."""
     from shardwise.planner.timing import ep_overlap_exposed, merged_share, step_time
 
     t = {"experts": 0.5, "experts_bwd_input": 0.5, "experts_bwd_weight": 0.5, "matmul": 1.5, "attention": 0.0,
@@ -924,7 +948,7 @@ def test_megatron_cores_all_to_all_overlap_prices_its_three_phases():
     assert ep_overlap_exposed(busy, copies=3.0, counts=0.0) == 0.0
     plan = Plan(tp=2, pp=8, dp_replicate=16, ep=32, zero_stage=1, sequence_parallel=True,
                 pp_schedule="interleaved-1f1b", virtual_stages=4, micro_batch=1, grad_accum=512)
-    assert merged_share(plan) == pytest.approx(1 - 38 / 2048)
+    assert merged_share(plan) == pytest.approx(1 - 39 / 2048)
     assert merged_share(Plan(micro_batch=1, grad_accum=64)) == pytest.approx(63 / 64)
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import planner_published as published
@@ -938,3 +962,7 @@ def test_megatron_cores_all_to_all_overlap_prices_its_three_phases():
     assert with_overlap.detail["ep_comm_s"] < 0.6 * without.detail["ep_comm_s"]
     with pytest.raises(PlannerError, match="ep_overlap"):
         dataclasses.replace(training, moe_layer="engine")
+    for fixed, key in (({"pp_schedule": "1f1b", "virtual_stages": 1}, "pp_schedule"),
+                       ({"activation_checkpoint": "full"}, "activation_checkpoint")):
+        with pytest.raises(PlannerError, match=f"--plan {key}"):
+            search(run.model, training, cluster, fixed={**published.parse_layout(run.plan, "--plan"), **fixed})

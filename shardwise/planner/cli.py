@@ -267,7 +267,8 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     if layout is None:
         return {}
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
-    owned = {("megatron",): ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8"),
+    owned = {("megatron",): ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8",
+                             "moe_layer", "ep_overlap"),
              ("zero",): ("reduce_bucket_size", "overlap_comm"),
              ("megatron", "zero"): ("overlap_grad_reduce",),
              ("fsdp-mp",): ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}

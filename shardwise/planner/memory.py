@@ -16,7 +16,7 @@ from typing import NamedTuple
 from shardwise.hardware import GiB, PlannerError
 from shardwise.layout import layer_costs, split_layers, stages_of_rank
 from shardwise.model_args import ModelArgs, head_rows, projection_shapes
-from shardwise.planner.experts import deepep_rows, kept_share, routed_per_token
+from shardwise.planner.experts import deepep_rows, kept_share, moe_token_split, routed_per_token
 from shardwise.planner.plan import Plan
 from shardwise.planner.timeline import zbv_order
 from shardwise.planner.workload import (
@@ -74,7 +74,8 @@ def moe_shared_params(args: ModelArgs) -> float:
 
 def expert_params(args: ModelArgs, ep: int = 1) -> float:
     """The routed experts one ep rank holds in one MoE block: n_experts / ep of them, w1 and w3 (hidden x d) and w2
-    (d x hidden) each. With ep > 1 FSDP shards them over Layout.expert_shard_group, apart from the block."""
+    (d x hidden) each. With ep > 1 their state is sharded over Layout.expert_shard_group, apart from the block's
+    (FSDP's, or under Megatron-Core the distributed optimizer's over its expert-data-parallel group)."""
     return args.n_experts // ep * 3 * args.dim * args.expert_hidden
 
 
@@ -139,7 +140,8 @@ class StageShape(NamedTuple):
     moe_layers: int = 0
     """Of `layers`, the mixture-of-experts blocks."""
     experts: float = 0.0
-    """Of `params`, the routed experts (n_experts / ep per MoE block): FSDP shards them over expert_shard_group."""
+    """Of `params`, the routed experts (n_experts / ep per MoE block): their state is sharded over
+    expert_shard_group."""
     last_moe: bool = False
     """The rank's last block, the first whose backward runs, is an MoE block."""
 
@@ -781,13 +783,14 @@ def megatron_moe_terms(args: ModelArgs, training: Training, routed: float, ep: i
     Transformer Engine 2's fused permutation and router (moe_permute_fusion, moe_router_fusion):
 
     * the pre-MLP norm (TENorm, alone: the router and the experts both read its output) its input and rstd, and the
-      router's linear its output, 16-bit (the router is not a float8 linear);
+      router's linear (RouterGatingLinearFunction) its input, the norm's output, 16-bit (not a float8 linear);
     * the fused top-k its fp32 scores and its routing map (one byte an expert), the auxiliary loss's score
       function its own fp32 scores;
     * the permutation (moe_permute_with_probs) its row map, int32 [tokens, 2 E + 1], reused by the unpermutation
       that combines the experts' outputs (the routing weights are applied inside the experts, so the combine keeps
-      no tokens); under ep > 1 the sort of the received rows into local-expert order (sort_chunks_by_idxs) its own
-      int32 row map, one a received row;
+      no tokens); with more than one local expert the sort of the received rows into local-expert order
+      (sort_chunks_by_idxs) its own int32 row map, one a received row (its inverse in the combine, another, is
+      not counted);
     * the grouped MLP (TEGroupedMLP): fc1 (TE's GroupedLinear) its input, the received rows (float8 under TE's
       recipes: te_float8_terms); the fused weighted SwiGLU (weighted_bias_swiglu_impl) its input, fc1's output
       of 2 expert_hidden (float8 under activation_func_fp8_input_store), and the rows' fp32 routing weights; fc2
@@ -806,7 +809,7 @@ def megatron_moe_terms(args: ModelArgs, training: Training, routed: float, ep: i
              Term("permute_row_map", 2 * e + 1, "stat", "seq")]
     if args.aux_loss_coeff > 0:
         terms.append(Term("aux_scores", e, "stat", "seq"))
-    if ep > 1 and e // ep > 1:
+    if e // ep > 1:
         terms.append(Term("expert_sort_map", routed, "stat", "seq"))
     terms += [Term("expert_input", routed * d, "act", "seq"),
               Term("expert_fc1_out", routed * 2 * h, "f8" if training.activation_fp8_input else "act", "seq"),
@@ -1150,8 +1153,9 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     w2's at its own moment; the other moments come after their weights' gradients were added).
     An MoE block (`moe`): inside its routed experts' SwiGLU, whose f/t per token is expert_hidden per routed pair,
     and w2's gradient of every expert the rank holds; under recompute, or inside the replayed forward at the
-    return of the experts' outputs (moe_dispatch_bytes), whichever is larger."""
-    tokens = plan.micro_batch * training.seq_len / plan.cp
+    return of the experts' outputs (moe_dispatch_bytes), whichever is larger. Its rows are the tokens the rank
+    routes (Megatron-Core's: its sequence-parallel shard, experts.moe_token_split)."""
+    tokens = plan.micro_batch * training.seq_len / plan.cp / (moe_token_split(training, plan) if moe else 1)
     e = training.act_bytes
     if moe:
         f = routed_per_token(args, training, plan) * args.expert_hidden
@@ -2220,8 +2224,9 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
         adapted = layers * adapted_base_params(args, training, plan.tp)
         head = args.vocab_size * args.dim / plan.tp if stage == head_rank(plan) and not args.tie_embeddings else 0.0
-        # the routed experts are sharded over expert_shard_group (the dp_shard x cp / ep ranks holding the same
-        # experts; all of shard_group without expert parallelism), everything else over shard_group
+        # the routed experts are sharded over expert_shard_group (the ranks holding the same experts: dp_shard x cp
+        # / ep under FSDP, tp x cp x dp / ep under Megatron-Core's distributed optimizer; all of shard_group without
+        # expert parallelism), everything else over shard_group
         items = model_state_bytes(shape.params - shape.experts, training, plan.zero_stage, plan.shard_group,
                                   plan.offload, trainable, adapted, linears + head, linears)
         experts = model_state_bytes(shape.experts, training, plan.zero_stage, plan.expert_shard_group, plan.offload)

@@ -190,9 +190,10 @@ def system_layout_error(plan: Plan, training) -> ConfigError | None:
 
 
 def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_heads: int, n_experts: int = 0,
-                  moe_layer: str = "engine", n_shared_experts: int = 0) -> None:
+                  moe_layer: str = "engine", n_shared_experts: int = 0, ep_overlap: bool = False) -> None:
     """Raise PlannerError (naming the --plan key) for a plan that cannot run; `n_experts`: a mixture of experts'
-    routed experts, `n_shared_experts` its shared ones, `moe_layer` the system's (Training.moe_layer)."""
+    routed experts, `n_shared_experts` its shared ones, `moe_layer` and `ep_overlap` the system's
+    (Training.moe_layer, Training.ep_overlap)."""
     if plan.world != world:
         raise PlannerError("--plan", f"dp*tp*pp*cp = {plan.world} but --gpus is {world}",
                            "choose degrees whose product is the number of GPUs")
@@ -234,9 +235,10 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
     error = expert_parallel_error(plan, n_experts, moe_layer=moe_layer)
     if error is not None:
         raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
-    error = folded_experts_error(plan, n_experts, n_shared_experts, moe_layer)
-    if error is not None:
-        raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
+    for error in (folded_experts_error(plan, n_experts, n_shared_experts, moe_layer),
+                  ep_overlap_error(plan, ep_overlap)):
+        if error is not None:
+            raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
 
 
 def folded_experts_error(plan: Plan, n_experts: int, n_shared_experts: int, moe_layer: str) -> ConfigError | None:
@@ -244,9 +246,14 @@ def folded_experts_error(plan: Plan, n_experts: int, n_shared_experts: int, moe_
     'megatron-core'), as the error naming the field: it prices expert tensor parallelism 1 (the recipes' setting;
     Megatron's own default splits the experts by tp), each tp rank routing its sequence-parallel shard of the
     tokens, so tp needs sequence parallelism, and no shared experts (Megatron-Core splits them by tp, the planner
-    keeps them whole)."""
+    keeps them whole); nor ep 1 beside tp (the tp ranks would train different gradients of the same experts,
+    which Megatron-Core's data-parallel group does not reduce)."""
     if moe_layer != "megatron-core" or not n_experts or plan.tp == 1:
         return None
+    if plan.ep == 1:
+        return ConfigError("parallel.ep", f"1 with tp={plan.tp} and a mixture of experts: the planner prices "
+                           "Megatron-Core's experts beside tp folded over the tp ranks (expert tensor parallelism "
+                           "1)", f"use an ep that tp={plan.tp} x cp x dp divides, or tp=1")
     if not plan.sequence_parallel:
         return ConfigError("parallel.sequence_parallel", f"false with tp={plan.tp} and a mixture of experts: the "
                            "planner prices Megatron-Core's experts beside tp with each tp rank routing its "
@@ -254,6 +261,23 @@ def folded_experts_error(plan: Plan, n_experts: int, n_shared_experts: int, moe_
     if n_shared_experts:
         return ConfigError("parallel.tp", f"{plan.tp} with {n_shared_experts} shared expert(s): Megatron-Core splits "
                            "them by tp, which the planner does not price", "use tp=1 for this model")
+    return None
+
+
+def ep_overlap_error(plan: Plan, ep_overlap: bool) -> ConfigError | None:
+    """What Megatron-Core refuses of its all-to-all overlap (Training.ep_overlap, transformer_config.py's checks):
+    a pipeline without virtual stages, and full recompute. Without expert parallelism there is nothing to overlap:
+    no error."""
+    if not ep_overlap or plan.ep == 1:
+        return None
+    if plan.pp > 1 and plan.pp_schedule != "interleaved-1f1b":
+        return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule} with pp={plan.pp}, and Megatron-Core overlaps "
+                           "the all-to-alls (ep_overlap) under the interleaved schedule only",
+                           "use pp_schedule=interleaved-1f1b, or a system without ep_overlap")
+    if plan.activation_checkpoint == "full":
+        return ConfigError("parallel.activation_checkpoint", "full, and Megatron-Core's all-to-all overlap "
+                           "(ep_overlap) refuses full recompute", "use none or selective, or a system without "
+                           "ep_overlap")
     return None
 
 

@@ -30,6 +30,7 @@ from shardwise.planner.memory import LINEAR_GROUPS, host_bytes, peak_memory, sta
 from shardwise.planner.plan import (
     Plan,
     engine_runs,
+    ep_overlap_error,
     folded_experts_error,
     partial_checkpoint_error,
     system_layout_error,
@@ -89,7 +90,7 @@ def evaluate(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster) 
     """Memory and time of one plan (validated first)."""
     check_recipe(args, training)
     validate_plan(plan, cluster.gpus, training.global_batch, args.n_layers, args.n_heads, args.n_experts,
-                  training.moe_layer, args.n_shared_experts)
+                  training.moe_layer, args.n_shared_experts, training.ep_overlap)
     stage, mem = peak_memory(args, training, plan)
     return Evaluation(plan, mem, stage, step_time(args, training, plan, cluster), budget(cluster),
                       host_bytes(args, training, plan), cluster.accelerator.host_memory_bytes)
@@ -173,7 +174,7 @@ def plan_space(args: ModelArgs, training: Training, cluster: Cluster, fixed: dic
                 for recompute in recomputes:
                     plan = _with(base, micro_batch=mb, grad_accum=local // mb, pp_schedule=schedule,
                                  virtual_stages=v, activation_checkpoint=recompute)
-                    if engine_runs(plan, training, args):
+                    if engine_runs(plan, training, args) and ep_overlap_error(plan, training.ep_overlap) is None:
                         yield plan
 
 
@@ -301,8 +302,16 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("ep", f"ep={ep} must divide the {args.n_experts} experts and --gpus", "pick a common divisor")
     megatron_moe = training.moe_layer == "megatron-core"  # Megatron-Core's: the tp x cp x dp ranks at ZeRO-0/1
     if args.n_experts and megatron_moe and fixed.get("tp", 1) > 1:
-        error = folded_experts_error(Plan(tp=fixed["tp"], sequence_parallel=fixed.get("sequence_parallel", True)),
-                                     args.n_experts, args.n_shared_experts, training.moe_layer)
+        # (ep left to the search: the search offers ep > 1 beside tp only)
+        partial = Plan(tp=fixed["tp"], ep=fixed.get("ep", 2), sequence_parallel=fixed.get("sequence_parallel", True))
+        error = folded_experts_error(partial, args.n_experts, args.n_shared_experts, training.moe_layer)
+        if error is not None:
+            bad(error.field.removeprefix("parallel."), error.problem, error.fix)
+    if ep > 1 and training.ep_overlap:
+        partial = {k: fixed[k] for k in ("pp", "pp_schedule", "activation_checkpoint") if k in fixed}
+        if "pp_schedule" in partial and partial.get("pp", 2) == 1:
+            partial.pop("pp_schedule")  # (a schedule without a pipeline is refused above)
+        error = ep_overlap_error(Plan(ep=ep, **{"pp": 2, "pp_schedule": "interleaved-1f1b", **partial}), True)
         if error is not None:
             bad(error.field.removeprefix("parallel."), error.problem, error.fix)
     if ep > 1 and megatron_moe and fixed.get("zero_stage", 0) >= 2 and fixed.get("tp", 1) > 1:
@@ -563,7 +572,8 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
     if cluster.accelerator.host_memory_bytes and host > cluster.accelerator.host_memory_bytes:
         result.least_host = min(result.least_host, host)
         return
-    recomputes = _recomputes(fixed)
+    # (Megatron-Core's all-to-all overlap refuses full recompute: plan.ep_overlap_error)
+    recomputes = [r for r in _recomputes(fixed) if r != "full" or not (training.ep_overlap and base.ep > 1)]
     # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight
     # and place the head differently: zero-bubble's V puts it on the first rank): the least of one sequence per
     # micro-batch and, where the schedule can run it, the whole local batch as one micro-batch. The second is not
@@ -735,8 +745,11 @@ def _schedules(args: ModelArgs, training: Training, base: Plan, fixed: dict,
         return [(base.pp_schedule, 1)] if "pp_schedule" not in fixed else []
     # 1f1b too: the engine cannot run zero-bubble with ZeRO-3 or selective recompute (see engine_runs); only the
     # schedules the system runs (Training.pp_schedules)
+    # (Megatron-Core overlaps the all-to-alls under the interleaved schedule only: plan.ep_overlap_error)
+    overlap = training.ep_overlap and base.ep > 1
     names = [n for n in _choices(fixed, "pp_schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
-             if n in training.pp_schedules and (fixed.get("virtual_stages", 1) == 1 or n == "interleaved-1f1b")]
+             if n in training.pp_schedules and (fixed.get("virtual_stages", 1) == 1 or n == "interleaved-1f1b")
+             and (n == "interleaved-1f1b" or not overlap)]
     out = []
     for name in names:
         if name == "interleaved-1f1b":

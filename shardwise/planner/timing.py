@@ -114,7 +114,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     """Seconds of one block's forward on one rank for one micro-batch: matmuls, attention, elementwise. An MoE
     block (`moe`): its attention's matmuls, and per token the router's (n_experts x d), the routed experts' (3 d
     expert_hidden per pair the busiest rank computes: experts.routed_per_token) and the shared experts', none
-    split by tp (every tp rank runs the whole MoE)."""
+    split by tp (every tp rank runs the whole MoE; under Megatron-Core's each routes its sequence-parallel shard,
+    moe_linear_times); the experts' own ('experts', 'experts_bwd_input', 'experts_bwd_weight': expert_mlp_times)
+    apart too, for Megatron-Core's all-to-all overlap (_ep_comm)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
     if moe:  # (refuses torchao's float8 of the experts)
@@ -182,14 +184,15 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     """Seconds of an MoE block's matmuls on one rank over `tokens` rows, (forward, input gradients, weight
     gradients), each pass the same: the attention's linears (split by tp), the router (n_experts x d), the shared
     experts' SwiGLU and the routed experts' (3 d expert_hidden per (token, expert) pair the busiest rank computes:
-    experts.routed_per_token), none of the MoE split by tp, all at the large-GEMM rate (the experts' grouped GEMMs'
-    shapes per expert are not modelled). In float8 through Transformer Engine (Megatron-Core: TE's Linear and
-    GroupedLinear) every linear but the router runs at the fp8 peak, and TE's casts are added as for a dense block
-    (te_float8_cast_seconds): the attention's qkv (its input from the fused norm) and proj over the tokens, the
-    shared experts' fc1 and fc2 over the tokens, the routed experts' over their (token, expert) pairs, with the
-    rank's experts' weights cast once a step (per micro-batch under ZeRO-3), one cast kernel a module (TE's
-    GroupedLinear quantises each expert's weight apart: their per-kernel floor is not counted, nor each expert's
-    token padding). torchao's float8 of the experts is refused."""
+    experts.routed_per_token), the MoE's over every token on every tp rank (or under Megatron-Core's MoE layer
+    each tp rank's sequence-parallel shard: experts.moe_token_split), all at the large-GEMM rate (the experts'
+    grouped GEMMs' shapes per expert are not modelled). In float8 through Transformer Engine (Megatron-Core: TE's
+    Linear and GroupedLinear) every linear but the router runs at the fp8 peak, and TE's casts are added as for a
+    dense block (te_float8_cast_seconds): the attention's qkv (its input from the fused norm) and proj over the
+    tokens, the shared experts' fc1 and fc2 over the MoE's rows, the routed experts' over their (token, expert)
+    pairs, with the rank's experts' weights cast once a step (per micro-batch under ZeRO-3), one cast kernel a
+    module (TE's GroupedLinear quantises each expert's weight apart: their per-kernel floor is not counted, nor each
+    expert's token padding). torchao's float8 of the experts is refused."""
     if training.linear_dtype == "fp8" and training.float8 == "torchao":
         raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
                            "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
@@ -903,16 +906,15 @@ def ep_overlap_exposed(t: dict, copies: float, counts: float, sm_share: float = 
 def merged_share(plan: Plan) -> float:
     """Of a rank's forward and backward passes of model chunks in a step, the share Megatron-Core's combined 1F1B
     runs merged: all but the warm-up forwards before the first backward (and as many backwards at the end), on the
-    first pipeline rank, which waits longest: (pp - 1) x 2 + (vp - 1) x pp of M x vp chunk passes under the
-    interleaved schedule (schedules.py's warm-up count), pp - 1 of M under 1F1B, and without a pipeline the first
-    micro-batch's forward of M (forward_backward_no_pipelining merges each forward with the previous backward)."""
+    first pipeline rank, which waits longest: (pp - 1) x 2 + (vp - 1) x pp + 1 of M x vp chunk passes under the
+    interleaved schedule (schedules.py's warm-up count, one more forward under the overlap), and without a pipeline
+    the first micro-batch's forward of M (forward_backward_no_pipelining merges each forward with the previous
+    backward). Megatron runs the overlap under no other pipeline schedule (plan.ep_overlap_error)."""
     m, pp, vp = plan.grad_accum, plan.pp, plan.virtual_stages
     if pp == 1:
         warm, passes = 1, m
-    elif plan.pp_schedule == "interleaved-1f1b":
-        warm, passes = (pp - 1) * 2 + (vp - 1) * pp, m * vp
     else:
-        warm, passes = pp - 1, m
+        warm, passes = (pp - 1) * 2 + (vp - 1) * pp + 1, m * vp
     return max(0.0, 1 - warm / passes)
 
 
@@ -1052,7 +1054,8 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
     red_n, red_link = axis_link(plan, ("dp_replicate", "dp_shard", "cp"), cluster, spread=True)
     sh_n, sh_link = axis_link(plan, plan.shard_axes, cluster, spread=True)
     rep_n, rep_link = axis_link(plan, ("dp_replicate",), cluster, spread=True) if plan.zero_stage >= 2 else (1, None)
-    if red_n == 1:
+    (_, _), (ex_n, ex_link) = expert_links(plan, cluster)
+    if red_n == 1 and (plan.ep == 1 or ex_n == 1):  # (Megatron-Core's experts fold over tp: their group may not be 1)
         return 0.0, 0.0
     b = state_bytes_per_param(training)
     where = placement(args, plan, training.seq_len, training.pipeline_split)
@@ -1085,7 +1088,6 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         return (full * op(per_bucket * block, n, link) + (op(rest * block, n, link) if rest else 0.0)
                 + (op(root, n, link) if root > 0 else 0.0))
 
-    (_, _), (ex_n, ex_link) = expert_links(plan, cluster)
 
     def expert_units(op, bytes_per_param: float, n: int, link) -> float:
         # one collective per MoE block's experts (their FSDP unit)
