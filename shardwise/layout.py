@@ -222,13 +222,15 @@ def complete_layout(fixed: dict, world: int | None = None, source: str = "--layo
 
 
 def engine_cannot_run(layout: Layout, precision: str, compile: bool = False,
-                      optimizer: str = "adamw") -> ConfigError | None:
+                      optimizer: str = "adamw", engine_moe: bool = True) -> ConfigError | None:
     """What the engine cannot run on torch 2.13 in this layout, as the error naming the field (None: it can). The
-    config refuses these jobs and the planner's search leaves these plans out."""
+    config refuses these jobs and the planner's search leaves these plans out. `engine_moe` False: the mixture of
+    experts is not the engine's (the planner's Megatron-Core MoE layer, whose selective recompute is the attention
+    core's and replays no all-to-all)."""
     error = _offload_error(layout) or _optimizer_error(layout, optimizer) or _mixed_precision_error(layout, precision)
     if error is not None:
         return error
-    if layout.ep > 1 and layout.activation_checkpoint == "selective":
+    if layout.ep > 1 and layout.activation_checkpoint == "selective" and engine_moe:
         return ConfigError("parallel.activation_checkpoint", "selective checkpointing cannot replay expert "
                            "parallelism's all-to-all in torch 2.13 (its recompute does not find the functional "
                            "collective's records)", "use 'full' or 'none' with ep > 1")

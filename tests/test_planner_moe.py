@@ -778,8 +778,8 @@ def test_a_float8_moe_block_through_transformer_engine_is_priced_and_torchaos_is
     the shared experts' fc2 input in float8, the FFN norm's output in bf16 for the router and a float8 copy of it
     for the shared experts' fc1. torchao's float8 is refused. On a GPU of 1 GB/s every cast is bandwidth-bound (at
     an H100's bandwidth this block's casts sit at the 2 us floor, which no shape moves). Megatron-Core's experts
-    beside tp split the tokens (test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks): tp 1
-    here, with ep over the distributed optimizer's ranks and over FSDP's."""
+    beside tp route each tp rank's half of the tokens: the tp 2 case splits the attention's linears by tp over
+    every token and runs the router and the experts over half of them."""
     from shardwise.planner.experts import routed_per_token
     from shardwise.planner.memory import block_terms, term_bytes
     from shardwise.planner.system import SYSTEMS
@@ -874,7 +874,7 @@ def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks()
     beside tp, and ep at ZeRO-1 under a system whose experts are FSDP's."""
     from shardwise.planner.comm import expert_links
     from shardwise.planner.experts import dispatch_bytes
-    from shardwise.planner.memory import layer_activation_bytes
+    from shardwise.planner.memory import block_backward_bytes, layer_activation_bytes
     from shardwise.planner.timing import expert_mlp_times
 
     args = dataclasses.replace(preset("qwen3-30b-a3b-like"), max_seq_len=4096)
@@ -910,18 +910,40 @@ def test_megatron_cores_experts_fold_over_tp_and_replicate_over_the_data_ranks()
         search(**job, fixed={"tp": 2, "ep": 4, "sequence_parallel": False, "zero_stage": 1})
     with pytest.raises(PlannerError, match="--plan ep: 1 with tp=2"):
         search(**job, fixed={"tp": 2, "ep": 1, "zero_stage": 1})
+    with pytest.raises(PlannerError, match="--plan zero_stage: 3 with tp=2"):
+        search(**job, fixed={"tp": 2, "zero_stage": 3})
     shared = dataclasses.replace(args, n_shared_experts=1)
     with pytest.raises(PlannerError, match="--plan tp"):
         search(shared, training, Cluster(acc, 8), fixed={"tp": 2, "ep": 4, "zero_stage": 1})
     titan = Training(**{"seq_len": 4096, "global_batch": 64, **SYSTEMS["torchtitan"].training_fields()})
     with pytest.raises(PlannerError, match="FSDP's ranks"):
         search(args, titan, Cluster(acc, 8), fixed={"ep": 4, "zero_stage": 1})
-    # one data-parallel rank but experts on several: their reduction over tp x dp / ep = 4 ranks is still priced
+    # one data-parallel rank but experts on several: each MoE block's experts (E / 2 of them) all-reduced over the
+    # tp x dp / ep = 4 ranks holding them, in the reduce dtype
+    from shardwise.planner.comm import all_reduce
+    from shardwise.planner.memory import expert_params, reduce_grad_bytes
+
     single = Plan(tp=8, ep=2, zero_stage=0, sequence_parallel=True, micro_batch=1, grad_accum=64)
-    assert evaluate(args, training, single, Cluster(acc, 8)).time.detail["dp_comm_s"] > 0
+    _, (four, four_link) = expert_links(single, Cluster(acc, 8))
+    assert evaluate(args, training, single, Cluster(acc, 8)).time.detail["dp_comm_s"] == pytest.approx(
+        args.n_moe_layers * all_reduce(expert_params(args, 2) * reduce_grad_bytes(training), four, four_link))
+    assert four == 4
+    # the backward's replay of a block under a selective policy that recomputes the MoE holds the rank's shard
+    matmuls = dataclasses.replace(training, selective="matmuls")
+    replayed = [block_backward_bytes(args, matmuls, Plan(tp=t, sequence_parallel=t > 1, dp_replicate=8 // t, ep=4,
+                                                         zero_stage=1, activation_checkpoint="selective",
+                                                         micro_batch=1, grad_accum=8), moe=True)["recomputed"]
+                for t in (1, 2)]
+    assert replayed[1] == pytest.approx(replayed[0] / 2)
     # a system file cannot give another layout Megatron-Core's MoE
     with pytest.raises(PlannerError, match="--system moe_layer"):
         dataclasses.replace(SYSTEMS["torchtitan"], moe_layer="megatron-core")
+    # Megatron's selective recompute (the attention core's) beside ep, which the engine's MoE cannot run (torch
+    # 2.13 does not replay its all-to-all: layout.engine_cannot_run), is offered
+    from shardwise.planner.plan import engine_error
+
+    assert engine_error(dataclasses.replace(folded, activation_checkpoint="selective"), training, args) is None
+    assert engine_error(dataclasses.replace(folded, activation_checkpoint="selective"), engine, args) is not None
     # the search offers it: ep drawn from tp x cp x dp at ZeRO-1, none of it FSDP's
     best = search(**job, fixed={"tp": 2, "ep": 4, "zero_stage": 1, "micro_batch": 1}, top_k=1).ranked
     assert best and (best[0].plan.ep, best[0].plan.dp_shard) == (4, 1)
@@ -962,7 +984,17 @@ def test_megatron_cores_all_to_all_overlap_prices_its_three_phases():
     assert with_overlap.detail["ep_comm_s"] < 0.6 * without.detail["ep_comm_s"]
     with pytest.raises(PlannerError, match="ep_overlap"):
         dataclasses.replace(training, moe_layer="engine")
+    given = published.parse_layout(run.plan, "--plan")
     for fixed, key in (({"pp_schedule": "1f1b", "virtual_stages": 1}, "pp_schedule"),
+                       ({"virtual_stages": 1}, "pp_schedule"),
                        ({"activation_checkpoint": "full"}, "activation_checkpoint")):
         with pytest.raises(PlannerError, match=f"--plan {key}"):
-            search(run.model, training, cluster, fixed={**published.parse_layout(run.plan, "--plan"), **fixed})
+            search(run.model, training, cluster, fixed={**given, **fixed})
+    # left free, the search offers neither: with full recompute fixed it keeps ep 1, and its pipelines interleave
+    small = Cluster(accelerator("h100"), 16)
+    job = dict(args=published.QWEN3_30B, training=dataclasses.replace(training, global_batch=64), cluster=small)
+    ranked = search(**job, fixed={"activation_checkpoint": "full", "pp": 2}, top_k=50).ranked
+    assert ranked and all(e.plan.ep == 1 for e in ranked)
+    ranked = search(**job, fixed={"ep": 8, "pp": 2}, top_k=50).ranked
+    assert ranked and all(e.plan.pp_schedule == "interleaved-1f1b" and e.plan.virtual_stages > 1
+                          and e.plan.activation_checkpoint != "full" for e in ranked)

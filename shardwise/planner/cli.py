@@ -279,7 +279,22 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:
     """A whole plan from --plan's keys, filling what it omits with shardwise.layout's defaults and the least-memory
     batch split and recompute; used to report a given plan (fits or not) when no completion of it fits."""
-    least = {"activation_checkpoint": "full", **({"zero_stage": 3} if fixed.get("ep", 1) > 1 else {})}
+    megatron_moe = training.moe_layer == "megatron-core" and args.n_experts
+    least = {"activation_checkpoint": "full",
+             **({"zero_stage": 3} if fixed.get("ep", 1) > 1 and not megatron_moe else {})}
+    if megatron_moe and fixed.get("tp", 1) > 1 and "ep" not in fixed:
+        # Megatron-Core's experts beside tp fold over it (plan.folded_experts_error): the smallest ep that can
+        ranks = world // fixed.get("pp", 1)  # tp x cp x dp
+        least["ep"] = next((e for e in range(2, ranks + 1) if ranks % e == 0 and args.n_experts % e == 0), 1)
+    if megatron_moe and fixed.get("tp", 1) > 1:
+        least["sequence_parallel"] = True  # (each tp rank routes its shard)
+    if megatron_moe and fixed.get("ep", least.get("ep", 1)) > 1 and "dp_shard" not in fixed:
+        least.setdefault("zero_stage", 1)  # its experts beside the distributed optimizer (ZeRO-1)
+    if training.ep_overlap and fixed.get("ep", least.get("ep", 1)) > 1:
+        # what its all-to-all overlap runs with (plan.ep_overlap_error): no full recompute, virtual stages
+        least["activation_checkpoint"] = "selective"
+        if fixed.get("pp", 1) > 1 and "pp_schedule" not in fixed:
+            least.update(pp_schedule="interleaved-1f1b", virtual_stages=2)
     if "zero_stage" not in fixed and "dp_replicate" not in fixed and max(training.zero_stages) >= 2 and (
             0 not in training.zero_stages or training.ddp_alone):
         least["zero_stage"] = max(training.zero_stages)  # the system's sharding (torchtune has no DDP)

@@ -1155,7 +1155,8 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
     and w2's gradient of every expert the rank holds; under recompute, or inside the replayed forward at the
     return of the experts' outputs (moe_dispatch_bytes), whichever is larger. Its rows are the tokens the rank
     routes (Megatron-Core's: its sequence-parallel shard, experts.moe_token_split)."""
-    tokens = plan.micro_batch * training.seq_len / plan.cp / (moe_token_split(training, plan) if moe else 1)
+    block_tokens = plan.micro_batch * training.seq_len / plan.cp  # (term_bytes splits each term itself)
+    tokens = block_tokens / (moe_token_split(training, plan) if moe else 1)
     e = training.act_bytes
     if moe:
         f = routed_per_token(args, training, plan) * args.expert_hidden
@@ -1178,7 +1179,7 @@ def block_backward_bytes(args: ModelArgs, training: Training, plan: Plan, moe: b
         # tensors that set lacks, as wq's output beside the rotated q it replays: those are not rebuilt)
         out["recomputed"] = (layer_activation_bytes(args, training, plan, "none", moe=moe)
                              - layer_activation_bytes(args, training, plan, moe=moe)
-                             + tokens * kept_beyond_autograd(args, training, plan, moe))
+                             + block_tokens * kept_beyond_autograd(args, training, plan, moe))
         if moe:
             # the replayed forward also casts the experts again; at the return of their outputs it holds the
             # dispatch's buffers, before any gradient of the block exists: the larger of that and the SiLU's

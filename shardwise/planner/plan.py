@@ -55,7 +55,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     without full recompute (Training.activation_offload), the optimizer in backward under accumulation
     (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective);
     and the planner's own: checkpointing every k-th block where it does not price it (partial_checkpoint_error)."""
-    error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer)
+    error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer,
+                              engine_moe=training.moe_layer == "engine")
     if error is None:
         error = system_parallel_error(plan, training)
     if error is None:
@@ -246,34 +247,40 @@ def folded_experts_error(plan: Plan, n_experts: int, n_shared_experts: int, moe_
     'megatron-core'), as the error naming the field: it prices expert tensor parallelism 1 (the recipes' setting;
     Megatron's own default splits the experts by tp), each tp rank routing its sequence-parallel shard of the
     tokens, so tp needs sequence parallelism, and no shared experts (Megatron-Core splits them by tp, the planner
-    keeps them whole); nor ep 1 beside tp (the tp ranks would train different gradients of the same experts,
-    which Megatron-Core's data-parallel group does not reduce)."""
+    keeps them whole); nor ep 1 beside tp (Megatron runs it, its experts' group then tp x cp x dp, which the
+    planner does not separate from the data-parallel one at ep 1); nor beside tp at ZeRO-2/3 (Megatron's FSDP)."""
     if moe_layer != "megatron-core" or not n_experts or plan.tp == 1:
         return None
+    if n_shared_experts:
+        return ConfigError("parallel.tp", f"{plan.tp} with {n_shared_experts} shared expert(s): Megatron-Core splits "
+                           "them by tp, which the planner does not price", "use tp=1 for this model")
+    if plan.zero_stage >= 2:
+        return ConfigError("parallel.zero_stage", f"{plan.zero_stage} with tp={plan.tp} and a mixture of experts: "
+                           "Megatron-Core's FSDP beside tp is not priced for its experts",
+                           "use zero_stage 0 or 1 (the distributed optimizer), or tp=1")
     if plan.ep == 1:
         return ConfigError("parallel.ep", f"1 with tp={plan.tp} and a mixture of experts: the planner prices "
                            "Megatron-Core's experts beside tp folded over the tp ranks (expert tensor parallelism "
-                           "1)", f"use an ep that tp={plan.tp} x cp x dp divides, or tp=1")
+                           "1) with ep > 1", f"use an ep > 1 that tp={plan.tp} x cp x dp divides, or tp=1")
     if not plan.sequence_parallel:
         return ConfigError("parallel.sequence_parallel", f"false with tp={plan.tp} and a mixture of experts: the "
                            "planner prices Megatron-Core's experts beside tp with each tp rank routing its "
                            "sequence-parallel shard", "set sequence_parallel=true")
-    if n_shared_experts:
-        return ConfigError("parallel.tp", f"{plan.tp} with {n_shared_experts} shared expert(s): Megatron-Core splits "
-                           "them by tp, which the planner does not price", "use tp=1 for this model")
     return None
 
 
 def ep_overlap_error(plan: Plan, ep_overlap: bool) -> ConfigError | None:
     """What Megatron-Core refuses of its all-to-all overlap (Training.ep_overlap, transformer_config.py's checks):
-    a pipeline without virtual stages, and full recompute. Without expert parallelism there is nothing to overlap:
-    no error."""
+    a pipeline without virtual stages (a virtual pipeline of 1 is none: arguments.py), and full recompute. It also
+    asserts ep > 1; a system's ep_overlap describes the overlap where there is an all-to-all, so a plan without ep
+    is priced as the recipe would run without the flag, not refused."""
     if not ep_overlap or plan.ep == 1:
         return None
-    if plan.pp > 1 and plan.pp_schedule != "interleaved-1f1b":
-        return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule} with pp={plan.pp}, and Megatron-Core overlaps "
-                           "the all-to-alls (ep_overlap) under the interleaved schedule only",
-                           "use pp_schedule=interleaved-1f1b, or a system without ep_overlap")
+    if plan.pp > 1 and (plan.pp_schedule != "interleaved-1f1b" or plan.virtual_stages < 2):
+        return ConfigError("parallel.pp_schedule", f"{plan.pp_schedule} with {plan.virtual_stages} stage(s) per rank "
+                           f"and pp={plan.pp}, and Megatron-Core overlaps the all-to-alls (ep_overlap) under the "
+                           "interleaved schedule only", "use pp_schedule=interleaved-1f1b with virtual_stages >= 2, "
+                           "or a system without ep_overlap")
     if plan.activation_checkpoint == "full":
         return ConfigError("parallel.activation_checkpoint", "full, and Megatron-Core's all-to-all overlap "
                            "(ep_overlap) refuses full recompute", "use none or selective, or a system without "

@@ -302,21 +302,21 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("ep", f"ep={ep} must divide the {args.n_experts} experts and --gpus", "pick a common divisor")
     megatron_moe = training.moe_layer == "megatron-core"  # Megatron-Core's: the tp x cp x dp ranks at ZeRO-0/1
     if args.n_experts and megatron_moe and fixed.get("tp", 1) > 1:
-        # (ep left to the search: the search offers ep > 1 beside tp only)
-        partial = Plan(tp=fixed["tp"], ep=fixed.get("ep", 2), sequence_parallel=fixed.get("sequence_parallel", True))
+        # (a free ep or ZeRO stage: the search offers ep > 1 beside tp at ZeRO-0/1 only; dp_shard > 1 is ZeRO-2/3)
+        zero = fixed.get("zero_stage", 2 if fixed.get("dp_shard", 1) > 1 else 1)
+        partial = Plan(tp=fixed["tp"], ep=fixed.get("ep", 2), sequence_parallel=fixed.get("sequence_parallel", True),
+                       zero_stage=zero)
         error = folded_experts_error(partial, args.n_experts, args.n_shared_experts, training.moe_layer)
         if error is not None:
             bad(error.field.removeprefix("parallel."), error.problem, error.fix)
     if ep > 1 and training.ep_overlap:
-        partial = {k: fixed[k] for k in ("pp", "pp_schedule", "activation_checkpoint") if k in fixed}
-        if "pp_schedule" in partial and partial.get("pp", 2) == 1:
-            partial.pop("pp_schedule")  # (a schedule without a pipeline is refused above)
-        error = ep_overlap_error(Plan(ep=ep, **{"pp": 2, "pp_schedule": "interleaved-1f1b", **partial}), True)
+        partial = {k: fixed[k] for k in ("pp", "pp_schedule", "virtual_stages", "activation_checkpoint") if k in fixed}
+        if partial.get("pp", 2) == 1:
+            partial = {k: v for k, v in partial.items() if k not in ("pp_schedule", "virtual_stages")}
+        error = ep_overlap_error(Plan(ep=ep, **{"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                                **partial}), True)
         if error is not None:
             bad(error.field.removeprefix("parallel."), error.problem, error.fix)
-    if ep > 1 and megatron_moe and fixed.get("zero_stage", 0) >= 2 and fixed.get("tp", 1) > 1:
-        bad("ep", f"ep={ep} beside tp={fixed['tp']} at ZeRO-{fixed['zero_stage']} (Megatron-Core's FSDP) is not "
-            "priced", "use zero_stage 0 or 1 (the distributed optimizer), or tp=1")
     if ep > 1 and not megatron_moe and {"dp_shard", "cp"} <= set(fixed) and (fixed["dp_shard"] * cp) % ep:
         bad("ep", f"ep={ep} splits the experts over the dp_shard x cp = {fixed['dp_shard'] * cp} ranks of "
             "ZeRO-2/3, and does not divide them", "make dp_shard x cp a multiple of ep")
@@ -574,6 +574,8 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
         return
     # (Megatron-Core's all-to-all overlap refuses full recompute: plan.ep_overlap_error)
     recomputes = [r for r in _recomputes(fixed) if r != "full" or not (training.ep_overlap and base.ep > 1)]
+    if not recomputes:
+        return
     # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight
     # and place the head differently: zero-bubble's V puts it on the first rank): the least of one sequence per
     # micro-batch and, where the schedule can run it, the whole local batch as one micro-batch. The second is not
@@ -754,7 +756,8 @@ def _schedules(args: ModelArgs, training: Training, base: Plan, fixed: dict,
     for name in names:
         if name == "interleaved-1f1b":
             vs = _choices(fixed, "virtual_stages", list(range(2, max_virtual + 1)))
-            out += [(name, v) for v in vs if base.pp * v <= args.n_layers]  # a stage holds at least one block
+            out += [(name, v) for v in vs if base.pp * v <= args.n_layers  # a stage holds at least one block
+                    and (v > 1 or not overlap)]
         elif name != "zero-bubble" or 2 * base.pp <= args.n_layers:  # the V needs two stages per rank
             out.append((name, 1))
     return out
