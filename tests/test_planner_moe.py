@@ -150,7 +150,6 @@ def test_plan_output_shows_total_and_active_parameters(capsys):
     assert "ep" in report["plans"][0] and "ep_comm" in report["plans"][0]["time_s"]
 
 
-
 def test_plan_output_states_the_routing_it_assumes(capsys):
     """The table's step times rest on a routing load: the line under it says which (dropless or the capacity, and
     the busiest ep rank's load, derived for an untrained router or as stated), the number the search used."""
@@ -174,6 +173,7 @@ def test_expert_imbalance_on_a_dense_model_is_refused(capsys):
     assert run_plan(_ns("--model", "llama3-8b", "--gpus", "8", "--expert-imbalance", "1.5")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardwise: error: --expert-imbalance: llama3-8b is a dense model") and "\n" not in err
+
 
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "qwen3-30b-a3b-like"])
 def test_a_stated_imbalance_is_capped_at_what_a_rank_can_take(model, capsys):
@@ -199,8 +199,6 @@ def test_a_stated_imbalance_is_capped_at_what_a_rank_can_take(model, capsys):
 
 # ---------------------------------------------------------------------------------------------------
 # Activations: what the real MoE block saves for backward
-
-
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
