@@ -276,7 +276,8 @@ def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the mode
     so how ep divides the ranks is checked then. `moe_layer` 'megatron-core': what the planner prices of
     Megatron-Core's expert parallelism (the planner's Training.moe_layer): at ZeRO-0/1 ep divides the tp x cp x dp
     ranks (expert tensor parallelism 1: the expert groups folded over the tp ranks, each routing its
-    sequence-parallel shard); at ZeRO-2/3 (its FSDP) as the engine's, without tp."""
+    sequence-parallel shard); at ZeRO-2/3 (its FSDP) as the engine's (beside tp the planner's
+    folded_experts_error refuses it)."""
     ep = layout.ep
     if ep == 1:
         return None
@@ -292,9 +293,6 @@ def expert_parallel_error(layout: Layout, n_experts: int, model: str = "the mode
             return ConfigError("parallel.ep", f"ep={ep} is drawn from the tp x cp x dp = {group} ranks and does not "
                                "divide them", f"use an ep dividing {group}")
         return None
-    if moe_layer == "megatron-core" and layout.tp > 1:
-        return ConfigError("parallel.ep", f"ep={ep} beside tp={layout.tp} at ZeRO-{layout.zero_stage} (Megatron-Core's "
-                           "FSDP) is not priced", "use zero_stage 0 or 1 (the distributed optimizer), or tp = 1")
     if layout.zero_stage < 2:
         return ConfigError("parallel.ep", f"ep={ep} splits the experts over FSDP's ranks and zero_stage is "
                            f"{layout.zero_stage}", "use zero_stage 2 or 3, with dp_shard x cp a multiple of ep")

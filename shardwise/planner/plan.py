@@ -233,11 +233,9 @@ def validate_plan(plan: Plan, world: int, global_batch: int, n_layers: int, n_he
     if plan.mixed_precision not in MIXED_PRECISIONS:
         raise PlannerError("--plan mixed_precision", f"{plan.mixed_precision!r}",
                            f"use one of {', '.join(MIXED_PRECISIONS)}")
-    error = expert_parallel_error(plan, n_experts, moe_layer=moe_layer)
-    if error is not None:
-        raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
+    # (Megatron-Core's experts beside tp first: its refusals name the field to change, whatever ep)
     for error in (folded_experts_error(plan, n_experts, n_shared_experts, moe_layer),
-                  ep_overlap_error(plan, ep_overlap)):
+                  expert_parallel_error(plan, n_experts, moe_layer=moe_layer), ep_overlap_error(plan, ep_overlap)):
         if error is not None:
             raise PlannerError(f"--plan {error.field.removeprefix('parallel.')}", error.problem, error.fix)
 

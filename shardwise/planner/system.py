@@ -219,9 +219,6 @@ class System:
             if value and self.layout != "megatron":
                 raise PlannerError(f"--system {key}", f"it describes Megatron-Core's MoE layer, not the layout "
                                    f"{self.layout}", f'start from base = "megatron-core", or leave {key} out')
-        if self.ep_overlap and self.moe_layer != "megatron-core":
-            raise PlannerError("--system ep_overlap", "Megatron-Core's combined 1F1B, and the MoE layer is "
-                               f"{self.moe_layer}'s", 'set moe_layer = "megatron-core", or leave ep_overlap out')
 
     def training_fields(self) -> dict:
         """The Training fields this system fixes."""

@@ -119,8 +119,9 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
     apart too, for Megatron-Core's all-to-all overlap (_ep_comm)."""
     peak = acc.peak(training.compute_dtype)
     q_tokens = plan.micro_batch * training.seq_len / plan.cp
+    experts = expert_mlp_times(args, training, plan, acc, q_tokens) if moe else (0.0, 0.0, 0.0)
     if moe:  # (refuses torchao's float8 of the experts)
-        mm, mm_in, mm_w = moe_linear_times(args, training, plan, acc, q_tokens)
+        mm, mm_in, mm_w = moe_linear_times(args, training, plan, acc, q_tokens, experts)
     else:
         mm, mm_in, mm_w = linear_times(args, training, plan, acc, q_tokens)
     # the last linear's forward, which a recompute that stops early leaves out (an MoE block's is not modelled)
@@ -171,7 +172,6 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
             cast = q_tokens * 2 * args.ffn_hidden / plan.tp * 3 / bandwidth
             elementwise, elementwise_bwd = elementwise + cast, elementwise_bwd + cast
     adapter, adapter_in, adapter_w = (0.0, 0.0, 0.0) if moe else adapter_times(args, training, plan, acc, q_tokens)
-    experts = expert_mlp_times(args, training, plan, acc, q_tokens) if moe else (0.0, 0.0, 0.0)
     return {"experts": experts[0], "experts_bwd_input": experts[1], "experts_bwd_weight": experts[2],
             "matmul": mm, "matmul_bwd_input": mm_in, "matmul_bwd_weight": mm_w, "matmul_last": tail,
             "attention": attn, "attention_bwd": attn_bwd, "elementwise": elementwise,
@@ -180,7 +180,7 @@ def layer_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerato
 
 
 def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator,
-                     tokens: float) -> tuple[float, float, float]:
+                     tokens: float, experts: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
     """Seconds of an MoE block's matmuls on one rank over `tokens` rows, (forward, input gradients, weight
     gradients), each pass the same: the attention's linears (split by tp), the router (n_experts x d), the shared
     experts' SwiGLU and the routed experts' (3 d expert_hidden per (token, expert) pair the busiest rank computes:
@@ -192,7 +192,8 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
     tokens, the shared experts' fc1 and fc2 over the MoE's rows, the routed experts' over their (token, expert)
     pairs, with the rank's experts' weights cast once a step (per micro-batch under ZeRO-3), one cast kernel a
     module (TE's GroupedLinear quantises each expert's weight apart: their per-kernel floor is not counted, nor each
-    expert's token padding). torchao's float8 of the experts is refused."""
+    expert's token padding). torchao's float8 of the experts is refused. `experts`: expert_mlp_times' result,
+    where the caller has it already."""
     if training.linear_dtype == "fp8" and training.float8 == "torchao":
         raise PlannerError("--precision", f"torchao's float8 training of {args.name}'s mixture of experts (its "
                            "grouped expert GEMMs) is not modelled", "use --precision bf16, or a system that trains "
@@ -212,7 +213,7 @@ def moe_linear_times(args: ModelArgs, training: Training, plan: Plan, acc: Accel
         cast_fwd, cast_bwd = te_float8_cast_seconds(attention, tokens, bandwidth, share, current=current,
                                                     stored=training.float8_frozen_weights)
         fwd, bwd_in = fwd + cast_fwd, bwd_in + cast_bwd
-    experts = expert_mlp_times(args, training, plan, acc, tokens)
+    experts = experts or expert_mlp_times(args, training, plan, acc, tokens)
     return fwd + experts[0], bwd_in + experts[1], bwd_w + experts[2]
 
 
