@@ -137,7 +137,9 @@ class Run:
     """The matmul precision (Training.precision): fp8 for torchao's float8 training of the blocks' linears."""
     attention_kernel: str | None = None
     """The fused attention kernel (Training.attention_kernel), where the run's differs from its system's (the
-    FlashAttention column of FlashAttention-2's table: flash1) or a row described field by field states one."""
+    FlashAttention column of FlashAttention-2's table: flash1; NVIDIA's NeMo runs of 2023-24 whose launch scripts
+    turned Transformer Engine's cuDNN attention off: flash2, NEMO_FLASH_ATTN) or a row described field by field
+    states one."""
     fused_rmsnorm: bool = True
     """Whether torch.nn.RMSNorm ran as torch's fused kernel (Training.fused_rmsnorm): on a GPU since torch 2.8
     (pytorch/pytorch PR 153666, May 2025); before that its composite form, several eager passes."""
@@ -1070,6 +1072,23 @@ def mcore_runs() -> list[Run]:
 # bf16 gradient reduction (grad_sync_dtype bf16); the other models' configs there set none of these. NeMo's H100
 # recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as torchtitan's
 # AsyncTP).
+# The attention kernel of NVIDIA's NeMo runs of 2023-24. Transformer Engine picks DotProductAttention's backend at
+# run time: since v1.2 (December 2023) it prefers cuDNN's fused attention to flash-attn on sm90 ("Select
+# FusedAttention on sm90 and FlashAttention on others for performance", attention.py), which `--system megatron-core`
+# describes (attention_kernel cudnn); before (v1.0-1.1, and the revision MLPerf Training v3.1's GPT-3 built,
+# 09ba842 of October 2023, beside flash-attn 2.0.8 in its Dockerfile) flash-attn came first wherever it was
+# installed. NeMo's launcher turned cuDNN's off for every job from 13 February 2024 ("NVTE_FUSED_ATTN: 0 # Disable
+# cudnn FA until we've tested it more", launcher_scripts/conf/config.yaml of NVIDIA/NeMo-Framework-Launcher, in its
+# tags 24.03, 24.03.01, 24.05 and 24.07) until 29 August 2024 ("enable fused attention", 04b8d09); the DGX Cloud
+# recipes of 24.11.1 (NVIDIA/dgxc-benchmarking 35a9aec) kept the same variable at 0 for GPT-3 175B
+# (nemo_megatron/launch.sh) and Nemotron-4 340B (nemotron/configure.sh; 1 for the 15B, and llama3.1/configure.sh 1
+# with NVTE_FLASH_ATTN 0), and 25.04.01's recipes set it to 1 or leave TE's default. So NeMo 24.03.01's long-
+# sequence runs, NeMo 24.07's performance summary, those two DGX Cloud rows and MLPerf v3.1's GPT-3 ran flash-attn 2
+# (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism included (TE's ring calls
+# flash-attn's kernels then: AttnFuncWithCP, v1.4). MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1
+# and NVTE_FLASH_ATTN=0 (cuDNN). Found on 2026-12-07, after these rows had been evaluated with cuDNN's share (the
+# long-sequence rows 1.14 to 1.60 optimistic, rising with the attention's share of the step).
+NEMO_FLASH_ATTN = "flash2"
 NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07, "
         "https://github.com/NVIDIA/NeMo/blob/main/docs/source/performance/performance_summary.md")
 BRIDGE = ("NVIDIA Megatron Bridge performance summary, "
@@ -1228,7 +1247,9 @@ def _dgxc_run(source: str, nemo: str, name: str, precision: str, n: int, gbs: in
                f"NeMo {nemo}, DGX-H100: {row}", tflops=tflops, step_s=step_s, gpu="h100",
                system="megatron-core", search=False, precision=precision,
                float8="te-delayed" if precision == "fp8" else None, grads_in_fp32=False, dropout=name in NEMO_GPT,
-               optimizer_dtype="bf16" if nemotron_1 else None)
+               optimizer_dtype="bf16" if nemotron_1 else None,
+               attention_kernel=NEMO_FLASH_ATTN if source == DGXC_2411 and name in ("gpt3-175b", "nemotron4-340b")
+               else None)
 
 
 def nemo_runs() -> list[Run]:
@@ -1257,6 +1278,7 @@ def nemo_runs() -> list[Run]:
                         f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
+                        attention_kernel=NEMO_FLASH_ATTN if release == "24.07" else None,
                         optimizer_dtype="bf16" if nemotron_1 else None, grads_in_fp32=False if nemotron_1 else None))
     return runs
 
@@ -1292,7 +1314,8 @@ def nemo_long_runs() -> list[Run]:
         row = f"{k} | {n} | {gbs} | TP {tp} | PP {pp} | DP {dp} | CP {cp} | {tflops} TFLOPS/GPU"
         runs.append(Run(f"NeMoCP 24.03 Llama2-7B {k}K n={n}", model, n, seq, gbs, plan, NEMO_LONG,
                         f"LLAMA2-7B (FP8), NeMo 24.03.01, DGX-H100: {row}", tflops=tflops, gpu="h100",
-                        system="megatron-core", search=False, precision="fp8", float8="te-delayed"))
+                        system="megatron-core", search=False, precision="fp8", float8="te-delayed",
+                        attention_kernel=NEMO_FLASH_ATTN))
     return runs
 
 
@@ -1788,7 +1811,7 @@ def mlperf_runs() -> list[Run]:
                         "activation_checkpoint=none,pp_schedule=interleaved-1f1b,virtual_stages=12", MLPERF31, row,
                         tflops=gbs * 2048 * flops_per_token(model, 2048) / (step * n * 1e12), step_s=step, gpu="h100",
                         system="megatron-core", search=False, precision="fp8", float8="te-delayed",
-                        grads_in_fp32=False, dropout=False))
+                        grads_in_fp32=False, dropout=False, attention_kernel=NEMO_FLASH_ATTN))
     return runs
 
 
