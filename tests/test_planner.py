@@ -2118,6 +2118,33 @@ def test_mlperf_llama2_lora_runs_fit_and_come_within_10_percent_but_v40s_cp(vers
         assert min(r[i] for r in rates if r[2]) > max(r[i] for r in rates if not r[2])
 
 
+def test_nemo_2407_finetuning_rows_fit_and_come_within_18_percent_pessimistic():
+    """NeMo 24.07's fine-tuning benchmark (its launcher's examples/README.md, held out on 2026-12-07): Llama 2 7B,
+    13B and 70B, SFT and LoRA in FP8 on 8 and 16 H100s, SQuAD packed to 4,096 tokens, each row's knobs from the
+    script beside it. Every row fits, as it ran, and every one is pessimistic by at most 18% (median 7.0%): the
+    planner prices causal attention over the 4,096 tokens where the runs attend within each packed sample, and
+    with the attention nearly free every row turns optimistic, so the truth lies between (docs/planner.md, "NeMo
+    24.07's fine-tuning rows, held out"). The LoRA rows keep their frozen weights in float8."""
+    published, runs = _published("NeMoFT")
+    assert len(runs) == 6
+    errors = []
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        ratio = run.published_step() / ev.time.step_time_s
+        assert 0.82 <= ratio <= 1.0, (run.name, ratio)
+        errors.append(abs(ratio - 1))
+        training = published.training_of(run)
+        assert training.float8_frozen_weights == bool(run.lora_rank), run.name
+        cluster = published.cluster_of(run)
+        acc = cluster.accelerator
+        nearly_free = dataclasses.replace(acc, attention_by_kernel={
+            **acc.attention_by_kernel, "flash2": 20 * acc.attention_by_kernel["flash2"]})
+        fast = evaluate(run.model, training, ev.plan, dataclasses.replace(cluster, accelerator=nearly_free))
+        assert run.published_step() / fast.time.step_time_s > 1.0, run.name
+    assert sorted(errors)[len(errors) // 2] < 0.10
+
+
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():
     """Megatron Bridge's performance summary, Qwen3 30B-A3B and 235B-A22B in FP8 on DGX-H100, releases 25.09 to
     26.06 (held out on 2026-12-07): as the planner stood every row was refused (its ep was FSDP's, these runs put it
