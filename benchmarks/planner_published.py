@@ -1319,7 +1319,6 @@ def nemo_long_runs() -> list[Run]:
     return runs
 
 
-
 # --------------------------------------------------------------------------------------------------
 # NeMo 24.07's fine-tuning benchmark (NVIDIA/NeMo-Framework-Launcher at tag 24.07, examples/README.md, "Benchmark
 # performance numbers (finetuning)": "LLAMA2 models with SFT (supervised fine-tuning), and LoRA (Low-rank adaptors)
@@ -1366,6 +1365,7 @@ def nemo_finetune_runs() -> list[Run]:
                         grads_in_fp32=None if lora else False, optimizer_dtype=None if lora else "bf16",
                         lora_rank=32 if lora else 0, lora_targets=("wq", "wk", "wv") if lora else PROJECTIONS))
     return runs
+
 
 # --------------------------------------------------------------------------------------------------
 # NeMo Megatron's launcher (NVIDIA/NeMo-Framework-Launcher, then "bignlp"), README "Training Performance Results":
