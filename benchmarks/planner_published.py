@@ -1069,7 +1069,11 @@ def mcore_runs() -> list[Run]:
 # them free, except for Nemotron-4 340B in 24.07, whose config in NeMo's launcher of that release
 # (launcher_scripts/conf/training/nemotron/nemotron_340b.yaml at tag 24.07) sets selective recompute of the
 # attention core, Apex's distributed Adam with its state in bf16 (optim.dtype bf16: Training.optimizer_dtype) and
-# bf16 gradient reduction (grad_sync_dtype bf16); the other models' configs there set none of these. NeMo's H100
+# bf16 gradient reduction (grad_sync_dtype bf16); the other models' configs there set none of these. The GPT-3 and
+# Llama example scripts of the same tag (examples/training/{gpt,llama}/h100/*_fp8*.sh, beside the README whose
+# pre-training table prints these models, a few percent below NeMo's summary) add
+# +training.model.optim.grad_sync_dtype=bf16 to every one: their gradients are reduced in bf16 (grads_in_fp32 False,
+# since 2026-12-07); the Nemotron-8B and -22B scripts do not. NeMo's H100
 # recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as torchtitan's
 # AsyncTP).
 # The attention kernel of NVIDIA's NeMo runs of 2023-24. Transformer Engine picks DotProductAttention's backend at
@@ -1279,7 +1283,8 @@ def nemo_runs() -> list[Run]:
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
                         attention_kernel=NEMO_FLASH_ATTN if release == "24.07" else None,
-                        optimizer_dtype="bf16" if nemotron_1 else None, grads_in_fp32=False if nemotron_1 else None))
+                        optimizer_dtype="bf16" if nemotron_1 else None,
+                        grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None))
     return runs
 
 
@@ -1292,7 +1297,10 @@ def nemo_runs() -> list[Run]:
 # 6 V/(L h), times the batch's tokens, L and h^2) are the planner's flops_per_token term for term (the attention at
 # 12 L h s, without the causal mask's saving), so the published throughput converts to tokens exactly. Described as
 # `--system megatron-core` with Transformer Engine's delayed scaling (the default then); the micro-batch and the
-# recompute are not stated (completed by the search), nor the 8K row's schedule (taken as 1F1B). The "without CP"
+# recompute are not stated (completed by the search), nor the 8K row's schedule (taken as 1F1B); the gradients
+# reduced in bf16 as the release's Llama 2 7B FP8 script sets them (NeMo-Framework-Launcher 24.03.01,
+# examples/training/llama/h100/llama2_7b_fp8.sh: +training.model.optim.grad_sync_dtype=bf16; since 2026-12-07).
+# The "without CP"
 # column states no layout, and the same file's DGX-B200 table (Llama 3 8B, NeMo 25.04) prints TP x PP x DP x CP a
 # quarter of its GPU count in every row: both left out. Added on 2026-12-05 and evaluated first as the planner stood
 # (held out: docs/heldout-2026-12-05/).
@@ -1315,7 +1323,7 @@ def nemo_long_runs() -> list[Run]:
         runs.append(Run(f"NeMoCP 24.03 Llama2-7B {k}K n={n}", model, n, seq, gbs, plan, NEMO_LONG,
                         f"LLAMA2-7B (FP8), NeMo 24.03.01, DGX-H100: {row}", tflops=tflops, gpu="h100",
                         system="megatron-core", search=False, precision="fp8", float8="te-delayed",
-                        attention_kernel=NEMO_FLASH_ATTN))
+                        attention_kernel=NEMO_FLASH_ATTN, grads_in_fp32=False))
     return runs
 
 
