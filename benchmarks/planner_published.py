@@ -147,7 +147,8 @@ class Run:
     """The float8 recipe (Training.float8), where it is not the system's default (NeMo's FP8-CS: te-current)."""
     grads_in_fp32: bool | None = None
     """Megatron's main gradients in fp32 (Training.grads_in_fp32), where the run's code differs from the system's
-    preset (NeMo 2's performance recipes: bf16)."""
+    preset (NeMo 2's performance recipes, and NeMo 1's where Apex's distributed Adam ran grad_sync_dtype bf16:
+    bf16)."""
     optimizer_dtype: str | None = None
     """AdamW's state in bf16 as Apex's distributed Adam keeps it (Training.optimizer_dtype), where the run's config
     sets it (NeMo 1's Nemotron-4 340B configs: optim.dtype bf16)."""
@@ -1071,9 +1072,10 @@ def mcore_runs() -> list[Run]:
 # attention core, Apex's distributed Adam with its state in bf16 (optim.dtype bf16: Training.optimizer_dtype) and
 # bf16 gradient reduction (grad_sync_dtype bf16); the other models' configs there set none of these. The GPT-3 and
 # Llama example scripts of the same tag (examples/training/{gpt,llama}/h100/*_fp8*.sh, beside the README whose
-# pre-training table prints these models, a few percent below NeMo's summary) add
-# +training.model.optim.grad_sync_dtype=bf16 to every one: their gradients are reduced in bf16 (grads_in_fp32 False,
-# since 2026-12-07); the Nemotron-8B and -22B scripts do not. NeMo's H100
+# pre-training table prints these models, within a few percent of NeMo's summary) add
+# +training.model.optim.grad_sync_dtype=bf16 to every one (PR #384's 175B script too): inferred that the summary's
+# runs reduced their gradients in bf16 (grads_in_fp32 False, since 2026-12-07; the scripts' node counts are not
+# all the summary's); the Nemotron-8B and -22B scripts do not. NeMo's H100
 # recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as torchtitan's
 # AsyncTP).
 # The attention kernel of NVIDIA's NeMo runs of 2023-24. Transformer Engine picks DotProductAttention's backend at
@@ -1083,13 +1085,16 @@ def mcore_runs() -> list[Run]:
 # 09ba842 of October 2023, beside flash-attn 2.0.8 in its Dockerfile) flash-attn came first wherever it was
 # installed. NeMo's launcher turned cuDNN's off for every job from 13 February 2024 ("NVTE_FUSED_ATTN: 0 # Disable
 # cudnn FA until we've tested it more", launcher_scripts/conf/config.yaml of NVIDIA/NeMo-Framework-Launcher, in its
-# tags 24.03, 24.03.01, 24.05 and 24.07) until 29 August 2024 ("enable fused attention", 04b8d09); the DGX Cloud
-# recipes of 24.11.1 (NVIDIA/dgxc-benchmarking 35a9aec) kept the same variable at 0 for GPT-3 175B
-# (nemo_megatron/launch.sh) and Nemotron-4 340B (nemotron/configure.sh; 1 for the 15B, and llama3.1/configure.sh 1
-# with NVTE_FLASH_ATTN 0), and 25.04.01's recipes set it to 1 or leave TE's default. So NeMo 24.03.01's long-
-# sequence runs, NeMo 24.07's performance summary, those two DGX Cloud rows and MLPerf v3.1's GPT-3 ran flash-attn 2
-# (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism included (TE's ring calls
-# flash-attn's kernels then: AttnFuncWithCP, v1.4). MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1
+# tags 24.01 to 24.07) until 29 August 2024 ("enable fused attention", 04b8d09), but for GPT-3 175B from 13 August
+# (PR #384, 20ab57b3: its example script sets NVTE_FUSED_ATTN=1, and its config the VP 6 NeMo's 24.07 summary prints
+# for 175B where tag 24.07 has 12); the DGX Cloud recipes of 24.11.1 (NVIDIA/dgxc-benchmarking 35a9aec) kept the
+# same variable at 0 for GPT-3 175B (nemo_megatron/launch.sh) and Nemotron-4 340B (nemotron/configure.sh; 1 for the
+# 15B, and llama3.1/configure.sh 1 with NVTE_FLASH_ATTN 0), and 25.04.01's recipes set it to 1 or leave TE's
+# default. Inferred from those settings (no source prints a run's kernel): NeMo 24.03.01's long-sequence runs, NeMo
+# 24.07's performance summary but its GPT-3 175B rows (cuDNN, PR #384's layout), those two DGX Cloud rows and MLPerf
+# v3.1's GPT-3 ran flash-attn 2 (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism
+# included (TE's ring calls flash-attn's kernels then: AttnFuncWithCP, v1.4); NVIDIA's published NeMo runs of
+# that time went through the launcher. MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1
 # and NVTE_FLASH_ATTN=0 (cuDNN). Found on 2026-12-07, after these rows had been evaluated with cuDNN's share (the
 # long-sequence rows 1.14 to 1.60 optimistic, rising with the attention's share of the step).
 NEMO_FLASH_ATTN = "flash2"
@@ -1282,7 +1287,7 @@ def nemo_runs() -> list[Run]:
                         f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
                         tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
-                        attention_kernel=NEMO_FLASH_ATTN if release == "24.07" else None,
+                        attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
                         optimizer_dtype="bf16" if nemotron_1 else None,
                         grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None))
     return runs
@@ -1298,8 +1303,9 @@ def nemo_runs() -> list[Run]:
 # 12 L h s, without the causal mask's saving), so the published throughput converts to tokens exactly. Described as
 # `--system megatron-core` with Transformer Engine's delayed scaling (the default then); the micro-batch and the
 # recompute are not stated (completed by the search), nor the 8K row's schedule (taken as 1F1B); the gradients
-# reduced in bf16 as the release's Llama 2 7B FP8 script sets them (NeMo-Framework-Launcher 24.03.01,
-# examples/training/llama/h100/llama2_7b_fp8.sh: +training.model.optim.grad_sync_dtype=bf16; since 2026-12-07).
+# reduced in bf16, inferred from the release's Llama 2 7B FP8 script, a one-node 4K run (NeMo-Framework-Launcher
+# 24.03.01, examples/training/llama/h100/llama2_7b_fp8.sh: +training.model.optim.grad_sync_dtype=bf16; since
+# 2026-12-07).
 # The "without CP"
 # column states no layout, and the same file's DGX-B200 table (Llama 3 8B, NeMo 25.04) prints TP x PP x DP x CP a
 # quarter of its GPU count in every row: both left out. Added on 2026-12-05 and evaluated first as the planner stood
@@ -1341,12 +1347,15 @@ def nemo_long_runs() -> list[Run]:
 # interleaved schedule's); 70B also ub_tp_comm_overlap (not priced). LoRA (peft_scheme lora): NeMo's default target,
 # linear_qkv alone (nemo/collections/nlp/parts/peft_config.py get_target_modules, default ("attention_qkv",)),
 # rank 32 (lora_tuning.adapter_dim), no dropout, the frozen weights in float8; Apex's FusedAdam over the adapters
-# (optim.name fused_adam: nothing sharded); 70B on TP 2 (sequence_parallel left False) x PP 4, 1F1B. Not described:
-# the packing (the planner prices causal attention over the 4,096 tokens, where flash-attn's varlen kernel attends
-# within each SQuAD sample). NeMo's own performance summary printed the same six rows for 24.07 (docs/source/
-# performance/performance_summary.md, 4c73f77, from which the pre-training rows above come) 1-6% faster: the launcher's
-# README, beside the scripts, is taken. Added on 2026-12-07 and evaluated first as the planner stood (held out:
-# docs/heldout-2026-12-07/nemo-24.07-finetuning-held-out.txt).
+# (optim.name fused_adam: nothing sharded); 70B on TP 2 (sequence_parallel left False, which turns its
+# ub_tp_comm_overlap off) x PP 4, 1F1B. Not described: the packing (the planner prices causal attention over the
+# 4,096 tokens, where flash-attn's varlen kernel attends within each SQuAD sample), and TE's cache of the frozen
+# float8 weights' transposes, which these configs leave on (the planner makes them afresh each backward, as
+# MLPerf's LoRA configs asked: Training.float8_frozen_weights). NeMo's own performance summary printed the same six
+# rows for 24.07 (docs/source/performance/performance_summary.md, 4c73f77, from which the pre-training rows above
+# come) 1.4-6.3% faster but LoRA 13B (2.3% slower): the launcher's README, beside the scripts, is taken. Added on
+# 2026-12-07 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/nemo-24.07-finetuning-held-
+# out.txt).
 NEMO_FINETUNE = ("NVIDIA NeMo Framework Launcher 24.07, examples/README.md, Benchmark performance numbers "
                  "(finetuning), https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/24.07/examples/README.md")
 # mode, model, GPUs, TP, PP, VP, tokens/s per GPU

@@ -2121,7 +2121,8 @@ def test_mlperf_llama2_lora_runs_fit_and_come_within_10_percent_but_v40s_cp(vers
 def test_nemo_2407_finetuning_rows_fit_and_come_within_18_percent_pessimistic():
     """NeMo 24.07's fine-tuning benchmark (its launcher's examples/README.md, held out on 2026-12-07): Llama 2 7B,
     13B and 70B, SFT and LoRA in FP8 on 8 and 16 H100s, SQuAD packed to 4,096 tokens, each row's knobs from the
-    script beside it. Every row fits, as it ran, and every one is pessimistic by at most 18% (median 7.0%): the
+    script beside it. Every row fits, as it ran, and every one is pessimistic by at most 18% (median 7.0%; the
+    upper median, 8.8%, is what is held under 10%): the
     planner prices causal attention over the 4,096 tokens where the runs attend within each packed sample, and
     with the attention nearly free every row turns optimistic, so the truth lies between (docs/planner.md, "NeMo
     24.07's fine-tuning rows, held out"). The LoRA rows keep their frozen weights in float8."""
