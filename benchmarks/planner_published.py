@@ -1085,17 +1085,18 @@ def mcore_runs() -> list[Run]:
 # 09ba842 of October 2023, beside flash-attn 2.0.8 in its Dockerfile) flash-attn came first wherever it was
 # installed. NeMo's launcher turned cuDNN's off for every job from 13 February 2024 ("NVTE_FUSED_ATTN: 0 # Disable
 # cudnn FA until we've tested it more", launcher_scripts/conf/config.yaml of NVIDIA/NeMo-Framework-Launcher, in its
-# tags 24.01 to 24.07) until 29 August 2024 ("enable fused attention", 04b8d09), but for GPT-3 175B from 13 August
-# (PR #384, 20ab57b3: its example script sets NVTE_FUSED_ATTN=1, and its config the VP 6 NeMo's 24.07 summary prints
-# for 175B where tag 24.07 has 12); the DGX Cloud recipes of 24.11.1 (NVIDIA/dgxc-benchmarking 35a9aec) kept the
-# same variable at 0 for GPT-3 175B (nemo_megatron/launch.sh) and Nemotron-4 340B (nemotron/configure.sh; 1 for the
-# 15B, and llama3.1/configure.sh 1 with NVTE_FLASH_ATTN 0), and 25.04.01's recipes set it to 1 or leave TE's
-# default. Inferred from those settings (no source prints a run's kernel): NeMo 24.03.01's long-sequence runs, NeMo
-# 24.07's performance summary but its GPT-3 175B rows (cuDNN, PR #384's layout), those two DGX Cloud rows and MLPerf
-# v3.1's GPT-3 ran flash-attn 2 (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism
-# included (TE's ring calls flash-attn's kernels then: AttnFuncWithCP, v1.4); NVIDIA's published NeMo runs of
-# that time went through the launcher. MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1
-# and NVTE_FLASH_ATTN=0 (cuDNN). Found on 2026-12-07, after these rows had been evaluated with cuDNN's share (the
+# tags 24.01 to 24.07) until 29 August 2024 ("enable fused attention", 04b8d09), but for jobs launched with PR #384's
+# GPT-3 175B script from 13 August (20ab57b3: the script sets NVTE_FUSED_ATTN=1; the PR's 175b.yaml has the VP 6
+# NeMo's 24.07 summary prints for 175B, where tag 24.07 has 12, though the script passes 12); the DGX Cloud recipes
+# of 24.11.1 (NVIDIA/dgxc-benchmarking 35a9aec) kept the same variable at 0 for GPT-3 175B (nemo_megatron/launch.sh)
+# and Nemotron-4 340B (nemotron/configure.sh; 1 for the 15B, and llama3.1/configure.sh 1 with NVTE_FLASH_ATTN 0), and
+# 25.04.01's recipes set it to 1 or leave TE's default. Inferred from those settings (no source prints a run's
+# kernel): NeMo 24.03.01's long-sequence runs, NeMo 24.07's performance summary but its GPT-3 175B rows (cuDNN: an
+# uncertain call, on flash-attn they would be 1.04 and 1.00 instead of 1.06 and 1.02), those two DGX Cloud rows and
+# MLPerf v3.1's GPT-3 ran flash-attn 2 (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism
+# included (TE's ring calls flash-attn's kernels then: AttnFuncWithCP, v1.4); assumed: NVIDIA's published NeMo runs
+# of that time went through the launcher. MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1 and
+# NVTE_FLASH_ATTN=0 (cuDNN). Found on 2026-12-07, after these rows had been evaluated with cuDNN's share (the
 # long-sequence rows 1.14 to 1.60 optimistic, rising with the attention's share of the step).
 NEMO_FLASH_ATTN = "flash2"
 NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07, "

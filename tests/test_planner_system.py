@@ -2041,9 +2041,9 @@ def test_nemo_float8_runs_fit_and_come_within_their_family_bound():
     # NVIDIA's NeMo / Megatron Bridge performance summaries: Megatron-Core in float8 on DGX-H100 (GPT-3 5B to
     # 175B, Llama 2 and 3 from 7B to 405B, Nemotron 8B to 340B, tp, pp, cp and interleaving as printed). Every run
     # that ran is predicted to fit; with TE's casts and float8-saved inputs the family's median error is under 10%
-    # (3.1% since NeMo 24.07's rows run flash-attn as its launcher set them to and its GPT-3 and Llama rows reduce
-    # in bf16 as its scripts did, 5.2% before; with torchao's recipe in its place, which casts per linear and saves
-    # bf16, it is 11.3%, 3.6 times as far off, every row slower;
+    # (3.1% since NeMo 24.07's rows but GPT-3 175B's are described with flash-attn and its GPT-3 and Llama rows
+    # with bf16 gradient reduction, both inferred from its launcher's settings, 5.2% before; with torchao's recipe
+    # in its place, which casts per linear and saves bf16, it is 11.3%, 3.6 times as far off, every row slower;
     # 11.8% before Megatron-Core's weight gathers hid behind the forward, 15% before its interleaved pipeline
     # sends were overlapped, 17% before torchao's TP gathers were priced in float8)
     published = _published_module()
@@ -2069,8 +2069,9 @@ def test_nemo_runs_of_2024_priced_with_flash_attn_as_their_launcher_ran_them():
     # FP8, 4K to 1M tokens, context parallel up to 32) came out 1.14 to 1.60 optimistic with cuDNN's measured share,
     # rising with the attention's share of the step; with flash-attn's, 0.89 to 1.03 (median 8.9%). NeMo 24.07's ten
     # rows on flash-attn (its GPT-3 175B two stay on cuDNN) 3.0% at the median, 8.8% with cuDNN's. The launcher's
-    # GPT-3 and Llama scripts reduce the gradients in bf16 (grad_sync_dtype): those rows are described so, which the
-    # predicted memory shows (the gradient buffer in bf16); the Nemotron-8B and -22B scripts do not
+    # GPT-3 and Llama scripts reduce the gradients in bf16 (grad_sync_dtype): those rows are described so, and the
+    # description reaches the planner (their predicted memory is below fp32 gradients'); the Nemotron-8B and -22B
+    # scripts do not
     published = _published_module()
     nemo_2407 = [r for r in published.nemo_runs() if r.name.startswith("NeMo 24.07")]
     assert {r.name for r in nemo_2407 if r.attention_kernel is None} == {"NeMo 24.07 175B n=128",
