@@ -1075,9 +1075,11 @@ def mcore_runs() -> list[Run]:
 # pre-training table prints these models, within a few percent of NeMo's summary) add
 # +training.model.optim.grad_sync_dtype=bf16 to every one (PR #384's 175B script too): inferred that the summary's
 # runs reduced their gradients in bf16 (grads_in_fp32 False, since 2026-12-07; the scripts' node counts are not
-# all the summary's); the Nemotron-8B and -22B scripts do not. NeMo's H100
-# recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as torchtitan's
-# AsyncTP).
+# all the summary's); the Nemotron-8B and -22B scripts do not. The GPT-3 configs of that tag keep Megatron's dropout
+# of 0.1 (hidden_dropout, attention_dropout: launcher_scripts/conf/training/gpt3/*.yaml, which no script overrides), as
+# the DGX Cloud rows' GPT-3 configs do (Run.dropout, since 2026-12-07); the Llama and Nemotron configs set 0.
+# NeMo's H100 recipes overlap TP's communication with its GEMMs (userbuffers), which the planner does not model (as
+# torchtitan's AsyncTP).
 # The attention kernel of NVIDIA's NeMo runs of 2023-24. Transformer Engine picks DotProductAttention's backend at
 # run time: since v1.2 (December 2023) it prefers cuDNN's fused attention to flash-attn on sm90 ("Select
 # FusedAttention on sm90 and FlashAttention on others for performance", attention.py), which `--system megatron-core`
@@ -1092,7 +1094,7 @@ def mcore_runs() -> list[Run]:
 # and Nemotron-4 340B (nemotron/configure.sh; 1 for the 15B, and llama3.1/configure.sh 1 with NVTE_FLASH_ATTN 0), and
 # 25.04.01's recipes set it to 1 or leave TE's default. Inferred from those settings (no source prints a run's
 # kernel): NeMo 24.03.01's long-sequence runs, NeMo 24.07's performance summary but its GPT-3 175B rows (cuDNN: an
-# uncertain call, on flash-attn they would be 1.04 and 1.00 instead of 1.06 and 1.02), those two DGX Cloud rows and
+# uncertain call, on flash-attn they would be 1.04 and 0.99 instead of 1.06 and 1.01), those two DGX Cloud rows and
 # MLPerf v3.1's GPT-3 ran flash-attn 2 (FlashAttention-2, 'flash2', its measured Hopper share), context parallelism
 # included (TE's ring calls flash-attn's kernels then: AttnFuncWithCP, v1.4); assumed: NVIDIA's published NeMo runs
 # of that time went through the launcher. MLPerf v4.0's and v4.1's LoRA configs set NVTE_FUSED_ATTN=1 and
@@ -1290,7 +1292,8 @@ def nemo_runs() -> list[Run]:
                         search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
                         attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
                         optimizer_dtype="bf16" if nemotron_1 else None,
-                        grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None))
+                        grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None,
+                        dropout=True if release == "24.07" and name in NEMO_GPT else None))
     return runs
 
 
