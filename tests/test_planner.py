@@ -2150,7 +2150,7 @@ def test_nemo_launcher_2024_rows_fit_and_come_within_16_percent():
     """NeMo's launcher, its benchmark tables of March 2024 (NeMo 24.01) and April 2024 (held out on 2026-12-07):
     GPT-3 5B and 20B, Llama 2 7B to 70B and Nemotron-8B and -22B pre-training, and Llama 2 fine-tuning, in FP8 on 8
     to 64 H100s, described as NeMo 24.07's rows are. Every row fits, as it ran, within 0.85 to 1.16 (median 6.7%; the
-    planner cannot tell NeMo 24.01 from 24.07, whose rows of the same layouts ran 4-15% faster). Nemotron-22B's
+    planner cannot tell NeMo 24.01 from 24.07, whose rows of the same layouts ran 2-18% faster). Nemotron-22B's
     printed layout (TP 1, PP 4, micro-batch 2 on 16 GPUs) fits only with recompute: its global batch of 32 gives each
     pipeline 4 micro-batches, as many as its stages, so the interleaved schedule runs every forward before the first
     backward, over 51 GiB of model state; the layout of the script beside it (TP 2, micro-batch 1) fits without."""
