@@ -1935,6 +1935,31 @@ MLPERF31_ROWS = [("NVIDIA eos_n64_ngc23.09_nemo", 64, 2048, 11.05),
                  ("Azure+NVIDIA ND_H100_v5_n1344_pytorch", 1344, 2688, 0.945)]
 
 
+# MLPerf Training v4.1 (November 2024), the same benchmark, its GPU submissions whose logs carry every step's time
+# (train_step_timing, as v3.1's; eos-dfw_n1452_ngc24.04, v4.0's code rerun, logs none): NVIDIA's on 32 and 64 DGX H100
+# (NGC 24.09: NeMo 24.09, Megatron-Core, Transformer Engine; NVIDIA/benchmarks/gpt3/implementations/
+# eos_n{32,64}_ngc24.09_nemo), Oracle's on 192 and 384 BM.GPU.H100.8 (OCI: 8 H100 and 16 x 200 Gb/s RoCE a node,
+# the catalogue's h100; Oracle/benchmarks/gpt3/DGXH100_128x8x64x4x8_mbs2, NVIDIA's recipe with its own NCCL
+# settings) and NVIDIA's preview on 8 DGX B200. The configs: TP 4, PP 8, micro-batch 2 (v3.1's was 1), the
+# interleaved schedule at INTERLEAVED_PIPELINE (NVIDIA's 6, Oracle's 4), sequence parallelism, no recompute, no
+# dropout, FP8 with delayed scaling (config_fp8.sh), Apex's distributed Adam with bf16 gradient reduction
+# (conf/optim/distributed_fused_adam.yaml: grad_sync_dtype bf16), TP communication overlapped (not priced), the
+# attention TE's default (NVTE_FUSED_ATTN unset, set to 1 on the B200: cuDNN, the system's). Not described: the
+# weights kept in FP8 (FP8_PARAMS True in config_common.sh), the embedding's weight gradient deferred
+# (DEFER_EMBEDDING_WGRAD_COMPUTE), the B200's layers as CUDA graphs (LAYER_CUDA_GRAPH), eos_n64's vboost. The
+# global batch is the log's (MINIBS x DP); the step, the median over a run's steps after its fifth, the median of
+# the three runs. Added on 2026-12-07 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-07/mlperf-v4.1-gpt3-held-out.txt).
+MLPERF41 = ("MLCommons, MLPerf Training v4.1 results, gpt3, NVIDIA and Oracle closed-division submissions, "
+            "https://github.com/mlcommons/training_results_v4.1")
+# submission (results directory), GPU, nodes of 8, global batch (sequences), virtual stages, median seconds per step
+MLPERF41_ROWS = [("NVIDIA eos_n32_ngc24.09_nemo", "h100", 32, 2048, 6, 18.3739),
+                 ("NVIDIA eos_n64_ngc24.09_nemo", "h100", 64, 2048, 6, 9.4962),
+                 ("Oracle 1536xBM.GPU.H100.8", "h100", 192, 3072, 4, 5.1706),
+                 ("Oracle 3072xBM.GPU.H100.8", "h100", 384, 3072, 4, 3.058),
+                 ("NVIDIA b200_n8_preview_nemo", "b200", 8, 2048, 6, 36.2336)]
+
+
 def mlperf_runs() -> list[Run]:
     model = gpt("gpt3-175b", *NEMO_GPT["gpt3-175b"], vocab=50688)
     runs = []
@@ -1948,6 +1973,23 @@ def mlperf_runs() -> list[Run]:
                         tflops=gbs * 2048 * flops_per_token(model, 2048) / (step * n * 1e12), step_s=step, gpu="h100",
                         system="megatron-core", search=False, precision="fp8", float8="te-delayed",
                         grads_in_fp32=False, dropout=False, attention_kernel=NEMO_FLASH_ATTN))
+    return runs
+
+
+def mlperf41_runs() -> list[Run]:
+    model = gpt("gpt3-175b", *NEMO_GPT["gpt3-175b"], vocab=50688)
+    runs = []
+    for submission, gpu, nodes, gbs, vp, step in MLPERF41_ROWS:
+        n = 8 * nodes
+        row = (f"{submission}: {nodes} x 8 {gpu.upper()}, global batch {gbs} x 2048, micro-batch 2, TP 4 x PP 8 x VP "
+               f"{vp}, {step} s per step (train_step_timing)")
+        on = "" if gpu == "h100" else f" {gpu.upper()}"
+        runs.append(Run(f"MLPerf 4.1 GPT-3 {submission.split()[0]} 175B{on} n={n}", model, n, 2048, gbs,
+                        f"tp=4,pp=8,cp=1,dp_replicate={n // 32},zero_stage=1,micro_batch=2,sequence_parallel=true,"
+                        f"activation_checkpoint=none{pp_knobs(8, vp)}", MLPERF41, row,
+                        tflops=gbs * 2048 * flops_per_token(model, 2048) / (step * n * 1e12), step_s=step, gpu=gpu,
+                        system="megatron-core", search=False, precision="fp8", float8="te-delayed",
+                        grads_in_fp32=False, dropout=False))
     return runs
 
 
@@ -2105,7 +2147,8 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + foundry_runs() + mcore_runs() + nemo_runs() + dgxc_runs() + bekman_runs() + nemo_long_runs()
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
-        + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs())
+        + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
+        + mlperf41_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2307,6 +2350,8 @@ def sweep_of(run: Run) -> str | None:
         return f"NeMo Megatron launcher {run.name.split()[1]} {run.name.split()[2]}"
     if run.source == MLPERF31:
         return "MLPerf v3.1 GPT-3 175B"
+    if run.source == MLPERF41 and run.gpu == "h100":
+        return "MLPerf v4.1 GPT-3 175B (H100)"
     if run.source in (MLPERF40_LORA, MLPERF41_LORA) and run.gpu == "h100":
         return f"MLPerf v{run.name.split()[1]} Llama 2 70B LoRA (H100)"
     return None
@@ -2423,7 +2468,8 @@ def main() -> None:
                          ("fms-fsdp (FSDP1, A100 and H100)", "fms-fsdp"),
                          ("MLPerf v3.1 GPT-3 175B (NeMo 23.09, H100)", "MLPerf 3.1"),
                          ("MLPerf v4.0 Llama 2 70B LoRA (NeMo 24.04)", "MLPerf 4.0"),
-                         ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1"),
+                         ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1 NVIDIA"),
+                         ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
                          ("Megatron Bridge MoE (Qwen3, H100 FP8, 25.09-26.06)", "Bridge MoE"),
                          ("NeMo 24.07 fine-tuning (SFT, LoRA; H100 FP8)", "NeMoFT"),
                          ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL")):
