@@ -107,6 +107,8 @@ class Run:
     layout: str = "megatron"
     inter_node_gbs: float | None = None
     """Per-GPU network bandwidth, GB/s per direction, where the cluster differs from the catalogue's."""
+    gpus_per_node: int = 8
+    """GPUs sharing the fast link (the NVLink domain): 8 but on a GB200 NVL72 rack."""
     search: bool = True
     """Also run the free search for this job (once per distinct job)."""
     system: str | None = None
@@ -1144,6 +1146,25 @@ NEMO_ROWS = [("24.07", "gpt3-5b", 64, 2048, 4, 2048, 0, 1, 1, 1, 1, 22521),
 # on 2026-12-05 and evaluated first as the planner stood: held out (docs/planner.md, "NeMo in float8").
 NEMO_B200_ROWS = [("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 30624),
                   ("25.11", "llama3-405b", 128, 64, 1, 8192, 0, 4, 8, 2, 8, 661)]
+# Megatron Bridge on DGX-GB200 (the same summaries' "DGX-GB200" tables, releases 25.09, 25.11 and 26.02 as the H100
+# rows above): its dense rows in FP8 with current scaling (25.09's table prints no precision column, its
+# parenthesised figures being the FP8-MX recipe; 25.11 prints FP8-CS; 26.02 FP8, taken as the same), Llama 3 8B on 8
+# GPUs, 70B on 64 under Megatron-FSDP, 405B on 128 (25.09: FSDP 64 x TP 2) or 256 (TP 4 x PP 16 x VP 4). A GB200
+# NVL72 rack links 72 GPUs by NVLink; the jobs are taken to use 64 of each rack (16 of its 18 compute trays, whole
+# powers of two of GPUs: an inference, the summaries state no placement), so the 405B's 128 and 256 GPUs span two and
+# four racks over the trays' 400 Gb/s NICs. The MXFP8 and NVFP4 rows are left out (block-scaled recipes the planner
+# does not describe), as are the GB300 rows (Blackwell Ultra, not in the catalogue). Added on 2026-12-07 with the
+# catalogue's GB200 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/bridge-gb200-held-
+# out.txt).
+BRIDGE_GB200_RACK = 64
+BRIDGE_GB200_ROWS = [("25.09", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31357),
+                     ("25.09", "llama3-70b", 64, 128, 2, 8192, 1, 1, 1, 1, 1, 3986),
+                     ("25.09", "llama3-405b", 128, 64, 1, 8192, 1, 2, 1, 1, 1, 729),
+                     ("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31508),
+                     ("25.11", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4312),
+                     ("25.11", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 813),
+                     ("26.02", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4040),
+                     ("26.02", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 793)]
 
 
 # NVIDIA's DGX Cloud benchmarking recipes, release 25.04.01 (github.com/NVIDIA/dgxc-benchmarking, commit 85380ff:
@@ -1276,30 +1297,36 @@ def _dgxc_run(source: str, nemo: str, name: str, precision: str, n: int, gbs: in
 
 
 def nemo_runs() -> list[Run]:
-    runs = []
-    for release, name, n, gbs, mbs, seq, fsdp, tp, pp, cp, vp, tps, gpu in (
-            [(*row, "h100") for row in NEMO_ROWS] + [(*row, "b200") for row in NEMO_B200_ROWS]):
-        model = nemo_model(name, seq)
-        dp = n // (tp * pp * cp)
-        dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
-        plan = f"tp={tp},pp={pp},cp={cp},{dp_knobs},micro_batch={mbs}"
-        nemotron_1 = release == "24.07" and name == "nemotron4-340b"  # its launcher config (above)
-        if nemotron_1:
-            plan += ",activation_checkpoint=selective"
-        plan += pp_knobs(pp, vp)
-        row = (f"{name} | {n} | GBS {gbs} | MBS {mbs} | {seq} | FSDP {fsdp} | TP {tp} | PP {pp} | CP {cp} | VP {vp} | "
-               f"{tps} tokens/s/GPU")
-        on = "" if gpu == "h100" else f"{gpu.upper()} "
-        runs.append(Run(f"NeMo {release} {on}{name.removeprefix('gpt3-').upper() if 'gpt3' in name else name} n={n}",
-                        model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
-                        f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
-                        tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
-                        search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
-                        attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
-                        optimizer_dtype="bf16" if nemotron_1 else None,
-                        grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None,
-                        dropout=True if release == "24.07" and name in NEMO_GPT else None))
-    return runs
+    return ([_nemo_run(*row, "h100") for row in NEMO_ROWS] + [_nemo_run(*row, "b200") for row in NEMO_B200_ROWS])
+
+
+def bridge_gb200_runs() -> list[Run]:
+    return [_nemo_run(*row, "gb200", label="Bridge") for row in BRIDGE_GB200_ROWS]
+
+
+def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsdp: int, tp: int, pp: int, cp: int,
+              vp: int, tps: float, gpu: str, label: str = "NeMo") -> Run:
+    model = nemo_model(name, seq)
+    dp = n // (tp * pp * cp)
+    dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
+    plan = f"tp={tp},pp={pp},cp={cp},{dp_knobs},micro_batch={mbs}"
+    nemotron_1 = release == "24.07" and name == "nemotron4-340b"  # its launcher config (above)
+    if nemotron_1:
+        plan += ",activation_checkpoint=selective"
+    plan += pp_knobs(pp, vp)
+    row = (f"{name} | {n} | GBS {gbs} | MBS {mbs} | {seq} | FSDP {fsdp} | TP {tp} | PP {pp} | CP {cp} | VP {vp} | "
+           f"{tps} tokens/s/GPU")
+    on = "" if gpu == "h100" else f"{gpu.upper()} "
+    return Run(f"{label} {release} {on}{name.removeprefix('gpt3-').upper() if 'gpt3' in name else name} n={n}",
+               model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
+               f"{release} DGX-{gpu.upper()} FP8{'-CS' if release in ('25.09', '25.11') else ''}: {row}",
+               tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
+               gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8,
+               search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
+               attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
+               optimizer_dtype="bf16" if nemotron_1 else None,
+               grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None,
+               dropout=True if release == "24.07" and name in NEMO_GPT else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2148,7 +2175,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
-        + mlperf41_runs())
+        + mlperf41_runs() + bridge_gb200_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2175,7 +2202,7 @@ def cluster_of(run: Run) -> Cluster:
     if run.peak_tflops is not None:
         share = run.peak_tflops * 1e12 / acc.peak_flops["bf16"]
         acc = dataclasses.replace(acc, peak_flops={k: v * share for k, v in acc.peak_flops.items()})
-    return Cluster(acc, run.gpus, rail_collectives=rails)
+    return Cluster(acc, run.gpus, gpus_per_node=run.gpus_per_node, rail_collectives=rails)
 
 
 SYSTEM_FILES = Path(__file__).parent / "systems"

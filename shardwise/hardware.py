@@ -270,6 +270,14 @@ CATALOGUE: dict[str, Accelerator] = {
         # (DGX B200 datasheet: 1,440 GB of GPU memory for 8), and nvidia-smi prints 183359 MiB (179.1 GiB) on a B200
         # (its output as quoted in public repositories' logs).
         _gpu("b200", 179.1, 2250.0, 2250.0, 4500.0, 80.0, 8.0, 900, 50, 64, "NVIDIA HGX B200 datasheet"),
+        # NVIDIA GB200 NVL72 datasheet, per rack of 72 Blackwell GPUs (tensor figures with sparsity): FP8 720 PF,
+        # FP16/BF16 360 PF, FP64 3,240 TF, HBM3e 13.4 TB at 576 TB/s, NVLink 130 TB/s: a GPU 2.5 PF bf16 and 5 PF fp8
+        # dense, 8 TB/s, 1.8 TB/s of NVLink 5 both ways; FP32 twice FP64 (90 TF; Blackwell's ratio, as the B200's 80
+        # to 40). Memory as nvidia-smi prints it on a GB200 (189471 MiB, 1200 W; its output as quoted in public
+        # logs). One ConnectX-7 400 Gb/s NIC a GPU (four a compute tray). The host is the superchip's Grace over
+        # NVLink-C2C, 900 GB/s both ways shared by its two GPUs: 225 GB/s a GPU a direction. The NVLink domain is the
+        # rack's 72 GPUs: pass --gpus-per-node 72 (or the GPUs a job takes of each rack).
+        _gpu("gb200", 185.03, 2500.0, 2500.0, 5000.0, 90.0, 8.0, 900, 50, 225, "NVIDIA GB200 NVL72 datasheet"),
         # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16/FP16 1307.4 TF dense, FP8 2614.9, FP32
         # 163.4 TF; Infinity Fabric 7 links x 64 GB/s per direction to the 7 peers (448 GB/s); PCIe Gen5 host.
         _gpu("mi300x", 192, 1307.4, 1307.4, 2614.9, 163.4, 5.3, 448, 50, 64, "AMD Instinct MI300X datasheet"),
@@ -359,7 +367,10 @@ for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h
 # rows (H100 SXM 1402.6 of 1979, 70.9%) are not used: the same rule in float8 made the published float8 rows 4-7%
 # slower than measured on average (docs/planner.md, "Compute by shape").
 MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776, "mi300x": round(668.4 / 1307.4, 3)}
-for _name in ("h100", "h200", "b200", "mi300x"):
+MAMF_SHARE["gb200"] = MAMF_SHARE["b200"]
+"""The GB200 is not in the table: taken at the B200's share of its own peak (the same Blackwell die at a higher
+power limit, 1200 W against 1000 W; an inference, not a measurement)."""
+for _name in ("h100", "h200", "b200", "gb200", "mi300x"):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
         Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))
 
@@ -539,4 +550,5 @@ def detect_accelerator(device) -> str | None:
         return "a100-80gb" if torch.cuda.get_device_properties(device).total_memory > 50 * GiB else "a100-40gb"
     names = {"rtx 4090": "rtx-4090", "rtx a6000": "rtx-a6000", "l40s": "l40s"}  # ("nvidia l40s" before "l4")
     found = next((key for part, key in names.items() if part in label), None)
-    return found or next((name for name in ("h200", "b200", "mi300x", "l4", "a10g", "v100") if name in label), None)
+    return found or next((name for name in ("h200", "gb200", "b200", "mi300x", "l4", "a10g", "v100") if name in label),
+                         None)
