@@ -188,6 +188,9 @@ class Run:
     preset (torchtune's rows before its chunked cross-entropy: 1)."""
     activation_offload: bool = False
     """The blocks' saved inputs offloaded to the host (Training.activation_offload), where the run did."""
+    offload_layers: int = 0
+    """Megatron-Core's CPU offloading of the first this many blocks' activations (Training.offload_layers:
+    cpu_offloading_num_layers), where the run's recipe set it."""
     optimizer_in_backward: bool = False
     """Each parameter stepped in backward (Training.optimizer_in_backward), where the run did."""
     activation_fp8_input: bool = False
@@ -1157,14 +1160,15 @@ NEMO_B200_ROWS = [("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 30624),
 # catalogue's GB200 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/bridge-gb200-held-
 # out.txt).
 BRIDGE_GB200_RACK = 64
-BRIDGE_GB200_ROWS = [("25.09", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31357),
-                     ("25.09", "llama3-70b", 64, 128, 2, 8192, 1, 1, 1, 1, 1, 3986),
-                     ("25.09", "llama3-405b", 128, 64, 1, 8192, 1, 2, 1, 1, 1, 729),
-                     ("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31508),
-                     ("25.11", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4312),
-                     ("25.11", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 813),
-                     ("26.02", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4040),
-                     ("26.02", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 793)]
+# ..., recompute, blocks' activations offloaded (each release's scripts/performance configs, below)
+BRIDGE_GB200_ROWS = [("25.09", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31357, "none", 0),
+                     ("25.09", "llama3-70b", 64, 128, 2, 8192, 1, 1, 1, 1, 1, 3986, "none", 40),
+                     ("25.09", "llama3-405b", 128, 64, 1, 8192, 1, 2, 1, 1, 1, 729, "none", 95),
+                     ("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31508, "none", 0),
+                     ("25.11", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4312, "none", 40),
+                     ("25.11", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 813, None, 0),
+                     ("26.02", "llama3-70b", 64, 256, 2, 8192, 1, 1, 1, 1, 1, 4040, "none", 40),
+                     ("26.02", "llama3-405b", 256, 1536, 1, 8192, 0, 4, 16, 1, 4, 793, "none", 0)]
 
 
 # NVIDIA's DGX Cloud benchmarking recipes, release 25.04.01 (github.com/NVIDIA/dgxc-benchmarking, commit 85380ff:
@@ -1301,11 +1305,13 @@ def nemo_runs() -> list[Run]:
 
 
 def bridge_gb200_runs() -> list[Run]:
-    return [_nemo_run(*row, "gb200", label="Bridge") for row in BRIDGE_GB200_ROWS]
+    return [_nemo_run(*row, "gb200", label="Bridge", recompute=recompute, offload_layers=offload)
+            for *row, recompute, offload in BRIDGE_GB200_ROWS]
 
 
 def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsdp: int, tp: int, pp: int, cp: int,
-              vp: int, tps: float, gpu: str, label: str = "NeMo") -> Run:
+              vp: int, tps: float, gpu: str, label: str = "NeMo", recompute: str | None = None,
+              offload_layers: int = 0) -> Run:
     model = nemo_model(name, seq)
     dp = n // (tp * pp * cp)
     dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
@@ -1313,6 +1319,8 @@ def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsd
     nemotron_1 = release == "24.07" and name == "nemotron4-340b"  # its launcher config (above)
     if nemotron_1:
         plan += ",activation_checkpoint=selective"
+    if recompute is not None:
+        plan += f",activation_checkpoint={recompute}"
     plan += pp_knobs(pp, vp)
     row = (f"{name} | {n} | GBS {gbs} | MBS {mbs} | {seq} | FSDP {fsdp} | TP {tp} | PP {pp} | CP {cp} | VP {vp} | "
            f"{tps} tokens/s/GPU")
@@ -1324,8 +1332,8 @@ def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsd
                gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8,
                search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
                attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
-               optimizer_dtype="bf16" if nemotron_1 else None,
-               grads_in_fp32=False if release == "24.07" and not name.startswith("nemotron-") else None,
+               optimizer_dtype="bf16" if nemotron_1 else None, offload_layers=offload_layers,
+               grads_in_fp32=None if release == "24.07" and name.startswith("nemotron-") else False,
                dropout=True if release == "24.07" and name in NEMO_GPT else None)
 
 
@@ -2244,6 +2252,7 @@ def training_of(run: Run) -> Training:
             fields["attention_kernel"] = run.attention_kernel
         fields["fused_rmsnorm"] = fields["fused_rmsnorm"] and run.fused_rmsnorm  # (either says composite)
         fields["activation_offload"] = fields["activation_offload"] or run.activation_offload
+        fields["offload_layers"] = run.offload_layers or fields["offload_layers"]
         fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
         fields["activation_fp8_input"] = fields["activation_fp8_input"] or run.activation_fp8_input
         fields["ep_overlap"] = fields["ep_overlap"] or run.ep_overlap
@@ -2496,10 +2505,11 @@ def main() -> None:
                          ("MLPerf v3.1 GPT-3 175B (NeMo 23.09, H100)", "MLPerf 3.1"),
                          ("MLPerf v4.0 Llama 2 70B LoRA (NeMo 24.04)", "MLPerf 4.0"),
                          ("MLPerf v4.1 Llama 2 70B LoRA (NeMo 24.09)", "MLPerf 4.1 NVIDIA"),
-                         ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
                          ("Megatron Bridge MoE (Qwen3, H100 FP8, 25.09-26.06)", "Bridge MoE"),
                          ("NeMo 24.07 fine-tuning (SFT, LoRA; H100 FP8)", "NeMoFT"),
-                         ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL")):
+                         ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL"),
+                         ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
+                         ("Megatron Bridge on GB200 (FP8-CS, 25.09-26.02)", "Bridge 2")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]

@@ -2508,6 +2508,68 @@ def test_a_chunked_loss_holds_one_chunks_gradient_beyond_its_saved_logits():
                                                                                                   abs=small)
 
 
+def _te_offload_resident(layers: int, offloaded: int) -> int:
+    """The most blocks' activations on the device over a forward and backward under Transformer Engine's
+    DefaultOffloadSynchronizer (transformer_engine/pytorch/cpu_offload.py, _init_offload_synchronization_dicts),
+    written out: blocks 0..k-1 are offloaded, block i's device copy is released when block L - k + i's forward
+    starts and reloaded when block L - 1 - k + i's backward starts; a block's activations are freed by its backward."""
+    release_at = {layers - offloaded + i: i for i in range(offloaded)}
+    reload_at = {layers - 1 - offloaded + i: i for i in range(offloaded)}
+    resident, most = set(), 0
+    for j in range(layers):  # forward
+        if j in release_at:
+            resident.discard(release_at[j])
+        resident.add(j)
+        most = max(most, len(resident))
+    for j in reversed(range(layers)):  # backward
+        if j in reload_at:
+            resident.add(reload_at[j])
+        most = max(most, len(resident))
+        resident.discard(j)
+    return most
+
+
+def test_megatron_cpu_offloading_keeps_the_blocks_not_offloaded_and_prices_the_copies():
+    # Megatron-Core's cpu_offloading (Training.offload_layers: cpu_offloading_num_layers, the GB200 recipes of
+    # Megatron Bridge): the saved tensors of the first k blocks go to the host and come back, and Transformer
+    # Engine's synchroniser keeps at most L - k blocks' on the device (its schedule written out above); the copies
+    # run behind the forward and the backward, exposed past them; Megatron-Core refuses it beside a pipeline, beside
+    # recompute and for every block (transformer_config.py), and it is Megatron-Core's alone
+    from shardwise.planner.memory import offload_kept_share
+    from shardwise.planner.plan import engine_error
+    from shardwise.planner.timing import layer_offload_time
+
+    for layers, k in ((80, 40), (126, 95), (32, 1), (8, 7)):
+        assert _te_offload_resident(layers, k) == layers - k
+        training = dataclasses.replace(_training("megatron-core"), offload_layers=k)
+        assert offload_kept_share(training, Plan(activation_checkpoint="none"), layers) * layers == layers - k
+    args, cluster = preset("llama3-8b"), Cluster(accelerator("gb200"), 8)
+    plan = Plan(dp_shard=8, zero_stage=3, micro_batch=2, activation_checkpoint="none")
+    mc = _training("megatron-core", seq_len=8192, global_batch=16, precision="fp8")
+    on, off = (evaluate(args, dataclasses.replace(mc, offload_layers=k), plan, cluster) for k in (16, 0))
+    kept = 16 * layer_activation_bytes(args, mc, plan)
+    assert off.memory["activations"] - on.memory["activations"] == pytest.approx(kept, rel=1e-6)
+    assert on.time.step_time_s == pytest.approx(off.time.step_time_s, rel=1e-6)  # 29 GiB each way at 225 GB/s: hidden
+    slow = dataclasses.replace(accelerator("gb200"), host_bw=10e9)
+    offloaded = dataclasses.replace(mc, offload_layers=16)
+    cost = stage_cost(args, offloaded, plan, Cluster(slow, 8))
+    copies = kept / 10e9
+    backward = cost.backward_input + cost.backward_weight
+    assert layer_offload_time(args, offloaded, plan, slow, cost) == pytest.approx(
+        plan.grad_accum * (2 * copies - slow.comm_overlap * (min(copies, cost.forward) + min(copies, backward))))
+    assert copies > cost.forward  # (so the forward's copies are exposed here)
+    ac = "parallel.activation_checkpoint"
+    for refused, field in ((Plan(pp=2, micro_batch=2, grad_accum=2, activation_checkpoint="none"), "parallel.pp"),
+                           (dataclasses.replace(plan, activation_checkpoint="selective"), ac),
+                           (dataclasses.replace(plan, activation_checkpoint="full"), ac)):
+        error = engine_error(refused, offloaded, args)
+        assert error is not None and error.field == field, refused
+    error = engine_error(plan, dataclasses.replace(mc, offload_layers=32), args)
+    assert error is not None and error.field == "--system offload_layers"
+    with pytest.raises(PlannerError, match="offload_layers"):
+        dataclasses.replace(_training("torchtitan"), offload_layers=4)
+
+
 def test_activation_offloading_moves_the_inputs_a_checkpointed_block_saves_through_autograd():
     # torchtune's activation offloading is saved-tensor hooks around the model's forward; under full recompute what
     # they see of a block is its input, which torch's non-reentrant checkpoint saves through autograd (the engine's
@@ -2733,6 +2795,24 @@ def test_a_compiled_block_dequantises_an_nf4_weight_in_one_fused_pass_and_keeps_
     sac = dataclasses.replace(qlora, selective="matmuls")
     assert (layer_activation_bytes(args, dataclasses.replace(sac, compile=True), selective)
             == layer_activation_bytes(args, dataclasses.replace(sac, compile=True, qlora=False), selective))
+
+
+def test_the_gb200_is_the_nvl72_datasheet_per_gpu_and_found_before_the_b200(monkeypatch):
+    # NVIDIA's GB200 NVL72 datasheet gives a rack of 72 GPUs with sparsity: 720 PF FP8, 360 PF BF16, 576 TB/s of
+    # HBM3e, 130 TB/s of NVLink; nvidia-smi prints 189471 MiB on one. Its driver name contains "B200", so it is
+    # matched first; its matmul efficiency is the B200's (the same die: no GB200 MAMF figure is published)
+    from shardwise.hardware import detect_accelerator
+
+    gb200, b200 = accelerator("gb200"), accelerator("b200")
+    assert gb200.peak_flops["bf16"] == pytest.approx(360e15 / 72 / 2)
+    assert gb200.peak_flops["fp8"] == pytest.approx(720e15 / 72 / 2)
+    assert gb200.mem_bandwidth == pytest.approx(576e12 / 72)
+    assert gb200.intra_node_bw == pytest.approx(130e12 / 72 / 2, rel=0.01)
+    assert gb200.memory_bytes / GiB == pytest.approx(189471 / 1024, abs=0.01)
+    assert gb200.matmul_efficiency == b200.matmul_efficiency and gb200.intra_node_fabric == "nvlink"
+    for label, key in (("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, label=label: label)
+        assert detect_accelerator(torch.device("cuda", 0)) == key
 
 
 def test_the_fine_tuning_gpus_are_in_the_catalogue_and_found_by_their_driver_names(monkeypatch):

@@ -542,6 +542,7 @@ def system_summary(training: Training) -> str:
             f"{', the optimizer stepped in backward' if training.optimizer_in_backward else ''}"
             f"{f', the loss over {training.loss_chunks} chunks' if training.loss_chunks > 1 else ''}"
             f"{', checkpointed activations offloaded to the host' if training.activation_offload else ''}"
+            f"{f', {training.offload_layers} blocks of activations offloaded' if training.offload_layers else ''}"
             f"{', composite fp32 RMSNorm' if not training.fused_rmsnorm else ''}"
             f"{buckets}"
             f"{', overlap_comm' if training.overlap_comm else ''}"

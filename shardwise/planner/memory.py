@@ -2051,8 +2051,12 @@ its default), counted as that many blocks' saved inputs."""
 
 
 def offload_kept_share(training: Training, plan: Plan, layers: int) -> float:
-    """The share of a stage's blocks' saved inputs on the device under activation offloading (Training.
-    activation_offload, full recompute: what a checkpointed block keeps is its input): the forward stash's."""
+    """The share of a stage's blocks' saved activations on the device under activation offloading: torchtune's
+    (Training.activation_offload, full recompute: what a checkpointed block keeps is its input), the forward
+    stash's; Megatron-Core's (Training.offload_layers, no recompute), the blocks not offloaded, (L - k) / L, as
+    Transformer Engine's synchroniser keeps them."""
+    if training.offload_layers and plan.activation_checkpoint == "none":
+        return (layers - min(training.offload_layers, layers)) / layers
     if not (training.activation_offload and plan.activation_checkpoint == "full") or layers <= OFFLOAD_STASH:
         return 1.0
     return OFFLOAD_STASH / layers

@@ -78,6 +78,21 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = ConfigError("parallel.pp", f"{plan.pp} pipeline stages, and the system offloads activations "
                             "(activation_offload: torchtune's recipes, which have no pipeline)",
                             "use pp=1, or a system without activation_offload")
+    if error is None and training.offload_layers and plan.pp > 1:
+        # megatron/core/transformer/transformer_config.py: "Currently there is no support for Pipeline parallelism
+        # with CPU offloading"
+        error = ConfigError("parallel.pp", f"{plan.pp} pipeline stages, and the system offloads activations "
+                            "(offload_layers: Megatron-Core's cpu_offloading has no pipeline)",
+                            "use pp=1, or offload_layers = 0")
+    if error is None and training.offload_layers and plan.activation_checkpoint != "none":
+        # the same file: "CPU offloading does not work when activation recomputation is enabled"
+        error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system "
+                            "offloads activations (offload_layers: Megatron-Core's cpu_offloading refuses recompute)",
+                            "use activation_checkpoint=none, or offload_layers = 0")
+    if error is None and training.offload_layers >= args.n_layers:
+        # the same file: "CPU offloading can be done only for layers less than {num_layers}"
+        error = ConfigError("--system offload_layers", f"{training.offload_layers} of the model's {args.n_layers} "
+                            "blocks", f"offload fewer than {args.n_layers}")
     if error is None and plan.activation_checkpoint == "selective" and training.selective == "none":
         # torchtune: its ac_mode "selective" wraps every k-th layer whole (training/activations.py), no op policy
         error = ConfigError("parallel.activation_checkpoint", "selective, and the system has no op-level selective "

@@ -125,6 +125,9 @@ class System:
     torchtune's enable_activation_offloading)."""
     activation_fp8_input: bool = False
     """Megatron-Core's fused SwiGLU keeping its input in float8 (Training.activation_fp8_input)."""
+    offload_layers: int = 0
+    """Megatron-Core's CPU offloading of the activations of a stage's first this many blocks
+    (Training.offload_layers: cpu_offloading_num_layers); layout 'megatron' only."""
     optimizer_in_backward: bool = False
     """Each parameter stepped and its gradient freed in backward (Training.optimizer_in_backward: torchtune's
     optimizer_in_bwd)."""
@@ -240,6 +243,7 @@ class System:
                 "optimizer_passes": self.optimizer_passes, "state_dtype": self.state_dtype,
                 "fused_rmsnorm": self.fused_rmsnorm, "loss_chunks": self.loss_chunks,
                 "activation_offload": self.activation_offload, "optimizer_in_backward": self.optimizer_in_backward,
+                "offload_layers": self.offload_layers,
                 "reduce_bucket_size": self.reduce_bucket_size,
                 "overlap_comm": self.overlap_comm,
                 "pipeline_split": self.pipeline_split, "moe_dispatch": self.moe_dispatch,
@@ -435,7 +439,8 @@ def resolve_system(spec: str | System) -> System:
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
                                    "expert_parallel", "ep_overlap") else \
-            float if key == "reduce_bucket_size" else int if key in ("loss_chunks", "pp_zero_max") else \
+            float if key == "reduce_bucket_size" else \
+            int if key in ("loss_chunks", "pp_zero_max", "offload_layers") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str
         if type(value) is not expected and not (expected is float and type(value) is int):
             raise PlannerError(f"--system {path} {key}", f"{value!r} is not a {expected.__name__}",

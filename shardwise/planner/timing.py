@@ -1446,6 +1446,21 @@ def activation_offload_time(args: ModelArgs, training: Training, plan: Plan, acc
     return plan.grad_accum * exposed_part(per_mb, cost.compute, acc.comm_overlap)
 
 
+def layer_offload_time(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator, cost: StageCost) -> float:
+    """Exposed seconds of Megatron-Core's CPU offloading (Training.offload_layers, no recompute): each micro-batch's
+    offloaded blocks' saved activations copied to the host behind its forward and back behind its backward, on a
+    side stream, as far as the device overlaps copies with kernels (comm_overlap). Transformer Engine's synchroniser
+    lets block i's copy run until block L - k + i's forward: the k copies, one after another, fit the forward's
+    time or hold it up by what they exceed it by (and the reloads the backward's)."""
+    if not (training.offload_layers and plan.activation_checkpoint == "none"):
+        return 0.0
+    layers = placement(args, plan, training.seq_len, training.pipeline_split).max_layers
+    copies = min(training.offload_layers, layers) * layer_activation_bytes(args, training, plan) / acc.host_bw
+    backward = cost.backward_input + cost.backward_weight
+    return plan.grad_accum * (exposed_part(copies, cost.forward, acc.comm_overlap)
+                              + exposed_part(copies, backward, acc.comm_overlap))
+
+
 def dp_unit_overhead(args: ModelArgs, training: Training, plan: Plan, acc: Accelerator) -> float:
     """Host seconds per micro-batch of the engine's data-parallel wrappers on a rank (layout torch): a unit per
     block and the root under fully_shard (ZeRO-2/3), per bucket of blocks (as `data_parallel._buckets` groups
@@ -1524,7 +1539,8 @@ def step_time(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster)
     bubble = pipe - m * cost.total
     dp_total, dp_exposed = dp_comm(args, training, plan, cluster, cost)
     opt = optimizer_time(args, training, plan, acc)
-    off = offload_time(args, training, plan, acc, cost) + activation_offload_time(args, training, plan, acc, cost)
+    off = (offload_time(args, training, plan, acc, cost) + activation_offload_time(args, training, plan, acc, cost)
+           + layer_offload_time(args, training, plan, acc, cost))
     copies = sharding_copies(args, training, plan, acc)
     where = placement(args, plan, training.seq_len, training.pipeline_split)
     scalars = step_scalars(plan, cluster, args, where.max_moe_layers)

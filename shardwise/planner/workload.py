@@ -166,6 +166,15 @@ class Training:
     inputs through autograd, which those hooks see). Its forward stash keeps the last five offloaded tensors on the
     device (max_fwd_stash_size), counted as five blocks' inputs (memory.OFFLOAD_STASH); the copies run behind
     compute as far as the device overlaps them (timing.activation_offload_time)."""
+    offload_layers: int = 0
+    """Megatron-Core's CPU offloading of activations (cpu_offloading, cpu_offloading_num_layers): every tensor a
+    stage's first `offload_layers` blocks save goes to host memory on a side stream after that block's forward and
+    comes back during the backward, through Transformer Engine's get_cpu_offload_context, whose synchroniser
+    (cpu_offload.py, DefaultOffloadSynchronizer: block i's copy must finish by block L - k + i's forward, its reload
+    start at block L - 1 - k + i's backward) keeps the device's saved activations at (L - k) blocks'
+    (memory.offload_kept_share). The copies run at the host link's bandwidth behind the forward and the backward
+    (timing.layer_offload_time). Megatron-Core refuses it under pipeline parallelism and with recompute
+    (transformer_config.py); 0: off. Layout 'megatron' only."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter in backward, as soon as autograd has accumulated its gradient, and frees
     that gradient (torchtune's optimizer_in_bwd: an optimizer per parameter, stepped from a post-accumulate-grad
@@ -438,6 +447,10 @@ class Training:
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
+        if self.offload_layers < 0 or (self.offload_layers and self.layout != "megatron"):
+            raise PlannerError("--system offload_layers", f"{self.offload_layers} blocks' activations offloaded, "
+                               f"layout {self.layout}: it describes Megatron-Core's cpu_offloading",
+                               'give a count of 0 or more, from base = "megatron-core"')
         if self.zero3_fetch not in ZERO3_FETCH:
             raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
                                f"use one of {', '.join(ZERO3_FETCH)}")
