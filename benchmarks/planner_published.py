@@ -1327,7 +1327,7 @@ def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsd
     on = "" if gpu == "h100" else f"{gpu.upper()} "
     return Run(f"{label} {release} {on}{name.removeprefix('gpt3-').upper() if 'gpt3' in name else name} n={n}",
                model, n, seq, gbs, plan, NEMO if release == "24.07" else BRIDGE,
-               f"{release} DGX-{gpu.upper()} FP8{'-CS' if release in ('25.09', '25.11') else ''}: {row}",
+               f"{release} DGX-{gpu.upper()} FP8{'-CS' if release == '25.11' else ''}: {row}",
                tflops=tps * flops_per_token(model, seq) / 1e12, gpu=gpu, system="megatron-core",
                gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8,
                search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
@@ -1435,9 +1435,9 @@ def nemo_finetune_runs(rows=NEMO_FINETUNE_ROWS, label: str = "NeMoFT 24.07", sou
 # * 5 March 2024 (commit fa27ba49, kept at tag 24.03.01), run in the launcher's container of then, NeMo 24.01
 #   (launcher_scripts/conf/config.yaml: nemo:24.01.framework until 12 March, then 24.01.01): GPT-3 5B and 20B,
 #   Llama 2 7B, 13B and 70B, Nemotron-8B and -22B, and the six fine-tuning rows (SFT and LoRA of Llama 2; the same
-#   layouts as 24.07's, 6-18% slower, unchanged in April).
+#   layouts as 24.07's, 4-18% slower, unchanged in April).
 # * 22 April 2024 (81b75a7c, "update GPT and LLAMA2 training records"; the container line names 24.01.01, moved to
-#   24.03.01 a week later): GPT-3 5B and 20B and the three Llama 2 rows again, 4-8% faster; the Nemotron rows are
+#   24.03.01 two days later): GPT-3 5B and 20B and the three Llama 2 rows again, 4-8% faster; the Nemotron rows are
 #   March's, kept.
 # Left out: GPT-3 175B (its 741 tokens/s is MLPerf's, a link), and the June table (NeMo 24.05, the 24.07 summary's
 # layouts). Described as NeMo 24.07's rows above are (nemo_runs: TE's delayed scaling, flash-attn through the

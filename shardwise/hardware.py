@@ -275,8 +275,9 @@ CATALOGUE: dict[str, Accelerator] = {
         # dense, 8 TB/s, 1.8 TB/s of NVLink 5 both ways; FP32 twice FP64 (90 TF; Blackwell's ratio, as the B200's 80
         # to 40). Memory as nvidia-smi prints it on a GB200 (189471 MiB, 1200 W; its output as quoted in public
         # logs). One ConnectX-7 400 Gb/s NIC a GPU (four a compute tray). The host is the superchip's Grace over
-        # NVLink-C2C, 900 GB/s both ways shared by its two GPUs: 225 GB/s a GPU a direction. The NVLink domain is the
-        # rack's 72 GPUs: pass --gpus-per-node 72 (or the GPUs a job takes of each rack).
+        # NVLink-C2C, 900 GB/s both ways for the superchip: taken as shared by its two GPUs, 225 GB/s a GPU a
+        # direction (an inference: no source gives a GPU's share). The NVLink domain is the rack's 72 GPUs: pass
+        # --gpus-per-node with the GPUs a job takes of each rack (72, or 64 for 16 of its 18 trays).
         _gpu("gb200", 185.03, 2500.0, 2500.0, 5000.0, 90.0, 8.0, 900, 50, 225, "NVIDIA GB200 NVL72 datasheet"),
         # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16/FP16 1307.4 TF dense, FP8 2614.9, FP32
         # 163.4 TF; Infinity Fabric 7 links x 64 GB/s per direction to the 7 peers (448 GB/s); PCIe Gen5 host.
@@ -385,7 +386,8 @@ for _name, _channels in NCCL_BOARD_CHANNELS.items():
 # Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
 # give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
 # 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
-HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128}
+HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128, "gb200": 240}
+"""(The GB200's is its superchip's Grace, 480 GB of LPDDR5X for two GPUs: the GB200 superchip's specification.)"""
 for _name, _gib in HOST_GIB_PER_GPU.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
 

@@ -2537,7 +2537,6 @@ def test_megatron_cpu_offloading_keeps_the_blocks_not_offloaded_and_prices_the_c
     # recompute and for every block (transformer_config.py), and it is Megatron-Core's alone
     from shardwise.planner.memory import offload_kept_share
     from shardwise.planner.plan import engine_error
-    from shardwise.planner.timing import layer_offload_time
 
     for layers, k in ((80, 40), (126, 95), (32, 1), (8, 7)):
         assert _te_offload_resident(layers, k) == layers - k
@@ -2550,14 +2549,28 @@ def test_megatron_cpu_offloading_keeps_the_blocks_not_offloaded_and_prices_the_c
     kept = 16 * layer_activation_bytes(args, mc, plan)
     assert off.memory["activations"] - on.memory["activations"] == pytest.approx(kept, rel=1e-6)
     assert on.time.step_time_s == pytest.approx(off.time.step_time_s, rel=1e-6)  # 29 GiB each way at 225 GB/s: hidden
-    slow = dataclasses.replace(accelerator("gb200"), host_bw=10e9)
+    from shardwise.planner.memory import host_bytes
+
+    assert host_bytes(args, dataclasses.replace(mc, offload_layers=16), plan) == pytest.approx(kept)  # on the Grace
+    # a host link too slow for the copies: the step grows by what they outlast the forward and the backward by
+    slow = Cluster(dataclasses.replace(accelerator("gb200"), host_bw=10e9, comm_overlap=1.0), 8)
     offloaded = dataclasses.replace(mc, offload_layers=16)
-    cost = stage_cost(args, offloaded, plan, Cluster(slow, 8))
+    late, early = evaluate(args, offloaded, plan, slow), evaluate(args, mc, plan, slow)
+    cost = stage_cost(args, offloaded, plan, slow)
     copies = kept / 10e9
-    backward = cost.backward_input + cost.backward_weight
-    assert layer_offload_time(args, offloaded, plan, slow, cost) == pytest.approx(
-        plan.grad_accum * (2 * copies - slow.comm_overlap * (min(copies, cost.forward) + min(copies, backward))))
-    assert copies > cost.forward  # (so the forward's copies are exposed here)
+    assert copies > cost.backward_input + cost.backward_weight > cost.forward
+    assert late.time.step_time_s - early.time.step_time_s == pytest.approx(
+        plan.grad_accum * ((copies - cost.forward) + (copies - cost.backward_input - cost.backward_weight)), rel=1e-6)
+    # the search prices its floor with the blocks offloaded and no recompute (the only policy Megatron-Core runs
+    # beside it): a board that fits only that finds it
+    from shardwise.planner.search import search
+
+    big = preset("llama3-70b")  # (79 of its 80 blocks offloaded: 35.2 GiB; full recompute without: 46.0)
+    small = Cluster(dataclasses.replace(accelerator("gb200"), memory_bytes=40 * GiB), 64, gpus_per_node=64)
+    deep = dataclasses.replace(mc, global_batch=128, offload_layers=79)
+    best = search(big, deep, small, {"tp": 1, "cp": 1, "pp": 1}, top_k=1).ranked[0]
+    assert best.plan.activation_checkpoint == "none" and best.memory["total"] < 40 * GiB
+    assert not evaluate(big, dataclasses.replace(deep, offload_layers=0), best.plan, small).fits
     ac = "parallel.activation_checkpoint"
     for refused, field in ((Plan(pp=2, micro_batch=2, grad_accum=2, activation_checkpoint="none"), "parallel.pp"),
                            (dataclasses.replace(plan, activation_checkpoint="selective"), ac),
@@ -2566,6 +2579,8 @@ def test_megatron_cpu_offloading_keeps_the_blocks_not_offloaded_and_prices_the_c
         assert error is not None and error.field == field, refused
     error = engine_error(plan, dataclasses.replace(mc, offload_layers=32), args)
     assert error is not None and error.field == "--system offload_layers"
+    with pytest.raises(PlannerError, match="offload_layers"):  # before any search
+        check_recipe(args, dataclasses.replace(mc, offload_layers=32))
     with pytest.raises(PlannerError, match="offload_layers"):
         dataclasses.replace(_training("torchtitan"), offload_layers=4)
 

@@ -2273,12 +2273,17 @@ def host_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     """Bytes of host memory one rank's offload fills, on the stage that holds the most: the model state offload
     moves off the device (FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and the optimizer
     state in host memory, and steps the optimizer there). A planner that checked only the device offered a 405B
-    model on one 8-GPU node with 6 TB of it in the node's RAM."""
+    model on one 8-GPU node with 6 TB of it in the node's RAM. With them, the activations Megatron-Core's CPU
+    offloading keeps there (Training.offload_layers: its blocks' saved tensors for the micro-batch in flight;
+    torchtune's activation offloading, a block input each, is not counted)."""
+    activations = 0.0
+    if training.offload_layers and plan.activation_checkpoint == "none":
+        activations = min(training.offload_layers, args.n_layers) * layer_activation_bytes(args, training, plan)
     if plan.offload == "none":
-        return 0.0
+        return activations
     kept = replace(plan, offload="none")
-    return max(sum(_model_state(args, training, kept, stage).values())
-               - sum(_model_state(args, training, plan, stage).values()) for stage in range(plan.pp))
+    return activations + max(sum(_model_state(args, training, kept, stage).values())
+                             - sum(_model_state(args, training, plan, stage).values()) for stage in range(plan.pp))
 
 
 class _Trained(NamedTuple):

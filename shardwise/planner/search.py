@@ -199,6 +199,10 @@ def check_recipe(args: ModelArgs, training: Training) -> None:
             if 0 < sum(name in training.lora_targets for name in names) < len(names):
                 raise PlannerError("--lora-targets", "NeMo's LoRA adapts Megatron-Core's fused linear_qkv and "
                                    "linear_fc1 whole, not part of one", f"name {', '.join(names)} together")
+    if training.offload_layers >= args.n_layers:
+        # megatron/core/transformer/transformer_config.py: "CPU offloading can be done only for layers less than ..."
+        raise PlannerError("--system offload_layers", f"{training.offload_layers} of the model's {args.n_layers} "
+                           "blocks offloaded", f"offload fewer than {args.n_layers} (Megatron-Core refuses more)")
     if args.n_experts and training.moe_dispatch == "deepep" and args.capacity_factor > 0:
         raise PlannerError("--system moe_dispatch", f"deepep is dropless, and the model sets capacity_factor "
                            f"{args.capacity_factor}", "use moe_dispatch = copies, or a dropless model")
@@ -574,6 +578,8 @@ def _search_degrees(args: ModelArgs, training: Training, cluster: Cluster, base:
         return
     # (Megatron-Core's all-to-all overlap refuses full recompute: plan.ep_overlap_error)
     recomputes = [r for r in _recomputes(fixed) if r != "full" or not (training.ep_overlap and base.ep > 1)]
+    if training.offload_layers:  # Megatron-Core's CPU offloading refuses recompute (plan.engine_error): the floor
+        recomputes = [r for r in recomputes if r == "none"]  # is then no recompute's, with the blocks offloaded
     if not recomputes:
         return
     # lower bound per schedule, under the most recompute allowed (schedules hold different micro-batches in flight

@@ -169,12 +169,13 @@ class Training:
     offload_layers: int = 0
     """Megatron-Core's CPU offloading of activations (cpu_offloading, cpu_offloading_num_layers): every tensor a
     stage's first `offload_layers` blocks save goes to host memory on a side stream after that block's forward and
-    comes back during the backward, through Transformer Engine's get_cpu_offload_context, whose synchroniser
-    (cpu_offload.py, DefaultOffloadSynchronizer: block i's copy must finish by block L - k + i's forward, its reload
-    start at block L - 1 - k + i's backward) keeps the device's saved activations at (L - k) blocks'
-    (memory.offload_kept_share). The copies run at the host link's bandwidth behind the forward and the backward
-    (timing.layer_offload_time). Megatron-Core refuses it under pipeline parallelism and with recompute
-    (transformer_config.py); 0: off. Layout 'megatron' only."""
+    comes back during the backward, through Transformer Engine's get_cpu_offload_context, whose synchroniser of TE
+    2.10 on (cpu_offload.py, DefaultOffloadSynchronizer: block i's copy must finish by block L - k + i's forward,
+    its reload start at block L - 1 - k + i's backward) keeps the device's saved activations at (L - k) blocks'
+    (memory.offload_kept_share; TE 2.9 and earlier keep one more). The copies run at the host link's bandwidth
+    behind the forward and the backward (timing.layer_offload_time) and fill host memory (memory.host_bytes).
+    Megatron-Core refuses it under pipeline parallelism and with recompute (transformer_config.py); 0: off. Layout
+    'megatron' only."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter in backward, as soon as autograd has accumulated its gradient, and frees
     that gradient (torchtune's optimizer_in_bwd: an optimizer per parameter, stepped from a post-accumulate-grad
@@ -447,10 +448,11 @@ class Training:
         if self.grad_sync not in ("step", "micro-batch"):
             raise PlannerError("--system grad_sync", f"unknown gradient sync {self.grad_sync!r}",
                                "use step or micro-batch")
-        if self.offload_layers < 0 or (self.offload_layers and self.layout != "megatron"):
-            raise PlannerError("--system offload_layers", f"{self.offload_layers} blocks' activations offloaded, "
-                               f"layout {self.layout}: it describes Megatron-Core's cpu_offloading",
-                               'give a count of 0 or more, from base = "megatron-core"')
+        if self.offload_layers < 0:
+            raise PlannerError("--system offload_layers", f"{self.offload_layers} blocks", "give 0 or more")
+        if self.offload_layers and self.layout != "megatron":
+            raise PlannerError("--system offload_layers", f"it describes Megatron-Core's cpu_offloading, not the "
+                               f"layout {self.layout}", 'start from base = "megatron-core", or leave it out')
         if self.zero3_fetch not in ZERO3_FETCH:
             raise PlannerError("--system zero3_fetch", f"unknown ZeRO-3 fetch {self.zero3_fetch!r}",
                                f"use one of {', '.join(ZERO3_FETCH)}")
