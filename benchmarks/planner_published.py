@@ -2509,7 +2509,7 @@ def main() -> None:
                          ("NeMo 24.07 fine-tuning (SFT, LoRA; H100 FP8)", "NeMoFT"),
                          ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL"),
                          ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
-                         ("Megatron Bridge on GB200 (FP8-CS, 25.09-26.02)", "Bridge 2")):
+                         ("Megatron Bridge on GB200 (FP8, 25.09-26.02)", "Bridge 2")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]

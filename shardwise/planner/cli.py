@@ -76,8 +76,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
            "sent to, on average (default: derived for uniform routing, see docs/planner.md)")
     a("--gpu-memory-gib", type=float, default=None, help="override the device memory")
     a("--host-memory-gib", type=float, default=None,
-      help="host memory per node that offload may fill (default: the GPU's DGX server, 2,048 GiB for 8 H100, H200 "
-           "or A100 80GB; unchecked for a GPU the catalogue has no server for)")
+      help="host memory per node (--gpus-per-node GPUs) that offload may fill (default: the GPU's server, 2,048 GiB "
+           "for 8 H100, H200 or A100 80GB, 223.5 GiB a GB200; unchecked for a GPU the catalogue has no server for)")
     a("--intra-node-gbs", type=float, default=None, help="override intra-node bandwidth, GB/s per direction")
     a("--inter-node-gbs", type=float, default=None, help="override inter-node bandwidth, GB/s per direction")
     a("--max-tp", type=int, default=None, help="largest tensor-parallel degree to consider")

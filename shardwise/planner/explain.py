@@ -128,8 +128,9 @@ def explain(args: ModelArgs, training: Training, cluster: Cluster, result: Searc
     """Everything the CLI prints under the table, as data (the JSON output carries it too)."""
     out = {"single_device": single_device(args, training, cluster), "decision_sequence": [], "knobs": {}}
     if result.least_host < math.inf:  # offload layouts the search left out for the host's memory
-        node = cluster.gpus_per_node
-        out["host_memory"] = (f"offload left out: the least host memory an offload layout needs is "
+        node = min(cluster.gpus_per_node, cluster.gpus)
+        what = "offloaded activations (offload_layers)" if training.offload_layers else "offload"
+        out["host_memory"] = (f"{what} left out: the least host memory a plan with them needs is "
                               f"{result.least_host * node / GiB:,.0f} GiB per node of "
                               f"{cluster.accelerator.host_memory_bytes * node / GiB:,.0f} (--host-memory-gib)")
     if result.ranked:

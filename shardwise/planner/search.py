@@ -239,6 +239,12 @@ def check_fixed(args: ModelArgs, training: Training, cluster: Cluster, fixed: di
         bad("cp", f"cp={cp} with unfused attention (ring attention runs a fused kernel per block)", "use cp=1")
     if pp > args.n_layers or world % (tp * cp * pp):
         bad("pp", f"pp={pp} must be <= {args.n_layers} layers and divide --gpus/(tp*cp)", "pick a divisor")
+    if training.offload_layers and fixed.get("activation_checkpoint", "none") != "none":  # (plan.engine_error)
+        bad("activation_checkpoint", f"{fixed['activation_checkpoint']}, and the system offloads activations "
+            "(offload_layers: Megatron-Core's cpu_offloading refuses recompute)", "use none, or offload_layers = 0")
+    if training.offload_layers and fixed.get("pp", 1) > 1:
+        bad("pp", f"pp={fixed['pp']}, and the system offloads activations (offload_layers: Megatron-Core's "
+            "cpu_offloading has no pipeline)", "use pp=1, or offload_layers = 0")
     if fixed.get("sequence_parallel") and fixed.get("tp") == 1:
         bad("sequence_parallel", "sequence parallelism splits what tensor parallelism leaves whole, and tp=1",
             "use tp > 1, or leave sequence_parallel out")
@@ -696,11 +702,15 @@ def _cheapest_recompute(args: ModelArgs, training: Training, cluster: Cluster, p
     if found is None:
         return None
     index, candidate, stage, mem = found
+    host = host_bytes(args, training, candidate)  # (Megatron-Core's offloaded activations grow with the micro-batch)
+    if cluster.accelerator.host_memory_bytes and host > cluster.accelerator.host_memory_bytes:
+        result.least_host = min(result.least_host, host)
+        return None
     if partial and skipped + index > 0 and candidate.activation_checkpoint != "none" and _may_lead(
             args, training, cluster, candidate, result):
         candidate, stage, mem = _fewest_checkpoints(args, training, candidate, stage, mem, limit, result)
-    ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit,
-                    host_bytes(args, training, candidate), cluster.accelerator.host_memory_bytes)
+    ev = Evaluation(candidate, mem, stage, step_time(args, training, candidate, cluster), limit, host,
+                    cluster.accelerator.host_memory_bytes)
     _note(result, ev)
     return index, ev
 
