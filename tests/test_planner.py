@@ -2123,6 +2123,21 @@ def test_mlperf_llama2_lora_runs_fit_and_come_within_10_percent_but_v40s_cp(vers
         assert min(r[i] for r in rates if r[2]) > max(r[i] for r in rates if not r[2])
 
 
+def _fitting_within(published, runs, low: float, high: float) -> list:
+    """Each run's given plan fits, as it ran, its predicted over published throughput within [low, high], and the
+    upper median of |ratio - 1| under 10%: the (run, evaluation) pairs."""
+    pairs, errors = [], []
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        assert fits, run.name
+        ratio = run.published_step() / ev.time.step_time_s
+        assert low <= ratio <= high, (run.name, ratio)
+        errors.append(abs(ratio - 1))
+        pairs.append((run, ev))
+    assert sorted(errors)[len(errors) // 2] < 0.10
+    return pairs
+
+
 def test_nemo_2407_finetuning_rows_fit_and_come_within_18_percent_pessimistic():
     """NeMo 24.07's fine-tuning benchmark (its launcher's examples/README.md, held out on 2026-12-07): Llama 2 7B,
     13B and 70B, SFT and LoRA in FP8 on 8 and 16 H100s, SQuAD packed to 4,096 tokens, each row's knobs from the
@@ -2133,13 +2148,7 @@ def test_nemo_2407_finetuning_rows_fit_and_come_within_18_percent_pessimistic():
     24.07's fine-tuning rows, held out"). The LoRA rows keep their frozen weights in float8."""
     published, runs = _published("NeMoFT")
     assert len(runs) == 6
-    errors = []
-    for run in runs:
-        ev, fits = published.given_plan(run)
-        assert fits, run.name
-        ratio = run.published_step() / ev.time.step_time_s
-        assert 0.82 <= ratio <= 1.0, (run.name, ratio)
-        errors.append(abs(ratio - 1))
+    for run, ev in _fitting_within(published, runs, 0.82, 1.0):
         training = published.training_of(run)
         assert training.float8_frozen_weights == bool(run.lora_rank), run.name
         cluster = published.cluster_of(run)
@@ -2148,7 +2157,6 @@ def test_nemo_2407_finetuning_rows_fit_and_come_within_18_percent_pessimistic():
             **acc.attention_by_kernel, "flash2": 20 * acc.attention_by_kernel["flash2"]})
         fast = evaluate(run.model, training, ev.plan, dataclasses.replace(cluster, accelerator=nearly_free))
         assert run.published_step() / fast.time.step_time_s > 1.0, run.name
-    assert sorted(errors)[len(errors) // 2] < 0.10
 
 
 def test_nemo_launcher_2024_rows_fit_and_come_within_16_percent():
@@ -2162,14 +2170,7 @@ def test_nemo_launcher_2024_rows_fit_and_come_within_16_percent():
     backward, over 51 GiB of model state; the layout of the script beside it (TP 2, micro-batch 1) fits without."""
     published, runs = _published("NeMoL")
     assert len(runs) == 18
-    errors = []
-    for run in runs:
-        ev, fits = published.given_plan(run)
-        assert fits, run.name
-        ratio = run.published_step() / ev.time.step_time_s
-        assert 0.85 <= ratio <= 1.16, (run.name, ratio)
-        errors.append(abs(ratio - 1))
-    assert sorted(errors)[len(errors) // 2] < 0.10
+    _fitting_within(published, runs, 0.85, 1.16)
     nemotron = next(r for r in runs if "nemotron-22b" in r.name)
     as_printed = dataclasses.replace(nemotron, plan=nemotron.plan + ",activation_checkpoint=none")
     ev, fits = published.given_plan(as_printed)
