@@ -599,8 +599,14 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
                        best.plan.grad_accum)
     if training.layout != "torch":  # mixed precision is the system's own recipe (its summary), not this knob's
         keys = ",".join(k for k in keys.split(",") if not k.startswith("mixed_precision="))
-    reserved = reserved_bytes(model, training, best.plan, best.memory_stage,
-                              best.budget - best.memory["fixed_overhead"]) / GiB
+    limit = best.budget - best.memory["fixed_overhead"]
+    held = reserved_bytes(model, training, best.plan, best.memory_stage)
+    reserved = min(held, limit) / GiB
+    if training.expandable_segments:
+        capped = " (at most the device: the allocator remaps its free pages when short)" if held > limit else ""
+        notes.append(f"memory: the fit is sized without the {training.fragmentation:.0%} fragmentation allowance "
+                     f"(the system's launcher runs torch's allocator with expandable segments); the reserved "
+                     f"figure keeps it{capped}")
     return "\n".join([head, *lines, f"Memory of #1 (GiB, stage {best.memory_stage}): {items}",
                       f"torch's max_memory_reserved would read about {reserved:.1f} GiB (what its caching allocator "
                       "holds: no CUDA context or NCCL buffers; docs/planner.md, 'Reserved memory')",

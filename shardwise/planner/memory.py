@@ -1576,7 +1576,7 @@ def stage_memory(args: ModelArgs, training: Training, plan: Plan, stage: int,
     base, changes = _moment_parts(args, training, plan, stage)
     items = _moment(base, changes, moment or _peak(base, changes, training))
     dynamic = sum(items[k] for k in DYNAMIC_ITEMS)
-    items["fragmentation"] = training.fragmentation * dynamic
+    items["fragmentation"] = fit_fragmentation(training) * dynamic
     items["allocator_segments"] = bf16_optimizer_segments(args, training, plan, stage)
     items["fixed_overhead"] = training.fixed_overhead_gib * GiB
     items["total"] = sum(items.values())
@@ -1618,17 +1618,25 @@ def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0)
 
 
 def _peak(base: dict[str, float], changes: dict[str, dict[str, float]], training: Training) -> str:
-    """The moment whose bytes with their fragmentation allowance are largest, summed from the items every moment
-    shares and those it changes (a search asks this ~10^5 times: no moment's breakdown is built)."""
+    """The moment whose bytes with their fragmentation allowance (fit_fragmentation) are largest, summed from the
+    items every moment shares and those it changes (a search asks this ~10^5 times: no moment's breakdown is
+    built)."""
     shared = sum(base.values())
 
     def held(name: str) -> float:
         change = changes[name]
         # (the optimizer step keeps only model state of the base: _moment)
         dynamic = sum(change.get(k, 0.0 if name == "optimizer_step" else base.get(k, 0.0)) for k in DYNAMIC_ITEMS)
-        return shared + sum(v - base.get(k, 0.0) for k, v in change.items()) + training.fragmentation * dynamic
+        return shared + sum(v - base.get(k, 0.0) for k, v in change.items()) + share * dynamic
 
+    share = fit_fragmentation(training)
     return max(changes, key=held)
+
+
+def fit_fragmentation(training: Training) -> float:
+    """The share of the dynamic items lost to the allocator when memory runs short, which decides whether a plan
+    fits: the fragmentation allowance, or none under expandable segments (Training.expandable_segments)."""
+    return 0.0 if training.expandable_segments else training.fragmentation
 
 
 def peak_moment(args: ModelArgs, training: Training, plan: Plan, stage: int) -> str:
@@ -1915,10 +1923,12 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                 items["fsdp_buffers"] -= block_p * gathered_block
             return items
 
+        # (the block whose moment is largest with the allowance that decides the fit; under expandable segments the
+        # reserved figure, which keeps the allowance, takes the same block)
+        share = fit_fragmentation(training)
         out["later_block_backward"] = max(
             (later(nth) for nth in range(1, shape.layers)),
-            key=lambda items: sum(items.values()) + training.fragmentation * sum(items.get(k, 0.0)
-                                                                                 for k in DYNAMIC_ITEMS))
+            key=lambda items: sum(items.values()) + share * sum(items.get(k, 0.0) for k in DYNAMIC_ITEMS))
     if accum and not accum_early and m >= 2 and not zero_bubble:
         # no forward is left once the first backward starts (1F1B's first stages at M = P - i, GPipe): the next
         # micro-batch's first block backward holds one micro-batch fewer, but every gradient the first made

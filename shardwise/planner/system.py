@@ -176,6 +176,8 @@ class System:
     parallelism 1 ('megatron-core'): where ep draws its ranks, what the layer saves (Training.moe_layer)."""
     ep_overlap: bool = False
     """Megatron-Core's all-to-all overlap, --overlap-moe-expert-parallel-comm (Training.ep_overlap)."""
+    expandable_segments: bool = False
+    """Its launcher runs torch's allocator with expandable segments (Training.expandable_segments)."""
     source: str = ""
     """Where the choices are read from."""
 
@@ -251,7 +253,8 @@ class System:
                 "ddp_alone": self.ddp_alone, "fsdp_replicate": self.fsdp_replicate, "hsdp_stages": self.hsdp_stages,
                 "offload_stages": self.offload_stages, "zero3_grads_at_start": self.zero3_grads_at_start,
                 "tensor_parallel": self.tensor_parallel, "context_parallel": self.context_parallel,
-                "expert_parallel": self.expert_parallel, "moe_layer": self.moe_layer, "ep_overlap": self.ep_overlap}
+                "expert_parallel": self.expert_parallel, "moe_layer": self.moe_layer, "ep_overlap": self.ep_overlap,
+                "expandable_segments": self.expandable_segments}
 
 
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -277,6 +280,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
            partial_checkpoint="last",
            grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3), ddp_alone=True,
+           expandable_segments=True,
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'; selective_ac_option 'k': every k-th of the blocks each process wraps, "
@@ -288,7 +292,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them), "
                   "data parallelism by apply_ddp or apply_fsdp (FSDP or HSDP, fsdp_reshard_after_forward): no "
                   "optimizer-only sharding (ZeRO-1), FSDP wherever dp_shard or cp is, and DDP only alone ('DDP has "
-                  "not supported > 1D parallelism', from the benchmarks' 2024 code until PR 2458, March 2026)"),
+                  "not supported > 1D parallelism', from the benchmarks' 2024 code until PR 2458, March 2026); "
+                  "run_train.sh launches with PYTORCH_ALLOC_CONF=expandable_segments:True (run_llama_train.sh "
+                  "since October 2024, a5e57e4)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
            "ZeRO-1), sequence-parallel shards saved, vocab-parallel cross-entropy, fused attention and SwiGLU, "
            "selective recompute of the attention core, the interleaved schedule's steady-state pipeline sends "
@@ -438,7 +444,7 @@ def resolve_system(spec: str | System) -> System:
                                    "fused_rmsnorm", "fused_projections", "activation_fp8_input",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",
                                    "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
-                                   "expert_parallel", "ep_overlap") else \
+                                   "expert_parallel", "ep_overlap", "expandable_segments") else \
             float if key == "reduce_bucket_size" else \
             int if key in ("loss_chunks", "pp_zero_max", "offload_layers") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str

@@ -404,6 +404,16 @@ class Training:
     """DDP gradient bucket size (torch default 25 MB); two buckets are in flight at once."""
     fragmentation: float = 0.10
     """Allocator allowance: this share of activation and transient bytes is lost to fragmentation."""
+    expandable_segments: bool = False
+    """torch's caching allocator runs with expandable segments (PYTORCH_ALLOC_CONF="expandable_segments:True";
+    PYTORCH_CUDA_ALLOC_CONF, its name before torch 2.9, is still read). Each stream's pool (small, large) is then one
+    virtual range that grows by mapping physical memory, and when an allocation finds no room the allocator unmaps
+    its free blocks' memory and maps it again where the allocation needs it (CUDACachingAllocator's
+    release_cached_blocks; outside CUDA-graph capture, after syncing the streams): a hole between live tensors is not
+    lost to a larger one. So whether a plan fits is sized without the fragmentation allowance (fit_fragmentation:
+    what stays lost is under one mapping granule at either end of a free block, 20 MiB in the large pool, left
+    out); what the allocator holds before it runs short still has its holes (reserved_bytes keeps the allowance,
+    at most the device). The remapping's synchronisation is not priced."""
     fixed_overhead_gib: float = 1.0
     """Per-device memory not available to tensors: CUDA context, cuBLAS workspace, NCCL buffers."""
     expert_imbalance: float = 0.0
