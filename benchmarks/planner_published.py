@@ -193,6 +193,9 @@ class Run:
     cpu_offloading_num_layers), where the run's recipe set it."""
     optimizer_in_backward: bool = False
     """Each parameter stepped in backward (Training.optimizer_in_backward), where the run did."""
+    expandable_segments: bool | None = None
+    """torch's allocator with expandable segments (Training.expandable_segments), where the run's launcher differs
+    from its system's preset; None: the preset's."""
     activation_fp8_input: bool = False
     """Megatron-Core's fused SwiGLU keeping its input in float8 (Training.activation_fp8_input), where the run's
     config set activation_func_fp8_input_store."""
@@ -735,7 +738,7 @@ def olmo_core_runs() -> list[Run]:
                             f"{size.upper()} | {arch} | 4096 | {label} | {tps:,} TPS",
                             tflops=tps * flops_per_token(model, 4096) / 1e12, gpu="h100", system="torchtitan",
                             search=False, compile=True, compile_loss=True, precision=precision,
-                            fused_rmsnorm=False))
+                            fused_rmsnorm=False, expandable_segments=False))  # (OLMo-core's code never sets it)
     return runs
 
 
@@ -1158,7 +1161,10 @@ NEMO_B200_ROWS = [("25.11", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 30624),
 # four racks over the trays' 400 Gb/s NICs. The MXFP8 and NVFP4 rows are left out (block-scaled recipes the planner
 # does not describe), as are the GB300 rows (Blackwell Ultra, not in the catalogue). Added on 2026-12-07 with the
 # catalogue's GB200 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/bridge-gb200-held-
-# out.txt).
+# out.txt). The 405B's jobs ran torch's allocator with expandable segments: the perf scripts set
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for llama31 405b on gb200 in FP8-CS and FP8-MX (v0.1.0rc4
+# setup_experiment.py, v0.2.0 and v0.3.0 perf_plugins.py), for no other dense job (Run.expandable_segments, since
+# 2026-12-07, after the set was evaluated).
 BRIDGE_GB200_RACK = 64
 # ..., recompute, blocks' activations offloaded (each release's scripts/performance configs, below)
 BRIDGE_GB200_ROWS = [("25.09", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 31357, "none", 0),
@@ -1305,13 +1311,14 @@ def nemo_runs() -> list[Run]:
 
 
 def bridge_gb200_runs() -> list[Run]:
-    return [_nemo_run(*row, "gb200", label="Bridge", recompute=recompute, offload_layers=offload)
+    return [_nemo_run(*row, "gb200", label="Bridge", recompute=recompute, offload_layers=offload,
+                      expandable_segments=row[1] == "llama3-405b")
             for *row, recompute, offload in BRIDGE_GB200_ROWS]
 
 
 def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsdp: int, tp: int, pp: int, cp: int,
               vp: int, tps: float, gpu: str, label: str = "NeMo", recompute: str | None = None,
-              offload_layers: int = 0) -> Run:
+              offload_layers: int = 0, expandable_segments: bool | None = None) -> Run:
     model = nemo_model(name, seq)
     dp = n // (tp * pp * cp)
     dp_knobs = f"dp_shard={dp},zero_stage=3" if fsdp else f"dp_replicate={dp},zero_stage=1"
@@ -1333,6 +1340,7 @@ def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsd
                search=False, precision="fp8", float8="te-delayed" if release == "24.07" else "te-current",
                attention_kernel=NEMO_FLASH_ATTN if release == "24.07" and name != "gpt3-175b" else None,
                optimizer_dtype="bf16" if nemotron_1 else None, offload_layers=offload_layers,
+               expandable_segments=expandable_segments,
                grads_in_fp32=None if release == "24.07" and name.startswith("nemotron-") else False,
                dropout=True if release == "24.07" and name in NEMO_GPT else None)
 
@@ -2256,6 +2264,8 @@ def training_of(run: Run) -> Training:
         fields["optimizer_in_backward"] = fields["optimizer_in_backward"] or run.optimizer_in_backward
         fields["activation_fp8_input"] = fields["activation_fp8_input"] or run.activation_fp8_input
         fields["ep_overlap"] = fields["ep_overlap"] or run.ep_overlap
+        if run.expandable_segments is not None:
+            fields["expandable_segments"] = run.expandable_segments
         if run.loss_chunks is not None:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,
