@@ -1316,6 +1316,47 @@ def bridge_gb200_runs() -> list[Run]:
             for *row, recompute, offload in BRIDGE_GB200_ROWS]
 
 
+# Megatron Bridge 26.06's fine-tuning rows (docs/performance-summary-archive.md of NVIDIA-NeMo/Megatron-Bridge, "26.06
+# NeMo Container", "SFT Performance" and "LoRA Performance", Model: LLAMA3_70B; the release's first fine-tuning
+# tables): Llama 3 70B in FP8 on DGX-H100 and DGX-GB200, the layout and tokens/s per GPU as printed, each as the
+# release's recipe runs it (Megatron Bridge v0.5.0: scripts/performance/configs/llama/llama3_llm_finetune.py and
+# llama3_workload_base_configs.py, LLAMA3_70B_{SFT,LORA}_CONFIG_{H100,GB200}_FP8_CS_V1, over
+# src/megatron/bridge/recipes/llama/llama3.py): FP8 with per-tensor current scaling (the FP8_CS configs), 4,096-token
+# sequences priced whole (the perf scripts' --data defaults to mock sequences of that length, in place of the
+# recipe's packed SQuAD; which data the summary ran is not recorded), micro-batch 1, global batch 32, no recompute, the
+# distributed optimizer with
+# bf16 gradient reduction (set_llama3_common_peft_configs), sequence parallelism where tp > 1 (WorkloadBaseConfig),
+# TP communication overlap (not priced, as everywhere), Transformer Engine's CUDA graphs of the MLP where the config
+# sets them (not priced: the planner has no host term), torch's allocator with expandable segments (PERF_ENV_VARS of
+# v0.5.0's Slurm executor, every job); LoRA of rank 16 (llama3_70b_peft_config; alpha 32, no dropout) on linear_qkv
+# alone (the perf configs' target_modules override), the base frozen and kept in FP8 (the precision config's
+# fp8_param_gather). The GB200 jobs of 32 and 8 GPUs
+# sit in one NVL72 rack. The GB300 rows and the MXFP8 recipe are left out (not in the catalogue; block-scaled float8
+# not described). Added on 2026-12-07 and evaluated first as the planner stood (held out: docs/heldout-2026-12-07/
+# bridge-finetune-held-out.txt).
+BRIDGE_FINETUNE_ROWS = [("SFT", "h100", 32, 4, 4, 5, 1638), ("LoRA", "h100", 8, 2, 4, 20, 2643),
+                        ("SFT", "gb200", 32, 1, 8, 10, 3864), ("LoRA", "gb200", 8, 1, 2, 20, 6206)]
+
+
+def bridge_finetune_runs() -> list[Run]:
+    model = nemo_model("llama3-70b", 4096)
+    runs = []
+    for mode, gpu, n, tp, pp, vp, tps in BRIDGE_FINETUNE_ROWS:
+        lora = mode == "LoRA"
+        dp = n // (tp * pp)
+        plan = (f"tp={tp},pp={pp},cp=1,dp_replicate={dp},zero_stage={int(dp > 1)},micro_batch=1,"
+                "activation_checkpoint=none,"
+                f"sequence_parallel={str(tp > 1).lower()}") + pp_knobs(pp, vp)
+        row = f"26.06 DGX-{gpu.upper()} FP8 {mode} LLAMA3_70B | {n} | GBS 32 | MBS 1 | 4096 | TP {tp} | PP {pp} | " \
+              f"VP {vp} | {tps} tokens/s/GPU"
+        runs.append(Run(f"BridgeFT 26.06 {mode} llama3-70b {gpu.upper()} n={n}", model, n, 4096, 32, plan, BRIDGE,
+                        row, tflops=tps * flops_per_token(model, 4096) / 1e12, gpu=gpu, system="megatron-core",
+                        gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8, search=False, precision="fp8",
+                        float8="te-current", grads_in_fp32=False, expandable_segments=True,
+                        lora_rank=16 if lora else 0, lora_targets=("wq", "wk", "wv") if lora else PROJECTIONS))
+    return runs
+
+
 def _nemo_run(release: str, name: str, n: int, gbs: int, mbs: int, seq: int, fsdp: int, tp: int, pp: int, cp: int,
               vp: int, tps: float, gpu: str, label: str = "NeMo", recompute: str | None = None,
               offload_layers: int = 0, expandable_segments: bool | None = None) -> Run:
@@ -2191,7 +2232,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
-        + mlperf41_runs() + bridge_gb200_runs())
+        + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2519,7 +2560,8 @@ def main() -> None:
                          ("NeMo 24.07 fine-tuning (SFT, LoRA; H100 FP8)", "NeMoFT"),
                          ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL"),
                          ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
-                         ("Megatron Bridge on GB200 (FP8, 25.09-26.02)", "Bridge 2")):
+                         ("Megatron Bridge on GB200 (FP8, 25.09-26.02)", "Bridge 2"),
+                         ("Megatron Bridge 26.06 fine-tuning (Llama 3 70B SFT, LoRA; FP8)", "BridgeFT")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
