@@ -1621,7 +1621,7 @@ def _peak(base: dict[str, float], changes: dict[str, dict[str, float]], training
     """The moment whose bytes with their fragmentation allowance (fit_fragmentation) are largest, summed from the
     items every moment shares and those it changes (a search asks this ~10^5 times: no moment's breakdown is
     built)."""
-    shared = sum(base.values())
+    shared, share = sum(base.values()), fit_fragmentation(training)
 
     def held(name: str) -> float:
         change = changes[name]
@@ -1629,7 +1629,6 @@ def _peak(base: dict[str, float], changes: dict[str, dict[str, float]], training
         dynamic = sum(change.get(k, 0.0 if name == "optimizer_step" else base.get(k, 0.0)) for k in DYNAMIC_ITEMS)
         return shared + sum(v - base.get(k, 0.0) for k, v in change.items()) + share * dynamic
 
-    share = fit_fragmentation(training)
     return max(changes, key=held)
 
 
