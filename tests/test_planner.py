@@ -2211,16 +2211,18 @@ def test_bridge_gb200_rows_as_their_recipes_run_them():
 
     published, runs = _published("Bridge 2")
     assert len(runs) == 8
+    refused = []
     for run in runs:
         ev, fits = published.given_plan(run)
         cluster = published.cluster_of(run)
         board = cluster.accelerator.memory_bytes
         assert ev.memory["total"] < 1.06 * board, run.name
         if not fits:
+            refused.append(run.name)
             bare = evaluate(run.model, dataclasses.replace(published.training_of(run), fragmentation=0.0), ev.plan,
                             cluster)
             assert bare.memory["total"] < board, run.name
-        assert 0.95 < run.published_step() / ev.time.step_time_s < 1.27, run.name
+        assert 1.0 < run.published_step() / ev.time.step_time_s < 1.27, run.name
         training = published.training_of(run)
         if "70b" in run.name:
             assert training.offload_layers == 40
@@ -2228,6 +2230,7 @@ def test_bridge_gb200_rows_as_their_recipes_run_them():
         if "405b" in run.name:
             assert fits and ev.memory["fragmentation"] == 0.0, run.name
         assert host_bytes(run.model, training, ev.plan) < cluster.accelerator.host_memory_bytes, run.name
+    assert sorted(refused) == sorted(r.name for r in runs if "70b" in r.name)
 
 
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():
