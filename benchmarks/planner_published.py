@@ -2077,6 +2077,75 @@ def mlperf41_runs() -> list[Run]:
     return runs
 
 
+# MLPerf Training v5.0 (June 2025), benchmark llama31_405b: Llama 3.1 405B pre-trained on C4 with the Mixtral 8x22B
+# tokenizer (the implementations' README: "we replace the paper's TikTokenizer with the Mixtral 8x22b tokenizer",
+# whose vocabulary is 32,768 in its Hugging Face config: not in the submission; a multiple of 128 x TP, so not
+# padded), sequences of 8,192, its closed-division GPU submissions, each one's three runs
+# (mlcommons/training_results_v5.0: results/*/llama31_405b/result_*.txt, benchmarks/llama31_405b/implementations/*).
+# The logs carry every step's wall time (tracked_stats train_step_time: custom_callbacks.py's DeltaTimingCallback,
+# from one on_train_batch_end to the next); the figure is the median over a run's steps after its fifth, the median of
+# the three runs (which span under 1.3%). Every submission runs NVIDIA's NeMo recipe (pretrain.py over NeMo 2's
+# Llama31Config405B): TP x PP 8 x CP 2 with the interleaved schedule at 8 virtual stages (INTERLEAVED_PIPELINE),
+# micro-batch 1, the global batch MINIBS x DP (the log's global_batch_size), sequence parallelism, no recompute
+# (ACT_CKPT_GRANULARITY unset), no dropout, Megatron-Core's distributed optimizer with overlapped gradient reduction
+# and parameter gather and bf16 gradient reduction (grad_reduce_in_fp32=False), FP8 through Transformer Engine with
+# delayed scaling (custom.yaml: fp8_recipe delayed, amax history 1; E4M3 throughout, FP8_HYBRID unset, priced as any
+# float8) and the weights kept in FP8 (FP8_PARAMS /
+# FP8_PARAM_GATHER, not described), the embedding and the loss counted as layers in the pipeline split
+# (ASYM_PP_EMBED, ASYM_PP_LOSS: priced by the planner's own cost split), TP communication overlapped through
+# userbuffers (TP_COMM_OVERLAP: not priced, as everywhere), torch's allocator with expandable segments
+# (config_common.sh), TE's default attention (NVTE_FUSED_ATTN unset: cuDNN, the system's). The rows: NVIDIA's on
+# 64 to 1,024 DGX H100 (NGC 25.01, eos-dfw, TP 8), Nebius's on 64 and 128 8-GPU H200 servers (the same recipe,
+# TP 4), and the GB200 NVL72 submissions (NGC 25.04, TP 4; NVIDIA's tyche and IBM, CoreWeave and NVIDIA's carina), 64
+# GPUs of each rack (the systems' JSON: 4 GPUs a node, "Nx NVIDIA GB200 NVL72" for 16 N nodes) with a whole-step CUDA
+# graph (FULL_CUDA_GRAPH in config_common_cg.sh, which tyche_ngpu256's config sources but its submission lacks; the
+# planner has no host term for it to remove) and, but tyche_ngpu256, Megatron's tp-pp-dp rank order
+# (TP_PP_DP_MAPPING: data parallelism outermost, each pipeline within a rack; the planner's mesh order puts the
+# pipeline outermost, so it prices the pipeline's sends on the network and the data-parallel collectives, hidden
+# behind the backward, inside a rack: the reverse). Each GB200 config also sources a config_common_blackwell.sh
+# that is not in the submission: taken to change neither the FP8 recipe nor the layout (v5.1's NVIDIA configs set
+# FP8_RECIPE tensorwise for Blackwell: current scaling, which the planner prices within a few percent of delayed).
+# Nebius's config turns NVLS back on (NCCL_NVLS_ENABLE=0 commented out: more NCCL memory, not modelled). Added on
+# 2026-12-07 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-07/mlperf-v5.0-llama31-405b-held-out.txt).
+MLPERF50 = ("MLCommons, MLPerf Training v5.0 results, llama31_405b, closed division, "
+            "https://github.com/mlcommons/training_results_v5.0")
+LLAMA31_405B_MIXTRAL = dataclasses.replace(preset("llama3-405b"), name="llama31-405b-mixtral-vocab", vocab_size=32768,
+                                           max_seq_len=8192)
+# submitter and results directory, GPU, GPUs, TP, global batch (sequences), median seconds per step
+MLPERF50_ROWS = [("NVIDIA eos-dfw_n64_ngc25.01_nemo", "h100", 512, 8, 1152, 55.1433),
+                 ("NVIDIA eos-dfw_n256_ngc25.01_nemo", "h100", 2048, 8, 1152, 14.2216),
+                 ("NVIDIA eos-dfw_n304_ngc25.01_nemo", "h100", 2432, 8, 1216, 12.7116),
+                 ("NVIDIA eos-dfw_n320_ngc25.01_nemo", "h100", 2560, 8, 1120, 11.1730),
+                 ("NVIDIA eos-dfw_n1024_ngc25.01_nemo", "h100", 8192, 8, 1536, 5.1790),
+                 ("Nebius nebius_soperator_8xH200_n64_ngc25.01_nemo", "h200", 512, 4, 1152, 50.0114),
+                 ("Nebius nebius_soperator_8xH200_n128_ngc25.01_nemo", "h200", 1024, 4, 1152, 25.3553),
+                 ("NVIDIA tyche_ngpu256_ngc25.04_nemo", "gb200", 256, 4, 448, 19.1694),
+                 ("NVIDIA tyche_ngpu512_ngc25.04_nemo", "gb200", 512, 4, 896, 19.4321),
+                 ("IBM+CoreWeave+NVIDIA carina_ngpu512_ngc25.04_nemo", "gb200", 512, 4, 896, 19.2783),
+                 ("IBM+CoreWeave+NVIDIA carina_ngpu1024_ngc25.04_nemo", "gb200", 1024, 4, 768, 8.4492),
+                 ("IBM+CoreWeave+NVIDIA carina_ngpu1536_ngc25.04_nemo", "gb200", 1536, 4, 1152, 8.4992),
+                 ("IBM+CoreWeave+NVIDIA carina_ngpu2048_ngc25.04_nemo", "gb200", 2048, 4, 1280, 7.1584),
+                 ("IBM+CoreWeave+NVIDIA carina_ngpu2496_ngc25.04_nemo", "gb200", 2496, 4, 1248, 5.8223)]
+
+
+def mlperf50_runs() -> list[Run]:
+    model = LLAMA31_405B_MIXTRAL
+    runs = []
+    for submission, gpu, n, tp, gbs, step in MLPERF50_ROWS:
+        dp = n // (tp * 8 * 2)
+        row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x PP 8 x CP 2 x DP {dp}, VP 8, micro-batch 1, global batch "
+               f"{gbs} x 8192, {step} s per step (train_step_time)")
+        runs.append(Run(f"MLPerf 5.0 405B {submission.split()[0]} {gpu.upper()} n={n}", model, n, 8192, gbs,
+                        f"tp={tp},pp=8,cp=2,dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=true,"
+                        f"activation_checkpoint=none{pp_knobs(8, 8)}", MLPERF50, row,
+                        tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
+                        gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8, system="megatron-core",
+                        search=False, precision="fp8", float8="te-delayed", grads_in_fp32=False, dropout=False,
+                        expandable_segments=True))
+    return runs
+
+
 # --------------------------------------------------------------------------------------------------
 # MLPerf Training v4.0 (June 2024), benchmark llama2_70b_lora: Llama 2 70B fine-tuned with LoRA on GovReport, closed
 # division (mlcommons/training_results_v4.0: results/*/llama2_70b_lora/result_*.txt, MLLOG lines;
@@ -2232,7 +2301,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
-        + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs())
+        + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs() + mlperf50_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2441,6 +2510,8 @@ def sweep_of(run: Run) -> str | None:
         return "MLPerf v4.1 GPT-3 175B (H100)"
     if run.source in (MLPERF40_LORA, MLPERF41_LORA) and run.gpu == "h100":
         return f"MLPerf v{run.name.split()[1]} Llama 2 70B LoRA (H100)"
+    if run.source == MLPERF50 and run.gpu in ("h100", "gb200"):
+        return f"MLPerf v5.0 Llama 3.1 405B ({run.gpu.upper()})"
     return None
 
 
@@ -2561,7 +2632,8 @@ def main() -> None:
                          ("NeMo launcher 2024 (24.01-24.03, H100 FP8)", "NeMoL"),
                          ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
                          ("Megatron Bridge on GB200 (FP8, 25.09-26.02)", "Bridge 2"),
-                         ("Megatron Bridge 26.06 fine-tuning (Llama 3 70B SFT, LoRA; FP8)", "BridgeFT")):
+                         ("Megatron Bridge 26.06 fine-tuning (Llama 3 70B SFT, LoRA; FP8)", "BridgeFT"),
+                         ("MLPerf v5.0 Llama 3.1 405B (NeMo 25.01-25.04; H100, H200, GB200)", "MLPerf 5.0")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
@@ -2573,6 +2645,9 @@ def main() -> None:
             groups["  fine-tuning"] = [x for x in groups[name] if " SFT " in x[0] or " LoRA " in x[0]]
         if name == "NeMo FP8":
             groups["  on B200"] = [x for x in groups[name] if " B200 " in x[0]]
+        if name.startswith("MLPerf v5.0"):
+            for gpu in ("H100", "H200", "GB200"):
+                groups[f"  {gpu}"] = [x for x in groups[name] if f" {gpu} " in x[0]]
         if name.startswith("Megatron Bridge MoE"):
             for size in ("30B", "235B"):
                 groups[f"  Qwen3 {size}"] = [x for x in groups[name] if f" {size} " in x[0]]
