@@ -362,15 +362,17 @@ for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h
 # Engineering", Maximum Achievable Matmul FLOPS table (compute/accelerator/README.md; mamf-finder.py, the best of a
 # brute-force search over shapes, torch 2.6-2.7 with CUDA 12.6): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM
 # 794.5 of 989 (80.3%, "H200 is the same"), B200 SXM 1745.0 of 2250 (77.6%), and AMD MI300X 668.4 (torch 2.5.1 on
-# ROCm 6.3, TunableOp on: 51.1% of the catalogue's 1,307.4). The MI300X was left out while the table had two rows
+# ROCm 6.3, TunableOp on: 51.1% of the catalogue's 1,307.4), GB200 1822.0 of 2500 (72.9%: torch 2.10 with CUDA 13.0,
+# the table's row of September 2025). The MI300X was left out while the table had two rows
 # for it that disagreed (60.1% with ROCm 6.2 beside the 51.4%); its version of August 2026 (stas00/ml-engineering
 # 744d01e) keeps the ROCm 6.3 one alone. Not scaled: GPUs the table lacks (H100 PCIe, L4, A10G, V100). Its float8
 # rows (H100 SXM 1402.6 of 1979, 70.9%) are not used: the same rule in float8 made the published float8 rows 4-7%
 # slower than measured on average (docs/planner.md, "Compute by shape").
-MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776, "mi300x": round(668.4 / 1307.4, 3)}
-MAMF_SHARE["gb200"] = MAMF_SHARE["b200"]
-"""The GB200 is not in the table: taken at the B200's share of its own peak (the same Blackwell die at a higher
-power limit, 1200 W against 1000 W; an inference, not a measurement)."""
+MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776, "gb200": 0.729,
+              "mi300x": round(668.4 / 1307.4, 3)}
+"""(Until 2026-12-07 the GB200 was taken at the B200's share of its own peak, 77.6%, on a reading of the table that
+missed its GB200 row: the same die at 1200 W runs 4% more matmul FLOP/s than the B200 at 1000 W, not the 11% its
+datasheet peak says.)"""
 for _name in ("h100", "h200", "b200", "gb200", "mi300x"):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
         Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))
