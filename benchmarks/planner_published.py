@@ -2208,6 +2208,53 @@ MLPERF_LORA_ROWS = [("4.0", "NVIDIA eos_ngc24.04_nemo", "h100", 8, 4, 1, 8, 2.15
                     ("4.1", "NVIDIA b200_preview_nemo", "b200", 8, 1, 2, 8, 4.6962)]
 
 
+# MLPerf Training v5.0 (June 2025), the same benchmark, NVIDIA's five submissions (NGC 25.04, NeMo 2: train.py's
+# llm.Llama2Config70B and LoRA; NVIDIA/benchmarks/llama2_70b_lora/implementations/{nyx_n1,tyche_ngpu8,72,144,512}_
+# ngc25.04_nemo, one config_common.sh, train.py and yaml for all five): a DGX B200 and two GB200 trays at TP 1 x CP 1,
+# one, two and eight GB200 NVL72 racks at TP 1 x CP 8 (the systems' JSON: 18 and 36 nodes of 4 in 1 and 2 racks, so
+# 72 GPUs a rack; 128 nodes in 8 racks, 64), micro-batch 1, the global batch the data-parallel width (MINIBS 1),
+# sequences packed to 8,192, LoRA of rank 16 (alpha 32) on linear_qkv and linear_proj with dropout 0.1 before the
+# adapter, Megatron-Core's distributed optimizer, FP8 with delayed scaling (hybrid, amax history 4) and the frozen
+# weights in FP8 (fp8_params), Megatron-Core's float8 SwiGLU input on the 8-GPU rows (FP8_ACT=1), no recompute.
+# Not described: FP8 attention (FP8_DPA=1, NVTE_FP8_DPA_BWD=1: priced in bf16), the CP exchange as an all-to-all
+# (cp_comm_type a2a, priced as the ring), Megatron-Core's CUDA graphs on the CP 8 rows (MCORE_CUDA_GRAPH), TE's
+# transposed-weight cache kept (disable_parameter_transpose_cache False; Blackwell's float8 GEMMs take either layout),
+# the unfused cross-entropy (cross_entropy_loss_fusion False: fp32 logits of 1 GiB at CP 1, an eighth at CP 8).
+# Each packed sequence is attended whole, across its documents (train.py: return_cu_seqlen False), as priced.
+# Each log's tracked_stats carries, per block between evaluations, train_step_time and max_memory_usage, written
+# by NVIDIA/mlperf-common at the commit requirements.txt pins (0993367, mlperf_common/callbacks/logging.py: the
+# block's time over its steps, evaluations outside it; torch.cuda.max_memory_allocated in GiB on global rank 0,
+# never reset, so warm-up and evaluation count): the step is the median over a run's blocks, the median of its ten
+# runs (which span under 3.2%); the memory is the largest a run logs, the same in all ten (168.8 GiB at CP 1, 82.3
+# at CP 8), compared as active bytes. Added on 2026-12-07 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-07/mlperf-v5.0-llama2-70b-lora-held-out.txt).
+MLPERF50_LORA = ("MLCommons, MLPerf Training v5.0 results, llama2_70b_lora, NVIDIA's closed-division submissions, "
+                 "https://github.com/mlcommons/training_results_v5.0")
+# submission (results directory), GPU, GPUs, GPUs in one NVLink domain, CP, median seconds per step, max GiB logged
+MLPERF50_LORA_ROWS = [("nyx_n1_ngc25.04_nemo", "b200", 8, 8, 1, 1.5127, 168.827),
+                      ("tyche_ngpu8_ngc25.04_nemo", "gb200", 8, 72, 1, 1.4864, 168.83),
+                      ("tyche_ngpu72_ngc25.04_nemo", "gb200", 72, 72, 8, 0.2386, 82.323),
+                      ("tyche_ngpu144_ngc25.04_nemo", "gb200", 144, 72, 8, 0.2440, 82.321),
+                      ("tyche_ngpu512_ngc25.04_nemo", "gb200", 512, 64, 8, 0.2577, 82.321)]
+
+
+def mlperf50_lora_runs() -> list[Run]:
+    model = dataclasses.replace(preset("llama2-70b"), max_seq_len=8192)
+    runs = []
+    for submission, gpu, n, per_node, cp, step, mem in MLPERF50_LORA_ROWS:
+        dp = n // cp
+        row = (f"NVIDIA {submission}: {n} {gpu.upper()}, TP 1 CP {cp}, global batch {dp} x 8192, {step} s per step "
+               f"(train_step_time), max_memory_usage {mem}")
+        runs.append(Run(f"MLPerf 5.0 NVIDIA 70B LoRA {gpu.upper()} n={n}", model, n, 8192, dp,
+                        f"tp=1,pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=false,"
+                        "activation_checkpoint=none", MLPERF50_LORA, row,
+                        tflops=dp * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
+                        gpus_per_node=per_node, system="megatron-core", search=False, precision="fp8",
+                        float8="te-delayed", lora_rank=16, lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
+                        activation_fp8_input=cp == 1, mem_gib=mem, mem_counts="active"))
+    return runs
+
+
 def mlperf_lora_runs() -> list[Run]:
     model = dataclasses.replace(preset("llama2-70b"), max_seq_len=8192)
     runs = []
@@ -2301,7 +2348,8 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + nemo_launcher_runs() + olmo_core_runs() + torchtune_runs() + automodel_runs() + fa2_runs() + glm_runs()
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
-        + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs() + mlperf50_runs())
+        + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs() + mlperf50_runs()
+        + mlperf50_lora_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2633,7 +2681,9 @@ def main() -> None:
                          ("MLPerf v4.1 GPT-3 175B (NeMo 24.09, H100 and B200)", "MLPerf 4.1 GPT-3"),
                          ("Megatron Bridge on GB200 (FP8, 25.09-26.02)", "Bridge 2"),
                          ("Megatron Bridge 26.06 fine-tuning (Llama 3 70B SFT, LoRA; FP8)", "BridgeFT"),
-                         ("MLPerf v5.0 Llama 3.1 405B (NeMo 25.01-25.04; H100, H200, GB200)", "MLPerf 5.0")):
+                         ("MLPerf v5.0 Llama 3.1 405B (NeMo 25.01-25.04; H100, H200, GB200)", "MLPerf 5.0 405B"),
+                         ("MLPerf v5.0 Llama 2 70B LoRA (NeMo 25.04; NVIDIA's B200 and GB200)",
+                          "MLPerf 5.0 NVIDIA 70B LoRA")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
@@ -2645,7 +2695,7 @@ def main() -> None:
             groups["  fine-tuning"] = [x for x in groups[name] if " SFT " in x[0] or " LoRA " in x[0]]
         if name == "NeMo FP8":
             groups["  on B200"] = [x for x in groups[name] if " B200 " in x[0]]
-        if name.startswith("MLPerf v5.0"):
+        if name.startswith("MLPerf v5.0 Llama 3.1"):
             for gpu in ("H100", "H200", "GB200"):
                 groups[f"  {gpu}"] = [x for x in groups[name] if f" {gpu} " in x[0]]
         if name.startswith("Megatron Bridge MoE"):
