@@ -212,6 +212,9 @@ class Run:
     fixes it (AutoModel's fake_balanced_gate: 1); 0: derived for uniform routing."""
     ep_overlap: bool = False
     """Megatron-Core's all-to-all overlap (Training.ep_overlap), where the run's recipe set it."""
+    cp_exchange: str | None = None
+    """How context parallelism moves K and V (Training.cp_exchange), where the run's recipe differs from its system's
+    (Transformer Engine's cp_comm_type a2a: 'a2a')."""
     mem_counts: Literal["device", "reserved", "active"] = "device"
     """What the published peak counts: 'device', the device's whole use (nvidia-smi's, with the CUDA context),
     compared with the planner's total; 'reserved', torch's max_memory_reserved (what its caching allocator holds),
@@ -2181,9 +2184,9 @@ def mlperf50_runs() -> list[Run]:
 # attention on, no CUDA graphs); 8 and 128 of them at TP 4 x CP 2 with each layer captured as a CUDA graph
 # (LAYER_CUDA_GRAPH=1, v4.0's same layouts ran without) and FP8 attention off; a DGX H200 at TP 1 x CP 2 (no SP),
 # activation_func_fp8_input_store on (FP8_ACTIVATION, under the field's own name since v4.1), no graphs; a DGX B200
-# (preview) at TP 1 x CP 2 with graphs and FP8 attention, its CP exchange an all-to-all (the yaml's cp_comm_type a2a,
-# priced as the ring) and its adapters' dropout through Thunder (NEMO_LORA_USE_THUNDER_DROPOUT, priced as any);
-# Megatron-Core's distributed optimizer (optim
+# (preview) at TP 1 x CP 2 with graphs and FP8 attention, its CP exchange an all-to-all (the yaml's cp_comm_type a2a;
+# priced as the ring until 2026-12-07, Training.cp_exchange 'a2a' since) and its adapters' dropout through Thunder
+# (NEMO_LORA_USE_THUNDER_DROPOUT, priced as any); Megatron-Core's distributed optimizer (optim
 # mcore_distributed_optim; v4.0's was Apex's FusedAdam); the FP8 amax not all-reduced (FP8_REDUCE_AMAX False in
 # config_common.sh but the B200's). Added the same day and evaluated first as the planner then
 # stood (held out: docs/heldout-2026-12-07/mlperf-v4.1-llama2-70b-lora-held-out.txt).
@@ -2216,8 +2219,9 @@ MLPERF_LORA_ROWS = [("4.0", "NVIDIA eos_ngc24.04_nemo", "h100", 8, 4, 1, 8, 2.15
 # sequences packed to 8,192, LoRA of rank 16 (alpha 32) on linear_qkv and linear_proj with dropout 0.1 before the
 # adapter, Megatron-Core's distributed optimizer, FP8 with delayed scaling (hybrid, amax history 4) and the frozen
 # weights in FP8 (fp8_params), Megatron-Core's float8 SwiGLU input on the 8-GPU rows (FP8_ACT=1), no recompute.
-# Not described: FP8 attention (FP8_DPA=1, NVTE_FP8_DPA_BWD=1: priced in bf16), the CP exchange as an all-to-all
-# (cp_comm_type a2a, priced as the ring), Megatron-Core's CUDA graphs on the CP 8 rows (MCORE_CUDA_GRAPH), TE's
+# The CP exchange is Transformer Engine's all-to-all (cp_comm_type a2a: Training.cp_exchange 'a2a', since the set
+# was evaluated; priced as the ring then). Not described: FP8 attention (FP8_DPA=1, NVTE_FP8_DPA_BWD=1: priced in
+# bf16), Megatron-Core's CUDA graphs on the CP 8 rows (MCORE_CUDA_GRAPH), TE's
 # transposed-weight cache kept (disable_parameter_transpose_cache False; Blackwell's float8 GEMMs take either layout),
 # the unfused cross-entropy (cross_entropy_loss_fusion False: fp32 logits of 1 GiB at CP 1, an eighth at CP 8).
 # Each packed sequence is attended whole, across its documents (train.py: return_cu_seqlen False), as priced.
@@ -2251,7 +2255,7 @@ def mlperf50_lora_runs() -> list[Run]:
                         tflops=dp * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
                         gpus_per_node=per_node, system="megatron-core", search=False, precision="fp8",
                         float8="te-delayed", lora_rank=16, lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
-                        activation_fp8_input=cp == 1, mem_gib=mem, mem_counts="active"))
+                        activation_fp8_input=cp == 1, mem_gib=mem, mem_counts="active", cp_exchange="a2a"))
     return runs
 
 
@@ -2272,6 +2276,7 @@ def mlperf_lora_runs() -> list[Run]:
                         system="megatron-core", search=False, precision="fp8", float8="te-delayed", lora_rank=16,
                         lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
                         activation_fp8_input=version == "4.1" and gpu == "h200",
+                        cp_exchange="a2a" if gpu == "b200" else None,
                         **({"inter_node_gbs": 2 * 400 / 8 / 4} if gpu == "l40s" else {})))
     return runs
 
@@ -2424,6 +2429,8 @@ def training_of(run: Run) -> Training:
         fields["ep_overlap"] = fields["ep_overlap"] or run.ep_overlap
         if run.expandable_segments is not None:
             fields["expandable_segments"] = run.expandable_segments
+        if run.cp_exchange is not None:
+            fields["cp_exchange"] = run.cp_exchange
         if run.loss_chunks is not None:
             fields["loss_chunks"] = run.loss_chunks
         return Training(seq_len=run.seq, global_batch=run.batch, precision=run.precision, lora_rank=run.lora_rank,

@@ -2270,15 +2270,17 @@ def test_mlperf_v50_llama2_70b_lora_memory_within_4_percent_and_the_cp_rows_opti
     GB200 trays at TP 1 x CP 1, one to eight NVL72 racks at CP 8, each log carrying its peak allocated memory. The
     planner's active bytes come within 4% of every one (168.8 GiB at CP 1, 82.3 at CP 8). The CP 1 rows are put
     over their boards by the 10% fragmentation allowance alone (they ran without expandable segments, 168.8 GiB
-    allocated on 179.1 and 185.0): a fit verdict that disagrees, held here as found. The CP 8 rows are 1.31 to 1.41
-    optimistic, as every NeMo LoRA row with CP has been (docs/planner.md, "MLPerf Training v5.0's Llama 2 70B LoRA,
-    held out"); the CP 1 rows 1.08 and 1.11. Bounds: where the rows came out, a band to hold."""
+    allocated on 179.1 and 185.0): a fit verdict that disagrees, held here as found. The CP 8 rows were 1.31 to 1.41
+    optimistic as held out, as every NeMo LoRA row with CP has been (docs/planner.md, "MLPerf Training v5.0's Llama
+    2 70B LoRA, held out"); with their exchange priced as the all-to-all it is (cp_comm_type a2a, since the same
+    day), 1.17 to 1.27; the CP 1 rows 1.08 and 1.11. Bounds: where the rows came out, a band to hold."""
     published, runs = _published("MLPerf 5.0 NVIDIA 70B LoRA")
     assert len(runs) == 5
     for run in runs:
         ev, fits = published.given_plan(run)
         training = published.training_of(run)
         assert training.lora_rank == 16 and training.float8_frozen_weights and not training.expandable_segments
+        assert training.cp_exchange == "a2a", run.name
         assert published.published_memory(ev, run) / 2**30 == pytest.approx(run.mem_gib, rel=0.04), run.name
         ratio = run.published_step() / ev.time.step_time_s
         board = published.cluster_of(run).accelerator.memory_bytes
@@ -2286,7 +2288,7 @@ def test_mlperf_v50_llama2_70b_lora_memory_within_4_percent_and_the_cp_rows_opti
             assert not fits and 1.05 < ratio < 1.14, (run.name, ratio)
             assert ev.memory["total"] - ev.memory["fragmentation"] < board, run.name
         else:
-            assert fits and 1.28 < ratio < 1.45, (run.name, ratio)
+            assert fits and 1.12 < ratio < 1.32, (run.name, ratio)
 
 
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():

@@ -89,6 +89,14 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         error = ConfigError("parallel.activation_checkpoint", f"{plan.activation_checkpoint}, and the system "
                             "offloads activations (offload_layers: Megatron-Core's cpu_offloading refuses recompute)",
                             "use activation_checkpoint=none, or offload_layers = 0")
+    if error is None and training.cp_exchange == "a2a" and plan.cp > 1:
+        # transformer_engine/pytorch/attention.py, AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs
+        # to be divisible by CP size!" (each cp rank takes whole heads of its tp rank's, KV heads too)
+        heads, kv = args.n_heads // plan.tp, args.n_kv_heads // min(plan.tp, args.n_kv_heads)
+        if heads % plan.cp or kv % plan.cp:
+            error = ConfigError("parallel.cp", f"cp={plan.cp} over {heads} attention and {kv} KV heads a tp rank, "
+                                "and the system exchanges them all-to-all (cp_exchange a2a: each cp rank takes whole "
+                                "heads)", "use a cp that divides both, or cp_exchange ring")
     if error is None and training.offload_layers >= args.n_layers:
         # the same file: "CPU offloading can be done only for layers less than {num_layers}"
         error = ConfigError("--system offload_layers", f"{training.offload_layers} of the model's {args.n_layers} "

@@ -81,7 +81,8 @@ class System:
     """Under compile, the loss function is compiled too (Training.compile_loss)."""
     cp_exchange: str = "allgather"
     """How context parallelism moves K and V: all-gathered and exposed ('allgather', this engine's), passed round
-    a ring behind the attention ('ring') or torch's context_parallel ('torch') (Training.cp_exchange)."""
+    a ring behind the attention ('ring'), torch's context_parallel ('torch') or Transformer Engine's all-to-all to
+    head shards ('a2a', its cp_comm_type "a2a") (Training.cp_exchange)."""
     cp_repeats_kv: bool = False
     """K and V repeated to every query head before the CP exchange (Training.cp_repeats_kv: torchtitan until
     January 2026)."""

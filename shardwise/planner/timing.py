@@ -929,7 +929,10 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     (Training.cp_exchange 'torch') all-gathers K and V in forward, in a recomputed forward and in backward, and
     hands dK and dV (fp32) on at each of its cp steps; compiled blocks wait on each collective where it is issued,
     so all of it is exposed. Eager ones wait at first use: the gather behind the first step's attention (the
-    rank's own diagonal block, 1/cp of its attention), each step's dK and dV behind the next step's."""
+    rank's own diagonal block, 1/cp of its attention), each step's dK and dV behind the next step's. Transformer
+    Engine's all-to-all (Training.cp_exchange 'a2a') moves Q, K and V to head shards before the attention and its
+    output back after (four all-to-alls a pass, the forward's and a recomputed one's), dO, dQ, dK and dV in
+    backward, none of it hidden: the attention waits for its inputs, the next layer for its output."""
     if plan.cp == 1:
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
@@ -947,6 +950,11 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         step, step_bwd = attention / n, attention_bwd / n
         return layers * (passes * exposed_part(gather, step, w) + exposed_part(gather, step_bwd, w)
                          + n * exposed_part(grads / n, step_bwd, w))
+    if training.cp_exchange == "a2a":  # Q, K, V to head shards and the output back; in backward the reverse
+        q = plan.micro_batch * training.seq_len / plan.cp * args.n_heads / plan.tp * args.head_dim
+        one_way = (2 * all_to_all(q * training.act_bytes, n, link)
+                   + 2 * all_to_all(kv / 2 * training.act_bytes, n, link))
+        return layers * (passes + 1) * one_way
     fwd = (n - 1) * p2p(kv * training.act_bytes, link)
     bwd = (n - 1) * p2p(2 * kv * training.act_bytes, link)
     return layers * (passes * exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w))

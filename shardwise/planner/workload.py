@@ -29,8 +29,8 @@ SELECTIVE: tuple[str, ...] = ("matmuls", "alternate-matmuls", "attention-core", 
 PARTIAL_CHECKPOINTS: tuple[str, ...] = ("first", "last", "none")
 """Training.partial_checkpoint's values."""
 ATTENTION_KERNELS: tuple[str, ...] = ("flash1", "flash2", "flash3", "cudnn")
-CpExchange = Literal["allgather", "ring", "torch"]
-CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch")
+CpExchange = Literal["allgather", "ring", "torch", "a2a"]
+CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch", "a2a")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
 PipelineSplit = Literal["cost", "slots"]
@@ -378,7 +378,11 @@ class Training:
     default), the gathered K and V again in backward, and dK and dV handed on at each of the cp steps in fp32
     (accumulated in fp32: convert_to_f32); under `compile` each collective is waited on where it is issued
     (inductor does not move the wait), so none of it hides behind the attention; eager, each is waited on at its
-    first use, one attention step later."""
+    first use, one attention step later; or 'a2a', the all-to-all exchange of DeepSpeed-Ulysses as Transformer
+    Engine runs it (cp_comm_type "a2a", AttnFuncWithCPAndQKVOA2A): Q, K and V each all-to-all'd from sequence shards
+    to head shards before the attention, which then runs over the whole sequence for 1/cp of the heads, and its
+    output back after; in backward the output's gradient, then dQ, dK and dV; each waited on before the attention
+    or the next layer (priced exposed). Its heads, and KV heads, must divide by cp x tp."""
     cp_repeats_kv: bool = False
     """Under context parallelism the K and V the exchange carries are repeated to every query head (torchtitan's
     model called repeat_kv before scaled_dot_product_attention until January 2026, its PR 2259): n_heads / tp
