@@ -370,9 +370,10 @@ for _name, _generation in (("a100-40gb", "ampere"), ("a100-80gb", "ampere"), ("h
 # slower than measured on average (docs/planner.md, "Compute by shape").
 MAMF_SHARE = {"a100": 0.869, "h100": 0.803, "h200": 0.803, "b200": 0.776, "gb200": 0.729,
               "mi300x": round(668.4 / 1307.4, 3)}
-"""(Until 2026-12-07 the GB200 was taken at the B200's share of its own peak, 77.6%, on a reading of the table that
-missed its GB200 row: the same die at 1200 W runs 4% more matmul FLOP/s than the B200 at 1000 W, not the 11% its
-datasheet peak says.)"""
+"""Each GPU's best achievable bf16 matmul rate over its dense peak, from the MAMF table above: a GPU's
+matmul_efficiency is the A100's 0.70 scaled by its share over the A100's. (Until 2026-12-07 the GB200 took the B200's
+77.6%, on a reading of the table that missed its GB200 row: the same die at 1200 W runs 4% more matmul FLOP/s than
+the B200 at 1000 W, not the 11% its datasheet peak says.)"""
 for _name in ("h100", "h200", "b200", "gb200", "mi300x"):
     CATALOGUE[_name] = dataclasses.replace(CATALOGUE[_name], matmul_efficiency=round(
         Accelerator.matmul_efficiency * MAMF_SHARE[_name] / MAMF_SHARE["a100"], 4))

@@ -2273,7 +2273,8 @@ def test_mlperf_v50_llama2_70b_lora_memory_within_4_percent_and_the_cp_rows_opti
     allocated on 179.1 and 185.0): a fit verdict that disagrees, held here as found. The CP 8 rows were 1.31 to 1.41
     optimistic as held out, as every NeMo LoRA row with CP has been (docs/planner.md, "MLPerf Training v5.0's Llama
     2 70B LoRA, held out"); with their exchange priced as the all-to-all it is (cp_comm_type a2a, since the same
-    day), 1.17 to 1.27; the CP 1 rows 1.08 and 1.11. Bounds: where the rows came out, a band to hold."""
+    day), 1.15 to 1.25; the CP 1 rows 1.08 and 1.11. Bounds: where the rows came out, a band to hold (each CP 8 row
+    priced with the ring again would fall outside it)."""
     published, runs = _published("MLPerf 5.0 NVIDIA 70B LoRA")
     assert len(runs) == 5
     for run in runs:
@@ -2288,7 +2289,7 @@ def test_mlperf_v50_llama2_70b_lora_memory_within_4_percent_and_the_cp_rows_opti
             assert not fits and 1.05 < ratio < 1.14, (run.name, ratio)
             assert ev.memory["total"] - ev.memory["fragmentation"] < board, run.name
         else:
-            assert fits and 1.12 < ratio < 1.32, (run.name, ratio)
+            assert fits and 1.12 < ratio < 1.28, (run.name, ratio)
 
 
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():

@@ -1025,31 +1025,34 @@ def test_torch_context_parallel_exchange_by_hand(tmp_path):
 
 def test_transformer_engines_all_to_all_context_parallel_by_hand(tmp_path):
     # Transformer Engine's cp_comm_type "a2a" (AttnFuncWithCPAndQKVOA2A): Q, K and V all-to-all'd from sequence to
-    # head shards before the attention and the output back after; dO, then dQ, dK and dV in backward; none hidden.
-    # A rank's Q (and output) is its s / cp tokens of its tp rank's heads; K and V its KV heads'
+    # head shards before the attention and the output back after; in backward the saved output and dO to head
+    # shards, then dQ, dK and dV back (TE 1.11 to 2.7); none hidden. A rank's Q (and output) is its s / cp tokens
+    # of its tp rank's heads; K and V its KV heads'
     from shardwise.planner.comm import all_to_all, axis_link
     from shardwise.planner.plan import engine_error
     from shardwise.planner.timing import _cp_exposed
 
-    args, cp, tp, seq = preset("llama2-70b"), 8, 1, 8192
-    plan = Plan(cp=cp, tp=tp, dp_replicate=2, zero_stage=1, micro_batch=1, activation_checkpoint="none")
+    args, cp, tp, seq = preset("llama2-70b"), 4, 2, 8192
+    plan = Plan(cp=cp, tp=tp, dp_replicate=2, zero_stage=1, micro_batch=2, activation_checkpoint="none")
     cluster = Cluster(accelerator("gb200"), 16, gpus_per_node=72)
     n, link = axis_link(plan, ("cp",), cluster)
     a2a = dataclasses.replace(_training("megatron-core", seq_len=seq), cp_exchange="a2a")
-    q = seq / cp * args.n_heads * args.head_dim * 2  # bytes of Q (and of the output) a rank hands in
-    k = seq / cp * args.n_kv_heads * args.head_dim * 2  # of K (and of V)
-    one_way = 2 * all_to_all(q, n, link) + 2 * all_to_all(k, n, link)
+    q = 2 * seq / cp * args.n_heads / tp * args.head_dim * 2  # bytes of Q (and of the output) a rank hands in
+    k = 2 * seq / cp * args.n_kv_heads / tp * args.head_dim * 2  # of K (and of V)
+    forward = 2 * all_to_all(q, n, link) + 2 * all_to_all(k, n, link)
+    backward = 3 * all_to_all(q, n, link) + 2 * all_to_all(k, n, link)
     assert _cp_exposed(args, a2a, plan, cluster, args.n_layers, 1.0, 2.5) == pytest.approx(
-        args.n_layers * 2 * one_way)  # the forward's and the backward's
-    full = dataclasses.replace(plan, activation_checkpoint="full")  # a recomputed forward exchanges again
-    assert _cp_exposed(args, a2a, full, cluster, args.n_layers, 1.0, 2.5) == pytest.approx(
-        args.n_layers * 3 * one_way)
+        args.n_layers * (forward + backward))
+    for recompute in ("full", "selective"):  # a recomputed forward exchanges again: Megatron-Core's selective
+        again = dataclasses.replace(plan, activation_checkpoint=recompute)  # recompute checkpoints TE's attention
+        assert _cp_exposed(args, a2a, again, cluster, args.n_layers, 1.0, 2.5) == pytest.approx(
+            args.n_layers * (2 * forward + backward)), recompute
     # the ring hides its hops behind a long enough attention; the all-to-all hides nothing
     ring = _training("megatron-core", seq_len=seq)
     assert _cp_exposed(args, ring, plan, cluster, args.n_layers, 1.0, 2.5) == 0.0
-    # each cp rank takes whole heads: 8 KV heads do not split 16 ways (TE asserts it), nor 3 ways
+    # each cp rank takes whole heads: a tp rank's 4 KV heads do not split 8 ways (TE asserts it), nor 3 ways
     assert engine_error(plan, a2a, args) is None
-    for bad in (dataclasses.replace(plan, cp=16, dp_replicate=1), dataclasses.replace(plan, cp=3)):
+    for bad in (dataclasses.replace(plan, cp=8, dp_replicate=1), dataclasses.replace(plan, cp=3)):
         error = engine_error(bad, a2a, args)
         assert error is not None and error.field == "parallel.cp" and "a2a" in str(error), bad
         assert engine_error(bad, ring, args) is None or "a2a" not in str(engine_error(bad, ring, args))

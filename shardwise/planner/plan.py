@@ -53,7 +53,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     a tied head in a pipeline (config.tied_pipeline_error), and the systems' own refusals: a parallelism or
     pipeline schedule the system lacks (system_parallel_error), activation offloading
     without full recompute (Training.activation_offload), the optimizer in backward under accumulation
-    (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective);
+    (Training.optimizer_in_backward), selective checkpointing where the system has none (Training.selective),
+    Transformer Engine's all-to-all context parallelism over heads cp does not divide (Training.cp_exchange);
     and the planner's own: checkpointing every k-th block where it does not price it (partial_checkpoint_error)."""
     error = engine_cannot_run(plan, training.precision, training.compile, optimizer=training.optimizer,
                               engine_moe=training.moe_layer == "engine")
@@ -92,7 +93,8 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
     if error is None and training.cp_exchange == "a2a" and plan.cp > 1:
         # transformer_engine/pytorch/attention.py, AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs
         # to be divisible by CP size!" (each cp rank takes whole heads of its tp rank's, KV heads too)
-        heads, kv = args.n_heads // plan.tp, args.n_kv_heads // min(plan.tp, args.n_kv_heads)
+        heads = args.n_heads // plan.tp
+        kv = heads if training.cp_repeats_kv else args.n_kv_heads // min(plan.tp, args.n_kv_heads)
         if heads % plan.cp or kv % plan.cp:
             error = ConfigError("parallel.cp", f"cp={plan.cp} over {heads} attention and {kv} KV heads a tp rank, "
                                 "and the system exchanges them all-to-all (cp_exchange a2a: each cp rank takes whole "

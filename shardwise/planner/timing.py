@@ -931,8 +931,11 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
     so all of it is exposed. Eager ones wait at first use: the gather behind the first step's attention (the
     rank's own diagonal block, 1/cp of its attention), each step's dK and dV behind the next step's. Transformer
     Engine's all-to-all (Training.cp_exchange 'a2a') moves Q, K and V to head shards before the attention and its
-    output back after (four all-to-alls a pass, the forward's and a recomputed one's), dO, dQ, dK and dV in
-    backward, none of it hidden: the attention waits for its inputs, the next layer for its output."""
+    output back after (four all-to-alls a forward, the recomputed one's too: full recompute, or Megatron-Core's
+    selective one, which checkpoints TE's attention whole), and in backward the saved output and dO to head shards
+    again and dQ, dK and dV back (five: AttnFuncWithCPAndQKVOA2A.backward from TE 1.11 to 2.7; 2.8 saves the output
+    in head shards and sends dO alone), none of it hidden: the attention waits for its inputs, the next layer for its
+    output."""
     if plan.cp == 1:
         return 0.0
     n, link = axis_link(plan, ("cp",), cluster)
@@ -951,10 +954,12 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         return layers * (passes * exposed_part(gather, step, w) + exposed_part(gather, step_bwd, w)
                          + n * exposed_part(grads / n, step_bwd, w))
     if training.cp_exchange == "a2a":  # Q, K, V to head shards and the output back; in backward the reverse
-        q = plan.micro_batch * training.seq_len / plan.cp * args.n_heads / plan.tp * args.head_dim
-        one_way = (2 * all_to_all(q * training.act_bytes, n, link)
-                   + 2 * all_to_all(kv / 2 * training.act_bytes, n, link))
-        return layers * (passes + 1) * one_way
+        q = all_to_all(plan.micro_batch * training.seq_len / plan.cp * args.n_heads / plan.tp * args.head_dim
+                       * training.act_bytes, n, link)
+        k = all_to_all(kv / 2 * training.act_bytes, n, link)
+        # Megatron-Core's selective recompute checkpoints TE's attention whole, its exchanges with it
+        core = plan.activation_checkpoint == "selective" and training.selective == "attention-core"
+        return layers * ((passes + core) * (2 * q + 2 * k) + 3 * q + 2 * k)
     fwd = (n - 1) * p2p(kv * training.act_bytes, link)
     bwd = (n - 1) * p2p(2 * kv * training.act_bytes, link)
     return layers * (passes * exposed_part(fwd, attention, w) + exposed_part(bwd, attention_bwd, w))

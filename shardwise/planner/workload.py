@@ -381,8 +381,9 @@ class Training:
     first use, one attention step later; or 'a2a', the all-to-all exchange of DeepSpeed-Ulysses as Transformer
     Engine runs it (cp_comm_type "a2a", AttnFuncWithCPAndQKVOA2A): Q, K and V each all-to-all'd from sequence shards
     to head shards before the attention, which then runs over the whole sequence for 1/cp of the heads, and its
-    output back after; in backward the output's gradient, then dQ, dK and dV; each waited on before the attention
-    or the next layer (priced exposed). Its heads, and KV heads, must divide by cp x tp."""
+    output back after; in backward the saved output and its gradient, then dQ, dK and dV (TE 1.11 to 2.7); each
+    waited on before the attention or the next layer (priced exposed). A tp rank's heads, and KV heads, must divide
+    by cp (plan.engine_error)."""
     cp_repeats_kv: bool = False
     """Under context parallelism the K and V the exchange carries are repeated to every query head (torchtitan's
     model called repeat_kv before scaled_dot_product_attention until January 2026, its PR 2259): n_heads / tp
