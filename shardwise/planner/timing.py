@@ -953,7 +953,7 @@ def _cp_exposed(args: ModelArgs, training: Training, plan: Plan, cluster: Cluste
         step, step_bwd = attention / n, attention_bwd / n
         return layers * (passes * exposed_part(gather, step, w) + exposed_part(gather, step_bwd, w)
                          + n * exposed_part(grads / n, step_bwd, w))
-    if training.cp_exchange == "a2a":  # Q, K, V to head shards and the output back; in backward the reverse
+    if training.cp_exchange == "a2a":  # Q, K, V to head shards, the output back; backward: O and dO, dQ, dK, dV
         q = all_to_all(plan.micro_batch * training.seq_len / plan.cp * args.n_heads / plan.tp * args.head_dim
                        * training.act_bytes, n, link)
         k = all_to_all(kv / 2 * training.act_bytes, n, link)
