@@ -2281,6 +2281,80 @@ def mlperf_lora_runs() -> list[Run]:
     return runs
 
 
+# MLPerf Training v5.1 (November 2025), benchmark llama31_8b: Llama 3.1 8B pre-trained on C4 at sequence 8,192, closed
+# division (mlcommons/training_results_v5.1: results/*/llama31_8b/result_*.txt; benchmarks/llama31_8b/
+# implementations/*: the configs). Every result on H100, H200, B200 or GB200 in FP8 (ten B200 and GB200 results ran
+# NVFP4, config_common_fp4.sh or their logs' fp4 true: not described, left out; B300 and GB300 are not in the
+# catalogue). NVIDIA's NeMo recipe (NGC 25.09, HPE's built on 25.08, Oracle's not stated; pretrain.py over NeMo 2's
+# Llama31Config8B, byte-identical in every submission that publishes it) but Cisco's: 32 layers of 4096, 32 heads and
+# 8 KV heads, SwiGLU of 14,336, the Llama 3.1 tokenizer's 128,256 tokens, untied (the logs: 8,030,261,248 parameters);
+# documents packed and attended across (reset_attention_mask False), micro-batch 1 (MBS 2 on one or two 8-GPU nodes at
+# CP 1), the global batch the data-parallel width times MINIBS (the logs' global_batch_size), no recompute, no
+# dropout, Megatron-Core's distributed optimizer with the gradients reduced in bf16 (grad_reduce_in_fp32 False) and
+# the reduction and the weights' gather overlapped, FP8 with per-tensor current scaling (FP8_RECIPE tensorwise:
+# te-current; HYBRID), attention in bf16 (config_common_fp8attn.sh not sourced; the logs: fp8_dot_product_attention
+# False), TE's fused cross-entropy (CE_FUSION_IMPL te), the CP exchange Megatron's default (p2p: the ring), a
+# whole-step CUDA graph (config_common_cg.sh: no host term for it to remove), config_common_8b.sh unsetting the
+# expandable segments but for the University of Florida's runs, whose run_*n.sub sets them again. Not described: the
+# weights gathered in FP8 (FP8_PARAM_GATHER), TP's communication overlap (NVIDIA's 512 GB200s at TP 2), Megatron's
+# gradient bucket size (768M parameters, or 134M by the yaml's default). HPE's run used an unpublished "-trial"
+# config: the settings from its log's configuration dump and DistributedDataParallel's printout. NVIDIA's GB200s: one
+# NVL72 rack of 72 (18 x 4), and 8 racks of 64 (the systems' JSON: 8 NVL72s for 128 nodes of 4). Cisco's two H100 runs
+# are an older recipe of the same code (NGC 25.01 image, its own config_common.sh): delayed scaling in E4M3
+# (FP8_HYBRID unset), the weights in FP8 (FP8_PARAMS), no CUDA graphs, TP 2 with SP and TP overlap at 16 nodes,
+# PYTORCH_CUDA_ALLOC_CONF max_split_size_mb:128 (no expandable segments); their logs carry
+# torch.cuda.max_memory_allocated in GiB on rank 0 (NVIDIA/mlperf-common at 0993367: the v5.0 LoRA rows' callback),
+# compared as active bytes. The step: each log's tracked_stats train_step_time from mlperf-common's logging.py, the
+# time of a block between evaluations over its steps; the median over a run's blocks, the median over its ten runs
+# (which span under 1.4%, NVIDIA's 72 GB200s' 2.8%; NeMo's per-32-step timer, the callback's other train_step_time,
+# reads 0.2-2% lower, Cisco's per-step 3-8%). Added on 2026-12-07 and evaluated first as the planner stood (held out:
+# docs/heldout-2026-12-07/mlperf-v5.1-llama31-8b-held-out.txt).
+MLPERF51_8B = ("MLCommons, MLPerf Training v5.1 results, llama31_8b, closed division, "
+               "https://github.com/mlcommons/training_results_v5.1")
+LLAMA31_8B = dataclasses.replace(preset("llama3-8b"), name="llama31-8b", max_seq_len=8192)
+# submitter and results directory, GPU, GPUs, GPUs in one NVLink domain, TP, CP, micro-batch, global batch
+# (sequences), median seconds per step, max GiB logged
+MLPERF51_8B_ROWS = [("Cisco hpf_n8", "h100", 64, 8, 1, 1, 1, 64, 0.7419, 71.229),
+                    ("Cisco hpf_n16", "h100", 128, 8, 2, 1, 1, 64, 0.5274, 35.707),
+                    ("HPE HPE-Cray-XD670-H200-SXM5-141GB_n8_25.09", "h200", 64, 8, 1, 2, 1, 32, 0.3539, None),
+                    ("Dell 2xXE9680Lx8B200-SXM-180GB", "b200", 16, 8, 1, 1, 2, 32, 0.5918, None),
+                    ("Dell 2xXE9685Lx8B200-SXM-180GB", "b200", 16, 8, 1, 1, 2, 32, 0.5867, None),
+                    ("Oracle 8xBM.GPU.B200.8", "b200", 64, 8, 1, 2, 1, 32, 0.1910, None),
+                    ("UF hpg.dgxb200x8.n1", "b200", 8, 8, 1, 1, 2, 16, 0.5452, None),
+                    ("UF hpg.dgxb200x8.n2", "b200", 16, 8, 1, 1, 2, 32, 0.5764, None),
+                    ("UF hpg.dgxb200x8.n4", "b200", 32, 8, 1, 2, 1, 16, 0.1899, None),
+                    ("UF hpg.dgxb200x8.n8", "b200", 64, 8, 1, 2, 1, 32, 0.1906, None),
+                    ("UF hpg.dgxb200x8.n16", "b200", 128, 8, 1, 2, 1, 64, 0.1943, None),
+                    ("UF hpg.dgxb200x8.n32", "b200", 256, 8, 1, 2, 1, 128, 0.2226, None),
+                    ("Verda b200_8x8_ngc25.09", "b200", 64, 8, 1, 2, 1, 32, 0.1921, None),
+                    ("NVIDIA tyche_ngpu72_ngc25.09_nemo", "gb200", 72, 72, 1, 2, 1, 36, 0.1716, None),
+                    ("NVIDIA tyche_ngpu512_ngc25.09_nemo", "gb200", 512, BRIDGE_GB200_RACK, 2, 4, 1, 64, 0.0901, None)]
+
+
+def who_twice(submission: str) -> bool:
+    """Dell's two 16-GPU rows differ by server alone (XE9680L, XE9685L): named by it."""
+    return submission.startswith("Dell")
+
+
+def mlperf51_8b_runs() -> list[Run]:
+    runs = []
+    for submission, gpu, n, per_node, tp, cp, mbs, gbs, step, mem in MLPERF51_8B_ROWS:
+        dp = n // (tp * cp)
+        cisco = submission.startswith("Cisco")
+        row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x CP {cp} x DP {dp}, micro-batch {mbs}, global batch "
+               f"{gbs} x 8192, {step} s per step (train_step_time)" + (f", max_memory_usage {mem}" if mem else ""))
+        who = submission.split()[0] + (f" {submission.split()[1][2:9]}" if who_twice(submission) else "")
+        runs.append(Run(f"MLPerf 5.1 8B {who} {gpu.upper()} n={n}", LLAMA31_8B, n, 8192, gbs,
+                        f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch={mbs},"
+                        f"sequence_parallel={str(tp > 1).lower()},activation_checkpoint=none", MLPERF51_8B, row,
+                        tflops=gbs * 8192 * flops_per_token(LLAMA31_8B, 8192) / (step * n * 1e12), step_s=step,
+                        gpu=gpu, gpus_per_node=per_node, system="megatron-core", search=False, precision="fp8",
+                        float8="te-delayed" if cisco else "te-current", grads_in_fp32=False, dropout=False,
+                        expandable_segments=submission.startswith("UF"), mem_gib=mem,
+                        mem_counts="active" if mem else "device"))
+    return runs
+
+
 # --------------------------------------------------------------------------------------------------
 # Megatron Bridge's mixture-of-experts rows (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md and
 # docs/performance-summary-archive.md, releases 25.09 to 26.06): Qwen3 30B-A3B and 235B-A22B pre-training on DGX-H100
@@ -2354,7 +2428,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
         + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs() + mlperf50_runs()
-        + mlperf50_lora_runs())
+        + mlperf50_lora_runs() + mlperf51_8b_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2567,6 +2641,8 @@ def sweep_of(run: Run) -> str | None:
         return f"MLPerf v{run.name.split()[1]} Llama 2 70B LoRA (H100)"
     if run.source == MLPERF50 and run.gpu in ("h100", "gb200"):
         return f"MLPerf v5.0 Llama 3.1 405B ({run.gpu.upper()})"
+    if run.source == MLPERF51_8B and run.gpu == "b200":
+        return "MLPerf v5.1 Llama 3.1 8B (B200)"
     return None
 
 
@@ -2690,7 +2766,8 @@ def main() -> None:
                          ("Megatron Bridge 26.06 fine-tuning (Llama 3 70B SFT, LoRA; FP8)", "BridgeFT"),
                          ("MLPerf v5.0 Llama 3.1 405B (NeMo 25.01-25.04; H100, H200, GB200)", "MLPerf 5.0 405B"),
                          ("MLPerf v5.0 Llama 2 70B LoRA (NeMo 25.04; NVIDIA's B200 and GB200)",
-                          "MLPerf 5.0 NVIDIA 70B LoRA")):
+                          "MLPerf 5.0 NVIDIA 70B LoRA"),
+                         ("MLPerf v5.1 Llama 3.1 8B (NeMo 25.01-25.09; H100, H200, B200, GB200)", "MLPerf 5.1 8B")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
