@@ -2292,6 +2292,35 @@ def test_mlperf_v50_llama2_70b_lora_memory_within_4_percent_and_the_cp_rows_opti
             assert fits and 1.12 < ratio < 1.28, (run.name, ratio)
 
 
+def test_mlperf_v51_llama31_8b_rows_fit_and_miss_the_same_fraction_of_a_second_a_step():
+    """MLPerf Training v5.1's Llama 3.1 8B pre-training in FP8 (held out on 2026-12-07): NVIDIA's NeMo recipe on 8 to
+    256 B200s, 64 H200s and 72 and 512 GB200s, Cisco's older copy on 64 and 128 H100s. Every row fits, as it ran;
+    Cisco's logged peaks (max_memory_allocated) within 7%. Every row is optimistic, and by about the same time a
+    step where it spans nodes or splits the sequence: the runs take 0.03-0.09 s a step more than the planner's
+    whether its step is 0.54 s, 0.14 s or 0.04 s (the CUDA-graphed recipe's rows), where one 8-GPU node comes within
+    0.02 s (docs/planner.md, "MLPerf Training v5.1's Llama 3.1 8B, held out": not explained, held here as found).
+    Bounds: where the rows came out, a band to hold."""
+    published, runs = _published("MLPerf 5.1 8B")
+    assert len(runs) == 15 and {run.gpu for run in runs} == {"h100", "h200", "b200", "gb200"}
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        training = published.training_of(run)
+        cisco = run.name.startswith("MLPerf 5.1 8B Cisco")
+        assert fits and run.model.vocab_size == 128256 and run.model.n_layers == 32, run.name
+        assert training.float8 == ("te-delayed" if cisco else "te-current") and not training.grads_in_fp32
+        assert training.expandable_segments == (" UF " in run.name), run.name
+        if run.mem_gib:
+            assert published.published_memory(ev, run) / 2**30 == pytest.approx(run.mem_gib, rel=0.07), run.name
+        ratio = run.published_step() / ev.time.step_time_s
+        gap = run.published_step() - ev.time.step_time_s
+        if run.gpus == 8:
+            assert 0.97 < ratio < 1.07 and gap < 0.02, (run.name, ratio, gap)
+        elif not cisco:
+            assert 1.05 < ratio < 2.2 and 0.03 < gap < 0.09, (run.name, ratio, gap)
+        else:  # no CUDA graphs, TP 2 at 16 nodes
+            assert 1.2 < ratio < 1.65 and gap < 0.21, (run.name, ratio, gap)
+
+
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():
     """Megatron Bridge's performance summary, Qwen3 30B-A3B and 235B-A22B in FP8 on DGX-H100, releases 25.09 to
     26.06 (held out on 2026-12-07): as the planner stood every row was refused (its ep was FSDP's, these runs put it
