@@ -2321,6 +2321,29 @@ def test_mlperf_v51_llama31_8b_rows_fit_and_miss_the_same_fraction_of_a_second_a
             assert 1.2 < ratio < 1.65 and gap < 0.21, (run.name, ratio, gap)
 
 
+def test_mlperf_v51_llama2_70b_lora_cp_rows_within_6_percent_and_cp1_over_by_the_allowance():
+    """MLPerf Training v5.1's Llama 2 70B LoRA on NVIDIA's NeMo 2 recipe of the round (held out on 2026-12-07): the
+    rows with CP 4 or 8 (B200s, GB200 racks) and Dell's H200 at TP 2 fit and come within 6%, where v5.0's CP 8 rows
+    of the same benchmark were 15-25% optimistic (its recipe's steps were slower: 0.24 s on one rack, 0.20 s now).
+    The eleven B200 rows at TP 1 x CP 1 are put over their boards by the 10% fragmentation allowance alone, as v5.0's
+    two were (they ran without expandable segments): a fit verdict that disagrees, held here as found; their
+    untimed ratio 0.92-0.99 (FP8 attention, which they ran, is priced in bf16). Bounds: where the rows came out, a
+    band to hold."""
+    published, runs = _published("MLPerf 5.1 70B LoRA")
+    assert len(runs) == 20
+    for run in runs:
+        ev, fits = published.given_plan(run)
+        training = published.training_of(run)
+        assert training.float8_frozen_weights and training.cp_exchange == "a2a" and not training.expandable_segments
+        ratio = run.published_step() / ev.time.step_time_s
+        if ev.plan.cp == 1 and run.gpu == "b200":
+            board = published.cluster_of(run).accelerator.memory_bytes
+            assert not fits and ev.memory["total"] - ev.memory["fragmentation"] < board, run.name
+            assert 0.90 < ratio < 1.0, (run.name, ratio)
+        else:
+            assert fits and 0.94 < ratio < 1.06, (run.name, ratio)
+
+
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():
     """Megatron Bridge's performance summary, Qwen3 30B-A3B and 235B-A22B in FP8 on DGX-H100, releases 25.09 to
     26.06 (held out on 2026-12-07): as the planner stood every row was refused (its ep was FSDP's, these runs put it
