@@ -2297,18 +2297,18 @@ def mlperf_lora_runs() -> list[Run]:
 # whole-step CUDA graph (config_common_cg.sh: no host term for it to remove), config_common_8b.sh unsetting the
 # expandable segments but for the University of Florida's runs, whose run_*n.sub sets them again. Not described: the
 # weights gathered in FP8 (FP8_PARAM_GATHER), TP's communication overlap (NVIDIA's 512 GB200s at TP 2), Megatron's
-# gradient bucket size (768M parameters, or 134M by the yaml's default). HPE's run used an unpublished "-trial"
-# config: the settings from its log's configuration dump and DistributedDataParallel's printout. NVIDIA's GB200s: one
-# NVL72 rack of 72 (18 x 4), and 8 racks of 64 (the systems' JSON: 8 NVL72s for 128 nodes of 4). Cisco's two H100 runs
-# are an older recipe of the same code (NGC 25.01 image, its own config_common.sh): delayed scaling in E4M3
-# (FP8_HYBRID unset), the weights in FP8 (FP8_PARAMS), no CUDA graphs, TP 2 with SP and TP overlap at 16 nodes,
-# PYTORCH_CUDA_ALLOC_CONF max_split_size_mb:128 (no expandable segments); their logs carry
-# torch.cuda.max_memory_allocated in GiB on rank 0 (NVIDIA/mlperf-common at 0993367: the v5.0 LoRA rows' callback),
-# compared as active bytes. The step: each log's tracked_stats train_step_time from mlperf-common's logging.py, the
-# time of a block between evaluations over its steps; the median over a run's blocks, the median over its ten runs
-# (which span under 1.4%, NVIDIA's 72 GB200s' 2.8%; NeMo's per-32-step timer, the callback's other train_step_time,
-# reads 0.2-2% lower, Cisco's per-step 3-8%). Added on 2026-12-07 and evaluated first as the planner stood (held out:
-# docs/heldout-2026-12-07/mlperf-v5.1-llama31-8b-held-out.txt).
+# gradient bucket size (768M parameters, 134M by the yaml's default, or Cisco's yaml's 64: a bucket a tensor). HPE's
+# run used an unpublished "-trial" config: the settings from its log's configuration dump and
+# DistributedDataParallel's printout. NVIDIA's GB200s: one NVL72 rack of 72 (18 x 4), and 8 racks of 64 (the systems'
+# JSON: 8 NVL72s for 128 nodes of 4). Cisco's two H100 runs are an older recipe of the same code (NGC 25.01 image, its
+# own config_common.sh): delayed scaling in E4M3 (FP8_HYBRID unset), the weights in FP8 (FP8_PARAMS), no CUDA graphs,
+# TP 2 with SP and TP overlap at 16 nodes, PYTORCH_CUDA_ALLOC_CONF max_split_size_mb:128 (no expandable segments);
+# their logs carry torch.cuda.max_memory_allocated in GiB on rank 0 (NVIDIA/mlperf-common at 0993367: the v5.0 LoRA
+# rows' callback), compared as active bytes. The step: each log's tracked_stats train_step_time from mlperf-common's
+# logging.py, the time of a block between evaluations over its steps; the median over a run's blocks, the median over
+# its ten runs (which span under 1.4%, NVIDIA's 72 GB200s' 2.8%; NeMo's per-32-step timer, the callback's other
+# train_step_time, reads 0.2-2% lower, Cisco's per-step 3-8%). Added on 2026-12-07 and evaluated first as the planner
+# stood (held out: docs/heldout-2026-12-07/mlperf-v5.1-llama31-8b-held-out.txt).
 MLPERF51_8B = ("MLCommons, MLPerf Training v5.1 results, llama31_8b, closed division, "
                "https://github.com/mlcommons/training_results_v5.1")
 LLAMA31_8B = dataclasses.replace(preset("llama3-8b"), name="llama31-8b", max_seq_len=8192)
@@ -2331,9 +2331,18 @@ MLPERF51_8B_ROWS = [("Cisco hpf_n8", "h100", 64, 8, 1, 1, 1, 64, 0.7419, 71.229)
                     ("NVIDIA tyche_ngpu512_ngc25.09_nemo", "gb200", 512, BRIDGE_GB200_RACK, 2, 4, 1, 64, 0.0901, None)]
 
 
-def who_twice(submission: str) -> bool:
-    """Dell's two 16-GPU rows differ by server alone (XE9680L, XE9685L): named by it."""
-    return submission.startswith("Dell")
+MLPERF51_SERVERS = {"Dell 2xXE9680Lx8B200-SXM-180GB": "XE9680L", "Dell 2xXE9685Lx8B200-SXM-180GB": "XE9685L",
+                    "Dell 1xXE9680Lx8H200-SXM-141GB": "XE9680L", "Dell 1xXE9685Lx8B200-SXM-180GB": "XE9685L",
+                    "Dell 1xXE9780x8B200-SXM-180GB": "XE9780", "Lenovo SR680aV3-8xB200_SXM_180GB": "SR680aV3",
+                    "Lenovo SR780aV3-8xB200_SXM_180GB": "SR780aV3", "Supermicro AS-4126GS-NBR-LCC": "AS-4126GS",
+                    "Supermicro AS-A126GS-TNBR": "AS-A126GS", "Supermicro SYS-422GS-NBRT-LCC": "SYS-422GS"}
+"""The server of the MLPerf v5.1 rows whose submitter ran more than one kind: in their names."""
+
+
+def mlperf51_who(submission: str) -> str:
+    """A v5.1 row's name's submitter, with its server where the submitter ran several (MLPERF51_SERVERS)."""
+    server = MLPERF51_SERVERS.get(submission)
+    return submission.split()[0] + (f" {server}" if server else "")
 
 
 def mlperf51_8b_runs() -> list[Run]:
@@ -2343,8 +2352,7 @@ def mlperf51_8b_runs() -> list[Run]:
         cisco = submission.startswith("Cisco")
         row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x CP {cp} x DP {dp}, micro-batch {mbs}, global batch "
                f"{gbs} x 8192, {step} s per step (train_step_time)" + (f", max_memory_usage {mem}" if mem else ""))
-        who = submission.split()[0] + (f" {submission.split()[1][2:9]}" if who_twice(submission) else "")
-        runs.append(Run(f"MLPerf 5.1 8B {who} {gpu.upper()} n={n}", LLAMA31_8B, n, 8192, gbs,
+        runs.append(Run(f"MLPerf 5.1 8B {mlperf51_who(submission)} {gpu.upper()} n={n}", LLAMA31_8B, n, 8192, gbs,
                         f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch={mbs},"
                         f"sequence_parallel={str(tp > 1).lower()},activation_checkpoint=none", MLPERF51_8B, row,
                         tflops=gbs * 8192 * flops_per_token(LLAMA31_8B, 8192) / (step * n * 1e12), step_s=step,
@@ -2359,19 +2367,19 @@ def mlperf51_8b_runs() -> list[Run]:
 # GB200 in FP8 that ran NVIDIA's NeMo 2 recipe of the round (NGC 25.09; train.py, config_common.sh and the yaml as
 # NVIDIA's, whose own 8-GPU GB200 result moved to NVFP4: it and the other NVFP4 results left out) and logs
 # mlperf-common's train_step_time: Dell's, GigaComputing's, Lenovo's, Supermicro's and the University of Florida's
-# B200 servers, Nebius's 4 B200 nodes, Dell's H200 server, NVIDIA's and Wiwynn's GB200 NVL72 racks (one, and 8 of
-# 64 or 72 GPUs). Wiwynn's published code is the v5.0 recipe, its logs NVIDIA's v5.1 image (nvdlfwea mlperftv51,
+# B200 servers, Nebius's 4 B200 nodes, Dell's H200 server, NVIDIA's and Wiwynn's GB200 NVL72 racks (one, and 8 of 64
+# or 72 GPUs). Wiwynn's published code is the v5.0 recipe, its logs NVIDIA's v5.1 image (nvdlfwea mlperftv51,
 # 2025-10-06) and the round's settings; Nebius's published n4 config is an NVFP4 one, its logs an FP8 run at CP 4:
 # each described as its logs show it. Nine results that ran the v4.1-era NeMo 1 recipe (Cisco's, Krai's, Quanta's and
-# one of Dell's, on H100 and H200) log throughput alone, and Dell's 2xXE9685L logs are not in this mirror of the
-# repository: left out. As v5.0 ran it (mlperf50_lora_runs): packed sequences of 8,192 attended whole, micro-batch 1,
-# LoRA of rank 16 on linear_qkv and linear_proj with dropout 0.1, the distributed optimizer, FP8 with delayed scaling
-# (hybrid, amax history 4) and the frozen weights in FP8 (train.py's CustomLlamaModel builds the model under
-# te.fp8_model_init; FP8_PARAM_GATHER 0 only keeps the weights' gather off), Transformer Engine's all-to-all CP
-# (cp_comm_type a2a), no recompute, no expandable segments; the float8 SwiGLU input (FP8_ACT) on the B200 and H200
-# CP 1 configs and Nebius's CP 4 run, not at CP 8 or the University of Florida's CP 4. Dell's H200 run ran TP 2 with
-# SP (its log's dump; its folder's XE9680L common config sets TP 2), two micro-batches a step (MINIBS 2). Not
-# described: FP8 attention (FP8_DPA=1, priced in bf16), the whole-step CUDA graph at CP 4 and 8 (MCORE_CUDA_GRAPH,
+# one of Dell's, on H100 and H200) log throughput alone, and Dell's 2xXE9685L logs are absent from the copy of the
+# repository read here: left out. As v5.0 ran it (mlperf50_lora_runs): packed sequences of 8,192 attended whole,
+# micro-batch 1, LoRA of rank 16 on linear_qkv and linear_proj with dropout 0.1, the distributed optimizer, FP8 with
+# delayed scaling (hybrid, amax history 4) and the frozen weights in FP8 (train.py's CustomLlamaModel builds the model
+# under te.fp8_model_init; FP8_PARAM_GATHER 0 only keeps the weights' gather off), Transformer Engine's all-to-all CP
+# (cp_comm_type a2a), no recompute, no expandable segments; the float8 SwiGLU input (FP8_ACT) on the B200 and H200 CP
+# 1 configs and Nebius's CP 4 run, not at CP 8 or the University of Florida's CP 4. Dell's H200 run ran TP 2 with SP
+# (its log's dump; its folder's XE9680L common config sets TP 2), two micro-batches a step (MINIBS 2). Not described:
+# FP8 attention (FP8_DPA=1, priced in bf16), the whole-step CUDA graph at CP 4 and 8 (MCORE_CUDA_GRAPH,
 # full_iteration), TE's fused operations (USE_TE_OPS, FUSED_SINGLE_QKV_ROPE). The step: the median of each run's
 # mlperf-common block train_step_time (the writer at the pin b86d175, after the one that stopped logging memory), the
 # median of its ten runs (nine for Dell's XE9780: one was cancelled). Added on 2026-12-07 and evaluated first as the
@@ -2409,10 +2417,7 @@ def mlperf51_lora_runs() -> list[Run]:
         dp = n // (tp * cp)
         row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x CP {cp} x DP {dp}, global batch {gbs} x 8192, {step} s "
                "per step (train_step_time)")
-        who = submission.split()[0] + (f" {submission.split()[1][2:8]}" if submission.startswith("Dell") else
-                                       f" {submission.split()[1][:7]}" if submission.split()[0] in (
-                                           "Lenovo", "Supermicro") else "")
-        runs.append(Run(f"MLPerf 5.1 70B LoRA {who} {gpu.upper()} n={n}", model, n, 8192, gbs,
+        runs.append(Run(f"MLPerf 5.1 70B LoRA {mlperf51_who(submission)} {gpu.upper()} n={n}", model, n, 8192, gbs,
                         f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch=1,"
                         f"sequence_parallel={str(tp > 1).lower()},activation_checkpoint=none", MLPERF51_LORA, row,
                         tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
