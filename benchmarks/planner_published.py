@@ -2242,6 +2242,13 @@ MLPERF50_LORA_ROWS = [("nyx_n1_ngc25.04_nemo", "b200", 8, 8, 1, 1.5127, 168.827)
                       ("tyche_ngpu512_ngc25.04_nemo", "gb200", 512, 64, 8, 0.2577, 82.321)]
 
 
+NEMO_MLPERF_LORA = {"system": "megatron-core", "search": False, "precision": "fp8", "float8": "te-delayed",
+                    "lora_rank": 16, "lora_targets": ("wq", "wk", "wv", "wo"), "lora_dropout": 0.1,
+                    "cp_exchange": "a2a"}
+"""NVIDIA's NeMo 2 recipe for MLPerf's Llama 2 70B LoRA, v5.0 and v5.1 alike: LoRA of rank 16 on linear_qkv and
+linear_proj with dropout 0.1, FP8 with delayed scaling under Megatron-Core, Transformer Engine's all-to-all CP."""
+
+
 def mlperf50_lora_runs() -> list[Run]:
     model = dataclasses.replace(preset("llama2-70b"), max_seq_len=8192)
     runs = []
@@ -2253,9 +2260,8 @@ def mlperf50_lora_runs() -> list[Run]:
                         f"tp=1,pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=false,"
                         "activation_checkpoint=none", MLPERF50_LORA, row,
                         tflops=dp * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
-                        gpus_per_node=per_node, system="megatron-core", search=False, precision="fp8",
-                        float8="te-delayed", lora_rank=16, lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
-                        activation_fp8_input=cp == 1, mem_gib=mem, mem_counts="active", cp_exchange="a2a"))
+                        gpus_per_node=per_node, activation_fp8_input=cp == 1, mem_gib=mem, mem_counts="active",
+                        **NEMO_MLPERF_LORA))
     return runs
 
 
@@ -2421,9 +2427,7 @@ def mlperf51_lora_runs() -> list[Run]:
                         f"tp={tp},pp=1,cp={cp},dp_replicate={dp},zero_stage=1,micro_batch=1,"
                         f"sequence_parallel={str(tp > 1).lower()},activation_checkpoint=none", MLPERF51_LORA, row,
                         tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
-                        gpus_per_node=per_node, system="megatron-core", search=False, precision="fp8",
-                        float8="te-delayed", lora_rank=16, lora_targets=("wq", "wk", "wv", "wo"), lora_dropout=0.1,
-                        activation_fp8_input=act, cp_exchange="a2a"))
+                        gpus_per_node=per_node, activation_fp8_input=act, **NEMO_MLPERF_LORA))
     return runs
 
 

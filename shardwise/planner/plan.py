@@ -94,6 +94,7 @@ def engine_error(plan: Plan, training, args: ModelArgs) -> ConfigError | None:
         # transformer_engine/pytorch/attention.py, AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs
         # to be divisible by CP size!" (each cp rank takes whole heads of its tp rank's, KV heads too)
         heads = args.n_heads // plan.tp
+        # (KV heads split as memory.kv_split splits them, which this module cannot import: memory imports it)
         kv = heads if training.cp_repeats_kv else args.n_kv_heads // min(plan.tp, args.n_kv_heads)
         if heads % plan.cp or kv % plan.cp:
             error = ConfigError("parallel.cp", f"cp={plan.cp} over {heads} attention and {kv} KV heads a tp rank, "
