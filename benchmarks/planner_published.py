@@ -2149,6 +2149,47 @@ def mlperf50_runs() -> list[Run]:
     return runs
 
 
+
+# MLPerf Training v5.1 (November 2025), the same benchmark: the round's closed-division results in FP8 on GPUs the
+# catalogue has. Those are the University of Florida's 32 and 56 DGX B200 servers (256 and 448 B200s), which ran
+# NVIDIA's NeMo recipe of the round (NGC 25.09): their implementation directory hpg.dgxb200x8 holds
+# config_DGXB200_{32,56}x8x144xtp4pp8cp2_cg.sh beside run_{32,56}n.sub, and its README points to b200_nemo, where the
+# common files those configs source are (taken as the ones they ran). TP 4 x PP 8 x CP 2, 8 virtual stages,
+# micro-batch 1, MINIBS 144 a data-parallel rank (the logs' global batch 576 and 1,008), sequence parallelism, no
+# recompute, the distributed optimizer with bf16 gradient reduction, FP8 in E4M3 with per-tensor current scaling
+# (FP8_RECIPE tensorwise: te-current), the embedding and the loss counted as layers in the pipeline split
+# (ASYM_PP_EMBED, ASYM_PP_LOSS: priced by the planner's own cost split, as v5.0's), torch's allocator with expandable
+# segments, TP communication not overlapped (TP_COMM_OVERLAP commented out in both configs; b200_nemo's 64-node one
+# sets it). Not described: the weights gathered in FP8 (FP8_PARAM_GATHER), the whole-step CUDA
+# graph (the planner has no host term for it to remove), Megatron's tp-pp-dp rank order (TP_PP_DP_MAPPING, as in
+# v5.0's GB200 rows). Left out: NVIDIA's three GB200 results and its GB300 one, which ran NVFP4 (each README names a
+# config sourcing config_common_fp4.sh; the planner does not describe NVFP4, and the GB300 is not in the catalogue),
+# and Nebius's two H200 results, whose logs are v5.0's files resubmitted (the same git blobs; mlperf50_runs has them).
+# The step: the median of each log's train_step_time after its fifth (the per-step values and the blocks' averages,
+# as v5.0's figures were taken), the median of the three runs (which span under 0.3%). Added on 2026-12-07 and
+# evaluated first as the planner stood (held out: docs/heldout-2026-12-07/mlperf-v5.1-llama31-405b-held-out.txt).
+MLPERF51_405B = ("MLCommons, MLPerf Training v5.1 results, llama31_405b, closed division, "
+                 "https://github.com/mlcommons/training_results_v5.1")
+# results directory, GPUs, global batch (sequences), median seconds per step
+MLPERF51_405B_ROWS = [("hpg.dgxb200x8.n32", 256, 576, 27.6449),
+                      ("hpg.dgxb200x8.n56", 448, 1008, 27.9765)]
+
+
+def mlperf51_405b_runs() -> list[Run]:
+    model = LLAMA31_405B_MIXTRAL
+    runs = []
+    for submission, n, gbs, step in MLPERF51_405B_ROWS:
+        dp = n // (4 * 8 * 2)
+        row = (f"University of Florida {submission}: {n} B200, TP 4 x PP 8 x CP 2 x DP {dp}, VP 8, micro-batch 1, "
+               f"global batch {gbs} x 8192, {step} s per step (train_step_time)")
+        runs.append(Run(f"MLPerf 5.1 405B UF B200 n={n}", model, n, 8192, gbs,
+                        f"tp=4,pp=8,cp=2,dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=true,"
+                        f"activation_checkpoint=none{pp_knobs(8, 8)}", MLPERF51_405B, row,
+                        tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step,
+                        gpu="b200", system="megatron-core", search=False, precision="fp8", float8="te-current",
+                        grads_in_fp32=False, dropout=False, expandable_segments=True))
+    return runs
+
 # --------------------------------------------------------------------------------------------------
 # MLPerf Training v4.0 (June 2024), benchmark llama2_70b_lora: Llama 2 70B fine-tuned with LoRA on GovReport, closed
 # division (mlcommons/training_results_v4.0: results/*/llama2_70b_lora/result_*.txt, MLLOG lines;
@@ -2504,7 +2545,7 @@ RUNS = (narayanan_runs() + korthikanti_runs() + llama3_runs() + bloom_runs() + b
         + bloomberg_runs() + tinyllama_runs() + llama1_runs() + fms_runs() + mlperf_runs()
         + mlperf_lora_runs() + bridge_moe_runs() + nemo_finetune_runs() + nemo_launcher_2024_runs()
         + mlperf41_runs() + bridge_gb200_runs() + bridge_finetune_runs() + mlperf50_runs()
-        + mlperf50_lora_runs() + mlperf51_8b_runs() + mlperf51_lora_runs())
+        + mlperf50_lora_runs() + mlperf51_8b_runs() + mlperf51_lora_runs() + mlperf51_405b_runs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2846,7 +2887,9 @@ def main() -> None:
                          ("MLPerf v5.0 Llama 2 70B LoRA (NeMo 25.04; NVIDIA's B200 and GB200)",
                           "MLPerf 5.0 NVIDIA 70B LoRA"),
                          ("MLPerf v5.1 Llama 3.1 8B (NeMo 25.01-25.09; H100, H200, B200, GB200)", "MLPerf 5.1 8B"),
-                         ("MLPerf v5.1 Llama 2 70B LoRA (NeMo 25.09; H200, B200, GB200)", "MLPerf 5.1 70B LoRA")):
+                         ("MLPerf v5.1 Llama 2 70B LoRA (NeMo 25.09; H200, B200, GB200)", "MLPerf 5.1 70B LoRA"),
+                         ("MLPerf v5.1 Llama 3.1 405B (NeMo 25.09; the University of Florida's B200s)",
+                          "MLPerf 5.1 405B")):
         groups[name] = [x for x in ratios if x[0].startswith(prefix) and (prefix != "N21 T" or "ZeRO-3" not in x[0])]
         if name == "torchtitan":  # what the planner models, and the two features of its rows it does not price
             titan = groups[name]
