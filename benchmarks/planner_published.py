@@ -2149,9 +2149,9 @@ def mlperf50_runs() -> list[Run]:
     return runs
 
 
-
-# MLPerf Training v5.1 (November 2025), the same benchmark: the round's closed-division results in FP8 on GPUs the
-# catalogue has. Those are the University of Florida's 32 and 56 DGX B200 servers (256 and 448 B200s), which ran
+# --------------------------------------------------------------------------------------------------
+# MLPerf Training v5.1 (November 2025), the same benchmark: the round's new closed-division results in FP8 on GPUs
+# the catalogue has. Those are the University of Florida's 32 and 56 DGX B200 servers (256 and 448 B200s), which ran
 # NVIDIA's NeMo recipe of the round (NGC 25.09): their implementation directory hpg.dgxb200x8 holds
 # config_DGXB200_{32,56}x8x144xtp4pp8cp2_cg.sh beside run_{32,56}n.sub, and its README points to b200_nemo, where the
 # common files those configs source are (taken as the ones they ran). TP 4 x PP 8 x CP 2, 8 virtual stages,
@@ -2189,6 +2189,7 @@ def mlperf51_405b_runs() -> list[Run]:
                         gpu="b200", system="megatron-core", search=False, precision="fp8", float8="te-current",
                         grads_in_fp32=False, dropout=False, expandable_segments=True))
     return runs
+
 
 # --------------------------------------------------------------------------------------------------
 # MLPerf Training v4.0 (June 2024), benchmark llama2_70b_lora: Llama 2 70B fine-tuned with LoRA on GovReport, closed
