@@ -2150,8 +2150,8 @@ def mlperf50_runs() -> list[Run]:
 
 
 # --------------------------------------------------------------------------------------------------
-# MLPerf Training v5.1 (November 2025), the same benchmark: the round's new closed-division results in FP8 on GPUs
-# the catalogue has. Those are the University of Florida's 32 and 56 DGX B200 servers (256 and 448 B200s), which ran
+# MLPerf Training v5.1 (November 2025), the same benchmark: the round's new closed-division results in FP8 on GPUs the
+# catalogue has. Those are the University of Florida's 32 and 56 DGX B200 servers (256 and 448 B200s), which ran
 # NVIDIA's NeMo recipe of the round (NGC 25.09): their implementation directory hpg.dgxb200x8 holds
 # config_DGXB200_{32,56}x8x144xtp4pp8cp2_cg.sh beside run_{32,56}n.sub, and its README points to b200_nemo, where the
 # common files those configs source are (taken as the ones they ran). TP 4 x PP 8 x CP 2, 8 virtual stages,
@@ -2160,14 +2160,14 @@ def mlperf50_runs() -> list[Run]:
 # (FP8_RECIPE tensorwise: te-current), the embedding and the loss counted as layers in the pipeline split
 # (ASYM_PP_EMBED, ASYM_PP_LOSS: priced by the planner's own cost split, as v5.0's), torch's allocator with expandable
 # segments, TP communication not overlapped (TP_COMM_OVERLAP commented out in both configs; b200_nemo's 64-node one
-# sets it). Not described: the weights gathered in FP8 (FP8_PARAM_GATHER), the whole-step CUDA
-# graph (the planner has no host term for it to remove), Megatron's tp-pp-dp rank order (TP_PP_DP_MAPPING, as in
-# v5.0's GB200 rows). Left out: NVIDIA's three GB200 results and its GB300 one, which ran NVFP4 (each README names a
-# config sourcing config_common_fp4.sh; the planner does not describe NVFP4, and the GB300 is not in the catalogue),
-# and Nebius's two H200 results, whose logs are v5.0's files resubmitted (the same git blobs; mlperf50_runs has them).
-# The step: the median of each log's train_step_time after its fifth (the per-step values and the blocks' averages,
-# as v5.0's figures were taken), the median of the three runs (which span under 0.3%). Added on 2026-12-07 and
-# evaluated first as the planner stood (held out: docs/heldout-2026-12-07/mlperf-v5.1-llama31-405b-held-out.txt).
+# sets it). Not described: the weights gathered in FP8 (FP8_PARAM_GATHER), the whole-step CUDA graph (the planner has
+# no host term for it to remove), Megatron's tp-pp-dp rank order (TP_PP_DP_MAPPING, as in v5.0's GB200 rows). Left
+# out: NVIDIA's three GB200 results and its GB300 one, which ran NVFP4 (each README names a config sourcing
+# config_common_fp4.sh; the planner does not describe NVFP4, and the GB300 is not in the catalogue), and Nebius's two
+# H200 results, whose logs are v5.0's files resubmitted (the same git blobs; mlperf50_runs has them). The step: the
+# median of each log's train_step_time after its fifth (the per-step values and the blocks' averages, as v5.0's
+# figures were taken), the median of the three runs (which span under 0.3%). Added on 2026-12-07 and evaluated first
+# as the planner stood (held out: docs/heldout-2026-12-07/mlperf-v5.1-llama31-405b-held-out.txt).
 MLPERF51_405B = ("MLCommons, MLPerf Training v5.1 results, llama31_405b, closed division, "
                  "https://github.com/mlcommons/training_results_v5.1")
 # results directory, GPUs, global batch (sequences), median seconds per step
