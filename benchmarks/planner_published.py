@@ -2132,21 +2132,26 @@ MLPERF50_ROWS = [("NVIDIA eos-dfw_n64_ngc25.01_nemo", "h100", 512, 8, 1152, 55.1
                  ("IBM+CoreWeave+NVIDIA carina_ngpu2496_ngc25.04_nemo", "gb200", 2496, 4, 1248, 5.8223)]
 
 
-def mlperf50_runs() -> list[Run]:
+def mlperf_405b_run(name: str, source: str, submission: str, gpu: str, n: int, tp: int, gbs: int, step: float,
+                    float8: str) -> Run:
+    """A row of NVIDIA's NeMo recipe for MLPerf's Llama 3.1 405B, v5.0 and v5.1 alike: TP x PP 8 x CP 2 at 8 virtual
+    stages, micro-batch 1, no recompute, no dropout, FP8 with bf16 gradient reduction, expandable segments; a GB200's
+    NVLink domain is the 64 GPUs of a rack the recipe uses."""
     model = LLAMA31_405B_MIXTRAL
-    runs = []
-    for submission, gpu, n, tp, gbs, step in MLPERF50_ROWS:
-        dp = n // (tp * 8 * 2)
-        row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x PP 8 x CP 2 x DP {dp}, VP 8, micro-batch 1, global batch "
-               f"{gbs} x 8192, {step} s per step (train_step_time)")
-        runs.append(Run(f"MLPerf 5.0 405B {submission.split()[0]} {gpu.upper()} n={n}", model, n, 8192, gbs,
-                        f"tp={tp},pp=8,cp=2,dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=true,"
-                        f"activation_checkpoint=none{pp_knobs(8, 8)}", MLPERF50, row,
-                        tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
-                        gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8, system="megatron-core",
-                        search=False, precision="fp8", float8="te-delayed", grads_in_fp32=False, dropout=False,
-                        expandable_segments=True))
-    return runs
+    dp = n // (tp * 8 * 2)
+    row = (f"{submission}: {n} {gpu.upper()}, TP {tp} x PP 8 x CP 2 x DP {dp}, VP 8, micro-batch 1, global batch "
+           f"{gbs} x 8192, {step} s per step (train_step_time)")
+    return Run(name, model, n, 8192, gbs,
+               f"tp={tp},pp=8,cp=2,dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=true,"
+               f"activation_checkpoint=none{pp_knobs(8, 8)}", source, row,
+               tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step, gpu=gpu,
+               gpus_per_node=BRIDGE_GB200_RACK if gpu == "gb200" else 8, system="megatron-core", search=False,
+               precision="fp8", float8=float8, grads_in_fp32=False, dropout=False, expandable_segments=True)
+
+
+def mlperf50_runs() -> list[Run]:
+    return [mlperf_405b_run(f"MLPerf 5.0 405B {submission.split()[0]} {gpu.upper()} n={n}", MLPERF50, submission, gpu,
+                            n, tp, gbs, step, "te-delayed") for submission, gpu, n, tp, gbs, step in MLPERF50_ROWS]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2176,19 +2181,8 @@ MLPERF51_405B_ROWS = [("hpg.dgxb200x8.n32", 256, 576, 27.6449),
 
 
 def mlperf51_405b_runs() -> list[Run]:
-    model = LLAMA31_405B_MIXTRAL
-    runs = []
-    for submission, n, gbs, step in MLPERF51_405B_ROWS:
-        dp = n // (4 * 8 * 2)
-        row = (f"University of Florida {submission}: {n} B200, TP 4 x PP 8 x CP 2 x DP {dp}, VP 8, micro-batch 1, "
-               f"global batch {gbs} x 8192, {step} s per step (train_step_time)")
-        runs.append(Run(f"MLPerf 5.1 405B UF B200 n={n}", model, n, 8192, gbs,
-                        f"tp=4,pp=8,cp=2,dp_replicate={dp},zero_stage=1,micro_batch=1,sequence_parallel=true,"
-                        f"activation_checkpoint=none{pp_knobs(8, 8)}", MLPERF51_405B, row,
-                        tflops=gbs * 8192 * flops_per_token(model, 8192) / (step * n * 1e12), step_s=step,
-                        gpu="b200", system="megatron-core", search=False, precision="fp8", float8="te-current",
-                        grads_in_fp32=False, dropout=False, expandable_segments=True))
-    return runs
+    return [mlperf_405b_run(f"MLPerf 5.1 405B UF B200 n={n}", MLPERF51_405B, f"University of Florida {submission}",
+                            "b200", n, 4, gbs, step, "te-current") for submission, n, gbs, step in MLPERF51_405B_ROWS]
 
 
 # --------------------------------------------------------------------------------------------------
