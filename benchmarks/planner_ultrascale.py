@@ -1,5 +1,5 @@
-"""The planner against the Ultra-Scale Playbook's benchmark sweep: 1,739 measured layouts of four Llama shapes on 1
-to 64 nodes of 8 H100s, ranked within each (model, nodes) cell.
+"""The planner against the Ultra-Scale Playbook's benchmark sweep: 1,751 measured layouts of four Llama shapes on 1
+to 64 nodes of 8 H100s (1,738 of them evaluated), ranked within each (model, nodes) cell.
 
     python benchmarks/planner_ultrascale.py [--cells 1B/1,8B/16] [--quick]
 
@@ -27,13 +27,15 @@ node, the catalogue's H100 (50 GB/s a GPU a direction).
 The measurement (nanotron's trainer.py, NANOTRON_BENCHMARK=1): the third step's wall time after a barrier and a
 device synchronisation, global batch x sequence / time; "tok/s/gpu" divides by the world size. The figure's MFU
 is the model FLOPs of nanotron's get_flops (attention counted over the whole s x s, not causal; the vocabulary's matmul
-twice for the untied 8B and 80B) over 989.5 TFLOP/s: it agrees with tok/s/gpu within the printing's rounding without
-a pipeline and reads about 10% higher than tok/s/gpu implies with one (median 1.095 over the 1,000-odd pipelined
-rows), so tokens/s, not MFU, is compared here. "GPU memory" is one of
+once per copy of its weight: twice for the untied 8B and 80B and, in a pipeline, for the tied ones) over 989.5
+TFLOP/s: it agrees with tok/s/gpu within the printing's rounding but for 11 of the 1,002 rows at 5% MFU or more, so
+tokens/s, not MFU, is compared here. "GPU memory" is one of
 the two peaks nanotron's log_throughput writes on world rank 0 (a rank of the first pipeline stage), "Mem Alloc (GB)"
 (max_memory_allocated) or "Mem Res (GB)" (max_memory_reserved), both in GiB; which one the figure plots is not
 stated, so both of the planner's counterparts are printed, for stage 0. Left out: twelve measured rows whose DP x MBS x
-GradAcc is not the 256 sequences their GBS column states (their tokens/s was measured at the smaller batch).
+GradAcc is not the 256 sequences their GBS column states (their tokens/s was measured at the smaller batch). Five
+layouts appear measured two or three times with different results (8B on 2 nodes at d2 t8 mb1: 3,449 and 737
+tokens/s a GPU; four 80B layouts within 25%): the file keeps the first the figure lists, the fastest.
 
 For each cell (one model on one node count: the sweep) the script prints the rank correlation of predicted and
 published tokens/s per GPU over the cell's measured layouts, the ratio predicted / published throughput

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from shardwise.planner.memory import (
     embedding_activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    nanotron_split,
+    reserved_bytes,
+    stage_shape,
     weight_copy_bytes,
 )
 from shardwise.planner.timing import bubble_fraction
@@ -2373,6 +2377,134 @@ def test_mlperf_v51_llama31_405b_b200_rows_fit_and_come_out_optimistic_as_v50s_b
     for run in v50:
         by_gpu.setdefault(run.gpu, []).append(run.published_step() / published.given_plan(run)[0].time.step_time_s)
     assert max(by_gpu["h100"] + by_gpu["h200"]) < 1.05 < min(by_gpu["gb200"]) < max(by_gpu["gb200"]) < min(ratios)
+
+
+def _ultrascale():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_ultrascale
+
+    return planner_ultrascale
+
+
+def test_the_ultrascale_playbook_sweep_is_transcribed_as_its_figure_prints_it():
+    """The Ultra-Scale Playbook's benchmark figure (benchmarks/data/ultrascale_playbook.csv): 3,257 distinct layouts,
+    1,751 measured, every measured one at the 256 sequences of 4,096 tokens the text states but twelve whose DP x MBS
+    x GradAcc says otherwise (left out by the benchmark). Its model sizes are nanotron's estimate_num_params of the
+    shapes in scaling_benchmarks.py (1.34, 3.57, 8.86 and 80.0 B: embeddings tied below an intermediate size of
+    10,000), which the planner's parameter count reproduces; and without a pipeline the figure's MFU column is its
+    tok/s/gpu column times nanotron's get_flops count (attention over the whole s x s) over 989.5 TFLOP/s, within
+    the printing's rounding, the vocabulary's matmul counted twice for the two untied models (8B, 80B; once in
+    get_flops at 67c5ebb6): a column misread or shifted would not agree."""
+    ultrascale = _ultrascale()
+    rows = ultrascale.rows()
+    measured = [r for r in rows if not math.isnan(r["tok_s_gpu"])]
+    assert (len(rows), len(measured)) == (3257, 1751)
+    assert sum(int(r["dp"] * r["mbs"] * r["grad_acc"]) != 256 for r in measured) == 12
+    assert all(r["gbs"] == 256 and r["dp"] * r["tp"] * r["pp"] == 8 * r["nodes"] for r in measured)
+    sizes = {name: num_params(ultrascale.model(name)) / 1e9 for name in ultrascale.SHAPES}
+    assert [round(sizes[n], 2) for n in ("1B", "3B", "8B")] == [1.34, 3.57, 8.86] and round(sizes["80B"], 1) == 80.0
+
+    def nanotron_model_flops_per_token(name: str) -> float:  # models/llama.py get_flops, forward x 3
+        layers, h, heads, ffn = ultrascale.SHAPES[name]
+        s, v = 4096, 131072
+        vocab_matmuls = 1 if ultrascale.model(name).tie_embeddings else 2
+        forward = 2 * layers * (3 * h * h + 2 * s * h + h * h + 3 * h * ffn) + vocab_matmuls * 2 * h * v
+        return 3 * forward
+
+    for r in measured:
+        if r["pp"] == 1 and r["mfu_pct"] >= 5:
+            implied = r["tok_s_gpu"] * nanotron_model_flops_per_token(r["model"]) / 989.5e12 * 100
+            assert abs(implied - r["mfu_pct"]) <= 0.06 + 0.006 * r["mfu_pct"], r
+
+
+def test_nanotron_cuts_its_pipeline_greedily_at_equal_shares_of_its_block_costs():
+    """nanotron's build_model (models/base.py at its benchmark branch, 67c5ebb6) walks its pipeline blocks (embedding,
+    the decoder layers, final norm, head, fp32 cast, loss) at get_block_compute_costs' costs and moves to the next
+    stage after the block whose cumulative cost exceeds the stage's share. By hand, for the Playbook's 1B (a layer
+    4 x 2048^2 + 3 x 8192 x 2048 = 67,108,864, the head 131,072 x 2048 = 4 layers, 20 in all): at pp 4 each share is
+    5 layers, and 5 layers equal it without exceeding it, so stage 0 takes 6, stages 1 and 2 five each, and the head
+    lands on stage 3 with no layer. For the 3B (a layer 113,246,208, the head 3.56 layers, shares of 1.97 layers at
+    pp 16) every stage to 13 takes 2, the head stage 14 alone and stage 15 only the cast and the loss. The
+    engine's cost split ('cost') puts one layer fewer on stage 0 and the head on the last."""
+    ultrascale = _ultrascale()
+    stages, head = nanotron_split(ultrascale.model("1B"), 4)
+    assert [len(s) for s in stages] == [6, 5, 5, 0] and head == 3 and stages[1] == range(6, 11)
+    stages, head = nanotron_split(ultrascale.model("3B"), 16)
+    assert [len(s) for s in stages] == [2] * 14 + [0, 0] and head == 14
+    args = ultrascale.model("3B")
+    plan = Plan(dp_replicate=2, pp=16, pp_schedule="1f1b", micro_batch=1, grad_accum=128)
+    shapes = [stage_shape(args, plan, r, 4096, "nanotron") for r in range(16)]
+    assert [s.last for s in shapes].index(True) == 14 and shapes[15].params == 0 and shapes[0].layers == 2
+    assert stage_shape(args, plan, 0, 4096, "cost").layers == 1
+
+    # nanotron's loop as build_model writes it (numpy's cumsum, each share rounded as (rank + 1) / pp_size first),
+    # on a stage count where that rounding decides a tie
+    def build_model_ranks(layers: int, h: int, heads: int, ffn: int, vocab: int, pp: int) -> list[int]:
+        costs = [0] + [4 * heads * (h // heads) * h + 3 * ffn * h] * layers + [0, vocab * h, 0, 0]
+        cumulative = numpy.cumsum(costs)
+        thresholds = [cumulative[-1] * ((rank + 1) / pp) for rank in range(pp)]
+        rank, ranks = 0, []
+        for c in cumulative:
+            ranks.append(rank)
+            if c > thresholds[rank]:
+                rank += 1
+        return ranks
+
+    wide = ModelArgs(dim=2048, n_heads=16, n_kv_heads=16, n_layers=40, vocab_size=131072, ffn_hidden=8192)
+    ranks = build_model_ranks(40, 2048, 16, 8192, 131072, 22)
+    stages, head = nanotron_split(wide, 22)
+    assert [len(s) for s in stages] == [ranks[1:41].count(r) for r in range(22)] and head == ranks[42]
+    # priced only beside what nanotron runs: refused with schedules or recompute it does not have
+    with pytest.raises(PlannerError, match="pipeline_split"):
+        Training(pipeline_split="nanotron")
+    Training(pipeline_split="nanotron", pp_schedules=("gpipe", "1f1b"), partial_checkpoint="none")
+
+
+def test_the_ultrascale_playbooks_deep_pipelines_hold_nanotrons_first_stage_in_memory():
+    """The memory nanotron logs (world rank 0: pipeline stage 0) for the Playbook's pipelines of 8 and 16 stages
+    on one or two data-parallel ranks: with nanotron's own cut (stage 0 takes the block that crosses its share, the
+    system's pipeline_split) the planner's reserved bytes come within 10% of the published figure; with the engine's
+    cost split, one block fewer on stage 0, 19-43% short (docs/planner.md, "The Ultra-Scale Playbook's sweep, held
+    out")."""
+    ultrascale = _ultrascale()
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_published
+
+    names = {"Ultrascale 1B n=8 d1 t1 p8 mb1 ga256 z0", "Ultrascale 8B n=16 d2 t1 p8 mb1 ga128 z1",
+             "Ultrascale 3B n=32 d2 t1 p16 mb1 ga128 z1", "Ultrascale 8B n=32 d2 t1 p16 mb1 ga128 z1"}
+    runs = [run for run in map(ultrascale.run_of, ultrascale.rows()) if run.name in names]
+    assert len(runs) == 4
+    for run in runs:
+        ev, fits = planner_published.given_plan(run)
+        training = planner_published.training_of(run)
+        assert fits and training.pipeline_split == "nanotron" and ev.plan.pp_schedule == "1f1b"
+        ours = reserved_bytes(run.model, training, ev.plan, 0) / GiB
+        engine = reserved_bytes(run.model, dataclasses.replace(training, pipeline_split="cost"), ev.plan,
+                                           0) / GiB
+        assert abs(ours / run.mem_gib - 1) <= 0.10 and engine / run.mem_gib < 0.82, (run.name, ours, engine)
+
+
+def test_nanotrons_zero1_all_reduces_its_whole_gradient_buffer_after_the_backward():
+    """nanotron runs ZeRO-1 without DDP (trainer.py make_ddp) and all-reduces the whole fp32 gradient buffer once
+    the backward is done (sync_gradients_across_dp, reduce_scatter=False): under Training.zero1_all_reduce nothing
+    of the data-parallel traffic hides, and it is an all-reduce of the stage's fp32 gradients over the data-parallel
+    group, twice a reduce-scatter's bytes; Megatron's distributed optimizer reduce-scatters behind the backward."""
+    ultrascale = _ultrascale()
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import planner_published
+
+    name = "Ultrascale 1B n=64 d64 t1 p1 mb1 ga4 z1"
+    run = next(r for r in map(ultrascale.run_of, ultrascale.rows()) if r.name == name)
+    training = planner_published.training_of(run)
+    cluster = planner_published.cluster_of(run)
+    assert training.zero1_all_reduce
+    plan = planner_published.given_plan(run)[0].plan
+    nanotron = evaluate(run.model, training, plan, cluster).time.detail
+    megatron = evaluate(run.model, dataclasses.replace(training, zero1_all_reduce=False), plan, cluster).time.detail
+    assert nanotron["dp_exposed_s"] == pytest.approx(nanotron["dp_comm_s"])
+    assert megatron["dp_exposed_s"] < 0.7 * megatron["dp_comm_s"] and nanotron["dp_comm_s"] > megatron["dp_comm_s"]
+    with pytest.raises(PlannerError, match="zero1_all_reduce"):
+        Training(layout="fsdp-mp", zero1_all_reduce=True)
 
 
 def test_megatron_bridge_moe_rows_fit_and_come_within_15_percent_but_the_pipelined_30b():

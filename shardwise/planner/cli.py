@@ -530,6 +530,7 @@ def system_summary(training: Training) -> str:
             f"{f', float8 {training.float8}' if training.float8 != 'torchao' else ''}"
             f"{', checkpoints split over tp' if training.distribute_checkpoints else ''}"
             f"{', stages cut as DeepSpeed (embeddings as slots)' if training.pipeline_split == 'slots' else ''}"
+            f"{', stages cut as nanotron (greedy, equal cost shares)' if training.pipeline_split == 'nanotron' else ''}"
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}"
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"

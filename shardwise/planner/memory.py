@@ -133,7 +133,7 @@ class StageShape(NamedTuple):
     root: float
     """Parameters outside the blocks (the root FSDP unit): embedding, final norm, head."""
     last: bool
-    """Holds the last stage (head_rank)."""
+    """Holds the output head (the last stage's rank, or the head's under nanotron's cut: _head_stage)."""
     boundaries: int
     """Receive buffers per micro-batch: one for each held stage's incoming activation (all but the first stage)
     and one for its incoming gradient (all but the last)."""
@@ -163,13 +163,13 @@ def _stage_shape(args: ModelArgs, seq_len: int, tp: int, pp: int, per_rank: int,
                  stage: int, ep: int = 1, split: str = "cost") -> StageShape:
     ids = _rank_layers(args, seq_len, pp, per_rank, schedule, split)[stage]
     layers, moe_layers = len(ids), sum(map(args.is_moe_layer, ids))
-    last = stage == _head_rank(pp, per_rank, schedule)
+    last = stage == _head_rank(pp, per_rank, schedule, _head_stage(args, pp, per_rank, split))
     emb = args.vocab_size * args.dim / tp  # vocab-parallel embedding and head
     root = (emb if stage == 0 else 0.0) + (args.dim + (0 if args.tie_embeddings and pp == 1 else emb) if last else 0.0)
     n = pp * per_rank
     boundaries = sum((s > 0) + (s < n - 1) for s in stages_of_rank(schedule, pp, stage, per_rank))
     return StageShape(layers, blocks_params(args, tp, ep, layers, moe_layers) + root, root, last, boundaries,
-                      moe_layers, moe_layers * expert_params(args, ep), args.is_moe_layer(max(ids)))
+                      moe_layers, moe_layers * expert_params(args, ep), bool(ids) and args.is_moe_layer(max(ids)))
 
 
 class Placement(NamedTuple):
@@ -244,7 +244,35 @@ def _split(args: ModelArgs, seq_len: int, n_stages: int, split: str = "cost") ->
         slots = slot_split(args.n_layers, n_stages)
         if all(slots):  # else DeepSpeed's cut leaves a stage without a block: the engine's split
             return slots
+    if split == "nanotron":
+        return nanotron_split(args, n_stages)[0]
     return split_layers(layer_costs(args, seq_len), n_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def nanotron_split(args: ModelArgs, n_stages: int) -> tuple[list[range], int]:
+    """(blocks of each stage, the stage holding the output head) as nanotron cuts its pipeline blocks
+    (models/base.py build_model at github.com/huggingface/nanotron 67c5ebb6): the blocks in order, the embedding,
+    each decoder layer, the final norm, the head, the fp32 cast and the loss, at the costs
+    get_block_compute_costs gives them (a decoder layer 4 n_heads head_dim d + 3 ffn d, the head V d, the others
+    0), each assigned to the current stage, which moves on after the block whose cumulative cost exceeds
+    (stage + 1) / n_stages of the total. The block that crosses a share stays on the stage before it, so the first
+    stage takes one more than its share, and the head can land before the last stage: the stages after it get
+    no decoder layer (the last, the fp32 cast and the loss on the logits the head's rank sends it, which the
+    planner leaves out: it prices the loss on the head's rank)."""
+    layer = 4 * args.n_heads * args.head_dim * args.dim + 3 * args.ffn_hidden * args.dim
+    costs = [0] + [layer] * args.n_layers + [0, args.vocab_size * args.dim, 0, 0]
+    total, cumulative, stage = sum(costs), 0, 0
+    owner = []
+    for cost in costs:
+        cumulative += cost
+        owner.append(stage)
+        if cumulative > total * ((stage + 1) / n_stages):  # (nanotron's rounding: the share first)
+            stage += 1
+    layers = owner[1:1 + args.n_layers]
+    stages = [range(layers.index(s), len(layers) - layers[::-1].index(s)) if s in layers else range(0)
+              for s in range(n_stages)]
+    return stages, owner[2 + args.n_layers]
 
 
 def slot_split(n_layers: int, n_stages: int) -> list[range]:
@@ -336,16 +364,19 @@ def backward_plan(args: ModelArgs, training: Training, plan: Plan, stage: int, n
                    activation_checkpoint_every=1)
 
 
-def head_rank(plan: Plan) -> int:
-    """The pipeline rank holding the last stage (final norm, output head, loss): pp - 1, or rank 0 under the
-    zero-bubble V, which folds the last stage back onto the first rank."""
-    return _head_rank(plan.pp, plan.stages_per_rank, plan.pp_schedule)
+def _head_stage(args: ModelArgs, pp: int, per_rank: int, split: str) -> int:
+    """The stage holding the output head (final norm, head, loss): the last, but under nanotron's cut
+    (nanotron_split)."""
+    if split == "nanotron" and pp * per_rank > 1:
+        return nanotron_split(args, pp * per_rank)[1]
+    return pp * per_rank - 1
 
 
 @functools.lru_cache(maxsize=1024)
-def _head_rank(pp: int, per_rank: int, schedule: str) -> int:
-    last = pp * per_rank - 1
-    return next(r for r in range(pp) if last in stages_of_rank(schedule, pp, r, per_rank))
+def _head_rank(pp: int, per_rank: int, schedule: str, stage: int) -> int:
+    """The pipeline rank holding stage `stage` (the head's: _head_stage): under the zero-bubble V the last stage
+    folds back onto rank 0."""
+    return next(r for r in range(pp) if stage in stages_of_rank(schedule, pp, r, per_rank))
 
 
 def ranks_to_check(args: ModelArgs, plan: Plan, seq_len: int, split: str = "cost") -> tuple[int, ...]:
@@ -365,12 +396,16 @@ def _ranks_to_check(args: ModelArgs, seq_len: int, pp: int, per_rank: int, sched
     # (checkpointing every k-th block: ranks with as many blocks may checkpoint a different number of them, and
     # the first backward may or may not replay its block)
     kinds = [(len(ids), sum(map(args.is_moe_layer, ids)))
-             + ((sum(i % every == 0 for i in ids), max(ids) % every == 0) if every > 1 else ()) for ids in ranks]
+             + ((sum(i % every == 0 for i in ids), bool(ids) and max(ids) % every == 0) if every > 1 else ())
+             for ids in ranks]
     first_with = {n: kinds.index(n) for n in set(kinds)}
     # rank 0 also holds the embedding, and under LoRA its first block skips input gradients
     # (timing.lora_first_block_skipped): the next rank with its blocks can be the slower
     after_first = next((r for r in range(1, len(kinds)) if kinds[r] == kinds[0]), 0)
-    ends = {0, after_first, _head_rank(pp, per_rank, schedule)}
+    head = _head_rank(pp, per_rank, schedule, _head_stage(args, pp, per_rank, split))
+    ends = {0, after_first, head}
+    # (the ranks after the head under nanotron's cut hold no block and no parameter: never the fullest or slowest)
+    first_with = {n: r for n, r in first_with.items() if n[0] or r == head}
     if args.n_moe_layers:
         # a rank between the ends holds as many receive buffers as any other such rank and no more micro-batches in
         # flight than an earlier one: one with no more dense and no more MoE blocks than an earlier such rank, and
@@ -1081,7 +1116,7 @@ def bf16_optimizer_segments(args: ModelArgs, training: Training, plan: Plan, sta
       (communication_data_type bf16 under bf16; every group larger than its 5e8-element bucket): 2 bytes times
       the largest of Megatron-DeepSpeed's groups, whose weight-decay list (the embeddings, an embedding norm's
       weight, each block's four weight matrices, in model order) is cut into two halves by count."""
-    if not training.bf16_optimizer_active(plan.zero_stage, plan.offload):
+    if not (training.bf16_optimizer_active(plan.zero_stage, plan.offload) and training.bf16_grad_transients):
         return 0.0
     shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     emb = args.vocab_size * args.dim / plan.tp
@@ -1455,7 +1490,9 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
         shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
         n += shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers else \
             shape.layers * (layer_params(args, plan.tp) - 2 * args.dim)
-    if stage == head_rank(plan) and not fused_head(training, plan):  # the fused head's copy is not saved
+    if stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).last and not fused_head(training,
+                                                                                                        plan):
+        # (the fused head's copy is not saved)
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
 
@@ -2002,8 +2039,8 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
     if cached is None and partial_checkpointing(plan):
         cached = _remember(_ACTIVATIONS, key, _partial_activation_items(args, training, plan, stage))
     if cached is None:
-        last = stage == head_rank(plan)
         shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
+        last = shape.last
         per_mb = (shape.layers - shape.moe_layers) * layer_activation_bytes(args, training, plan)
         if shape.moe_layers:
             per_mb += shape.moe_layers * layer_activation_bytes(args, training, plan, moe=True)
@@ -2019,7 +2056,7 @@ def _activation_items(args: ModelArgs, training: Training, plan: Plan, stage: in
             "head_weight_grad": head_weight_grad_bytes(args, training, plan) if last else 0.0,
             "head_copy": head_copy, "logits": logits_bytes(args, training, plan) if last else 0.0,
             # (the weight copies of the block whose backward runs first: a block's share of the stage's)
-            "first_block_copies": (copies - head_copy) / shape.layers,
+            "first_block_copies": (copies - head_copy) / shape.layers if shape.layers else 0.0,
             "autocast_cache": autocast_cache_bytes(args, training, plan, stage) if last else 0.0,
             # zero-bubble's input pass makes no weight gradient (its weight pass is priced in _zero_bubble_held)
             **{name: block_backward_bytes(args, training, plan, shape.last_moe, accumulating=accumulating,
@@ -2237,7 +2274,7 @@ def _model_state(args: ModelArgs, training: Training, plan: Plan, stage: int) ->
         trainable = layers * lora_params(args, training, plan.tp) if training.lora_rank else None
         linears = layers * (layer_params(args, plan.tp) - 2 * args.dim)
         adapted = layers * adapted_base_params(args, training, plan.tp)
-        head = args.vocab_size * args.dim / plan.tp if stage == head_rank(plan) and not args.tie_embeddings else 0.0
+        head = args.vocab_size * args.dim / plan.tp if shape.last and not args.tie_embeddings else 0.0
         # the routed experts are sharded over expert_shard_group (the ranks holding the same experts: dp_shard x cp
         # / ep under FSDP, tp x cp x dp / ep under Megatron-Core's distributed optimizer; all of shard_group without
         # expert parallelism), everything else over shard_group

@@ -144,8 +144,13 @@ class System:
     keeps_bf16_grads: bool = False
     """The optimizer keeps autograd's bf16 gradients beside its fp32 buffer (Training.keeps_bf16_grads: DeepSpeed's
     BF16_Optimizer)."""
+    bf16_grad_transients: bool = True
+    """Under keeps_bf16_grads, DeepSpeed's two transient copies (Training.bf16_grad_transients)."""
+    zero1_all_reduce: bool = False
+    """ZeRO-1's gradients all-reduced whole after the backward (Training.zero1_all_reduce: nanotron's)."""
     pipeline_split: str = "cost"
-    """How the blocks are cut into pipeline stages: 'cost' or DeepSpeed's 'slots' (Training.pipeline_split)."""
+    """How the blocks are cut into pipeline stages: 'cost', DeepSpeed's 'slots' or 'nanotron'
+    (Training.pipeline_split)."""
     moe_dispatch: str = "copies"
     """How a mixture of experts moves tokens: every routed copy ('copies') or DeepEP's once per rank ('deepep')
     (Training.moe_dispatch)."""
@@ -239,6 +244,7 @@ class System:
                 "checkpoint_early_stop": self.checkpoint_early_stop, "float8": self.float8,
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
+                "bf16_grad_transients": self.bf16_grad_transients, "zero1_all_reduce": self.zero1_all_reduce,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "optimizer_dtype": self.optimizer_dtype,
@@ -440,7 +446,8 @@ def resolve_system(spec: str | System) -> System:
                                f"use base or {', '.join(fields)}")
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
-                                   "keeps_bf16_grads", "grads_in_fp32", "pp_overlap_p2p",
+                                   "keeps_bf16_grads", "bf16_grad_transients", "zero1_all_reduce", "grads_in_fp32",
+                                   "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
                                    "fused_rmsnorm", "fused_projections", "activation_fp8_input",
                                    "activation_offload", "optimizer_in_backward", "tensor_parallel",

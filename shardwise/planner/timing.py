@@ -1176,6 +1176,11 @@ def dp_comm(args: ModelArgs, training: Training, plan: Plan, cluster: Cluster, c
         first = ag / layers + (ag * args.vocab_size * args.dim / plan.tp / n_params if plan.pp == 1 else 0.0)
         hides = training.overlap_param_gather and z == 1  # the distributed optimizer's (Megatron-FSDP's not read)
         ag_exposed = ag - w_sh * min(ag - first, cost.forward) if hides else ag
+        if z == 1 and training.zero1_all_reduce:
+            # nanotron's ZeRO-1 (Training.zero1_all_reduce): the whole gradient buffer all-reduced once the
+            # backward is done, then each rank steps its shard
+            whole = all_reduce(grads, sh_n, sh_link) + expert_units(all_reduce, reduced, ex_n, ex_link)
+            return whole + hsdp + ag, whole + hsdp + ag_exposed
         return (n_rs * (rs + hsdp_with_rs) + hsdp + ag,
                 n_rs * behind_backward(rs + hsdp_with_rs) + hsdp + ag_exposed)
     if z == 3 and training.zero3_fetch == "module-sync":

@@ -33,8 +33,8 @@ CpExchange = Literal["allgather", "ring", "torch", "a2a"]
 CP_EXCHANGES: tuple[str, ...] = ("allgather", "ring", "torch", "a2a")
 Zero3Fetch = Literal["prefetch", "module-sync"]
 ZERO3_FETCH: tuple[str, ...] = ("prefetch", "module-sync")
-PipelineSplit = Literal["cost", "slots"]
-PIPELINE_SPLITS: tuple[str, ...] = ("cost", "slots")
+PipelineSplit = Literal["cost", "slots", "nanotron"]
+PIPELINE_SPLITS: tuple[str, ...] = ("cost", "slots", "nanotron")
 PP_SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """Every pipeline schedule shardwise's engine runs."""
 Float8Recipe = Literal["torchao", "te-delayed", "te-current"]
@@ -309,6 +309,14 @@ class Training:
     buffer, 2 bytes a parameter, not sharded, until the next backward frees them (backward() with
     clear_lp_grads=False: memory.model_state_bytes); and after every micro-batch's backward it adds them into
     that buffer, one pass over the stage's gradients (timing.bf16_accumulation_seconds)."""
+    zero1_all_reduce: bool = False
+    """ZeRO-1's gradients all-reduced whole after the backward, not reduce-scattered behind it: nanotron runs ZeRO-1
+    without DDP (trainer.py: make_ddp only at ZeRO-0) and then sync_gradients_across_dp(reduce_scatter=False), one
+    all-reduce of its fp32 buffer; layout 'megatron' only (timing.dp_comm)."""
+    bf16_grad_transients: bool = True
+    """Under keeps_bf16_grads, the two transient copies DeepSpeed's BF16_Optimizer makes, each in a segment of its
+    own (memory.bf16_optimizer_segments); False for a system that keeps the bf16 gradients without them (nanotron:
+    torch DDP's bf16 buckets beside its fp32 buffer, which its accumulation adds into in place)."""
     embedding_norm: bool = False
     """The model normalises the embedding's output (BLOOM's --embed-layernorm): the first stage keeps the norm's
     input and statistics, and a dropout's mask after it, for every micro-batch in flight
@@ -316,8 +324,10 @@ class Training:
     pipeline_split: PipelineSplit = "cost"
     """How the system cuts the blocks into pipeline stages: 'cost', the engine's cost-balanced split
     (layout.split_layers over layer_costs: fewer blocks on the stages with the embedding and the head; shardwise,
-    torchtitan), or 'slots', DeepSpeed's partition over `type:transformer|embedding` (memory.slot_split: each
-    embedding takes a block's slot; Megatron-DeepSpeed's --pp-partition-method, as BLOOM ran it)."""
+    torchtitan), 'slots', DeepSpeed's partition over `type:transformer|embedding` (memory.slot_split: each
+    embedding takes a block's slot; Megatron-DeepSpeed's --pp-partition-method, as BLOOM ran it), or 'nanotron',
+    nanotron's greedy cut at equal shares of its block costs (memory.nanotron_split: the first stage takes the
+    block that crosses its share, and the head can end on a rank before the last, the ranks after it empty)."""
     lora_rank: int = 0
     """LoRA rank on the `lora_targets` linears of every block (0 = full training)."""
     qlora: bool = False
@@ -451,6 +461,21 @@ class Training:
         if self.pipeline_split not in PIPELINE_SPLITS:
             raise PlannerError("--system pipeline_split", f"unknown split {self.pipeline_split!r}",
                                f"use one of {', '.join(PIPELINE_SPLITS)}")
+        if self.zero1_all_reduce and self.layout != "megatron":
+            raise PlannerError("--system zero1_all_reduce", f"it describes nanotron's ZeRO-1 on the layout megatron, "
+                               f"not {self.layout}", "leave it false, or use layout = megatron")
+        if self.pipeline_split == "nanotron":
+            # nanotron's cut can leave the ranks after the head without a block: priced for what nanotron runs
+            # (1F1B and all-forward-all-backward, whole-layer recompute, nothing offloaded), not beyond it
+            beyond = sorted(set(self.pp_schedules) - {"gpipe", "1f1b"})
+            if beyond or self.partial_checkpoint != "none" or self.offload_layers:
+                what = (f"the schedules {', '.join(beyond)}" if beyond else
+                        "checkpointing one block in k" if self.partial_checkpoint != "none" else
+                        "Megatron-Core's activation offload")
+                raise PlannerError("--system pipeline_split", f"nanotron's cut is priced with nanotron's schedules "
+                                   f"and recompute, not with {what}",
+                                   "leave pipeline_split at cost, or keep pp_schedules to gpipe and 1f1b, "
+                                   "partial_checkpoint none and offload_layers 0")
         if self.cp_exchange not in CP_EXCHANGES:
             raise PlannerError("--system cp_exchange", f"{self.cp_exchange!r} is not one of {', '.join(CP_EXCHANGES)}",
                                f"use one of {', '.join(CP_EXCHANGES)}")
