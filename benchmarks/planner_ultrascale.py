@@ -26,10 +26,11 @@ node, the catalogue's H100 (50 GB/s a GPU a direction).
 
 The measurement (nanotron's trainer.py, NANOTRON_BENCHMARK=1): the third step's wall time after a barrier and a
 device synchronisation, global batch x sequence / time; "tok/s/gpu" divides by the world size. The figure's MFU
-is the model FLOPs of nanotron's get_flops (attention counted over the whole s x s, not causal; the vocabulary's matmul
-once per copy of its weight: twice for the untied 8B and 80B and, in a pipeline, for the tied ones) over 989.5
-TFLOP/s: it agrees with tok/s/gpu within the printing's rounding but for 11 of the 1,002 rows at 5% MFU or more, so
-tokens/s, not MFU, is compared here. "GPU memory" is one of
+is the model FLOPs of nanotron's get_flops (attention counted over the whole s x s, not causal) with the vocabulary's
+matmul once per copy of its weight (twice for the untied 8B and 80B and, in a pipeline, for the tied ones; once in
+get_flops at 67c5ebb6) over 989.5 TFLOP/s: it agrees with tok/s/gpu within the printing's rounding but for 11 of the
+1,002 rows at 5% MFU or more (80B pipelined ZeRO-0 rows at micro-batch 1, about 11% below), so tokens/s, not MFU, is
+compared here. "GPU memory" is one of
 the two peaks nanotron's log_throughput writes on world rank 0 (a rank of the first pipeline stage), "Mem Alloc (GB)"
 (max_memory_allocated) or "Mem Res (GB)" (max_memory_reserved), both in GiB; which one the figure plots is not
 stated, so both of the planner's counterparts are printed, for stage 0. Left out: twelve measured rows whose DP x MBS x

@@ -532,6 +532,8 @@ def system_summary(training: Training) -> str:
             f"{', stages cut as DeepSpeed (embeddings as slots)' if training.pipeline_split == 'slots' else ''}"
             f"{', stages cut as nanotron (greedy, equal cost shares)' if training.pipeline_split == 'nanotron' else ''}"
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}"
+            f"{' (no DeepSpeed transients)' if training.keeps_bf16_grads and not training.bf16_grad_transients else ''}"
+            f"{', ZeRO-1 all-reduces whole after the backward' if training.zero1_all_reduce else ''}"
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"

@@ -1576,8 +1576,10 @@ def replica_copy(training: Training, plan: Plan) -> bool:
 
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
     """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight. DeepSpeed's ZeRO-1
-    uses its own (zero_bucket_bytes)."""
-    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2 or any(zero_bucket_bytes(training, plan)):
+    uses its own (zero_bucket_bytes); nanotron's ZeRO-1 none (Training.zero1_all_reduce: no DDP, the buffer
+    all-reduced in place)."""
+    if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2 or any(zero_bucket_bytes(training, plan)) or (
+            plan.zero_stage == 1 and training.zero1_all_reduce):
         return 0.0
     return 2 * training.ddp_bucket_mb * 2**20
 

@@ -315,8 +315,9 @@ class Training:
     all-reduce of its fp32 buffer; layout 'megatron' only (timing.dp_comm)."""
     bf16_grad_transients: bool = True
     """Under keeps_bf16_grads, the two transient copies DeepSpeed's BF16_Optimizer makes, each in a segment of its
-    own (memory.bf16_optimizer_segments); False for a system that keeps the bf16 gradients without them (nanotron:
-    torch DDP's bf16 buckets beside its fp32 buffer, which its accumulation adds into in place)."""
+    own (memory.bf16_optimizer_segments); False for a system that keeps bf16 gradients without them (nanotron:
+    autograd's bf16 gradients until its accumulation adds them into the fp32 buffer, in place, and DDP's buckets at
+    ZeRO-0)."""
     embedding_norm: bool = False
     """The model normalises the embedding's output (BLOOM's --embed-layernorm): the first stage keeps the norm's
     input and statistics, and a dropout's mask after it, for every micro-batch in flight
