@@ -2381,10 +2381,11 @@ def test_mlperf_v51_llama31_405b_b200_rows_fit_and_come_out_optimistic_as_v50s_b
 
 
 def _ultrascale():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    """benchmarks/planner_ultrascale.py, and planner_published.py beside it (the Run machinery it uses)."""
+    published, _ = _published("")
     import planner_ultrascale
 
-    return planner_ultrascale
+    return planner_ultrascale, published
 
 
 def test_the_ultrascale_playbook_sweep_is_transcribed_as_its_figure_prints_it():
@@ -2396,7 +2397,7 @@ def test_the_ultrascale_playbook_sweep_is_transcribed_as_its_figure_prints_it():
     tok/s/gpu column times nanotron's get_flops count (attention over the whole s x s) over 989.5 TFLOP/s, within
     the printing's rounding, the vocabulary's matmul counted twice for the two untied models (8B, 80B; once in
     get_flops at 67c5ebb6): a column misread or shifted would not agree."""
-    ultrascale = _ultrascale()
+    ultrascale, _ = _ultrascale()
     rows = ultrascale.rows()
     measured = [r for r in rows if not math.isnan(r["tok_s_gpu"])]
     assert (len(rows), len(measured)) == (3257, 1751)
@@ -2427,7 +2428,7 @@ def test_nanotron_cuts_its_pipeline_greedily_at_equal_shares_of_its_block_costs(
     lands on stage 3 with no layer. For the 3B (a layer 113,246,208, the head 3.56 layers, shares of 1.97 layers at
     pp 16) every stage to 13 takes 2, the head stage 14 alone and stage 15 only the cast and the loss. The
     engine's cost split ('cost') puts one layer fewer on stage 0 and the head on the last."""
-    ultrascale = _ultrascale()
+    ultrascale, _ = _ultrascale()
     stages, head = nanotron_split(ultrascale.model("1B"), 4)
     assert [len(s) for s in stages] == [6, 5, 5, 0] and head == 3 and stages[1] == range(6, 11)
     stages, head = nanotron_split(ultrascale.model("3B"), 16)
@@ -2470,9 +2471,7 @@ def test_the_ultrascale_playbooks_deep_pipelines_hold_nanotrons_first_stage_in_m
     system's pipeline_split) the planner's reserved bytes come within 10% of the published figure; with the engine's
     cost split, one block fewer on stage 0, 19-43% short (docs/planner.md, "The Ultra-Scale Playbook's sweep, held
     out")."""
-    ultrascale = _ultrascale()
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import planner_published
+    ultrascale, planner_published = _ultrascale()
 
     names = {"Ultrascale 1B n=8 d1 t1 p8 mb1 ga256 z0", "Ultrascale 8B n=16 d2 t1 p8 mb1 ga128 z1",
              "Ultrascale 3B n=32 d2 t1 p16 mb1 ga128 z1", "Ultrascale 8B n=32 d2 t1 p16 mb1 ga128 z1"}
@@ -2493,9 +2492,7 @@ def test_nanotrons_zero1_all_reduces_its_whole_gradient_buffer_after_the_backwar
     the backward is done (sync_gradients_across_dp, reduce_scatter=False): under Training.zero1_all_reduce nothing
     of the data-parallel traffic hides, and it is an all-reduce of the stage's fp32 gradients over the data-parallel
     group, twice a reduce-scatter's bytes; Megatron's distributed optimizer reduce-scatters behind the backward."""
-    ultrascale = _ultrascale()
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import planner_published
+    ultrascale, planner_published = _ultrascale()
 
     name = "Ultrascale 1B n=64 d64 t1 p1 mb1 ga4 z1"
     run = next(r for r in map(ultrascale.run_of, ultrascale.rows()) if r.name == name)

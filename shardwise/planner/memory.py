@@ -1486,13 +1486,11 @@ def weight_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: in
     if not casts_weights(training):
         return adapter_copy_bytes(args, training, plan, stage) if plan.activation_checkpoint == "none" else 0.0
     n = 0.0
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
     if plan.activation_checkpoint == "none":
-        shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
         n += shape.blocks - shape.layers * 2 * args.dim if shape.moe_layers else \
             shape.layers * (layer_params(args, plan.tp) - 2 * args.dim)
-    if stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).last and not fused_head(training,
-                                                                                                        plan):
-        # (the fused head's copy is not saved)
+    if shape.last and not fused_head(training, plan):  # the fused head's copy is not saved
         n += args.vocab_size * args.dim / plan.tp
     return n * training.act_bytes
 
