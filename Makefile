@@ -18,6 +18,9 @@ $(VENV)/.test: $(VENV)/.base Makefile
 	# Megatron-Core's own loss, run by tests/test_planner_system.py against the planner's sizing of it: its modules
 	# need only torch and packaging, and its declared dependencies (nvidia-modelopt, wandb, zarr, ...) are not wanted
 	$(PIP) install --no-deps megatron-core==0.12.0
+	# nanotron's own loss, likewise (tests/test_planner_system.py loads its tensor-parallel functions on their own:
+	# the package itself does not import without its training stack)
+	$(PIP) install --no-deps nanotron==0.4
 	touch $@
 
 install: $(VENV)/.base

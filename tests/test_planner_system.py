@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ from shardwise.planner.system import SYSTEMS, System, resolve_system
 from shardwise.planner.timing import layer_times, recomputed_matmul_share, stage_cost, te_float8_cast_seconds
 
 from distributed import run_distributed
-from probes import MatmulFlops, PeakBytes, engine_loss, measure_saved
+from probes import LiveBytes, MatmulFlops, PeakBytes, engine_loss, measure_saved
 
 
 def _training(system: str, **kw) -> Training:
@@ -189,6 +190,113 @@ def test_torchs_ddp_keeps_no_copy_of_the_weights(one_rank_mesh, tmp_path):
     ours = _training("shardwise", seq_len=2048, global_batch=8)
     assert stage_memory(args, ddp_training, plan, 0)["replica_params"] == 0.0
     assert stage_memory(args, ours, plan, 0)["replica_params"] == pytest.approx(4 * num_params(args))
+
+
+NANOTRON = Path(__file__).resolve().parents[1] / "benchmarks" / "systems" / "nanotron.toml"
+"""nanotron as it ran the Ultra-Scale Playbook's sweep (benchmarks/planner_ultrascale.py)."""
+
+
+def _nanotron(**kw) -> Training:
+    return Training(**{"seq_len": 4096, "global_batch": 256, **kw, **resolve_system(str(NANOTRON)).training_fields()})
+
+
+def test_torchs_ddp_without_bucket_views_keeps_a_second_copy_of_the_gradients(one_rank_mesh):
+    """torch's DistributedDataParallel as it comes (gradient_as_bucket_view=False: how nanotron wraps its model at
+    ZeRO-0), measured on a bf16 model: a step leaves two copies of the gradients, autograd's and the Reducer's
+    buckets it copies them into, where the bare model and DDP with bucket views leave one. The planner adds that
+    copy, in the weights' dtype, to nanotron's gradients at ZeRO-0 over more than one rank
+    (memory.ddp_bucket_copy_bytes) and nowhere else: nanotron wraps in DDP only with dp > 1, and runs ZeRO-1
+    without it (trainer.py make_ddp)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def held_after_a_step(bucket_view: bool | None) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(torch.bfloat16)
+        with LiveBytes(model) as live:
+            wrapped = model if bucket_view is None else DistributedDataParallel(
+                model, gradient_as_bucket_view=bucket_view)
+            wrapped(torch.randn(8, 512, dtype=torch.bfloat16)).sum().backward()
+            held = live.total
+        return held / sum(p.numel() * p.element_size() for p in model.parameters())
+
+    bare, views, copies = held_after_a_step(None), held_after_a_step(True), held_after_a_step(False)
+    assert views == pytest.approx(bare, abs=0.01) and copies - bare == pytest.approx(1, abs=0.01)
+    args, nanotron = preset("llama3.2-1b"), _nanotron()
+    assert not nanotron.ddp_bucket_view
+    for dp, zero, copied in ((8, 0, True), (1, 0, False), (8, 1, False)):
+        plan = Plan(dp_replicate=dp, zero_stage=zero, micro_batch=1, grad_accum=256 // dp)
+        extra = (stage_memory(args, nanotron, plan, 0)["grads"]
+                 - stage_memory(args, dataclasses.replace(nanotron, ddp_bucket_view=True), plan, 0)["grads"])
+        assert extra == pytest.approx(num_params(args) * 2 * (copies - bare) if copied else 0.0, rel=0.01)
+    with pytest.raises(PlannerError, match="ddp_bucket_view"):
+        Training(layout="fsdp-mp", ddp_bucket_view=False)
+
+
+def _nanotron_functional():
+    """nanotron's tensor-parallel functions (parallel/tensor_parallel/functional.py) from its PyPI wheel, 0.4, whose
+    cross-entropy is the Playbook branch's (67c5ebb6), loaded on their own: the package does not import without its
+    training stack (its modules import one another in a cycle through nanotron.logging), so the file runs with
+    torch.distributed for nanotron.distributed (its wrapper of it) and the names it imports for other functions
+    stubbed."""
+    import importlib.util
+    import sys
+    import types
+
+    root = Path(importlib.util.find_spec("nanotron").submodule_search_locations[0])
+    stubs = {"nanotron": types.ModuleType("nanotron"), "nanotron.distributed": dist}
+    for name in ("nanotron.parallel.tensor_parallel.distributed_differentiable_primitives",
+                 "nanotron.parallel.tensor_parallel.enum", "nanotron.parallel.utils"):
+        stubs[name] = types.ModuleType(name)
+        stubs[name].__getattr__ = lambda attr: (lambda f: f)
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location("nanotron_functional",
+                                                      root / "parallel" / "tensor_parallel" / "functional.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name)
+            else:
+                sys.modules[name] = old
+    return module
+
+
+def test_nanotrons_cross_entropy_holds_the_fp32_logits_beside_their_shifted_copy(one_rank_mesh):
+    """nanotron's own vocab-parallel cross-entropy on one gloo rank, from the fp32 logits its model's forward
+    upcasts (cast_to_fp32) and holds until the loss returns: its forward subtracts the row maximum into a new fp32
+    tensor (`sharded_logits - logits_max`), so two fp32 tensors of the logits' size are live at its end, one beyond
+    the softmax it saves; its backward adds the bf16 gradient, as Megatron's. Megatron's shifts in place (the test
+    above: nothing beyond its softmax in the forward). The planner sizes nanotron's loss by the larger,
+    ce_shift_in_place false: 4 bytes a logit beyond the softmax where Megatron-Core's are 2."""
+    functional = _nanotron_functional()
+    s, v = 256, 1024
+    logits = torch.randn(s, 1, v, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (s, 1))
+    with PeakBytes() as peak:
+        upcast = logits.float()
+        loss = functional.sharded_cross_entropy(upcast, target, group=dist.group.WORLD, dtype=torch.float)
+        forward = peak.peak
+        del upcast  # (the model's forward returns)
+        kept = peak.total
+        peak.peak = 0
+        loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    per_logit = s * v
+    assert kept / per_logit == pytest.approx(4, abs=0.05)  # the softmax, fp32 (and the targets)
+    assert (forward - kept) / per_logit == pytest.approx(4, abs=0.05)  # the upcast logits beside it
+    assert (peak.peak - kept) / per_logit == pytest.approx(2, abs=0.05)  # the bf16 gradient
+    args, plan = preset("llama3-8b"), Plan(tp=2, micro_batch=1, sequence_parallel=True)
+    tokens, columns = 4096, args.vocab_size / 2
+    nanotron, mcore = _nanotron(), _training("megatron-core", seq_len=4096)
+    assert not nanotron.ce_shift_in_place and mcore.ce_shift_in_place
+    assert logits_bytes(args, nanotron, plan) == pytest.approx(tokens * columns * (forward - kept) / per_logit,
+                                                               rel=0.02)
+    assert logits_bytes(args, mcore, plan) == tokens * columns * 2
+    with pytest.raises(PlannerError, match="ce_shift_in_place"):
+        Training(layout="fsdp-mp", loss_parallel=True, ce_shift_in_place=False)
 
 
 def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mesh):

@@ -534,6 +534,8 @@ def system_summary(training: Training) -> str:
             f"{', bf16 gradients kept beside fp32' if training.keeps_bf16_grads else ''}"
             f"{' (no DeepSpeed transients)' if training.keeps_bf16_grads and not training.bf16_grad_transients else ''}"
             f"{', ZeRO-1 all-reduces whole after the backward' if training.zero1_all_reduce else ''}"
+            f"{', DDP buckets a copy of the gradients' if not training.ddp_bucket_view else ''}"
+            f"{', the loss shifts its fp32 logits into a copy' if not training.ce_shift_in_place else ''}"
             f"{', main gradients in the weights dtype' if not training.grads_in_fp32 else ''}"
             f"{', pipeline sends overlapped (interleaved)' if training.pp_overlap_p2p else ''}"
             f"{', the updated weights gathered behind the next forward' if training.overlap_param_gather else ''}"

@@ -1404,7 +1404,8 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     of the head's input and weight (LoRA stores its frozen head in that dtype) throughout. A cross-entropy kernel
     (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype. torch's loss
     parallel (dtensor_loss_parallel) holds a third fp32 tensor in that backward; Megatron's (megatron_cross_entropy)
-    one tensor in the compute dtype."""
+    one tensor in the compute dtype (the fp32 logits, in a forward that shifts them out of place:
+    Training.ce_shift_in_place)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
         # (a chunked loss, Training.loss_chunks: one chunk's gradient beyond the saved logits, which its chunk's
@@ -1428,8 +1429,11 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
         previous = block * (4 + e) if tokens > block / v else 0.0
         return max(block * (4 + 4) + previous, block * (4 + e) + product) + tokens * d * e + copy + gathered
     if megatron_cross_entropy(training):
-        # the gradient it writes into its saved fp32 softmax, cast by autograd to the logits' dtype (none in fp32)
-        return tokens * loss_vocab(args, training, plan) * (training.act_bytes if training.act_bytes < 4 else 0.0)
+        # the gradient it writes into its saved fp32 softmax, cast by autograd to the logits' dtype (none in fp32);
+        # a loss that shifts the logits out of place (Training.ce_shift_in_place False: nanotron's) holds the
+        # upcast logits beside that softmax at the end of its forward, the larger of the two
+        grad = training.act_bytes if training.act_bytes < 4 else 0.0
+        return tokens * loss_vocab(args, training, plan) * (grad if training.ce_shift_in_place else max(grad, 4))
     if dtensor_loss_parallel(training, plan):  # (unchunked: Training refuses loss_chunks with a parallel loss)
         return tokens * loss_vocab(args, training, plan) * 4 * 3
     return tokens * loss_vocab(args, training, plan) * 4 * 2 / training.loss_chunks
@@ -1575,11 +1579,29 @@ def replica_copy(training: Training, plan: Plan) -> bool:
 def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
     """Gradient reduction below ZeRO-2 uses buckets (gradients as bucket views): two in flight. DeepSpeed's ZeRO-1
     uses its own (zero_bucket_bytes); nanotron's ZeRO-1 none (Training.zero1_all_reduce: no DDP, the buffer
-    all-reduced in place)."""
+    all-reduced in place); torch's DDP without bucket views reduces in its resident copy (ddp_bucket_copy_bytes)."""
     if plan.dp == 1 and plan.cp == 1 or plan.zero_stage >= 2 or any(zero_bucket_bytes(training, plan)) or (
-            plan.zero_stage == 1 and training.zero1_all_reduce):
+            plan.zero_stage == 1 and training.zero1_all_reduce) or ddp_bucket_copy(training, plan):
         return 0.0
     return 2 * training.ddp_bucket_mb * 2**20
+
+
+def ddp_bucket_copy(training: Training, plan: Plan) -> bool:
+    """torch's DDP wraps the model without gradient_as_bucket_view (Training.ddp_bucket_view False): at ZeRO-0 over
+    more than one rank, where the system's data parallelism is DDP."""
+    return not training.ddp_bucket_view and plan.zero_stage == 0 and plan.dp * plan.cp > 1
+
+
+def ddp_bucket_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
+    """Under ddp_bucket_copy, the buckets torch's Reducer allocates when DDP wraps the model (reducer.cpp,
+    initialize_buckets: a flat tensor per bucket in the gradients' dtype), which it copies each gradient into as
+    autograd makes it (mark_variable_ready copies unless the gradient is a view of the bucket): a second copy of
+    the stage's gradients in the weights' dtype, resident from the wrap on, beside autograd's own. Counted with
+    the gradients (2.5 GiB for the Ultra-Scale Playbook's 1.34B model at tp 1)."""
+    if not ddp_bucket_copy(training, plan):
+        return 0.0
+    return stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).params * \
+        state_bytes_per_param(training).params
 
 
 def zero_bucket_bytes(training: Training, plan: Plan) -> tuple[float, float]:
@@ -1711,6 +1733,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                   stage: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """(the items every moment of `moment_memory` starts from, what each moment changes or adds)."""
     state = _model_state(args, training, plan, stage)
+    copy = ddp_bucket_copy_bytes(args, training, plan, stage)
+    if copy:
+        state = {**state, "grads": state["grads"] + copy}
     acts = _activation_items(args, training, plan, stage)
     # the block whose backward runs first, replayed or not (checkpointing some blocks: partial_checkpointing)
     first_plan = backward_plan(args, training, plan, stage)

@@ -146,6 +146,12 @@ class System:
     BF16_Optimizer)."""
     bf16_grad_transients: bool = True
     """Under keeps_bf16_grads, DeepSpeed's two transient copies (Training.bf16_grad_transients)."""
+    ddp_bucket_view: bool = True
+    """torch DDP's gradients are views into its buckets; False: its buckets a resident copy of every gradient
+    (Training.ddp_bucket_view: nanotron's ZeRO-0)."""
+    ce_shift_in_place: bool = True
+    """The vocab-parallel loss shifts its fp32 logits in place; False: into a second fp32 tensor
+    (Training.ce_shift_in_place: nanotron's)."""
     zero1_all_reduce: bool = False
     """ZeRO-1's gradients all-reduced whole after the backward (Training.zero1_all_reduce: nanotron's)."""
     pipeline_split: str = "cost"
@@ -245,6 +251,7 @@ class System:
                 "cp_exchange": self.cp_exchange, "cp_repeats_kv": self.cp_repeats_kv,
                 "distribute_checkpoints": self.distribute_checkpoints, "keeps_bf16_grads": self.keeps_bf16_grads,
                 "bf16_grad_transients": self.bf16_grad_transients, "zero1_all_reduce": self.zero1_all_reduce,
+                "ddp_bucket_view": self.ddp_bucket_view, "ce_shift_in_place": self.ce_shift_in_place,
                 "grads_in_fp32": self.grads_in_fp32, "pp_overlap_p2p": self.pp_overlap_p2p,
                 "overlap_param_gather": self.overlap_param_gather,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "optimizer_dtype": self.optimizer_dtype,
@@ -447,6 +454,7 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "bf16_grad_transients", "zero1_all_reduce", "grads_in_fp32",
+                                   "ddp_bucket_view", "ce_shift_in_place",
                                    "pp_overlap_p2p",
                                    "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
                                    "fused_rmsnorm", "fused_projections", "activation_fp8_input",

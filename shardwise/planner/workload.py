@@ -313,6 +313,18 @@ class Training:
     """ZeRO-1's gradients all-reduced whole after the backward, not reduce-scattered behind it: nanotron runs ZeRO-1
     without DDP (trainer.py: make_ddp only at ZeRO-0) and then sync_gradients_across_dp(reduce_scatter=False), one
     all-reduce of its fp32 buffer; layout 'megatron' only (timing.dp_comm)."""
+    ddp_bucket_view: bool = True
+    """torch's DistributedDataParallel runs with gradient_as_bucket_view: the gradients are views into its buckets,
+    two of which are in flight (memory.ddp_bucket_bytes). False, torch's default: the Reducer allocates its buckets
+    when the model is wrapped, a flat copy of every gradient in the gradients' dtype, and copies each gradient into
+    them as it is ready, so the copy is resident beside autograd's gradients (memory.ddp_bucket_copy_bytes:
+    nanotron at ZeRO-0, whose trainer.py wraps the model in DDP with dp > 1 and no gradient_as_bucket_view)."""
+    ce_shift_in_place: bool = True
+    """Megatron's vocab-parallel cross-entropy subtracts each row's maximum from its fp32 logits in place, so its
+    forward holds one fp32 tensor of the logits' size (the softmax it saves). False: the subtraction makes a new
+    fp32 tensor while the upcast logits stay alive (nanotron's _ShardedCrossEntropy, `sharded_logits -
+    logits_max`, its caller holding the fp32 logits until the model's forward returns): two fp32 tensors of the
+    logits' size at the end of the forward (memory.logits_bytes)."""
     bf16_grad_transients: bool = True
     """Under keeps_bf16_grads, the two transient copies DeepSpeed's BF16_Optimizer makes, each in a segment of its
     own (memory.bf16_optimizer_segments); False for a system that keeps bf16 gradients without them (nanotron:
@@ -465,6 +477,12 @@ class Training:
         if self.zero1_all_reduce and self.layout != "megatron":
             raise PlannerError("--system zero1_all_reduce", f"it describes nanotron's ZeRO-1 on the layout megatron, "
                                f"not {self.layout}", "leave it false, or use layout = megatron")
+        if not self.ddp_bucket_view and self.fsdp2:
+            raise PlannerError("--system ddp_bucket_view", "it describes torch's DistributedDataParallel, and this "
+                               "system's data parallelism is FSDP2's replicate", "leave it true")
+        if not self.ce_shift_in_place and not (self.loss_parallel and self.layout in ("megatron", "zero")):
+            raise PlannerError("--system ce_shift_in_place", "it describes Megatron's vocab-parallel cross-entropy "
+                               "(loss_parallel on the layouts megatron and zero)", "leave it true")
         if self.pipeline_split == "nanotron":
             # nanotron's cut can leave the ranks after the head without a block: priced for what nanotron runs
             # (1F1B and all-forward-all-backward, whole-layer recompute, nothing offloaded), not beyond it
