@@ -196,18 +196,21 @@ NANOTRON = Path(__file__).resolve().parents[1] / "benchmarks" / "systems" / "nan
 """nanotron as it ran the Ultra-Scale Playbook's sweep (benchmarks/planner_ultrascale.py)."""
 
 
-def _nanotron(**kw) -> Training:
-    return Training(**{"seq_len": 4096, "global_batch": 256, **kw, **resolve_system(str(NANOTRON)).training_fields()})
+def _nanotron() -> Training:
+    return Training(seq_len=4096, global_batch=256, **resolve_system(str(NANOTRON)).training_fields())
 
 
 def test_torchs_ddp_without_bucket_views_keeps_a_second_copy_of_the_gradients(one_rank_mesh):
     """torch's DistributedDataParallel as it comes (gradient_as_bucket_view=False: how nanotron wraps its model at
-    ZeRO-0), measured on a bf16 model: a step leaves two copies of the gradients, autograd's and the Reducer's
-    buckets it copies them into, where the bare model and DDP with bucket views leave one. The planner adds that
-    copy, in the weights' dtype, to nanotron's gradients at ZeRO-0 over more than one rank
-    (memory.ddp_bucket_copy_bytes) and nowhere else: nanotron wraps in DDP only with dp > 1, and runs ZeRO-1
-    without it (trainer.py make_ddp)."""
+    ZeRO-0, and torch's replicate, torchtitan's DDP, wraps it), measured on a bf16 model: a step leaves two copies of
+    the gradients, autograd's and the Reducer's buckets it copies them into, where the bare model and DDP with bucket
+    views leave one. The planner adds that copy in the weights' dtype (memory.ddp_bucket_copy_bytes) at every moment
+    of a step over more than one data-parallel rank, where it prices no buckets in flight besides: nanotron's bf16
+    gradients at ZeRO-0 (it wraps in DDP only with dp > 1, and runs ZeRO-1 without it), torchtitan's fp32 ones under
+    its DDP, LoRA's adapters alone."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.planner.memory import ddp_bucket_bytes
 
     def held_after_a_step(bucket_view: bool | None) -> float:
         torch.manual_seed(0)
@@ -221,23 +224,36 @@ def test_torchs_ddp_without_bucket_views_keeps_a_second_copy_of_the_gradients(on
 
     bare, views, copies = held_after_a_step(None), held_after_a_step(True), held_after_a_step(False)
     assert views == pytest.approx(bare, abs=0.01) and copies - bare == pytest.approx(1, abs=0.01)
-    args, nanotron = preset("llama3.2-1b"), _nanotron()
-    assert not nanotron.ddp_bucket_view
-    for dp, zero, copied in ((8, 0, True), (1, 0, False), (8, 1, False)):
+    args = preset("llama3.2-1b")
+    nanotron, titan = _nanotron(), _training("torchtitan", seq_len=4096, global_batch=256)
+    lora = dataclasses.replace(titan, lora_rank=16)
+    cases = [(nanotron, 8, 0, 2 * num_params(args)), (nanotron, 1, 0, 0.0), (nanotron, 8, 1, 0.0),
+             (titan, 8, 0, 4 * num_params(args)), (lora, 8, 0, 4 * args.n_layers * lora_params(args, lora, 1))]
+    for training, dp, zero, copy in cases:
+        assert not training.ddp_bucket_view
         plan = Plan(dp_replicate=dp, zero_stage=zero, micro_batch=1, grad_accum=256 // dp)
-        extra = (stage_memory(args, nanotron, plan, 0)["grads"]
-                 - stage_memory(args, dataclasses.replace(nanotron, ddp_bucket_view=True), plan, 0)["grads"])
-        assert extra == pytest.approx(num_params(args) * 2 * (copies - bare) if copied else 0.0, rel=0.01)
+        viewed = dataclasses.replace(training, ddp_bucket_view=True)
+        ours, theirs = moment_memory(args, training, plan, 0), moment_memory(args, viewed, plan, 0)
+        for moment, items in ours.items():
+            assert items.get("ddp_bucket_copy", 0.0) == pytest.approx(copy * (copies - bare), rel=0.01), moment
+            # nothing else, but where buckets are in flight (the end of the backward): the copy's, priced once
+            in_flight = sum(theirs[moment].values()) - sum(v for k, v in items.items() if k != "ddp_bucket_copy")
+            expected = [0.0, ddp_bucket_bytes(viewed, plan)] if copy else [0.0]
+            if moment == "end_of_backward":
+                expected = expected[-1:]
+            assert any(in_flight == pytest.approx(e, abs=1024) for e in expected), moment
     with pytest.raises(PlannerError, match="ddp_bucket_view"):
-        Training(layout="fsdp-mp", ddp_bucket_view=False)
+        Training(layout="fsdp-mp", fsdp_replicate=True, ddp_bucket_view=False)
+    with pytest.raises(PlannerError, match="ddp_bucket_view"):
+        Training(layout="zero", ddp_bucket_view=False)
 
 
 def _nanotron_functional():
     """nanotron's tensor-parallel functions (parallel/tensor_parallel/functional.py) from its PyPI wheel, 0.4, whose
-    cross-entropy is the Playbook branch's (67c5ebb6), loaded on their own: the package does not import without its
-    training stack (its modules import one another in a cycle through nanotron.logging), so the file runs with
-    torch.distributed for nanotron.distributed (its wrapper of it) and the names it imports for other functions
-    stubbed."""
+    cross-entropy is the Playbook branch's (67c5ebb6), loaded on their own: the package does not import here
+    (installed without its dependencies it stops at dacite, through nanotron.logging's import of its config; with
+    them its modules import one another in a cycle), so the file runs with torch.distributed for
+    nanotron.distributed (its wrapper of it) and the names it imports for other functions stubbed."""
     import importlib.util
     import sys
     import types
@@ -1306,7 +1322,8 @@ def test_torchtitans_compiled_loss_is_sized_as_a_cross_entropy_kernel():
     from shardwise.planner.cli import system_summary  # what `shardwise plan --system torchtitan --compile` says
 
     assert system_summary(compiled).endswith("compiled blocks (elementwise operators fused), the loss one kernel "
-                                             "over the logits; ZeRO-0, 2, 3 over data-parallel ranks; DDP only alone")
+                                             "over the logits, DDP buckets a copy of the gradients; ZeRO-0, 2, 3 "
+                                             "over data-parallel ranks; DDP only alone")
 
     def loss_fn(pred, labels):
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))

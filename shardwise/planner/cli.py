@@ -270,7 +270,8 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
     owned = {("megatron",): ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8",
                              "moe_layer", "ep_overlap"),
              ("zero",): ("reduce_bucket_size", "overlap_comm"),
-             ("megatron", "zero"): ("overlap_grad_reduce",),
+             ("megatron", "zero"): ("overlap_grad_reduce", "ce_shift_in_place"),
+             ("megatron", "torch", "fsdp-mp"): ("ddp_bucket_view",),
              ("fsdp-mp",): ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
     return {k: defaults[k] for owners, keys in owned.items() if layout not in owners for k in keys
             if getattr(system, k) != defaults[k]}

@@ -1404,8 +1404,8 @@ def logits_bytes(args: ModelArgs, training: Training, plan: Plan) -> float:
     of the head's input and weight (LoRA stores its frozen head in that dtype) throughout. A cross-entropy kernel
     (Training.loss_kernel): the gradient of the logits its backward writes, in the compute dtype. torch's loss
     parallel (dtensor_loss_parallel) holds a third fp32 tensor in that backward; Megatron's (megatron_cross_entropy)
-    one tensor in the compute dtype (the fp32 logits, in a forward that shifts them out of place:
-    Training.ce_shift_in_place)."""
+    one tensor in the compute dtype, or the fp32 logits where larger, in a forward that shifts them out of place
+    (Training.ce_shift_in_place)."""
     tokens = plan.micro_batch * training.seq_len / plan.cp
     if training.loss_kernel and not fused_head(training, plan):
         # (a chunked loss, Training.loss_chunks: one chunk's gradient beyond the saved logits, which its chunk's
@@ -1587,21 +1587,26 @@ def ddp_bucket_bytes(training: Training, plan: Plan) -> float:
 
 
 def ddp_bucket_copy(training: Training, plan: Plan) -> bool:
-    """torch's DDP wraps the model without gradient_as_bucket_view (Training.ddp_bucket_view False): at ZeRO-0 over
-    more than one rank, where the system's data parallelism is DDP."""
-    return not training.ddp_bucket_view and plan.zero_stage == 0 and plan.dp * plan.cp > 1
+    """torch's DDP wraps the model without gradient_as_bucket_view (Training.ddp_bucket_view False) over more than one
+    rank: at ZeRO-0, and at ZeRO-1 where the layout keeps DDP beside a sharded optimizer (torch's layouts:
+    ZeroRedundancyOptimizer; Megatron's arrangement at ZeRO-1 is its distributed optimizer, nanotron's runs
+    without DDP)."""
+    return (not training.ddp_bucket_view and plan.dp * plan.cp > 1
+            and (plan.zero_stage == 0 or plan.zero_stage == 1 and training.fsdp2))
 
 
 def ddp_bucket_copy_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int) -> float:
     """Under ddp_bucket_copy, the buckets torch's Reducer allocates when DDP wraps the model (reducer.cpp,
     initialize_buckets: a flat tensor per bucket in the gradients' dtype), which it copies each gradient into as
-    autograd makes it (mark_variable_ready copies unless the gradient is a view of the bucket): a second copy of
-    the stage's gradients in the weights' dtype, resident from the wrap on, beside autograd's own. Counted with
-    the gradients (2.5 GiB for the Ultra-Scale Playbook's 1.34B model at tp 1)."""
+    autograd makes it (mark_variable_ready copies unless the gradient is a view of the bucket): a second copy of the
+    gradients of the stage's trainable weights (LoRA's adapters alone), in the weights' dtype, resident from the
+    wrap on beside autograd's own, at every moment (its own item, `ddp_bucket_copy`: 2.5 GiB for the Ultra-Scale
+    Playbook's 1.34B model at tp 1 under nanotron, 4 bytes a parameter under torchtitan's DDP)."""
     if not ddp_bucket_copy(training, plan):
         return 0.0
-    return stage_shape(args, plan, stage, training.seq_len, training.pipeline_split).params * \
-        state_bytes_per_param(training).params
+    shape = stage_shape(args, plan, stage, training.seq_len, training.pipeline_split)
+    trainable = shape.layers * lora_params(args, training, plan.tp) if training.lora_rank else shape.params
+    return trainable * state_bytes_per_param(training).params
 
 
 def zero_bucket_bytes(training: Training, plan: Plan) -> tuple[float, float]:
@@ -1722,7 +1727,7 @@ def moment_memory(args: ModelArgs, training: Training, plan: Plan, stage: int) -
 
 def _moment(base: dict[str, float], changes: dict[str, dict[str, float]], name: str) -> dict[str, float]:
     if name == "optimizer_step":  # model state (and what it lists), in the order the breakdown has always listed it
-        return {**{k: base[k] for k in (*STATE_ITEMS, "buffers")}, **changes[name]}
+        return {**{k: base[k] for k in (*STATE_ITEMS, "buffers", "ddp_bucket_copy") if k in base}, **changes[name]}
     return {**base, **changes[name]}
 
 
@@ -1733,9 +1738,6 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
                   stage: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """(the items every moment of `moment_memory` starts from, what each moment changes or adds)."""
     state = _model_state(args, training, plan, stage)
-    copy = ddp_bucket_copy_bytes(args, training, plan, stage)
-    if copy:
-        state = {**state, "grads": state["grads"] + copy}
     acts = _activation_items(args, training, plan, stage)
     # the block whose backward runs first, replayed or not (checkpointing some blocks: partial_checkpointing)
     first_plan = backward_plan(args, training, plan, stage)
@@ -1791,6 +1793,9 @@ def _moment_parts(args: ModelArgs, training: Training, plan: Plan,
     base = {**state, "buffers": rotary_table_bytes(args),
             "replica_params": whole_stage if replica_copy(training, plan) else 0.0,
             "ddp_buckets": kept_buckets}
+    copy = ddp_bucket_copy_bytes(args, training, plan, stage)
+    if copy:
+        base["ddp_bucket_copy"] = copy
     if plan.pp > 1:
         base["p2p_buffers"] = p2p_buffer_bytes(args, training, plan, stage)
     # Megatron-LM's data-parallel wrapper allocates every parameter's main_grad in one contiguous buffer when the

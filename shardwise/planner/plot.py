@@ -10,8 +10,8 @@ from shardwise.planner.search import Evaluation
 from shardwise.planner.timeline import simulate
 
 ITEMS = ("params", "buffers", "replica_params", "grads", "master_weights", "optimizer_state", "compute_copies",
-         "activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets", "p2p_buffers", "fragmentation",
-         "allocator_segments", "fixed_overhead")
+         "activations", "backward_and_logits", "fsdp_buffers", "ddp_buckets", "ddp_bucket_copy", "p2p_buffers",
+         "fragmentation", "allocator_segments", "fixed_overhead")
 MAX_TIMELINE_MICROBATCHES = 32  # beyond this the bars are too thin to read; the drawing keeps the first 32
 
 

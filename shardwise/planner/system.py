@@ -294,7 +294,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
            layout="fsdp-mp", fuse_head=False, loss_parallel=True, selective="alternate-matmuls",
            partial_checkpoint="last",
            grad_sync="micro-batch", compile_loss=True, cp_exchange="torch", zero_stages=(0, 2, 3), ddp_alone=True,
-           expandable_segments=True,
+           expandable_segments=True, ddp_bucket_view=False,
            source="torchtitan (github.com/pytorch/torchtitan): parallelize_llama.apply_fsdp "
                   "(mp_policy param_dtype bf16, reduce_dtype fp32), apply_ac (op SAC: 'Saves output of all compute "
                   "ops, except every second mm'; selective_ac_option 'k': every k-th of the blocks each process wraps, "
@@ -306,7 +306,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
                   "torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble among them), "
                   "data parallelism by apply_ddp or apply_fsdp (FSDP or HSDP, fsdp_reshard_after_forward): no "
                   "optimizer-only sharding (ZeRO-1), FSDP wherever dp_shard or cp is, and DDP only alone ('DDP has "
-                  "not supported > 1D parallelism', from the benchmarks' 2024 code until PR 2458, March 2026); "
+                  "not supported > 1D parallelism', from the benchmarks' 2024 code until PR 2458, March 2026; "
+                  "apply_ddp's replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100), whose "
+                  "DistributedDataParallel has no gradient_as_bucket_view: a resident copy of the gradients); "
                   "run_train.sh launches with PYTORCH_ALLOC_CONF=expandable_segments:True (run_llama_train.sh "
                   "since October 2024, a5e57e4)"),
     System("megatron-core", "bf16 weights, fp32 main gradients in one contiguous buffer (distributed optimizer = "
@@ -454,13 +456,12 @@ def resolve_system(spec: str | System) -> System:
         expected = bool if key in ("fuse_head", "loss_parallel", "dropout", "ce_kernel", "compile", "compile_loss",
                                    "checkpoint_early_stop", "cp_repeats_kv", "distribute_checkpoints",
                                    "keeps_bf16_grads", "bf16_grad_transients", "zero1_all_reduce", "grads_in_fp32",
-                                   "ddp_bucket_view", "ce_shift_in_place",
-                                   "pp_overlap_p2p",
-                                   "overlap_param_gather", "overlap_grad_reduce", "overlap_comm", "flat_params",
-                                   "fused_rmsnorm", "fused_projections", "activation_fp8_input",
-                                   "activation_offload", "optimizer_in_backward", "tensor_parallel",
-                                   "context_parallel", "ddp_alone", "fsdp_replicate", "zero3_grads_at_start",
-                                   "expert_parallel", "ep_overlap", "expandable_segments") else \
+                                   "ddp_bucket_view", "ce_shift_in_place", "pp_overlap_p2p", "overlap_param_gather",
+                                   "overlap_grad_reduce", "overlap_comm", "flat_params", "fused_rmsnorm",
+                                   "fused_projections", "activation_fp8_input", "activation_offload",
+                                   "optimizer_in_backward", "tensor_parallel", "context_parallel", "ddp_alone",
+                                   "fsdp_replicate", "zero3_grads_at_start", "expert_parallel", "ep_overlap",
+                                   "expandable_segments") else \
             float if key == "reduce_bucket_size" else \
             int if key in ("loss_chunks", "pp_zero_max", "offload_layers") else \
             list if key in ("pp_schedules", "zero_stages", "hsdp_stages", "offload_stages") else str

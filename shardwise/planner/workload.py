@@ -477,12 +477,16 @@ class Training:
         if self.zero1_all_reduce and self.layout != "megatron":
             raise PlannerError("--system zero1_all_reduce", f"it describes nanotron's ZeRO-1 on the layout megatron, "
                                f"not {self.layout}", "leave it false, or use layout = megatron")
-        if not self.ddp_bucket_view and self.fsdp2:
+        if not self.ddp_bucket_view and (self.fsdp2 and self.fsdp_replicate or self.layout == "zero"):
             raise PlannerError("--system ddp_bucket_view", "it describes torch's DistributedDataParallel, and this "
-                               "system's data parallelism is FSDP2's replicate", "leave it true")
-        if not self.ce_shift_in_place and not (self.loss_parallel and self.layout in ("megatron", "zero")):
+                               "system's data parallelism is " + ("DeepSpeed's engine" if self.layout == "zero" else
+                                                                  "FSDP2's replicate (fsdp_replicate)"),
+                               "leave it true")
+        megatron_loss = self.loss_parallel and self.layout in ("megatron", "zero") and not self.ce_kernel
+        if not self.ce_shift_in_place and not megatron_loss:
             raise PlannerError("--system ce_shift_in_place", "it describes Megatron's vocab-parallel cross-entropy "
-                               "(loss_parallel on the layouts megatron and zero)", "leave it true")
+                               "(loss_parallel on the layouts megatron and zero, no cross-entropy kernel)",
+                               "leave it true")
         if self.pipeline_split == "nanotron":
             # nanotron's cut can leave the ranks after the head without a block: priced for what nanotron runs
             # (1F1B and all-forward-all-backward, whole-layer recompute, nothing offloaded), not beyond it
