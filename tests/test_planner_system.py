@@ -224,11 +224,21 @@ def test_torchs_ddp_without_bucket_views_keeps_a_second_copy_of_the_gradients(on
 
     bare, views, copies = held_after_a_step(None), held_after_a_step(True), held_after_a_step(False)
     assert views == pytest.approx(bare, abs=0.01) and copies - bare == pytest.approx(1, abs=0.01)
+    # torchtitan's apply_ddp: torch's replicate(model, device_mesh, bucket_cap_mb=100), on fp32 weights
+    from torch.distributed._composable.replicate import replicate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    with LiveBytes(model) as live:
+        replicate(model, device_mesh=one_rank_mesh, bucket_cap_mb=100)(torch.randn(8, 512)).sum().backward()
+        replicated = live.total / sum(p.numel() * p.element_size() for p in model.parameters())
+    assert replicated - bare == pytest.approx(1, abs=0.01)
     args = preset("llama3.2-1b")
     nanotron, titan = _nanotron(), _training("torchtitan", seq_len=4096, global_batch=256)
     lora = dataclasses.replace(titan, lora_rank=16)
     cases = [(nanotron, 8, 0, 2 * num_params(args)), (nanotron, 1, 0, 0.0), (nanotron, 8, 1, 0.0),
-             (titan, 8, 0, 4 * num_params(args)), (lora, 8, 0, 4 * args.n_layers * lora_params(args, lora, 1))]
+             (titan, 8, 0, 4 * num_params(args)), (lora, 8, 0, 4 * args.n_layers * lora_params(args, lora, 1)),
+             (titan, 8, 1, 4 * num_params(args))]  # (DDP beside a sharded optimizer on a torch layout)
     for training, dp, zero, copy in cases:
         assert not training.ddp_bucket_view
         plan = Plan(dp_replicate=dp, zero_stage=zero, micro_batch=1, grad_accum=256 // dp)
@@ -246,6 +256,12 @@ def test_torchs_ddp_without_bucket_views_keeps_a_second_copy_of_the_gradients(on
         Training(layout="fsdp-mp", fsdp_replicate=True, ddp_bucket_view=False)
     with pytest.raises(PlannerError, match="ddp_bucket_view"):
         Training(layout="zero", ddp_bucket_view=False)
+    # --layout keeps the copy where torch's DDP stays (nanotron priced as the layout torch), not on Megatron-Core's
+    from shardwise.planner.cli import _left_with_the_layout
+
+    assert "ddp_bucket_view" not in _left_with_the_layout(resolve_system(str(NANOTRON)), "torch")
+    assert _left_with_the_layout(SYSTEMS["torchtitan"], "megatron")["ddp_bucket_view"]
+    assert _left_with_the_layout(resolve_system(str(NANOTRON)), "zero")["ddp_bucket_view"]
 
 
 def _nanotron_functional():
@@ -313,6 +329,8 @@ def test_nanotrons_cross_entropy_holds_the_fp32_logits_beside_their_shifted_copy
     assert logits_bytes(args, mcore, plan) == tokens * columns * 2
     with pytest.raises(PlannerError, match="ce_shift_in_place"):
         Training(layout="fsdp-mp", loss_parallel=True, ce_shift_in_place=False)
+    with pytest.raises(PlannerError, match="ce_shift_in_place"):  # the head fused with the loss: no logits
+        Training(layout="megatron", loss_parallel=True, fuse_head=True, ce_shift_in_place=False)
 
 
 def test_torch_loss_parallel_backward_holds_three_fp32_logit_copies(one_rank_mesh):

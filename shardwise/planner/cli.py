@@ -268,13 +268,18 @@ def _left_with_the_layout(system: System, layout: str | None) -> dict:
         return {}
     defaults = {f.name: f.default for f in dataclasses.fields(System)}
     owned = {("megatron",): ("grads_in_fp32", "optimizer_dtype", "pp_overlap_p2p", "overlap_param_gather", "float8",
-                             "moe_layer", "ep_overlap"),
+                             "moe_layer", "ep_overlap", "zero1_all_reduce"),
              ("zero",): ("reduce_bucket_size", "overlap_comm"),
              ("megatron", "zero"): ("overlap_grad_reduce", "ce_shift_in_place"),
              ("megatron", "torch", "fsdp-mp"): ("ddp_bucket_view",),
              ("fsdp-mp",): ("reduce_dtype", "flat_params", "optimizer_passes", "state_dtype")}
-    return {k: defaults[k] for owners, keys in owned.items() if layout not in owners for k in keys
-            if getattr(system, k) != defaults[k]}
+    resets = {k: defaults[k] for owners, keys in owned.items() if layout not in owners for k in keys
+              if getattr(system, k) != defaults[k]}
+    if layout == "megatron" and system.layout != "megatron" and not system.ddp_bucket_view:
+        # a torch layout's DDP is not Megatron-Core's, whose contiguous buffer is its bucket (nanotron, on the layout
+        # megatron, wraps in torch's DDP at ZeRO-0 whatever layout it is priced as)
+        resets["ddp_bucket_view"] = defaults["ddp_bucket_view"]
+    return resets
 
 
 def complete_plan(fixed: dict, training: Training, world: int, args: ModelArgs) -> Plan:

@@ -1674,11 +1674,11 @@ def reserved_bytes(args: ModelArgs, training: Training, plan: Plan, stage: int, 
 
 
 def state_bound(args: ModelArgs, training: Training, plan: Plan, stage: int = 0) -> float:
-    """A lower bound on stage_memory(...)["total"] from memoised parts: the optimizer step's moment (model state and
-    the rotary table) and the fixed overhead."""
+    """A lower bound on stage_memory(...)["total"] from memoised parts: the optimizer step's moment (model state, the
+    rotary table, DDP's bucket copy) and the fixed overhead."""
     training = recipe_for(training, plan)
     return (sum(_model_state(args, training, plan, stage).values()) + rotary_table_bytes(args)
-            + training.fixed_overhead_gib * GiB)
+            + ddp_bucket_copy_bytes(args, training, plan, stage) + training.fixed_overhead_gib * GiB)
 
 
 def _peak(base: dict[str, float], changes: dict[str, dict[str, float]], training: Training) -> str:
@@ -2491,7 +2491,7 @@ def simulator_categories(items: dict[str, float]) -> dict[str, float]:
         # the pipeline's receive buffers are the stage's inputs, which the tracker counts as activations
         "activations": items["activations"] + items["compute_copies"] + items.get("p2p_buffers", 0.0),
         "temporaries": items["backward_and_logits"],
-        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"],
+        "communication_buffers": items["fsdp_buffers"] + items["ddp_buckets"] + items.get("ddp_bucket_copy", 0.0),
     }
     out["total"] = sum(out.values())
     return out

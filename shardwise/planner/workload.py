@@ -482,10 +482,12 @@ class Training:
                                "system's data parallelism is " + ("DeepSpeed's engine" if self.layout == "zero" else
                                                                   "FSDP2's replicate (fsdp_replicate)"),
                                "leave it true")
-        megatron_loss = self.loss_parallel and self.layout in ("megatron", "zero") and not self.ce_kernel
+        megatron_loss = (self.loss_parallel and self.layout in ("megatron", "zero") and not self.loss_kernel
+                         and not self.fuses_head)
         if not self.ce_shift_in_place and not megatron_loss:
             raise PlannerError("--system ce_shift_in_place", "it describes Megatron's vocab-parallel cross-entropy "
-                               "(loss_parallel on the layouts megatron and zero, no cross-entropy kernel)",
+                               "(loss_parallel on the layouts megatron and zero, no cross-entropy kernel, the head "
+                               "not fused with it)",
                                "leave it true")
         if self.pipeline_split == "nanotron":
             # nanotron's cut can leave the ranks after the head without a block: priced for what nanotron runs
