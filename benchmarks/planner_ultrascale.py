@@ -42,7 +42,11 @@ For each cell (one model on one node count: the sweep) the script prints the ran
 published tokens/s per GPU over the cell's measured layouts, the ratio predicted / published throughput
 (median, range) over the layouts the planner says fit, the memory ratios, the fit verdicts (measured layouts
 predicted not to fit; crashed-or-out-of-memory layouts predicted to fit: "crashed" includes hangs and other failures,
-so the second is not a verdict the source states), and the best layout, measured and predicted.
+so the second is not a verdict the source states), and the best layout, measured and predicted. Then two counts from
+the figure alone, not the planner: the pipelined rows faster than the bench branch's last commit could run them (its
+p2p polls each message with 0.1-s sleeps: POLL_FLOOR_S), so the figure mixes two versions of nanotron's pipeline; and
+how far apart the peaks of ZeRO-0 layouts holding the same rank state lie (docs/planner.md, "The Ultra-Scale
+Playbook's sweep, held out").
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def main() -> None:
             unexpressed.append(run)  # pipeline blocks too (PipelineBlock), the planner's split does not
             continue
         allocated, reserved = stage0_memory(run, ev)
-        by_cell.setdefault((r["model"], int(r["nodes"])), []).append((run, ev, fits, allocated, reserved))
+        by_cell.setdefault((r["model"], int(r["nodes"])), []).append((run, ev, fits, allocated, reserved, r))
     print(f"left out: {skipped} measured rows whose DP x MBS x GradAcc is not {BATCH}; {len(unexpressed)} layouts with "
           f"more pipeline stages than blocks, which the planner does not split ("
           f"{sum(r.fitted for r in unexpressed)} of them measured: "
@@ -188,7 +192,52 @@ def main() -> None:
                   f"ratio {statistics.median(mem):.3f}")
     print(f"fit verdicts: {ran_no} measured layouts predicted not to fit; {crash_yes} of {crashed} crashed-or-OOM "
           f"layouts predicted to fit")
+    measured = [x[5] for items in by_cell.values() for x in items if x[0].fitted]
+    below, pipelined = polling_floor_counts(measured)
+    if pipelined:
+        print(f"pipelined rows faster than nanotron 67c5ebb6's p2p polling allows ({POLL_FLOOR_S:g} s a micro-batch), "
+              f"so run on an earlier pipeline: {sum(below.values())} of {sum(pipelined.values())} (by nodes: "
+              + ", ".join(f"{n}: {below[n]}/{pipelined[n]}" for n in sorted(pipelined)) + ")")
+    groups, spans = same_rank_memory(measured)
+    if groups:
+        print(f"memory, ZeRO-0 layouts of one rank state on several node counts (dp > 1, micro-batches >= pp): "
+              f"{groups} groups, {sum(s > 1.1 for s in spans)} spanning more than 10%, "
+              f"{sum(s > 1.2 for s in spans)} more than 20%")
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
+
+
+POLL_FLOOR_S = 2 * 2 * 0.1
+"""The least a micro-batch takes on pipeline stage 0 under nanotron 67c5ebb6's p2p.py (the bench branch's last
+commit): each send and receive polls each of its two metadata messages with `while not work.is_completed():
+time.sleep(0.1)` (its parent sent them with blocking dist.send), and stage 0 makes two transfers a micro-batch, its
+activation out and its gradient back."""
+
+
+def polling_floor_counts(rows: list[dict]) -> tuple[dict[int, int], dict[int, int]]:
+    """Of the measured pipelined rows, by node count: those whose step is shorter than POLL_FLOOR_S a micro-batch
+    (so not run on 67c5ebb6), and all of them. From the figure alone, not the planner."""
+    below: dict[int, int] = {}
+    pipelined: dict[int, int] = {}
+    for r in rows:
+        if r["pp"] > 1:
+            n = int(r["nodes"])
+            step = BATCH * SEQ / (r["tok_s_gpu"] * 8 * n)
+            pipelined[n] = pipelined.get(n, 0) + 1
+            below[n] = below.get(n, 0) + (step < POLL_FLOOR_S * r["grad_acc"])
+    return below, pipelined
+
+
+def same_rank_memory(rows: list[dict]) -> tuple[int, list[float]]:
+    """Measured ZeRO-0 layouts over more than one data-parallel rank (DDP's buckets) with at least as many
+    micro-batches as stages, grouped by model, tp, pp and micro-batch: a rank's state and what it holds in flight do
+    not depend on the node count there. (groups measured on several node counts, each one's largest over smallest
+    peak)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["zero"] == 0 and r["dp"] > 1 and r["grad_acc"] >= r["pp"]:
+            groups.setdefault((r["model"], r["tp"], r["pp"], r["mbs"]), []).append(r["mem_gb"])
+    spans = [max(g) / min(g) for g in groups.values() if len(g) > 1]
+    return len(spans), spans
 
 
 if __name__ == "__main__":

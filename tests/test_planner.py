@@ -2510,6 +2510,25 @@ def test_the_ultrascale_playbooks_zero0_rows_hold_ddps_bucket_copy():
         assert abs(allocated(training) - 1) <= 0.05 and allocated(megatron) < 0.935, run.name
 
 
+def test_the_ultrascale_playbooks_pipelined_rows_mix_two_versions_of_nanotrons_pipeline():
+    """The bench branch's last commit (67c5ebb6) polls each p2p metadata message with 0.1-s sleeps, so stage 0 takes
+    at least 0.4 s a micro-batch under it: of the 1,258 pipelined rows the benchmark evaluates, 575 ran faster (40 of
+    41 on one node) and none of the 207 on 64 nodes did, so the figure holds two versions of nanotron's pipeline.
+    And 29 of 84 groups of ZeRO-0 layouts holding the same rank state on several node counts span more than 10%,
+    which no per-rank model can meet (docs/planner.md, "The Ultra-Scale Playbook's sweep, held out")."""
+    ultrascale, _ = _ultrascale()
+
+    assert ultrascale.POLL_FLOOR_S == pytest.approx(0.4)
+    blocks = {name: shape[0] for name, shape in ultrascale.SHAPES.items()}
+    rows = [r for r in ultrascale.rows() if not math.isnan(r["tok_s_gpu"]) and r["pp"] <= blocks[r["model"]]
+            and r["dp"] * r["mbs"] * r["grad_acc"] == ultrascale.BATCH]
+    below, pipelined = ultrascale.polling_floor_counts(rows)
+    assert (sum(below.values()), sum(pipelined.values())) == (575, 1258)
+    assert (below[1], pipelined[1]) == (40, 41) and (below[64], pipelined[64]) == (0, 207)
+    groups, spans = ultrascale.same_rank_memory(rows)
+    assert (groups, sum(s > 1.1 for s in spans), sum(s > 1.2 for s in spans)) == (84, 29, 17)
+
+
 def test_nanotrons_zero1_all_reduces_its_whole_gradient_buffer_after_the_backward():
     """nanotron runs ZeRO-1 without DDP (trainer.py make_ddp) and all-reduces the whole fp32 gradient buffer once
     the backward is done (sync_gradients_across_dp, reduce_scatter=False): under Training.zero1_all_reduce nothing
