@@ -148,7 +148,7 @@ class System:
     """Under keeps_bf16_grads, DeepSpeed's two transient copies (Training.bf16_grad_transients)."""
     ddp_bucket_view: bool = True
     """torch DDP's gradients are views into its buckets; False: its buckets a resident copy of every gradient
-    (Training.ddp_bucket_view: nanotron's ZeRO-0)."""
+    (Training.ddp_bucket_view: nanotron's ZeRO-0, torchtitan's DDP)."""
     ce_shift_in_place: bool = True
     """The vocab-parallel loss shifts its fp32 logits in place; False: into a second fp32 tensor
     (Training.ce_shift_in_place: nanotron's)."""

@@ -318,7 +318,8 @@ class Training:
     two of which are in flight (memory.ddp_bucket_bytes). False, torch's default: the Reducer allocates its buckets
     when the model is wrapped, a flat copy of every gradient in the gradients' dtype, and copies each gradient into
     them as it is ready, so the copy is resident beside autograd's gradients (memory.ddp_bucket_copy_bytes:
-    nanotron at ZeRO-0, whose trainer.py wraps the model in DDP with dp > 1 and no gradient_as_bucket_view)."""
+    nanotron at ZeRO-0, whose trainer.py wraps the model in DDP with dp > 1 and no gradient_as_bucket_view;
+    torchtitan's DDP, torch's replicate, which passes none either)."""
     ce_shift_in_place: bool = True
     """Megatron's vocab-parallel cross-entropy subtracts each row's maximum from its fp32 logits in place, so its
     forward holds one fp32 tensor of the logits' size (the softmax it saves). False: the subtraction makes a new
