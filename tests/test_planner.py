@@ -2529,6 +2529,31 @@ def test_the_ultrascale_playbooks_pipelined_rows_mix_two_versions_of_nanotrons_p
     assert (groups, sum(s > 1.1 for s in spans), sum(s > 1.2 for s in spans)) == (84, 29, 17)
 
 
+def test_plan_output_says_when_only_the_fragmentation_allowance_is_over_the_device():
+    """The published set's runs that ran and are predicted not to fit are over the device by no more than the 10%
+    allowance for the caching allocator's fragmentation (all but Llama 3 405B's, far over): `shardwise plan` keeps
+    its verdict but says that the tensors fit without it, and what would size them so. Not said where the tensors
+    alone are over, nor where the plan fits."""
+    from shardwise.planner.cli import _table
+
+    published, runs = _published("")
+    by_name = {run.name: run for run in runs}
+    note = "over the device only by the 10% fragmentation allowance"
+    for name, fits_, said in (("MLPerf 5.1 70B LoRA UF B200 n=8", False, True),
+                              ("Bridge 25.09 GB200 llama3-70b n=64", False, True),
+                              ("Llama3 405B 8K n=8192 megatron", False, False),
+                              ("MLPerf 5.1 8B UF B200 n=8", True, False)):
+        run = by_name[name]
+        ev, fits = published.given_plan(run)
+        training, cluster = published.training_of(run), published.cluster_of(run)
+        out = _table(run.model, training, cluster, [ev], 0.1, 1, 1)
+        assert fits == fits_ and (note in out) == said, name
+        bare = evaluate(run.model, dataclasses.replace(training, expandable_segments=True), ev.plan, cluster)
+        assert bare.fits == (fits or said), name
+        if said:
+            assert f"({bare.memory['total'] / GiB:.1f} GiB without it, of {ev.budget / GiB:.1f})" in out
+
+
 def test_nanotrons_zero1_all_reduces_its_whole_gradient_buffer_after_the_backward():
     """nanotron runs ZeRO-1 without DDP (trainer.py make_ddp) and all-reduces the whole fp32 gradient buffer once
     the backward is done (sync_gradients_across_dp, reduce_scatter=False): under Training.zero1_all_reduce nothing

@@ -613,6 +613,15 @@ def _table(model, training: Training, cluster: Cluster, plans: list[Evaluation],
     limit = best.budget - best.memory["fixed_overhead"]
     held = reserved_bytes(model, training, best.plan, best.memory_stage)
     reserved = min(held, limit) / GiB
+    if not best.fits and best.fits_host and not training.expandable_segments and training.fragmentation > 0:
+        # over the device by no more than the allowance: whether it runs is the allocator's, not the tensors'
+        bare = evaluate(model, dataclasses.replace(training, expandable_segments=True), best.plan, cluster)
+        if bare.fits:
+            notes.append(f"memory: #1 is over the device only by the {training.fragmentation:.0%} fragmentation "
+                         f"allowance ({bare.memory['total'] / GiB:.1f} GiB without it, of {best.budget / GiB:.1f}): "
+                         "it runs if torch's caching allocator loses less than that to fragmentation, as under "
+                         "expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True; a system file with "
+                         "expandable_segments = true sizes the fit so)")
     if training.expandable_segments:
         capped = " (at most the device: the allocator remaps its free pages when short)" if held > limit else ""
         notes.append(f"memory: the fit is sized without the {training.fragmentation:.0%} fragmentation allowance "
