@@ -207,10 +207,11 @@ def main() -> None:
 
 
 POLL_FLOOR_S = 2 * 2 * 0.1
-"""The least a micro-batch takes on pipeline stage 0 under nanotron 67c5ebb6's p2p.py (the bench branch's last
+"""A lower bound on a micro-batch on pipeline stage 0 under nanotron 67c5ebb6's p2p.py (the bench branch's last
 commit): each send and receive polls each of its two metadata messages with `while not work.is_completed():
-time.sleep(0.1)` (its parent sent them with blocking dist.send), and stage 0 makes two transfers a micro-batch, its
-activation out and its gradient back."""
+time.sleep(0.1)` (its parent sent them with blocking dist.send), and stage 0 makes three transfers a micro-batch (its
+hidden states and its sequence mask out, each a PipelineBlock output of its own, and the gradient back): six polled
+messages. Four of them are counted, room for a poll that finds its message already complete."""
 
 
 def polling_floor_counts(rows: list[dict]) -> tuple[dict[int, int], dict[int, int]]:
